@@ -1,0 +1,222 @@
+"""The command line over the same event stream the app uses: `python -m engine {info,tokenize,logits,generate,…}`.
+
+Bad input (a missing or damaged model, an empty or too long prompt, a bad flag value) prints one line to stderr and
+exits non-zero, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from engine.sampling import SamplingParams
+
+
+class CliError(Exception):
+    """Something the user can fix; printed as one line."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + error
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face model directory (default: SmolLM2)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--greedy", action="store_true", help="same as --temperature 0")
+
+
+def _params(a: argparse.Namespace) -> SamplingParams:
+    try:
+        return SamplingParams(
+            temperature=0.0 if a.greedy else a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+            repetition_penalty=a.repetition_penalty, seed=a.seed,
+        )
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def _session(a: argparse.Namespace):
+    from engine.loaders import ModelLoadError, load
+    from engine.session import Session
+
+    try:
+        return Session(load(a.model, device=a.device, dtype=a.dtype))
+    except ModelLoadError as e:
+        raise CliError(str(e)) from None
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from engine.loaders import ModelLoadError, load
+
+    try:
+        info = load(a.model, device=a.device, dtype=a.dtype).info
+    except ModelLoadError as e:
+        raise CliError(str(e)) from None
+    d = asdict(info)
+    if a.json:
+        print(json.dumps(d, indent=2))
+    else:
+        width = max(map(len, d))
+        for k, v in d.items():
+            print(f"{k:<{width}}  {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k:<{width}}  {v}")
+    return 0
+
+
+def cmd_tokenize(a: argparse.Namespace) -> int:
+    from engine.loaders import ModelLoadError, load
+
+    try:
+        tok = load(a.model, device="cpu", dtype="float32").tokenizer
+    except ModelLoadError as e:
+        raise CliError(str(e)) from None
+    text = tok.chat_prompt(a.text) if a.chat else a.text
+    t = tok.encode(text)
+    if t.unrepresentable:
+        bad = ", ".join(f"0x{b:02X} at byte {o}" for o, b in t.unrepresentable)
+        print(f"warning: the vocabulary has no token for {len(t.unrepresentable)} byte(s): {bad}", file=sys.stderr)
+    if a.json:
+        print(json.dumps({
+            "ids": t.ids, "pieces": t.pieces, "offsets": [list(o) for o in t.offsets],
+            "byte_offsets": [list(o) for o in t.byte_offsets],
+            "unrepresentable": [list(u) for u in t.unrepresentable],
+        }, ensure_ascii=False))
+    else:
+        for i, (tid, piece, (s, e)) in enumerate(zip(t.ids, t.pieces, t.offsets, strict=True)):
+            print(f"{i:5d} {tid:7d}  [{s:4d},{e:4d})  {piece!r}")
+        print(f"{len(t.ids)} tokens, {len(text)} characters")
+    return 0
+
+
+def cmd_logits(a: argparse.Namespace) -> int:
+    import torch
+
+    from engine.sampling import funnel
+
+    params = _params(a)
+    s = _session(a)
+    try:
+        t = s.tokenize(a.prompt, a.chat)
+        logits, _, _ = s.next_token_logits(t.ids)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    st = funnel(logits, params, torch.tensor(t.ids))
+    top = torch.topk(st.logits, min(a.top, st.logits.shape[-1])).indices.tolist()
+    cands = [
+        {"id": i, "token": s.tokenizer.piece(i), "logit": float(st.logits[i]), "prob_raw": float(st.p_raw[i]),
+         "prob": float(st.p_final[i])}
+        for i in top
+    ]
+    if a.json:
+        print(json.dumps({"prompt_ids": t.ids, "candidates": cands, "kept": st.kept_final}, ensure_ascii=False))
+    else:
+        print(f"{len(t.ids)} prompt tokens; {st.kept_final} of {st.logits.shape[-1]} tokens survive the sampling stages")
+        print(f"{'id':>7} {'token':<20} {'logit':>9} {'p raw':>8} {'p':>8}")
+        for c in cands:
+            print(f"{c['id']:7d} {c['token']!r:<20} {c['logit']:9.3f} {c['prob_raw']:8.4f} {c['prob']:8.4f}")
+    return 0
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from engine.events import Failed, Finished, TokenSampled
+
+    params = _params(a)
+    s = _session(a)
+    try:
+        gen = s.generate(a.prompt, params, a.max_new_tokens, chat=a.chat, ignore_eos=a.ignore_eos)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    for ev in gen:
+        if isinstance(ev, TokenSampled) and not a.json:
+            print(ev.text, end="", flush=True)
+        elif isinstance(ev, Failed):
+            raise CliError(ev.message)
+        elif isinstance(ev, Finished):
+            if a.json:
+                print(json.dumps({
+                    "prompt_ids": ev.prompt_ids.tolist(), "ids": ev.ids.tolist(), "text": ev.text,
+                    "ttft_s": ev.ttft_s, "tpot_s": ev.tpot_s, "tokens_per_s": ev.tokens_per_s,
+                    "total_s": ev.total_s, "finish_reason": ev.reason,
+                }, ensure_ascii=False))
+            else:
+                print()
+                print(
+                    f"[{len(ev.ids)} tokens, {ev.reason}; TTFT {ev.ttft_s * 1e3:.1f} ms, "
+                    f"TPOT {ev.tpot_s * 1e3:.1f} ms ({ev.tokens_per_s:.1f} tok/s)]", file=sys.stderr,
+                )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m engine", description="Inference Lab's engine on the command line.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    q = sub.add_parser("info", help="facts about the model")
+    _add_model_args(q)
+    q.set_defaults(func=cmd_info)
+
+    q = sub.add_parser("tokenize", help="ids, pieces and spans of a text")
+    _add_model_args(q)
+    q.add_argument("--text", required=True)
+    q.add_argument("--chat", action="store_true", help="wrap the text in the chat template first")
+    q.set_defaults(func=cmd_tokenize)
+
+    q = sub.add_parser("logits", help="next-token candidates for a prompt")
+    _add_model_args(q)
+    _add_sampling_args(q)
+    q.add_argument("--prompt", required=True)
+    q.add_argument("--chat", action="store_true")
+    q.add_argument("--top", type=int, default=10)
+    q.set_defaults(func=cmd_logits)
+
+    q = sub.add_parser("generate", help="generate text, streaming it")
+    _add_model_args(q)
+    _add_sampling_args(q)
+    q.add_argument("--prompt", required=True)
+    q.add_argument("--chat", action="store_true")
+    q.add_argument("--max-new-tokens", type=int, default=128)
+    q.add_argument("--ignore-eos", action="store_true")
+    q.set_defaults(func=cmd_generate)
+
+    from engine import estimate
+
+    estimate.add_subcommand(sub)
+    try:
+        from engine import bench
+    except ImportError:
+        bench = None
+    if bench is not None:
+        bench.add_subcommands(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

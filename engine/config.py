@@ -1,0 +1,80 @@
+"""Model configuration: the handful of shapes that determine everything else.
+
+A config completes itself: `head_dim` and the GQA group size are derived in `__post_init__`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    """Shapes of a Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2)."""
+
+    name: str = "model"
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    n_kv_heads: int = 0  # 0 means "same as n_heads" (no GQA)
+    ffn_dim: int = 128
+    vocab_size: int = 256
+    context_length: int = 2048
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    tied_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 has biases on q, k and v
+    head_dim: int = 0  # 0 means d_model // n_heads
+    architecture: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads == 0:
+            self.n_kv_heads = self.n_heads
+        if self.head_dim == 0:
+            if self.d_model % self.n_heads:
+                raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+            self.head_dim = self.d_model // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
+        for name in ("n_layers", "d_model", "n_heads", "ffn_dim", "vocab_size", "context_length"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self.eos_token_ids = tuple(self.eos_token_ids)
+
+    @property
+    def group_size(self) -> int:
+        """Query heads that share one KV head (GQA); 1 means plain multi-head attention."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        if "eos_token_ids" in kw:
+            kw["eos_token_ids"] = tuple(kw["eos_token_ids"])
+        return cls(**kw)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # A model small enough to build in milliseconds; tests use it with random weights.
+    "tiny-test": ModelConfig(
+        name="tiny-test", n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=96,
+        vocab_size=300, context_length=256, rope_base=10000.0, tied_embeddings=False,
+    ),
+}

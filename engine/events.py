@@ -1,0 +1,202 @@
+"""The typed event stream: the only thing that crosses from the engine into the app or the CLI.
+
+Every event is a frozen dataclass that carries plain numbers and numpy arrays (never live tensors), so a consumer
+in another thread can keep it as long as it likes. A generation yields, in order:
+
+    PromptTokenized → [AttentionCaptured…, ResidualNorms] → KVCacheGrew → PrefillDone → TokenSampled
+    then per decode step: [AttentionCaptured…, ResidualNorms] → KVCacheGrew → TokenSampled
+    and finally Finished (or Failed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+Phase = Literal["prefill", "decode"]
+FinishReason = Literal["eos", "length", "stopped", "context"]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the loaded model, as shown by `python -m engine info` and the app's status bar."""
+
+    name: str
+    path: str
+    architecture: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    context_length: int
+    rope_base: float
+    n_params: int
+    dtype: str
+    device: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    file_type: str
+    load_s: float
+    from_cache: bool
+
+
+@dataclass(frozen=True)
+class ModelLoadProgress:
+    """Loading a model takes a while on a first start: fraction done in [0, 1] and what is happening."""
+
+    fraction: float
+    message: str
+
+
+@dataclass(frozen=True)
+class PromptTokenized:
+    """The prompt as the model sees it: ids, their text pieces and where each came from in the text."""
+
+    text: str
+    ids: np.ndarray  # (T,) int64
+    pieces: tuple[str, ...]
+    offsets: np.ndarray  # (T, 2) character offsets into `text`
+    byte_offsets: np.ndarray  # (T, 2) offsets into text.encode("utf-8")
+    special: np.ndarray  # (T,) bool: control tokens such as <|im_start|>
+    unrepresentable: tuple[tuple[int, int], ...] = ()  # (byte offset, byte value) the vocabulary cannot encode
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Analytical cost of one forward step, from the model's real shapes (see engine.costs)."""
+
+    flops: float  # floating-point operations (a multiply-add counts as 2)
+    weight_bytes: float  # weights read from memory
+    kv_read_bytes: float  # cached keys and values read by attention
+    kv_write_bytes: float  # new keys and values written to the cache
+    activation_bytes: float = 0.0
+
+    @property
+    def bytes(self) -> float:
+        """Total bytes moved to or from memory."""
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes + self.activation_bytes
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOP per byte."""
+        return self.flops / self.bytes if self.bytes else 0.0
+
+
+@dataclass(frozen=True)
+class AttentionCaptured:
+    """Attention weights of one layer for the queries of one step.
+
+    prefill: weights is (heads, T, T) with the causal upper triangle exactly zero;
+    decode: weights is (heads, 1, position + 1): the new row.
+    """
+
+    step: int  # 0 is the prefill, then 1, 2, … for decode steps
+    phase: Phase
+    layer: int
+    query_start: int  # absolute position of the first query row
+    weights: np.ndarray  # (n_heads, n_queries, n_keys) float32
+    group_size: int  # query heads per KV head: head h reads KV head h // group_size
+
+
+@dataclass(frozen=True)
+class ResidualNorms:
+    """L2 norm of the residual stream after the embedding (index 0) and after each layer, for the newest token."""
+
+    step: int
+    norms: np.ndarray  # (n_layers + 1,) float32
+
+
+@dataclass(frozen=True)
+class KVCacheGrew:
+    """The KV cache after a step: positions held and bytes used / allocated (all layers, keys and values)."""
+
+    step: int
+    n_tokens: int
+    bytes_used: int
+    bytes_allocated: int
+    batch: int = 1
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """The whole prompt went through the model in one forward pass; the cache holds it."""
+
+    n_tokens: int  # tokens computed in this prefill
+    n_reused: int  # prompt tokens whose K/V were reused from the previous run (prefix caching)
+    seconds: float
+    cost: StepCost
+
+
+@dataclass(frozen=True)
+class Funnel:
+    """The sampling funnel for one step, over the candidates (the top tokens by raw logit, plus the sampled one).
+
+    Each `p_*` array is the probability of each candidate after that stage (0 where the stage removed it).
+    `kept_*` counts the tokens of the whole vocabulary that survive each stage.
+    """
+
+    ids: np.ndarray  # (N,) int64, sorted by raw logit, descending
+    pieces: tuple[str, ...]
+    logits: np.ndarray  # (N,) raw logits
+    p_raw: np.ndarray  # plain softmax of the raw logits
+    p_temperature: np.ndarray  # after penalties, logit bias and temperature
+    p_top_k: np.ndarray
+    p_top_p: np.ndarray
+    p_final: np.ndarray  # after min-p: the distribution actually sampled from
+    kept_top_k: int
+    kept_top_p: int
+    kept_final: int
+    vocab_size: int
+    greedy: bool
+
+
+@dataclass(frozen=True)
+class TokenSampled:
+    """One token, chosen and appended. step 0 is the token that the prefill produced (it sets TTFT)."""
+
+    step: int
+    phase: Phase
+    position: int  # position of this token in the sequence
+    token_id: int
+    piece: str  # the token's text piece (byte-level pieces made readable)
+    text: str  # the text this token adds to the output (may be "" until a multi-byte character completes)
+    seconds: float  # forward pass + sampling time of this step
+    cost: StepCost
+    funnel: Funnel | None = None
+    logits: np.ndarray | None = None  # (vocab,) float32 raw logits, when captured: lets a UI re-run the funnel
+    context_ids: np.ndarray | None = None  # ids before this token (for the repetition penalty when re-running)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Generation ended. Latency = TTFT + (n_generated - 1) · TPOT."""
+
+    reason: FinishReason
+    prompt_ids: np.ndarray
+    ids: np.ndarray  # generated ids
+    text: str
+    ttft_s: float
+    tpot_s: float  # mean time per output token over the decode steps (0 when only one token)
+    step_seconds: np.ndarray = field(default_factory=lambda: np.zeros(0))  # decode step times
+    total_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1.0 / self.tpot_s if self.tpot_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Generation could not go on; `message` is one clear sentence for the user."""
+
+    message: str
+
+
+Event = (
+    PromptTokenized | AttentionCaptured | ResidualNorms | KVCacheGrew | PrefillDone | TokenSampled | Finished | Failed
+)

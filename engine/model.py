@@ -1,0 +1,212 @@
+"""The transformer, read top to bottom: Transformer → Block → Attention → MLP → RMSNorm.
+
+One Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2): pre-norm blocks, grouped-query attention
+with RoPE (adjacent-pair convention, see engine.rope), SwiGLU MLP, RMSNorm, optional tied LM head.
+
+Two fusions make each decode step fewer, larger matrix-vector products: q, k and v are one projection (`wqkv`),
+gate and up are one projection (`w_gate_up`). Loaders produce unfused tensors and `fuse_state_dict` joins them.
+
+Shapes: B batch, T new tokens in this step, S positions in the cache after this step (start + T),
+H query heads, KV key/value heads, G = H // KV query heads per KV head, hd head_dim, d d_model, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.probe import RESID_NORMS, Probe, attn_point
+from engine.rope import apply_rope, rope_table
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # x / rms(x) · w
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (B, T, ffn) each
+        return self.w_down(F.silu(gate) * up)  # (B, T, d)
+
+
+def causal_mask(n_queries: int, n_keys: int, device: torch.device) -> torch.Tensor:
+    """(T, S) bool, True where query i (at absolute position S - T + i) may read key j: j ≤ S - T + i."""
+    start = n_keys - n_queries
+    q_pos = torch.arange(start, n_keys, device=device)[:, None]
+    return torch.arange(n_keys, device=device)[None, :] <= q_pos
+
+
+def explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q·kᵀ/√hd + causal mask)·v with GQA, returning the output and the weights.
+
+    q (B, H, T, hd); k, v (B, KV, S, hd). Query head h reads KV head h // G, so the G heads of one group are
+    stacked as rows of one matrix product instead of repeating k and v.
+    """
+    B, H, T, hd = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    qg = q.reshape(B, KV, group_size * T, hd)  # (B, KV, G·T, hd): rows g·T + t
+    scores = (qg @ k.transpose(-1, -2)) * (1.0 / math.sqrt(hd))  # (B, KV, G·T, S)
+    if T > 1:
+        mask = causal_mask(T, S, q.device).repeat(group_size, 1)  # (G·T, S)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, KV, G·T, S)
+    out = weights @ v  # (B, KV, G·T, hd)
+    return out.reshape(B, H, T, hd), weights.reshape(B, H, T, S)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The same result as explicit_attention through torch's fused kernel (weights are never materialised)."""
+    T, S = q.shape[2], k.shape[2]
+    if T == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # one query sees every cached key
+    if T == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, S, q.device), enable_gqa=True)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        self.wqkv = nn.Linear(cfg.d_model, cfg.q_dim + 2 * cfg.kv_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.q_dim, cfg.d_model, bias=False)
+        self.point = attn_point(layer)
+
+    def forward(
+        self, x: torch.Tensor, start: int, rope: torch.Tensor, cache: KVCache, probe: Probe | None
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+        q = apply_rope(q.view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2), rope)  # (B, H, T, hd)
+        k = apply_rope(k.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2), rope)  # (B, KV, T, hd)
+        v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, KV, T, hd)
+        k_all, v_all = cache.update(self.layer, start, k, v)  # (B, KV, S, hd)
+        if probe is not None and probe.wants(self.point):
+            y, weights = explicit_attention(q, k_all, v_all, cfg.group_size)
+            probe.record(self.point, weights)  # (B, H, T, S)
+        else:
+            y = sdpa_attention(q, k_all, v_all)
+        return self.wo(y.transpose(1, 2).reshape(B, T, cfg.q_dim))  # (B, T, d)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, start: int, rope: torch.Tensor, cache: KVCache, probe: Probe | None
+    ) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), start, rope, cache, probe)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output = None if cfg.tied_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.rope: torch.Tensor | None = None  # built by init_rope() once the weights are on their device
+
+    def init_rope(self) -> None:
+        device = self.tok_embeddings.weight.device
+        self.rope = rope_table(self.cfg.head_dim, self.cfg.context_length, self.cfg.rope_base, device)
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """(V, d): the output projection, which is the embedding matrix itself when tied."""
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def forward(
+        self, tokens: torch.Tensor, start: int, cache: KVCache, probe: Probe | None = None,
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run T new tokens (B, T) at positions start..start+T-1 and append their K/V to the cache.
+
+        Returns float32 logits of the last position (B, V), or of every position (B, T, V) if all_logits.
+        """
+        if self.rope is None:
+            self.init_rope()
+        B, T = tokens.shape
+        if start + T > self.cfg.context_length:
+            raise ValueError(f"position {start + T - 1} is beyond the context length {self.cfg.context_length}")
+        rope = self.rope[start : start + T]  # (T, hd/2)
+        x = self.tok_embeddings(tokens)  # (B, T, d): a row lookup, no matmul
+        norms = [x[:, -1].float().norm(dim=-1)] if probe is not None and probe.wants(RESID_NORMS) else None
+        for layer in self.layers:
+            x = layer(x, start, rope, cache, probe)
+            if norms is not None:
+                norms.append(x[:, -1].float().norm(dim=-1))
+        cache.advance(T)
+        if norms is not None:
+            probe.record(RESID_NORMS, torch.stack(norms, dim=-1))  # (B, n_layers + 1)
+        x = self.norm(x if all_logits else x[:, -1])  # (B, T, d) or (B, d)
+        return F.linear(x, self.lm_head).float()  # (B, [T,] V)
+
+
+def fuse_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Join wq/wk/wv into wqkv and w_gate/w_up into w_gate_up (the model's own names); other tensors pass."""
+    out = dict(sd)
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            names = [f"{p}attn.wq.{kind}", f"{p}attn.wk.{kind}", f"{p}attn.wv.{kind}"]
+            if all(n in out for n in names):
+                out[f"{p}attn.wqkv.{kind}"] = torch.cat([out.pop(n) for n in names], dim=0)
+        gate, up = f"{p}mlp.w_gate.weight", f"{p}mlp.w_up.weight"
+        if gate in out and up in out:
+            out[f"{p}mlp.w_gate_up.weight"] = torch.cat([out.pop(gate), out.pop(up)], dim=0)
+    return out
+
+
+def build_model(
+    cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Transformer:
+    """Build on the meta device (no memory), then take the given tensors as the parameters (assign=True).
+
+    Every expected tensor must be present with the expected shape; the error names the first one that is not.
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    sd = fuse_state_dict(state_dict, cfg)
+    expected = model.state_dict()
+    missing = [n for n in expected if n not in sd]
+    if missing:
+        raise ValueError(f"the weights lack {len(missing)} tensors, first {missing[0]!r}")
+    unexpected = [n for n in sd if n not in expected]
+    if unexpected:
+        raise ValueError(f"the weights have tensors this model does not use, first {unexpected[0]!r}")
+    for name, ref in expected.items():
+        if tuple(sd[name].shape) != tuple(ref.shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(sd[name].shape)}, expected {tuple(ref.shape)}")
+        sd[name] = sd[name].to(device=device, dtype=dtype)
+    model.load_state_dict(sd, assign=True, strict=True)
+    model.eval().requires_grad_(False)
+    model.init_rope()
+    return model

@@ -1,0 +1,50 @@
+"""Named instrumentation points, captured only when someone subscribed to them.
+
+Point names (in the spirit of TransformerLens hook points):
+    layers.{i}.attn.pattern   attention weights (B, n_heads, T_query, T_key) after softmax, causal mask applied
+    resid.norms               L2 norm of the residual stream of the last position: after the embedding, then after
+                              every layer, (B, n_layers + 1)
+
+Values are detached and copied to numpy at record time, so nothing keeps a tensor alive after the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+
+def attn_point(layer: int) -> str:
+    return f"layers.{layer}.attn.pattern"
+
+
+RESID_NORMS = "resid.norms"
+
+
+class Probe:
+    """A set of subscribed point names and the values recorded for them during one forward step."""
+
+    def __init__(self, names: Iterable[str] = ()) -> None:
+        self.names = frozenset(names)
+        self.values: dict[str, np.ndarray] = {}
+
+    @classmethod
+    def for_capture(cls, attention_layers: Iterable[int] = (), residual_norms: bool = False) -> Probe:
+        names = {attn_point(i) for i in attention_layers}
+        if residual_norms:
+            names.add(RESID_NORMS)
+        return cls(names)
+
+    def wants(self, name: str) -> bool:
+        return name in self.names
+
+    def record(self, name: str, value: torch.Tensor) -> None:
+        self.values[name] = value.detach().float().cpu().numpy()
+
+    def clear(self) -> None:
+        self.values = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.names)

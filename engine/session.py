@@ -1,0 +1,319 @@
+"""The generation loop as a generator of events: prefill once, then decode one token per step.
+
+One generator, two drivers: the CLI prints the events, the app drives the same generator in a worker thread.
+A `Generation` can be advanced one event at a time, paused simply by not advancing it, stopped between tokens,
+and its sampling settings and capture can change between tokens.
+
+A `Session` keeps the KV cache between runs: when a new prompt starts with the tokens already cached, their keys
+and values are reused and only the new tokens are prefilled (prefix caching).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from engine import costs
+from engine.events import (
+    AttentionCaptured,
+    Event,
+    Failed,
+    Finished,
+    Funnel,
+    KVCacheGrew,
+    PrefillDone,
+    PromptTokenized,
+    ResidualNorms,
+    TokenSampled,
+)
+from engine.kv_cache import KVCache
+from engine.loaders import LoadedModel
+from engine.probe import RESID_NORMS, Probe, attn_point
+from engine.sampling import FunnelStages, SamplingParams, funnel, make_generator, sample
+from engine.tokenizer import StreamDecoder, Tokenization
+
+CACHE_GRANULE = 256  # the cache grows in steps of this many positions, so it is rarely reallocated
+
+
+@dataclass(frozen=True)
+class Capture:
+    """What to record per step. Everything is off by default: the forward pass then takes the fast path."""
+
+    attention_layers: frozenset[int] = field(default_factory=frozenset)
+    residual_norms: bool = False
+    funnel_top: int = 0  # candidates in each step's funnel (0 = no funnel)
+    logits: bool = False  # the full raw logits, so a UI can re-run the funnel with other settings
+
+    @classmethod
+    def everything(cls, n_layers: int, funnel_top: int = 20) -> Capture:
+        return cls(frozenset(range(n_layers)), True, funnel_top, True)
+
+    def probe(self) -> Probe | None:
+        if not self.attention_layers and not self.residual_norms:
+            return None
+        return Probe.for_capture(self.attention_layers, self.residual_norms)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def condense_funnel(
+    stages: FunnelStages, params: SamplingParams, top: int, tokenizer, sampled: int | None = None
+) -> Funnel:
+    """Condense a full-vocabulary funnel to the top candidates by raw logit (plus the sampled token)."""
+    ids = torch.topk(stages.logits, min(top, stages.logits.shape[-1])).indices
+    if sampled is not None and sampled not in ids.tolist():
+        ids = torch.cat([ids, torch.tensor([sampled], device=ids.device)])
+    idx = ids.cpu().numpy()
+
+    def pick(t: torch.Tensor) -> np.ndarray:
+        return t[ids].cpu().numpy().astype(np.float32)
+
+    return Funnel(
+        ids=idx.astype(np.int64), pieces=tuple(tokenizer.piece(int(i)) for i in idx),
+        logits=pick(stages.logits), p_raw=pick(stages.p_raw), p_temperature=pick(stages.p_temperature),
+        p_top_k=pick(stages.p_top_k), p_top_p=pick(stages.p_top_p), p_final=pick(stages.p_final),
+        kept_top_k=stages.kept_top_k, kept_top_p=stages.kept_top_p, kept_final=stages.kept_final,
+        vocab_size=int(stages.logits.shape[-1]), greedy=params.greedy,
+    )
+
+
+def refunnel(ev: TokenSampled, params: SamplingParams, tokenizer, top: int = 20) -> Funnel | None:
+    """Re-run a step's sampling funnel with other settings from the logits it captured (no model run)."""
+    if ev.logits is None:
+        return ev.funnel
+    ctx = torch.from_numpy(ev.context_ids) if ev.context_ids is not None else None
+    stages = funnel(torch.from_numpy(np.asarray(ev.logits)), params, ctx)
+    return condense_funnel(stages, params, top, tokenizer, ev.token_id)
+
+
+class Session:
+    """A loaded model plus the KV cache it keeps between generations."""
+
+    def __init__(self, lm: LoadedModel) -> None:
+        self.lm = lm
+        self.cfg = lm.cfg
+        self.tokenizer = lm.tokenizer
+        self.cache: KVCache | None = None
+        self.cached_ids: list[int] = []  # the tokens whose K/V the cache holds, positions 0..len-1
+        self.dtype_name = str(lm.dtype).removeprefix("torch.")
+        self.stop_ids = frozenset(self.tokenizer.eos_ids) | frozenset(self.cfg.eos_token_ids)
+
+    # ---- prompts ---------------------------------------------------------------------------------------------
+    def prompt_text(self, text: str, chat: bool = False) -> str:
+        return self.tokenizer.chat_prompt(text) if chat else text
+
+    def tokenize(self, text: str, chat: bool = False) -> Tokenization:
+        return self.tokenizer.encode(self.prompt_text(text, chat))
+
+    def check_prompt(self, ids: Sequence[int], max_new_tokens: int = 1) -> None:
+        if len(ids) == 0:
+            raise ValueError("the prompt is empty: type something first")
+        if len(ids) >= self.cfg.context_length:
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens; this model's context holds {self.cfg.context_length}"
+            )
+        if max_new_tokens < 1:
+            raise ValueError(f"max new tokens must be at least 1, got {max_new_tokens}")
+
+    # ---- the cache ---------------------------------------------------------------------------------------------
+    def _prepare_cache(self, ids: Sequence[int], capacity: int) -> int:
+        """Make room for `capacity` positions; return how many leading prompt tokens are reused from the cache."""
+        capacity = min(self.cfg.context_length, -(-capacity // CACHE_GRANULE) * CACHE_GRANULE)
+        if self.cache is None or not self.cache.fits(1, capacity, self.lm.dtype, self.lm.device):
+            self.cache = KVCache(self.cfg, 1, capacity, self.lm.dtype, self.lm.device)
+            self.cached_ids = []
+        reuse = 0
+        limit = min(len(self.cached_ids), len(ids) - 1)  # the last prompt token is always run: it gives the logits
+        while reuse < limit and self.cached_ids[reuse] == ids[reuse]:
+            reuse += 1
+        self.cache.truncate(reuse)
+        del self.cached_ids[reuse:]
+        return reuse
+
+    def forget_cache(self) -> None:
+        self.cache, self.cached_ids = None, []
+
+    def _forward(self, new_ids: Sequence[int], start: int, probe: Probe | None) -> torch.Tensor:
+        tokens = torch.tensor([list(new_ids)], dtype=torch.long, device=self.lm.device)  # (1, T)
+        logits = self.lm.model(tokens, start, self.cache, probe)[0]  # (V,)
+        self.cached_ids.extend(int(i) for i in new_ids)
+        return logits
+
+    # ---- one-off next-token preview ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def next_token_logits(self, ids: Sequence[int]) -> tuple[torch.Tensor, int, float]:
+        """Logits for the token after `ids`, reusing the cached prefix; returns (logits, tokens reused, seconds)."""
+        self.check_prompt(ids)
+        t0 = time.perf_counter()
+        reuse = self._prepare_cache(ids, len(ids) + 1)
+        logits = self._forward(ids[reuse:], reuse, None)
+        _sync(self.lm.device)
+        return logits, reuse, time.perf_counter() - t0
+
+    def make_funnel(
+        self, stages: FunnelStages, params: SamplingParams, top: int, sampled: int | None = None
+    ) -> Funnel:
+        return condense_funnel(stages, params, top, self.tokenizer, sampled)
+
+    def generate(
+        self, prompt: str | Tokenization, params: SamplingParams | None = None, max_new_tokens: int = 64,
+        capture: Capture | None = None, chat: bool = False, ignore_eos: bool = False,
+    ) -> Generation:
+        """Start a generation; iterate it to run. The prompt is checked now (ValueError on bad input)."""
+        tok = prompt if isinstance(prompt, Tokenization) else self.tokenize(prompt, chat)
+        self.check_prompt(tok.ids, max_new_tokens)
+        return Generation(self, tok, params or SamplingParams(), max_new_tokens, capture or Capture(), ignore_eos)
+
+
+class Generation:
+    """One running generation: an iterator of events with knobs that may change between tokens."""
+
+    def __init__(
+        self, session: Session, prompt: Tokenization, params: SamplingParams, max_new_tokens: int,
+        capture: Capture, ignore_eos: bool,
+    ) -> None:
+        self.session, self.prompt = session, prompt
+        self.params, self.capture = params, capture
+        self.max_new_tokens, self.ignore_eos = max_new_tokens, ignore_eos
+        self._stop = False
+        self._events = self._run()
+
+    def stop(self) -> None:
+        """Ask the loop to end before the next token (thread-safe: a plain flag read between steps)."""
+        self._stop = True
+
+    def __iter__(self) -> Iterator[Event]:
+        return self
+
+    def __next__(self) -> Event:
+        return next(self._events)
+
+    def _captured(self, probe: Probe | None, step: int, phase: str, query_start: int) -> Iterator[Event]:
+        if probe is None:
+            return
+        g = self.session.cfg.group_size
+        for layer in sorted(self.capture.attention_layers):
+            w = probe.values.get(attn_point(layer))
+            if w is not None:
+                yield AttentionCaptured(step, phase, layer, query_start, w[0], g)  # batch row 0: (H, T, S)
+        if RESID_NORMS in probe.values:
+            yield ResidualNorms(step, probe.values[RESID_NORMS][0])
+
+    @torch.inference_mode()
+    def _run(self) -> Iterator[Event]:
+        s = self.session
+        lm, cfg, tok = s.lm, s.cfg, s.tokenizer
+        ids = list(self.prompt.ids)
+        n_prompt = len(ids)
+        yield PromptTokenized(
+            text=self.prompt.text, ids=np.asarray(ids, dtype=np.int64), pieces=tuple(self.prompt.pieces),
+            offsets=np.asarray(self.prompt.offsets, dtype=np.int64).reshape(-1, 2),
+            byte_offsets=np.asarray(self.prompt.byte_offsets, dtype=np.int64).reshape(-1, 2),
+            special=np.asarray(self.prompt.special, dtype=bool),
+            unrepresentable=tuple(tuple(u) for u in self.prompt.unrepresentable),
+        )
+        capacity = min(cfg.context_length, n_prompt + self.max_new_tokens)
+        context = torch.zeros(capacity, dtype=torch.long, device=lm.device)  # ids so far, for penalties
+        context[:n_prompt] = torch.tensor(ids, dtype=torch.long)
+        generator = make_generator(self.params.seed, lm.device)
+        seed_used = self.params.seed
+        decoder = StreamDecoder(tok)
+        out_ids: list[int] = []
+        text_parts: list[str] = []
+        step_times: list[float] = []
+        ttft = 0.0
+        suspended = 0.0  # time spent outside this generator (the consumer's time, a pause)
+        t_start = time.perf_counter()
+
+        def emit(event: Event) -> Iterator[Event]:
+            nonlocal suspended
+            t = time.perf_counter()
+            yield event
+            suspended += time.perf_counter() - t
+
+        def finished(reason: str) -> Finished:
+            tpot = float(np.mean(step_times)) if step_times else 0.0
+            text_parts.append(decoder.flush())
+            return Finished(
+                reason=reason, prompt_ids=np.asarray(ids[:n_prompt], dtype=np.int64),
+                ids=np.asarray(out_ids, dtype=np.int64), text="".join(text_parts), ttft_s=ttft, tpot_s=tpot,
+                step_seconds=np.asarray(step_times), total_s=time.perf_counter() - t_start - suspended,
+            )
+
+        try:
+            reuse = s._prepare_cache(ids, capacity + 1)
+            pos = n_prompt  # position of the next token to be produced
+            step = 0
+            while True:
+                phase = "prefill" if step == 0 else "decode"
+                params, capture = self.params, self.capture
+                if params.seed != seed_used:  # a new seed restarts the random stream from here
+                    generator, seed_used = make_generator(params.seed, lm.device), params.seed
+                probe = capture.probe()
+                t0 = time.perf_counter()
+                if step == 0:
+                    feed, start = ids[reuse:], reuse
+                    cost = costs.prefill_cost(cfg, len(feed), start=start, weight_dtype=s.dtype_name)
+                else:
+                    feed, start = ids[-1:], pos - 1
+                    cost = costs.decode_cost(cfg, pos, weight_dtype=s.dtype_name)
+                logits = s._forward(feed, start, probe)
+                token, stages = sample(logits, params, generator, context[:pos])
+                condensed = s.make_funnel(stages, params, capture.funnel_top, token) if capture.funnel_top else None
+                raw = logits.cpu().numpy() if capture.logits else None
+                _sync(lm.device)
+                seconds = time.perf_counter() - t0
+                yield from emit_all(emit, self._captured(probe, step, phase, start))
+                kv = s.cache
+                yield from emit(KVCacheGrew(step, kv.pos, kv.bytes_used(), kv.bytes_allocated()))
+                if step == 0:
+                    ttft = seconds
+                    yield from emit(PrefillDone(len(feed), reuse, seconds, cost))
+                else:
+                    step_times.append(seconds)
+                is_stop = token in s.stop_ids and not self.ignore_eos
+                delta = "" if is_stop else decoder.push(token)
+                text_parts.append(delta)
+                out_ids.append(token)
+                yield from emit(TokenSampled(
+                    step=step, phase=phase, position=pos, token_id=token, piece=tok.piece(token), text=delta,
+                    seconds=seconds, cost=cost, funnel=condensed, logits=raw,
+                    context_ids=context[:pos].cpu().numpy() if capture.logits else None,
+                ))
+                ids.append(token)
+                if pos < capacity:
+                    context[pos] = token
+                pos += 1
+                step += 1
+                if is_stop:
+                    reason = "eos"
+                elif len(out_ids) >= self.max_new_tokens:
+                    reason = "length"
+                elif pos >= cfg.context_length:
+                    reason = "context"
+                elif self._stop:
+                    reason = "stopped"
+                else:
+                    continue
+                yield finished(reason)
+                return
+        except Exception as e:  # noqa: BLE001 — the consumer gets one clear message instead of a dead thread
+            s.forget_cache()
+            yield Failed(f"generation failed: {type(e).__name__}: {e}")
+
+
+def emit_all(emit, events: Iterator[Event]) -> Iterator[Event]:
+    for e in events:
+        yield from emit(e)
+
+
+def with_params(gen: Generation, **changes) -> None:
+    """Change sampling settings of a running generation (they apply from the next token on)."""
+    gen.params = replace(gen.params, **changes)

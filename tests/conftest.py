@@ -1,0 +1,41 @@
+import os
+
+# Qt must not look for a display; set before any QApplication exists (setdefault keeps xvfb runs possible).
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp/runtime-" + str(os.getuid()))
+os.makedirs(os.environ["XDG_RUNTIME_DIR"], mode=0o700, exist_ok=True)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """Tests never write into the user's cache: each test session converts the real model once, privately."""
+    os.environ.setdefault("INFERENCE_LAB_CACHE", str(tmp_path_factory.mktemp("cache")))
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama checkpoint written both as a GGUF file and as a Hugging Face directory."""
+    from tests.tiny_model import write_tiny_checkpoints
+
+    return write_tiny_checkpoints(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tiny_dir):
+    from engine.loaders import load
+
+    return load(tiny_dir.gguf, device="cpu", dtype="float32", use_cache=False)
+
+
+@pytest.fixture(scope="session")
+def real_lm():
+    """The real default model (SmolLM2-135M-Instruct), loaded once per test session."""
+    from engine.loaders import load
+
+    return load(None, device="cpu", dtype="float32")
