@@ -1,0 +1,14 @@
+"""The panels, one per file. Each module exposes PANEL, a subclass of app.panels.base.Panel."""
+
+from __future__ import annotations
+
+import importlib
+
+# Order = the order of the View menu and of the default layout.
+PANEL_MODULES = (
+    "prompt", "preview", "generation", "sampling", "attention", "kv_cache", "timeline", "roofline",
+)
+
+
+def panel_classes() -> list[type]:
+    return [importlib.import_module(f"app.panels.{m}").PANEL for m in PANEL_MODULES]

@@ -1,0 +1,238 @@
+"""What one forward step costs, counted from the model's shapes: FLOPs and bytes moved.
+
+This module is the one home of these formulas; the session, the app and the estimator all call it.
+
+Conventions
+-----------
+* A multiply-add counts as 2 FLOPs. Multiplying an (m×k) matrix by a (k×n) one is therefore 2·m·k·n FLOPs.
+* Only matrix products are counted. Norms, RoPE, softmax, SiLU, bias adds and residual adds are a few FLOPs
+  per value of the activations, several hundred times fewer than the products at real model sizes, so
+  leaving them out keeps the formulas readable without changing any conclusion.
+* Bytes are the traffic to and from main memory (HBM, or RAM on a CPU). Activations are assumed to stay in
+  caches and are not counted (`StepCost.activation_bytes` stays 0); weights and the KV cache are what move.
+
+Parameters
+----------
+Per layer the decoder holds wq (q_dim×d), wk and wv (kv_dim×d each), wo (d×q_dim), the SwiGLU matrices
+w_gate and w_up (ffn×d each) and w_down (d×ffn), and two RMSNorm weight vectors (d each); Qwen2 adds biases
+on q, k and v (q_dim + 2·kv_dim). Around the layers sit the token embedding (vocab×d), the final norm (d)
+and the LM head (vocab×d), which is the embedding matrix itself when the embeddings are tied, so it is
+counted once then.
+
+FLOPs of a step
+---------------
+Each new token passes through every layer's matrices once: 2·(matrix weights of the layers) FLOPs per token.
+The embedding is a row lookup, not a product, so it costs no FLOPs. The LM head costs 2·vocab·d per position
+whose logits are computed; during prefill the engine only needs the next token after the prompt, so it
+computes logits for the last position alone (pass `all_logits=True` to count every position).
+
+Attention adds two products per layer and head: the query against each key (QKᵀ, head_dim multiply-adds) and
+the softmax weights against each value (AV, head_dim multiply-adds again), i.e. 2·2·head_dim FLOPs per
+query-key pair per head. Causal attention lets the token at position p read keys 0…p, i.e. p + 1 keys. A
+prefill of n tokens starting at position s (a reused prefix of s cached tokens) thus sees
+    Σ_{p=s}^{s+n-1} (p + 1) = n·s + n·(n + 1)/2   query-key pairs,
+and one decode step at context c (c positions including the new one) sees c pairs. These are the useful
+pairs; a kernel that computes the full square and masks half of it performs more arithmetic than this.
+
+Bytes of a step
+---------------
+Weights: every matrix is streamed from memory once per step, whatever the batch, because all tokens of the
+step share it. The embedding table is the exception: a lookup only touches the rows of the tokens in the
+step, so an untied table counts as (rows touched)·d values, while a tied table is read whole anyway as the
+LM head.
+KV cache: per token and per layer the cache keeps one key and one value vector per KV head, so
+    KV bytes per token = 2 · n_layers · n_kv_heads · head_dim · bytes per value.
+A step writes the keys and values of its new tokens and reads those of the cached positions its queries
+attend to.
+
+Time
+----
+The roofline model: a step takes at least flops / peak FLOP/s (compute roof) and at least bytes / bandwidth
+(memory roof), so its time is estimated as the larger of the two. Arithmetic intensity = flops / bytes; the
+ridge point peak / bandwidth is the intensity where both roofs meet. Below it a step is memory-bound, above
+it compute-bound. Decode at batch 1 does about 2 FLOPs per parameter and reads each parameter once, so with
+2-byte weights its intensity is about 1 FLOP/byte, far below the few hundred FLOP/byte ridge point of a
+modern GPU; batching B sequences multiplies the FLOPs by B but not the weight bytes, which is why batching
+helps.
+"""
+
+from __future__ import annotations
+
+from engine.config import ModelConfig
+from engine.events import StepCost
+
+DTYPE_BYTES: dict[str, float] = {
+    "float32": 4.0,
+    "fp32": 4.0,
+    "bfloat16": 2.0,
+    "bf16": 2.0,
+    "float16": 2.0,
+    "fp16": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0,
+    "int4": 0.5,
+    # GGUF block formats: 32 weights per block plus per-block constants, all in fp16.
+    "q4_1": 20 / 32,  # 32 × 4 bits = 16 bytes, + fp16 scale + fp16 minimum = 20 bytes per 32 weights
+    "q8_0": 34 / 32,  # 32 × 8 bits = 32 bytes, + fp16 scale = 34 bytes per 32 weights
+}
+
+
+def bytes_per_value(dtype: str) -> float:
+    """Storage of one value in `dtype`, in bytes (fractions for packed 4-bit formats)."""
+    key = str(dtype).strip().lower().removeprefix("torch.")
+    try:
+        return DTYPE_BYTES[key]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPE_BYTES)}") from None
+
+
+def _positive(name: str, value: int, minimum: int = 1) -> int:
+    if int(value) != value or value < minimum:
+        raise ValueError(f"{name} must be an integer ≥ {minimum}, got {value!r}")
+    return int(value)
+
+
+def layer_matrix_params(cfg: ModelConfig) -> int:
+    """Weights of one layer's matrices (attention projections and SwiGLU MLP), in parameters."""
+    d = cfg.d_model
+    attention = cfg.q_dim * d + 2 * cfg.kv_dim * d + d * cfg.q_dim
+    mlp = 3 * cfg.ffn_dim * d
+    return attention + mlp
+
+
+def n_params(cfg: ModelConfig) -> int:
+    """Total parameters of the model, in parameters (a tied embedding/LM-head matrix counted once)."""
+    d = cfg.d_model
+    bias = (cfg.q_dim + 2 * cfg.kv_dim) if cfg.qkv_bias else 0
+    per_layer = layer_matrix_params(cfg) + 2 * d + bias
+    embedding = cfg.vocab_size * d
+    lm_head = 0 if cfg.tied_embeddings else cfg.vocab_size * d
+    return cfg.n_layers * per_layer + embedding + d + lm_head
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str) -> float:
+    """Memory the weights occupy with every parameter stored in `dtype`, in bytes."""
+    return n_params(cfg) * bytes_per_value(dtype)
+
+
+def step_weight_bytes(cfg: ModelConfig, dtype: str, rows: int) -> float:
+    """Weights one step streams from memory (all matrices once, plus `rows` embedding rows), in bytes."""
+    untouched = 0 if cfg.tied_embeddings else cfg.vocab_size * cfg.d_model
+    looked_up = min(rows, cfg.vocab_size) * cfg.d_model
+    return (n_params(cfg) - untouched + looked_up) * bytes_per_value(dtype)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: str, batch: int = 1) -> float:
+    """Keys plus values that one position adds to the cache across all layers (times `batch`), in bytes."""
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * bytes_per_value(dtype) * batch
+
+
+def linear_flops_per_token(cfg: ModelConfig) -> float:
+    """Matrix products one token makes through all layers (embedding and LM head excluded), in FLOPs."""
+    return 2.0 * cfg.n_layers * layer_matrix_params(cfg)
+
+
+def lm_head_flops_per_token(cfg: ModelConfig) -> float:
+    """Computing the logits of one position, in FLOPs."""
+    return 2.0 * cfg.vocab_size * cfg.d_model
+
+
+def attention_flops_per_pair(cfg: ModelConfig) -> float:
+    """QKᵀ plus AV for one query-key pair, summed over heads and layers, in FLOPs."""
+    return 2.0 * 2.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim
+
+
+def causal_pairs(n_tokens: int, start: int = 0) -> int:
+    """Query-key pairs of n causal queries at positions start…start+n-1, in pairs: n·start + n·(n+1)/2."""
+    return n_tokens * start + n_tokens * (n_tokens + 1) // 2
+
+
+def prefill_cost(
+    cfg: ModelConfig,
+    n_tokens: int,
+    *,
+    start: int = 0,
+    batch: int = 1,
+    weight_dtype: str = "float32",
+    kv_dtype: str | None = None,
+    all_logits: bool = False,
+) -> StepCost:
+    """One prefill step of `n_tokens` new tokens per sequence after `start` cached ones (FLOPs and bytes)."""
+    n_tokens = _positive("n_tokens", n_tokens)
+    start = _positive("start", start, minimum=0)
+    batch = _positive("batch", batch)
+    kv_dtype = kv_dtype or weight_dtype
+    logit_rows = n_tokens if all_logits else 1
+    per_sequence = (
+        n_tokens * linear_flops_per_token(cfg)
+        + causal_pairs(n_tokens, start) * attention_flops_per_pair(cfg)
+        + logit_rows * lm_head_flops_per_token(cfg)
+    )
+    kv_token = kv_bytes_per_token(cfg, kv_dtype)
+    return StepCost(
+        flops=batch * per_sequence,
+        weight_bytes=step_weight_bytes(cfg, weight_dtype, rows=n_tokens * batch),
+        kv_read_bytes=start * kv_token * batch,
+        kv_write_bytes=n_tokens * kv_token * batch,
+    )
+
+
+def decode_cost(
+    cfg: ModelConfig,
+    context: int,
+    *,
+    batch: int = 1,
+    weight_dtype: str = "float32",
+    kv_dtype: str | None = None,
+) -> StepCost:
+    """One decode step: one new token per sequence attending over `context` positions (FLOPs and bytes)."""
+    context = _positive("context", context)
+    batch = _positive("batch", batch)
+    kv_dtype = kv_dtype or weight_dtype
+    per_sequence = (
+        linear_flops_per_token(cfg)
+        + context * attention_flops_per_pair(cfg)
+        + lm_head_flops_per_token(cfg)
+    )
+    kv_token = kv_bytes_per_token(cfg, kv_dtype)
+    return StepCost(
+        flops=batch * per_sequence,
+        weight_bytes=step_weight_bytes(cfg, weight_dtype, rows=batch),
+        kv_read_bytes=context * kv_token * batch,
+        kv_write_bytes=kv_token * batch,
+    )
+
+
+def tpot_floor_s(
+    cfg: ModelConfig,
+    context: int,
+    bandwidth_bytes_per_s: float,
+    *,
+    batch: int = 1,
+    weight_dtype: str = "float32",
+    kv_dtype: str | None = None,
+) -> float:
+    """Lower bound on one decode step set by memory traffic alone (bytes / bandwidth), in seconds."""
+    if bandwidth_bytes_per_s <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth_bytes_per_s!r}")
+    cost = decode_cost(cfg, context, batch=batch, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+    return cost.bytes / bandwidth_bytes_per_s
+
+
+def step_time_estimate_s(cost: StepCost, peak_flops: float, bandwidth: float) -> float:
+    """Roofline time of a step, the slower of compute and memory: max(flops/peak, bytes/bw), in seconds."""
+    if peak_flops <= 0 or bandwidth <= 0:
+        raise ValueError(f"peak FLOP/s and bandwidth must be positive, got {peak_flops!r}, {bandwidth!r}")
+    return max(cost.flops / peak_flops, cost.bytes / bandwidth)
+
+
+def attainable_flops(intensity: float, peak_flops: float, bandwidth: float) -> float:
+    """Best throughput at a given arithmetic intensity: min(peak, intensity·bw), in FLOP/s."""
+    return min(peak_flops, intensity * bandwidth)
+
+
+def ridge_point(peak_flops: float, bandwidth: float) -> float:
+    """Arithmetic intensity where the memory roof meets the compute roof (peak / bw), in FLOP/byte."""
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth!r}")
+    return peak_flops / bandwidth
