@@ -127,7 +127,8 @@ def cmd_logits(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps({"prompt_ids": t.ids, "candidates": cands, "kept": st.kept_final}, ensure_ascii=False))
     else:
-        print(f"{len(t.ids)} prompt tokens; {st.kept_final} of {st.logits.shape[-1]} tokens survive the sampling stages")
+        vocab = st.logits.shape[-1]
+        print(f"{len(t.ids)} prompt tokens; {st.kept_final} of {vocab} tokens survive the sampling stages")
         print(f"{'id':>7} {'token':<20} {'logit':>9} {'p raw':>8} {'p':>8}")
         for c in cands:
             print(f"{c['id']:7d} {c['token']!r:<20} {c['logit']:9.3f} {c['prob_raw']:8.4f} {c['prob']:8.4f}")
