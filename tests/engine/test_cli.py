@@ -1,0 +1,81 @@
+"""`python -m engine`: JSON shapes on the real model and one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def cli(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_info_json_facts():
+    r = cli("info", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["n_layers"], d["d_model"], d["n_heads"], d["n_kv_heads"], d["head_dim"], d["vocab_size"]) == (
+        30, 576, 9, 3, 64, 49152)
+    assert d["n_params"] == 134_515_008 and d["kv_bytes_per_token"] == 46_080
+    assert d["dtype"] == "float32" and d["weight_bytes"] == 134_515_008 * 4
+
+
+@pytest.mark.slow
+def test_tokenize_json_spans():
+    text = "Héllo 2024 😀"
+    d = json.loads(cli("tokenize", "--text", text, "--json").stdout)
+    assert len(d["ids"]) == len(d["pieces"]) == len(d["offsets"]) == len(d["byte_offsets"])
+    b = text.encode()
+    assert d["byte_offsets"][0][0] == 0 and d["byte_offsets"][-1][1] == len(b)
+    assert all(p[1] == q[0] for p, q in zip(d["byte_offsets"], d["byte_offsets"][1:], strict=False))
+    assert d["offsets"][0][0] == 0 and d["offsets"][-1][1] == len(text)
+    assert d["pieces"][:3] == ["H", "é", "llo"]
+    assert sum(p.isdigit() for p in d["pieces"]) == 4  # SmolLM2 splits every digit on its own
+
+
+@pytest.mark.slow
+def test_logits_and_generate_json():
+    d = json.loads(cli("logits", "--prompt", "The capital of France is", "--top", "5", "--top-k", "3",
+                       "--json").stdout)
+    assert d["kept"] == 3 and len(d["candidates"]) == 5
+    assert d["candidates"][0]["token"] == " Paris"
+    assert sum(c["prob"] for c in d["candidates"]) == pytest.approx(1.0, abs=1e-4)
+    r = cli("generate", "--chat", "--greedy", "--prompt", "What is a KV cache?", "--max-new-tokens", "12", "--json")
+    g = json.loads(r.stdout)
+    assert {"prompt_ids", "ids", "text", "ttft_s", "tpot_s", "tokens_per_s", "finish_reason"} <= set(g)
+    assert len(g["ids"]) == 12 and g["finish_reason"] == "length" and g["text"].strip()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["generate", "--prompt", ""], "empty"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "--prompt", "hi", "--top-p", "2"], "top_p"),
+    (["info", "--model", "/no/such/model.gguf"], "not found"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "abc"], "invalid int"),
+])
+def test_errors_are_one_line_without_traceback(args, needle):
+    r = cli(*args)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
+
+
+def test_corrupt_model_is_one_line(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
+    r = cli("info", "--model", str(bad))
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1 and "broken.gguf" in r.stderr
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_context_is_one_line(tmp_path):
+    r = cli("generate", "--prompt", "x " * 9000)
+    assert r.returncode == 1 and "context" in r.stderr and len(r.stderr.strip().splitlines()) == 1

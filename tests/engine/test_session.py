@@ -1,0 +1,166 @@
+"""The generation loop: event order, stepping, stopping, knobs between tokens, prefix caching, the real model."""
+
+import numpy as np
+import pytest
+import torch
+
+from engine.events import (
+    AttentionCaptured,
+    Finished,
+    KVCacheGrew,
+    PrefillDone,
+    PromptTokenized,
+    ResidualNorms,
+    TokenSampled,
+)
+from engine.kv_cache import KVCache
+from engine.sampling import SamplingParams
+from engine.session import Capture, Session, refunnel
+
+GREEDY = SamplingParams.greedy_params()
+
+
+@pytest.fixture
+def session(tiny_lm):
+    return Session(tiny_lm)
+
+
+def run(gen):
+    return list(gen)
+
+
+def test_event_order_and_counts(session):
+    cap = Capture(frozenset({0, 1}), residual_norms=True, funnel_top=5, logits=True)
+    events = run(session.generate("the cat sat on the mat", GREEDY, 6, cap, ignore_eos=True))
+    kinds = [type(e).__name__ for e in events]
+    assert kinds[0] == "PromptTokenized" and kinds[-1] == "Finished"
+    tokens = [e for e in events if isinstance(e, TokenSampled)]
+    assert [t.step for t in tokens] == list(range(6))
+    assert [t.phase for t in tokens] == ["prefill"] + ["decode"] * 5
+    assert sum(isinstance(e, PrefillDone) for e in events) == 1
+    prompt = events[0]
+    assert isinstance(prompt, PromptTokenized)
+    n = len(prompt.ids)
+    # KV cache: the prefill holds the whole prompt at once, then one more position per decode step
+    kv = [e.n_tokens for e in events if isinstance(e, KVCacheGrew)]
+    assert kv == [n + i for i in range(6)]
+    att = [e for e in events if isinstance(e, AttentionCaptured)]
+    assert len(att) == 2 * 6
+    first = [a for a in att if a.step == 0 and a.layer == 1][0]
+    assert first.weights.shape == (session.cfg.n_heads, n, n)
+    later = [a for a in att if a.step == 3 and a.layer == 0][0]
+    assert later.weights.shape == (session.cfg.n_heads, 1, n + 3)
+    assert np.allclose(later.weights.sum(-1), 1, atol=1e-5)
+    norms = [e for e in events if isinstance(e, ResidualNorms)]
+    assert len(norms) == 6 and norms[0].norms.shape == (session.cfg.n_layers + 1,)
+    fin = events[-1]
+    assert isinstance(fin, Finished) and fin.reason == "length" and len(fin.ids) == 6
+    assert fin.ttft_s > 0 and fin.tpot_s > 0 and len(fin.step_seconds) == 5
+    assert fin.ttft_s + 5 * fin.tpot_s <= fin.total_s * 1.0001
+    assert [t.token_id for t in tokens] == fin.ids.tolist()
+    assert tokens[2].funnel.ids.shape[0] >= 5 and tokens[2].funnel.p_final.sum() <= 1.0001
+
+
+def test_costs_ride_on_events(session):
+    events = run(session.generate("hello there", GREEDY, 3, ignore_eos=True))
+    pre = next(e for e in events if isinstance(e, PrefillDone))
+    dec = [e for e in events if isinstance(e, TokenSampled) and e.phase == "decode"]
+    assert pre.cost.flops > dec[0].cost.flops > 0
+    assert pre.cost.intensity > dec[0].cost.intensity  # prefill does more arithmetic per byte moved
+    assert dec[1].cost.kv_read_bytes > dec[0].cost.kv_read_bytes  # the cache read grows each step
+
+
+def test_greedy_generation_matches_a_plain_loop(session, tiny_lm):
+    """Tokens from the session equal argmax decoding with a fresh full forward each step (no cache reuse)."""
+    gen_ids = run(session.generate("the cat", GREEDY, 5, ignore_eos=True))[-1].ids.tolist()
+    ids = session.tokenize("the cat").ids
+    expect = []
+    for _ in range(5):
+        cache = KVCache(tiny_lm.cfg, 1, 64, torch.float32)
+        nxt = int(tiny_lm.model(torch.tensor([ids + expect]), 0, cache)[0].argmax())
+        expect.append(nxt)
+    assert gen_ids == expect
+
+
+def test_step_by_step_stop_and_change_settings(session):
+    gen = session.generate("the cat", SamplingParams(temperature=1.0, seed=3), 50, Capture(funnel_top=5),
+                           ignore_eos=True)
+    seen = []
+    for ev in gen:
+        if isinstance(ev, TokenSampled):
+            seen.append(ev)
+            if ev.step == 1:
+                gen.params = SamplingParams(temperature=1.0, top_k=1)  # from the next token on: greedy in effect
+            if ev.step == 4:
+                gen.stop()
+    fin = ev
+    assert isinstance(fin, Finished) and fin.reason == "stopped" and len(fin.ids) == 5
+    assert all(s.funnel.kept_final == 1 for s in seen[2:]) and seen[0].funnel.kept_final > 1
+
+
+def test_seeded_runs_repeat(session):
+    p = SamplingParams(temperature=1.2, top_p=0.95, seed=11)
+    a = run(session.generate("hello", p, 8, ignore_eos=True))[-1].ids.tolist()
+    b = run(session.generate("hello", p, 8, ignore_eos=True))[-1].ids.tolist()
+    assert a == b
+
+
+def test_prefix_caching_reuses_the_shared_prompt(session):
+    run(session.generate("the cat sat on the mat", GREEDY, 2, ignore_eos=True))
+    events = run(session.generate("the cat sat on the mat and then", GREEDY, 2, ignore_eos=True))
+    pre = next(e for e in events if isinstance(e, PrefillDone))
+    n_old = len(session.tokenize("the cat sat on the mat").ids)
+    assert pre.n_reused >= n_old - 1 and pre.n_tokens + pre.n_reused == len(events[0].ids)
+    # and the answer is the same as without any reuse
+    session.forget_cache()
+    again = run(session.generate("the cat sat on the mat and then", GREEDY, 2, ignore_eos=True))
+    assert again[-1].ids.tolist() == events[-1].ids.tolist()
+
+
+def test_preview_logits_reuse_cache(session):
+    ids = session.tokenize("the cat sat on the").ids
+    a, reused_a, _ = session.next_token_logits(ids)
+    b, reused_b, _ = session.next_token_logits(ids + session.tokenize(" mat").ids)
+    assert reused_a == 0 and reused_b == len(ids)
+    session.forget_cache()
+    c, _, _ = session.next_token_logits(ids + session.tokenize(" mat").ids)
+    torch.testing.assert_close(b, c, atol=2e-5, rtol=1e-5)
+
+
+def test_refunnel_redraws_a_step_with_new_settings(session):
+    events = run(session.generate("the cat", SamplingParams(temperature=1.0), 2, Capture(funnel_top=10, logits=True),
+                                  ignore_eos=True))
+    tok = next(e for e in events if isinstance(e, TokenSampled))
+    wide = refunnel(tok, SamplingParams(temperature=1.0), session.tokenizer)
+    narrow = refunnel(tok, SamplingParams(temperature=1.0, top_k=3), session.tokenizer)
+    assert wide.kept_final == session.cfg.vocab_size and narrow.kept_final == 3
+    assert tok.token_id in narrow.ids.tolist()
+
+
+def test_bad_prompts_raise_clear_errors(session):
+    with pytest.raises(ValueError, match="empty"):
+        session.generate("", GREEDY, 3)
+    with pytest.raises(ValueError, match="context"):
+        session.generate("word " * 400, GREEDY, 3)
+    with pytest.raises(ValueError, match="at least 1"):
+        session.generate("hi", GREEDY, 0)
+
+
+def test_context_limit_ends_generation(session):
+    ids = session.tokenize("the cat " * 40).ids
+    n_free = session.cfg.context_length - len(ids)
+    fin = run(session.generate("the cat " * 40, GREEDY, n_free + 50, ignore_eos=True))[-1]
+    assert fin.reason in ("context", "length") and len(ids) + len(fin.ids) <= session.cfg.context_length + 1
+
+
+@pytest.mark.slow
+def test_real_model_greedy_chat_is_deterministic_english(real_lm):
+    s = Session(real_lm)
+    prompt = "Explain what a KV cache is in two sentences."
+    assert len(s.tokenize(prompt, chat=True).ids) == 41
+    a = run(s.generate(prompt, GREEDY, 24, chat=True))[-1]
+    b = run(s.generate(prompt, GREEDY, 24, chat=True))[-1]
+    assert a.ids.tolist() == b.ids.tolist()
+    assert a.text.startswith("A KV cache is a type of cache")
+    words = a.text.split()
+    assert len(words) >= 12 and sum(w.strip(".,").isalpha() for w in words) / len(words) > 0.8
