@@ -196,15 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--ignore-eos", action="store_true")
     q.set_defaults(func=cmd_generate)
 
-    from engine import estimate
+    from engine import bench, estimate
 
     estimate.add_subcommand(sub)
-    try:
-        from engine import bench
-    except ImportError:
-        bench = None
-    if bench is not None:
-        bench.add_subcommands(sub)
+    bench.add_subcommands(sub)
     return p
 
 

@@ -1,0 +1,369 @@
+"""Benchmarks as scripts that print ratios: `python -m engine bench` and `python -m engine bench-batch`.
+
+Each configuration runs in its own subprocess (`bench-one`), so load time and peak RSS are those of a fresh
+process. The parent measures the machine (memory bandwidth, matmul FLOP/s), watches how busy the machine is
+(CPU used by other processes during the run) and prints every figure next to its target as a ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROMPT = "Explain what a KV cache is in two sentences."
+
+
+# ---- one configuration, in this process --------------------------------------------------------------------------
+def _rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _stats(seconds: list[float]) -> dict:
+    a = np.asarray(seconds)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90))}
+
+
+def run_ours(dtype: str, capture: str, new_tokens: int, repeats: int, generations: int) -> dict:
+    import torch
+
+    from engine.events import Finished
+    from engine.loaders import load
+    from engine.sampling import SamplingParams
+    from engine.session import Capture, Session
+
+    t0 = time.perf_counter()
+    lm = load(None, device="cpu", dtype=dtype)
+    session = Session(lm)
+    load_s = time.perf_counter() - t0
+    cap = Capture.everything(lm.cfg.n_layers) if capture == "all" else Capture()
+    greedy = SamplingParams.greedy_params()
+    for _ in session.generate("Hello", greedy, 4, cap, chat=True, ignore_eos=True):  # warm-up: first-call costs
+        pass
+    runs = []
+    for _ in range(repeats):
+        session.forget_cache()  # every TTFT is a full prefill, no prefix reuse
+        fin = [e for e in session.generate(PROMPT, greedy, new_tokens, cap, chat=True, ignore_eos=True)][-1]
+        assert isinstance(fin, Finished), fin
+        runs.append(fin)
+    best = min(runs, key=lambda f: f.tpot_s)
+    rss_series = []
+    for _ in range(generations):  # memory must not grow over many generations
+        for _ in session.generate(PROMPT, greedy, 16, cap, chat=True, ignore_eos=True):
+            pass
+        rss_series.append(_current_rss())
+    return {
+        "impl": "ours", "dtype": dtype, "capture": capture, "threads": torch.get_num_threads(),
+        "load_s": load_s, "from_cache": lm.info.from_cache, "prompt_tokens": int(len(best.prompt_ids)),
+        "ttft_s": float(min(f.ttft_s for f in runs)), "tpot_s": _stats(list(best.step_seconds)),
+        "tokens_per_s": best.tokens_per_s, "peak_rss_bytes": _rss_peak_bytes(),
+        "rss_over_generations": rss_series, "text": best.text[:80],
+    }
+
+
+def _current_rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def run_hf(dtype: str, new_tokens: int, repeats: int) -> dict:
+    """Hugging Face transformers on the same GGUF weights, same prompt ids, same threads, a plain cached loop."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.loaders import default_model_path
+    from engine.tokenizer import Tokenizer
+
+    path = default_model_path()
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, torch_dtype=getattr(torch, dtype), attn_implementation="sdpa"
+    ).eval()
+    load_s = time.perf_counter() - t0
+    tok = Tokenizer.from_gguf(str(path))
+    ids = torch.tensor([tok.encode(tok.chat_prompt(PROMPT)).ids])
+
+    def once(n: int) -> tuple[float, list[float]]:
+        with torch.inference_mode():
+            t = time.perf_counter()
+            out = model(ids, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            ttft = time.perf_counter() - t
+            past, steps = out.past_key_values, []
+            for _ in range(n - 1):
+                t = time.perf_counter()
+                out = model(nxt, past_key_values=past, use_cache=True)
+                past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                steps.append(time.perf_counter() - t)
+        return ttft, steps
+
+    once(4)
+    runs = [once(new_tokens) for _ in range(repeats)]
+    best = min(runs, key=lambda r: float(np.mean(r[1])))
+    return {
+        "impl": "hf", "dtype": dtype, "capture": "none", "threads": torch.get_num_threads(), "load_s": load_s,
+        "prompt_tokens": int(ids.shape[1]), "ttft_s": min(r[0] for r in runs), "tpot_s": _stats(best[1]),
+        "tokens_per_s": 1 / float(np.mean(best[1])), "peak_rss_bytes": _rss_peak_bytes(),
+    }
+
+
+def cmd_bench_one(a: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(a.threads)
+    if a.impl == "hf":
+        r = run_hf(a.dtype, a.new_tokens, a.repeats)
+    else:
+        r = run_ours(a.dtype, a.capture, a.new_tokens, a.repeats, a.generations)
+    print(json.dumps(r))
+    return 0
+
+
+# ---- the driver -------------------------------------------------------------------------------------------------
+def _child(args: list[str], timeout: float = 900) -> dict | None:
+    cmd = [sys.executable, "-m", "engine", "bench-one", *args]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        print(f"  {' '.join(args)}: failed: {tail}", file=sys.stderr)
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+class BusyMeter:
+    """CPU used by other processes while we measure: a busy machine makes timings untrustworthy.
+
+    Other processes' CPU = the whole machine's busy CPU time minus ours and our (finished) children's.
+    """
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.psutil = psutil
+        self.t0 = time.perf_counter()
+        self.c0 = self._machine_busy() - self._ours()
+
+    def _machine_busy(self) -> float:
+        t = self.psutil.cpu_times()
+        return t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+    @staticmethod
+    def _ours() -> float:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    def cores_used(self) -> float:
+        others = self._machine_busy() - self._ours() - self.c0
+        return max(0.0, others / (time.perf_counter() - self.t0))
+
+
+def _machine() -> dict:
+    import psutil
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "ram_bytes": psutil.virtual_memory().total,
+            "torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads()}
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    import torch
+
+    from engine import costs
+    from engine.hardware import measure_this_machine
+    from engine.loaders import load
+
+    threads = str(a.threads or torch.get_num_threads())
+    n_new, reps = (8, 1) if a.smoke else (a.new_tokens, a.repeats)
+    busy = BusyMeter()
+    machine = _machine()
+    hw = measure_this_machine("cpu", "float32")
+    lm = load(None, device="cpu", dtype="float32")  # converts and caches on a first run, so children start warm
+    cfg = lm.cfg
+    del lm
+    base = ["--threads", threads, "--new-tokens", str(n_new), "--repeats", str(reps)]
+    results: dict[str, dict | None] = {}
+    dtypes = ["float32"] if a.smoke else ["float32", "bfloat16"]
+    for dt in dtypes:
+        for cap in ("none", "all"):
+            print(f"measuring ours {dt} capture={cap} …", file=sys.stderr)
+            gens = "0" if a.smoke or cap == "none" or dt != "float32" else str(a.generations)
+            results[f"ours-{dt}-{cap}"] = _child(["--impl", "ours", "--dtype", dt, "--capture", cap,
+                                                 "--generations", gens, *base])
+    if not a.smoke and not a.no_hf:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            print("transformers is not installed (pip install '.[bench]'): no Hugging Face comparison",
+                  file=sys.stderr)
+        else:
+            for dt in dtypes:
+                print(f"measuring Hugging Face transformers {dt} …", file=sys.stderr)
+                results[f"hf-{dt}"] = _child(["--impl", "hf", "--dtype", dt, *base])
+    gui = None
+    if not a.smoke and not a.no_gui:
+        print("measuring GUI responsiveness …", file=sys.stderr)
+        gui = _gui_bench()
+    cores_busy = busy.cores_used()
+    floor_bytes = costs.decode_cost(cfg, 41 + n_new // 2, weight_dtype="float32").bytes
+    report = {
+        "machine": machine, "bandwidth_bytes_per_s": hw.bandwidth_bytes_per_s,
+        "matmul_flops": hw.peak_flops.get("fp32"), "decode_bytes_per_token_fp32": floor_bytes,
+        "tpot_floor_s": floor_bytes / hw.bandwidth_bytes_per_s, "results": results, "gui": gui,
+        "other_processes_cores": cores_busy, "trustworthy": cores_busy < 0.15,
+    }
+    report["ratios"] = _ratios(report)
+    if a.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_report(report)
+    if a.smoke:
+        ok = all(results.values())
+        return 0 if ok else 1
+    return 0
+
+
+def _ratios(r: dict) -> dict:
+    res = r["results"]
+    out = {}
+    off, on = res.get("ours-float32-none"), res.get("ours-float32-all")
+    hf = res.get("hf-float32")
+    if on:
+        out["tpot_all_over_floor"] = on["tpot_s"]["mean"] / r["tpot_floor_s"]
+        out["achieved_bandwidth_fraction"] = r["decode_bytes_per_token_fp32"] / on["tpot_s"]["mean"] / r[
+            "bandwidth_bytes_per_s"]
+    if on and off:
+        out["capture_on_over_off"] = on["tpot_s"]["mean"] / off["tpot_s"]["mean"]
+    if on and hf:
+        out["decode_tokens_per_s_vs_hf"] = on["tokens_per_s"] / hf["tokens_per_s"]
+        out["ttft_vs_hf"] = on["ttft_s"] / hf["ttft_s"]
+        out["peak_rss_vs_hf"] = (off or on)["peak_rss_bytes"] / hf["peak_rss_bytes"]
+    if on and on.get("rss_over_generations"):
+        s = on["rss_over_generations"]
+        out["rss_growth_bytes_over_generations"] = s[-1] - s[min(len(s) - 1, 5)]
+    return out
+
+
+def _gui_bench() -> dict | None:
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env.setdefault("QT_QPA_PLATFORM", "offscreen")
+    try:
+        r = subprocess.run([sys.executable, "-m", "app.bench_gui"], capture_output=True, text=True, timeout=600,
+                           env=env)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"  GUI benchmark failed: {e}", file=sys.stderr)
+        return None
+    if r.returncode != 0:
+        print(f"  GUI benchmark failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{x * 1e3:.1f} ms"
+
+
+def _print_report(r: dict) -> None:
+    m = r["machine"]
+    print(f"machine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.0f} GiB, torch {m['torch']}, "
+          f"{m['threads']} threads")
+    print(f"measured memory bandwidth {r['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, fp32 matmul "
+          f"{(r['matmul_flops'] or 0) / 1e9:.0f} GFLOP/s; decode reads {r['decode_bytes_per_token_fp32'] / 1e6:.0f} MB"
+          f" per token in float32 → TPOT floor {_ms(r['tpot_floor_s'])}")
+    print(f"{'configuration':<24}{'load':>9}{'TTFT':>10}{'TPOT mean':>11}{'p50':>10}{'p90':>10}{'tok/s':>8}"
+          f"{'peak RSS':>10}")
+    for name, x in r["results"].items():
+        if x is None:
+            print(f"{name:<24} failed")
+            continue
+        t = x["tpot_s"]
+        print(f"{name:<24}{x['load_s']:>8.2f}s{_ms(x['ttft_s']):>10}{_ms(t['mean']):>11}{_ms(t['p50']):>10}"
+              f"{_ms(t['p90']):>10}{x['tokens_per_s']:>8.1f}{x['peak_rss_bytes'] / 2**20:>8.0f}MB")
+    if r["gui"]:
+        print("GUI: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r["gui"].items()))
+    for k, v in r["ratios"].items():
+        print(f"{k:<40}{v:>12.3f}" if abs(v) < 1e6 else f"{k:<40}{v:>12.0f}")
+    busy = r["other_processes_cores"]
+    print(f"other processes used {busy:.2f} cores during the run"
+          + ("" if r["trustworthy"] else " — NOT a quiet machine: do not trust these timings"))
+
+
+def cmd_bench_batch(a: argparse.Namespace) -> int:
+    import psutil
+
+    from engine.batching import bench_batch
+    from engine.loaders import ModelLoadError, load
+
+    try:
+        batches = [int(x) for x in a.batches.split(",") if x.strip()]
+        if not batches or min(batches) < 1:
+            raise ValueError
+    except ValueError:
+        print(f"error: --batches must be positive integers separated by commas, got {a.batches!r}", file=sys.stderr)
+        return 2
+    try:
+        lm = load(a.model, device=a.device, dtype=a.dtype)
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    rows = bench_batch(lm, batches, a.prompt_tokens, a.new_tokens,
+                       progress=None if a.json else lambda f, m: print(f"  {m}", file=sys.stderr),
+                       memory_limit_bytes=psutil.virtual_memory().available * 0.5)
+    if a.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=2))
+        return 0
+    print(f"{'batch':>5}{'TPOT':>11}{'tok/s/stream':>14}{'tok/s system':>14}{'FLOP/B':>8}{'GFLOP/s':>9}{'GB/s':>7}")
+    for r in rows:
+        print(f"{r.batch:>5}{_ms(r.tpot_s):>11}{r.tokens_per_s_per_stream:>14.1f}{r.tokens_per_s_system:>14.1f}"
+              f"{r.intensity:>8.1f}{r.achieved_flops / 1e9:>9.1f}{r.achieved_bandwidth / 1e9:>7.1f}")
+    return 0
+
+
+def add_subcommands(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark load, TTFT, TPOT, memory and capture overhead (prints ratios)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="a short run that only checks the benchmark works")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--generations", type=int, default=100, help="generations for the memory-growth check")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers comparison")
+    p.add_argument("--no-gui", action="store_true", help="skip the GUI responsiveness measurement")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("bench-one", help=argparse.SUPPRESS)
+    p.add_argument("--impl", choices=["ours", "hf"], default="ours")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--capture", choices=["none", "all"], default="none")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--generations", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.set_defaults(func=cmd_bench_one)
+
+    p = sub.add_parser("bench-batch", help="measure batched decode: TPOT and tokens/s per stream and system")
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--batches", default="1,2,4,8,16,32")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_batch)
