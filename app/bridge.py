@@ -69,6 +69,7 @@ class EngineWorker(QtCore.QObject):
         super().__init__()
         self._q: queue.Queue[_Cmd] = queue.Queue()
         self._quit = threading.Event()
+        self._cancel_bench = threading.Event()  # set from the GUI thread, read between decode steps
         self.session = None
         self.params = SamplingParams()
 
@@ -120,6 +121,8 @@ class EngineWorker(QtCore.QObject):
             self._generate(cmd.arg)
         elif cmd.kind == "preview":
             self._preview(*cmd.arg)
+        elif cmd.kind == "batch_bench":
+            self._batch_bench(*cmd.arg)
         elif cmd.kind == "params":
             self.params = cmd.arg
             if gen is not None:
@@ -141,6 +144,31 @@ class EngineWorker(QtCore.QObject):
             return
         self.session = Session(lm)
         self.sig_raw.emit(("loaded", (lm.info, lm.tokenizer, lm.cfg)))
+
+    def _batch_bench(self, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int) -> None:
+        import psutil
+
+        from engine.batching import Cancelled, bench_batch
+
+        if self.session is None:
+            self.sig_raw.emit(("batch_done", "the model is not loaded yet"))
+            return
+        self._cancel_bench.clear()
+
+        def should_stop() -> bool:
+            return self._cancel_bench.is_set() or self._quit.is_set()
+
+        try:
+            bench_batch(
+                self.session.lm, batches, prompt_tokens, new_tokens,
+                progress=lambda f, m: self.sig_raw.emit(("batch_progress", (f, m))), should_stop=should_stop,
+                memory_limit_bytes=psutil.virtual_memory().available * 0.5,
+                on_row=lambda row: self.sig_raw.emit(("batch_row", row)),
+            )
+        except Cancelled:
+            self.sig_raw.emit(("batch_done", "cancelled"))
+            return
+        self.sig_raw.emit(("batch_done", ""))
 
     def _preview(self, request_id: int, text: str, chat: bool, top: int) -> None:
         import time
@@ -243,6 +271,12 @@ class Bridge(QtCore.QObject):
     """PreviewResult: next-token candidates for the text being typed."""
     sig_step_selected = QtCore.Signal(int)
     """The user picked a step (0 = prefill) in some panel; every panel shows that step."""
+    sig_batch_progress = QtCore.Signal(float, str)
+    """Batching lab: fraction done and what is being measured."""
+    sig_batch_row = QtCore.Signal(object)
+    """Batching lab: one measured engine.batching.BatchRow."""
+    sig_batch_done = QtCore.Signal(str)
+    """Batching lab ended: "" when complete, else why it stopped ("cancelled", an error)."""
     sig_params = QtCore.Signal(object)
     """The sampling settings changed (SamplingParams); panels re-draw the funnel without re-running the model."""
 
@@ -297,6 +331,13 @@ class Bridge(QtCore.QObject):
         self.worker.post("params", params)
         self.sig_params.emit(params)
 
+    def run_batch_bench(self, batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32), prompt_tokens: int = 32,
+                        new_tokens: int = 16) -> None:
+        self.worker.post("batch_bench", (tuple(batches), prompt_tokens, new_tokens))
+
+    def cancel_batch_bench(self) -> None:
+        self.worker._cancel_bench.set()
+
     def set_capture(self, capture: Capture) -> None:
         self.worker.post("capture", capture)
 
@@ -323,6 +364,12 @@ class Bridge(QtCore.QObject):
                 self.sig_model_loaded.emit(self.info)
             elif kind == "load_failed":
                 self.sig_load_failed.emit(arg)
+            elif kind == "batch_progress":
+                self.sig_batch_progress.emit(float(arg[0]), str(arg[1]))
+            elif kind == "batch_row":
+                self.sig_batch_row.emit(arg)
+            elif kind == "batch_done":
+                self.sig_batch_done.emit(arg)
             elif kind == "state":
                 self.state = arg
                 self.sig_state.emit(arg)

@@ -82,9 +82,9 @@ class BatchRow:
 def bench_batch(
     lm: LoadedModel, batches: Sequence[int] = DEFAULT_BATCHES, prompt_tokens: int = 32, new_tokens: int = 16,
     progress: Callable[[float, str], None] | None = None, should_stop: Callable[[], bool] | None = None,
-    memory_limit_bytes: float | None = None,
+    memory_limit_bytes: float | None = None, on_row: Callable[[BatchRow], None] | None = None,
 ) -> list[BatchRow]:
-    """Measure decode at each batch size (as memory allows); cancellable between steps."""
+    """Measure decode at each batch size (as memory allows); cancellable between steps (raises Cancelled)."""
     dtype = str(lm.dtype).removeprefix("torch.")
     rows: list[BatchRow] = []
     rng = np.random.default_rng(0)
@@ -106,6 +106,8 @@ def bench_batch(
             flops_per_step=cost.flops, bytes_per_step=cost.bytes, intensity=cost.intensity,
             achieved_flops=cost.flops / tpot, achieved_bandwidth=cost.bytes / tpot, kv_bytes=kv,
         ))
+        if on_row is not None:
+            on_row(rows[-1])
     if progress is not None:
         progress(1.0, "done")
     return rows
