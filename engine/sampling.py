@@ -162,6 +162,26 @@ def sample(
     return int(torch.multinomial(stages.p_final, 1, generator=generator)), stages
 
 
+def choose(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+    context_ids: torch.Tensor | None = None,
+) -> int:
+    """The token `sample` would choose (same stages, same random draw), without keeping the funnel."""
+    x = logits.float()
+    if params.repetition_penalty != 1.0 or params.logit_bias:
+        x = apply_penalties(x, context_ids, params.repetition_penalty, params.logit_bias)
+    if params.greedy:
+        return int(torch.argmax(x))
+    p = torch.softmax(x / params.temperature, dim=-1)
+    if params.top_k:
+        p = renormalize(p, top_k_mask(p, params.top_k))
+    if params.top_p < 1.0:
+        p = renormalize(p, top_p_mask(p, params.top_p))
+    if params.min_p > 0:
+        p = renormalize(p, min_p_mask(p, params.min_p))
+    return int(torch.multinomial(p, 1, generator=generator))
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
     """A private random stream: seeded runs repeat exactly; None draws a fresh seed."""
     g = torch.Generator(device=device)

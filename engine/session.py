@@ -33,7 +33,7 @@ from engine.events import (
 from engine.kv_cache import KVCache
 from engine.loaders import LoadedModel
 from engine.probe import RESID_NORMS, Probe, attn_point
-from engine.sampling import FunnelStages, SamplingParams, funnel, make_generator, sample
+from engine.sampling import FunnelStages, SamplingParams, choose, funnel, make_generator, sample
 from engine.tokenizer import StreamDecoder, Tokenization
 
 CACHE_GRANULE = 256  # the cache grows in steps of this many positions, so it is rarely reallocated
@@ -265,8 +265,11 @@ class Generation:
                     feed, start = ids[-1:], pos - 1
                     cost = costs.decode_cost(cfg, pos, weight_dtype=s.dtype_name)
                 logits = s._forward(feed, start, probe)
-                token, stages = sample(logits, params, generator, context[:pos])
-                condensed = s.make_funnel(stages, params, capture.funnel_top, token) if capture.funnel_top else None
+                if capture.funnel_top:
+                    token, stages = sample(logits, params, generator, context[:pos])
+                    condensed = s.make_funnel(stages, params, capture.funnel_top, token)
+                else:
+                    token, condensed = choose(logits, params, generator, context[:pos]), None
                 raw = logits.cpu().numpy() if capture.logits else None
                 _sync(lm.device)
                 seconds = time.perf_counter() - t0

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, funnel, make_generator, sample, top_k_mask, top_p_mask
+from engine.sampling import SamplingParams, choose, funnel, make_generator, sample, top_k_mask, top_p_mask
 
 
 def probs(*p):
@@ -105,3 +105,18 @@ def test_out_of_range_knobs_raise(kw, msg):
 def test_logit_bias_outside_vocab_raises():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         funnel(torch.zeros(4), SamplingParams(logit_bias=((9, 1.0),)))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0), SamplingParams(temperature=0.8), SamplingParams(temperature=1.3, top_k=7),
+    SamplingParams(temperature=1.0, top_p=0.6), SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.05),
+    SamplingParams(temperature=1.0, repetition_penalty=1.3, logit_bias=((3, 2.0),)),
+])
+def test_choose_picks_what_sample_picks(params):
+    """The decode loop's funnel-free path draws exactly the token the full funnel would."""
+    logits = torch.randn(2000, generator=torch.Generator().manual_seed(5)) * 2
+    ctx = torch.tensor([3, 9, 9, 400])
+    g1, g2 = make_generator(42), make_generator(42)
+    a = [sample(logits, params, g1, ctx)[0] for _ in range(50)]
+    b = [choose(logits, params, g2, ctx) for _ in range(50)]
+    assert a == b
