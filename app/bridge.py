@@ -143,6 +143,8 @@ class EngineWorker(QtCore.QObject):
             self.sig_raw.emit(("load_failed", f"cannot load the model: {type(e).__name__}: {e}"))
             return
         self.session = Session(lm)
+        self.sig_raw.emit(("load_progress", (0.97, "warming up (first-call costs are not the model's)")))
+        self.session.warm_up()
         self.sig_raw.emit(("loaded", (lm.info, lm.tokenizer, lm.cfg)))
 
     def _batch_bench(self, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int) -> None:
@@ -190,12 +192,14 @@ class EngineWorker(QtCore.QObject):
     def _generate(self, req: GenerateRequest) -> None:
         if self.session is None:
             self.sig_raw.emit(Failed("the model is not loaded yet"))
+            self.sig_raw.emit(("state", "idle"))
             return
         try:
             gen = self.session.generate(req.text, req.params, req.max_new_tokens, req.capture, chat=req.chat,
                                         ignore_eos=req.ignore_eos)
         except ValueError as e:
             self.sig_raw.emit(Failed(str(e)))
+            self.sig_raw.emit(("state", "idle"))
             return
         self.params = req.params
         paused, steps = req.start_paused, 0
@@ -293,6 +297,7 @@ class Bridge(QtCore.QObject):
         self.cfg = None
         self.state = "idle"
         self.params = SamplingParams()
+        self.attention_layers: set[int] | None = None  # layers whose attention the next generation captures
         self._preview_id = 0
         self.worker = EngineWorker()
         self.worker_thread = QtCore.QThread(self)

@@ -164,3 +164,10 @@ def test_real_model_greedy_chat_is_deterministic_english(real_lm):
     assert a.text.startswith("A KV cache is a type of cache")
     words = a.text.split()
     assert len(words) >= 12 and sum(w.strip(".,").isalpha() for w in words) / len(words) > 0.8
+
+
+def test_warm_up_leaves_no_trace(session):
+    before = run(session.generate("the cat", GREEDY, 4, ignore_eos=True))[-1].ids.tolist()
+    assert session.warm_up() > 0
+    assert session.cache is None and session.cached_ids == []
+    assert run(session.generate("the cat", GREEDY, 4, ignore_eos=True))[-1].ids.tolist() == before

@@ -1,0 +1,232 @@
+"""Start Inference Lab: `python -m app`, `inference-lab`, or `make run`.
+
+With --screenshot or --export-timeline it runs headless: it opens the window offscreen, loads the model, types the
+prompt, generates, lets every panel paint that generation, saves the files, prints their paths and exits.
+Exit codes: 0 done, 1 the model failed to load or the generation failed, 2 bad arguments or output paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+SCREENSHOT_EXTS = (".png",)
+TIMELINE_EXTS = (".png", ".svg")
+HEADLESS_SIZE = (1600, 1000)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="inference-lab", description="Watch LLM inference live on a real model.")
+    p.add_argument("--model", help="a .gguf file or a Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", help="start with this prompt (headless: the prompt to generate from)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N", help="tokens to generate")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--greedy", action="store_true", help="temperature 0: always take the most likely token")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--screenshot", metavar="OUT.png", help="headless: save a PNG of the whole window and exit")
+    p.add_argument("--export-timeline", metavar="OUT.png|.svg", help="headless: save the timeline and exit")
+    p.add_argument("--timeout", type=float, default=600.0, help="headless: give up after this many seconds")
+    args = p.parse_args(argv)
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        p.error("--max-new-tokens must be at least 1")
+    return args
+
+
+def check_output_path(option: str, path: str, exts: tuple[str, ...]) -> str | None:
+    """One sentence saying why `path` cannot be written, or None when it looks fine."""
+    p = Path(path).expanduser()
+    if p.suffix.lower() not in exts:
+        return f"{option} {path}: unknown file type {p.suffix or '(none)'!r}; use {' or '.join(exts)}"
+    if p.is_dir():
+        return f"{option} {path}: that is a directory, not a file name"
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        return f"{option} {path}: the directory {parent} does not exist"
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        return f"{option} {path}: cannot write there (permission denied)"
+    return None
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"inference-lab: {message}", file=sys.stderr)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    headless = bool(args.screenshot or args.export_timeline)
+    for option, path, exts in (("--screenshot", args.screenshot, SCREENSHOT_EXTS),
+                               ("--export-timeline", args.export_timeline, TIMELINE_EXTS)):
+        if path:
+            problem = check_output_path(option, path, exts)
+            if problem:
+                return _fail(problem, 2)
+    if headless and not args.prompt:
+        return _fail("--screenshot and --export-timeline need --prompt", 2)
+    if headless:
+        os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+    from PySide6 import QtWidgets
+
+    from app.theme import apply_theme
+
+    app = QtWidgets.QApplication.instance() or QtWidgets.QApplication([sys.argv[0]])
+    app.setOrganizationName("InferenceLab")
+    app.setApplicationName("Inference Lab")
+    apply_theme(app)
+
+    from app.main_window import MainWindow
+
+    if headless:
+        return _run_headless(app, args)
+    window = MainWindow(args.model, device=args.device)
+    _apply_args(window, args)
+    window.show()
+    _close_on_ctrl_c(window)
+    return app.exec()
+
+
+def _close_on_ctrl_c(window) -> None:
+    """Ctrl+C in the terminal closes the window the normal way (settings saved, worker stopped)."""
+    import signal
+
+    from PySide6 import QtCore
+
+    signal.signal(signal.SIGINT, lambda *_: window.close())
+    signal.signal(signal.SIGTERM, lambda *_: window.close())
+    # Python runs signal handlers only between bytecodes: a short timer gives it the chance while Qt waits.
+    window._signal_timer = QtCore.QTimer(window)
+    window._signal_timer.timeout.connect(lambda: None)
+    window._signal_timer.start(200)
+
+
+def _apply_args(window, args: argparse.Namespace) -> None:
+    from dataclasses import replace
+
+    prompt, gen = window.panels.get("prompt"), window.panels.get("generation")
+    if args.prompt is not None and prompt is not None:
+        prompt.set_text(args.prompt)
+    if args.chat:
+        for panel in (prompt, gen):
+            if panel is not None:
+                panel.set_chat(True)
+    if args.max_new_tokens is not None and gen is not None:
+        gen.set_max_new_tokens(args.max_new_tokens)
+    if args.seed is not None or args.greedy:
+        params = window.bridge.params
+        if args.greedy:
+            params = replace(params, temperature=0.0)
+        if args.seed is not None:
+            params = replace(params, seed=args.seed)
+        window.bridge.set_params(params)
+
+
+def _quiet_qt_messages() -> None:
+    """Headless runs print one line per problem: drop the offscreen platform's harmless chatter."""
+    from PySide6 import QtCore
+
+    noise = ("propagateSizeHints",)
+
+    def handler(mode, context, message: str) -> None:
+        if any(n in message for n in noise):
+            return
+        sys.stderr.write(message + "\n")
+
+    QtCore.qInstallMessageHandler(handler)
+
+
+def _run_headless(app, args: argparse.Namespace) -> int:
+    from PySide6 import QtCore
+
+    from app.main_window import MainWindow
+
+    _quiet_qt_messages()
+
+    window = MainWindow(args.model, persist=False, interactive=False, device=args.device)
+    window.resize(*HEADLESS_SIZE)
+    window.show()
+    outcome: dict[str, object] = {}
+    deadline = time.monotonic() + args.timeout
+
+    def finish(code: int, message: str | None = None) -> None:
+        if "code" in outcome:
+            return
+        outcome["code"] = code
+        if message:
+            print(f"inference-lab: {message}", file=sys.stderr)
+        app.exit(code)
+
+    def on_loaded(_info) -> None:
+        _apply_args(window, args)
+        prompt = window.panels.get("prompt")
+        if prompt is not None:
+            prompt.set_text(args.prompt)
+        gen = window.panels["generation"]
+        if not prompt:
+            gen.set_text(args.prompt)
+        if not gen.generate():
+            finish(1, "could not start the generation")
+
+    def settle(rounds: int = 4) -> None:
+        """Let the shared draw timer and pyqtgraph's deferred layouts run so every panel shows this run."""
+        for _ in range(rounds):
+            end = time.monotonic() + 0.06
+            while time.monotonic() < end:
+                app.processEvents(QtCore.QEventLoop.ProcessEventsFlag.AllEvents, 20)
+            window.tick_panels()
+
+    def on_finished(_ev) -> None:
+        # The generation owned the KV cache; now the preview runs on the same prompt and shows the reuse.
+        preview = window.panels.get("preview")
+        if preview is None or preview.result is not None:
+            QtCore.QTimer.singleShot(0, save)
+            return
+        window.bridge.sig_preview.connect(lambda _r: QtCore.QTimer.singleShot(0, save))
+        QtCore.QTimer.singleShot(10_000, save)  # a preview that never comes must not hold the picture back
+        preview.request_now()  # runs once the worker is idle again
+
+    def save() -> None:
+        if "saving" in outcome:
+            return
+        outcome["saving"] = True
+        settle()
+        outputs = []
+        if args.screenshot:
+            path = str(Path(args.screenshot).expanduser())
+            if not window.grab().save(path, "PNG"):
+                finish(1, f"could not write the screenshot to {path}")
+                return
+            outputs.append(("screenshot", path))
+        if args.export_timeline:
+            path = str(Path(args.export_timeline).expanduser())
+            if not window.export_timeline(path):
+                finish(1, window.last_error)
+                return
+            outputs.append(("timeline", path))
+        for kind, path in outputs:
+            print(f"{kind}: {path}")
+        finish(0)
+
+    def check_deadline() -> None:
+        if time.monotonic() > deadline:
+            finish(1, f"timed out after {args.timeout:.0f} s")
+
+    window.bridge.sig_model_loaded.connect(on_loaded)
+    window.bridge.sig_load_failed.connect(lambda msg: finish(1, msg))
+    window.bridge.sig_failed.connect(lambda msg: finish(1, msg))
+    window.bridge.sig_finished.connect(on_finished)
+    watchdog = QtCore.QTimer(window)
+    watchdog.timeout.connect(check_deadline)
+    watchdog.start(500)
+    code = app.exec()
+    watchdog.stop()
+    window.close()
+    return int(outcome.get("code", code))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,416 @@
+"""The main window: one dock per panel, the menus, the status bar, the shared draw timer and the settings.
+
+The window shows at once; the model loads in the worker thread while a progress bar runs in the status bar.
+Closing the window stops the worker (flag → quit → wait) before anything is destroyed.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib
+import logging
+import zlib
+from pathlib import Path
+
+from PySide6 import QtCore, QtGui, QtWidgets
+
+from app import theme
+from app.bridge import Bridge
+from app.panels import PANEL_MODULES
+from app.panels.base import Panel
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DRAW_INTERVAL_MS = 33  # the shared draw timer: about 30 Hz
+DEFAULT_SIZE = (1600, 1000)
+_Area = QtCore.Qt.DockWidgetArea
+# Default layout: three rows; the top and bottom areas own the corners, so they span the whole width.
+PLACEMENT = {
+    "prompt": _Area.TopDockWidgetArea, "preview": _Area.TopDockWidgetArea, "sampling": _Area.TopDockWidgetArea,
+    "generation": _Area.LeftDockWidgetArea, "attention": _Area.RightDockWidgetArea,
+    "kv_cache": _Area.BottomDockWidgetArea, "timeline": _Area.BottomDockWidgetArea,
+    "roofline": _Area.BottomDockWidgetArea,
+}
+
+
+def discover_panels() -> list[tuple[str, type[Panel]]]:
+    """(module name, panel class) for every module of PANEL_MODULES that exists, in registry order."""
+    found = []
+    for name in PANEL_MODULES:
+        module_name = f"app.panels.{name}"
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:  # the panel exists but one of its imports is missing: that is a bug
+                raise
+            log.warning("panel module %s is missing; its dock is skipped", module_name)
+            continue
+        found.append((name, module.PANEL))
+    return found
+
+
+class MainWindow(QtWidgets.QMainWindow):
+    sig_closed = QtCore.Signal()
+    """The window closed and the worker thread has stopped."""
+
+    def __init__(self, model: str | None = None, *, persist: bool = True, load: bool = True,
+                 interactive: bool = True, device: str = "auto", dtype: str = "auto") -> None:
+        """`persist`: read and write QSettings; `interactive`: errors may also open message boxes."""
+        super().__init__()
+        self.setWindowTitle("Inference Lab")
+        self.setObjectName("main_window")
+        self.setDockNestingEnabled(True)
+        self.settings = Settings() if persist else None
+        self.interactive = interactive
+        self.device, self.dtype = device, dtype
+        self.last_error = ""
+        self.draw_errors: dict[str, str] = {}  # panel module → the last exception its draw() raised
+        self._closed = False
+        self._model_request: str | None = None
+        self._first_show = True
+        self._restored_layout = False
+
+        self.bridge = Bridge(self)
+        if self.settings is not None:
+            self.bridge.params = self.settings.sampling_params()
+
+        self.panels: dict[str, Panel] = {}
+        self.docks: dict[str, QtWidgets.QDockWidget] = {}
+        for name, cls in discover_panels():
+            panel = cls(self.bridge)
+            dock = QtWidgets.QDockWidget(cls.title, self)
+            dock.setObjectName(cls.object_name)
+            dock.setWidget(panel)
+            dock.setWhatsThis(cls.help_text)
+            dock.setFeatures(dock.features() | QtWidgets.QDockWidget.DockWidgetFeature.DockWidgetFloatable)
+            self.panels[name] = panel
+            self.docks[name] = dock
+        self._layout_version = zlib.crc32(",".join(d.objectName() for d in self.docks.values()).encode())
+        self._build_default_layout()
+        self._wire_panels()
+        self._build_menus()
+        self._build_status_bar()
+
+        self.bridge.sig_load_progress.connect(self._on_load_progress)
+        self.bridge.sig_model_loaded.connect(self._on_model_loaded)
+        self.bridge.sig_load_failed.connect(self._on_load_failed)
+        self.bridge.sig_failed.connect(self._on_failed)
+        self.bridge.sig_state.connect(self._on_state)
+
+        self.draw_timer = QtCore.QTimer(self)
+        self.draw_timer.setInterval(DRAW_INTERVAL_MS)
+        self.draw_timer.timeout.connect(self.tick_panels)
+        self.draw_timer.start()
+
+        self.resize(*DEFAULT_SIZE)
+        self._restore()
+        if self.settings is not None:
+            self.bridge.set_params(self.bridge.params)  # the worker and the sampling panel get the restored knobs
+        if load:
+            self.load_model(model if model is not None else self._stored_model())
+
+    # ---- construction ----
+    def _build_default_layout(self) -> None:
+        last: dict[QtCore.Qt.DockWidgetArea, QtWidgets.QDockWidget] = {}
+        extra = []
+        for name, dock in self.docks.items():
+            area = PLACEMENT.get(name)
+            if area is None:
+                extra.append(dock)
+            elif area in last:
+                self.splitDockWidget(last[area], dock, QtCore.Qt.Orientation.Horizontal)
+            else:
+                self.addDockWidget(area, dock)
+            if area is not None:
+                last[area] = dock
+        # Panels without a place of their own become tabs beside the last dock, which stays in front.
+        host = next(reversed(last.values()), None)
+        for dock in extra:
+            if host is None:
+                self.addDockWidget(_Area.RightDockWidgetArea, dock)
+                host = dock
+            else:
+                self.tabifyDockWidget(host, dock)
+        if extra and host is not None:
+            host.raise_()
+
+    def _apply_default_sizes(self) -> None:
+        rows = [[d for n, d in self.docks.items() if PLACEMENT.get(n) == a]
+                for a in (_Area.TopDockWidgetArea, _Area.BottomDockWidgetArea)]
+        h = max(self.height(), 600)
+        for row, frac in zip(rows, (0.30, 0.28), strict=True):
+            if row:
+                self.resizeDocks(row, [int(h * frac)] * len(row), QtCore.Qt.Orientation.Vertical)
+                self.resizeDocks(row, [self.width() // len(row)] * len(row), QtCore.Qt.Orientation.Horizontal)
+        middle = [self.docks[n] for n in ("generation", "attention") if n in self.docks]
+        if len(middle) == 2:
+            self.resizeDocks(middle, [int(self.width() * 0.45), int(self.width() * 0.55)],
+                             QtCore.Qt.Orientation.Horizontal)
+
+    def _wire_panels(self) -> None:
+        prompt, preview, gen = (self.panels.get(n) for n in ("prompt", "preview", "generation"))
+        if prompt is not None:
+            for target in (preview, gen):
+                if target is not None:
+                    prompt.sig_text_changed.connect(target.set_text)
+                    prompt.sig_chat_changed.connect(target.set_chat)
+            if gen is not None:
+                gen.sig_chat_changed.connect(prompt.set_chat)
+        elif gen is not None and preview is not None:
+            gen.sig_chat_changed.connect(preview.set_chat)
+
+    def _build_menus(self) -> None:
+        bar = self.menuBar()
+        file_menu = self.file_menu = bar.addMenu("&File")
+        self.open_action = file_menu.addAction("&Open model…", self._open_model_dialog)
+        self.open_action.setShortcut(QtGui.QKeySequence("Ctrl+O"))
+        file_menu.addAction("Open model &folder…", self._open_model_folder_dialog)
+        self.export_action = file_menu.addAction("&Export timeline…", self._export_timeline_dialog)
+        self.export_action.setShortcut(QtGui.QKeySequence("Ctrl+E"))
+        self.export_action.setEnabled("timeline" in self.panels)
+        file_menu.addSeparator()
+        quit_action = file_menu.addAction("&Quit", self.close)
+        quit_action.setShortcut(QtGui.QKeySequence("Ctrl+Q"))
+
+        view = self.view_menu = bar.addMenu("&View")
+        for i, (name, dock) in enumerate(self.docks.items()):
+            action = dock.toggleViewAction()
+            action.setText(self.panels[name].title)
+            keys = self.panels[name].shortcut or (f"Alt+{i + 1}" if i < 9 else "")
+            if keys:
+                action.setShortcut(QtGui.QKeySequence(keys))
+            view.addAction(action)
+        view.addSeparator()
+        view.addAction("&Reset layout", self.reset_layout)
+
+        help_menu = self.help_menu = bar.addMenu("&Help")
+        help_action = help_menu.addAction("&Panels", self.show_panel_help)
+        help_action.setShortcut(QtGui.QKeySequence("F1"))
+        help_menu.addAction("&About Inference Lab", self._about)
+
+    def _build_status_bar(self) -> None:
+        sb = self.statusBar()
+        self.message = QtWidgets.QLabel("Starting…")
+        self.message.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.progress = QtWidgets.QProgressBar()
+        self.progress.setRange(0, 100)
+        self.progress.setMaximumWidth(220)
+        self.progress.setTextVisible(True)
+        self.progress.hide()
+        self.model_label = QtWidgets.QLabel("no model")
+        self.model_label.setStyleSheet(f"color: {theme.MUTED};")
+        sb.addWidget(self.message, 1)
+        sb.addWidget(self.progress)
+        sb.addPermanentWidget(self.model_label)
+
+    # ---- model ----
+    def _stored_model(self) -> str | None:
+        path = self.settings.model_path() if self.settings is not None else ""
+        return path if path and Path(path).exists() else None
+
+    def load_model(self, path: str | None = None) -> None:
+        """Load a model in the worker (None = the default model); progress shows in the status bar."""
+        self._model_request = str(path) if path else None
+        self.progress.setValue(0)
+        self.progress.show()
+        name = Path(path).name if path else "the default model"
+        self._set_message(f"Loading {name}…")
+        self.bridge.load_model(self._model_request, device=self.device, dtype=self.dtype)
+
+    def _open_model_dialog(self) -> None:
+        path, _ = QtWidgets.QFileDialog.getOpenFileName(
+            self, "Open model", self._dialog_dir(), "GGUF models (*.gguf);;All files (*)")
+        if path:
+            self.load_model(path)
+
+    def _open_model_folder_dialog(self) -> None:
+        path = QtWidgets.QFileDialog.getExistingDirectory(
+            self, "Open a Hugging Face model folder (config.json + safetensors)", self._dialog_dir())
+        if path:
+            self.load_model(path)
+
+    def _dialog_dir(self) -> str:
+        return str(Path(self._model_request).parent) if self._model_request else str(Path.home())
+
+    @QtCore.Slot(float, str)
+    def _on_load_progress(self, fraction: float, message: str) -> None:
+        self.progress.show()
+        self.progress.setValue(int(round(100 * fraction)))
+        self._set_message(f"Loading model: {message}")
+
+    @QtCore.Slot(object)
+    def _on_model_loaded(self, info) -> None:
+        self.progress.hide()
+        self.last_error = ""
+        params = f"{info.n_params / 1e6:.0f}M" if info.n_params < 1e9 else f"{info.n_params / 1e9:.1f}B"
+        self.model_label.setText(
+            f"{info.name} · {params} params · {info.n_layers} layers · {info.dtype} on {info.device}")
+        self.model_label.setToolTip(info.path)
+        cached = " (from the weight cache)" if info.from_cache else ""
+        self._set_message(f"Loaded {info.name} in {info.load_s:.1f} s{cached}. Type a prompt and press Ctrl+Enter.")
+        if self.settings is not None:
+            self.settings.save_model_path(self._model_request or "")
+
+    @QtCore.Slot(str)
+    def _on_load_failed(self, message: str) -> None:
+        self.progress.hide()
+        self._show_error(f"{message}. Use File → Open model… to pick another .gguf file or model folder.",
+                         title="The model could not be loaded", box=True)
+
+    @QtCore.Slot(str)
+    def _on_failed(self, message: str) -> None:
+        self._show_error(message, title="Generation failed", box=False)
+
+    @QtCore.Slot(str)
+    def _on_state(self, state: str) -> None:
+        if state == "generating" and not self.last_error:
+            self._set_message("Generating…")
+        elif state == "paused":
+            self._set_message("Paused between two tokens: Step (F10) runs one more, Resume goes on.")
+        elif state == "idle" and not self.last_error:
+            self._set_message("Ready.")
+
+    def _set_message(self, text: str, error: bool = False) -> None:
+        self.message.setStyleSheet(f"color: {theme.ERROR_COLOR};" if error else "")
+        self.message.setText(text)
+
+    def _show_error(self, message: str, title: str, box: bool) -> None:
+        self.last_error = message
+        self._set_message(f"⚠ {message}", error=True)
+        if box and self.interactive:
+            mb = QtWidgets.QMessageBox(QtWidgets.QMessageBox.Icon.Warning, title, message,
+                                       QtWidgets.QMessageBox.StandardButton.Ok, self)
+            mb.setModal(False)
+            mb.setAttribute(QtCore.Qt.WidgetAttribute.WA_DeleteOnClose)
+            mb.show()
+            self.error_box = mb
+
+    # ---- drawing ----
+    @QtCore.Slot()
+    def tick_panels(self) -> None:
+        """The shared draw timer: every dirty panel repaints from its stored data."""
+        for name, panel in self.panels.items():
+            try:
+                panel.tick()
+            except Exception as e:  # noqa: BLE001 — one broken panel must not stop the others from painting
+                key = f"{type(e).__name__}: {e}"
+                if self.draw_errors.get(name) != key:
+                    log.exception("the %s panel failed to draw", name)
+                self.draw_errors[name] = key
+
+    # ---- timeline export ----
+    def export_timeline(self, path: str) -> bool:
+        """Save the timeline panel as PNG or SVG (by extension); a failure shows its message and returns False."""
+        panel = self.panels.get("timeline")
+        if panel is None or not hasattr(panel, "export"):
+            self._show_error("there is no timeline panel to export", title="Export failed", box=self.interactive)
+            return False
+        try:
+            panel.export(str(path))
+        except (OSError, ValueError) as e:
+            self._show_error(f"could not export the timeline to {path}: {e}", title="Export failed",
+                             box=self.interactive)
+            return False
+        self._set_message(f"Timeline saved to {path}")
+        return True
+
+    def _export_timeline_dialog(self) -> None:
+        path, _ = QtWidgets.QFileDialog.getSaveFileName(
+            self, "Export timeline", str(Path.home() / "timeline.png"), "PNG image (*.png);;SVG drawing (*.svg)")
+        if path:
+            self.export_timeline(path)
+
+    # ---- view ----
+    def reset_layout(self) -> None:
+        for dock in self.docks.values():
+            dock.setFloating(False)
+            self.removeDockWidget(dock)
+        self._build_default_layout()
+        for dock in self.docks.values():
+            dock.show()
+        self._apply_default_sizes()
+
+    def show_panel_help(self) -> None:
+        parts = ["<h2>The panels</h2>"]
+        view_keys = {a.text(): a.shortcut().toString() for a in self.view_menu.actions()}
+        for panel in self.panels.values():
+            keys = view_keys.get(panel.title, "")
+            keys = f" <span style='color:{theme.MUTED}'>({keys})</span>" if keys else ""
+            parts.append(f"<h3>{html.escape(panel.title)}{keys}</h3><p>{html.escape(panel.help_text)}</p>")
+        dialog = QtWidgets.QDialog(self)
+        dialog.setWindowTitle("Inference Lab — panels")
+        dialog.setAttribute(QtCore.Qt.WidgetAttribute.WA_DeleteOnClose)
+        browser = QtWidgets.QTextBrowser(dialog)
+        browser.setHtml("".join(parts))
+        layout = QtWidgets.QVBoxLayout(dialog)
+        layout.addWidget(browser)
+        dialog.resize(640, 720)
+        dialog.show()
+        self.help_dialog = dialog
+
+    def _about(self) -> None:
+        QtWidgets.QMessageBox.about(
+            self, "About Inference Lab",
+            "<b>Inference Lab</b><br>Watch LLM inference happen, step by step, on a real model on your own "
+            "machine: tokens, prefill and decode, the KV cache, attention, sampling and timing.")
+
+    # ---- settings ----
+    def _restore(self) -> None:
+        s = self.settings
+        prompt, gen = self.panels.get("prompt"), self.panels.get("generation")
+        if s is None:
+            return
+        geometry = s.geometry()
+        if geometry is not None:
+            self.restoreGeometry(geometry)
+        state = s.window_state(self._layout_version)
+        if state is not None:
+            self._restored_layout = bool(self.restoreState(state))
+        if prompt is not None:
+            prompt.set_chat(s.chat())
+            prompt.set_text(s.prompt_text())
+        if gen is not None:
+            gen.set_chat(s.chat())
+            gen.set_max_new_tokens(s.max_new_tokens())
+            if prompt is None:
+                gen.set_text(s.prompt_text())
+
+    def save_settings(self) -> None:
+        s = self.settings
+        if s is None:
+            return
+        s.save_window(self.saveGeometry(), self.saveState(), self._layout_version)
+        prompt, gen = self.panels.get("prompt"), self.panels.get("generation")
+        text = prompt.text() if prompt is not None else (gen.text() if gen is not None else "")
+        chat = prompt.chat() if prompt is not None else (gen.chat() if gen is not None else True)
+        max_new = gen.max_tokens.value() if gen is not None else s.max_new_tokens()
+        s.save_session(text, chat, max_new)
+        s.save_sampling_params(self.bridge.params)
+        s.sync()
+
+    # ---- lifetime ----
+    def showEvent(self, event: QtGui.QShowEvent) -> None:  # noqa: N802 — Qt's name
+        super().showEvent(event)
+        if self._first_show:
+            self._first_show = False
+            if not self._restored_layout:
+                self._apply_default_sizes()
+
+    def shutdown(self) -> bool:
+        """Save settings, stop the draw timer and the worker thread (waits for the current token or load)."""
+        if self._closed:
+            return True
+        self._closed = True
+        self.save_settings()
+        self.draw_timer.stop()
+        ok = self.bridge.shutdown(timeout_ms=10_000)
+        while not ok:  # a model load cannot be interrupted: wait for it rather than destroy a running thread
+            log.warning("the worker is still busy; waiting for it to finish")
+            ok = self.bridge.worker_thread.wait(5_000)
+        return ok
+
+    def closeEvent(self, event: QtGui.QCloseEvent) -> None:  # noqa: N802 — Qt's name
+        self.shutdown()
+        event.accept()
+        self.sig_closed.emit()

@@ -1,0 +1,400 @@
+"""Attention: who each token reads from, for one layer — one head large, all heads as small multiples.
+
+The prefill captures a (heads, T, T) block of weights, each decode step one new row (heads, 1, S); the panel
+assembles them into a growing (heads, S, S) lower-triangular matrix. Cells the causal mask forbids (a key after its
+query) hold NaN and are drawn in the mask colour, not as a zero weight. Rows whose queries were never computed
+(prompt tokens reused from the KV cache) are NaN too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6 import QtCore, QtGui, QtWidgets
+
+from app.bridge import Bridge
+from app.panels.base import Panel
+from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND
+from engine.events import AttentionCaptured, ModelInfo, PromptTokenized, ResidualNorms, TokenSampled
+
+FONT_PT = 9
+MASK_COLOR = "#3c3c3c"  # the causal mask: cells a query may not read
+GROUP_COLORS = ("#e5c07b", "#61afef", "#c678dd", "#98c379", "#e06c75", "#56b6c2", "#d19a66", "#abb2bf")
+CMAP = pg.colormap.get("viridis")
+
+
+def _readable(piece: str) -> str:
+    text = piece.replace("\n", "↵").replace("\t", "→")
+    return text if text.strip() else text.replace(" ", "·")
+
+
+class AttentionMatrix:
+    """The attention weights of one layer for the whole sequence so far: (heads, S, S), NaN where masked."""
+
+    def __init__(self, n_heads: int) -> None:
+        self.n_heads = n_heads
+        self.size = 0
+        self._w = np.full((n_heads, 0, 0), np.nan, dtype=np.float32)
+
+    def add(self, ev: AttentionCaptured) -> None:
+        h, nq, nk = ev.weights.shape
+        end = max(self.size, ev.query_start + nq, nk)
+        if end > self._w.shape[1]:  # grow the capacity geometrically so each step is amortised O(S)
+            cap = max(end, int(self._w.shape[1] * 1.5) + 16)
+            grown = np.full((h, cap, cap), np.nan, dtype=np.float32)
+            grown[:, : self.size, : self.size] = self._w[:, : self.size, : self.size]
+            self._w = grown
+        rows = slice(ev.query_start, ev.query_start + nq)
+        block = np.array(ev.weights, dtype=np.float32)
+        q = np.arange(ev.query_start, ev.query_start + nq)[:, None]  # (nq, 1) absolute query positions
+        k = np.arange(nk)[None, :]  # (1, nk) key positions
+        block[:, k > q] = np.nan  # the causal mask, explicitly
+        self._w[:, rows, :nk] = block
+        self.size = end
+
+    @property
+    def weights(self) -> np.ndarray:
+        """(heads, S, S) view of the filled part."""
+        return self._w[:, : self.size, : self.size]
+
+
+class AttentionPanel(Panel):
+    title = "Attention"
+    object_name = "panel_attention"
+    shortcut = "Alt+5"
+    help_text = (
+        "Attention weights of one layer: each row is a query token (the one being computed), each column a key "
+        "token it reads from. A row is softmax(q·kᵀ / √d_head) over the keys and sums to 1; SmolLM2-135M has "
+        "d_head = 64, so the scores are divided by 8. The model is causal: a token may read only itself and "
+        "earlier tokens, so the cells above the diagonal are masked (dark grey): they are not zero, they do not "
+        "exist. The prefill fills the whole prompt block in one pass; each decode step adds one new row at the "
+        "bottom. Grouped-query attention: SmolLM2-135M has 9 query heads but only 3 key/value heads; query head h "
+        "reads KV head h // 3, so heads 0-2, 3-5 and 6-8 share their keys and values, and the KV cache is 3× "
+        "smaller than with 9 KV heads. The All heads grid shows one row per KV group, framed in the group's "
+        "colour; click a head to show it large. Only the chosen layer is captured during a generation (capturing "
+        "costs time), so choose it before you generate. Click a row to select that step in every panel. The "
+        "colour scale is √weight by default, so small weights stay visible next to the large ones on the first "
+        "token (an 'attention sink'). Residual norms: the length ‖x‖ of the newest token's hidden state after the "
+        "embedding and after each of the 30 layers, i.e. how much each layer adds to the residual stream."
+    )
+
+    def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(bridge, parent)
+        self.n_heads = 1
+        self.group_size = 1
+        self.n_layers = 1
+        self._matrices: dict[int, AttentionMatrix] = {}
+        self._pieces: list[str] = []
+        self._n_prompt = 0
+        self._norms: dict[int, np.ndarray] = {}
+        self._selected_step: int | None = None
+        self._grid_key: tuple[int, int] | None = None
+        self._font = QtGui.QFont()
+        self._font.setPointSize(FONT_PT)
+        if not hasattr(bridge, "attention_layers"):
+            bridge.attention_layers = set()
+        self._build()
+        bridge.sig_model_loaded.connect(self._on_model_loaded)
+        bridge.sig_prompt.connect(self._on_prompt)
+        bridge.sig_attention.connect(self._on_attention)
+        bridge.sig_token.connect(self._on_token)
+        bridge.sig_norms.connect(self._on_norms)
+        bridge.sig_step_selected.connect(self._on_step_selected)
+        if bridge.info is not None:
+            self._on_model_loaded(bridge.info)
+
+    # ---- widgets -----------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        self.layer_spin = QtWidgets.QSpinBox(minimum=0, maximum=0)
+        self.layer_spin.setToolTip("Layer whose attention is captured and shown (0 = first)")
+        self.head_spin = QtWidgets.QSpinBox(minimum=0, maximum=0)
+        self.head_spin.setToolTip("Query head shown large")
+        self.sqrt_check = QtWidgets.QCheckBox("√ scale")
+        self.sqrt_check.setChecked(True)
+        self.sqrt_check.setToolTip("Colour by √weight so small weights stay visible")
+        self.kv_label = QtWidgets.QLabel("")
+        self.kv_label.setWordWrap(True)
+        self.kv_label.setMinimumWidth(60)
+        self.layer_spin.valueChanged.connect(self._on_layer_changed)
+        self.head_spin.valueChanged.connect(self.mark_dirty)
+        self.sqrt_check.toggled.connect(self.mark_dirty)
+        row = QtWidgets.QHBoxLayout()
+        row.setContentsMargins(0, 0, 0, 0)
+        for w in (QtWidgets.QLabel("layer"), self.layer_spin, QtWidgets.QLabel("head"), self.head_spin,
+                  self.sqrt_check):
+            row.addWidget(w)
+        row.addWidget(self.kv_label, 1)
+        self.status = QtWidgets.QLabel("Generate to see attention.")
+        self.status.setWordWrap(True)
+
+        # one head, large
+        self.heat = pg.PlotWidget(background=BACKGROUND)
+        pi = self.heat.getPlotItem()
+        pi.setMenuEnabled(False)
+        pi.hideButtons()
+        vb = pi.getViewBox()
+        vb.setBackgroundColor(MASK_COLOR)
+        vb.invertY(True)
+        vb.setAspectLocked(False)
+        for name in ("left", "bottom"):
+            ax = pi.getAxis(name)
+            ax.setStyle(tickFont=self._font, tickLength=0)
+            ax.setTextPen(FOREGROUND)
+        pi.getAxis("left").setWidth(QtGui.QFontMetrics(self._font).horizontalAdvance("<|im_start 000") + 8)
+        pi.setLabel("bottom", "key (read from) →   rows: query (reading) ↓", **{"font-size": f"{FONT_PT}pt",
+                                                                         "color": "#bbbbbb"})
+        self.image = pg.ImageItem(axisOrder="row-major")
+        self.image.setColorMap(CMAP)
+        pi.addItem(self.image)
+        self.colorbar = pg.ColorBarItem(values=(0, 1), colorMap=CMAP, interactive=False, width=12)
+        self.colorbar.setImageItem(self.image, insert_in=pi)
+        self.colorbar.axis.setStyle(tickFont=self._font)
+        self.row_box = pg.QtWidgets.QGraphicsRectItem(0, 0, 0, 0)
+        self.row_box.setPen(pg.mkPen(ACCENT, width=2))
+        self.row_box.setVisible(False)
+        pi.addItem(self.row_box)
+        self.heat.scene().sigMouseClicked.connect(self._on_heat_clicked)
+        vb.sigRangeChanged.connect(lambda *_: self.mark_dirty())
+
+        # every head of the layer, grouped by KV head
+        self.grid = pg.GraphicsLayoutWidget()
+        self.grid.setBackground(BACKGROUND)
+        self.grid_images: list[pg.ImageItem] = []
+        self.grid_boxes: list[pg.ViewBox] = []
+        self.grid_labels: list[pg.LabelItem] = []
+        self.grid.scene().sigMouseClicked.connect(self._on_grid_clicked)
+
+        # residual stream norm per layer
+        self.norm_plot = pg.PlotWidget(background=BACKGROUND)
+        npi = self.norm_plot.getPlotItem()
+        npi.setMenuEnabled(False)
+        npi.showGrid(x=True, y=True, alpha=0.2)
+        for name in ("left", "bottom"):
+            npi.getAxis(name).setStyle(tickFont=self._font)
+        npi.setLabel("bottom", "after layer (0 = embedding)", **{"font-size": f"{FONT_PT}pt"})
+        npi.setLabel("left", "‖residual‖", **{"font-size": f"{FONT_PT}pt"})
+        self.norm_curve = npi.plot([], [], pen=pg.mkPen(DECODE_COLOR, width=2), symbol="o", symbolSize=5,
+                                   symbolBrush=DECODE_COLOR)
+
+        self.tabs = QtWidgets.QTabWidget()
+        self.tabs.addTab(self.heat, "Head")
+        self.tabs.addTab(self.grid, "All heads")
+        self.tabs.addTab(self.norm_plot, "Residual norms")
+        self.tabs.currentChanged.connect(self.mark_dirty)
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.setSpacing(3)
+        layout.addLayout(row)
+        layout.addWidget(self.status)
+        layout.addWidget(self.tabs, 1)
+
+    def _build_grid(self) -> None:
+        """Small multiples: one row per KV head, its `group_size` query heads side by side."""
+        key = (self.n_heads, self.group_size)
+        if self._grid_key == key:
+            return
+        self._grid_key = key
+        self.grid.clear()
+        self.grid_images, self.grid_boxes, self.grid_labels = [], [], []
+        cols = self.group_size if self.group_size > 1 else math.ceil(math.sqrt(self.n_heads))
+        if cols > 6:
+            cols = math.ceil(math.sqrt(self.n_heads))
+        for h in range(self.n_heads):
+            kv = h // self.group_size
+            colour = GROUP_COLORS[kv % len(GROUP_COLORS)]
+            r, c = divmod(h, cols)
+            cell = self.grid.addLayout(row=r, col=c)
+            cell.setSpacing(0)
+            label = cell.addLabel(f"h{h} → kv{kv}", row=0, col=0, color=colour, size=f"{FONT_PT}pt")
+            vb = cell.addViewBox(row=1, col=0, lockAspect=False, enableMouse=False, invertY=True)
+            vb.setBackgroundColor(MASK_COLOR)
+            vb.setBorder(pg.mkPen(colour, width=2))
+            img = pg.ImageItem(axisOrder="row-major")
+            img.setColorMap(CMAP)
+            vb.addItem(img)
+            vb.setMenuEnabled(False)
+            self.grid_images.append(img)
+            self.grid_boxes.append(vb)
+            self.grid_labels.append(label)
+
+    # ---- events ------------------------------------------------------------------------------------------------
+    @QtCore.Slot(object)
+    def _on_model_loaded(self, info: ModelInfo) -> None:
+        self.n_heads, self.n_layers = info.n_heads, info.n_layers
+        self.group_size = max(1, info.n_heads // max(1, info.n_kv_heads))
+        self.layer_spin.setMaximum(info.n_layers - 1)
+        self.head_spin.setMaximum(info.n_heads - 1)
+        self.layer_spin.setValue(info.n_layers - 1)
+        self.bridge.attention_layers = {self.layer_spin.value()}
+        self._build_grid()
+        self.clear()
+
+    def _on_layer_changed(self, layer: int) -> None:
+        self.bridge.attention_layers = {int(layer)}
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_prompt(self, ev: PromptTokenized) -> None:
+        self._matrices.clear()
+        self._norms.clear()
+        self._pieces = [_readable(p) for p in ev.pieces]
+        self._n_prompt = len(ev.pieces)
+        self._selected_step = None
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_attention(self, ev: AttentionCaptured) -> None:
+        h = ev.weights.shape[0]
+        if ev.layer not in self._matrices or self._matrices[ev.layer].n_heads != h:
+            self._matrices[ev.layer] = AttentionMatrix(h)
+        if h != self.n_heads or ev.group_size != self.group_size:  # a model the panel was not told about
+            self.n_heads, self.group_size = h, max(1, ev.group_size)
+            self.head_spin.setMaximum(h - 1)
+        self._matrices[ev.layer].add(ev)
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_token(self, ev: TokenSampled) -> None:
+        # the token produced at `position` becomes the query of the next step's row
+        while len(self._pieces) <= ev.position:
+            self._pieces.append("")
+        self._pieces[ev.position] = _readable(ev.piece)
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_norms(self, ev: ResidualNorms) -> None:
+        self._norms[ev.step] = np.asarray(ev.norms, dtype=float)
+        self.mark_dirty()
+
+    @QtCore.Slot(int)
+    def _on_step_selected(self, step: int) -> None:
+        self._selected_step = step
+        self.mark_dirty()
+
+    def clear(self) -> None:
+        self._matrices.clear()
+        self._norms.clear()
+        self._pieces, self._n_prompt, self._selected_step = [], 0, None
+        super().clear()
+
+    # ---- rows ↔ steps ------------------------------------------------------------------------------------------
+    def step_of_row(self, row: int) -> int:
+        """The step whose forward pass computed query row `row`: the prefill for prompt rows, then one per row."""
+        return 0 if row < self._n_prompt else row - self._n_prompt + 1
+
+    def rows_of_step(self, step: int) -> tuple[int, int]:
+        return (0, self._n_prompt) if step == 0 else (self._n_prompt + step - 1, self._n_prompt + step)
+
+    def _on_heat_clicked(self, event) -> None:
+        m = self.matrix()
+        if m is None or event.button() != QtCore.Qt.MouseButton.LeftButton:
+            return
+        vb = self.heat.getPlotItem().getViewBox()
+        if not vb.sceneBoundingRect().contains(event.scenePos()):
+            return
+        p = vb.mapSceneToView(event.scenePos())
+        row = int(math.floor(p.y()))
+        if 0 <= row < m.shape[1]:
+            self.bridge.select_step(self.step_of_row(row))
+
+    def _on_grid_clicked(self, event) -> None:
+        for h, vb in enumerate(self.grid_boxes):
+            if vb.sceneBoundingRect().contains(event.scenePos()):
+                self.head_spin.setValue(h)
+                self.tabs.setCurrentIndex(0)
+                return
+
+    # ---- drawing -----------------------------------------------------------------------------------------------
+    def layer(self) -> int:
+        return int(self.layer_spin.value())
+
+    def head(self) -> int:
+        return int(self.head_spin.value())
+
+    def matrix(self) -> np.ndarray | None:
+        """(heads, S, S) of the chosen layer, NaN where masked, or None if that layer was not captured."""
+        m = self._matrices.get(self.layer())
+        return None if m is None or m.size == 0 else m.weights
+
+    def _display(self, w: np.ndarray) -> np.ndarray:
+        return np.sqrt(np.clip(w, 0.0, None)) if self.sqrt_check.isChecked() else w
+
+    def draw(self) -> None:
+        head = self.head()
+        kv = head // self.group_size
+        colour = GROUP_COLORS[kv % len(GROUP_COLORS)]
+        self.kv_label.setText(
+            f"<span style='color:{colour}'>head {head} → KV head {kv}</span> "
+            f"({self.n_heads} q heads, {max(1, self.n_heads // self.group_size)} KV heads)")
+        self.colorbar.axis.setLabel("√weight" if self.sqrt_check.isChecked() else "weight")
+        m = self.matrix()
+        if m is None:
+            captured = sorted(self._matrices)
+            self.status.setText(
+                "Generate to see attention." if not captured else
+                f"Layer {self.layer()} was not captured in this run (captured: {', '.join(map(str, captured))}); "
+                "generate again to capture it.")
+            self.image.clear()
+            for img in self.grid_images:
+                img.clear()
+            self.row_box.setVisible(False)
+        else:
+            s = m.shape[1]
+            self.status.setText(
+                f"Layer {self.layer()}: {s} × {s} (query × key) — prompt {self._n_prompt} tokens at once (prefill), "
+                f"then one row per decode step. Dark grey = causal mask.")
+            self.image.setImage(self._display(m[head]), levels=(0.0, 1.0), autoLevels=False)
+            self.image.setRect(QtCore.QRectF(0, 0, s, s))
+            if self.tabs.currentIndex() == 1 or not self.grid_images:
+                self._build_grid()
+                for h, img in enumerate(self.grid_images):
+                    if h < m.shape[0]:
+                        img.setImage(self._display(m[h]), levels=(0.0, 1.0), autoLevels=False)
+                        self.grid_boxes[h].setRange(xRange=(0, s), yRange=(0, s), padding=0)
+            self._draw_labels(s)
+            self._draw_selection(s)
+        self._draw_norms()
+
+    def _draw_labels(self, s: int) -> None:
+        pi = self.heat.getPlotItem()
+        vb = pi.getViewBox()
+        (x0, x1), (y0, y1) = vb.viewRange()
+        width_px, height_px = max(1.0, vb.width()), max(1.0, vb.height())
+        fm = QtGui.QFontMetrics(self._font)
+        for axis, lo, hi, px, room in (("bottom", x0, x1, width_px, fm.horizontalAdvance("wwwww")),
+                                       ("left", y0, y1, height_px, fm.height() + 2)):
+            visible = max(1.0, min(hi, s) - max(lo, 0))
+            per_label = px / visible  # pixels per token
+            stride = max(1, math.ceil(room / max(per_label, 1e-6)))
+            first = max(0, int(lo))
+            ticks = [(i + 0.5, self._label(i, axis == "bottom")) for i in range(first - first % stride,
+                                                                                 min(s, int(hi) + 1), stride)]
+            pi.getAxis(axis).setTicks([ticks, []])
+
+    def _label(self, i: int, short: bool) -> str:
+        text = self._pieces[i] if i < len(self._pieces) else ""
+        return text[:6] if short else f"{text[:10]} {i}"
+
+    def _draw_selection(self, s: int) -> None:
+        if self._selected_step is None:
+            self.row_box.setVisible(False)
+            return
+        r0, r1 = self.rows_of_step(self._selected_step)
+        r1 = min(r1, s)
+        self.row_box.setRect(QtCore.QRectF(0, r0, s, max(0, r1 - r0)))
+        self.row_box.setVisible(r1 > r0)
+
+    def _draw_norms(self) -> None:
+        if not self._norms:
+            self.norm_curve.setData([], [])
+            return
+        step = self._selected_step if self._selected_step in self._norms else max(self._norms)
+        norms = self._norms[step]
+        self.norm_curve.setData(np.arange(len(norms)), norms)
+        self.norm_plot.getPlotItem().setTitle(
+            f"step {step}: newest token's hidden-state norm", size=f"{FONT_PT}pt", color=FOREGROUND)
+
+
+PANEL = AttentionPanel

@@ -1,0 +1,438 @@
+"""Generation: run the model on the prompt and watch the two phases of inference.
+
+Prefill is one step: the whole prompt goes through the model in a single forward pass, so the whole prompt lights
+up at once (amber). Decode then produces one token per forward pass, and each appears on its own (blue).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from PySide6 import QtCore, QtGui, QtWidgets
+
+from app import theme
+from app.bridge import GenerateRequest
+from app.panels.base import Panel
+from app.settings import DEFAULT_MAX_NEW_TOKENS
+from app.token_view import TokenTextEdit, char_format, utf16_len, utf16_positions
+from engine.events import Finished, PrefillDone, PromptTokenized, TokenSampled
+from engine.session import Capture
+
+# Format kinds of the output view.
+PENDING, PREFILL_A, PREFILL_B, DECODE_A, DECODE_B, SPECIAL, FIRST = range(7)
+ALL_LAYERS_BELOW = 64  # capture attention of every layer for prompts shorter than this, else only the last layer
+
+
+@dataclass(frozen=True)
+class OutToken:
+    """What the output view keeps of a sampled token (not its logits: those stay with the sampling panel)."""
+
+    step: int
+    phase: str
+    position: int
+    token_id: int
+    piece: str
+    shown: str  # the text drawn for it
+    seconds: float
+
+
+def _formats() -> list[QtGui.QTextCharFormat]:
+    pa, pb = theme.phase_shades(theme.PREFILL_COLOR)
+    da, db = theme.phase_shades(theme.DECODE_COLOR)
+    return [
+        char_format(None, theme.MUTED),
+        char_format(pa, theme.FOREGROUND), char_format(pb, theme.FOREGROUND),
+        char_format(da, "#ffffff"), char_format(db, "#ffffff"),
+        char_format(theme.qcolor(theme.SPECIAL_TOKEN_COLOR).darker(160), "#f2dcff", bold=True),
+        char_format(theme.PREFILL_COLOR, "#1a1a1a", bold=True),
+    ]
+
+
+class GenerationPanel(Panel):
+    title = "Generation"
+    object_name = "dock_generation"
+    help_text = (
+        "Generate runs the model on the prompt (Ctrl+Enter). First comes the prefill: every prompt token goes "
+        "through the model in one forward pass, which fills the KV cache and yields the first new token; the time "
+        "it takes is the time to first token (TTFT). Then decode: one forward pass per new token, each reading the "
+        "whole KV cache; the time per step is the time per output token (TPOT). Pause stops between two tokens, "
+        "Step (F10) runs exactly one more decode step, Stop (Esc) ends the generation. Click a token to show that "
+        "step in the other panels; hover it for its id, piece and time."
+    )
+
+    sig_chat_changed = QtCore.Signal(bool)
+    """The chat toggle changed."""
+
+    def __init__(self, bridge, parent=None) -> None:
+        super().__init__(bridge, parent)
+        self._text = ""
+        self._state = "idle"  # "idle", "starting" (sent, not yet acknowledged), "generating", "paused"
+        self._loaded = False
+        self.ignore_eos = False  # tests set this for deterministic lengths
+        self.prompt: PromptTokenized | None = None
+        self.prefill: PrefillDone | None = None
+        self.tokens: list[OutToken] = []
+        self.finished: Finished | None = None
+        self.selected_step: int | None = None
+        self.last_request: GenerateRequest | None = None
+        self._reset_view = True
+        self._n_prompt_spans = 0
+        self._lit = False
+        self._rendered = 0
+        self._doc_len = 0
+
+        self.generate_btn = QtWidgets.QPushButton("Generate")
+        self.generate_btn.setToolTip("Prefill the prompt and decode until the end (Ctrl+Enter)")
+        self.pause_btn = QtWidgets.QPushButton("Pause")
+        self.pause_btn.setToolTip("Pause between two tokens / resume")
+        self.step_btn = QtWidgets.QPushButton("Step")
+        self.step_btn.setToolTip("Run exactly one more token, then pause (F10 or Ctrl+Right). "
+                                 "When idle: prefill, then pause")
+        self.stop_btn = QtWidgets.QPushButton("Stop")
+        self.stop_btn.setToolTip("End the generation after the current token (Esc)")
+        self.max_tokens = QtWidgets.QSpinBox()
+        self.max_tokens.setRange(1, 8192)
+        self.max_tokens.setValue(DEFAULT_MAX_NEW_TOKENS)
+        self.max_tokens.setToolTip("Max new tokens")
+        self.max_tokens.setPrefix("max ")
+        self.max_tokens.setSuffix(" tokens")
+        self.chat_box = QtWidgets.QCheckBox("Chat")
+        self.chat_box.setToolTip("Wrap the prompt in the model's chat template")
+
+        self.prefill_label = QtWidgets.QLabel("")
+        self.prefill_label.setWordWrap(True)
+        self.prefill_label.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        self.status = QtWidgets.QLabel("")
+        self.status.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        self.output = TokenTextEdit(self, read_only=True)
+        self.output.setPlaceholderText("Generated tokens appear here, one by one.")
+        self.output.set_formats(_formats())
+        self.output.tooltip_for = self._tooltip
+        self.output.sig_token_clicked.connect(self._on_token_clicked)
+
+        buttons = QtWidgets.QHBoxLayout()
+        for w in (self.generate_btn, self.pause_btn, self.step_btn, self.stop_btn):
+            buttons.addWidget(w)
+        buttons.addStretch(1)
+        buttons.addWidget(self.chat_box)
+        buttons.addWidget(self.max_tokens)
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.setSpacing(3)
+        layout.addLayout(buttons)
+        layout.addWidget(self.status)
+        layout.addWidget(self.prefill_label)
+        layout.addWidget(self.output, 1)
+
+        self.generate_btn.clicked.connect(lambda: self.generate())
+        self.pause_btn.clicked.connect(self.toggle_pause)
+        self.step_btn.clicked.connect(self.step)
+        self.stop_btn.clicked.connect(self.stop)
+        self.chat_box.toggled.connect(self.sig_chat_changed)
+        win = QtCore.Qt.ShortcutContext.WindowShortcut
+        for keys, slot in (("Ctrl+Return", self.generate), ("Ctrl+Enter", self.generate), ("Esc", self.stop),
+                           ("F10", self.step), ("Ctrl+Right", self.step)):
+            sc = QtGui.QShortcut(QtGui.QKeySequence(keys), self, context=win)
+            sc.activated.connect(lambda s=slot: s())
+
+        bridge.sig_model_loaded.connect(self._on_model_loaded)
+        bridge.sig_load_progress.connect(self._on_loading)
+        bridge.sig_state.connect(self._on_state)
+        bridge.sig_failed.connect(self._on_failed)
+        bridge.sig_prompt.connect(self._on_prompt)
+        bridge.sig_prefill.connect(self._on_prefill)
+        bridge.sig_token.connect(self._on_token)
+        bridge.sig_finished.connect(self._on_finished)
+        bridge.sig_step_selected.connect(self._on_step_selected)
+        self._update_buttons()
+        self._update_status()
+
+    # ---- inputs from other panels and settings ----
+    @QtCore.Slot(str)
+    def set_text(self, text: str) -> None:
+        self._text = text
+
+    def text(self) -> str:
+        return self._text
+
+    @QtCore.Slot(bool)
+    def set_chat(self, chat: bool) -> None:
+        self.chat_box.setChecked(bool(chat))
+
+    def chat(self) -> bool:
+        return self.chat_box.isChecked()
+
+    def set_max_new_tokens(self, n: int) -> None:
+        self.max_tokens.setValue(int(n))
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    # ---- commands ----
+    def capture_for(self, text: str, chat: bool) -> Capture:
+        """What to record: the attention layers the attention panel asked for, else a size-dependent default."""
+        layers = getattr(self.bridge, "attention_layers", None)
+        cfg = self.bridge.cfg
+        if layers is None and cfg is not None:
+            try:
+                n_prompt = len(self.bridge.tokenizer.encode(
+                    self.bridge.tokenizer.chat_prompt(text) if chat else text).ids)
+            except ValueError:
+                n_prompt = ALL_LAYERS_BELOW
+            layers = range(cfg.n_layers) if n_prompt < ALL_LAYERS_BELOW else [cfg.n_layers - 1]
+        return Capture(attention_layers=frozenset(int(x) for x in (layers or ())), residual_norms=True,
+                       funnel_top=20, logits=True)
+
+    def generate(self, start_paused: bool = False) -> bool:
+        """Start a generation of the current prompt; returns False when one cannot start now."""
+        if not self._loaded or self._state != "idle":
+            return False
+        text = self._text
+        if not text.strip():
+            self.status.setText(f"<span style='color:{theme.WARNING_COLOR}'>Type a prompt first.</span>")
+            return False
+        chat = self.chat()
+        req = GenerateRequest(
+            text=text, chat=chat, max_new_tokens=self.max_tokens.value(), params=self.bridge.params,
+            capture=self.capture_for(text, chat), ignore_eos=self.ignore_eos, start_paused=start_paused,
+        )
+        self.last_request = req
+        self._state = "starting"
+        self._update_buttons()
+        self.bridge.generate(req)
+        return True
+
+    def toggle_pause(self) -> None:
+        if self._state == "generating":
+            self.bridge.pause()
+        elif self._state == "paused":
+            self.bridge.resume()
+
+    def step(self) -> None:
+        if self._state == "idle":
+            self.generate(start_paused=True)
+        elif self._state in ("generating", "paused"):
+            self.bridge.step()
+
+    def stop(self) -> None:
+        if self._state in ("generating", "paused", "starting"):
+            self.bridge.stop()
+
+    # ---- bridge slots: store, mark dirty ----
+    @QtCore.Slot(object)
+    def _on_model_loaded(self, info) -> None:
+        self._loaded = True
+        self.max_tokens.setMaximum(max(1, int(info.context_length) - 1))
+        self._update_buttons()
+        self._update_status()
+
+    @QtCore.Slot(float, str)
+    def _on_loading(self, _fraction: float, _message: str) -> None:
+        if self._loaded:  # another model is on its way in
+            self._loaded = False
+            self._update_buttons()
+
+    @QtCore.Slot(str)
+    def _on_state(self, state: str) -> None:
+        self._state = state
+        self._update_buttons()
+        self.mark_dirty()
+
+    @QtCore.Slot(str)
+    def _on_failed(self, message: str) -> None:
+        if self._state == "starting":  # the worker refused the request (no state change follows)
+            self._state = "idle"
+            self._update_buttons()
+        self.status.setText(f"<span style='color:{theme.ERROR_COLOR}'>{_escape(message)}</span>")
+
+    @QtCore.Slot(object)
+    def _on_prompt(self, ev: PromptTokenized) -> None:
+        self.prompt, self.prefill, self.finished = ev, None, None
+        self.tokens = []
+        self.selected_step = None
+        self._reset_view = True
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_prefill(self, ev: PrefillDone) -> None:
+        self.prefill = ev
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_token(self, ev: TokenSampled) -> None:
+        tok = self.bridge.tokenizer
+        special = tok is not None and tok.is_special(ev.token_id)
+        shown = ev.text or (ev.piece if special else "")
+        self.tokens.append(OutToken(ev.step, ev.phase, ev.position, ev.token_id, ev.piece, shown, ev.seconds))
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_finished(self, ev: Finished) -> None:
+        self.finished = ev
+        self.mark_dirty()
+
+    @QtCore.Slot(int)
+    def _on_step_selected(self, step: int) -> None:
+        self.selected_step = step
+        self.mark_dirty()
+
+    def _on_token_clicked(self, k: int) -> None:
+        if k < self._n_prompt_spans:
+            self.bridge.select_step(0)
+        elif k - self._n_prompt_spans < len(self.tokens):
+            self.bridge.select_step(self.tokens[k - self._n_prompt_spans].step)
+
+    def clear(self) -> None:
+        self.prompt = self.prefill = self.finished = None
+        self.tokens = []
+        self.selected_step = None
+        self._reset_view = True
+        super().clear()
+
+    # ---- view ----
+    def _update_buttons(self) -> None:
+        s, ok = self._state, self._loaded
+        self.generate_btn.setEnabled(ok and s == "idle")
+        self.pause_btn.setEnabled(ok and s in ("generating", "paused"))
+        self.pause_btn.setText("Resume" if s == "paused" else "Pause")
+        self.step_btn.setEnabled(ok and s in ("idle", "generating", "paused"))
+        self.stop_btn.setEnabled(ok and s in ("generating", "paused", "starting"))
+
+    def _tooltip(self, k: int) -> str:
+        if k < self._n_prompt_spans and self.prompt is not None:
+            p = self.prompt
+            when = (f"computed in the prefill: {len(p.ids)} tokens in one forward pass"
+                    if self.prefill is not None else "waiting for the prefill")
+            return (f"prompt token {k} · id {int(p.ids[k])}{' · special' if p.special[k] else ''}\n"
+                    f"piece  {theme.visible_whitespace(p.pieces[k])}\n{when}")
+        i = k - self._n_prompt_spans
+        if not 0 <= i < len(self.tokens):
+            return ""
+        t = self.tokens[i]
+        what = "from the prefill's forward pass (TTFT)" if t.step == 0 else "one decode forward pass"
+        return (f"step {t.step} ({t.phase}) · position {t.position} · id {t.token_id}\n"
+                f"piece  {theme.visible_whitespace(t.piece)}\n"
+                f"{1e3 * t.seconds:.1f} ms — {what}")
+
+    def _prompt_spans(self, lit: bool) -> tuple[list[int], list[int], list[int]]:
+        p = self.prompt
+        offsets = np.asarray(p.offsets, dtype=np.int64).reshape(-1, 2)
+        pos = utf16_positions(p.text)
+        if pos is not None and len(offsets):
+            offsets = pos[offsets]
+        if lit:
+            kinds = [SPECIAL if sp else (PREFILL_A if k % 2 == 0 else PREFILL_B) for k, sp in enumerate(p.special)]
+        else:
+            kinds = [PENDING] * len(p.ids)
+        return offsets[:, 0].tolist(), offsets[:, 1].tolist(), kinds
+
+    def _token_kind(self, t: OutToken, index: int) -> int:
+        if t.step == 0:
+            return FIRST
+        tok = self.bridge.tokenizer
+        if tok is not None and tok.is_special(t.token_id):
+            return SPECIAL
+        return DECODE_A if index % 2 else DECODE_B
+
+    def draw(self) -> None:
+        out = self.output
+        hl = out.highlighter
+        if self._reset_view:
+            self._reset_view = False
+            self._lit, self._rendered, self._doc_len, self._n_prompt_spans = False, 0, 0, 0
+            hl.set_spans([], [], [], rehighlight=False)
+            out.setExtraSelections([])
+            if self.prompt is None:
+                out.clear()
+            else:
+                self._lit = self.prefill is not None
+                spans = self._prompt_spans(self._lit)
+                self._n_prompt_spans = len(spans[0])
+                hl.set_spans(*spans, rehighlight=False)
+                out.setPlainText(self.prompt.text)  # highlights as it lays out
+                self._doc_len = utf16_len(self.prompt.text)
+        if self.prompt is not None and self.prefill is not None and not self._lit:
+            self._lit = True  # the prefill finished: the whole prompt lights up in one go
+            starts, ends, kinds = self._prompt_spans(True)
+            hl.kinds[: len(kinds)] = kinds
+            hl.rehighlight()
+        if self._rendered < len(self.tokens):
+            new = self.tokens[self._rendered:]
+            starts, ends, kinds, parts = [], [], [], []
+            pos = self._doc_len
+            for i, t in enumerate(new, start=self._rendered):
+                n = utf16_len(t.shown)
+                starts.append(pos)
+                ends.append(pos + n)
+                kinds.append(self._token_kind(t, i))
+                parts.append(t.shown)
+                pos += n
+            hl.append_spans(starts, ends, kinds)
+            cursor = QtGui.QTextCursor(out.document())
+            cursor.movePosition(QtGui.QTextCursor.MoveOperation.End)
+            cursor.insertText("".join(parts))  # the highlighter paints the blocks this touches
+            self._doc_len = pos
+            self._rendered = len(self.tokens)
+            bar = out.verticalScrollBar()
+            bar.setValue(bar.maximum())
+        self._draw_selection()
+        self._update_status()
+
+    def _draw_selection(self) -> None:
+        out, step = self.output, self.selected_step
+        span = None
+        if step is not None:
+            for i, t in enumerate(self.tokens):
+                if t.step == step:
+                    span = self._n_prompt_spans + i
+                    break
+        if span is None or span >= len(out.highlighter.starts):
+            out.setExtraSelections([])
+            return
+        sel = QtWidgets.QTextEdit.ExtraSelection()
+        c = QtGui.QTextCursor(out.document())
+        c.setPosition(out.highlighter.starts[span])
+        c.setPosition(out.highlighter.ends[span], QtGui.QTextCursor.MoveMode.KeepAnchor)
+        sel.cursor = c
+        sel.format = char_format(theme.ACCENT, "#10131a", bold=True)
+        out.setExtraSelections([sel])
+
+    def _update_status(self) -> None:
+        if not self._loaded:
+            self.status.setText("Waiting for the model…")
+            self.prefill_label.setText("")
+            return
+        n = len(self.tokens)
+        decode = [t.seconds for t in self.tokens if t.step > 0]
+        state = {"starting": "starting…"}.get(self._state, self._state)
+        if self.finished is not None and self._state == "idle":
+            state = f"finished ({self.finished.reason})"
+        parts = [f"<b>{state}</b>", f"{n} token{'s' if n != 1 else ''} generated"]
+        if self.prefill is not None:
+            parts.append(f"TTFT {1e3 * self.prefill.seconds:.1f} ms")
+        if decode:
+            parts.append(f"TPOT {1e3 * decode[-1]:.1f} ms (mean {1e3 * float(np.mean(decode)):.1f} ms, "
+                         f"{len(decode) / sum(decode):.1f} tok/s)")
+        self.status.setText(" · ".join(parts))
+        if self.prompt is None:
+            self.prefill_label.setText("")
+        elif self.prefill is None:
+            self.prefill_label.setText(
+                f"<span style='color:{theme.MUTED}'>prefill: running {len(self.prompt.ids)} prompt tokens…</span>")
+        else:
+            pf = self.prefill
+            n_prompt = len(self.prompt.ids)
+            reused = f" ({pf.n_reused} reused from the KV cache, {pf.n_tokens} computed)" if pf.n_reused else ""
+            self.prefill_label.setText(
+                f"<span style='color:{theme.PREFILL_COLOR}'>■ prefill: {n_prompt} tokens{reused} in "
+                f"{1e3 * pf.seconds:.1f} ms, one forward pass</span>"
+                f"&nbsp;&nbsp;<span style='color:{theme.DECODE_COLOR}'>■ decode: one forward pass per token</span>")
+
+
+def _escape(s: str) -> str:
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+PANEL = GenerationPanel

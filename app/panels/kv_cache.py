@@ -1,0 +1,231 @@
+"""KV cache: bytes held against tokens, live, with the per-token formula spelled out in the loaded model's numbers
+and a table of how batch size, dtype and GQA would change it. Every number comes from engine.costs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6 import QtCore, QtGui, QtWidgets
+
+from app.bridge import Bridge
+from app.panels.base import Panel
+from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, PREFILL_COLOR
+from engine import costs
+from engine.events import KVCacheGrew, ModelInfo, PromptTokenized
+
+FONT_PT = 9
+ALLOC_COLOR = "#9a9a9a"
+TABLE_DTYPES = ("fp32", "fp16", "int8")
+TABLE_BATCHES = (1, 8, 32)
+
+
+def fmt_bytes(n: float) -> str:
+    """Decimal units, as memory is sold: 1 kB = 1,000 bytes, 1 MB = 10⁶ bytes."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+class KVCachePanel(Panel):
+    title = "KV cache"
+    object_name = "panel_kv_cache"
+    shortcut = "Alt+6"
+    help_text = (
+        "The KV cache keeps the key and value vectors of every token already processed, so each new token needs "
+        "one forward pass over itself instead of re-running the whole sequence. It grows by the same amount with "
+        "every token: bytes per token = 2 · layers · KV heads · head dim · bytes per value (the 2 is one key plus "
+        "one value). For SmolLM2-135M in float32: 2 · 30 · 3 · 64 · 4 = 46,080 bytes (46 kB) per token, so its "
+        "full 8,192-token context holds 377 MB per sequence, 70% of the 538 MB its weights take. The plot shows "
+        "the bytes in use against the tokens held: the prefill writes the whole prompt in one jump, then each "
+        "decode step adds one token. The dashed line is what the engine has allocated (it reserves room in blocks "
+        "of 256 positions). The table scales the formula: × batch (each sequence keeps its own cache), × bytes "
+        "per value (fp32 4, fp16 2, int8 1), and × 3 without grouped-query attention, where each of the 9 query "
+        "heads would need its own keys and values."
+    )
+
+    def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(bridge, parent)
+        self._events: list[KVCacheGrew] = []
+        self._font = QtGui.QFont()
+        self._font.setPointSize(FONT_PT)
+        self._build()
+        bridge.sig_model_loaded.connect(self._on_model_loaded)
+        bridge.sig_prompt.connect(self._on_prompt)
+        bridge.sig_kv.connect(self._on_kv)
+        self.mark_dirty()
+
+    def _build(self) -> None:
+        self.formula = QtWidgets.QLabel("Load a model to see its KV cache formula.")
+        self.formula.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        self.formula.setWordWrap(True)
+        self.formula.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.plot = pg.PlotWidget(background=BACKGROUND)
+        pi = self.plot.getPlotItem()
+        pi.setMenuEnabled(False)
+        pi.hideButtons()
+        pi.showGrid(x=True, y=True, alpha=0.2)
+        for name in ("left", "bottom"):
+            pi.getAxis(name).setStyle(tickFont=self._font)
+            pi.getAxis(name).setTextPen(FOREGROUND)
+        pi.setLabel("left", "KV cache", units="B", **{"font-size": f"{FONT_PT}pt", "color": FOREGROUND})
+        pi.setLabel("bottom", "tokens in the cache", **{"font-size": f"{FONT_PT}pt", "color": FOREGROUND})
+        legend = pi.addLegend(offset=(-8, 28), labelTextSize=f"{FONT_PT}pt", brush=pg.mkBrush(20, 20, 20, 200))
+        self.alloc_curve = pi.plot([], [], pen=pg.mkPen(ALLOC_COLOR, width=1.5, style=QtCore.Qt.PenStyle.DashLine),
+                                   name="allocated")
+        self.prefill_curve = pi.plot([], [], pen=pg.mkPen(PREFILL_COLOR, width=2), name="prefill (one jump)")
+        self.used_curve = pi.plot([], [], pen=pg.mkPen(DECODE_COLOR, width=2), symbol="o", symbolSize=4,
+                                  symbolBrush=DECODE_COLOR, symbolPen=None, name="decode (+1 token a step)")
+        _ = legend
+        self.prefill_point = pi.plot([], [], pen=None, symbol="o", symbolSize=9, symbolBrush=PREFILL_COLOR,
+                                     symbolPen=None)
+        self.total_text = pg.TextItem("", color="#e0e0e0", anchor=(1, 1))
+        self.total_text.setFont(self._font)
+        pi.addItem(self.total_text)
+
+        self.table = QtWidgets.QTableWidget(len(TABLE_DTYPES) * len(TABLE_BATCHES), 4)
+        self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.verticalHeader().setDefaultSectionSize(20)
+        self.table.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.Stretch)
+        self.table_note = QtWidgets.QLabel("")
+        self.table_note.setWordWrap(True)
+        table_page = QtWidgets.QWidget()
+        tl = QtWidgets.QVBoxLayout(table_page)
+        tl.setContentsMargins(0, 0, 0, 0)
+        tl.addWidget(self.table_note)
+        tl.addWidget(self.table, 1)
+
+        self.tabs = QtWidgets.QTabWidget()
+        self.tabs.addTab(self.plot, "Growth")
+        self.tabs.addTab(table_page, "How it scales")
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.setSpacing(3)
+        layout.addWidget(self.formula)
+        layout.addWidget(self.tabs, 1)
+
+    # ---- events ------------------------------------------------------------------------------------------------
+    @QtCore.Slot(object)
+    def _on_model_loaded(self, _info: ModelInfo) -> None:
+        self.clear()
+
+    @QtCore.Slot(object)
+    def _on_prompt(self, _ev: PromptTokenized) -> None:
+        self.clear()
+
+    @QtCore.Slot(object)
+    def _on_kv(self, ev: KVCacheGrew) -> None:
+        self._events.append(ev)
+        self.mark_dirty()
+
+    def clear(self) -> None:
+        self._events = []
+        super().clear()
+
+    # ---- numbers (all from engine.costs) -----------------------------------------------------------------------
+    def kv_dtype(self) -> str:
+        info = self.bridge.info
+        return info.dtype if info is not None else "float32"
+
+    def per_token(self) -> float | None:
+        cfg = self.bridge.cfg
+        return None if cfg is None else costs.kv_bytes_per_token(cfg, self.kv_dtype())
+
+    def last_point(self) -> tuple[float, float] | None:
+        x, y = self.used_curve.getData()
+        if x is None or len(x) == 0:
+            x, y = self.prefill_curve.getData()
+        if x is None or len(x) == 0:
+            return None
+        return float(x[-1]), float(y[-1])
+
+    # ---- drawing -----------------------------------------------------------------------------------------------
+    def draw(self) -> None:
+        cfg = self.bridge.cfg
+        if cfg is None:
+            return
+        dtype = self.kv_dtype()
+        per_token = costs.kv_bytes_per_token(cfg, dtype)
+        bpv = costs.bytes_per_value(dtype)
+        n = self._events[-1].n_tokens if self._events else 0
+        used = self._events[-1].bytes_used if self._events else 0
+        alloc = self._events[-1].bytes_allocated if self._events else 0
+        self.formula.setText(
+            f"per token = 2 (K, V) · {cfg.n_layers} layers · {cfg.n_kv_heads} KV heads · {cfg.head_dim} head dim · "
+            f"{bpv:g} B ({dtype}) = <b>{per_token:,.0f} bytes</b> ({fmt_bytes(per_token)})<br>"
+            f"now: {n:,} tokens × {per_token:,.0f} B = <b style='color:{ACCENT}'>{fmt_bytes(used)}</b> in use"
+            + (f", {fmt_bytes(alloc)} allocated" if alloc else "")
+        )
+        self._draw_curves()
+        self._draw_table(cfg, n)
+
+    def _draw_curves(self) -> None:
+        evs = self._events
+        if not evs:
+            for c in (self.alloc_curve, self.prefill_curve, self.prefill_point, self.used_curve):
+                c.setData([], [])
+            self.total_text.setText("")
+            return
+        first = evs[0]
+        start = first.n_tokens - (first.n_tokens if first.step == 0 else 1)
+        start_bytes = 0 if first.step == 0 else first.bytes_used - (first.bytes_used / max(1, first.n_tokens))
+        prefill = [e for e in evs if e.step == 0]
+        if prefill:
+            p = prefill[-1]
+            self.prefill_curve.setData([start, p.n_tokens], [start_bytes, p.bytes_used])
+            self.prefill_point.setData([p.n_tokens], [p.bytes_used])
+        else:
+            self.prefill_curve.setData([], [])
+            self.prefill_point.setData([], [])
+        decode = [e for e in evs if e.step > 0]
+        head = prefill[-1:] if prefill else []
+        xs = np.array([e.n_tokens for e in head + decode], dtype=float)
+        ys = np.array([e.bytes_used for e in head + decode], dtype=float)
+        self.used_curve.setData(xs if decode else [], ys if decode else [])
+        # allocated: a staircase (it only grows in blocks)
+        ax = [start]
+        ay = [evs[0].bytes_allocated]
+        for e in evs:
+            if e.bytes_allocated != ay[-1]:
+                ax += [e.n_tokens, e.n_tokens]
+                ay += [ay[-1], e.bytes_allocated]
+        ax.append(evs[-1].n_tokens)
+        ay.append(evs[-1].bytes_allocated)
+        self.alloc_curve.setData(ax, ay)
+        last = evs[-1]
+        self.total_text.setText(f"{last.n_tokens} tokens: {fmt_bytes(last.bytes_used)}")
+        self.total_text.setPos(last.n_tokens, last.bytes_used)
+
+    def _draw_table(self, cfg, n_now: int) -> None:
+        full = cfg.context_length
+        no_gqa = dataclasses.replace(cfg, n_kv_heads=cfg.n_heads)
+        now = max(1, n_now)
+        self.table.setHorizontalHeaderLabels(
+            ["per token", f"now\n({now:,} tokens)", f"full context\n({full:,})",
+             f"full, no GQA\n({cfg.n_heads} KV heads)"])
+        labels = []
+        r = 0
+        for dtype in TABLE_DTYPES:
+            for batch in TABLE_BATCHES:
+                labels.append(f"{dtype} · batch {batch}")
+                per = costs.kv_bytes_per_token(cfg, dtype, batch)
+                cells = (per, per * now, per * full, costs.kv_bytes_per_token(no_gqa, dtype, batch) * full)
+                for c, value in enumerate(cells):
+                    item = self.table.item(r, c)
+                    if item is None:
+                        item = QtWidgets.QTableWidgetItem()
+                        item.setTextAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
+                        self.table.setItem(r, c, item)
+                    item.setText(fmt_bytes(value))
+                r += 1
+        self.table.setVerticalHeaderLabels(labels)
+        ratio = cfg.n_heads / cfg.n_kv_heads
+        self.table_note.setText(
+            f"Each sequence in a batch keeps its own cache; halving the bytes per value halves it. Grouped-query "
+            f"attention shares {cfg.n_kv_heads} KV heads among {cfg.n_heads} query heads: without it the cache "
+            f"would be {ratio:g}× larger.")
+
+
+PANEL = KVCachePanel

@@ -1,0 +1,454 @@
+"""Roofline: attainable FLOP/s against arithmetic intensity for a chosen machine and dtype, with the engine's
+measured prefill and decode steps and the cost model's analytic points for the loaded model.
+
+Roofs and costs come from engine.costs, engine.catalog and engine.hardware; "this machine" is measured in a plain
+background thread (never on the GUI thread) and the result comes back through a queued signal.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6 import QtCore, QtGui, QtWidgets
+
+from app.bridge import Bridge
+from app.panels.base import Panel
+from app.theme import BACKGROUND, DECODE_COLOR, FOREGROUND, PREFILL_COLOR
+from engine import costs
+from engine.catalog import Hardware, canonical_dtype, hardware_presets
+from engine.events import ModelInfo, PrefillDone, PromptTokenized, StepCost, TokenSampled
+
+FONT_PT = 9
+THIS_MACHINE = "this-machine"
+DTYPES = ("fp32", "fp16", "bf16", "int8")
+MEASURABLE = ("fp32", "fp16", "bf16")
+ROOF_COLOR = "#e8e8e8"
+
+
+def fmt_flops(x: float) -> str:
+    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9), ("MFLOP/s", 1e6)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.3g} FLOP/s"
+
+
+def fmt_bw(x: float) -> str:
+    return f"{x / 1e12:.3g} TB/s" if x >= 1e12 else f"{x / 1e9:.3g} GB/s"
+
+
+def si(x: float) -> str:
+    """1e9 -> '1 G', 0.1 -> '0.1' (tick labels of the log axes)."""
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:g} {unit}"
+    return f"{x:g}"
+
+
+def decade_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
+    """Ticks at whole decades between log10 bounds lo and hi, labelled in SI units."""
+    return [(float(k), si(10.0**k)) for k in range(math.ceil(lo), math.floor(hi) + 1)]
+
+
+def fmt_fraction(f: float) -> str:
+    return f"{f:.0%}" if f >= 0.01 else f"{f:.2%}" if f >= 1e-4 else f"{f * 100:.1g}%"
+
+
+class _MeasureSignals(QtCore.QObject):
+    """Emitted from the measuring thread; connected (queued) to the panel in the GUI thread."""
+
+    progress = QtCore.Signal(float, str)
+    done = QtCore.Signal(object, str)
+    failed = QtCore.Signal(str)
+
+
+class RooflinePanel(Panel):
+    title = "Roofline"
+    object_name = "panel_roofline"
+    shortcut = "Alt+8"
+    help_text = (
+        "The roofline model. A step does F floating-point operations and moves B bytes to or from memory; its "
+        "arithmetic intensity is I = F / B, in FLOP per byte. A machine with peak compute P (FLOP/s) and memory "
+        "bandwidth W (bytes/s) reaches at best attainable = min(P, I · W): the slanted memory roof meets the flat "
+        "compute roof at the ridge point I = P / W. Left of the ridge a step waits on memory (memory-bound), "
+        "right of it on arithmetic (compute-bound). Decode of SmolLM2-135M in float32 does about 2 FLOPs per "
+        "weight and reads every weight once: about 0.27 GFLOP over 0.54 GB, I ≈ 0.5 FLOP/byte, far left of any "
+        "ridge, so it is memory-bound and its speed is set by bandwidth. Prefill reuses each weight for every "
+        "prompt token, so its intensity grows with the prompt length and it moves toward the compute roof. Filled "
+        "dots are the engine's measured steps (achieved FLOP/s = FLOPs / measured seconds), labelled with their "
+        "share of the roof at their intensity; hollow circles are the cost model's prediction, on the roof, for "
+        "the loaded model at the chosen dtype. 'This machine' is measured here (memory read and copy bandwidth, "
+        "matmul throughput, with PyTorch) and cached between runs."
+    )
+
+    sig_measured = QtCore.Signal(object)
+    """A measurement of this machine finished (Hardware), in the GUI thread."""
+
+    def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(bridge, parent)
+        self.presets: dict[str, Hardware] = hardware_presets()
+        self.this_machine: dict[str, Hardware] = {}  # measured, by canonical dtype
+        self.measure_kwargs: dict = {}  # e.g. {"quick": True} in tests
+        self._measuring: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._signals = _MeasureSignals()
+        self._signals.progress.connect(self._on_measure_progress)
+        self._signals.done.connect(self._on_measure_done)
+        self._signals.failed.connect(self._on_measure_failed)
+        self._prefill: PrefillDone | None = None
+        self._decode: list[tuple[float, float]] = []  # (intensity, achieved FLOP/s)
+        self._n_prompt = 0
+        self._context = 0
+        self._font = QtGui.QFont()
+        self._font.setPointSize(FONT_PT)
+        self._build()
+        bridge.sig_model_loaded.connect(self._on_model_loaded)
+        bridge.sig_prompt.connect(self._on_prompt)
+        bridge.sig_prefill.connect(self._on_prefill)
+        bridge.sig_token.connect(self._on_token)
+        self._load_cached(self.dtype())
+        if self.this_machine:  # open on "this machine" when a cached measurement exists
+            self.hw_combo.setCurrentIndex(0)
+        if bridge.info is not None:
+            self._on_model_loaded(bridge.info)
+        self.mark_dirty()
+
+    # ---- widgets -----------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        self.hw_combo = QtWidgets.QComboBox()
+        self.hw_combo.addItem("This machine (measured)", THIS_MACHINE)
+        for key, hw in self.presets.items():
+            self.hw_combo.addItem(hw.label, key)
+        self.hw_combo.setCurrentIndex(1 if self.presets else 0)
+        self.hw_combo.setToolTip("The machine whose roofs are drawn")
+        self.hw_combo.setSizeAdjustPolicy(QtWidgets.QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.hw_combo.setMinimumContentsLength(14)
+        self.dtype_combo = QtWidgets.QComboBox()
+        self.dtype_combo.addItems(DTYPES)
+        self.dtype_combo.setToolTip("The dtype of the compute roof (and of the analytic points' weights)")
+        self.measure_button = QtWidgets.QPushButton("Measure this machine")
+        self.measure_button.setToolTip("Time memory bandwidth and matmul throughput here (a few seconds)")
+        self.measure_button.clicked.connect(self.measure)
+        self.progress = QtWidgets.QProgressBar()
+        self.progress.setRange(0, 100)
+        self.progress.setVisible(False)
+        self.progress.setMaximumWidth(120)
+        self.hw_combo.currentIndexChanged.connect(self._on_hw_changed)
+        self.dtype_combo.currentIndexChanged.connect(self._on_dtype_changed)
+        row = QtWidgets.QHBoxLayout()
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addWidget(self.hw_combo, 1)
+        row.addWidget(self.dtype_combo)
+        row.addWidget(self.measure_button)
+        row.addWidget(self.progress)
+        self.hw_label = QtWidgets.QLabel("")
+        self.hw_label.setWordWrap(True)
+        self.takeaway = QtWidgets.QLabel("")
+        self.takeaway.setWordWrap(True)
+        self.takeaway.setTextFormat(QtCore.Qt.TextFormat.RichText)
+
+        self.plot = pg.PlotWidget(background=BACKGROUND)
+        pi = self.plot.getPlotItem()
+        pi.setMenuEnabled(False)
+        pi.hideButtons()
+        pi.setLogMode(x=True, y=True)
+        pi.showGrid(x=True, y=True, alpha=0.15)
+        for name in ("left", "bottom"):
+            pi.getAxis(name).setStyle(tickFont=self._font)
+            pi.getAxis(name).setTextPen(FOREGROUND)
+        pi.setLabel("left", "attainable FLOP/s", **{"font-size": f"{FONT_PT}pt", "color": FOREGROUND})
+        for name in ("left", "bottom"):
+            pi.getAxis(name).enableAutoSIPrefix(False)
+        pi.setLabel("bottom", "arithmetic intensity (FLOP/byte)", **{"font-size": f"{FONT_PT}pt", "color": FOREGROUND})
+        self.roof = pi.plot([], [], pen=pg.mkPen(ROOF_COLOR, width=2.5))
+        self.ridge_line = pg.InfiniteLine(angle=90, pen=pg.mkPen("#888888", width=1, style=QtCore.Qt.PenStyle.DotLine))
+        pi.addItem(self.ridge_line)
+        self.ridge_text = self._text(ROOF_COLOR, anchor=(0, 1))
+        self.roof_text = self._text("#bbbbbb", anchor=(0, 0))
+        self.analytic_prefill = pi.plot([], [], pen=None, symbol="o", symbolSize=13, symbolBrush=None,
+                                        symbolPen=pg.mkPen(PREFILL_COLOR, width=2))
+        self.analytic_decode = pi.plot([], [], pen=None, symbol="o", symbolSize=13, symbolBrush=None,
+                                       symbolPen=pg.mkPen(DECODE_COLOR, width=2))
+        self.measured_decode = pi.plot([], [], pen=None, symbol="o", symbolSize=7, symbolBrush=DECODE_COLOR,
+                                       symbolPen=None)
+        self.measured_prefill = pi.plot([], [], pen=None, symbol="o", symbolSize=10, symbolBrush=PREFILL_COLOR,
+                                        symbolPen=pg.mkPen(BACKGROUND))
+        self.prefill_text = self._text(PREFILL_COLOR, anchor=(0, 1))  # above its point
+        self.decode_text = self._text(DECODE_COLOR, anchor=(0, 0))  # below its point: the two never collide
+
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.setSpacing(3)
+        layout.addLayout(row)
+        layout.addWidget(self.hw_label)
+        layout.addWidget(self.plot, 1)
+        layout.addWidget(self.takeaway)
+
+    def _text(self, colour: str, anchor: tuple[float, float]) -> pg.TextItem:
+        item = pg.TextItem("", color=colour, anchor=anchor, fill=pg.mkBrush(27, 27, 27, 190))
+        item.setFont(self._font)
+        self.plot.getPlotItem().addItem(item)
+        return item
+
+    # ---- choices -----------------------------------------------------------------------------------------------
+    def dtype(self) -> str:
+        return self.dtype_combo.currentText()
+
+    def device(self) -> str:
+        info = self.bridge.info
+        return info.device if info is not None else "cpu"
+
+    def hardware(self) -> Hardware | None:
+        """The machine whose roofs are drawn, or None when this machine has not been measured."""
+        key = self.hw_combo.currentData()
+        if key != THIS_MACHINE:
+            return self.presets[key]
+        dtype = self.dtype()
+        return self.this_machine.get(dtype) or self.this_machine.get("fp32") or next(
+            iter(self.this_machine.values()), None)
+
+    def select_hardware(self, key: str) -> None:
+        i = self.hw_combo.findData(key)
+        if i < 0:
+            raise ValueError(f"unknown hardware {key!r}")
+        self.hw_combo.setCurrentIndex(i)
+
+    def _load_cached(self, dtype: str) -> None:
+        if dtype not in MEASURABLE or dtype in self.this_machine:
+            return
+        from engine.hardware import load_cached
+
+        try:
+            hw = load_cached(self.device(), dtype)
+        except Exception:  # noqa: BLE001 — a broken cache only means "not measured"
+            hw = None
+        if hw is not None:
+            self.this_machine[dtype] = hw
+
+    def _on_hw_changed(self, _i: int) -> None:
+        self.mark_dirty()
+
+    def _on_dtype_changed(self, _i: int) -> None:
+        self._load_cached(self.dtype())
+        self.mark_dirty()
+
+    # ---- measuring this machine (background thread) ------------------------------------------------------------
+    def measure(self) -> None:
+        """Measure this machine at the chosen dtype (fp32 for a dtype that cannot be timed) in a thread."""
+        if self._measuring is not None and self._measuring.is_alive():
+            return
+        dtype = self.dtype() if self.dtype() in MEASURABLE else "fp32"
+        device, kwargs, signals, stop = self.device(), dict(self.measure_kwargs), self._signals, self._stop
+        stop.clear()
+
+        def run() -> None:
+            from engine.hardware import MeasurementCancelled, cached_this_machine
+
+            try:
+                hw = cached_this_machine(device, dtype, refresh=True, progress=signals.progress.emit,
+                                         should_stop=stop.is_set, **kwargs)
+            except MeasurementCancelled:
+                signals.failed.emit("measurement cancelled")
+            except Exception as e:  # noqa: BLE001 — one sentence for the user instead of a dead thread
+                signals.failed.emit(f"measuring failed: {type(e).__name__}: {e}")
+            else:
+                signals.done.emit(hw, dtype)
+
+        self.measure_button.setEnabled(False)
+        self.progress.setValue(0)
+        self.progress.setVisible(True)
+        self.hw_label.setText(f"Measuring this machine ({device}, {dtype})…")
+        self._measuring = threading.Thread(target=run, name="measure-this-machine", daemon=True)
+        self._measuring.start()
+
+    def shutdown(self, timeout_s: float = 5.0) -> bool:
+        """Stop a running measurement and wait for its thread (call before the window goes)."""
+        self._stop.set()
+        t = self._measuring
+        if t is not None:
+            t.join(timeout_s)
+            return not t.is_alive()
+        return True
+
+    @QtCore.Slot(float, str)
+    def _on_measure_progress(self, fraction: float, message: str) -> None:
+        self.progress.setValue(int(round(100 * fraction)))
+        self.progress.setFormat(message[:40])
+        self.progress.setToolTip(message)
+
+    @QtCore.Slot(object, str)
+    def _on_measure_done(self, hw: Hardware, dtype: str) -> None:
+        self.this_machine[dtype] = hw
+        self.measure_button.setEnabled(True)
+        self.progress.setVisible(False)
+        self.select_hardware(THIS_MACHINE)
+        self.mark_dirty()
+        self.sig_measured.emit(hw)
+
+    @QtCore.Slot(str)
+    def _on_measure_failed(self, message: str) -> None:
+        self.measure_button.setEnabled(True)
+        self.progress.setVisible(False)
+        self.hw_label.setText(message)
+
+    # ---- events ------------------------------------------------------------------------------------------------
+    @QtCore.Slot(object)
+    def _on_model_loaded(self, info: ModelInfo) -> None:
+        try:
+            dtype = canonical_dtype(info.dtype)
+        except ValueError:
+            dtype = "fp32"
+        if dtype in DTYPES:
+            self.dtype_combo.setCurrentText(dtype)
+        self._load_cached(self.dtype())
+        if self.this_machine:
+            self.select_hardware(THIS_MACHINE)
+        self.clear()
+
+    @QtCore.Slot(object)
+    def _on_prompt(self, ev: PromptTokenized) -> None:
+        self._prefill, self._decode = None, []
+        self._n_prompt = len(ev.ids)
+        self._context = self._n_prompt
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_prefill(self, ev: PrefillDone) -> None:
+        self._prefill = ev
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_token(self, ev: TokenSampled) -> None:
+        self._context = max(self._context, ev.position + 1)
+        if ev.phase == "decode" and ev.seconds > 0:
+            self._decode.append((ev.cost.intensity, ev.cost.flops / ev.seconds))
+            self.mark_dirty()
+
+    def clear(self) -> None:
+        self._prefill, self._decode = None, []
+        super().clear()
+
+    # ---- numbers -----------------------------------------------------------------------------------------------
+    def roofs(self) -> tuple[float, float, float] | None:
+        """(peak FLOP/s, bandwidth bytes/s, ridge FLOP/byte) of the chosen machine and dtype."""
+        hw = self.hardware()
+        if hw is None:
+            return None
+        peak, bw = hw.peak_for(self.dtype()), hw.bandwidth_bytes_per_s
+        return peak, bw, costs.ridge_point(peak, bw)
+
+    def measured_points(self) -> dict[str, tuple[float, float]]:
+        """Intensity (FLOP/byte) and achieved FLOP/s of the last prefill and the latest decode step."""
+        out = {}
+        if self._prefill is not None and self._prefill.seconds > 0:
+            c = self._prefill.cost
+            out["prefill"] = (c.intensity, c.flops / self._prefill.seconds)
+        if self._decode:
+            out["decode"] = self._decode[-1]
+        return out
+
+    def analytic_costs(self) -> dict[str, StepCost]:
+        """The cost model's prefill (prompt length) and decode (current context) of the loaded model at the dtype."""
+        cfg = self.bridge.cfg
+        if cfg is None:
+            return {}
+        n = self._n_prompt or 32
+        ctx = max(1, self._context or n)
+        dtype = self.dtype()
+        return {"prefill": costs.prefill_cost(cfg, n, weight_dtype=dtype),
+                "decode": costs.decode_cost(cfg, ctx, weight_dtype=dtype)}
+
+    # ---- drawing -----------------------------------------------------------------------------------------------
+    def draw(self) -> None:
+        r = self.roofs()
+        hw = self.hardware()
+        measured = self.measured_points()
+        analytic = self.analytic_costs()
+        if r is None or hw is None:
+            self.hw_label.setText("This machine has not been measured yet: press “Measure this machine” "
+                                  "(a few seconds), or pick a catalogue chip.")
+            for item in (self.roof, self.analytic_prefill, self.analytic_decode):
+                item.setData([], [])
+            for t in (self.ridge_text, self.roof_text):
+                t.setText("")
+            self.ridge_line.setVisible(False)
+            self._draw_measured(measured, None, 0.0)
+            self.takeaway.setText("")
+            return
+        peak, bw, ridge = r
+        src = "measured" if hw.measured else "datasheet"
+        self.hw_label.setText(f"{hw.label}: peak {fmt_flops(peak)} ({self.dtype()}), memory {fmt_bw(bw)} "
+                              f"— {src}")
+        xs = [i for _p, (i, _f) in measured.items()] + [c.intensity for c in analytic.values()]
+        lo = min([0.1] + [x / 3 for x in xs if x > 0])
+        hi = max([ridge * 20, 100.0] + [x * 5 for x in xs])
+        grid = np.logspace(math.log10(lo), math.log10(hi), 200)
+        roof = np.array([costs.attainable_flops(i, peak, bw) for i in grid])
+        self.roof.setData(grid, roof)
+        self.ridge_line.setVisible(True)
+        self.ridge_line.setPos(math.log10(ridge))
+        self.ridge_text.setText(f"ridge {ridge:.3g} FLOP/B")
+        self.ridge_text.setPos(math.log10(ridge), math.log10(peak))
+        self.roof_text.setText(f"memory roof {fmt_bw(bw)} · I")
+        x0 = lo * 1.3  # below the memory roof, at its left end: the line rises away from the text
+        self.roof_text.setPos(math.log10(x0), math.log10(costs.attainable_flops(x0, peak, bw) / 2))
+        for key, item in (("prefill", self.analytic_prefill), ("decode", self.analytic_decode)):
+            c = analytic.get(key)
+            if c is None or c.intensity <= 0:
+                item.setData([], [])
+            else:
+                item.setData([c.intensity], [costs.attainable_flops(c.intensity, peak, bw)])
+        self._draw_measured(measured, (peak, bw), (math.log10(lo) + math.log10(hi)) / 2)
+        ys = [f for _i, f in measured.values()] + [peak]
+        pi = self.plot.getPlotItem()
+        x_lo, x_hi = math.log10(lo), math.log10(hi)
+        y_lo = min(math.log10(min(ys) / 4), math.log10(peak) - 2.5)  # at least 2.5 decades: readable ticks
+        y_hi = math.log10(peak * 10)  # a decade of headroom for the ridge label
+        pi.getViewBox().setRange(xRange=(x_lo, x_hi), yRange=(y_lo, y_hi), padding=0)
+        pi.getAxis("bottom").setTicks([decade_ticks(x_lo, x_hi), []])
+        pi.getAxis("left").setTicks([decade_ticks(y_lo, y_hi), []])
+        self._set_takeaway(hw, ridge, measured, analytic)
+
+    def _draw_measured(self, measured: dict, roofs: tuple[float, float] | None, mid: float) -> None:
+        if self._decode:
+            pts = np.array(self._decode)
+            self.measured_decode.setData(pts[:, 0], pts[:, 1])
+        else:
+            self.measured_decode.setData([], [])
+        for key, item, text in (("prefill", self.measured_prefill, self.prefill_text),
+                                ("decode", None, self.decode_text)):
+            p = measured.get(key)
+            if p is None:
+                if item is not None:
+                    item.setData([], [])
+                text.setText("")
+                continue
+            i, f = p
+            if item is not None:
+                item.setData([i], [f])
+            frac = "" if roofs is None else f", {fmt_fraction(f / costs.attainable_flops(i, *roofs))} of roof"
+            text.setText(f"{key} {i:.2g} FLOP/B{frac}")
+            right = math.log10(i) <= mid  # label on the side with room
+            text.setAnchor((0 if right else 1, 1 if key == "prefill" else 0))
+            text.setPos(math.log10(i) + (0.08 if right else -0.08), math.log10(f))
+
+    def _set_takeaway(self, hw: Hardware, ridge: float, measured: dict, analytic: dict) -> None:
+        def intensity(key: str) -> float | None:
+            if key in measured:
+                return measured[key][0]
+            return analytic[key].intensity if key in analytic else None
+
+        dec, pre = intensity("decode"), intensity("prefill")
+        if dec is None:
+            self.takeaway.setText(f"Ridge at {ridge:.3g} FLOP/byte: steps left of it are memory-bound.")
+            return
+        bound = "memory-bound" if dec < ridge else "compute-bound"
+        text = (f"<b>Decode intensity ≈ {dec:.2g} FLOP/byte → {bound}</b>: the ridge of this roof is at "
+                f"{ridge:.3g} FLOP/byte")
+        if pre is not None:
+            text += f"; prefill ≈ {pre:.3g} FLOP/byte is {'memory' if pre < ridge else 'compute'}-bound here"
+        self.takeaway.setText(text + ".")
+
+PANEL = RooflinePanel

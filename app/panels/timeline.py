@@ -1,0 +1,233 @@
+"""Timeline: where the time of one generation went — one bar for the prefill (its time is TTFT), then one bar per
+decode step — with TTFT, TPOT (mean, p50, p90), tokens/s and the latency formula next to the measured total.
+The statistics are the plot's title, so they land in an exported PNG or SVG too."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyqtgraph as pg
+import pyqtgraph.exporters  # noqa: F401  (registers pg.exporters)
+from PySide6 import QtCore, QtGui, QtWidgets
+
+from app.bridge import Bridge
+from app.panels.base import Panel
+from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, PREFILL_COLOR
+from engine.events import Finished, PromptTokenized, TokenSampled
+
+FONT_PT = 9
+EXPORT_WIDTH = 1600
+EXPORT_FORMATS = (".png", ".svg")
+
+
+def fmt_s(seconds: float) -> str:
+    return f"{seconds * 1000:,.0f} ms" if seconds < 1.0 else f"{seconds:,.2f} s"
+
+
+class TimelinePanel(Panel):
+    title = "Timeline"
+    object_name = "panel_timeline"
+    shortcut = "Alt+7"
+    help_text = (
+        "Where the time goes. The first bar is the prefill: the whole prompt in one forward pass, which also "
+        "yields the first token. Its duration is the time to first token (TTFT), and it grows with the prompt "
+        "length. Every later bar is one decode step: one forward pass for one new token. Its duration is the time "
+        "per output token (TPOT), shown as the mean, the median (p50) and the 90th percentile (p90). The speed "
+        "one stream feels is 1 / TPOT tokens per second. The total a user waits for n tokens is latency = TTFT + "
+        "(n − 1) · TPOT, shown next to the measured total. On SmolLM2-135M in float32 each decode step streams "
+        "about 538 MB of weights plus the KV cache from memory, so TPOT is set mostly by memory bandwidth, not by "
+        "arithmetic. Click a bar to select that step in every panel; Export saves the plot with its numbers as "
+        "PNG or SVG."
+    )
+
+    def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(bridge, parent)
+        self._seconds: dict[int, float] = {}
+        self._finished: Finished | None = None
+        self._selected: int | None = None
+        self._font = QtGui.QFont()
+        self._font.setPointSize(FONT_PT)
+        self._build()
+        bridge.sig_prompt.connect(self._on_prompt)
+        bridge.sig_token.connect(self._on_token)
+        bridge.sig_finished.connect(self._on_finished)
+        bridge.sig_step_selected.connect(self._on_step_selected)
+        self.mark_dirty()
+
+    def _build(self) -> None:
+        self.plot = pg.PlotWidget(background=BACKGROUND)
+        pi = self.plot.getPlotItem()
+        pi.setMenuEnabled(False)
+        pi.hideButtons()
+        pi.showGrid(x=False, y=True, alpha=0.2)
+        for name in ("left", "bottom"):
+            pi.getAxis(name).setStyle(tickFont=self._font)
+            pi.getAxis(name).setTextPen(FOREGROUND)
+        pi.setLabel("left", "time", units="s", **{"font-size": f"{FONT_PT}pt", "color": FOREGROUND})
+        pi.setLabel("bottom", "step (0 = prefill)", **{"font-size": f"{FONT_PT}pt", "color": FOREGROUND})
+        self.bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush=DECODE_COLOR, pen=None)
+        pi.addItem(self.bars)
+        self.tpot_line = pg.InfiniteLine(angle=0, pen=pg.mkPen(ACCENT, width=1, style=QtCore.Qt.PenStyle.DashLine),
+                                         label="TPOT mean", labelOpts={"position": 0.98, "color": ACCENT,
+                                                                              "anchors": [(1, 1), (1, 1)]})
+        self.tpot_line.setVisible(False)
+        pi.addItem(self.tpot_line)
+        self.plot.scene().sigMouseClicked.connect(self._on_clicked)
+        self.export_button = QtWidgets.QPushButton("Export…")
+        self.export_button.setToolTip("Save this timeline as PNG or SVG")
+        self.export_button.clicked.connect(self._export_dialog)
+        self.hint = QtWidgets.QLabel("Click a bar to select that step.")
+        row = QtWidgets.QHBoxLayout()
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addWidget(self.hint, 1)
+        row.addWidget(self.export_button)
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.setSpacing(3)
+        layout.addWidget(self.plot, 1)
+        layout.addLayout(row)
+
+    # ---- events ------------------------------------------------------------------------------------------------
+    @QtCore.Slot(object)
+    def _on_prompt(self, _ev: PromptTokenized) -> None:
+        self.clear()
+
+    @QtCore.Slot(object)
+    def _on_token(self, ev: TokenSampled) -> None:
+        self._seconds[ev.step] = ev.seconds
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_finished(self, ev: Finished) -> None:
+        self._finished = ev
+        self.mark_dirty()
+
+    @QtCore.Slot(int)
+    def _on_step_selected(self, step: int) -> None:
+        self._selected = step
+        self.mark_dirty()
+
+    def clear(self) -> None:
+        self._seconds, self._finished, self._selected = {}, None, None
+        super().clear()
+
+    def _on_clicked(self, event) -> None:
+        if event.button() != QtCore.Qt.MouseButton.LeftButton or not self._seconds:
+            return
+        vb = self.plot.getPlotItem().getViewBox()
+        if not vb.sceneBoundingRect().contains(event.scenePos()):
+            return
+        step = int(round(vb.mapSceneToView(event.scenePos()).x()))
+        if step in self._seconds:
+            self.bridge.select_step(step)
+
+    # ---- statistics ----------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """TTFT, TPOT mean/p50/p90, tokens/s, the formula's latency and the measured total (0 until finished)."""
+        ttft = self._seconds.get(0, 0.0)
+        decode = np.array([s for k, s in sorted(self._seconds.items()) if k > 0], dtype=float)
+        if self._finished is not None:
+            ttft = self._finished.ttft_s
+            decode = np.asarray(self._finished.step_seconds, dtype=float)
+        tpot = float(decode.mean()) if decode.size else 0.0
+        n = 1 + decode.size
+        return {
+            "ttft_s": ttft,
+            "tpot_s": tpot,
+            "tpot_p50_s": float(np.percentile(decode, 50)) if decode.size else 0.0,
+            "tpot_p90_s": float(np.percentile(decode, 90)) if decode.size else 0.0,
+            "tokens_per_s": 1.0 / tpot if tpot > 0 else 0.0,
+            "n_tokens": n,
+            "latency_formula_s": ttft + (n - 1) * tpot,
+            "measured_total_s": self._finished.total_s if self._finished is not None else 0.0,
+        }
+
+    def stats_text(self) -> str:
+        if not self._seconds:
+            return "Generate to see the timeline"
+        s = self.stats()
+        measured = (f"measured {fmt_s(s['measured_total_s'])}" if self._finished is not None else "running…")
+        return (  # three short lines, so the title fits a narrow dock
+            f"<span style='color:{PREFILL_COLOR}'>■</span> TTFT <b>{fmt_s(s['ttft_s'])}</b> &nbsp; "
+            f"<span style='color:{DECODE_COLOR}'>■</span> TPOT <b>{fmt_s(s['tpot_s'])}</b> &nbsp; "
+            f"<b>{s['tokens_per_s']:.1f} tok/s</b><br>"
+            f"TPOT p50 {fmt_s(s['tpot_p50_s'])} · p90 {fmt_s(s['tpot_p90_s'])}<br>"
+            f"TTFT + ({s['n_tokens']} − 1)·TPOT = <b>{fmt_s(s['latency_formula_s'])}</b> &nbsp;·&nbsp; {measured}"
+        )
+
+    # ---- drawing -----------------------------------------------------------------------------------------------
+    def draw(self) -> None:
+        steps = sorted(self._seconds)
+        secs = [self._seconds[k] for k in steps]
+        brushes = [pg.mkBrush(PREFILL_COLOR if k == 0 else DECODE_COLOR) for k in steps]
+        pens = [pg.mkPen(ACCENT, width=2.5) if k == self._selected else pg.mkPen(None) for k in steps]
+        # pyqtgraph 0.14 fails on empty pens/brushes lists: pass None when there are no bars
+        self.bars.setOpts(x=steps, height=secs, width=0.8, brushes=brushes or None, pens=pens or None)
+        s = self.stats()
+        self.tpot_line.setVisible(s["tpot_s"] > 0)
+        self.tpot_line.setPos(s["tpot_s"])
+        pi = self.plot.getPlotItem()
+        pi.setTitle(self.stats_text(), size=f"{FONT_PT}pt", color=FOREGROUND)
+        pi.titleLabel.setMinimumWidth(10)  # a narrow dock clips the title instead of pushing the plot out of view
+        height = pi.titleLabel.item.boundingRect().height() + 2  # setTitle fixes the row at 30 px: one line
+        pi.titleLabel.setMaximumHeight(height)
+        pi.layout.setRowFixedHeight(0, height)
+        if steps:
+            pi.getViewBox().setRange(xRange=(-0.6, max(steps) + 0.6), yRange=(0, max(secs) * 1.08), padding=0)
+
+    def bar_data(self) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, seconds) of the bars shown."""
+        return np.asarray(self.bars.opts["x"], dtype=float), np.asarray(self.bars.opts["height"], dtype=float)
+
+    # ---- export ------------------------------------------------------------------------------------------------
+    def export(self, path: str) -> None:
+        """Write the timeline (with its statistics) as PNG or SVG, chosen by the extension.
+
+        Raises ValueError for another extension and OSError when the folder is missing or not writable.
+        """
+        path = os.fspath(path)
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in EXPORT_FORMATS:
+            raise ValueError(f"cannot export the timeline as {ext or 'a file without extension'!r}: "
+                             f"use a name ending in .png or .svg")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise OSError(f"cannot export the timeline: the folder {folder} does not exist")
+        if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+            raise OSError(f"cannot export the timeline: {path} is not writable")
+        if os.path.isdir(path):
+            raise OSError(f"cannot export the timeline: {path} is a folder")
+        self.draw()
+        pi = self.plot.getPlotItem()
+        old = pi.geometry()
+        small = old.width() < 600 or old.height() < 300
+        if small:  # never laid out on screen (headless): give the plot a sensible size to render at
+            pi.setGeometry(QtCore.QRectF(0, 0, 1000, 520))
+            pi.layout.activate()
+        try:
+            if ext == ".png":
+                exporter = pg.exporters.ImageExporter(pi)
+                exporter.parameters()["width"] = max(EXPORT_WIDTH, 1200)
+                exporter.parameters()["background"] = pg.mkColor(BACKGROUND)
+            else:
+                exporter = pg.exporters.SVGExporter(pi)
+            exporter.export(path)
+        finally:
+            if small:
+                pi.setGeometry(old)
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            raise OSError(f"cannot export the timeline: nothing was written to {path}")
+
+    def _export_dialog(self) -> None:
+        path, _ = QtWidgets.QFileDialog.getSaveFileName(self, "Export timeline", "timeline.png",
+                                                        "PNG image (*.png);;SVG drawing (*.svg)")
+        if not path:
+            return
+        try:
+            self.export(path)
+        except (OSError, ValueError) as e:
+            QtWidgets.QMessageBox.warning(self, "Export timeline", str(e))
+
+
+PANEL = TimelinePanel

@@ -1,0 +1,124 @@
+"""Every QSettings key the app uses, in one place, with typed readers and writers.
+
+The settings live where Qt keeps them for organisation "InferenceLab", application "Inference Lab", unless the
+environment variable INFERENCE_LAB_SETTINGS names an .ini file: tests (and anyone wanting a clean start) point it at
+a temporary file so the user's own settings are never read or written.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+
+from PySide6 import QtCore
+
+from engine.sampling import SamplingParams
+
+ORGANISATION = "InferenceLab"
+APPLICATION = "Inference Lab"
+ENV_FILE = "INFERENCE_LAB_SETTINGS"
+
+# ---- keys ---------------------------------------------------------------------------------------------------------
+GEOMETRY = "window/geometry"  # QByteArray from QMainWindow.saveGeometry()
+WINDOW_STATE = "window/state"  # QByteArray from QMainWindow.saveState(): docks and their sizes
+LAYOUT_VERSION = "window/layout_version"  # restoreState() is skipped when the dock set changed
+PROMPT_TEXT = "prompt/text"
+CHAT = "prompt/chat"  # wrap the prompt in the model's chat template
+MAX_NEW_TOKENS = "generation/max_new_tokens"
+MODEL_PATH = "model/path"  # the last model the user opened ("" = the default model)
+SAMPLING_PREFIX = "sampling/"  # + a SamplingParams field name
+
+DEFAULT_PROMPT = "Explain what a KV cache is in two sentences."
+DEFAULT_MAX_NEW_TOKENS = 64
+
+
+def open_settings() -> QtCore.QSettings:
+    """The app's settings store (the ini file named by INFERENCE_LAB_SETTINGS when that is set)."""
+    path = os.environ.get(ENV_FILE)
+    if path:
+        return QtCore.QSettings(path, QtCore.QSettings.Format.IniFormat)
+    return QtCore.QSettings(ORGANISATION, APPLICATION)
+
+
+class Settings:
+    """Typed access to the stored values; every read falls back to a default when a value is missing or bad."""
+
+    def __init__(self, store: QtCore.QSettings | None = None) -> None:
+        self.store = store if store is not None else open_settings()
+
+    def _get(self, key: str, default, kind: type):
+        raw = self.store.value(key)
+        if raw is None:
+            return default
+        try:
+            if kind is bool:
+                return raw if isinstance(raw, bool) else str(raw).lower() in ("true", "1", "yes")
+            if kind is bytes:
+                return QtCore.QByteArray(raw) if not isinstance(raw, QtCore.QByteArray) else raw
+            return kind(raw)
+        except (TypeError, ValueError):
+            return default
+
+    # ---- window ----
+    def geometry(self) -> QtCore.QByteArray | None:
+        return self._get(GEOMETRY, None, bytes)
+
+    def window_state(self, version: int) -> QtCore.QByteArray | None:
+        if self._get(LAYOUT_VERSION, -1, int) != version:
+            return None
+        return self._get(WINDOW_STATE, None, bytes)
+
+    def save_window(self, geometry: QtCore.QByteArray, state: QtCore.QByteArray, version: int) -> None:
+        self.store.setValue(GEOMETRY, geometry)
+        self.store.setValue(WINDOW_STATE, state)
+        self.store.setValue(LAYOUT_VERSION, version)
+
+    # ---- prompt and generation ----
+    def prompt_text(self) -> str:
+        return self._get(PROMPT_TEXT, DEFAULT_PROMPT, str)
+
+    def chat(self) -> bool:
+        return self._get(CHAT, True, bool)
+
+    def max_new_tokens(self) -> int:
+        return max(1, self._get(MAX_NEW_TOKENS, DEFAULT_MAX_NEW_TOKENS, int))
+
+    def model_path(self) -> str:
+        return self._get(MODEL_PATH, "", str)
+
+    def save_session(self, prompt: str, chat: bool, max_new_tokens: int) -> None:
+        self.store.setValue(PROMPT_TEXT, prompt)
+        self.store.setValue(CHAT, bool(chat))
+        self.store.setValue(MAX_NEW_TOKENS, int(max_new_tokens))
+
+    def save_model_path(self, path: str) -> None:
+        self.store.setValue(MODEL_PATH, path)
+
+    # ---- sampling ----
+    def sampling_params(self) -> SamplingParams:
+        defaults = SamplingParams()
+        values = {}
+        for f in fields(SamplingParams):
+            if f.name == "logit_bias":
+                continue
+            default = getattr(defaults, f.name)
+            key = SAMPLING_PREFIX + f.name
+            if f.name == "seed":
+                raw = self.store.value(key)
+                values[f.name] = None if raw in (None, "", "none") else self._get(key, None, int)
+            else:
+                values[f.name] = self._get(key, default, type(default))
+        try:
+            return SamplingParams(**values)
+        except ValueError:  # a hand-edited file with an out-of-range knob: start from the defaults
+            return defaults
+
+    def save_sampling_params(self, params: SamplingParams) -> None:
+        for f in fields(SamplingParams):
+            if f.name == "logit_bias":
+                continue
+            value = getattr(params, f.name)
+            self.store.setValue(SAMPLING_PREFIX + f.name, "none" if value is None else value)
+
+    def sync(self) -> None:
+        self.store.sync()
