@@ -155,8 +155,6 @@ class EngineWorker(QtCore.QObject):
         if self.session is None:
             self.sig_raw.emit(("batch_done", "the model is not loaded yet"))
             return
-        self._cancel_bench.clear()
-
         def should_stop() -> bool:
             return self._cancel_bench.is_set() or self._quit.is_set()
 
@@ -169,6 +167,9 @@ class EngineWorker(QtCore.QObject):
             )
         except Cancelled:
             self.sig_raw.emit(("batch_done", "cancelled"))
+            return
+        except Exception as e:  # noqa: BLE001 — the panel must learn that the run ended
+            self.sig_raw.emit(("batch_done", f"failed: {type(e).__name__}: {e}"))
             return
         self.sig_raw.emit(("batch_done", ""))
 
@@ -338,6 +339,7 @@ class Bridge(QtCore.QObject):
 
     def run_batch_bench(self, batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32), prompt_tokens: int = 32,
                         new_tokens: int = 16) -> None:
+        self.worker._cancel_bench.clear()  # before posting: a cancel right after Run must not be lost
         self.worker.post("batch_bench", (tuple(batches), prompt_tokens, new_tokens))
 
     def cancel_batch_bench(self) -> None:

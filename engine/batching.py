@@ -85,6 +85,8 @@ def bench_batch(
     memory_limit_bytes: float | None = None, on_row: Callable[[BatchRow], None] | None = None,
 ) -> list[BatchRow]:
     """Measure decode at each batch size (as memory allows); cancellable between steps (raises Cancelled)."""
+    if new_tokens < 2 or prompt_tokens < 1:
+        raise ValueError("the batching lab needs a prompt and at least 2 new tokens (one decode step to time)")
     dtype = str(lm.dtype).removeprefix("torch.")
     rows: list[BatchRow] = []
     rng = np.random.default_rng(0)

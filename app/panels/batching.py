@@ -197,7 +197,7 @@ class BatchingPanel(Panel):
                                        symbolPen=pg.mkPen(DECODE_COLOR, width=1.5))
         self.measured_points = rp.plot([], [], pen=None, symbol="o", symbolSize=8, symbolBrush=DECODE_COLOR,
                                        symbolPen=pg.mkPen(BACKGROUND))
-        self.roof_note = pg.TextItem("", color=MUTED, anchor=(0, 0))
+        self.roof_note = pg.TextItem("", color=MUTED, anchor=(0, 0), fill=pg.mkBrush(30, 31, 36, 210))
         self.roof_note.setFont(self._font)
         rp.addItem(self.roof_note)
 
@@ -313,6 +313,11 @@ class BatchingPanel(Panel):
             self.roof_combo.setItemText(i, label)
         self.mark_dirty()
 
+    def showEvent(self, event: QtGui.QShowEvent) -> None:  # noqa: N802 — Qt's name
+        """A measurement taken meanwhile (Roofline panel) shows up when the panel is shown again."""
+        self.refresh_this_machine()
+        super().showEvent(event)
+
     def _model_dtype(self) -> str:
         info = self.bridge.info
         try:
@@ -345,6 +350,11 @@ class BatchingPanel(Panel):
             return
         prompt = int(prompt_tokens if prompt_tokens is not None else self.prompt_spin.value())
         new = int(new_tokens if new_tokens is not None else self.new_spin.value())
+        self.prompt_spin.setValue(prompt)  # the controls show what is being measured
+        self.new_spin.setValue(new)
+        if set(batches) <= set(BATCH_CHOICES):
+            for b, box in self.batch_boxes.items():
+                box.setChecked(b in batches)
         self.refresh_this_machine()
         self.rows, self._requested = [], batches
         self.running, self._started, self._cancel_pending = True, False, False
@@ -519,10 +529,10 @@ class BatchingPanel(Panel):
             if rows:
                 xs, ys = np.log10(intensity), np.log10(achieved)
                 rp.getViewBox().setRange(xRange=(xs.min() - 0.3, xs.max() + 0.3),
-                                         yRange=(ys.min() - 0.5, ys.max() + 0.8), padding=0)
+                                         yRange=(ys.min() - 0.6, ys.max() + 0.8), padding=0)
                 self.roof_note.setPos(xs.min() - 0.28, ys.max() + 0.78)
                 rp.getAxis("bottom").setTicks([log_ticks(xs.min() - 0.3, xs.max() + 0.3), []])
-                rp.getAxis("left").setTicks([log_ticks(ys.min() - 0.5, ys.max() + 0.8), []])
+                rp.getAxis("left").setTicks([log_ticks(ys.min() - 0.6, ys.max() + 0.8), []])
             return
         peak, bw = roofs
         ridge = costs.ridge_point(peak, bw)
@@ -540,7 +550,8 @@ class BatchingPanel(Panel):
             self.gap_lines.setData([], [])
         x_lo, x_hi = math.log10(lo), math.log10(hi)
         y_hi = math.log10(peak) + 0.5
-        y_lo = min([math.log10(costs.attainable_flops(lo, peak, bw))] + [math.log10(a) - 0.4 for a in achieved])
+        # Room under the lowest measured dot for its two-line label.
+        y_lo = min([math.log10(costs.attainable_flops(lo, peak, bw))] + [math.log10(a) - 0.7 for a in achieved])
         rp.getViewBox().setRange(xRange=(x_lo, x_hi), yRange=(y_lo, y_hi), padding=0)
         rp.getAxis("bottom").setTicks([log_ticks(x_lo, x_hi), []])
         rp.getAxis("left").setTicks([log_ticks(y_lo, y_hi), []])

@@ -266,7 +266,7 @@ class CapacityPanel(Panel):
         pi.showGrid(x=True, y=True, alpha=0.15)
         label_style = {"font-size": f"{FONT_PT}pt"}
         pi.setLabel("bottom", "batch size", color=FOREGROUND, **label_style)
-        pi.setLabel("left", "TPOT floor (ms)", color=DECODE_COLOR, **label_style)
+        pi.setLabel("left", "TPOT ms: floor ─, roofline ┄", color=DECODE_COLOR, **label_style)
         pi.showAxis("right")
         pi.setLabel("right", "system tokens/s", color=SYSTEM_COLOR, **label_style)
         for name in ("left", "bottom", "right"):
@@ -276,6 +276,9 @@ class CapacityPanel(Panel):
             ax.enableAutoSIPrefix(False)
         pi.getAxis("bottom").setTicks([[(math.log10(b), str(b)) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)], []])
         self.tpot_curve = pi.plot([], [], pen=pg.mkPen(DECODE_COLOR, width=2))
+        # The roofline estimate, max(compute, memory): it leaves the floor once a step turns compute-bound.
+        self.tpot_estimate_curve = pi.plot([], [], pen=pg.mkPen(DECODE_COLOR, width=1.5,
+                                                                style=QtCore.Qt.PenStyle.DashLine))
         # The second y axis: its own ViewBox, x-linked to the main one, kept on top of it on every resize.
         self.vb2 = pg.ViewBox()
         self.vb2.setMouseEnabled(False, False)
@@ -325,6 +328,11 @@ class CapacityPanel(Panel):
         if i < 0:
             self.hw_combo.insertItem(0, f"This machine (measured): {hw.label}", THIS_MACHINE)
 
+    def showEvent(self, event: QtGui.QShowEvent) -> None:  # noqa: N802 — Qt's name
+        """A measurement taken meanwhile (Roofline panel) shows up when the panel is shown again."""
+        self.refresh_this_machine()
+        super().showEvent(event)
+
     def model_config(self) -> ModelConfig:
         key = self.model_combo.currentData()
         if key == LOADED and self.bridge.cfg is not None:
@@ -367,7 +375,7 @@ class CapacityPanel(Panel):
         if cfg is None:
             return
         i = self.model_combo.findData(LOADED)
-        text = f"Loaded: {cfg.name}"
+        text = f"{cfg.name} (loaded)"
         if i < 0:
             self.model_combo.insertItem(0, text, LOADED)
         else:
@@ -401,6 +409,7 @@ class CapacityPanel(Panel):
             self.sweep = {
                 "batch": batches.astype(float),
                 "tpot_floor_ms": np.array([r["tpot_floor_s"] * 1e3 for r in rows]),
+                "tpot_ms": np.array([r["tpot_estimate_s"] * 1e3 for r in rows]),
                 "system": np.array([r["tokens_per_s_system"] for r in rows]),
             }
         self.mark_dirty()
@@ -412,7 +421,8 @@ class CapacityPanel(Panel):
             self.fits_label.setText(f"<span style='color:{ERROR_COLOR}'>{self.error}</span>")
             for v in self.values.values():
                 v.setText("–")
-            for item in (self.tpot_curve, self.system_curve, self.current_tpot, self.current_system):
+            for item in (self.tpot_curve, self.tpot_estimate_curve, self.system_curve, self.current_tpot,
+                         self.current_system):
                 item.setData([], [])
             return
         self._draw_numbers(r)
@@ -462,6 +472,7 @@ class CapacityPanel(Panel):
         s = self.sweep
         b = s["batch"]
         self.tpot_curve.setData(b, s["tpot_floor_ms"])
+        self.tpot_estimate_curve.setData(b, s["tpot_ms"])
         self.system_curve.setData(b, s["system"])
         batch = r["batch"]
         self.current_tpot.setData([batch], [r["tpot_floor_s"] * 1e3])
@@ -469,7 +480,7 @@ class CapacityPanel(Panel):
         x_lo, x_hi = -0.05, math.log10(max(SWEEP_MAX_BATCH, batch)) + 0.05
         pi = self.plot.getPlotItem()
         self.batch_line.setPos(math.log10(batch))
-        tp = self._log_range(np.append(s["tpot_floor_ms"], r["tpot_floor_s"] * 1e3))
+        tp = self._log_range(np.concatenate([s["tpot_floor_ms"], s["tpot_ms"]]))
         sy = self._log_range(np.append(s["system"], r["tokens_per_s_system"]))
         pi.getViewBox().setRange(xRange=(x_lo, x_hi), yRange=tp, padding=0)
         self.vb2.setRange(yRange=sy, padding=0)
