@@ -1,16 +1,18 @@
-"""The one QObject that owns the engine's worker thread and turns engine events into typed Qt signals.
+"""The one QObject that owns the engine: its process, the thread that relays its events, and typed Qt signals.
 
-The worker runs a plain command loop in a QThread: the GUI thread only puts commands on a queue (never blocks),
-the worker runs the model and emits each engine event through one signal; the bridge, living in the GUI thread,
-receives them there (queued connection) and re-emits them as the typed `sig_…` signals the panels connect to.
-Between two tokens the worker reads its queue, so pause, step, stop and new sampling settings act at once.
+The engine runs in its own process (engine.server; why: see there). The GUI thread only sends commands down a
+pipe (never blocks); a relay thread owned by the bridge receives the engine's events and emits each through one
+signal; the bridge, living in the GUI thread, receives them there (queued connection) and re-emits them as the
+typed `sig_…` signals the panels connect to. Between two tokens the engine reads its commands, so pause, step, stop
+and new sampling settings act at once.
 """
 
 from __future__ import annotations
 
-import queue
+import contextlib
+import multiprocessing
+import sys
 import threading
-from dataclasses import dataclass, replace
 
 from PySide6 import QtCore
 
@@ -18,7 +20,6 @@ from engine.events import (
     AttentionCaptured,
     Failed,
     Finished,
-    Funnel,
     KVCacheGrew,
     ModelInfo,
     PrefillDone,
@@ -27,222 +28,54 @@ from engine.events import (
     TokenSampled,
 )
 from engine.sampling import SamplingParams
+from engine.server import GenerateRequest, PreviewResult, serve
 from engine.session import Capture
 
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    text: str
-    chat: bool = True
-    max_new_tokens: int = 64
-    params: SamplingParams = SamplingParams()
-    capture: Capture = Capture()
-    ignore_eos: bool = False
-    start_paused: bool = False  # prefill, then wait for Step or Resume
+__all__ = ["Bridge", "GenerateRequest", "PreviewResult"]
 
 
-@dataclass(frozen=True)
-class PreviewResult:
-    """Next-token candidates for the text being typed (no generation)."""
-
-    request_id: int
-    text: str
-    n_tokens: int
-    n_reused: int  # prompt tokens whose K/V came from the previous preview (prefix caching)
-    n_computed: int
-    seconds: float
-    funnel: Funnel
-
-
-@dataclass(frozen=True)
-class _Cmd:
-    kind: str
-    arg: object = None
+@contextlib.contextmanager
+def _spawn_without_main():
+    """The engine process needs nothing from the app's __main__ (Qt, the window): keep spawn from re-importing it."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__spec__ = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
 
 
-class EngineWorker(QtCore.QObject):
-    """Lives in the worker thread; everything here runs there except the `post` method."""
+class EventRelay(QtCore.QObject):
+    """Lives in the relay thread: receives the engine process's messages and emits them one by one."""
 
-    sig_raw = QtCore.Signal(object)  # any engine event or a bridge notice, emitted from the worker thread
+    sig_raw = QtCore.Signal(object)  # an engine event or a notice, emitted from the relay thread
 
-    def __init__(self) -> None:
+    def __init__(self, events) -> None:
         super().__init__()
-        self._q: queue.Queue[_Cmd] = queue.Queue()
-        self._quit = threading.Event()
-        self._cancel_bench = threading.Event()  # set from the GUI thread, read between decode steps
-        self.session = None
-        self.params = SamplingParams()
-
-    def post(self, kind: str, arg: object = None) -> None:
-        """Thread-safe: queue a command for the worker."""
-        if kind == "quit":
-            self._quit.set()
-        self._q.put(_Cmd(kind, arg))
+        self.events = events
+        self.stopping = threading.Event()
 
     @QtCore.Slot()
     def run(self) -> None:
-        import torch
-
-        torch.set_num_threads(max(1, torch.get_num_threads()))
-        while not self._quit.is_set():
-            try:
-                cmd = self._q.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            cmd = self._latest_preview(cmd)
-            try:
-                self._dispatch(cmd, None)
-            except Exception as e:  # noqa: BLE001 — the thread must survive anything a command does
-                self.sig_raw.emit(Failed(f"{type(e).__name__}: {e}"))
-        self.sig_raw.emit(("stopped", None))
-
-    def _latest_preview(self, cmd: _Cmd) -> _Cmd:
-        """Previews are superseded by newer ones: drop stale requests queued behind this one."""
-        if cmd.kind != "preview":
-            return cmd
-        rest = []
         while True:
             try:
-                nxt = self._q.get_nowait()
-            except queue.Empty:
-                break
-            if nxt.kind == "preview":
-                cmd = nxt
-            else:
-                rest.append(nxt)
-        for r in rest:
-            self._q.put(r)
-        return cmd
-
-    def _dispatch(self, cmd: _Cmd, gen) -> None:
-        if cmd.kind == "load":
-            self._load(*cmd.arg)
-        elif cmd.kind == "generate":
-            self._generate(cmd.arg)
-        elif cmd.kind == "preview":
-            self._preview(*cmd.arg)
-        elif cmd.kind == "batch_bench":
-            self._batch_bench(*cmd.arg)
-        elif cmd.kind == "params":
-            self.params = cmd.arg
-            if gen is not None:
-                gen.params = replace(cmd.arg, seed=gen.params.seed) if cmd.arg.seed == gen.params.seed else cmd.arg
-
-    def _load(self, model, device: str, dtype: str) -> None:
-        from engine.loaders import ModelLoadError, load
-        from engine.session import Session
-
-        self.sig_raw.emit(("load_progress", (0.0, "loading model")))
-        try:
-            lm = load(model, device=device, dtype=dtype,
-                      progress=lambda f, m: self.sig_raw.emit(("load_progress", (f, m))))
-        except ModelLoadError as e:
-            self.sig_raw.emit(("load_failed", str(e)))
-            return
-        except Exception as e:  # noqa: BLE001
-            self.sig_raw.emit(("load_failed", f"cannot load the model: {type(e).__name__}: {e}"))
-            return
-        self.session = Session(lm)
-        self.sig_raw.emit(("load_progress", (0.97, "warming up (first-call costs are not the model's)")))
-        self.session.warm_up()
-        self.sig_raw.emit(("loaded", (lm.info, lm.tokenizer, lm.cfg)))
-
-    def _batch_bench(self, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int) -> None:
-        import psutil
-
-        from engine.batching import Cancelled, bench_batch
-
-        if self.session is None:
-            self.sig_raw.emit(("batch_done", "the model is not loaded yet"))
-            return
-        def should_stop() -> bool:
-            return self._cancel_bench.is_set() or self._quit.is_set()
-
-        try:
-            bench_batch(
-                self.session.lm, batches, prompt_tokens, new_tokens,
-                progress=lambda f, m: self.sig_raw.emit(("batch_progress", (f, m))), should_stop=should_stop,
-                memory_limit_bytes=psutil.virtual_memory().available * 0.5,
-                on_row=lambda row: self.sig_raw.emit(("batch_row", row)),
-            )
-        except Cancelled:
-            self.sig_raw.emit(("batch_done", "cancelled"))
-            return
-        except Exception as e:  # noqa: BLE001 — the panel must learn that the run ended
-            self.sig_raw.emit(("batch_done", f"failed: {type(e).__name__}: {e}"))
-            return
-        self.sig_raw.emit(("batch_done", ""))
-
-    def _preview(self, request_id: int, text: str, chat: bool, top: int) -> None:
-        import time
-
-        if self.session is None or not text:
-            return
-        t0 = time.perf_counter()
-        from engine.sampling import funnel
-
-        tok = self.session.tokenize(text, chat)
-        if not tok.ids or len(tok.ids) >= self.session.cfg.context_length:
-            return
-        logits, reused, _ = self.session.next_token_logits(tok.ids)
-        stages = funnel(logits, self.params)
-        f = self.session.make_funnel(stages, self.params, top)
-        self.sig_raw.emit(PreviewResult(request_id, text, len(tok.ids), reused, len(tok.ids) - reused,
-                                        time.perf_counter() - t0, f))
-
-    def _generate(self, req: GenerateRequest) -> None:
-        if self.session is None:
-            self.sig_raw.emit(Failed("the model is not loaded yet"))
-            self.sig_raw.emit(("state", "idle"))
-            return
-        try:
-            gen = self.session.generate(req.text, req.params, req.max_new_tokens, req.capture, chat=req.chat,
-                                        ignore_eos=req.ignore_eos)
-        except ValueError as e:
-            self.sig_raw.emit(Failed(str(e)))
-            self.sig_raw.emit(("state", "idle"))
-            return
-        self.params = req.params
-        paused, steps = req.start_paused, 0
-        self.sig_raw.emit(("state", "paused" if paused else "generating"))
-        for ev in gen:
-            self.sig_raw.emit(ev)
-            if not isinstance(ev, TokenSampled):
-                continue
-            # Between two tokens: act on every queued command; while paused, wait for one.
-            while True:
-                try:
-                    cmd = self._q.get(timeout=0.05) if (paused and steps == 0) else self._q.get_nowait()
-                except queue.Empty:
-                    if self._quit.is_set():
-                        gen.stop()
+                if not self.events.poll(0.1):
+                    if self.stopping.is_set():
                         break
-                    if paused and steps == 0:
-                        continue
-                    break
-                if cmd.kind == "pause":
-                    paused, steps = True, 0
-                    self.sig_raw.emit(("state", "paused"))
-                elif cmd.kind == "resume":
-                    paused, steps = False, 0
-                    self.sig_raw.emit(("state", "generating"))
-                elif cmd.kind == "step":
-                    paused, steps = True, 1
-                elif cmd.kind in ("stop", "quit"):
-                    gen.stop()
-                    break
-                elif cmd.kind == "capture":
-                    gen.capture = cmd.arg
-                elif cmd.kind == "params":
-                    self._dispatch(cmd, gen)
-                elif cmd.kind in ("generate", "load"):
-                    gen.stop()
-                    self._q.put(cmd)  # run it once this generation has ended
-                    break
-                # previews are dropped while generating: the cache belongs to the generation
-            if steps:
-                steps -= 1
-        self.sig_raw.emit(("state", "idle"))
+                    continue
+                msg = self.events.recv()
+            except (EOFError, OSError):
+                if not self.stopping.is_set():
+                    self.sig_raw.emit(Failed("the engine process stopped unexpectedly; restart the app"))
+                break
+            self.sig_raw.emit(msg)
+            if msg == ("stopped", None):
+                break
 
 
 class Bridge(QtCore.QObject):
@@ -300,64 +133,85 @@ class Bridge(QtCore.QObject):
         self.params = SamplingParams()
         self.attention_layers: set[int] | None = None  # layers whose attention the next generation captures
         self._preview_id = 0
-        self.worker = EngineWorker()
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that runs Qt threads
+        cmd_recv, self._commands = ctx.Pipe(duplex=False)
+        events_recv, events_send = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=serve, args=(cmd_recv, events_send), name="inference-lab-engine",
+                                   daemon=True)
+        with _spawn_without_main():
+            self.process.start()
+        cmd_recv.close()
+        events_send.close()
+        self.relay = EventRelay(events_recv)
         self.worker_thread = QtCore.QThread(self)
-        self.worker.moveToThread(self.worker_thread)
-        self.worker_thread.started.connect(self.worker.run)
-        self.worker.sig_raw.connect(self._on_raw, QtCore.Qt.ConnectionType.QueuedConnection)
+        self.relay.moveToThread(self.worker_thread)
+        self.worker_thread.started.connect(self.relay.run)
+        self.relay.sig_raw.connect(self._on_raw, QtCore.Qt.ConnectionType.QueuedConnection)
         self.worker_thread.start()
+
+    def _post(self, kind: str, arg: object = None) -> None:
+        try:
+            self._commands.send((kind, arg))
+        except (BrokenPipeError, OSError):
+            self.sig_failed.emit("the engine process is not running; restart the app")
 
     # ---- commands (GUI thread; never block) ----
     def load_model(self, model: str | None = None, device: str = "auto", dtype: str = "auto") -> None:
-        self.worker.post("load", (model, device, dtype))
+        self._post("load", (model, device, dtype))
 
     def generate(self, req: GenerateRequest) -> None:
         self.params = req.params
-        self.worker.post("generate", req)
+        self._post("generate", req)
 
     def preview(self, text: str, chat: bool, top: int = 10) -> int:
         self._preview_id += 1
-        self.worker.post("preview", (self._preview_id, text, chat, top))
+        self._post("preview", (self._preview_id, text, chat, top))
         return self._preview_id
 
     def pause(self) -> None:
-        self.worker.post("pause")
+        self._post("pause")
 
     def resume(self) -> None:
-        self.worker.post("resume")
+        self._post("resume")
 
     def step(self) -> None:
-        self.worker.post("step")
+        self._post("step")
 
     def stop(self) -> None:
-        self.worker.post("stop")
+        self._post("stop")
 
     def set_params(self, params: SamplingParams) -> None:
         self.params = params
-        self.worker.post("params", params)
+        self._post("params", params)
         self.sig_params.emit(params)
 
     def run_batch_bench(self, batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32), prompt_tokens: int = 32,
                         new_tokens: int = 16) -> None:
-        self.worker._cancel_bench.clear()  # before posting: a cancel right after Run must not be lost
-        self.worker.post("batch_bench", (tuple(batches), prompt_tokens, new_tokens))
+        self._post("batch_bench", (tuple(batches), prompt_tokens, new_tokens))
 
     def cancel_batch_bench(self) -> None:
-        self.worker._cancel_bench.set()
+        self._post("cancel_bench")
 
     def set_capture(self, capture: Capture) -> None:
-        self.worker.post("capture", capture)
+        self._post("capture", capture)
 
     def select_step(self, step: int) -> None:
         self.sig_step_selected.emit(int(step))
 
     def shutdown(self, timeout_ms: int = 10_000) -> bool:
-        """Stop the worker between tokens, end its thread and wait for it (call before the window goes)."""
-        if not self.worker_thread.isRunning():
+        """Stop the engine between tokens, end its process and the relay thread, and wait for both."""
+        if not self.worker_thread.isRunning() and not self.process.is_alive():
             return True
-        self.worker.post("quit")
+        self._post("quit")
+        self.process.join(timeout_ms / 1000)
+        if self.process.is_alive():  # busy in a long load: it holds nothing worth saving
+            self.process.terminate()
+            self.process.join(2)
+        self.relay.stopping.set()
         self.worker_thread.quit()
-        return self.worker_thread.wait(timeout_ms)
+        ok = self.worker_thread.wait(timeout_ms)
+        self._commands.close()
+        return ok and not self.process.is_alive()
 
     # ---- events (GUI thread) ----
     @QtCore.Slot(object)

@@ -177,7 +177,7 @@ def _run_headless(app, args: argparse.Namespace) -> int:
             end = time.monotonic() + 0.06
             while time.monotonic() < end:
                 app.processEvents(QtCore.QEventLoop.ProcessEventsFlag.AllEvents, 20)
-            window.tick_panels()
+            window.tick_panels(flush=True)
 
     def on_finished(_ev) -> None:
         # The generation owned the KV cache; now the preview runs on the same prompt and shows the reuse.

@@ -22,7 +22,8 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
-DRAW_INTERVAL_MS = 33  # the shared draw timer: about 30 Hz
+DRAW_INTERVAL_MS = 33  # the shared draw timer: about 30 Hz (each panel also has its own max_fps)
+DRAWS_PER_TICK = 1
 DEFAULT_SIZE = (1600, 1000)
 _Area = QtCore.Qt.DockWidgetArea
 # Default layout: three rows; the top and bottom areas own the corners, so they span the whole width.
@@ -67,6 +68,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.last_error = ""
         self.draw_errors: dict[str, str] = {}  # panel module → the last exception its draw() raised
         self._closed = False
+        self._next_panel = 0  # round-robin start of the next draw tick
         self._model_request: str | None = None
         self._first_show = True
         self._restored_layout = False
@@ -288,16 +290,30 @@ class MainWindow(QtWidgets.QMainWindow):
 
     # ---- drawing ----
     @QtCore.Slot()
-    def tick_panels(self) -> None:
-        """The shared draw timer: every dirty panel repaints from its stored data."""
-        for name, panel in self.panels.items():
+    def tick_panels(self, flush: bool = False) -> None:
+        """The shared draw timer: dirty panels repaint from their stored data (flush: all now, no rate limit).
+
+        At most DRAWS_PER_TICK panels draw per tick, taking turns, so one tick (and the paint that follows it)
+        stays short and the window keeps answering while the engine uses both cores.
+        """
+        names = list(self.panels)
+        start = self._next_panel % len(names) if names else 0
+        drawn = 0
+        for name in names[start:] + names[:start]:
+            panel = self.panels[name]
+            if not flush and drawn >= DRAWS_PER_TICK:
+                break
+            before = panel.draw_count
             try:
-                panel.tick()
+                panel.flush() if flush else panel.tick()
             except Exception as e:  # noqa: BLE001 — one broken panel must not stop the others from painting
                 key = f"{type(e).__name__}: {e}"
                 if self.draw_errors.get(name) != key:
                     log.exception("the %s panel failed to draw", name)
                 self.draw_errors[name] = key
+            if panel.draw_count != before:
+                drawn += 1
+                self._next_panel = names.index(name) + 1
 
     # ---- timeline export ----
     def export_timeline(self, path: str) -> bool:

@@ -170,6 +170,7 @@ class TokenSampled:
     funnel: Funnel | None = None
     logits: np.ndarray | None = None  # (vocab,) float32 raw logits, when captured: lets a UI re-run the funnel
     context_ids: np.ndarray | None = None  # ids before this token (for the repetition penalty when re-running)
+    params: object = None  # the engine.sampling.SamplingParams this token was sampled with
 
 
 @dataclass(frozen=True)

@@ -302,7 +302,7 @@ class Generation:
                 yield from emit(TokenSampled(
                     step=step, phase=phase, position=pos, token_id=token, piece=tok.piece(token), text=delta,
                     seconds=seconds, cost=cost, funnel=condensed, logits=raw,
-                    context_ids=context[:pos].cpu().numpy() if capture.logits else None,
+                    context_ids=context[:pos].cpu().numpy() if capture.logits else None, params=params,
                 ))
                 ids.append(token)
                 if pos < capacity:

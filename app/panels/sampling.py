@@ -317,6 +317,8 @@ class SamplingPanel(Panel):
         ev = self._tokens[step]
         if ev.logits is None or self.bridge.tokenizer is None:
             return ev.funnel
+        if ev.funnel is not None and ev.params == self._params and len(ev.funnel.ids) >= FUNNEL_TOP:
+            return ev.funnel  # as sampled: no need to re-run (and no torch work on the GUI thread)
         return refunnel(ev, self._params, self.bridge.tokenizer, top=FUNNEL_TOP)
 
     def kept_counts(self) -> tuple[int, int, int] | None:

@@ -84,11 +84,11 @@ def test_panels_draw_empty_and_after_clear(qtbot, loaded, tiny_run, name):
     panel = make_panel(qtbot, importlib.import_module(f"app.panels.{name}"), loaded)
     panel.draw()  # before any generation
     feed(loaded, tiny_run)
-    panel.tick()
+    panel.flush()
     panel.clear()
-    panel.tick()  # a new generation starts from nothing
+    panel.flush()  # a new generation starts from nothing
     loaded._on_raw(tiny_run[0])  # PromptTokenized alone
-    panel.tick()
+    panel.flush()
 
 
 # ---- sampling -------------------------------------------------------------------------------------------------
@@ -97,7 +97,7 @@ def test_sampling_bars_and_knobs_refunnel_without_the_model(qtbot, loaded, tiny_
 
     panel = make_panel(qtbot, sampling, loaded)
     feed(loaded, tiny_run)
-    panel.tick()
+    panel.flush()
     last = of(tiny_run, TokenSampled)[-1]
     assert panel.shown_step() == last.step
     n = min(panel.n_show, len(last.funnel.ids))
@@ -115,7 +115,7 @@ def test_sampling_bars_and_knobs_refunnel_without_the_model(qtbot, loaded, tiny_
     monkeypatch.setattr(Session, "_forward", no_model)
     loaded.select_step(1)
     panel.top_k.setValue(3)
-    panel.tick()
+    panel.flush()
     assert panel.shown_step() == 1
     k_kept, _, _ = panel.kept_counts()
     assert k_kept == 3
@@ -123,21 +123,21 @@ def test_sampling_bars_and_knobs_refunnel_without_the_model(qtbot, loaded, tiny_
     assert sum(b.style() == QtCore.Qt.BrushStyle.SolidPattern for b in kept_rows) == 3  # the rest are hatched
     assert panel.cut_lines["top-k"].isVisible() and panel.cut_lines["top-k"].value() == pytest.approx(2.5)
     panel.top_p.setValue(0.5)
-    panel.tick()
+    panel.flush()
     assert panel.kept_counts()[1] <= 3
     # the engine gets the settings after the debounce
     qtbot.waitUntil(lambda: loaded.params.top_k == 3 and loaded.params.top_p == 0.5, timeout=2000)
 
     # an invalid combination is refused with the reason, never a crash
     panel.top_p.setValue(0.0)
-    panel.tick()
+    panel.flush()
     assert "top_p" in panel.error_label.text()
     assert panel.params().top_p == 0.5
 
     # greedy
     panel.top_p.setValue(1.0)
     panel.temperature.setValue(0.0)
-    panel.tick()
+    panel.flush()
     assert panel.params().greedy and "greedy" in panel.summary.text()
 
 
@@ -165,7 +165,7 @@ def test_attention_matrix_grows_with_causal_mask(qtbot, loaded, tiny_run, tiny_l
     assert loaded.attention_layers == {cfg.n_layers - 1}  # the generation panel captures what we show
     n_prompt = len(of(tiny_run, PromptTokenized)[0].ids)
     feed(loaded, tiny_run, until=lambda e: isinstance(e, PrefillDone))
-    panel.tick()
+    panel.flush()
     m = panel.matrix()
     assert m.shape == (cfg.n_heads, n_prompt, n_prompt)
     upper = np.triu_indices(n_prompt, 1)
@@ -180,7 +180,7 @@ def test_attention_matrix_grows_with_causal_mask(qtbot, loaded, tiny_run, tiny_l
         loaded._on_raw(ev)
         if isinstance(ev, AttentionCaptured) and ev.layer == panel.layer():
             size += 1
-            panel.tick()
+            panel.flush()
             assert panel.image.image.shape == (size, size)
             row = panel.matrix()[:, -1]
             assert np.isnan(row[:, size:]).all() and not np.isnan(row[:, :size]).any()
@@ -188,14 +188,14 @@ def test_attention_matrix_grows_with_causal_mask(qtbot, loaded, tiny_run, tiny_l
 
     # all heads as small multiples, labelled with their KV head (GQA)
     panel.tabs.setCurrentIndex(1)
-    panel.tick()
+    panel.flush()
     assert len(panel.grid_images) == cfg.n_heads
     g = cfg.n_heads // cfg.n_kv_heads
     for h, (img, label) in enumerate(zip(panel.grid_images, panel.grid_labels, strict=True)):
         assert img.image.shape == (size, size)
         assert f"h{h} → kv{h // g}" in label.text
     panel.head_spin.setValue(cfg.n_heads - 1)
-    panel.tick()
+    panel.flush()
     assert f"KV head {(cfg.n_heads - 1) // g}" in panel.kv_label.text()
 
     # rows map to steps; the layer choice is what gets captured next time
@@ -225,7 +225,7 @@ def test_kv_cache_plot_and_formula(qtbot, loaded, tiny_run, tiny_lm):
 
     panel = make_panel(qtbot, kv_cache, loaded)
     feed(loaded, tiny_run)
-    panel.tick()
+    panel.flush()
     last = of(tiny_run, KVCacheGrew)[-1]
     assert panel.last_point() == (last.n_tokens, last.bytes_used)
     per_token = costs.kv_bytes_per_token(tiny_lm.cfg, tiny_lm.info.dtype)
@@ -248,7 +248,7 @@ def test_timeline_bars_stats_and_click(qtbot, loaded, tiny_run):
 
     panel = make_panel(qtbot, timeline, loaded)
     feed(loaded, tiny_run)
-    panel.tick()
+    panel.flush()
     fin = of(tiny_run, Finished)[0]
     steps, secs = panel.bar_data()
     n_decode = len(of(tiny_run, TokenSampled)) - 1
@@ -267,7 +267,7 @@ def test_timeline_bars_stats_and_click(qtbot, loaded, tiny_run):
     with qtbot.waitSignal(loaded.sig_step_selected) as sel:
         click(qtbot, panel.plot, vb, QtCore.QPointF(3, float(secs[3]) / 2))
     assert sel.args == [3]
-    panel.tick()
+    panel.flush()
     pens = panel.bars.opts["pens"]
     assert pens[3].widthF() > 1 and pens[2].style() == QtCore.Qt.PenStyle.NoPen
 
@@ -277,7 +277,7 @@ def test_timeline_export_png_svg_and_bad_paths(qtbot, loaded, tiny_run, tmp_path
 
     panel = make_panel(qtbot, timeline, loaded)
     feed(loaded, tiny_run)
-    panel.tick()
+    panel.flush()
     png = tmp_path / "t.png"
     panel.export(str(png))
     data = png.read_bytes()
@@ -321,7 +321,7 @@ def test_roofline_points_and_ridge(qtbot, loaded, tiny_run):
     panel.select_hardware("h100-sxm")
     panel.dtype_combo.setCurrentText("fp16")
     feed(loaded, tiny_run)
-    panel.tick()
+    panel.flush()
     hw = hardware_presets()["h100-sxm"]
     peak, bw, ridge = panel.roofs()
     assert peak == hw.peak_for("fp16") and bw == hw.bandwidth_bytes_per_s
@@ -351,14 +351,14 @@ def test_roofline_measures_this_machine_in_the_background(qtbot, loaded):
 
     panel = make_panel(qtbot, roofline, loaded)
     panel.hw_combo.setCurrentIndex(0)  # this machine, not measured yet (the test cache is private)
-    panel.tick()
+    panel.flush()
     assert panel.roofs() is None and "Measure" in panel.hw_label.text()
     panel.measure_kwargs = {"quick": True}
     with qtbot.waitSignal(panel.sig_measured, timeout=30_000):
         panel.measure()
         assert not panel.measure_button.isEnabled() and panel.progress.isVisible()
     assert panel.shutdown()
-    panel.tick()
+    panel.flush()
     hw = panel.hardware()
     assert hw.measured and panel.roofs()[2] == pytest.approx(costs.ridge_point(hw.peak_for("fp32"),
                                                                                hw.bandwidth_bytes_per_s))
@@ -383,7 +383,7 @@ def test_render_panels_on_the_real_model(qtbot, bridge, real_lm, tmp_path):
     feed(bridge, events)
     qtbot.wait(50)
     for name, panel in panels.items():
-        panel.tick()
+        panel.flush()
         out = tmp_path / f"panel_{name}.png"
         assert panel.grab().save(str(out))
         assert not_blank(out), name

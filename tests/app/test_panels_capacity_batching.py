@@ -31,7 +31,7 @@ def show(qtbot, panel):
     qtbot.addWidget(panel)
     panel.resize(*PANEL_SIZE)
     panel.show()
-    panel.tick()
+    panel.flush()
     return panel
 
 
@@ -50,10 +50,10 @@ def cap(qtbot, bridge):
 
 def test_seed_example_numbers_in_widgets(qtbot, cap):
     cap.select(model="llama-3-8b", hardware="l4", dtype="int8", context=1024, batch=4)
-    cap.tick()
+    cap.flush()
     assert number(cap.values["weights"].text()) < 100
     qtbot.mouseClick(cap.seed_button, capacity.QtCore.Qt.MouseButton.LeftButton)
-    cap.tick()
+    cap.flush()
     assert cap.model_combo.currentData() == "llama-2-70b" and cap.hw_combo.currentData() == "h100-sxm"
     assert cap.dtype() == "fp16" and cap.context_spin.value() == 4096 and cap.batch_spin.value() == 1
     weights = cap.values["weights"].text()
@@ -69,10 +69,10 @@ def test_seed_example_numbers_in_widgets(qtbot, cap):
 
 def test_batch_changes_system_tokens(cap):
     cap.select(model="llama-3-8b", batch=1)
-    cap.tick()
+    cap.flush()
     one = number(cap.values["system"].text())
     cap.batch_spin.setValue(16)
-    cap.tick()
+    cap.flush()
     sixteen = number(cap.values["system"].text())
     assert sixteen > 8 * one  # memory-bound: 16 streams share each weight read
     r = cap.result
@@ -95,7 +95,7 @@ def test_loaded_model_entry(cap, bridge, tiny_lm):
     i = cap.model_combo.findData(capacity.LOADED)
     assert i >= 0 and tiny_lm.cfg.name in cap.model_combo.itemText(i)
     cap.select(model=capacity.LOADED, dtype="fp32", context=128, batch=2)
-    cap.tick()
+    cap.flush()
     assert cap.result["n_params"] == costs.n_params(tiny_lm.cfg)
     assert cap.result["kv_bytes_per_token"] == costs.kv_bytes_per_token(tiny_lm.cfg, "fp32")
 
@@ -152,7 +152,7 @@ def test_batching_run_on_tiny_model(qtbot, loaded_bridge, tmp_path):
         panel.run((1, 2, 4), prompt_tokens=8, new_tokens=5)
         assert panel.running and not panel.run_button.isEnabled() and panel.cancel_button.isEnabled()
     assert done.args == [""]
-    panel.tick()
+    panel.flush()
     assert not panel.running and panel.run_button.isEnabled() and not panel.cancel_button.isEnabled()
     assert [r.batch for r in panel.rows] == [1, 2, 4]
     for r in panel.rows:
@@ -173,7 +173,7 @@ def test_batching_run_on_tiny_model(qtbot, loaded_bridge, tmp_path):
     mx = panel.measured_points.xData
     assert len(mx) == 3
     panel.select_roofs("h100-sxm")
-    panel.tick()
+    panel.flush()
     ax, ay = panel.analytic_points.xData, panel.analytic_points.yData
     np.testing.assert_allclose(ax, mx)
     hw = panel.presets["h100-sxm"]
@@ -194,7 +194,7 @@ def test_cancel_before_the_run_starts(qtbot, loaded_bridge):
         panel.run(batches, prompt_tokens=8, new_tokens=200)
         panel.cancel()
     assert done.args == ["cancelled"]
-    panel.tick()
+    panel.flush()
     assert panel.status.startswith("cancelled") and len(panel.rows) < len(batches)
     assert panel.run_button.isEnabled() and not panel.cancel_button.isEnabled()
 
@@ -214,7 +214,7 @@ def test_cancel_mid_run(qtbot, loaded_bridge):
 def test_capacity_renders(qtbot, cap, tmp_path):
     from PySide6 import QtGui
 
-    cap.tick()
+    cap.flush()
     path = tmp_path / "capacity.png"
     assert cap.grab().save(str(path))
     img = QtGui.QImage(str(path))

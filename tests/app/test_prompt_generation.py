@@ -15,7 +15,7 @@ def finish_generation(qtbot, w, start, timeout=30_000):
     """Run `start()` and wait for the bridge's sig_finished (GUI thread), then let every panel draw."""
     with qtbot.waitSignal(w.bridge.sig_finished, timeout=timeout) as blocker:
         assert start() is not False
-    w.tick_panels()
+    w.tick_panels(flush=True)
     return blocker.args[0]
 
 
@@ -134,7 +134,7 @@ def test_preview_shows_candidates_and_prefix_reuse(qtbot, window):
     prompt.set_chat(False)
     with qtbot.waitSignal(window.bridge.sig_preview, timeout=10_000):
         prompt.set_text("the cat sat on the")
-    window.tick_panels()
+    window.tick_panels(flush=True)
     first = preview.result
     assert first is not None and first.text == "the cat sat on the"
     assert first.n_computed + first.n_reused == first.n_tokens
@@ -142,7 +142,7 @@ def test_preview_shows_candidates_and_prefix_reuse(qtbot, window):
     assert "reused" in preview.info.text()
     with qtbot.waitSignal(window.bridge.sig_preview, timeout=10_000):
         prompt.set_text("the cat sat on the mat and")
-    window.tick_panels()
+    window.tick_panels(flush=True)
     second = preview.result
     assert second.text == "the cat sat on the mat and"
     assert second.n_reused > 0  # the unchanged prefix came from the KV cache
@@ -237,7 +237,7 @@ def test_stop_ends_early(qtbot, window):
     fin = finish_generation(qtbot, window, gen.stop)
     assert fin.reason == "stopped" and len(fin.ids) < 50
     qtbot.waitUntil(lambda: gen.state == "idle", timeout=5_000)
-    window.tick_panels()
+    window.tick_panels(flush=True)
     assert "finished (stopped)" in gen.status.text()
 
 
@@ -256,7 +256,7 @@ def test_clicking_a_token_selects_its_step(qtbot, window):
     with qtbot.waitSignal(window.bridge.sig_step_selected) as blocker:
         gen._on_token_clicked(n_prompt + 3)
     assert blocker.args == [3]
-    window.tick_panels()
+    window.tick_panels(flush=True)
     assert len(gen.output.extraSelections()) == 1
     with qtbot.waitSignal(window.bridge.sig_step_selected) as blocker:
         gen._on_token_clicked(0)
