@@ -1,0 +1,92 @@
+"""The engine server headless: commands in, events out, as the app drives it (here in a thread, not a process)."""
+
+import multiprocessing
+import threading
+
+import pytest
+
+from engine.events import Failed, Finished, TokenSampled
+from engine.sampling import SamplingParams
+from engine.server import GenerateRequest, PreviewResult, serve
+
+
+class Client:
+    def __init__(self):
+        cmd_recv, self.commands = multiprocessing.Pipe(duplex=False)
+        self.events, events_send = multiprocessing.Pipe(duplex=False)
+        self.thread = threading.Thread(target=serve, args=(cmd_recv, events_send), daemon=True)
+        self.thread.start()
+
+    def send(self, kind, arg=None):
+        self.commands.send((kind, arg))
+
+    def until(self, pred, timeout=60):
+        seen = []
+        while self.events.poll(timeout):
+            msg = self.events.recv()
+            seen.append(msg)
+            if pred(msg):
+                return seen
+        raise AssertionError(f"timed out; last messages: {seen[-3:]}")
+
+
+@pytest.fixture
+def client(tiny_dir):
+    c = Client()
+    c.send("load", (str(tiny_dir.gguf), "cpu", "float32"))
+    c.until(lambda m: isinstance(m, tuple) and m[0] in ("loaded", "load_failed"))
+    yield c
+    c.send("quit")
+    c.thread.join(10)
+    assert not c.thread.is_alive()
+
+
+def test_generate_pause_step_resume(client):
+    req = GenerateRequest("the cat sat", chat=False, max_new_tokens=8, params=SamplingParams.greedy_params(),
+                          ignore_eos=True, start_paused=True)
+    client.send("generate", req)
+    first = client.until(lambda m: isinstance(m, TokenSampled))
+    assert ("state", "paused") in first and first[-1].step == 0
+    assert not client.events.poll(0.3)  # paused: nothing more comes
+    client.send("step")
+    step = client.until(lambda m: isinstance(m, TokenSampled))
+    assert step[-1].step == 1 and not client.events.poll(0.3)
+    client.send("params", SamplingParams(temperature=1.0, top_k=1))
+    client.send("resume")
+    rest = client.until(lambda m: isinstance(m, Finished))
+    assert rest[-1].reason == "length" and len(rest[-1].ids) == 8
+    later = [m for m in rest if isinstance(m, TokenSampled)]
+    assert all(t.funnel is None or t.funnel.kept_final == 1 for t in later)  # the new settings applied
+    assert client.until(lambda m: isinstance(m, tuple))[-1] == ("state", "idle")
+
+
+def test_stop_ends_early_and_bad_prompt_fails_cleanly(client):
+    client.send("generate", GenerateRequest("the cat", chat=False, max_new_tokens=200, ignore_eos=True,
+                                            params=SamplingParams(temperature=1.0, seed=1)))
+    client.until(lambda m: isinstance(m, TokenSampled) and m.step == 2)
+    client.send("stop")
+    fin = client.until(lambda m: isinstance(m, Finished))[-1]
+    assert fin.reason == "stopped" and len(fin.ids) < 200
+    client.until(lambda m: m == ("state", "idle"))
+    client.send("generate", GenerateRequest("", chat=False))
+    msgs = client.until(lambda m: m == ("state", "idle"))
+    assert any(isinstance(m, Failed) and "empty" in m.message for m in msgs)
+
+
+def test_stale_previews_are_dropped(client):
+    for i, text in enumerate(["the", "the cat", "the cat sat"], start=1):
+        client.send("preview", (i, text, False, 5))
+    res = client.until(lambda m: isinstance(m, PreviewResult) and m.request_id == 3)
+    previews = [m for m in res if isinstance(m, PreviewResult)]
+    assert previews[-1].text == "the cat sat" and len(previews[-1].funnel.ids) == 5
+    # the requests queued behind the first one collapse into the newest: request 2 is never computed
+    assert [p.request_id for p in previews] in ([1, 3], [3])
+
+
+def test_batch_bench_rows_and_cancel(client):
+    client.send("batch_bench", ((1, 2), 6, 3))
+    msgs = client.until(lambda m: isinstance(m, tuple) and m[0] == "batch_done")
+    assert [m[1].batch for m in msgs if m[0] == "batch_row"] == [1, 2] and msgs[-1] == ("batch_done", "")
+    client.send("batch_bench", ((1, 2, 4, 8, 16), 6, 40))
+    client.send("cancel_bench")
+    assert client.until(lambda m: isinstance(m, tuple) and m[0] == "batch_done")[-1] == ("batch_done", "cancelled")
