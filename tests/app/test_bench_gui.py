@@ -1,0 +1,22 @@
+"""The GUI benchmark script runs end to end (a short smoke run on the real model, in a subprocess)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_bench_gui_smoke():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), QT_QPA_PLATFORM="offscreen")
+    r = subprocess.run([sys.executable, "-m", "app.bench_gui", "--smoke"], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert d["tokens"] >= 1 and d["tpot_ms_with_gui"] > 0 and d["stall_max_ms"] >= d["stall_p99_ms"] >= 0
+    assert d["keystroke_200_tokens_ms"] > 0 and d["redraws_per_s_all_panels"] > 0
