@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -239,7 +240,8 @@ class EngineServer:
 
 def serve(commands: Connection, events: Connection, threads: int = 0) -> None:
     """The engine process's entry point (multiprocessing target)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C in the terminal is the app's to handle
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C in the terminal is the app's to handle
     import torch
 
     threads = threads or int(os.environ.get("INFERENCE_LAB_THREADS", "0"))

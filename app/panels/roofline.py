@@ -1,5 +1,6 @@
 """Roofline: attainable FLOP/s against arithmetic intensity for a chosen machine and dtype, with the engine's
-measured prefill and decode steps and the cost model's analytic points for the loaded model.
+measured prefill and decode steps and the cost model's analytic points for the loaded or a catalogue model at a
+chosen batch size and prompt length.
 
 Roofs and costs come from engine.costs, engine.catalog and engine.hardware; "this machine" is measured in a plain
 background thread (never on the GUI thread) and the result comes back through a queued signal.
@@ -7,6 +8,7 @@ background thread (never on the GUI thread) and the result comes back through a 
 
 from __future__ import annotations
 
+import html
 import math
 import threading
 
@@ -18,11 +20,15 @@ from app.bridge import Bridge
 from app.panels.base import Panel
 from app.theme import BACKGROUND, DECODE_COLOR, FOREGROUND, PREFILL_COLOR
 from engine import costs
-from engine.catalog import Hardware, canonical_dtype, hardware_presets
+from engine.catalog import Hardware, canonical_dtype, hardware_presets, model_presets
 from engine.events import ModelInfo, PrefillDone, PromptTokenized, StepCost, TokenSampled
 
 FONT_PT = 9
 THIS_MACHINE = "this-machine"
+LOADED = "loaded"  # the model selector's entry for the engine's model (bridge.cfg)
+DEFAULT_PROMPT = 512  # prompt length of the analytic points before any prompt arrives
+MAX_BATCH = 1024
+MAX_PROMPT = 131_072
 DTYPES = ("fp32", "fp16", "bf16", "int8")
 MEASURABLE = ("fp32", "fp16", "bf16")
 ROOF_COLOR = "#e8e8e8"
@@ -47,9 +53,19 @@ def si(x: float) -> str:
     return f"{x:g}"
 
 
-def decade_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
-    """Ticks at whole decades between log10 bounds lo and hi, labelled in SI units."""
-    return [(float(k), si(10.0**k)) for k in range(math.ceil(lo), math.floor(hi) + 1)]
+def decade_ticks(lo: float, hi: float, most: int = 10) -> list[tuple[float, str]]:
+    """Ticks at whole decades between log10 bounds lo and hi (every other one, or sparser, beyond `most`),
+    labelled in SI units."""
+    ks = range(math.ceil(lo), math.floor(hi) + 1)
+    step = max(1, math.ceil(len(ks) / most))
+    return [(float(k), si(10.0**k)) for k in ks if k % step == 0]
+
+
+def fmt_intensity(x: float) -> str:
+    """Arithmetic intensity for a label: 0.505, 32.7, 2600, 20.5k."""
+    if x >= 1e4:
+        return f"{x / 1e3:.3g}k"
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}" if x >= 0.01 else f"{x:.2g}"
 
 
 def fmt_fraction(f: float) -> str:
@@ -76,11 +92,14 @@ class RooflinePanel(Panel):
         "right of it on arithmetic (compute-bound). Decode of SmolLM2-135M in float32 does about 2 FLOPs per "
         "weight and reads every weight once: about 0.27 GFLOP over 0.54 GB, I ≈ 0.5 FLOP/byte, far left of any "
         "ridge, so it is memory-bound and its speed is set by bandwidth. Prefill reuses each weight for every "
-        "prompt token, so its intensity grows with the prompt length and it moves toward the compute roof. Filled "
-        "dots are the engine's measured steps (achieved FLOP/s = FLOPs / measured seconds), labelled with their "
-        "share of the roof at their intensity; hollow circles are the cost model's prediction, on the roof, for "
-        "the loaded model at the chosen dtype. 'This machine' is measured here (memory read and copy bandwidth, "
-        "matmul throughput, with PyTorch) and cached between runs."
+        "prompt token, so its intensity grows with the prompt length and it moves toward the compute roof. "
+        "Batching B sequences multiplies a decode step's FLOPs by B but reads the weights once, so decode moves "
+        "right about B times (less as the KV cache reads grow). Filled dots are the engine's measured steps "
+        "(achieved FLOP/s = FLOPs / measured seconds), labelled with their share of the roof at their intensity; "
+        "they are shown only for the loaded model. Hollow circles are the cost model's prediction, on the roof, "
+        "for the chosen model (the loaded one or a catalogue preset) at the chosen batch, prompt length and dtype: "
+        "prefill of the prompt, and decode at the prompt plus the tokens generated so far. 'This machine' is "
+        "measured here (memory read and copy bandwidth, matmul throughput, with PyTorch) and cached between runs."
     )
 
     sig_measured = QtCore.Signal(object)
@@ -89,6 +108,7 @@ class RooflinePanel(Panel):
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)
         self.presets: dict[str, Hardware] = hardware_presets()
+        self.models = model_presets()
         self.this_machine: dict[str, Hardware] = {}  # measured, by canonical dtype
         self.measure_kwargs: dict = {}  # e.g. {"quick": True} in tests
         self._measuring: threading.Thread | None = None
@@ -143,6 +163,35 @@ class RooflinePanel(Panel):
         row.addWidget(self.dtype_combo)
         row.addWidget(self.measure_button)
         row.addWidget(self.progress)
+
+        self.model_combo = QtWidgets.QComboBox()
+        self.model_combo.addItem("Loaded model", LOADED)
+        for key in self.models:
+            self.model_combo.addItem(key, key)
+        self.model_combo.setToolTip("The model of the hollow analytic points: the loaded one or a catalogue preset")
+        self.model_combo.setSizeAdjustPolicy(
+            QtWidgets.QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.model_combo.setMinimumContentsLength(14)
+        self.batch_spin = QtWidgets.QSpinBox()
+        self.batch_spin.setRange(1, MAX_BATCH)
+        self.batch_spin.setValue(1)
+        self.batch_spin.setPrefix("batch ")
+        self.batch_spin.setToolTip("Sequences per step of the analytic points (the engine's measured steps are "
+                                   "batch 1)")
+        self.prompt_spin = QtWidgets.QSpinBox()
+        self.prompt_spin.setRange(1, MAX_PROMPT)
+        self.prompt_spin.setValue(DEFAULT_PROMPT)
+        self.prompt_spin.setPrefix("prompt ")
+        self.prompt_spin.setSuffix(" tok")
+        self.prompt_spin.setToolTip("Prompt length of the analytic points (follows each new prompt)")
+        self.model_combo.currentIndexChanged.connect(self._on_choice_changed)
+        self.batch_spin.valueChanged.connect(self._on_choice_changed)
+        self.prompt_spin.valueChanged.connect(self._on_choice_changed)
+        row2 = QtWidgets.QHBoxLayout()
+        row2.setContentsMargins(0, 0, 0, 0)
+        row2.addWidget(self.model_combo, 1)
+        row2.addWidget(self.batch_spin)
+        row2.addWidget(self.prompt_spin)
         self.hw_label = QtWidgets.QLabel("")
         self.hw_label.setWordWrap(True)
         self.takeaway = QtWidgets.QLabel("")
@@ -177,11 +226,14 @@ class RooflinePanel(Panel):
                                         symbolPen=pg.mkPen(BACKGROUND))
         self.prefill_text = self._text(PREFILL_COLOR, anchor=(0, 1))  # above its point
         self.decode_text = self._text(DECODE_COLOR, anchor=(0, 0))  # below its point: the two never collide
+        self.analytic_prefill_text = self._text(PREFILL_COLOR, anchor=(1, 1))  # above the roof, placed in draw()
+        self.analytic_decode_text = self._text(DECODE_COLOR, anchor=(1, 1))
 
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.setSpacing(3)
         layout.addLayout(row)
+        layout.addLayout(row2)
         layout.addWidget(self.hw_label)
         layout.addWidget(self.plot, 1)
         layout.addWidget(self.takeaway)
@@ -209,6 +261,43 @@ class RooflinePanel(Panel):
         return self.this_machine.get(dtype) or self.this_machine.get("fp32") or next(
             iter(self.this_machine.values()), None)
 
+    def model_key(self) -> str:
+        """LOADED or a catalogue key such as "llama-2-70b"."""
+        return self.model_combo.currentData()
+
+    def model_cfg(self):
+        """The ModelConfig of the chosen model (None when "loaded model" is chosen and none is loaded)."""
+        key = self.model_key()
+        return self.bridge.cfg if key == LOADED else self.models[key]
+
+    def model_name(self) -> str:
+        key = self.model_key()
+        if key != LOADED:
+            return key
+        info = self.bridge.info
+        return info.name if info is not None else "loaded model"
+
+    def shows_measured(self) -> bool:
+        """Measured points belong to the loaded model: shown only while it is the chosen one."""
+        return self.model_key() == LOADED
+
+    def select_model(self, key: str) -> None:
+        i = self.model_combo.findData(key)
+        if i < 0:
+            raise ValueError(f"unknown model {key!r}")
+        self.model_combo.setCurrentIndex(i)
+
+    def batch(self) -> int:
+        return self.batch_spin.value()
+
+    def prompt_length(self) -> int:
+        return self.prompt_spin.value()
+
+    def decode_context(self) -> int:
+        """Context of the analytic decode step: the prompt length plus the tokens generated so far."""
+        generated = max(0, self._context - self._n_prompt) if self._n_prompt else 0
+        return max(1, self.prompt_length() + generated)
+
     def select_hardware(self, key: str) -> None:
         i = self.hw_combo.findData(key)
         if i < 0:
@@ -228,6 +317,9 @@ class RooflinePanel(Panel):
             self.this_machine[dtype] = hw
 
     def _on_hw_changed(self, _i: int) -> None:
+        self.mark_dirty()
+
+    def _on_choice_changed(self, _v: int) -> None:
         self.mark_dirty()
 
     def _on_dtype_changed(self, _i: int) -> None:
@@ -305,6 +397,9 @@ class RooflinePanel(Panel):
         self._load_cached(self.dtype())
         if self.this_machine:
             self.select_hardware(THIS_MACHINE)
+        self.model_combo.setItemText(0, f"Loaded: {info.name}")
+        self.model_combo.setItemData(0, f"The loaded model, {info.name}", QtCore.Qt.ItemDataRole.ToolTipRole)
+        self.select_model(LOADED)
         self.clear()
 
     @QtCore.Slot(object)
@@ -312,6 +407,8 @@ class RooflinePanel(Panel):
         self._prefill, self._decode = None, []
         self._n_prompt = len(ev.ids)
         self._context = self._n_prompt
+        if self._n_prompt:
+            self.prompt_spin.setValue(min(self._n_prompt, MAX_PROMPT))
         self.mark_dirty()
 
     @QtCore.Slot(object)
@@ -350,31 +447,32 @@ class RooflinePanel(Panel):
         return out
 
     def analytic_costs(self) -> dict[str, StepCost]:
-        """The cost model's prefill (prompt length) and decode (current context) of the loaded model at the dtype."""
-        cfg = self.bridge.cfg
+        """The cost model's prefill (prompt length) and decode (prompt + generated so far) of the chosen model,
+        at the chosen batch and the roof's dtype."""
+        cfg = self.model_cfg()
         if cfg is None:
             return {}
-        n = self._n_prompt or 32
-        ctx = max(1, self._context or n)
-        dtype = self.dtype()
-        return {"prefill": costs.prefill_cost(cfg, n, weight_dtype=dtype),
-                "decode": costs.decode_cost(cfg, ctx, weight_dtype=dtype)}
+        batch, dtype = self.batch(), self.dtype()
+        return {"prefill": costs.prefill_cost(cfg, self.prompt_length(), batch=batch, weight_dtype=dtype),
+                "decode": costs.decode_cost(cfg, self.decode_context(), batch=batch, weight_dtype=dtype)}
 
     # ---- drawing -----------------------------------------------------------------------------------------------
     def draw(self) -> None:
         r = self.roofs()
         hw = self.hardware()
-        measured = self.measured_points()
+        show_measured = self.shows_measured()
+        measured = self.measured_points() if show_measured else {}
+        trail = self._decode if show_measured else []
         analytic = self.analytic_costs()
         if r is None or hw is None:
             self.hw_label.setText("This machine has not been measured yet: press “Measure this machine” "
                                   "(a few seconds), or pick a catalogue chip.")
             for item in (self.roof, self.analytic_prefill, self.analytic_decode):
                 item.setData([], [])
-            for t in (self.ridge_text, self.roof_text):
+            for t in (self.ridge_text, self.roof_text, self.analytic_prefill_text, self.analytic_decode_text):
                 t.setText("")
             self.ridge_line.setVisible(False)
-            self._draw_measured(measured, None, 0.0)
+            self._draw_measured(measured, trail, None, 0.0)
             self.takeaway.setText("")
             return
         peak, bw, ridge = r
@@ -384,36 +482,104 @@ class RooflinePanel(Panel):
         xs = [i for _p, (i, _f) in measured.items()] + [c.intensity for c in analytic.values()]
         lo = min([0.1] + [x / 3 for x in xs if x > 0])
         hi = max([ridge * 20, 100.0] + [x * 5 for x in xs])
+        ys = [f for _i, f in measured.values()] + [peak]
+        y_lo = min(math.log10(min(ys) / 4), math.log10(peak) - 2.5)  # at least 2.5 decades: readable ticks
+        y_hi = math.log10(peak * 10)  # a decade of headroom for the ridge label
+        self.roof_text.setText(f"memory roof {fmt_bw(bw)} · I")
+        labels = self._analytic_labels(analytic, ridge)
+        labels, lo, hi = self._fit_labels(labels, lo, hi, y_hi - y_lo, peak, bw, ridge)
         grid = np.logspace(math.log10(lo), math.log10(hi), 200)
         roof = np.array([costs.attainable_flops(i, peak, bw) for i in grid])
         self.roof.setData(grid, roof)
         self.ridge_line.setVisible(True)
         self.ridge_line.setPos(math.log10(ridge))
         self.ridge_text.setText(f"ridge {ridge:.3g} FLOP/B")
-        self.ridge_text.setPos(math.log10(ridge), math.log10(peak))
-        self.roof_text.setText(f"memory roof {fmt_bw(bw)} · I")
-        x0 = lo * 1.3  # below the memory roof, at its left end: the line rises away from the text
-        self.roof_text.setPos(math.log10(x0), math.log10(costs.attainable_flops(x0, peak, bw) / 2))
-        for key, item in (("prefill", self.analytic_prefill), ("decode", self.analytic_decode)):
-            c = analytic.get(key)
-            if c is None or c.intensity <= 0:
-                item.setData([], [])
-            else:
-                item.setData([c.intensity], [costs.attainable_flops(c.intensity, peak, bw)])
-        self._draw_measured(measured, (peak, bw), (math.log10(lo) + math.log10(hi)) / 2)
-        ys = [f for _i, f in measured.values()] + [peak]
+        self.ridge_text.setAnchor((0, 0))  # top of the plot, right of the line: clear of the points' labels
+        self.ridge_text.setPos(math.log10(ridge), y_hi)
+        # the top-left corner: above the slanted roof, clear of the measured points below it
+        self.roof_text.setAnchor((0, 0))
+        self.roof_text.setPos(math.log10(lo), y_hi)
+        self._draw_analytic(labels, peak, bw)
+        self._draw_measured(measured, trail, (peak, bw), (math.log10(lo) + math.log10(hi)) / 2)
         pi = self.plot.getPlotItem()
         x_lo, x_hi = math.log10(lo), math.log10(hi)
-        y_lo = min(math.log10(min(ys) / 4), math.log10(peak) - 2.5)  # at least 2.5 decades: readable ticks
-        y_hi = math.log10(peak * 10)  # a decade of headroom for the ridge label
         pi.getViewBox().setRange(xRange=(x_lo, x_hi), yRange=(y_lo, y_hi), padding=0)
-        pi.getAxis("bottom").setTicks([decade_ticks(x_lo, x_hi), []])
+        # no tick label at the very right edge, where it would be cut in half
+        pi.getAxis("bottom").setTicks([decade_ticks(x_lo, x_hi - 0.03 * (x_hi - x_lo), most=9), []])
         pi.getAxis("left").setTicks([decade_ticks(y_lo, y_hi), []])
-        self._set_takeaway(hw, ridge, measured, analytic)
+        self._set_takeaway(ridge, analytic)
 
-    def _draw_measured(self, measured: dict, roofs: tuple[float, float] | None, mid: float) -> None:
-        if self._decode:
-            pts = np.array(self._decode)
+    def _analytic_labels(self, analytic: dict[str, StepCost], ridge: float) -> list[tuple[str, float, str, int]]:
+        """(key, intensity, text, side) of each analytic point, side 1 for now (left of the point, above the
+        roof, where the roof falls away); `_fit_labels` moves one that would overlap the other."""
+        out: list[tuple[str, float, str, int]] = []
+        for key in ("prefill", "decode"):
+            c = analytic.get(key)
+            if c is not None and c.intensity > 0:
+                bound = "memory" if c.intensity < ridge else "compute"
+                out.append((key, c.intensity, f"{key} ≈ {fmt_intensity(c.intensity)} FLOP/B · {bound}-bound", 1))
+        return out
+
+    def _fit_labels(self, labels: list[tuple[str, float, str, int]], lo: float, hi: float, y_span: float,
+                    peak: float, bw: float, ridge: float) -> tuple[list[tuple[str, float, str, int]], float, float]:
+        """Widen the log x range (lo, hi) so that every analytic label fits inside the plot; when the left
+        label of the right point would cover the other point's label, it goes below-right of its point instead
+        (side 0: under the roof, which rises or stays flat to the right)."""
+        vb = self.plot.getPlotItem().getViewBox()
+        width = vb.width() if vb.width() > 100 else 450.0  # not laid out yet (a hidden panel): a typical size
+        height = vb.height() if vb.height() > 60 else 180.0
+        metrics = QtGui.QFontMetrics(self._font)
+        label_decades_y = (metrics.height() + 8) / height * y_span  # a label's height, in decades of FLOP/s
+        shares = {key: min(0.8, (metrics.horizontalAdvance(text) + 24) / width) for key, _i, text, _s in labels}
+        ridge_share = min(0.8, (metrics.horizontalAdvance(f"ridge {ridge:.3g} FLOP/B") + 16) / width)
+        roof_share = min(0.8, (metrics.horizontalAdvance(self.roof_text.textItem.toPlainText()) + 24) / width)
+        x_lo, x_hi = math.log10(lo), math.log10(hi)
+        out = list(labels)
+        for _ in range(5):  # widening one side changes the decades per pixel: settle in a few passes
+            if len(out) == 2:
+                (k0, i0, t0, _s0), (k1, i1, t1, _s1) = sorted(out, key=lambda lab: lab[1])
+                span = x_hi - x_lo
+                rise = math.log10(costs.attainable_flops(i1, peak, bw) / costs.attainable_flops(i0, peak, bw))
+                crowded = (math.log10(i1) - shares[k1] * span < math.log10(i0) + 0.1 * span
+                           and rise < label_decades_y)
+                out = [(k0, i0, t0, 1), (k1, i1, t1, 0 if crowded else 1)]
+            for key, i, _text, side in out:
+                x, share = math.log10(i), shares[key]
+                if side == 1:  # x - share·span ≥ x_lo, span = x_hi - x_lo
+                    x_lo = min(x_lo, x_hi - (x_hi - x) / (1 - share))
+                else:  # x + share·span ≤ x_hi
+                    x_hi = max(x_hi, x_lo + (x - x_lo) / (1 - share))
+            x_hi = max(x_hi, x_lo + (math.log10(ridge) - x_lo) / (1 - ridge_share))  # the ridge label, right of it
+            x_lo = min(x_lo, x_hi - (x_hi - math.log10(ridge)) / (1 - roof_share))  # the roof label, left of it
+        return out, 10.0**x_lo, 10.0**x_hi
+
+    def _draw_analytic(self, labels: list[tuple[str, float, str, int]], peak: float, bw: float) -> None:
+        """Hollow points on the roof, each labelled with its intensity and which roof bounds it."""
+        shown = {key for key, *_ in labels}
+        for key, item, text in (("prefill", self.analytic_prefill, self.analytic_prefill_text),
+                                ("decode", self.analytic_decode, self.analytic_decode_text)):
+            if key not in shown:
+                item.setData([], [])
+                text.setText("")
+        items = {"prefill": (self.analytic_prefill, self.analytic_prefill_text),
+                 "decode": (self.analytic_decode, self.analytic_decode_text)}
+        for key, i, label, side in labels:
+            item, text = items[key]
+            y = costs.attainable_flops(i, peak, bw)
+            item.setData([i], [y])
+            text.setText(label)
+            x = math.log10(i)
+            if side == 0:
+                text.setAnchor((0, 0))
+                text.setPos(x + 0.05, math.log10(y) - 0.1)
+            else:
+                text.setAnchor((side, 1))
+                text.setPos(x + (-0.05 if side else 0.05), math.log10(y) + 0.05)
+
+    def _draw_measured(self, measured: dict, trail: list[tuple[float, float]],
+                       roofs: tuple[float, float] | None, mid: float) -> None:
+        if trail:
+            pts = np.array(trail)
             self.measured_decode.setData(pts[:, 0], pts[:, 1])
         else:
             self.measured_decode.setData([], [])
@@ -434,21 +600,27 @@ class RooflinePanel(Panel):
             text.setAnchor((0 if right else 1, 1 if key == "prefill" else 0))
             text.setPos(math.log10(i) + (0.08 if right else -0.08), math.log10(f))
 
-    def _set_takeaway(self, hw: Hardware, ridge: float, measured: dict, analytic: dict) -> None:
-        def intensity(key: str) -> float | None:
-            if key in measured:
-                return measured[key][0]
-            return analytic[key].intensity if key in analytic else None
-
-        dec, pre = intensity("decode"), intensity("prefill")
-        if dec is None:
-            self.takeaway.setText(f"Ridge at {ridge:.3g} FLOP/byte: steps left of it are memory-bound.")
+    def _set_takeaway(self, ridge: float, analytic: dict[str, StepCost]) -> None:
+        name = html.escape(self.model_name())
+        if "decode" not in analytic:
+            self.takeaway.setText(f"Ridge at {ridge:.3g} FLOP/byte: steps left of it are memory-bound. No model "
+                                  "is loaded yet: pick a catalogue model for the analytic points.")
             return
-        bound = "memory-bound" if dec < ridge else "compute-bound"
-        text = (f"<b>Decode intensity ≈ {dec:.2g} FLOP/byte → {bound}</b>: the ridge of this roof is at "
-                f"{ridge:.3g} FLOP/byte")
-        if pre is not None:
-            text += f"; prefill ≈ {pre:.3g} FLOP/byte is {'memory' if pre < ridge else 'compute'}-bound here"
-        self.takeaway.setText(text + ".")
+        batch = self.batch()
+        dec = analytic["decode"].intensity
+        if dec < ridge:
+            bound = ("still " if batch > 1 else "") + "memory-bound"
+        else:
+            bound = "compute-bound"
+        text = (f"<b>{name}: decode at batch {batch} ≈ {fmt_intensity(dec)} FLOP/byte → {bound} "
+                f"(ridge {ridge:.3g})</b>")
+        if "prefill" in analytic:
+            pre = analytic["prefill"].intensity
+            text += (f"; prefill of {self.prompt_length()} tokens ≈ {fmt_intensity(pre)} FLOP/byte → "
+                     f"{'memory' if pre < ridge else 'compute'}-bound")
+        text += "."
+        if not self.shows_measured():
+            text += " Measured points hidden: they belong to the loaded model."
+        self.takeaway.setText(text)
 
 PANEL = RooflinePanel

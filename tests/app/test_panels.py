@@ -346,6 +346,60 @@ def test_roofline_points_and_ridge(qtbot, loaded, tiny_run):
     assert "memory-bound" in panel.takeaway.text()
 
 
+def n_points(item) -> int:
+    return 0 if item.xData is None else len(item.xData)
+
+
+def test_roofline_batch_and_catalogue_model_move_the_analytic_points(qtbot, loaded, tiny_run):
+    from app.panels import roofline
+    from engine.catalog import model_presets
+
+    panel = make_panel(qtbot, roofline, loaded)
+    panel.resize(650, 330)
+    assert panel.model_key() == roofline.LOADED and panel.batch() == 1
+    panel.select_hardware("h100-sxm")
+    panel.dtype_combo.setCurrentText("fp16")
+    feed(loaded, tiny_run)
+    n_prompt = len(of(tiny_run, PromptTokenized)[0].ids)
+    assert panel.prompt_length() == n_prompt  # follows the last prompt
+    panel.flush()
+    assert n_points(panel.measured_decode) > 0 and n_points(panel.measured_prefill) == 1
+    generated = of(tiny_run, TokenSampled)[-1].position + 1 - n_prompt
+    assert panel.decode_context() == n_prompt + generated
+
+    cfg = model_presets()["llama-2-70b"]
+    panel.select_model("llama-2-70b")
+    panel.prompt_spin.setValue(512)
+    ctx = 512 + generated
+    intensity = {}
+    for batch in (1, 256):
+        panel.batch_spin.setValue(batch)
+        panel.flush()
+        want = costs.decode_cost(cfg, ctx, batch=batch, weight_dtype="fp16").intensity
+        assert panel.analytic_costs()["decode"].intensity == pytest.approx(want)
+        assert panel.analytic_decode.xData[0] == pytest.approx(want)
+        pre = costs.prefill_cost(cfg, 512, batch=batch, weight_dtype="fp16").intensity
+        assert panel.analytic_prefill.xData[0] == pytest.approx(pre)
+        intensity[batch] = want
+        label = panel.analytic_decode_text.textItem.toPlainText()
+        assert roofline.fmt_intensity(want) in label and "memory-bound" in label  # ridge ≈ 295 on H100 fp16
+        assert "compute-bound" in panel.analytic_prefill_text.textItem.toPlainText()
+        assert f"batch {batch}" in panel.takeaway.text() and "ridge 295" in panel.takeaway.text()
+        # a catalogue model is not what the engine ran: its measured points are hidden, and the takeaway says so
+        assert n_points(panel.measured_decode) == 0 and n_points(panel.measured_prefill) == 0
+        assert panel.prefill_text.textItem.toPlainText() == panel.decode_text.textItem.toPlainText() == ""
+        assert "hidden" in panel.takeaway.text()
+    ratio = intensity[256] / intensity[1]
+    assert 0.6 * 256 < ratio <= 256  # about linear: B× the FLOPs over the same weights (plus B× the KV reads)
+    assert "still memory-bound" in panel.takeaway.text()
+
+    panel.select_model(roofline.LOADED)  # back to the engine's model: measured points return
+    panel.flush()
+    assert n_points(panel.measured_decode) > 0 and "% of roof" in panel.decode_text.textItem.toPlainText()
+    assert panel.analytic_costs()["decode"].intensity == pytest.approx(
+        costs.decode_cost(loaded.cfg, ctx, batch=256, weight_dtype="fp16").intensity)
+
+
 def test_roofline_measures_this_machine_in_the_background(qtbot, loaded):
     from app.panels import roofline
 

@@ -132,16 +132,18 @@ def test_preview_shows_candidates_and_prefix_reuse(qtbot, window):
     preview = window.panels["preview"]
     prompt = window.panels["prompt"]
     prompt.set_chat(False)
-    with qtbot.waitSignal(window.bridge.sig_preview, timeout=10_000):
-        prompt.set_text("the cat sat on the")
+    prompt.set_text("the cat sat on the")
+    # a preview asked for earlier (the restored prompt) may still arrive first: wait for this text's
+    qtbot.waitUntil(lambda: preview.result is not None and preview.result.text == "the cat sat on the",
+                    timeout=10_000)
     window.tick_panels(flush=True)
     first = preview.result
     assert first is not None and first.text == "the cat sat on the"
     assert first.n_computed + first.n_reused == first.n_tokens
     assert len(preview.bars.opts["width"]) == 10 and preview.bars.opts["width"].sum() > 0
     assert "reused" in preview.info.text()
-    with qtbot.waitSignal(window.bridge.sig_preview, timeout=10_000):
-        prompt.set_text("the cat sat on the mat and")
+    prompt.set_text("the cat sat on the mat and")
+    qtbot.waitUntil(lambda: preview.result.text == "the cat sat on the mat and", timeout=10_000)
     window.tick_panels(flush=True)
     second = preview.result
     assert second.text == "the cat sat on the mat and"
