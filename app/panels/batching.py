@@ -23,10 +23,9 @@ from app.panels.capacity import (
     FOREGROUND,
     MUTED,
     SYSTEM_COLOR,
-    fmt_bandwidth,
-    fmt_flops,
     log_ticks,
 )
+from app.units import fmt_bandwidth, fmt_flops, fmt_fraction
 from engine import costs
 from engine.batching import BatchRow
 from engine.catalog import Hardware, canonical_dtype, hardware_presets
@@ -38,10 +37,6 @@ THIS_MACHINE = "this-machine"
 NO_ROOF = "__none__"
 ROOF_COLOR = "#e8e8e8"
 COLUMNS = ("B", "TPOT ms", "tok/s stream", "tok/s system", "FLOP/byte", "GFLOP/s", "GB/s", "of roof")
-
-
-def fmt_fraction(f: float) -> str:
-    return f"{f:.0%}" if f >= 0.01 else f"{f:.2%}" if f >= 1e-4 else f"{f * 100:.1g}%"
 
 
 def summarize(rows: list[BatchRow], roofs: tuple[float, float] | None = None) -> str:

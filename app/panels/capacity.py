@@ -15,6 +15,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from app.panels.base import Panel
+from app.units import fmt_bandwidth, fmt_bytes, fmt_flops, fmt_rate, fmt_seconds, si
 from engine.catalog import Hardware, hardware_presets, model_presets
 from engine.config import ModelConfig
 from engine.estimate import estimate
@@ -46,47 +47,6 @@ THIS_MACHINE = "this-machine"
 DTYPES = (("fp32", "fp32"), ("fp16 / bf16", "fp16"), ("int8", "int8"), ("int4", "int4"))
 SWEEP_MAX_BATCH = 256
 SEED_EXAMPLE = {"model": "llama-2-70b", "hardware": "h100-sxm", "dtype": "fp16", "context": 4096, "batch": 1}
-
-
-# ---- units ---------------------------------------------------------------------------------------------------------
-def fmt_bytes(n: float) -> str:
-    """Decimal units, as memory is sold (1 GB = 10⁹ bytes)."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n:,.0f} B"
-
-
-def fmt_seconds(s: float) -> str:
-    if s >= 1.0:
-        return f"{s:,.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:,.2f} ms"
-    return f"{s * 1e6:,.1f} µs"
-
-
-def fmt_rate(x: float) -> str:
-    """Tokens per second with sensible precision."""
-    return f"{x:,.0f} tok/s" if x >= 100 else f"{x:,.1f} tok/s" if x >= 1 else f"{x:.3g} tok/s"
-
-
-def fmt_flops(x: float) -> str:
-    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9), ("MFLOP/s", 1e6)):
-        if x >= scale:
-            return f"{x / scale:,.3g} {unit}"
-    return f"{x:.3g} FLOP/s"
-
-
-def fmt_bandwidth(x: float) -> str:
-    return f"{x / 1e12:,.3g} TB/s" if x >= 1e12 else f"{x / 1e9:,.3g} GB/s"
-
-
-def si(x: float) -> str:
-    """1500 -> '1.5k', 0.2 -> '0.2' (tick labels of log axes)."""
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if x >= scale:
-            return f"{x / scale:g}{unit}"
-    return f"{x:g}"
 
 
 def log_ticks(lo: float, hi: float) -> list[tuple[float, str]]:

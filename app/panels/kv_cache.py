@@ -9,6 +9,7 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
+from app import units
 from app.bridge import Bridge
 from app.panels.base import Panel
 from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, PREFILL_COLOR
@@ -22,11 +23,7 @@ TABLE_BATCHES = (1, 8, 32)
 
 
 def fmt_bytes(n: float) -> str:
-    """Decimal units, as memory is sold: 1 kB = 1,000 bytes, 1 MB = 10⁶ bytes."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n:,.0f} B"
+    return units.fmt_bytes(n, digits=2)
 
 
 class KVCachePanel(Panel):

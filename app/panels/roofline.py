@@ -19,6 +19,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app.bridge import Bridge
 from app.panels.base import Panel
 from app.theme import BACKGROUND, DECODE_COLOR, FOREGROUND, PREFILL_COLOR
+from app.units import fmt_bandwidth, fmt_flops, fmt_fraction, si
 from engine import costs
 from engine.catalog import Hardware, canonical_dtype, hardware_presets, model_presets
 from engine.events import ModelInfo, PrefillDone, PromptTokenized, StepCost, TokenSampled
@@ -34,31 +35,12 @@ MEASURABLE = ("fp32", "fp16", "bf16")
 ROOF_COLOR = "#e8e8e8"
 
 
-def fmt_flops(x: float) -> str:
-    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9), ("MFLOP/s", 1e6)):
-        if x >= scale:
-            return f"{x / scale:.3g} {unit}"
-    return f"{x:.3g} FLOP/s"
-
-
-def fmt_bw(x: float) -> str:
-    return f"{x / 1e12:.3g} TB/s" if x >= 1e12 else f"{x / 1e9:.3g} GB/s"
-
-
-def si(x: float) -> str:
-    """1e9 -> '1 G', 0.1 -> '0.1' (tick labels of the log axes)."""
-    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if x >= scale:
-            return f"{x / scale:g} {unit}"
-    return f"{x:g}"
-
-
 def decade_ticks(lo: float, hi: float, most: int = 10) -> list[tuple[float, str]]:
     """Ticks at whole decades between log10 bounds lo and hi (every other one, or sparser, beyond `most`),
     labelled in SI units."""
     ks = range(math.ceil(lo), math.floor(hi) + 1)
     step = max(1, math.ceil(len(ks) / most))
-    return [(float(k), si(10.0**k)) for k in ks if k % step == 0]
+    return [(float(k), si(10.0**k, " ")) for k in ks if k % step == 0]
 
 
 def fmt_intensity(x: float) -> str:
@@ -66,10 +48,6 @@ def fmt_intensity(x: float) -> str:
     if x >= 1e4:
         return f"{x / 1e3:.3g}k"
     return f"{x:.0f}" if x >= 100 else f"{x:.3g}" if x >= 0.01 else f"{x:.2g}"
-
-
-def fmt_fraction(f: float) -> str:
-    return f"{f:.0%}" if f >= 0.01 else f"{f:.2%}" if f >= 1e-4 else f"{f * 100:.1g}%"
 
 
 class _MeasureSignals(QtCore.QObject):
@@ -477,7 +455,7 @@ class RooflinePanel(Panel):
             return
         peak, bw, ridge = r
         src = "measured" if hw.measured else "datasheet"
-        self.hw_label.setText(f"{hw.label}: peak {fmt_flops(peak)} ({self.dtype()}), memory {fmt_bw(bw)} "
+        self.hw_label.setText(f"{hw.label}: peak {fmt_flops(peak)} ({self.dtype()}), memory {fmt_bandwidth(bw)} "
                               f"— {src}")
         xs = [i for _p, (i, _f) in measured.items()] + [c.intensity for c in analytic.values()]
         lo = min([0.1] + [x / 3 for x in xs if x > 0])
@@ -485,7 +463,7 @@ class RooflinePanel(Panel):
         ys = [f for _i, f in measured.values()] + [peak]
         y_lo = min(math.log10(min(ys) / 4), math.log10(peak) - 2.5)  # at least 2.5 decades: readable ticks
         y_hi = math.log10(peak * 10)  # a decade of headroom for the ridge label
-        self.roof_text.setText(f"memory roof {fmt_bw(bw)} · I")
+        self.roof_text.setText(f"memory roof {fmt_bandwidth(bw)} · I")
         labels = self._analytic_labels(analytic, ridge)
         labels, lo, hi = self._fit_labels(labels, lo, hi, y_hi - y_lo, peak, bw, ridge)
         grid = np.logspace(math.log10(lo), math.log10(hi), 200)
