@@ -79,3 +79,26 @@ def apply_theme(app: QtWidgets.QApplication) -> None:
         f"QDockWidget::title {{ background: {SURFACE_ALT}; padding: 3px 6px; }}"
     )
     pg.setConfigOptions(background=BACKGROUND, foreground=FOREGROUND, antialias=True)
+
+
+PLOT_FONT_PT = 9  # tick and axis-label size of every plot
+
+
+def style_plot(pi, left: tuple[str, str | None] | None = None, bottom: tuple[str, str | None] | None = None,
+               grid: tuple[bool, bool] = (True, True)) -> None:
+    """The common look of a panel's pyqtgraph PlotItem: no menu or buttons, themed ticks and axis labels.
+
+    `left` / `bottom` are (label, units or None).
+    """
+    font = QtGui.QFont()
+    font.setPointSize(PLOT_FONT_PT)
+    pi.setMenuEnabled(False)
+    pi.hideButtons()
+    pi.showGrid(x=grid[0], y=grid[1], alpha=0.2)
+    style = {"font-size": f"{PLOT_FONT_PT}pt", "color": FOREGROUND}
+    for name, label in (("left", left), ("bottom", bottom)):
+        axis = pi.getAxis(name)
+        axis.setStyle(tickFont=font)
+        axis.setTextPen(FOREGROUND)
+        if label is not None:
+            pi.setLabel(name, label[0], units=label[1], **style)

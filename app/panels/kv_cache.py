@@ -12,7 +12,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app import units
 from app.bridge import Bridge
 from app.panels.base import Panel
-from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, PREFILL_COLOR
+from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, PREFILL_COLOR, style_plot
 from engine import costs
 from engine.events import KVCacheGrew, ModelInfo, PromptTokenized
 
@@ -61,14 +61,7 @@ class KVCachePanel(Panel):
         self.formula.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
         self.plot = pg.PlotWidget(background=BACKGROUND)
         pi = self.plot.getPlotItem()
-        pi.setMenuEnabled(False)
-        pi.hideButtons()
-        pi.showGrid(x=True, y=True, alpha=0.2)
-        for name in ("left", "bottom"):
-            pi.getAxis(name).setStyle(tickFont=self._font)
-            pi.getAxis(name).setTextPen(FOREGROUND)
-        pi.setLabel("left", "KV cache", units="B", **{"font-size": f"{FONT_PT}pt", "color": FOREGROUND})
-        pi.setLabel("bottom", "tokens in the cache", **{"font-size": f"{FONT_PT}pt", "color": FOREGROUND})
+        style_plot(pi, left=("KV cache", "B"), bottom=("tokens in the cache", None))
         legend = pi.addLegend(offset=(-8, 28), labelTextSize=f"{FONT_PT}pt", brush=pg.mkBrush(20, 20, 20, 200))
         self.alloc_curve = pi.plot([], [], pen=pg.mkPen(ALLOC_COLOR, width=1.5, style=QtCore.Qt.PenStyle.DashLine),
                                    name="allocated")

@@ -18,7 +18,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from app.panels.base import Panel
-from app.theme import BACKGROUND, DECODE_COLOR, FOREGROUND, PREFILL_COLOR
+from app.theme import BACKGROUND, DECODE_COLOR, PREFILL_COLOR, style_plot
 from app.units import fmt_bandwidth, fmt_flops, fmt_fraction, si
 from engine import costs
 from engine.catalog import Hardware, canonical_dtype, hardware_presets, model_presets
@@ -178,17 +178,10 @@ class RooflinePanel(Panel):
 
         self.plot = pg.PlotWidget(background=BACKGROUND)
         pi = self.plot.getPlotItem()
-        pi.setMenuEnabled(False)
-        pi.hideButtons()
         pi.setLogMode(x=True, y=True)
-        pi.showGrid(x=True, y=True, alpha=0.15)
-        for name in ("left", "bottom"):
-            pi.getAxis(name).setStyle(tickFont=self._font)
-            pi.getAxis(name).setTextPen(FOREGROUND)
-        pi.setLabel("left", "attainable FLOP/s", **{"font-size": f"{FONT_PT}pt", "color": FOREGROUND})
+        style_plot(pi, left=("attainable FLOP/s", None), bottom=("arithmetic intensity (FLOP/byte)", None))
         for name in ("left", "bottom"):
             pi.getAxis(name).enableAutoSIPrefix(False)
-        pi.setLabel("bottom", "arithmetic intensity (FLOP/byte)", **{"font-size": f"{FONT_PT}pt", "color": FOREGROUND})
         self.roof = pi.plot([], [], pen=pg.mkPen(ROOF_COLOR, width=2.5))
         self.ridge_line = pg.InfiniteLine(angle=90, pen=pg.mkPen("#888888", width=1, style=QtCore.Qt.PenStyle.DotLine))
         pi.addItem(self.ridge_line)

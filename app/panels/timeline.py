@@ -13,7 +13,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from app.panels.base import Panel
-from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, PREFILL_COLOR
+from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, PREFILL_COLOR, style_plot
 from engine.events import Finished, PromptTokenized, TokenSampled
 
 FONT_PT = 9
@@ -58,14 +58,7 @@ class TimelinePanel(Panel):
     def _build(self) -> None:
         self.plot = pg.PlotWidget(background=BACKGROUND)
         pi = self.plot.getPlotItem()
-        pi.setMenuEnabled(False)
-        pi.hideButtons()
-        pi.showGrid(x=False, y=True, alpha=0.2)
-        for name in ("left", "bottom"):
-            pi.getAxis(name).setStyle(tickFont=self._font)
-            pi.getAxis(name).setTextPen(FOREGROUND)
-        pi.setLabel("left", "time", units="s", **{"font-size": f"{FONT_PT}pt", "color": FOREGROUND})
-        pi.setLabel("bottom", "step (0 = prefill)", **{"font-size": f"{FONT_PT}pt", "color": FOREGROUND})
+        style_plot(pi, left=("time", "s"), bottom=("step (0 = prefill)", None), grid=(False, True))
         self.bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush=DECODE_COLOR, pen=None)
         pi.addItem(self.bars)
         self.tpot_line = pg.InfiniteLine(angle=0, pen=pg.mkPen(ACCENT, width=1, style=QtCore.Qt.PenStyle.DashLine),
