@@ -62,7 +62,7 @@ class TimelinePanel(Panel):
         self.bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush=DECODE_COLOR, pen=None)
         pi.addItem(self.bars)
         self.tpot_line = pg.InfiniteLine(angle=0, pen=pg.mkPen(ACCENT, width=1, style=QtCore.Qt.PenStyle.DashLine),
-                                         label="TPOT mean", labelOpts={"position": 0.98, "color": ACCENT,
+                                         label="TPOT mean", labelOpts={"position": 0.9, "color": ACCENT,
                                                                               "anchors": [(1, 1), (1, 1)]})
         self.tpot_line.setVisible(False)
         pi.addItem(self.tpot_line)
