@@ -210,6 +210,13 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _unrepresentable_class(vocab: dict[str, int]) -> str:
+    """A regex character class of the byte-level characters of the bytes the vocabulary has no token for."""
+    byte_char = bytes_to_unicode()
+    missing = [ord(byte_char[b]) for b in range(256) if byte_char[b] not in vocab]
+    return "[" + "".join(f"\\x{{{c:X}}}" for c in missing) + "]" if missing else ""
+
+
 class Tokenizer:
     """A byte-level BPE tokenizer plus the metadata (BOS/EOS, chat template) that goes with it."""
 
@@ -370,6 +377,14 @@ class Tokenizer:
                     "may differ from llama.cpp's"
                 )
             backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        isolate = _unrepresentable_class(vocab)
+        if isolate:
+            # llama.cpp's BPE cannot merge across a byte that has no token (it sits between its neighbours and is
+            # dropped at the end); `tokenizers` drops it first and would merge the neighbours. Isolating such bytes
+            # after the byte-level split (so the regex's word boundaries stay llama.cpp's) gives llama.cpp's result.
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [backend.pre_tokenizer, pre_tokenizers.Split(Regex(isolate), behavior="isolated", invert=False)]
+            )
         backend.decoder = decoders.ByteLevel()
 
         # llama.cpp recognises control, unknown and user-defined tokens written in the text; only the first

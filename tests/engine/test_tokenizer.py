@@ -57,6 +57,11 @@ HARD_STRINGS = [
     "naïve café résumé Ångström ﬁ",
     "<|im_end|><|im_end|><|endoftext|> <repo_name>x</repo_name>",
 ]
+# Strings with bytes the SmolLM2 vocabulary cannot encode (they do not round-trip, by design).
+UNREPRESENTABLE_STRINGS = [
+    '"\x04:',  # a byte with no token between two mergeable ones: llama.cpp never merges across it
+    "  \x04 x\x1d\x1dy",  # …and the whitespace split around it stays llama.cpp's
+]
 
 
 # --------------------------------------------------------------------------------------------- reference
@@ -569,6 +574,14 @@ def test_real_known_tokenizations(real: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("text", UNREPRESENTABLE_STRINGS)
+def test_real_unrepresentable_bytes_match_reference(real: dict, text: str) -> None:
+    t = real["tok"].encode(text)
+    assert t.ids == real["ref"].encode(text)
+    raw = text.encode("utf-8")
+    assert [raw[o] for o, _ in t.unrepresentable] == [b for _, b in t.unrepresentable] and t.unrepresentable
+
+
 @pytest.mark.parametrize("text", HARD_STRINGS)
 def test_real_hard_strings_match_reference(real: dict, text: str) -> None:
     tok: Tokenizer = real["tok"]
