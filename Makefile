@@ -25,6 +25,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
+	# the comparison with Hugging Face transformers needs the optional bench extra
+	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m engine bench
 
 bench-smoke: $(STAMP)
