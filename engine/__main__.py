@@ -37,15 +37,23 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS to token ID's logit before sampling (repeatable), e.g. --logit-bias 7042=-100")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--greedy", action="store_true", help="same as --temperature 0")
 
 
 def _params(a: argparse.Namespace) -> SamplingParams:
     try:
+        bias = []
+        for item in a.logit_bias:
+            token, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"--logit-bias takes ID=BIAS, got {item!r}")
+            bias.append((int(token), float(value)))
         return SamplingParams(
             temperature=0.0 if a.greedy else a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-            repetition_penalty=a.repetition_penalty, seed=a.seed,
+            repetition_penalty=a.repetition_penalty, logit_bias=tuple(bias), seed=a.seed,
         )
     except ValueError as e:
         raise CliError(str(e)) from None

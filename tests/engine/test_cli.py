@@ -54,12 +54,21 @@ def test_logits_and_generate_json():
     assert len(g["ids"]) == 12 and g["finish_reason"] == "length" and g["text"].strip()
 
 
+@pytest.mark.slow
+def test_logit_bias_removes_the_top_candidate():
+    d = json.loads(cli("logits", "--prompt", "The capital of France is", "--top", "3", "--logit-bias", "7042=-100",
+                       "--temperature", "1", "--json").stdout)
+    paris = [c for c in d["candidates"] if c["token"] == " Paris"]
+    assert paris and paris[0]["prob"] < 1e-20 and paris[0]["prob_raw"] > 0.5  # raw logits unchanged, sampling not
+
+
 @pytest.mark.parametrize("args, needle", [
     (["generate", "--prompt", ""], "empty"),
     (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
     (["generate", "--prompt", "hi", "--top-p", "2"], "top_p"),
     (["info", "--model", "/no/such/model.gguf"], "not found"),
     (["generate", "--prompt", "hi", "--max-new-tokens", "abc"], "invalid int"),
+    (["logits", "--prompt", "hi", "--logit-bias", "7042"], "ID=BIAS"),
 ])
 def test_errors_are_one_line_without_traceback(args, needle):
     r = cli(*args)
