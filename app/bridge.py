@@ -150,6 +150,8 @@ class Bridge(QtCore.QObject):
         self.worker_thread.start()
 
     def _post(self, kind: str, arg: object = None) -> None:
+        if self._commands.closed:  # after shutdown: nobody is listening any more
+            return
         try:
             self._commands.send((kind, arg))
         except (BrokenPipeError, OSError):
@@ -202,15 +204,17 @@ class Bridge(QtCore.QObject):
         """Stop the engine between tokens, end its process and the relay thread, and wait for both."""
         if not self.worker_thread.isRunning() and not self.process.is_alive():
             return True
+        self.relay.stopping.set()  # from here on, the pipe closing is expected, not an error
         self._post("quit")
         self.process.join(timeout_ms / 1000)
         if self.process.is_alive():  # busy in a long load: it holds nothing worth saving
             self.process.terminate()
             self.process.join(2)
-        self.relay.stopping.set()
         self.worker_thread.quit()
         ok = self.worker_thread.wait(timeout_ms)
         self._commands.close()
+        if ok:
+            self.relay.events.close()
         return ok and not self.process.is_alive()
 
     # ---- events (GUI thread) ----

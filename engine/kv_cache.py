@@ -47,10 +47,9 @@ class KVCache:
         self.pos = 0
 
     def fits(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str) -> bool:
-        return (
-            self.batch == batch and self.capacity >= capacity and self.k.dtype == dtype
-            and self.k.device == torch.device(device)
-        )
+        want, have = torch.device(device), self.k.device
+        same_device = want.type == have.type and (want.index or 0) == (have.index or 0)  # "cuda" is "cuda:0"
+        return self.batch == batch and self.capacity >= capacity and self.k.dtype == dtype and same_device
 
     def bytes_used(self) -> int:
         """Bytes holding real keys/values: 2 · layers · batch · kv_heads · head_dim · bytes per value · pos."""

@@ -74,6 +74,7 @@ class EngineServer:
                 return None
             cmd = self.commands.recv()
         except (EOFError, OSError):  # the app went away
+            self.quit = True
             return ("quit", None)
         if cmd[0] == "quit":
             self.quit = True
@@ -85,6 +86,8 @@ class EngineServer:
         while (nxt := self.next_command(0)) is not None:
             if nxt[0] == "preview":
                 cmd = nxt
+            elif nxt[0] == "params":
+                self.params = nxt[1]  # settings sent before the newest preview apply to it
             else:
                 later.append(nxt)
             if nxt[0] == "quit":
@@ -166,6 +169,7 @@ class EngineServer:
             return
         self.params = req.params
         paused, steps = req.start_paused, 0
+        deferred_preview = None  # the newest preview asked for during the generation, run once it has ended
         self.send(("state", "paused" if paused else "generating"))
         for ev in gen:
             self.send(ev)
@@ -187,7 +191,9 @@ class EngineServer:
                     paused, steps = False, 0
                     self.send(("state", "generating"))
                 elif kind == "step":
-                    paused, steps = True, 1
+                    if not paused:
+                        self.send(("state", "paused"))
+                    paused, steps = True, steps + 1
                 elif kind in ("stop", "quit"):
                     gen.stop()
                     break
@@ -200,10 +206,13 @@ class EngineServer:
                     gen.stop()
                     self.pending.append(cmd)  # run it once this generation has ended
                     break
-                # previews are dropped while generating: the KV cache belongs to the generation
+                elif kind == "preview":
+                    deferred_preview = cmd  # the KV cache belongs to the generation until it ends
             if steps:
                 steps -= 1
         self.send(("state", "idle"))
+        if deferred_preview is not None:
+            self.pending.append(deferred_preview)
 
     def batch_bench(self, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int) -> None:
         import psutil
@@ -214,13 +223,21 @@ class EngineServer:
             self.send(("batch_done", "the model is not loaded yet"))
             return
 
+        later: list[tuple[str, object]] = []  # commands that arrive during the bench, run after it
+
         def should_stop() -> bool:
-            while (cmd := self.next_command(0)) is not None:
-                if cmd[0] in ("cancel_bench", "quit"):
-                    return True
-                if cmd[0] != "preview":
-                    self.pending.append(cmd)
+            try:
+                while self.commands.poll(0):
+                    cmd = self.commands.recv()
+                    if cmd[0] in ("cancel_bench", "quit"):
+                        self.quit = self.quit or cmd[0] == "quit"
+                        return True
+                    later.append(cmd)
+            except (EOFError, OSError):
+                self.quit = True
+                return True
             return False
+
 
         try:
             bench_batch(
@@ -231,11 +248,12 @@ class EngineServer:
             )
         except Cancelled:
             self.send(("batch_done", "cancelled"))
-            return
         except Exception as e:  # noqa: BLE001 — the panel must learn that the run ended
             self.send(("batch_done", f"failed: {type(e).__name__}: {e}"))
-            return
-        self.send(("batch_done", ""))
+        else:
+            self.send(("batch_done", ""))
+        finally:
+            self.pending.extend(later)
 
 
 def serve(commands: Connection, events: Connection, threads: int = 0) -> None:

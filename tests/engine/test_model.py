@@ -121,6 +121,9 @@ def test_kv_cache_bytes():
     assert (c.bytes_used(), c.bytes_allocated()) == (3 * per_token, 10 * per_token)
     with pytest.raises(ValueError, match="does not fit"):
         c.update(0, 9, k, k)
+    # reusable for a smaller or equal request on the same device, however the device is spelled ("cuda" = "cuda:0")
+    assert c.fits(1, 8, torch.float32, "cpu") and c.fits(1, 10, torch.float32, torch.device("cpu", 0))
+    assert not c.fits(1, 11, torch.float32, "cpu") and not c.fits(2, 8, torch.float32, "cpu")
 
 
 def test_corrupt_and_unknown_models_give_one_clear_error(tmp_path, tiny_dir):

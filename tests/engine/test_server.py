@@ -90,3 +90,41 @@ def test_batch_bench_rows_and_cancel(client):
     client.send("batch_bench", ((1, 2, 4, 8, 16), 6, 40))
     client.send("cancel_bench")
     assert client.until(lambda m: isinstance(m, tuple) and m[0] == "batch_done")[-1] == ("batch_done", "cancelled")
+
+
+def test_commands_during_a_bench_wait_for_it(client):
+    """A slider moved while the batching lab runs must neither hang the bench nor be lost."""
+    client.send("batch_bench", ((1, 2, 4), 6, 4))
+    client.send("params", SamplingParams(temperature=0.5))
+    client.send("preview", (7, "the cat", False, 5))
+    msgs = client.until(lambda m: isinstance(m, PreviewResult), timeout=60)
+    assert ("batch_done", "") in msgs and msgs.index(("batch_done", "")) < len(msgs) - 1
+    assert msgs[-1].request_id == 7
+
+
+def test_step_while_generating_pauses_and_says_so(client):
+    client.send("generate", GenerateRequest("the cat", chat=False, max_new_tokens=50, ignore_eos=True,
+                                            params=SamplingParams.greedy_params()))
+    client.until(lambda m: isinstance(m, TokenSampled))
+    client.send("step")
+    msgs = client.until(lambda m: m == ("state", "paused"))
+    assert not any(isinstance(m, Finished) for m in msgs)
+    client.send("stop")
+    assert client.until(lambda m: isinstance(m, Finished))[-1].reason == "stopped"
+
+
+def test_a_preview_asked_for_during_a_generation_runs_after_it(client):
+    client.send("generate", GenerateRequest("the cat", chat=False, max_new_tokens=20, ignore_eos=True,
+                                            params=SamplingParams.greedy_params(), start_paused=True))
+    client.until(lambda m: isinstance(m, TokenSampled))
+    client.send("preview", (11, "the cat sat", False, 5))
+    client.send("resume")
+    msgs = client.until(lambda m: isinstance(m, PreviewResult))
+    assert any(isinstance(m, Finished) for m in msgs) and msgs[-1].request_id == 11
+
+
+def test_the_server_ends_when_the_app_goes_away(tiny_dir):
+    c = Client()
+    c.commands.close()
+    c.thread.join(5)
+    assert not c.thread.is_alive()
