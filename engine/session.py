@@ -37,6 +37,7 @@ from engine.sampling import FunnelStages, SamplingParams, choose, funnel, make_g
 from engine.tokenizer import StreamDecoder, Tokenization
 
 CACHE_GRANULE = 256  # the cache grows in steps of this many positions, so it is rarely reallocated
+FUNNEL_TOP = 20  # candidates kept in each step's sampling funnel by the app and the benchmark
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Capture:
     logits: bool = False  # the full raw logits, so a UI can re-run the funnel with other settings
 
     @classmethod
-    def everything(cls, n_layers: int, funnel_top: int = 20) -> Capture:
+    def everything(cls, n_layers: int, funnel_top: int = FUNNEL_TOP) -> Capture:
         return cls(frozenset(range(n_layers)), True, funnel_top, True)
 
     def probe(self) -> Probe | None:

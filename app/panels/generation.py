@@ -17,7 +17,7 @@ from app.panels.base import Panel
 from app.settings import DEFAULT_MAX_NEW_TOKENS
 from app.token_view import TokenTextEdit, char_format, utf16_len, utf16_positions
 from engine.events import Finished, PrefillDone, PromptTokenized, TokenSampled
-from engine.session import Capture
+from engine.session import FUNNEL_TOP, Capture
 
 # Format kinds of the output view.
 PENDING, PREFILL_A, PREFILL_B, DECODE_A, DECODE_B, SPECIAL, FIRST = range(7)
@@ -183,7 +183,7 @@ class GenerationPanel(Panel):
                 n_prompt = ALL_LAYERS_BELOW
             layers = range(cfg.n_layers) if n_prompt < ALL_LAYERS_BELOW else [cfg.n_layers - 1]
         return Capture(attention_layers=frozenset(int(x) for x in (layers or ())), residual_norms=True,
-                       funnel_top=20, logits=True)
+                       funnel_top=FUNNEL_TOP, logits=True)
 
     def generate(self, start_paused: bool = False) -> bool:
         """Start a generation of the current prompt; returns False when one cannot start now."""

@@ -21,7 +21,7 @@ from app.panels.base import Panel
 from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, ERROR_COLOR, FOREGROUND, PREFILL_COLOR
 from engine.events import Funnel, PromptTokenized, TokenSampled
 from engine.sampling import SamplingParams
-from engine.session import refunnel
+from engine.session import FUNNEL_TOP, refunnel
 
 FONT_PT = 9
 REMOVED_COLOR = "#9a9a9a"  # drawn hatched
@@ -32,7 +32,6 @@ STAGES = (  # (label, Funnel attribute, colour)
     ("top-p · min-p", "p_final", PREFILL_COLOR),
 )
 KEEP_LOGITS_STEPS = 512  # full logits (49,152 floats = 192 KiB a step) are kept for this many recent steps
-FUNNEL_TOP = 20
 
 
 def _readable(piece: str) -> str:
