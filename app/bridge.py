@@ -71,7 +71,7 @@ class EventRelay(QtCore.QObject):
                 msg = self.events.recv()
             except (EOFError, OSError):
                 if not self.stopping.is_set():
-                    self.sig_raw.emit(Failed("the engine process stopped unexpectedly; restart the app"))
+                    self.sig_raw.emit(Failed(message="the engine process stopped unexpectedly; restart the app"))
                 break
             self.sig_raw.emit(msg)
             if msg == ("stopped", None):

@@ -19,7 +19,7 @@ Phase = Literal["prefill", "decode"]
 FinishReason = Literal["eos", "length", "stopped", "context"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelInfo:
     """Facts about the loaded model, as shown by `python -m engine info` and the app's status bar."""
 
@@ -45,7 +45,7 @@ class ModelInfo:
     from_cache: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelLoadProgress:
     """Loading a model takes a while on a first start: fraction done in [0, 1] and what is happening."""
 
@@ -53,7 +53,7 @@ class ModelLoadProgress:
     message: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PromptTokenized:
     """The prompt as the model sees it: ids, their text pieces and where each came from in the text."""
 
@@ -66,7 +66,7 @@ class PromptTokenized:
     unrepresentable: tuple[tuple[int, int], ...] = ()  # (byte offset, byte value) the vocabulary cannot encode
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepCost:
     """Analytical cost of one forward step, from the model's real shapes (see engine.costs)."""
 
@@ -87,7 +87,7 @@ class StepCost:
         return self.flops / self.bytes if self.bytes else 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AttentionCaptured:
     """Attention weights of one layer for the queries of one step.
 
@@ -103,7 +103,7 @@ class AttentionCaptured:
     group_size: int  # query heads per KV head: head h reads KV head h // group_size
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ResidualNorms:
     """L2 norm of the residual stream after the embedding (index 0) and after each layer, for the newest token."""
 
@@ -111,7 +111,7 @@ class ResidualNorms:
     norms: np.ndarray  # (n_layers + 1,) float32
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KVCacheGrew:
     """The KV cache after a step: positions held and bytes used / allocated (all layers, keys and values)."""
 
@@ -122,7 +122,7 @@ class KVCacheGrew:
     batch: int = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrefillDone:
     """The whole prompt went through the model in one forward pass; the cache holds it."""
 
@@ -132,7 +132,7 @@ class PrefillDone:
     cost: StepCost
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Funnel:
     """The sampling funnel for one step, over the candidates (the top tokens by raw logit, plus the sampled one).
 
@@ -155,7 +155,7 @@ class Funnel:
     greedy: bool
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenSampled:
     """One token, chosen and appended. step 0 is the token that the prefill produced (it sets TTFT)."""
 
@@ -173,7 +173,7 @@ class TokenSampled:
     params: object = None  # the engine.sampling.SamplingParams this token was sampled with
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Finished:
     """Generation ended. Latency = TTFT + (n_generated - 1) · TPOT."""
 
@@ -191,7 +191,7 @@ class Finished:
         return 1.0 / self.tpot_s if self.tpot_s > 0 else 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Failed:
     """Generation could not go on; `message` is one clear sentence for the user."""
 

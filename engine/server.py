@@ -105,7 +105,7 @@ class EngineServer:
             try:
                 self.dispatch(cmd)
             except Exception as e:  # noqa: BLE001 — the engine must survive anything one command does
-                self.send(Failed(f"{type(e).__name__}: {e}"))
+                self.send(Failed(message=f"{type(e).__name__}: {e}"))
         self.send(("stopped", None))
 
     def dispatch(self, cmd: tuple[str, object]) -> None:
@@ -157,14 +157,14 @@ class EngineServer:
 
     def generate(self, req: GenerateRequest) -> None:
         if self.session is None:
-            self.send(Failed("the model is not loaded yet"))
+            self.send(Failed(message="the model is not loaded yet"))
             self.send(("state", "idle"))
             return
         try:
             gen = self.session.generate(req.text, req.params, req.max_new_tokens, req.capture, chat=req.chat,
                                         ignore_eos=req.ignore_eos)
         except ValueError as e:
-            self.send(Failed(str(e)))
+            self.send(Failed(message=str(e)))
             self.send(("state", "idle"))
             return
         self.params = req.params

@@ -217,9 +217,11 @@ class Generation:
         for layer in sorted(self.capture.attention_layers):
             w = probe.values.get(attn_point(layer))
             if w is not None:
-                yield AttentionCaptured(step, phase, layer, query_start, w[0], g)  # batch row 0: (H, T, S)
+                yield AttentionCaptured(
+                    step=step, phase=phase, layer=layer, query_start=query_start, weights=w[0], group_size=g
+                )  # batch row 0: (H, T, S)
         if RESID_NORMS in probe.values:
-            yield ResidualNorms(step, probe.values[RESID_NORMS][0])
+            yield ResidualNorms(step=step, norms=probe.values[RESID_NORMS][0])
 
     @torch.inference_mode()
     def _run(self) -> Iterator[Event]:
@@ -290,10 +292,12 @@ class Generation:
                 seconds = time.perf_counter() - t0
                 yield from emit_all(emit, self._captured(probe, step, phase, start))
                 kv = s.cache
-                yield from emit(KVCacheGrew(step, kv.pos, kv.bytes_used(), kv.bytes_allocated()))
+                yield from emit(KVCacheGrew(
+                    step=step, n_tokens=kv.pos, bytes_used=kv.bytes_used(), bytes_allocated=kv.bytes_allocated()
+                ))
                 if step == 0:
                     ttft = seconds
-                    yield from emit(PrefillDone(len(feed), reuse, seconds, cost))
+                    yield from emit(PrefillDone(n_tokens=len(feed), n_reused=reuse, seconds=seconds, cost=cost))
                 else:
                     step_times.append(seconds)
                 is_stop = token in s.stop_ids and not self.ignore_eos
@@ -324,7 +328,7 @@ class Generation:
                 return
         except Exception as e:  # noqa: BLE001 — the consumer gets one clear message instead of a dead thread
             s.forget_cache()
-            yield Failed(f"generation failed: {type(e).__name__}: {e}")
+            yield Failed(message=f"generation failed: {type(e).__name__}: {e}")
 
 
 def emit_all(emit, events: Iterator[Event]) -> Iterator[Event]:
