@@ -46,3 +46,11 @@ def si(x: float, sep: str = "") -> str:
         if x >= scale:
             return f"{x / scale:g}{sep}{unit}"
     return f"{x:g}"
+
+
+def fmt_amount(x: float, unit: str) -> str:
+    """Three significant digits and an SI prefix: 161792 FLOP -> '162 kFLOP', 2.7e8 -> '270 MFLOP'."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"

@@ -17,6 +17,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app.bridge import Bridge
 from app.panels.base import Panel
 from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND
+from engine.config import ModelConfig
 from engine.events import AttentionCaptured, ModelInfo, PromptTokenized, ResidualNorms, TokenSampled
 
 FONT_PT = 9
@@ -66,19 +67,32 @@ class AttentionPanel(Panel):
     shortcut = "Alt+5"
     help_text = (
         "Attention weights of one layer: each row is a query token (the one being computed), each column a key "
-        "token it reads from. A row is softmax(q·kᵀ / √d_head) over the keys and sums to 1; SmolLM2-135M has "
-        "d_head = 64, so the scores are divided by 8. The model is causal: a token may read only itself and "
-        "earlier tokens, so the cells above the diagonal are masked (dark grey): they are not zero, they do not "
-        "exist. The prefill fills the whole prompt block in one pass; each decode step adds one new row at the "
-        "bottom. Grouped-query attention: SmolLM2-135M has 9 query heads but only 3 key/value heads; query head h "
-        "reads KV head h // 3, so heads 0-2, 3-5 and 6-8 share their keys and values, and the KV cache is 3× "
-        "smaller than with 9 KV heads. The All heads grid shows one row per KV group, framed in the group's "
-        "colour; click a head to show it large. Only the chosen layer is captured during a generation (capturing "
-        "costs time), so choose it before you generate. Click a row to select that step in every panel. The "
-        "colour scale is √weight by default, so small weights stay visible next to the large ones on the first "
-        "token (an 'attention sink'). Residual norms: the length ‖x‖ of the newest token's hidden state after the "
-        "embedding and after each of the 30 layers, i.e. how much each layer adds to the residual stream."
+        "token it reads from. A row is softmax(q·kᵀ / √d_head) over the keys and sums to 1. The model is causal: "
+        "a token may read only itself and earlier tokens, so the cells above the diagonal are masked (dark grey): "
+        "they are not zero, they do not exist. The prefill fills the whole prompt block in one pass; each decode "
+        "step adds one new row at the bottom. Grouped-query attention (GQA): several query heads may share one "
+        "key/value head, which makes the KV cache smaller by that factor. The All heads grid shows one row per KV "
+        "group, framed in the group's colour; click a head to show it large. Only the chosen layer is captured "
+        "during a generation (capturing costs time), so choose it before you generate. Click a row to select "
+        "that step in every panel. The colour scale is √weight by default, so small weights stay visible next to "
+        "the large ones on the first token (an 'attention sink'). Residual norms: the length ‖x‖ of the newest "
+        "token's hidden state after the embedding and after each layer, i.e. how much each layer adds to the "
+        "residual stream."
     )
+
+    def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
+        hd, h, kv, g = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.group_size
+        text = (f"{info.name} has {cfg.n_layers} layers and d_head = {hd}, so its scores are divided by "
+                f"√{hd} ≈ {math.sqrt(hd):.4g}. ")
+        if g == 1:
+            text += f"Each of its {h} query heads has its own key/value head (no GQA)."
+        else:
+            groups = ", ".join(f"{k * g}–{k * g + g - 1}" for k in range(min(kv, 4)))
+            more = ", …" if kv > 4 else ""
+            text += (f"It has {h} query heads but only {kv} key/value head{'s' if kv > 1 else ''}: query head h "
+                     f"reads KV head h // {g}, so heads {groups}{more} share their keys and values, and the KV "
+                     f"cache is {g}× smaller than with {h} KV heads.")
+        return text
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)

@@ -3,6 +3,10 @@
 A panel's slots (connected to the bridge's `sig_…` signals) only store the latest data and call `mark_dirty()`.
 One app-wide timer calls `tick()` on every panel about 30 times a second; `tick()` calls `draw()` only when
 something changed. Plot items are created once in `__init__`; `draw()` only updates them (setData / setImage).
+
+Help texts: the class's `help_text` explains the panel in general terms; `model_help()` adds sentences in the
+loaded model's own numbers (from its config and engine.costs), so a panel never speaks of a model that is not
+loaded. The instance's `help_text` is the two together, refreshed on every model load.
 """
 
 from __future__ import annotations
@@ -13,12 +17,15 @@ from typing import ClassVar
 from PySide6 import QtWidgets
 
 from app.bridge import Bridge
+from engine.config import ModelConfig
+from engine.events import ModelInfo
 
 
 class Panel(QtWidgets.QWidget):
     title: ClassVar[str] = "Panel"
     object_name: ClassVar[str] = "panel"  # the QDockWidget's objectName: stable, so saveState/restoreState work
     help_text: ClassVar[str] = ""  # shown by the dock's help button and the Help menu, in our own words
+    # (an instance's help_text adds model_help() once a model is loaded)
     shortcut: ClassVar[str] = ""  # e.g. "Alt+3": show and focus this panel
     # A plot repaint costs milliseconds of GUI thread (axes, text) and the GUI shares two cores with the engine:
     # measured here, repainting every panel at 30 Hz doubled the engine's TPOT. Plots redraw at most this often.
@@ -30,6 +37,23 @@ class Panel(QtWidgets.QWidget):
         self._dirty = False
         self._last_draw = 0.0
         self.draw_count = 0  # how many times draw() ran (the GUI benchmark reads it)
+        bridge.sig_model_loaded.connect(self._refresh_help)
+        if bridge.info is not None and bridge.cfg is not None:
+            self._refresh_help(bridge.info)
+
+    def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
+        """Sentences of the help text in the loaded model's numbers ("" when the panel has none)."""
+        return ""
+
+    def _refresh_help(self, info: ModelInfo) -> None:
+        cfg = self.bridge.cfg
+        general = type(self).help_text
+        extra = self.model_help(cfg, info) if cfg is not None and info is not None else ""
+        self.help_text = f"{general} {extra}" if extra else general
+        self.setWhatsThis(self.help_text)
+        dock = self.parentWidget()
+        if isinstance(dock, QtWidgets.QDockWidget):
+            dock.setWhatsThis(self.help_text)
 
     def mark_dirty(self) -> None:
         self._dirty = True

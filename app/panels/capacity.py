@@ -81,11 +81,25 @@ class CapacityPanel(Panel):
         "and does about 2 FLOPs per parameter per sequence, so its arithmetic intensity (FLOP per byte) is tiny "
         "next to the chip's ridge point (peak / bandwidth): decode is memory-bound, and TPOT floor = bytes per step "
         "/ bandwidth, in seconds. Per-stream speed = 1 / TPOT, system speed = batch / TPOT (tokens/s): batching "
-        "shares one weight read among many sequences. TTFT is one prompt's prefill alone on the chip. The seed "
-        "example (Llama-2-70B, fp16, H100 SXM at 3.35 TB/s): about 138 GB of weights read per token gives a floor "
-        "of about 41 ms, about 24 tokens/s, and it does not even fit in one 80 GB H100. The plot sweeps the batch "
-        "from 1 to 256: TPOT rises slowly (the cache grows) while system tokens/s climbs almost in proportion."
+        "shares one weight read among many sequences. TTFT is one prompt's prefill alone on the chip. The plot "
+        "sweeps the batch from 1 to 256: TPOT rises slowly (the cache grows) while system tokens/s climbs almost "
+        "in proportion."
     )
+
+    @staticmethod
+    def seed_help() -> str:
+        """The seed example in numbers, computed by engine.estimate like every figure of the panel."""
+        r = estimate(SEED_EXAMPLE["model"], SEED_EXAMPLE["hardware"], SEED_EXAMPLE["dtype"],
+                     SEED_EXAMPLE["context"], SEED_EXAMPLE["batch"])
+        fits = ("and it fits" if r["fits"] else
+                f"and it does not even fit in one {fmt_bytes(r['memory_bytes'], digits=0)} chip")
+        return (f"The seed example ({r['model']}, {r['dtype']}, {r['hardware_label']} at "
+                f"{fmt_bandwidth(r['bandwidth_bytes_per_s'])}): about {fmt_bytes(r['decode_bytes'], digits=0)} "
+                f"read per token gives a floor of {fmt_seconds(r['tpot_floor_s'])}, about "
+                f"{r['tokens_per_s_per_stream']:.0f} tokens/s, {fits}.")
+
+    def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
+        return self.seed_help()
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)
@@ -104,6 +118,8 @@ class CapacityPanel(Panel):
             self._on_model_loaded(bridge.info)
         self._building = False
         self.set_seed_example()
+        if bridge.info is None:
+            self.help_text = f"{type(self).help_text} {self.seed_help()}"
 
     # ---- widgets -------------------------------------------------------------------------------------------------
     def _build(self) -> None:

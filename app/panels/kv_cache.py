@@ -14,6 +14,7 @@ from app.bridge import Bridge
 from app.panels.base import Panel
 from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, PREFILL_COLOR, style_plot
 from engine import costs
+from engine.config import ModelConfig
 from engine.events import KVCacheGrew, ModelInfo, PromptTokenized
 
 FONT_PT = 9
@@ -34,14 +35,26 @@ class KVCachePanel(Panel):
         "The KV cache keeps the key and value vectors of every token already processed, so each new token needs "
         "one forward pass over itself instead of re-running the whole sequence. It grows by the same amount with "
         "every token: bytes per token = 2 · layers · KV heads · head dim · bytes per value (the 2 is one key plus "
-        "one value). For SmolLM2-135M in float32: 2 · 30 · 3 · 64 · 4 = 46,080 bytes (46 kB) per token, so its "
-        "full 8,192-token context holds 377 MB per sequence, 70% of the 538 MB its weights take. The plot shows "
-        "the bytes in use against the tokens held: the prefill writes the whole prompt in one jump, then each "
-        "decode step adds one token. The dashed line is what the engine has allocated (it reserves room in blocks "
-        "of 256 positions). The table scales the formula: × batch (each sequence keeps its own cache), × bytes "
-        "per value (fp32 4, fp16 2, int8 1), and × 3 without grouped-query attention, where each of the 9 query "
-        "heads would need its own keys and values."
+        "one value). The plot shows the bytes in use against the tokens held: the prefill writes the whole "
+        "prompt in one jump, then each decode step adds one token. The dashed line is what the engine has "
+        "allocated (it reserves room in blocks of positions). The table scales the formula: × batch (each "
+        "sequence keeps its own cache), × bytes per value (fp32 4, fp16 2, int8 1), and × the GQA group size "
+        "without grouped-query attention, where each query head would need its own keys and values."
     )
+
+    def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
+        dtype = info.dtype
+        per_token = costs.kv_bytes_per_token(cfg, dtype)
+        full = per_token * cfg.context_length
+        weights = costs.weight_bytes(cfg, dtype)
+        text = (f"For {info.name} in {dtype}: 2 · {cfg.n_layers} · {cfg.n_kv_heads} · {cfg.head_dim} · "
+                f"{costs.bytes_per_value(dtype):g} = {per_token:,.0f} bytes ({fmt_bytes(per_token)}) per token, so "
+                f"its full {cfg.context_length:,}-token context holds {fmt_bytes(full)} per sequence, "
+                f"{full / weights:.0%} of the {fmt_bytes(weights)} its weights take.")
+        if cfg.group_size > 1:
+            text += (f" Without GQA each of its {cfg.n_heads} query heads would keep its own keys and values: "
+                     f"{cfg.group_size}× as many bytes.")
+        return text
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)

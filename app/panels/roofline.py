@@ -19,9 +19,10 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app.bridge import Bridge
 from app.panels.base import Panel
 from app.theme import BACKGROUND, DECODE_COLOR, PREFILL_COLOR, style_plot
-from app.units import fmt_bandwidth, fmt_flops, fmt_fraction, si
+from app.units import fmt_amount, fmt_bandwidth, fmt_bytes, fmt_flops, fmt_fraction, si
 from engine import costs
 from engine.catalog import Hardware, canonical_dtype, hardware_presets, model_presets
+from engine.config import ModelConfig
 from engine.events import ModelInfo, PrefillDone, PromptTokenized, StepCost, TokenSampled
 
 FONT_PT = 9
@@ -67,9 +68,9 @@ class RooflinePanel(Panel):
         "arithmetic intensity is I = F / B, in FLOP per byte. A machine with peak compute P (FLOP/s) and memory "
         "bandwidth W (bytes/s) reaches at best attainable = min(P, I · W): the slanted memory roof meets the flat "
         "compute roof at the ridge point I = P / W. Left of the ridge a step waits on memory (memory-bound), "
-        "right of it on arithmetic (compute-bound). Decode of SmolLM2-135M in float32 does about 2 FLOPs per "
-        "weight and reads every weight once: about 0.27 GFLOP over 0.54 GB, I ≈ 0.5 FLOP/byte, far left of any "
-        "ridge, so it is memory-bound and its speed is set by bandwidth. Prefill reuses each weight for every "
+        "right of it on arithmetic (compute-bound). Decode does about 2 FLOPs per weight and reads every "
+        "weight once, so in float32 I ≈ 0.5 FLOP/byte, far left of any ridge: it is memory-bound and its speed "
+        "is set by bandwidth. Prefill reuses each weight for every "
         "prompt token, so its intensity grows with the prompt length and it moves toward the compute roof. "
         "Batching B sequences multiplies a decode step's FLOPs by B but reads the weights once, so decode moves "
         "right about B times (less as the KV cache reads grow). Filled dots are the engine's measured steps "
@@ -79,6 +80,12 @@ class RooflinePanel(Panel):
         "prefill of the prompt, and decode at the prompt plus the tokens generated so far. 'This machine' is "
         "measured here (memory read and copy bandwidth, matmul throughput, with PyTorch) and cached between runs."
     )
+
+    def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
+        c = costs.decode_cost(cfg, 1, weight_dtype=info.dtype)
+        return (f"One decode step of {info.name} in {info.dtype} at a short context: about "
+                f"{fmt_amount(c.flops, 'FLOP')} over {fmt_bytes(c.bytes)} of weights and KV cache, "
+                f"I ≈ {c.intensity:.2g} FLOP/byte.")
 
     sig_measured = QtCore.Signal(object)
     """A measurement of this machine finished (Hardware), in the GUI thread."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import math
 
 import numpy as np
 import pyqtgraph as pg
@@ -19,7 +20,8 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app.bridge import Bridge
 from app.panels.base import Panel
 from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, ERROR_COLOR, FOREGROUND, PREFILL_COLOR
-from engine.events import Funnel, PromptTokenized, TokenSampled
+from engine.config import ModelConfig
+from engine.events import Funnel, ModelInfo, PromptTokenized, TokenSampled
 from engine.sampling import SamplingParams
 from engine.session import FUNNEL_TOP, refunnel
 
@@ -31,7 +33,7 @@ STAGES = (  # (label, Funnel attribute, colour)
     ("top-k", "p_top_k", "#b48ead"),
     ("top-p · min-p", "p_final", PREFILL_COLOR),
 )
-KEEP_LOGITS_STEPS = 512  # full logits (49,152 floats = 192 KiB a step) are kept for this many recent steps
+KEEP_LOGITS_STEPS = 512  # full logits (vocabulary × 4 bytes a step) are kept for this many recent steps
 
 
 def _readable(piece: str) -> str:
@@ -52,8 +54,8 @@ class SamplingPanel(Panel):
     object_name = "panel_sampling"
     shortcut = "Alt+4"
     help_text = (
-        "From logits to one token. The model's last layer gives one raw score (logit) per vocabulary entry: "
-        "49,152 of them for SmolLM2-135M. Sampling turns them into one choice in stages, each over the whole "
+        "From logits to one token. The model's last layer gives one raw score (logit) per vocabulary entry. "
+        "Sampling turns them into one choice in stages, each over the whole "
         "vocabulary. (1) Repetition penalty: tokens already in the context get their logit divided by the penalty "
         "(multiplied when negative); 1 = off. (2) Temperature: p = softmax(logits / T); T < 1 sharpens, T > 1 "
         "flattens, T = 0 is greedy (always the top token). (3) Top-k: keep the k most probable tokens; 0 = off. "
@@ -62,11 +64,16 @@ class SamplingPanel(Panel):
         "survivors are renormalised to sum to 1, and the token is drawn from the last distribution with a seeded "
         "random generator. Each row is one candidate with four bars: plain softmax of the raw logits, after "
         "temperature, after top-k, after top-p and min-p; a hatched bar was removed by that stage. The counts say "
-        "how many of all 49,152 tokens survive each stage. The entropy of the raw distribution, H = −Σ p·log2(p) "
-        "in bits, says how unsure the model is: 0 bits = certain, log2(49,152) ≈ 15.6 bits = uniform. Moving a "
-        "knob while paused re-runs the funnel of the shown step from its saved logits, without a forward pass; "
-        "the next token uses the new settings."
+        "how many of all the vocabulary's tokens survive each stage. The entropy of the raw distribution, "
+        "H = −Σ p·log2(p) in bits, says how unsure the model is: 0 bits = certain, log2(vocabulary size) bits = "
+        "uniform. Moving a knob while paused re-runs the funnel of the shown step from its saved logits, without "
+        "a forward pass; the next token uses the new settings."
     )
+
+    def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
+        v = cfg.vocab_size
+        return (f"{info.name} scores {v:,} tokens at every step, so a uniform distribution over its vocabulary "
+                f"has log2({v:,}) ≈ {math.log2(v):.1f} bits.")
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)

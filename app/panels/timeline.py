@@ -14,7 +14,10 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app.bridge import Bridge
 from app.panels.base import Panel
 from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, PREFILL_COLOR, style_plot
-from engine.events import Finished, PromptTokenized, TokenSampled
+from app.units import fmt_bytes
+from engine import costs
+from engine.config import ModelConfig
+from engine.events import Finished, ModelInfo, PromptTokenized, TokenSampled
 
 FONT_PT = 9
 EXPORT_WIDTH = 1600
@@ -35,11 +38,15 @@ class TimelinePanel(Panel):
         "length. Every later bar is one decode step: one forward pass for one new token. Its duration is the time "
         "per output token (TPOT), shown as the mean, the median (p50) and the 90th percentile (p90). The speed "
         "one stream feels is 1 / TPOT tokens per second. The total a user waits for n tokens is latency = TTFT + "
-        "(n − 1) · TPOT, shown next to the measured total. On SmolLM2-135M in float32 each decode step streams "
-        "about 538 MB of weights plus the KV cache from memory, so TPOT is set mostly by memory bandwidth, not by "
-        "arithmetic. Click a bar to select that step in every panel; Export saves the plot with its numbers as "
-        "PNG or SVG."
+        "(n − 1) · TPOT, shown next to the measured total. Each decode step streams every weight plus the KV "
+        "cache from memory, so TPOT is set mostly by memory bandwidth, not by arithmetic. Click a bar to select "
+        "that step in every panel; Export saves the plot with its numbers as PNG or SVG."
     )
+
+    def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
+        weights = costs.step_weight_bytes(cfg, info.dtype, rows=1)
+        return (f"On {info.name} in {info.dtype} each decode step streams about {fmt_bytes(weights)} of weights, "
+                f"plus {fmt_bytes(costs.kv_bytes_per_token(cfg, info.dtype))} of KV cache per token of context.")
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)
