@@ -144,17 +144,26 @@ def cmd_logits(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    from engine.branching import parse_force
     from engine.events import Failed, Finished, TokenSampled
 
     params = _params(a)
-    s = _session(a)
     try:
-        gen = s.generate(a.prompt, params, a.max_new_tokens, chat=a.chat, ignore_eos=a.ignore_eos)
+        forced = parse_force(a.force)
     except ValueError as e:
         raise CliError(str(e)) from None
+    s = _session(a)
+    try:
+        gen = s.generate(a.prompt, params, a.max_new_tokens, chat=a.chat, ignore_eos=a.ignore_eos, forced=forced)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    done_forced: list[list[int]] = []
     for ev in gen:
-        if isinstance(ev, TokenSampled) and not a.json:
-            print(ev.text, end="", flush=True)
+        if isinstance(ev, TokenSampled):
+            if ev.forced:
+                done_forced.append([ev.step, ev.token_id])
+            if not a.json:
+                print(ev.text, end="", flush=True)
         elif isinstance(ev, Failed):
             raise CliError(ev.message)
         elif isinstance(ev, Finished):
@@ -162,7 +171,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 print(json.dumps({
                     "prompt_ids": ev.prompt_ids.tolist(), "ids": ev.ids.tolist(), "text": ev.text,
                     "ttft_s": ev.ttft_s, "tpot_s": ev.tpot_s, "tokens_per_s": ev.tokens_per_s,
-                    "total_s": ev.total_s, "finish_reason": ev.reason,
+                    "total_s": ev.total_s, "finish_reason": ev.reason, "forced": done_forced,
                 }, ensure_ascii=False))
             else:
                 print()
@@ -202,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--chat", action="store_true")
     q.add_argument("--max-new-tokens", type=int, default=128)
     q.add_argument("--ignore-eos", action="store_true")
+    q.add_argument("--force", action="append", default=[], metavar="STEP:TOKEN_ID",
+                   help="put TOKEN_ID at generation step STEP instead of sampling (repeatable; step 0 = first token)")
     q.set_defaults(func=cmd_generate)
 
     from engine import bench, estimate

@@ -171,6 +171,7 @@ class TokenSampled:
     logits: np.ndarray | None = None  # (vocab,) float32 raw logits, when captured: lets a UI re-run the funnel
     context_ids: np.ndarray | None = None  # ids before this token (for the repetition penalty when re-running)
     params: object = None  # the engine.sampling.SamplingParams this token was sampled with
+    forced: bool = False  # the token was put here by the caller (a fork, --force), not sampled
 
 
 @dataclass(frozen=True, kw_only=True)

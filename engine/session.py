@@ -11,13 +11,14 @@ and values are reused and only the new tokens are prefilled (prefix caching).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from engine import costs
+from engine.branching import check_forced, tokenization_of
 from engine.events import (
     AttentionCaptured,
     Event,
@@ -178,13 +179,40 @@ class Session:
         return condense_funnel(stages, params, top, self.tokenizer, sampled)
 
     def generate(
-        self, prompt: str | Tokenization, params: SamplingParams | None = None, max_new_tokens: int = 64,
-        capture: Capture | None = None, chat: bool = False, ignore_eos: bool = False,
+        self, prompt: str | Tokenization | Sequence[int], params: SamplingParams | None = None,
+        max_new_tokens: int = 64, capture: Capture | None = None, chat: bool = False, ignore_eos: bool = False,
+        forced: Mapping[int, int] | None = None,
     ) -> Generation:
-        """Start a generation; iterate it to run. The prompt is checked now (ValueError on bad input)."""
-        tok = prompt if isinstance(prompt, Tokenization) else self.tokenize(prompt, chat)
+        """Start a generation; iterate it to run. The prompt is checked now (ValueError on bad input).
+
+        The prompt is a text, a Tokenization or token ids. `forced` maps steps to token ids that replace the
+        sampled token at those steps (the funnel still shows what the model would have sampled).
+        """
+        if isinstance(prompt, Tokenization):
+            tok = prompt
+        elif isinstance(prompt, str):
+            tok = self.tokenize(prompt, chat)
+        else:
+            tok = tokenization_of(self.tokenizer, prompt)
         self.check_prompt(tok.ids, max_new_tokens)
-        return Generation(self, tok, params or SamplingParams(), max_new_tokens, capture or Capture(), ignore_eos)
+        force = check_forced(forced or {}, self.cfg.vocab_size, max_new_tokens)
+        return Generation(self, tok, params or SamplingParams(), max_new_tokens, capture or Capture(), ignore_eos,
+                          force)
+
+    def fork(
+        self, prompt_ids: Sequence[int], generated_ids: Sequence[int], step: int, token: int,
+        params: SamplingParams | None = None, max_new_tokens: int = 64, capture: Capture | None = None,
+        ignore_eos: bool = False,
+    ) -> Generation:
+        """Branch a finished (or paused) generation at `step` with `token` and continue from there.
+
+        The new generation's prompt is prompt_ids + generated_ids[:step] and its step 0 is `token`. The KV cache
+        keeps every position of that prefix it already holds, so only the last prefix token is run again.
+        """
+        if not 0 <= step <= len(generated_ids):
+            raise ValueError(f"cannot fork at step {step}: the generation has steps 0..{len(generated_ids) - 1}")
+        prefix = [int(i) for i in prompt_ids] + [int(i) for i in generated_ids[:step]]
+        return self.generate(prefix, params, max_new_tokens, capture, ignore_eos=ignore_eos, forced={0: token})
 
 
 class Generation:
@@ -192,11 +220,12 @@ class Generation:
 
     def __init__(
         self, session: Session, prompt: Tokenization, params: SamplingParams, max_new_tokens: int,
-        capture: Capture, ignore_eos: bool,
+        capture: Capture, ignore_eos: bool, forced: Mapping[int, int] | None = None,
     ) -> None:
         self.session, self.prompt = session, prompt
         self.params, self.capture = params, capture
         self.max_new_tokens, self.ignore_eos = max_new_tokens, ignore_eos
+        self.forced: dict[int, int] = dict(forced or {})  # step → token id that replaces the sampled one
         self._stop = False
         self._events = self._run()
 
@@ -282,11 +311,14 @@ class Generation:
                     feed, start = ids[-1:], pos - 1
                     cost = costs.decode_cost(cfg, pos, weight_dtype=s.dtype_name)
                 logits = s._forward(feed, start, probe)
+                force = self.forced.get(step)
                 if capture.funnel_top:
                     token, stages = sample(logits, params, generator, context[:pos])
+                    token = token if force is None else force
                     condensed = s.make_funnel(stages, params, capture.funnel_top, token)
                 else:
                     token, condensed = choose(logits, params, generator, context[:pos]), None
+                    token = token if force is None else force
                 raw = logits.cpu().numpy() if capture.logits else None
                 _sync(lm.device)
                 seconds = time.perf_counter() - t0
@@ -308,6 +340,7 @@ class Generation:
                     step=step, phase=phase, position=pos, token_id=token, piece=tok.piece(token), text=delta,
                     seconds=seconds, cost=cost, funnel=condensed, logits=raw,
                     context_ids=context[:pos].cpu().numpy() if capture.logits else None, params=params,
+                    forced=force is not None,
                 ))
                 ids.append(token)
                 if pos < capacity:
