@@ -182,6 +182,50 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lens(a: argparse.Namespace) -> int:
+    from engine.events import Failed, LensCaptured, TokenSampled
+    from engine.lens import lens_rows
+    from engine.session import Capture
+
+    if a.top < 1:
+        raise CliError(f"--top must be at least 1, got {a.top}")
+    if a.step < 0:
+        raise CliError(f"--step must be 0 (the prefill) or a decode step, got {a.step}")
+    params = _params(a)
+    s = _session(a)
+    try:
+        gen = s.generate(a.prompt, params, a.step + 1, Capture(lens_top=a.top), chat=a.chat)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    lens: LensCaptured | None = None
+    chosen: TokenSampled | None = None
+    last = -1
+    for ev in gen:
+        if isinstance(ev, LensCaptured) and ev.step == a.step:
+            lens = ev
+        elif isinstance(ev, TokenSampled):
+            last = ev.step
+            if ev.step == a.step:
+                chosen = ev
+        elif isinstance(ev, Failed):
+            raise CliError(ev.message)
+    if lens is None or chosen is None:
+        raise CliError(f"the generation ended at step {last} (end of text) before step {a.step}")
+    rows = lens_rows(lens)
+    if a.json:
+        print(json.dumps({
+            "prompt_ids": gen.prompt.ids, "step": a.step, "position": lens.position,
+            "sampled": {"id": chosen.token_id, "token": chosen.piece}, "layers": rows,
+        }, ensure_ascii=False))
+    else:
+        print(f"step {a.step} (position {lens.position}); the model chose {chosen.piece!r} ({chosen.token_id})")
+        print(f"{'layer':<10} {'H bits':>7}  top tokens")
+        for r in rows:
+            tops = "  ".join(f"{t['token']!r} {t['prob']:.3f}" for t in r["top"])
+            print(f"{r['name']:<10} {r['entropy_bits']:7.2f}  {tops}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m engine", description="Inference Lab's engine on the command line.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -214,6 +258,16 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--force", action="append", default=[], metavar="STEP:TOKEN_ID",
                    help="put TOKEN_ID at generation step STEP instead of sampling (repeatable; step 0 = first token)")
     q.set_defaults(func=cmd_generate)
+
+    q = sub.add_parser("lens", help="logit lens: the next-token guess after every layer")
+    _add_model_args(q)
+    _add_sampling_args(q)
+    q.add_argument("--prompt", required=True)
+    q.add_argument("--chat", action="store_true")
+    q.add_argument("--step", type=int, default=0,
+                   help="0 = the prefill's prediction; K = the K-th decode step of a generation with these settings")
+    q.add_argument("--top", type=int, default=5)
+    q.set_defaults(func=cmd_lens)
 
     from engine import bench, estimate
 

@@ -3,8 +3,8 @@
 Every event is a frozen dataclass that carries plain numbers and numpy arrays (never live tensors), so a consumer
 in another thread can keep it as long as it likes. A generation yields, in order:
 
-    PromptTokenized → [AttentionCaptured…, ResidualNorms] → KVCacheGrew → PrefillDone → TokenSampled
-    then per decode step: [AttentionCaptured…, ResidualNorms] → KVCacheGrew → TokenSampled
+    PromptTokenized → [AttentionCaptured…, ResidualNorms, LensCaptured] → KVCacheGrew → PrefillDone → TokenSampled
+    then per decode step: [AttentionCaptured…, ResidualNorms, LensCaptured] → KVCacheGrew → TokenSampled
     and finally Finished (or Failed).
 """
 
@@ -112,6 +112,21 @@ class ResidualNorms:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LensCaptured:
+    """The logit lens of one step, for the newest position: the residual stream after the embedding (row 0) and
+    after each layer (rows 1…L) projected through the final norm and the LM head, and the model's own output
+    distribution (row L + 1). Probabilities are plain softmax, before any sampling setting.
+    """
+
+    step: int
+    position: int  # position whose next token the rows predict about
+    ids: np.ndarray  # (n_layers + 2, N) int64: each row's top tokens, most probable first
+    probs: np.ndarray  # (n_layers + 2, N) float32
+    entropy_bits: np.ndarray  # (n_layers + 2,) float32: entropy of each row's whole distribution, in bits
+    pieces: tuple[tuple[str, ...], ...] = ()  # readable text of `ids`, row by row
+
+
+@dataclass(frozen=True, kw_only=True)
 class KVCacheGrew:
     """The KV cache after a step: positions held and bytes used / allocated (all layers, keys and values)."""
 
@@ -200,5 +215,6 @@ class Failed:
 
 
 Event = (
-    PromptTokenized | AttentionCaptured | ResidualNorms | KVCacheGrew | PrefillDone | TokenSampled | Finished | Failed
+    PromptTokenized | AttentionCaptured | ResidualNorms | LensCaptured | KVCacheGrew | PrefillDone | TokenSampled
+    | Finished | Failed
 )

@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
-from engine.probe import RESID_NORMS, Probe, attn_point
+from engine.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
 from engine.rope import apply_rope, rope_table
 
 
@@ -217,15 +217,23 @@ class Transformer(nn.Module):
         rope = self.rope[start : start + T]  # (T, hd/2)
         x = self.tok_embeddings(tokens)  # (B, T, d): a row lookup, no matmul
         norms = [x[:, -1].float().norm(dim=-1)] if probe is not None and probe.wants(RESID_NORMS) else None
+        stream = [x[:, -1]] if probe is not None and probe.wants(RESID_STREAM) else None
         for layer in self.layers:
             x = layer(x, start, rope, cache, probe)
             if norms is not None:
                 norms.append(x[:, -1].float().norm(dim=-1))
+            if stream is not None:
+                stream.append(x[:, -1])
         cache.advance(T)
         if norms is not None:
             probe.record(RESID_NORMS, torch.stack(norms, dim=-1))  # (B, n_layers + 1)
-        x = self.norm(x if all_logits else x[:, -1])  # (B, T, d) or (B, d)
-        return linear(x, self.lm_head).float()  # (B, [T,] V)
+        if stream is not None:
+            probe.record(RESID_STREAM, torch.stack(stream, dim=1))  # (B, n_layers + 1, d)
+        return self.head(x if all_logits else x[:, -1])  # (B, [T,] V)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual stream (…, d) → float32 logits (…, V): the final norm, then the LM head."""
+        return linear(self.norm(x), self.lm_head).float()
 
 
 def fuse_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -4,6 +4,8 @@ Point names (in the spirit of TransformerLens hook points):
     layers.{i}.attn.pattern   attention weights (B, n_heads, T_query, T_key) after softmax, causal mask applied
     resid.norms               L2 norm of the residual stream of the last position: after the embedding, then after
                               every layer, (B, n_layers + 1)
+    resid.stream              the residual stream itself at the last position, same points, (B, n_layers + 1, d)
+                              (the logit lens projects it through the final norm and the LM head)
 
 Values are detached and copied to numpy at record time, so nothing keeps a tensor alive after the step.
 """
@@ -21,6 +23,7 @@ def attn_point(layer: int) -> str:
 
 
 RESID_NORMS = "resid.norms"
+RESID_STREAM = "resid.stream"
 
 
 class Probe:
@@ -31,10 +34,14 @@ class Probe:
         self.values: dict[str, np.ndarray] = {}
 
     @classmethod
-    def for_capture(cls, attention_layers: Iterable[int] = (), residual_norms: bool = False) -> Probe:
+    def for_capture(
+        cls, attention_layers: Iterable[int] = (), residual_norms: bool = False, residual_stream: bool = False
+    ) -> Probe:
         names = {attn_point(i) for i in attention_layers}
         if residual_norms:
             names.add(RESID_NORMS)
+        if residual_stream:
+            names.add(RESID_STREAM)
         return cls(names)
 
     def wants(self, name: str) -> bool:

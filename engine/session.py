@@ -32,8 +32,9 @@ from engine.events import (
     TokenSampled,
 )
 from engine.kv_cache import KVCache
+from engine.lens import lens_event
 from engine.loaders import LoadedModel
-from engine.probe import RESID_NORMS, Probe, attn_point
+from engine.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
 from engine.sampling import FunnelStages, SamplingParams, choose, funnel, make_generator, sample
 from engine.tokenizer import StreamDecoder, Tokenization
 
@@ -49,15 +50,16 @@ class Capture:
     residual_norms: bool = False
     funnel_top: int = 0  # candidates in each step's funnel (0 = no funnel)
     logits: bool = False  # the full raw logits, so a UI can re-run the funnel with other settings
+    lens_top: int = 0  # top tokens per layer in each step's logit lens (0 = no lens; it costs L + 1 LM heads)
 
     @classmethod
     def everything(cls, n_layers: int, funnel_top: int = FUNNEL_TOP) -> Capture:
         return cls(frozenset(range(n_layers)), True, funnel_top, True)
 
     def probe(self) -> Probe | None:
-        if not self.attention_layers and not self.residual_norms:
+        if not self.attention_layers and not self.residual_norms and not self.lens_top:
             return None
-        return Probe.for_capture(self.attention_layers, self.residual_norms)
+        return Probe.for_capture(self.attention_layers, self.residual_norms, residual_stream=self.lens_top > 0)
 
 
 def _sync(device: torch.device) -> None:
@@ -323,6 +325,9 @@ class Generation:
                 _sync(lm.device)
                 seconds = time.perf_counter() - t0
                 yield from emit_all(emit, self._captured(probe, step, phase, start))
+                if probe is not None and RESID_STREAM in probe.values and capture.lens_top:
+                    yield from emit(lens_event(lm.model, tok, step, pos - 1, probe.values[RESID_STREAM][0], logits,
+                                               capture.lens_top))
                 kv = s.cache
                 yield from emit(KVCacheGrew(
                     step=step, n_tokens=kv.pos, bytes_used=kv.bytes_used(), bytes_allocated=kv.bytes_allocated()

@@ -1,0 +1,61 @@
+"""The logit lens: what the model would say if it stopped after layer ℓ.
+
+The residual stream of the newest position after the embedding (ℓ = 0) and after every layer (ℓ = 1…L) goes
+through the model's own final norm and LM head: p_ℓ = softmax(head(norm(x_ℓ))). Row L is the model's output
+computed the same way; the last row is the output the forward pass itself returned (for these models the two agree;
+a model whose output adds anything after the head, such as logit soft-capping, would show the difference).
+Where in the stack the answer's token first rises to the top is where the model "decided".
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from engine.events import LensCaptured
+
+LN2 = math.log(2.0)
+
+
+def entropy_bits(p: torch.Tensor) -> torch.Tensor:
+    """H(p) = −Σ p·log₂ p over the last axis, in bits (0·log 0 = 0)."""
+    return torch.special.entr(p.double()).sum(-1).div(LN2).float()
+
+
+def lens_probs(model: torch.nn.Module, stream: torch.Tensor, final_logits: torch.Tensor) -> torch.Tensor:
+    """stream (L + 1, d) residual vectors, final_logits (V,) → (L + 2, V) probabilities, the model's own last."""
+    w = next(model.parameters())
+    x = stream.to(device=w.device, dtype=w.dtype)
+    logits = torch.cat([model.head(x), final_logits.float().reshape(1, -1)], dim=0)  # (L + 2, V)
+    return torch.softmax(logits, dim=-1)
+
+
+def lens_event(
+    model: torch.nn.Module, tokenizer, step: int, position: int, stream: np.ndarray | torch.Tensor,
+    final_logits: torch.Tensor, top: int,
+) -> LensCaptured:
+    """The LensCaptured event for one step from the captured residual stream (L + 1, d) and the step's logits."""
+    p = lens_probs(model, torch.as_tensor(stream), final_logits)
+    vals, idx = torch.topk(p, min(top, p.shape[-1]), dim=-1)  # (L + 2, N)
+    ids = idx.cpu().numpy().astype(np.int64)
+    return LensCaptured(
+        step=step, position=position, ids=ids, probs=vals.cpu().numpy().astype(np.float32),
+        entropy_bits=entropy_bits(p).cpu().numpy(),
+        pieces=tuple(tuple(tokenizer.piece(int(i)) for i in row) for row in ids),
+    )
+
+
+def lens_rows(ev: LensCaptured) -> list[dict]:
+    """The JSON shape of `python -m engine lens`: one dict per row, layer 0 … L, then the model's output."""
+    n = ev.ids.shape[0]
+    rows = []
+    for r in range(n):
+        name = "embedding" if r == 0 else ("output" if r == n - 1 else f"layer {r}")
+        rows.append({
+            "layer": r, "name": name, "entropy_bits": float(ev.entropy_bits[r]),
+            "top": [{"id": int(i), "token": ev.pieces[r][j] if ev.pieces else "", "prob": float(ev.probs[r, j])}
+                    for j, i in enumerate(ev.ids[r])],
+        })
+    return rows
