@@ -158,7 +158,18 @@ def cmd_generate(a: argparse.Namespace) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     done_forced: list[list[int]] = []
+    recorder = None
+    if a.trace:
+        from engine.trace import TraceRecorder, check_writable
+
+        try:
+            check_writable(a.trace)
+        except OSError as e:
+            raise CliError(str(e)) from None
+        recorder = TraceRecorder()
     for ev in gen:
+        if recorder is not None:
+            recorder.add(ev)
         if isinstance(ev, TokenSampled):
             if ev.forced:
                 done_forced.append([ev.step, ev.token_id])
@@ -167,6 +178,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
         elif isinstance(ev, Failed):
             raise CliError(ev.message)
         elif isinstance(ev, Finished):
+            if recorder is not None:
+                try:
+                    recorder.write(a.trace)
+                except OSError as e:
+                    raise CliError(str(e)) from None
             if a.json:
                 print(json.dumps({
                     "prompt_ids": ev.prompt_ids.tolist(), "ids": ev.ids.tolist(), "text": ev.text,
@@ -257,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--ignore-eos", action="store_true")
     q.add_argument("--force", action="append", default=[], metavar="STEP:TOKEN_ID",
                    help="put TOKEN_ID at generation step STEP instead of sampling (repeatable; step 0 = first token)")
+    q.add_argument("--trace", metavar="FILE.json", default=None,
+                   help="write a Perfetto / Chrome trace: one slice per prefill and decode step")
     q.set_defaults(func=cmd_generate)
 
     q = sub.add_parser("lens", help="logit lens: the next-token guess after every layer")
