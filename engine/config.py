@@ -6,7 +6,39 @@ A config completes itself: `head_dim` and the GQA group size are derived in `__p
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
+
+# Sane limits for every size a model file can claim, checked before anything is allocated. The largest open models
+# stay well inside them (Llama 3.1 405B: 126 layers, d_model 16,384, 128 heads, ffn 53,248; Gemma 3: vocabulary
+# 262,144; Llama 4 Scout: a 10M context); a value outside is a damaged or hostile header.
+LIMITS: dict[str, tuple[int, int]] = {
+    "n_layers": (1, 1024),
+    "d_model": (1, 65_536),
+    "n_heads": (1, 1024),
+    "n_kv_heads": (1, 1024),
+    "head_dim": (2, 1024),
+    "ffn_dim": (1, 262_144),
+    "vocab_size": (1, 4_194_304),
+    "context_length": (1, 16_777_216),
+}
+
+
+def checked_int(value: object, what: str, limits: tuple[int, int]) -> int:
+    """`value` as an int within `limits`, else ValueError naming `what` (the key as the file spells it)."""
+    lo, hi = limits
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= int(value) <= hi:
+        raise ValueError(f"{what} must be an integer in {lo:,}…{hi:,}, got {value!r}")
+    return int(value)
+
+
+def checked_float(value: object, what: str, lo: float, hi: float) -> float:
+    """`value` as a finite float with lo < value < hi, else ValueError naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)) \
+            or not lo < float(value) < hi:
+        raise ValueError(f"{what} must be a number between {lo:g} and {hi:g}, got {value!r}")
+    return float(value)
 
 
 @dataclass
@@ -31,6 +63,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "ffn_dim", "vocab_size", "context_length"):
+            checked_int(getattr(self, name), name, LIMITS[name])
+        for name in ("n_kv_heads", "head_dim"):  # 0 means "derive it"
+            if getattr(self, name) != 0:
+                checked_int(getattr(self, name), name, LIMITS[name])
+        checked_float(self.rope_base, "rope_base", 0.0, math.inf)
+        checked_float(self.norm_eps, "norm_eps", 0.0, 1.0)
         if self.n_kv_heads == 0:
             self.n_kv_heads = self.n_heads
         if self.head_dim == 0:
@@ -41,9 +80,6 @@ class ModelConfig:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
-        for name in ("n_layers", "d_model", "n_heads", "ffn_dim", "vocab_size", "context_length"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         self.eos_token_ids = tuple(self.eos_token_ids)
 
     @property

@@ -104,16 +104,34 @@ def _read_source(
         cfg = hf.read_config(path)
         progress(0.2, "reading safetensors")
         sd = hf.read_weights(path, cfg)
-        return cfg, sd, Tokenizer.from_dir(path), "safetensors"
+        return cfg, sd, _tokenizer(Tokenizer.from_dir, path, "tokenizer.json"), "safetensors"
     from engine.loaders import gguf as gg
 
     progress(0.05, f"parsing {path.name}")
     reader = gg.open_reader(path)
     cfg = gg.read_config(reader, path.stem)
     progress(0.3, "building the tokenizer")
-    tok = Tokenizer.from_gguf(reader)
+    tok = _tokenizer(Tokenizer.from_gguf, reader, "the GGUF tokenizer")
     sd = gg.read_weights(reader, cfg, lambda f, m: progress(0.35 + 0.5 * f, m))
     return cfg, sd, tok, gg.file_type_name(reader)
+
+
+def _tokenizer(build: Callable[[object], Tokenizer], source: object, what: str) -> Tokenizer:
+    """Build a tokenizer; whatever a damaged file makes the tokenizers library raise becomes one ValueError."""
+    try:
+        return build(source)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} is not valid JSON ({e})") from None
+    except (ValueError, FileNotFoundError):
+        raise
+    except Exception as e:  # noqa: BLE001 — the tokenizers library raises a bare Exception on a bad file
+        raise ValueError(f"{what} could not be read ({type(e).__name__}: {e})") from None
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    """An error text as one line of at most `limit` characters."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def _write_cache(directory: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], tok: Tokenizer, meta: dict) -> None:
@@ -192,8 +210,12 @@ def load(
         net = build_model(cfg, sd, dtype=dt, device=dev)
     except ModelLoadError:
         raise
-    except (ValueError, FileNotFoundError, KeyError, OSError) as e:
-        raise ModelLoadError(f"cannot load {path.name}: {e}") from None
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise ModelLoadError(_one_line(f"cannot load {path.name}: {e}")) from None
+    except MemoryError:
+        raise ModelLoadError(f"cannot load {path.name}: it needs more memory than this machine gives") from None
+    except Exception as e:  # noqa: BLE001 — a model file is untrusted input: one clear line, never a traceback
+        raise ModelLoadError(_one_line(f"cannot load {path.name}: {type(e).__name__}: {e}")) from None
     del sd
     n_params = sum(p.numel() for p in net.parameters())
     dname = str(dt).removeprefix("torch.")

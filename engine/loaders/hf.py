@@ -7,11 +7,13 @@ of engine.rope here, so one RoPE implementation serves every loader.
 from __future__ import annotations
 
 import json
+import math
+import struct
 from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import LIMITS, ModelConfig, checked_float, checked_int
 from engine.rope import halves_to_pairs
 
 WEIGHT_MAP: dict[str, str] = {
@@ -33,6 +35,7 @@ WEIGHT_MAP: dict[str, str] = {
 }
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_REQUIRED = object()
 
 
 def _engine_name(hf_name: str) -> str | None:
@@ -44,43 +47,121 @@ def _engine_name(hf_name: str) -> str | None:
 
 
 def read_config(directory: Path) -> ModelConfig:
+    """config.json as a ModelConfig; every field is type- and range-checked, and an error names the key."""
     path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json")
     try:
         c = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"config.json is not valid JSON ({e})") from None
+    if not isinstance(c, dict):
+        raise ValueError(f"config.json must hold a JSON object, it holds a {type(c).__name__}")
     mtype = c.get("model_type")
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture {mtype!r} (Inference Lab runs: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     if c.get("rope_scaling"):
-        raise ValueError(f"RoPE scaling ({c['rope_scaling'].get('rope_type', '?')}) is not supported yet")
+        kind = c["rope_scaling"].get("rope_type", "?") if isinstance(c["rope_scaling"], dict) else "?"
+        raise ValueError(f"RoPE scaling ({kind}) is not supported yet")
+
+    def need(key: str, field: str, default: object = _REQUIRED) -> int:
+        value = c.get(key, default)
+        if value is _REQUIRED:
+            raise ValueError(f"config.json lacks {key}")
+        return checked_int(value, f"config.json: {key}", LIMITS[field])
+
+    n_heads = need("num_attention_heads", "n_heads")
     eos = c.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    for i in eos_ids:
+        checked_int(i, "config.json: eos_token_id", (0, LIMITS["vocab_size"][1]))
+    bos = c.get("bos_token_id")
     return ModelConfig(
         name=directory.name,
         architecture=mtype,
-        n_layers=c["num_hidden_layers"],
-        d_model=c["hidden_size"],
-        n_heads=c["num_attention_heads"],
-        n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-        ffn_dim=c["intermediate_size"],
-        vocab_size=c["vocab_size"],
-        context_length=c.get("max_position_embeddings", 2048),
-        rope_base=float(c.get("rope_theta", 10000.0)),
-        norm_eps=float(c.get("rms_norm_eps", 1e-5)),
+        n_layers=need("num_hidden_layers", "n_layers"),
+        d_model=need("hidden_size", "d_model"),
+        n_heads=n_heads,
+        n_kv_heads=need("num_key_value_heads", "n_kv_heads", c.get("num_key_value_heads") or n_heads),
+        ffn_dim=need("intermediate_size", "ffn_dim"),
+        vocab_size=need("vocab_size", "vocab_size"),
+        context_length=need("max_position_embeddings", "context_length", 2048),
+        rope_base=checked_float(c.get("rope_theta", 10000.0), "config.json: rope_theta", 0.0, math.inf),
+        norm_eps=checked_float(c.get("rms_norm_eps", 1e-5), "config.json: rms_norm_eps", 0.0, 1.0),
         tied_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=mtype == "qwen2" or bool(c.get("attention_bias", False)),
-        head_dim=int(c.get("head_dim") or 0),
-        bos_token_id=c.get("bos_token_id"),
+        head_dim=need("head_dim", "head_dim") if c.get("head_dim") else 0,
+        bos_token_id=None if bos is None else checked_int(bos, "config.json: bos_token_id", (0, 2**31)),
         eos_token_ids=eos_ids,
     )
 
 
+# safetensors dtypes this engine takes weights in, with their sizes in bytes.
+WEIGHT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+
+
+def check_safetensors(path: Path) -> None:
+    """Hold every claim of a safetensors header against the file before anything is read or allocated.
+
+    Layout: an 8-byte little-endian header length N, N bytes of JSON {name: {dtype, shape, data_offsets}}, then the
+    data; each tensor's [begin, end) is relative to the data and must hold exactly prod(shape) · itemsize bytes.
+    """
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if size == 0:
+            raise ValueError(f"{path.name} is empty (0 bytes)")
+        if head.startswith(b"PK\x03\x04") or (head[:1] == b"\x80" and head[1:2] in b"\x02\x03\x04\x05"):
+            raise ValueError(
+                f"{path.name} is a pickle (a PyTorch .bin/.pt file), not safetensors; pickles can run code when "
+                "loaded and are never opened here: convert it to safetensors first"
+            )
+        if size < 8:
+            raise ValueError(f"{path.name} is not a safetensors file: {size} bytes, shorter than its length field")
+        n = struct.unpack("<Q", head)[0]
+        if n > min(size - 8, MAX_HEADER_BYTES):
+            raise ValueError(
+                f"{path.name} is not a valid safetensors file: its header claims {n:,} bytes, "
+                f"the file has {size:,}"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError(f"{path.name} is not a valid safetensors file: its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path.name} is not a valid safetensors file: its header is not a JSON object")
+    data_size = size - 8 - n
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(t, dict) or not {"dtype", "shape", "data_offsets"} <= set(t):
+            raise ValueError(f"{path.name}: the header entry for {name!r} lacks dtype, shape or data_offsets")
+        dtype, shape, offsets = t["dtype"], t["shape"], t["data_offsets"]
+        if dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"{path.name}: tensor {name!r} has dtype {dtype!r}; weights must be one of "
+                             f"{', '.join(WEIGHT_DTYPES)}")
+        ints = isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in [*shape, *offsets])
+        if not ints or len(shape) > 4:
+            raise ValueError(f"{path.name}: tensor {name!r} has a malformed shape or data_offsets")
+        begin, end = offsets
+        need = math.prod(shape) * WEIGHT_DTYPES[dtype]
+        if end < begin or end - begin != need:
+            raise ValueError(f"{path.name}: tensor {name!r} of shape {tuple(shape)} needs {need:,} bytes, "
+                             f"its data_offsets give {end - begin:,}")
+        if end > data_size:
+            raise ValueError(
+                f"{path.name}: tensor {name!r} claims bytes {begin:,}…{end:,} of the data, but the file ends "
+                f"after {data_size:,} (truncated or damaged)"
+            )
+
+
 def read_weights(directory: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     files = sorted(directory.glob("*.safetensors"))
@@ -88,7 +169,12 @@ def read_weights(directory: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"{directory} has no *.safetensors weights (pickled .bin files are never loaded)")
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        for hf_name, w in load_file(str(f)).items():
+        check_safetensors(f)
+        try:
+            tensors = load_file(str(f))
+        except SafetensorError as e:
+            raise ValueError(f"{f.name} is not a valid safetensors file ({e})") from None
+        for hf_name, w in tensors.items():
             name = _engine_name(hf_name)
             if name is None:
                 if hf_name.endswith("rotary_emb.inv_freq"):
