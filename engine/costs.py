@@ -42,8 +42,10 @@ step, so an untied table counts as (rows touched)·d values, while a tied table 
 LM head.
 KV cache: per token and per layer the cache keeps one key and one value vector per KV head, so
     KV bytes per token = 2 · n_layers · n_kv_heads · head_dim · bytes per value.
-A step writes the keys and values of its new tokens and reads those of the cached positions its queries
-attend to.
+A step writes the keys and values of its new tokens (kv_write_bytes) and reads those of the positions that were
+in the cache before it (kv_read_bytes): a step of n tokens after s cached ones reads s and writes n positions.
+Its own new keys and values are used while they are fresh, like the other activations, and are not counted
+again as a read. One decode step at context c is such a step with n = 1 and s = c − 1.
 
 Time
 ----
@@ -185,22 +187,13 @@ def decode_cost(
     weight_dtype: str = "float32",
     kv_dtype: str | None = None,
 ) -> StepCost:
-    """One decode step: one new token per sequence attending over `context` positions (FLOPs and bytes)."""
+    """One decode step: one new token per sequence attending over `context` positions (FLOPs and bytes).
+
+    It is the prefill of one token after context − 1 cached ones, and is computed as exactly that, so the two
+    phases can never disagree about the same step.
+    """
     context = _positive("context", context)
-    batch = _positive("batch", batch)
-    kv_dtype = kv_dtype or weight_dtype
-    per_sequence = (
-        linear_flops_per_token(cfg)
-        + context * attention_flops_per_pair(cfg)
-        + lm_head_flops_per_token(cfg)
-    )
-    kv_token = kv_bytes_per_token(cfg, kv_dtype)
-    return StepCost(
-        flops=batch * per_sequence,
-        weight_bytes=step_weight_bytes(cfg, weight_dtype, rows=batch),
-        kv_read_bytes=context * kv_token * batch,
-        kv_write_bytes=kv_token * batch,
-    )
+    return prefill_cost(cfg, 1, start=context - 1, batch=batch, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
 
 
 def tpot_floor_s(

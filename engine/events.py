@@ -72,7 +72,7 @@ class StepCost:
 
     flops: float  # floating-point operations (a multiply-add counts as 2)
     weight_bytes: float  # weights read from memory
-    kv_read_bytes: float  # cached keys and values read by attention
+    kv_read_bytes: float  # keys and values cached before this step that its attention reads
     kv_write_bytes: float  # new keys and values written to the cache
     activation_bytes: float = 0.0
 

@@ -272,9 +272,10 @@ class RooflinePanel(Panel):
         return self.prompt_spin.value()
 
     def decode_context(self) -> int:
-        """Context of the analytic decode step: the prompt length plus the tokens generated so far."""
+        """Context of the analytic decode step: the positions the latest decode step attended (the KV cache after
+        it), i.e. the prompt plus the tokens generated so far less the newest, which is sampled but not yet fed."""
         generated = max(0, self._context - self._n_prompt) if self._n_prompt else 0
-        return max(1, self.prompt_length() + generated)
+        return max(1, self.prompt_length() + max(0, generated - 1))
 
     def select_hardware(self, key: str) -> None:
         i = self.hw_combo.findData(key)

@@ -364,13 +364,16 @@ def test_roofline_batch_and_catalogue_model_move_the_analytic_points(qtbot, load
     assert panel.prompt_length() == n_prompt  # follows the last prompt
     panel.flush()
     assert n_points(panel.measured_decode) > 0 and n_points(panel.measured_prefill) == 1
+    # the latest decode step attended exactly the positions the KV cache held after it (the engine's own count)
+    assert panel.decode_context() == of(tiny_run, KVCacheGrew)[-1].n_tokens
+    last = [e for e in of(tiny_run, TokenSampled) if e.phase == "decode"][-1]
+    assert costs.decode_cost(loaded.cfg, panel.decode_context()) == last.cost
     generated = of(tiny_run, TokenSampled)[-1].position + 1 - n_prompt
-    assert panel.decode_context() == n_prompt + generated
 
     cfg = model_presets()["llama-2-70b"]
     panel.select_model("llama-2-70b")
     panel.prompt_spin.setValue(512)
-    ctx = 512 + generated
+    ctx = 512 + generated - 1  # the newest token is sampled, not yet in the cache
     intensity = {}
     for batch in (1, 256):
         panel.batch_spin.setValue(batch)

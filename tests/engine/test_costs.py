@@ -126,16 +126,29 @@ def test_prefill_cost_by_hand() -> None:
 
 
 def test_decode_cost_by_hand() -> None:
-    c = costs.decode_cost(TINY, 8)
+    c = costs.decode_cost(TINY, 8)  # the token at position 7 attends keys 0…7; 0…6 were cached before
     assert c.flops == 122_880 + 8 * 512 + 38_400 == 165_376
     assert c.weight_bytes == (100_160 - 300 * 64 + 64) * 4 == 324_096
-    assert c.kv_read_bytes == 8 * 512
+    assert c.kv_read_bytes == 7 * 512
     assert c.kv_write_bytes == 512
-    assert c.bytes == 324_096 + 4096 + 512
+    assert c.bytes == 324_096 + 3584 + 512
     c3 = costs.decode_cost(TINY, 8, batch=3, weight_dtype="bf16", kv_dtype="float32")
     assert c3.flops == 3 * 165_376
     assert c3.weight_bytes == (100_160 - 300 * 64 + 3 * 64) * 2
-    assert c3.kv_read_bytes == 3 * 8 * 512
+    assert c3.kv_read_bytes == 3 * 7 * 512
+
+
+def test_prefill_and_decode_agree_on_the_same_step() -> None:
+    """The token at position 9, fed as a one-token prefill after 9 cached ones or as a decode step at context 10.
+
+    By hand on TINY (2 layers, 2 KV heads, head_dim 16, float32): one position holds 2·2·2·16·4 = 512 B of K/V;
+    the step reads the 9 cached positions (4,608 B), writes its own (512 B), and attends 10 keys (10 · 512 FLOPs).
+    """
+    pre, dec = costs.prefill_cost(TINY, 1, start=9), costs.decode_cost(TINY, 10)
+    assert pre.kv_read_bytes == dec.kv_read_bytes == 9 * 512 == 4_608
+    assert pre.kv_write_bytes == dec.kv_write_bytes == 512
+    assert pre.flops == dec.flops == 122_880 + 10 * 512 + 38_400
+    assert pre == dec
 
 
 def test_tied_model_reads_its_embedding_as_the_lm_head() -> None:
