@@ -15,7 +15,7 @@ from app import theme
 from app.bridge import GenerateRequest
 from app.panels.base import Panel
 from app.settings import DEFAULT_MAX_NEW_TOKENS
-from app.token_view import TokenTextEdit, char_format, utf16_len, utf16_positions
+from app.token_view import Segments, TokenTextEdit, char_format, segments, utf16_len
 from engine.events import Finished, PrefillDone, PromptTokenized, TokenSampled
 from engine.session import FUNNEL_TOP, Capture
 
@@ -77,7 +77,6 @@ class GenerationPanel(Panel):
         self.selected_step: int | None = None
         self.last_request: GenerateRequest | None = None
         self._reset_view = True
-        self._n_prompt_spans = 0
         self._lit = False
         self._rendered = 0
         self._doc_len = 0
@@ -278,11 +277,16 @@ class GenerationPanel(Panel):
         self.selected_step = step
         self.mark_dirty()
 
+    def _n_prompt_tokens(self) -> int:
+        return len(self.prompt.ids) if self.prompt is not None else 0
+
     def _on_token_clicked(self, k: int) -> None:
-        if k < self._n_prompt_spans:
+        """Token indices of the output view: the prompt's tokens first, then the generated ones."""
+        n = self._n_prompt_tokens()
+        if k < n:
             self.bridge.select_step(0)
-        elif k - self._n_prompt_spans < len(self.tokens):
-            self.bridge.select_step(self.tokens[k - self._n_prompt_spans].step)
+        elif k - n < len(self.tokens):
+            self.bridge.select_step(self.tokens[k - n].step)
 
     def clear(self) -> None:
         self.prompt = self.prefill = self.finished = None
@@ -300,14 +304,20 @@ class GenerationPanel(Panel):
         self.step_btn.setEnabled(ok and s in ("idle", "generating", "paused"))
         self.stop_btn.setEnabled(ok and s in ("generating", "paused", "starting"))
 
-    def _tooltip(self, k: int) -> str:
-        if k < self._n_prompt_spans and self.prompt is not None:
+    def _tooltip(self, tokens: tuple[int, ...], lost: tuple[tuple[int, int], ...]) -> str:
+        parts = [self._token_tooltip(k) for k in tokens]
+        parts += [f"byte 0x{v:02X} at byte {b}: no token stands for it; the model never saw it" for b, v in lost]
+        return "\n\n".join(p for p in parts if p)
+
+    def _token_tooltip(self, k: int) -> str:
+        n = self._n_prompt_tokens()
+        if k < n:
             p = self.prompt
             when = (f"computed in the prefill: {len(p.ids)} tokens in one forward pass"
                     if self.prefill is not None else "waiting for the prefill")
             return (f"prompt token {k} · id {int(p.ids[k])}{' · special' if p.special[k] else ''}\n"
                     f"piece  {theme.visible_whitespace(p.pieces[k])}\n{when}")
-        i = k - self._n_prompt_spans
+        i = k - n
         if not 0 <= i < len(self.tokens):
             return ""
         t = self.tokens[i]
@@ -316,17 +326,15 @@ class GenerationPanel(Panel):
                 f"piece  {theme.visible_whitespace(t.piece)}\n"
                 f"{1e3 * t.seconds:.1f} ms — {what}")
 
-    def _prompt_spans(self, lit: bool) -> tuple[list[int], list[int], list[int]]:
+    def _prompt_segments(self, lit: bool) -> tuple[Segments, list[int]]:
         p = self.prompt
-        offsets = np.asarray(p.offsets, dtype=np.int64).reshape(-1, 2)
-        pos = utf16_positions(p.text)
-        if pos is not None and len(offsets):
-            offsets = pos[offsets]
+        seg = segments(p.text, p.offsets, p.unrepresentable)
         if lit:
-            kinds = [SPECIAL if sp else (PREFILL_A if k % 2 == 0 else PREFILL_B) for k, sp in enumerate(p.special)]
+            kinds = [PENDING if not ks else SPECIAL if p.special[ks[-1]] else (PREFILL_A, PREFILL_B)[ks[-1] % 2]
+                     for ks in seg.tokens]
         else:
-            kinds = [PENDING] * len(p.ids)
-        return offsets[:, 0].tolist(), offsets[:, 1].tolist(), kinds
+            kinds = [PENDING] * len(seg)
+        return seg, kinds
 
     def _token_kind(self, t: OutToken, index: int) -> int:
         if t.step == 0:
@@ -341,27 +349,26 @@ class GenerationPanel(Panel):
         hl = out.highlighter
         if self._reset_view:
             self._reset_view = False
-            self._lit, self._rendered, self._doc_len, self._n_prompt_spans = False, 0, 0, 0
-            hl.set_spans([], [], [], rehighlight=False)
+            self._lit, self._rendered, self._doc_len = False, 0, 0
+            hl.clear_segments(rehighlight=False)
             out.setExtraSelections([])
             if self.prompt is None:
                 out.clear()
             else:
                 self._lit = self.prefill is not None
-                spans = self._prompt_spans(self._lit)
-                self._n_prompt_spans = len(spans[0])
-                hl.set_spans(*spans, rehighlight=False)
+                hl.set_segments(*self._prompt_segments(self._lit), rehighlight=False)
                 out.setPlainText(self.prompt.text)  # highlights as it lays out
                 self._doc_len = utf16_len(self.prompt.text)
         if self.prompt is not None and self.prefill is not None and not self._lit:
             self._lit = True  # the prefill finished: the whole prompt lights up in one go
-            starts, ends, kinds = self._prompt_spans(True)
+            _seg, kinds = self._prompt_segments(True)
             hl.kinds[: len(kinds)] = kinds
             hl.rehighlight()
         if self._rendered < len(self.tokens):
             new = self.tokens[self._rendered:]
             starts, ends, kinds, parts = [], [], [], []
             pos = self._doc_len
+            first = self._n_prompt_tokens() + self._rendered
             for i, t in enumerate(new, start=self._rendered):
                 n = utf16_len(t.shown)
                 starts.append(pos)
@@ -369,7 +376,8 @@ class GenerationPanel(Panel):
                 kinds.append(self._token_kind(t, i))
                 parts.append(t.shown)
                 pos += n
-            hl.append_spans(starts, ends, kinds)
+            hl.append_segments(Segments(starts, ends, [(first + j,) for j in range(len(new))], [()] * len(new)),
+                               kinds)
             cursor = QtGui.QTextCursor(out.document())
             cursor.movePosition(QtGui.QTextCursor.MoveOperation.End)
             cursor.insertText("".join(parts))  # the highlighter paints the blocks this touches
@@ -386,9 +394,11 @@ class GenerationPanel(Panel):
         if step is not None:
             for i, t in enumerate(self.tokens):
                 if t.step == step:
-                    span = self._n_prompt_spans + i
+                    k = self._n_prompt_tokens() + i
+                    span = next((j for j in range(len(out.highlighter.tokens) - 1, -1, -1)
+                                 if k in out.highlighter.tokens[j]), None)
                     break
-        if span is None or span >= len(out.highlighter.starts):
+        if span is None:
             out.setExtraSelections([])
             return
         sel = QtWidgets.QTextEdit.ExtraSelection()

@@ -6,22 +6,20 @@ highlighter repaints only colours, so a 2,000-token prompt re-tokenizes and re-p
 
 from __future__ import annotations
 
-import bisect
 import time
 
-import numpy as np
 from PySide6 import QtCore, QtWidgets
 
 from app import theme
 from app.panels.base import Panel
-from app.token_view import SPECIAL_KIND, TokenTextEdit, char_format, token_formats, utf16_positions
+from app.token_view import SPECIAL_KIND, Segments, TokenTextEdit, char_format, segments, token_formats
 from engine.tokenizer import Tokenization
 
 UNREPRESENTABLE_KIND = SPECIAL_KIND + 1
 
 
 def token_tooltip(tok: Tokenization, k: int) -> str:
-    """What hovering a prompt token shows: index, id, piece (whitespace visible), byte span and char span."""
+    """What hovering one prompt token shows: index, id, piece (whitespace visible), byte span and char span."""
     b0, b1 = tok.byte_offsets[k]
     c0, c1 = tok.offsets[k]
     kind = " · special" if tok.special[k] else ""
@@ -32,28 +30,27 @@ def token_tooltip(tok: Tokenization, k: int) -> str:
     )
 
 
-def token_spans(tok: Tokenization) -> tuple[list[int], list[int], list[int]]:
-    """Document spans and format kinds of a tokenization: alternating colours, special tokens apart,
-    and the characters holding unrepresentable bytes marked on their own."""
-    offsets = np.asarray(tok.offsets, dtype=np.int64).reshape(-1, 2)
-    pos = utf16_positions(tok.text)
-    if pos is not None and len(offsets):
-        offsets = pos[offsets]
-    starts, ends = offsets[:, 0].tolist(), offsets[:, 1].tolist()
+def segment_tooltip(tok: Tokenization, tokens: tuple[int, ...], lost: tuple[tuple[int, int], ...]) -> str:
+    """What hovering a segment of the prompt shows: its token, every token sharing its character, and the bytes
+    no token stands for."""
+    parts = []
+    if len(tokens) > 1:
+        parts.append(f"this character is split across {len(tokens)} tokens:")
+    parts.extend(token_tooltip(tok, k) for k in tokens)
+    for b, v in lost:
+        parts.append(f"byte 0x{v:02X} at byte {b}: no token of this vocabulary stands for it; the model never "
+                     "sees it")
+    return "\n\n".join(parts) if len(tokens) > 1 else "\n".join(parts)
+
+
+def prompt_segments(tok: Tokenization) -> tuple[Segments, list[int]]:
+    """The segments of a tokenization and their format kinds: alternating colours, special tokens apart, and
+    segments holding a byte no token stands for marked on their own."""
+    seg = segments(tok.text, tok.offsets, tok.unrepresentable)
     n = len(theme.TOKEN_COLORS)
-    kinds = [SPECIAL_KIND if sp else k % n for k, sp in enumerate(tok.special)]
-    if tok.unrepresentable:
-        lens = np.fromiter((len(ch.encode("utf-8", "surrogatepass")) for ch in tok.text), np.int64, len(tok.text))
-        char_ends = np.cumsum(lens)
-        extra = sorted({int(np.searchsorted(char_ends, b, side="right")) for b, _ in tok.unrepresentable})
-        for c in extra:
-            d0 = int(pos[c]) if pos is not None else c
-            d1 = int(pos[c + 1]) if pos is not None else c + 1
-            k = bisect.bisect_right(starts, d0)
-            starts.insert(k, d0)
-            ends.insert(k, d1)
-            kinds.insert(k, UNREPRESENTABLE_KIND)
-    return starts, ends, kinds
+    kinds = [UNREPRESENTABLE_KIND if lost or not ks else (SPECIAL_KIND if tok.special[ks[-1]] else ks[-1] % n)
+             for ks, lost in zip(seg.tokens, seg.lost, strict=True)]
+    return seg, kinds
 
 
 class PromptPanel(Panel):
@@ -81,9 +78,10 @@ class PromptPanel(Panel):
 
         self.editor = TokenTextEdit(self)
         self.editor.setPlaceholderText("Type a prompt…")
-        self.editor.tooltip_for = lambda k: token_tooltip(self.tok, k) if self.tok else ""
+        self.editor.tooltip_for = lambda ks, lost: segment_tooltip(self.tok, ks, lost) if self.tok else ""
         self.chat_view = TokenTextEdit(self, read_only=True)
-        self.chat_view.tooltip_for = lambda k: token_tooltip(self.chat_tok, k) if self.chat_tok else ""
+        self.chat_view.tooltip_for = lambda ks, lost: (segment_tooltip(self.chat_tok, ks, lost) if self.chat_tok
+                                                         else "")
         self.chat_view.setToolTip("")
         formats = token_formats()
         formats.append(char_format(theme.qcolor(theme.ERROR_COLOR).darker(250), theme.FOREGROUND,
@@ -180,9 +178,10 @@ class PromptPanel(Panel):
                 self.tok = tokenizer.encode(text)
             except ValueError as e:  # a lone surrogate pasted in
                 self.tok = None
+                self.editor.highlighter.clear_segments()
                 self._show_warning(str(e))
             else:
-                self.editor.highlighter.set_spans(*token_spans(self.tok))
+                self.editor.highlighter.set_segments(*prompt_segments(self.tok))
                 self._warn_unrepresentable(self.tok)
             if self.chat() and self.tok is not None:
                 self._retokenize_chat(tokenizer, text)
@@ -194,13 +193,13 @@ class PromptPanel(Panel):
             wrapped = tokenizer.chat_prompt(text)
         except ValueError as e:
             self.chat_tok = None
-            self.chat_view.highlighter.set_spans([], [], [], rehighlight=False)
+            self.chat_view.highlighter.clear_segments(rehighlight=False)
             self.chat_view.setPlainText(f"(the chat template failed: {e})")
             return
         self.chat_tok = tokenizer.encode(wrapped)
         bar = self.chat_view.verticalScrollBar()
         scroll = bar.value()
-        self.chat_view.highlighter.set_spans(*token_spans(self.chat_tok), rehighlight=False)
+        self.chat_view.highlighter.set_segments(*prompt_segments(self.chat_tok), rehighlight=False)
         if self.chat_view.toPlainText() != wrapped:
             self.chat_view.setPlainText(wrapped)  # highlights as it lays the text out
             bar.setValue(min(scroll, bar.maximum()))

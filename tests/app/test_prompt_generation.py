@@ -73,9 +73,9 @@ def test_hover_finds_the_token_under_the_mouse(qtbot, window):
     cursor = editor.textCursor()
     cursor.setPosition(len("Hello wo"))
     rect = editor.cursorRect(cursor)
-    k = editor.token_at(QtCore.QPoint(rect.center().x() + 2, rect.center().y()))
-    assert k is not None
-    a, b = prompt.tok.offsets[k]
+    ks = editor.tokens_at(QtCore.QPoint(rect.center().x() + 2, rect.center().y()))
+    assert len(ks) == 1
+    a, b = prompt.tok.offsets[ks[0]]
     assert a <= len("Hello wo") < b
 
 
@@ -254,7 +254,7 @@ def test_shortcuts_drive_generation(qtbot, window):
 def test_clicking_a_token_selects_its_step(qtbot, window):
     gen = setup_generation(window, text="abc", max_new=5)
     finish_generation(qtbot, window, gen.generate)
-    n_prompt = gen._n_prompt_spans
+    n_prompt = len(gen.prompt.ids)  # token indices of the output view: the prompt first, then the generated
     with qtbot.waitSignal(window.bridge.sig_step_selected) as blocker:
         gen._on_token_clicked(n_prompt + 3)
     assert blocker.args == [3]
