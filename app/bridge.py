@@ -16,6 +16,7 @@ import threading
 
 from PySide6 import QtCore
 
+from app.guard import guarded
 from engine.events import (
     AttentionCaptured,
     Failed,
@@ -219,6 +220,7 @@ class Bridge(QtCore.QObject):
 
     # ---- events (GUI thread) ----
     @QtCore.Slot(object)
+    @guarded
     def _on_raw(self, ev: object) -> None:
         if isinstance(ev, tuple):
             kind, arg = ev

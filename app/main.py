@@ -75,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     from app.theme import apply_theme
 
     app = QtWidgets.QApplication.instance() or QtWidgets.QApplication([sys.argv[0]])
+    import logging
+
+    from app.guard import install_excepthook
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    install_excepthook()  # an exception in a slot or timer is logged and shown, never fatal
     app.setOrganizationName("InferenceLab")
     app.setApplicationName("Inference Lab")
     apply_theme(app)

@@ -16,6 +16,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app import theme
 from app.bridge import Bridge
+from app.guard import guarded, report, reporter
 from app.panels import PANEL_MODULES
 from app.panels.base import Panel
 from app.settings import Settings
@@ -99,6 +100,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.bridge.sig_load_failed.connect(self._on_load_failed)
         self.bridge.sig_failed.connect(self._on_failed)
         self.bridge.sig_state.connect(self._on_state)
+        reporter().sig_error.connect(self._on_callback_error)
 
         self.draw_timer = QtCore.QTimer(self)
         self.draw_timer.setInterval(DRAW_INTERVAL_MS)
@@ -265,8 +267,15 @@ class MainWindow(QtWidgets.QMainWindow):
         self._show_error(message, title="Generation failed", box=False)
 
     @QtCore.Slot(str)
+    def _on_callback_error(self, message: str) -> None:
+        """A Qt callback raised (caught at its boundary, logged): say so, and carry on."""
+        self.last_error = message
+        self._set_message(f"⚠ internal error, logged; the app carries on: {message}", error=True)
+
+    @QtCore.Slot(str)
     def _on_state(self, state: str) -> None:
-        if state == "generating" and not self.last_error:
+        if state == "generating":  # a new run: the previous one's error no longer describes the app
+            self.last_error = ""
             self._set_message("Generating…")
         elif state == "paused":
             self._set_message("Paused between two tokens: Step (F10) runs one more, Resume goes on.")
@@ -290,6 +299,7 @@ class MainWindow(QtWidgets.QMainWindow):
 
     # ---- drawing ----
     @QtCore.Slot()
+    @guarded
     def tick_panels(self, flush: bool = False) -> None:
         """The shared draw timer: dirty panels repaint from their stored data (flush: all now, no rate limit).
 
@@ -307,10 +317,8 @@ class MainWindow(QtWidgets.QMainWindow):
             try:
                 panel.flush() if flush else panel.tick()
             except Exception as e:  # noqa: BLE001 — one broken panel must not stop the others from painting
-                key = f"{type(e).__name__}: {e}"
-                if self.draw_errors.get(name) != key:
-                    log.exception("the %s panel failed to draw", name)
-                self.draw_errors[name] = key
+                self.draw_errors[name] = f"{type(e).__name__}: {e}"
+                report(f"the {panel.title} panel's draw", e)
             if panel.draw_count != before:
                 drawn += 1
                 self._next_panel = names.index(name) + 1
@@ -406,6 +414,7 @@ class MainWindow(QtWidgets.QMainWindow):
         s.sync()
 
     # ---- lifetime ----
+    @guarded
     def showEvent(self, event: QtGui.QShowEvent) -> None:  # noqa: N802 — Qt's name
         super().showEvent(event)
         if self._first_show:
@@ -426,6 +435,7 @@ class MainWindow(QtWidgets.QMainWindow):
             ok = self.bridge.worker_thread.wait(5_000)
         return ok
 
+    @guarded
     def closeEvent(self, event: QtGui.QCloseEvent) -> None:  # noqa: N802 — Qt's name
         self.shutdown()
         event.accept()

@@ -149,6 +149,7 @@ class TokenHighlighter(QtGui.QSyntaxHighlighter):
         self.tokens.extend(seg.tokens)
         self.lost.extend(seg.lost)
 
+    @guarded
     def highlightBlock(self, text: str) -> None:  # noqa: N802 — Qt's name
         if not self.starts:
             return

@@ -15,6 +15,7 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
+from app.guard import guarded
 from app.panels.base import Panel
 from app.panels.capacity import (
     BACKGROUND,
@@ -308,6 +309,7 @@ class BatchingPanel(Panel):
             self.roof_combo.setItemText(i, label)
         self.mark_dirty()
 
+    @guarded
     def showEvent(self, event: QtGui.QShowEvent) -> None:  # noqa: N802 — Qt's name
         """A measurement taken meanwhile (Roofline panel) shows up when the panel is shown again."""
         self.refresh_this_machine()

@@ -14,6 +14,7 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
+from app.guard import guarded
 from app.panels.base import Panel
 from app.units import fmt_bandwidth, fmt_bytes, fmt_flops, fmt_rate, fmt_seconds, si
 from engine.catalog import Hardware, hardware_presets, model_presets
@@ -304,6 +305,7 @@ class CapacityPanel(Panel):
         if i < 0:
             self.hw_combo.insertItem(0, f"This machine (measured): {hw.label}", THIS_MACHINE)
 
+    @guarded
     def showEvent(self, event: QtGui.QShowEvent) -> None:  # noqa: N802 — Qt's name
         """A measurement taken meanwhile (Roofline panel) shows up when the panel is shown again."""
         self.refresh_this_machine()

@@ -13,6 +13,33 @@ def settings_file(tmp_path, monkeypatch):
     return path
 
 
+class CallbackErrors:
+    """The exceptions the guard (app.guard) caught at Qt boundaries during one test."""
+
+    def __init__(self) -> None:
+        from app.guard import reporter
+
+        self.reporter = reporter()
+        self.start = self.reporter.count
+        self.accepted = 0
+
+    @property
+    def count(self) -> int:
+        return self.reporter.count - self.start
+
+    def accept(self) -> None:
+        """This test raised on purpose: what was caught so far is expected."""
+        self.accepted = self.count
+
+
+@pytest.fixture(autouse=True)
+def callback_errors():
+    """A guarded callback that raised fails the test (the guard keeps the app alive, but hides nothing here)."""
+    errors = CallbackErrors()
+    yield errors
+    assert errors.count == errors.accepted, f"a Qt callback raised (caught by the guard): {errors.reporter.last}"
+
+
 @pytest.fixture
 def make_window(qtbot, tiny_dir):
     """Build MainWindows on the tiny model; each is closed (worker stopped) before pytest-qt deletes it."""
