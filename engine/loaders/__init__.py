@@ -30,6 +30,14 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 Progress = Callable[[float, str], None]
 
+# What a hub download fetches: the weights (safetensors only: pickles are never fetched), the config, and every
+# file the tokenizer reads — generation_config.json carries the EOS ids of many chat models, and newer exports keep
+# the chat template in chat_template.jinja (or .json) instead of tokenizer_config.json.
+HUB_FILES = (
+    "config.json", "*.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+    "chat_template.*",
+)
+
 
 class ModelLoadError(Exception):
     """A model could not be loaded; the message is one sentence for the user."""
@@ -173,7 +181,7 @@ def _from_hub(repo_id: str) -> Path:
         from huggingface_hub import snapshot_download
     except ImportError:
         raise ModelLoadError(f"{repo_id} looks like a hub repository, but huggingface_hub is not installed") from None
-    patterns = ["config.json", "*.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    patterns = list(HUB_FILES)
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:
