@@ -160,8 +160,13 @@ class Attention(nn.Module):
         v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         k_all, v_all = cache.update(self.layer, start, k, v)  # (B, KV, S, hd)
         if probe is not None and probe.wants(self.point):
-            y, weights = explicit_attention(q, k_all, v_all, cfg.group_size)
-            probe.record(self.point, weights)  # (B, H, T, S)
+            n = probe.attention_rows(cfg.n_heads, T, k_all.shape[2])
+            if n == T:
+                y, weights = explicit_attention(q, k_all, v_all, cfg.group_size)
+            else:  # a long prefill: every row through the fused kernel, the weights of the last n rows only
+                y = sdpa_attention(q, k_all, v_all)
+                weights = explicit_attention(q[:, :, T - n:], k_all, v_all, cfg.group_size)[1]
+            probe.record(self.point, weights)  # (B, H, n, S)
         else:
             y = sdpa_attention(q, k_all, v_all)
         return self.wo(y.transpose(1, 2).reshape(B, T, cfg.q_dim))  # (B, T, d)

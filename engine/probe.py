@@ -8,6 +8,10 @@ Point names (in the spirit of TransformerLens hook points):
                               (the logit lens projects it through the final norm and the LM head)
 
 Values are detached and copied to numpy at record time, so nothing keeps a tensor alive after the step.
+
+Attention weights are bounded: a step keeps all its query rows, or, when they would take more than
+`max_attention_bytes` (a long prefill: 4,054 prompt tokens × 9 heads would be 590 MB for one layer), only its last
+rows, as many as fit. A panel cannot show more rows than that anyway; the event says how many were left out.
 """
 
 from __future__ import annotations
@@ -24,25 +28,32 @@ def attn_point(layer: int) -> str:
 
 RESID_NORMS = "resid.norms"
 RESID_STREAM = "resid.stream"
+ATTENTION_MAX_BYTES = 16 * 2**20  # float32 attention weights kept per layer and step
 
 
 class Probe:
     """A set of subscribed point names and the values recorded for them during one forward step."""
 
-    def __init__(self, names: Iterable[str] = ()) -> None:
+    def __init__(self, names: Iterable[str] = (), max_attention_bytes: int = ATTENTION_MAX_BYTES) -> None:
         self.names = frozenset(names)
+        self.max_attention_bytes = max_attention_bytes
         self.values: dict[str, np.ndarray] = {}
 
     @classmethod
     def for_capture(
-        cls, attention_layers: Iterable[int] = (), residual_norms: bool = False, residual_stream: bool = False
+        cls, attention_layers: Iterable[int] = (), residual_norms: bool = False, residual_stream: bool = False,
+        max_attention_bytes: int = ATTENTION_MAX_BYTES,
     ) -> Probe:
         names = {attn_point(i) for i in attention_layers}
         if residual_norms:
             names.add(RESID_NORMS)
         if residual_stream:
             names.add(RESID_STREAM)
-        return cls(names)
+        return cls(names, max_attention_bytes)
+
+    def attention_rows(self, n_heads: int, n_queries: int, n_keys: int) -> int:
+        """How many of a step's query rows (the last ones) to capture: all that fit in max_attention_bytes, ≥ 1."""
+        return max(1, min(n_queries, self.max_attention_bytes // (n_heads * n_keys * 4)))
 
     def wants(self, name: str) -> bool:
         return name in self.names

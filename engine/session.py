@@ -34,7 +34,7 @@ from engine.events import (
 from engine.kv_cache import KVCache
 from engine.lens import lens_event
 from engine.loaders import LoadedModel
-from engine.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
+from engine.probe import ATTENTION_MAX_BYTES, RESID_NORMS, RESID_STREAM, Probe, attn_point
 from engine.sampling import FunnelStages, SamplingParams, choose, funnel, make_generator, sample
 from engine.tokenizer import StreamDecoder, Tokenization
 
@@ -47,6 +47,7 @@ class Capture:
     """What to record per step. Everything is off by default: the forward pass then takes the fast path."""
 
     attention_layers: frozenset[int] = field(default_factory=frozenset)
+    attention_max_bytes: int = ATTENTION_MAX_BYTES  # per layer and step; a long prefill keeps its last rows
     residual_norms: bool = False
     funnel_top: int = 0  # candidates in each step's funnel (0 = no funnel)
     logits: bool = False  # the full raw logits, so a UI can re-run the funnel with other settings
@@ -59,7 +60,8 @@ class Capture:
     def probe(self) -> Probe | None:
         if not self.attention_layers and not self.residual_norms and not self.lens_top:
             return None
-        return Probe.for_capture(self.attention_layers, self.residual_norms, residual_stream=self.lens_top > 0)
+        return Probe.for_capture(self.attention_layers, self.residual_norms, residual_stream=self.lens_top > 0,
+                                 max_attention_bytes=self.attention_max_bytes)
 
 
 def _sync(device: torch.device) -> None:
@@ -241,16 +243,20 @@ class Generation:
     def __next__(self) -> Event:
         return next(self._events)
 
-    def _captured(self, probe: Probe | None, step: int, phase: str, query_start: int) -> Iterator[Event]:
+    def _captured(
+        self, probe: Probe | None, step: int, phase: str, query_start: int, n_queries: int
+    ) -> Iterator[Event]:
         if probe is None:
             return
         g = self.session.cfg.group_size
         for layer in sorted(self.capture.attention_layers):
             w = probe.values.get(attn_point(layer))
             if w is not None:
+                skipped = n_queries - w.shape[2]  # a long prefill keeps its last rows only (engine.probe)
                 yield AttentionCaptured(
-                    step=step, phase=phase, layer=layer, query_start=query_start, weights=w[0], group_size=g
-                )  # batch row 0: (H, T, S)
+                    step=step, phase=phase, layer=layer, query_start=query_start + skipped, weights=w[0],
+                    group_size=g, rows_skipped=skipped,
+                )  # batch row 0: (H, n, S)
         if RESID_NORMS in probe.values:
             yield ResidualNorms(step=step, norms=probe.values[RESID_NORMS][0])
 
@@ -324,7 +330,7 @@ class Generation:
                 raw = logits.cpu().numpy() if capture.logits else None
                 _sync(lm.device)
                 seconds = time.perf_counter() - t0
-                yield from emit_all(emit, self._captured(probe, step, phase, start))
+                yield from emit_all(emit, self._captured(probe, step, phase, start, len(feed)))
                 if probe is not None and RESID_STREAM in probe.values and capture.lens_top:
                     yield from emit(lens_event(lm.model, tok, step, pos - 1, probe.values[RESID_STREAM][0], logits,
                                                capture.lens_top))

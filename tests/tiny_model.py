@@ -166,8 +166,13 @@ def write_tiny_checkpoints(directory: Path) -> TinyCheckpoints:
 
 
 # ---- the independent reference ---------------------------------------------------------------------------------
-def reference_logits(w: dict[str, torch.Tensor], ids: list[int], cfg: dict = CFG) -> torch.Tensor:
-    """Logits (T, V) of a full causal forward, Hugging Face conventions, float64, no cache."""
+def reference_logits(
+    w: dict[str, torch.Tensor], ids: list[int], cfg: dict = CFG, attention: dict[int, torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Logits (T, V) of a full causal forward, Hugging Face conventions, float64, no cache.
+
+    `attention`, when given, receives each layer's attention weights (H, T, T).
+    """
     d, H, KV = cfg["d_model"], cfg["n_heads"], cfg["n_kv_heads"]
     hd = d // H
     W = {k: v.double() for k, v in w.items()}
@@ -200,6 +205,8 @@ def reference_logits(w: dict[str, torch.Tensor], ids: list[int], cfg: dict = CFG
         k = k.repeat_interleave(H // KV, dim=0)
         v = v.repeat_interleave(H // KV, dim=0)
         att = torch.softmax(q @ k.transpose(-1, -2) / hd**0.5 + mask, dim=-1)
+        if attention is not None:
+            attention[i] = att
         o = (att @ v).transpose(0, 1).reshape(T, d)
         x = x + o @ W[p + "self_attn.o_proj.weight"].T
         h = rms(x, W[p + "post_attention_layernorm.weight"])
