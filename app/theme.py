@@ -88,7 +88,8 @@ def style_plot(pi, left: tuple[str, str | None] | None = None, bottom: tuple[str
                grid: tuple[bool, bool] = (True, True)) -> None:
     """The common look of a panel's pyqtgraph PlotItem: no menu or buttons, themed ticks and axis labels.
 
-    `left` / `bottom` are (label, units or None).
+    `left` / `bottom` are (label, units or None). An axis without units gets no automatic SI prefix: a count
+    or a ratio is never shown as "(x0.001)".
     """
     font = QtGui.QFont()
     font.setPointSize(PLOT_FONT_PT)
@@ -102,3 +103,27 @@ def style_plot(pi, left: tuple[str, str | None] | None = None, bottom: tuple[str
         axis.setTextPen(FOREGROUND)
         if label is not None:
             pi.setLabel(name, label[0], units=label[1], **style)
+        if label is None or label[1] is None:
+            axis.enableAutoSIPrefix(False)
+
+
+def placeholder(pi) -> object:
+    """A muted note centred in an empty plot, saying what will appear there (see `show_empty`)."""
+    import pyqtgraph as pg
+
+    font = QtGui.QFont()
+    font.setPointSize(PLOT_FONT_PT)
+    item = pg.TextItem("", color=MUTED, anchor=(0.5, 0.5))
+    item.setFont(font)
+    item.setZValue(10)
+    item.setVisible(False)
+    pi.addItem(item, ignoreBounds=True)
+    return item
+
+
+def show_empty(pi, note, text: str, x_range: tuple[float, float], y_range: tuple[float, float]) -> None:
+    """An empty plot shows its real axes over `x_range` × `y_range` and `text` in the middle."""
+    pi.getViewBox().setRange(xRange=x_range, yRange=y_range, padding=0)
+    note.setText(text)
+    note.setPos((x_range[0] + x_range[1]) / 2, (y_range[0] + y_range[1]) / 2)
+    note.setVisible(True)

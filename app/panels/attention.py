@@ -16,7 +16,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from app.panels.base import Panel
-from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND
+from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, placeholder, show_empty, style_plot
 from engine.config import ModelConfig
 from engine.events import AttentionCaptured, ModelInfo, PromptTokenized, ResidualNorms, TokenSampled
 
@@ -24,6 +24,7 @@ FONT_PT = 9
 MASK_COLOR = "#3c3c3c"  # the causal mask: cells a query may not read
 GROUP_COLORS = ("#e5c07b", "#61afef", "#c678dd", "#98c379", "#e06c75", "#56b6c2", "#d19a66", "#abb2bf")
 CMAP = pg.colormap.get("viridis")
+EMPTY_TOKENS = 8  # the heat map's size before anything is captured (at least the prompt's length)
 
 
 def _readable(piece: str) -> str:
@@ -146,19 +147,14 @@ class AttentionPanel(Panel):
         # one head, large
         self.heat = pg.PlotWidget(background=BACKGROUND)
         pi = self.heat.getPlotItem()
-        pi.setMenuEnabled(False)
-        pi.hideButtons()
+        style_plot(pi, left=None, bottom=("key (read from) →   rows: query (reading) ↓", None), grid=(False, False))
         vb = pi.getViewBox()
         vb.setBackgroundColor(MASK_COLOR)
         vb.invertY(True)
         vb.setAspectLocked(False)
         for name in ("left", "bottom"):
-            ax = pi.getAxis(name)
-            ax.setStyle(tickFont=self._font, tickLength=0)
-            ax.setTextPen(FOREGROUND)
+            pi.getAxis(name).setStyle(tickLength=0)
         pi.getAxis("left").setWidth(QtGui.QFontMetrics(self._font).horizontalAdvance("<|im_start 000") + 8)
-        pi.setLabel("bottom", "key (read from) →   rows: query (reading) ↓", **{"font-size": f"{FONT_PT}pt",
-                                                                         "color": "#bbbbbb"})
         self.image = pg.ImageItem(axisOrder="row-major")
         self.image.setColorMap(CMAP)
         pi.addItem(self.image)
@@ -169,6 +165,7 @@ class AttentionPanel(Panel):
         self.row_box.setPen(pg.mkPen(ACCENT, width=2))
         self.row_box.setVisible(False)
         pi.addItem(self.row_box)
+        self.heat_note = placeholder(pi)
         self.heat.scene().sigMouseClicked.connect(self._on_heat_clicked)
         vb.sigRangeChanged.connect(lambda *_: self.mark_dirty())
 
@@ -183,14 +180,10 @@ class AttentionPanel(Panel):
         # residual stream norm per layer
         self.norm_plot = pg.PlotWidget(background=BACKGROUND)
         npi = self.norm_plot.getPlotItem()
-        npi.setMenuEnabled(False)
-        npi.showGrid(x=True, y=True, alpha=0.2)
-        for name in ("left", "bottom"):
-            npi.getAxis(name).setStyle(tickFont=self._font)
-        npi.setLabel("bottom", "after layer (0 = embedding)", **{"font-size": f"{FONT_PT}pt"})
-        npi.setLabel("left", "‖residual‖", **{"font-size": f"{FONT_PT}pt"})
+        style_plot(npi, left=("‖residual‖", None), bottom=("after layer (0 = embedding)", None))
         self.norm_curve = npi.plot([], [], pen=pg.mkPen(DECODE_COLOR, width=2), symbol="o", symbolSize=5,
                                    symbolBrush=DECODE_COLOR)
+        self.norm_note = placeholder(npi)
 
         self.tabs = QtWidgets.QTabWidget()
         self.tabs.addTab(self.heat, "Head")
@@ -354,7 +347,11 @@ class AttentionPanel(Panel):
             for img in self.grid_images:
                 img.clear()
             self.row_box.setVisible(False)
+            self._draw_empty_heat()
         else:
+            if self.heat_note.isVisible():  # the first weights: leave the empty view's fixed range
+                self.heat_note.setVisible(False)
+                self.heat.getPlotItem().getViewBox().enableAutoRange()
             s = m.shape[1]
             self.status.setText(
                 f"Layer {self.layer()}: {s} × {s} (query × key) — prompt {self._n_prompt} tokens at once (prefill), "
@@ -400,10 +397,33 @@ class AttentionPanel(Panel):
         self.row_box.setRect(QtCore.QRectF(0, r0, s, max(0, r1 - r0)))
         self.row_box.setVisible(r1 > r0)
 
+    def _draw_empty_heat(self) -> None:
+        """No weights yet: the prompt's tokens (if any) on both axes, and what will appear."""
+        pi = self.heat.getPlotItem()
+        s = len(self._pieces)
+        if s:
+            self._draw_labels(s)
+        else:
+            for name in ("left", "bottom"):
+                pi.getAxis(name).setTicks([[]])
+        n = float(max(s, EMPTY_TOKENS))
+        text = (f"Generate: layer {self.layer()}'s attention weights appear here,\n"
+                "one row per query token, one column per key token" if not self._matrices else
+                self.status.text().split(";")[0])
+        show_empty(pi, self.heat_note, text, (0.0, n), (0.0, n))
+
     def _draw_norms(self) -> None:
+        npi = self.norm_plot.getPlotItem()
         if not self._norms:
             self.norm_curve.setData([], [])
+            npi.setTitle("")
+            npi.getAxis("left").setTicks([[]])
+            show_empty(npi, self.norm_note, f"Generate: the newest token's ‖x‖ after the embedding\n"
+                       f"and after each of the {self.n_layers} layers", (-0.5, self.n_layers + 0.5), (0.0, 1.0))
             return
+        self.norm_note.setVisible(False)
+        npi.getAxis("left").setTicks(None)
+        npi.getViewBox().enableAutoRange()
         step = self._selected_step if self._selected_step in self._norms else max(self._norms)
         norms = self._norms[step]
         self.norm_curve.setData(np.arange(len(norms)), norms)

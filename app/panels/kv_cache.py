@@ -12,7 +12,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app import units
 from app.bridge import Bridge
 from app.panels.base import Panel
-from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, PREFILL_COLOR, style_plot
+from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, PREFILL_COLOR, placeholder, show_empty, style_plot
 from engine import costs
 from engine.config import ModelConfig
 from engine.events import KVCacheGrew, ModelInfo, PromptTokenized
@@ -21,6 +21,8 @@ FONT_PT = 9
 ALLOC_COLOR = "#9a9a9a"
 TABLE_DTYPES = ("fp32", "fp16", "int8")
 TABLE_BATCHES = (1, 8, 32)
+EMPTY_TOKENS = (0.0, 1024.0)  # the axes before any model is loaded
+EMPTY_BYTES = 1e6
 
 
 def fmt_bytes(n: float) -> str:
@@ -81,12 +83,13 @@ class KVCachePanel(Panel):
         self.prefill_curve = pi.plot([], [], pen=pg.mkPen(PREFILL_COLOR, width=2), name="prefill (one jump)")
         self.used_curve = pi.plot([], [], pen=pg.mkPen(DECODE_COLOR, width=2), symbol="o", symbolSize=4,
                                   symbolBrush=DECODE_COLOR, symbolPen=None, name="decode (+1 token a step)")
-        _ = legend
+        self.legend = legend
         self.prefill_point = pi.plot([], [], pen=None, symbol="o", symbolSize=9, symbolBrush=PREFILL_COLOR,
                                      symbolPen=None)
         self.total_text = pg.TextItem("", color="#e0e0e0", anchor=(1, 1))
         self.total_text.setFont(self._font)
         pi.addItem(self.total_text)
+        self.empty_note = placeholder(pi)
 
         self.table = QtWidgets.QTableWidget(len(TABLE_DTYPES) * len(TABLE_BATCHES), 4)
         self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
@@ -148,6 +151,7 @@ class KVCachePanel(Panel):
     def draw(self) -> None:
         cfg = self.bridge.cfg
         if cfg is None:
+            self._draw_curves()
             return
         dtype = self.kv_dtype()
         per_token = costs.kv_bytes_per_token(cfg, dtype)
@@ -166,11 +170,16 @@ class KVCachePanel(Panel):
 
     def _draw_curves(self) -> None:
         evs = self._events
+        pi = self.plot.getPlotItem()
         if not evs:
             for c in (self.alloc_curve, self.prefill_curve, self.prefill_point, self.used_curve):
                 c.setData([], [])
             self.total_text.setText("")
+            self._draw_empty(pi)
             return
+        self.empty_note.setVisible(False)
+        self.legend.setVisible(True)
+        pi.getViewBox().enableAutoRange()
         first = evs[0]
         start = first.n_tokens - (first.n_tokens if first.step == 0 else 1)
         start_bytes = 0 if first.step == 0 else first.bytes_used - (first.bytes_used / max(1, first.n_tokens))
@@ -200,6 +209,20 @@ class KVCachePanel(Panel):
         last = evs[-1]
         self.total_text.setText(f"{last.n_tokens} tokens: {fmt_bytes(last.bytes_used)}")
         self.total_text.setPos(last.n_tokens, last.bytes_used)
+
+    def _draw_empty(self, pi: pg.PlotItem) -> None:
+        """Before the first generation: the axes of the model's whole context, and what will appear."""
+        self.legend.setVisible(False)
+        cfg = self.bridge.cfg
+        if cfg is None:
+            show_empty(pi, self.empty_note, "Load a model to see its KV cache grow", EMPTY_TOKENS,
+                       (0.0, EMPTY_BYTES))
+            return
+        per_token, full = self.per_token(), cfg.context_length
+        show_empty(pi, self.empty_note,
+                   f"Generate: the bytes in the cache\nappear here, token by token\n"
+                   f"({fmt_bytes(per_token)} per token,\n{fmt_bytes(per_token * full)} at the full "
+                   f"{full:,}-token context)", (0.0, float(full)), (0.0, per_token * full))
 
     def _draw_table(self, cfg, n_now: int) -> None:
         full = cfg.context_length

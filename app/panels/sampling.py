@@ -19,7 +19,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from app.panels.base import Panel
-from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, ERROR_COLOR, FOREGROUND, PREFILL_COLOR
+from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, ERROR_COLOR, PREFILL_COLOR, placeholder, show_empty, style_plot
 from engine.config import ModelConfig
 from engine.events import Funnel, ModelInfo, PromptTokenized, TokenSampled
 from engine.sampling import SamplingParams
@@ -169,22 +169,13 @@ class SamplingPanel(Panel):
         layout.addWidget(self.legend)
 
     def _build_plot(self) -> None:
-        font = QtGui.QFont()
-        font.setPointSize(FONT_PT)
         self.plot = pg.PlotWidget(background=BACKGROUND)
         self.plot.setMinimumHeight(140)
         pi = self.plot.getPlotItem()
-        pi.setMenuEnabled(False)
-        pi.hideButtons()
-        pi.showGrid(x=True, y=False, alpha=0.2)
+        style_plot(pi, bottom=("probability", None), grid=(True, False))
         vb = pi.getViewBox()
         vb.setMouseEnabled(x=False, y=False)
         vb.invertY(True)
-        for name in ("left", "bottom"):
-            pi.getAxis(name).setStyle(tickFont=font)
-            pi.getAxis(name).setTextPen(FOREGROUND)
-        pi.getAxis("bottom").enableAutoSIPrefix(False)
-        pi.setLabel("bottom", "probability", **{"font-size": f"{FONT_PT}pt", "color": FOREGROUND})
         self._removed_brush = QtGui.QBrush(QtGui.QColor(REMOVED_COLOR), QtCore.Qt.BrushStyle.Dense5Pattern)
         self.bars: list[pg.BarGraphItem] = []
         h = 0.8 / len(STAGES)
@@ -203,6 +194,7 @@ class SamplingPanel(Panel):
             line.setVisible(False)
             pi.addItem(line)
             self.cut_lines[key] = line
+        self.empty_note = placeholder(pi)
         self.layout().addWidget(self.plot, 1)
 
     def _slider_to_spin(self, spin: QtWidgets.QDoubleSpinBox, value: float) -> None:
@@ -336,6 +328,8 @@ class SamplingPanel(Panel):
         f = self.current_funnel()
         self._shown_funnel, self._shown_step = f, step
         n = 0 if f is None else min(self.n_show, len(f.ids))
+        for item in (*self.bars, self.sampled_marker):
+            item.setVisible(f is not None)
         if f is None:
             for bar in self.bars:
                 bar.setOpts(x0=[0], y=[0], width=[0])
@@ -344,7 +338,14 @@ class SamplingPanel(Panel):
                 line.setVisible(False)
             self.summary.setText("Generate to see the sampling funnel of each step." if step is None else
                                  f"Step {step}: no funnel was captured for this step.")
+            pi = self.plot.getPlotItem()
+            pi.getAxis("left").setTicks([[]])
+            show_empty(pi, self.empty_note,
+                       "Generate: the top candidates of a step appear here, one row each,\n"
+                       "with their probability after every stage of the funnel" if step is None else
+                       f"step {step}: no funnel captured", (0.0, 1.0), (-0.6, self.n_show - 0.4))
             return
+        self.empty_note.setVisible(False)
         ev = self._tokens[step]
         order = list(range(n))
         if ev.token_id in f.ids.tolist() and f.ids.tolist().index(ev.token_id) >= n:

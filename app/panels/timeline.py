@@ -13,7 +13,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from app.panels.base import Panel
-from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, PREFILL_COLOR, style_plot
+from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, PREFILL_COLOR, placeholder, show_empty, style_plot
 from app.units import fmt_bytes
 from engine import costs
 from engine.config import ModelConfig
@@ -22,6 +22,8 @@ from engine.events import Finished, ModelInfo, PromptTokenized, TokenSampled
 FONT_PT = 9
 EXPORT_WIDTH = 1600
 EXPORT_FORMATS = (".png", ".svg")
+EMPTY_STEPS = (-0.6, 16.6)  # the axes before the first generation: 16 steps of up to 100 ms
+EMPTY_SECONDS = (0.0, 0.1)
 
 
 def fmt_s(seconds: float) -> str:
@@ -73,6 +75,7 @@ class TimelinePanel(Panel):
                                                                               "anchors": [(1, 1), (1, 1)]})
         self.tpot_line.setVisible(False)
         pi.addItem(self.tpot_line)
+        self.empty_note = placeholder(pi)
         self.plot.scene().sigMouseClicked.connect(self._on_clicked)
         self.export_button = QtWidgets.QPushButton("Export…")
         self.export_button.setToolTip("Save this timeline as PNG or SVG")
@@ -174,7 +177,11 @@ class TimelinePanel(Panel):
         pi.titleLabel.setMaximumHeight(height)
         pi.layout.setRowFixedHeight(0, height)
         if steps:
+            self.empty_note.setVisible(False)
             pi.getViewBox().setRange(xRange=(-0.6, max(steps) + 0.6), yRange=(0, max(secs) * 1.08), padding=0)
+        else:
+            show_empty(pi, self.empty_note, "Generate: one bar for the prefill (its time is TTFT),\n"
+                       "then one bar per decode step (TPOT)", EMPTY_STEPS, EMPTY_SECONDS)
 
     def bar_data(self) -> tuple[np.ndarray, np.ndarray]:
         """(steps, seconds) of the bars shown."""
