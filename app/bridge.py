@@ -162,6 +162,10 @@ class Bridge(QtCore.QObject):
     def load_model(self, model: str | None = None, device: str = "auto", dtype: str = "auto") -> None:
         self._post("load", (model, device, dtype))
 
+    def set_threads(self, setting: int | str) -> None:
+        """Decode threads: "auto" (the engine adapts to the machine's load) or a fixed count."""
+        self._post("threads", setting)
+
     def generate(self, req: GenerateRequest) -> None:
         self.params = req.params
         self._post("generate", req)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import importlib
 import logging
+import os
 import zlib
 from pathlib import Path
 
@@ -34,6 +35,14 @@ PLACEMENT = {
     "kv_cache": _Area.BottomDockWidgetArea, "timeline": _Area.BottomDockWidgetArea,
     "roofline": _Area.BottomDockWidgetArea,
 }
+
+
+def _cores() -> int:
+    """Cores the engine may use (the affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def discover_panels() -> list[tuple[str, type[Panel]]]:
@@ -188,6 +197,19 @@ class MainWindow(QtWidgets.QMainWindow):
         view.addSeparator()
         view.addAction("&Reset layout", self.reset_layout)
 
+        engine_menu = self.engine_menu = bar.addMenu("&Engine")
+        threads_menu = engine_menu.addMenu("Decode &threads")
+        self.threads_group = QtGui.QActionGroup(self)
+        stored = self.settings.threads() if self.settings is not None else "auto"
+        for choice in ["auto", *range(1, _cores() + 1)]:
+            label = "&Auto: fewer when other programs hold the cores" if choice == "auto" else f"&{choice}"
+            action = threads_menu.addAction(label)
+            action.setCheckable(True)
+            action.setChecked(choice == stored)
+            action.setData(choice)
+            self.threads_group.addAction(action)
+        self.threads_group.triggered.connect(lambda a: self.set_threads(a.data()))
+
         help_menu = self.help_menu = bar.addMenu("&Help")
         help_action = help_menu.addAction("&Panels", self.show_panel_help)
         help_action.setShortcut(QtGui.QKeySequence("F1"))
@@ -213,6 +235,18 @@ class MainWindow(QtWidgets.QMainWindow):
         path = self.settings.model_path() if self.settings is not None else ""
         return path if path and Path(path).exists() else None
 
+    def threads_setting(self) -> int | str:
+        checked = self.threads_group.checkedAction()
+        return checked.data() if checked is not None else "auto"
+
+    def set_threads(self, setting: int | str) -> None:
+        """Decode threads for the engine, from the next step on; remembered."""
+        for action in self.threads_group.actions():
+            action.setChecked(action.data() == setting)
+        self.bridge.set_threads(setting)
+        if self.settings is not None:
+            self.settings.save_threads(setting)
+
     def load_model(self, path: str | None = None) -> None:
         """Load a model in the worker (None = the default model); progress shows in the status bar."""
         self._model_request = str(path) if path else None
@@ -220,6 +254,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.progress.show()
         name = Path(path).name if path else "the default model"
         self._set_message(f"Loading {name}…")
+        self.bridge.set_threads(self.threads_setting())
         self.bridge.load_model(self._model_request, device=self.device, dtype=self.dtype)
 
     def _open_model_dialog(self) -> None:

@@ -26,6 +26,7 @@ PROMPT_TEXT = "prompt/text"
 CHAT = "prompt/chat"  # wrap the prompt in the model's chat template
 MAX_NEW_TOKENS = "generation/max_new_tokens"
 MODEL_PATH = "model/path"  # the last model the user opened ("" = the default model)
+THREADS = "engine/threads"  # decode threads: "auto" or a positive count (engine.threads)
 SAMPLING_PREFIX = "sampling/"  # + a SamplingParams field name
 
 DEFAULT_PROMPT = "Explain what a KV cache is in two sentences."
@@ -93,6 +94,13 @@ class Settings:
 
     def save_model_path(self, path: str) -> None:
         self.store.setValue(MODEL_PATH, path)
+
+    def threads(self) -> int | str:
+        raw = str(self._get(THREADS, "auto", str))
+        return int(raw) if raw.isdigit() and int(raw) >= 1 else "auto"
+
+    def save_threads(self, setting: int | str) -> None:
+        self.store.setValue(THREADS, str(setting))
 
     # ---- sampling ----
     def sampling_params(self) -> SamplingParams:

@@ -31,6 +31,24 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
+def threads_arg(value: str) -> int | str:
+    """--threads: "auto" (adapt to the machine's load at run time, see engine.threads) or a fixed count ≥ 1."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"takes auto or a positive integer, got {value!r}")
+    return n
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=threads_arg, default="auto",
+                   help="CPU threads: auto (default; fewer when other programs hold the cores) or a fixed count")
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -64,7 +82,7 @@ def _session(a: argparse.Namespace):
     from engine.session import Session
 
     try:
-        return Session(load(a.model, device=a.device, dtype=a.dtype))
+        return Session(load(a.model, device=a.device, dtype=a.dtype), threads=a.threads)
     except ModelLoadError as e:
         raise CliError(str(e)) from None
 
@@ -262,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--prompt", required=True)
     q.add_argument("--chat", action="store_true")
     q.add_argument("--top", type=int, default=10)
+    add_threads_arg(q)
     q.set_defaults(func=cmd_logits)
 
     q = sub.add_parser("generate", help="generate text, streaming it")
@@ -275,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="put TOKEN_ID at generation step STEP instead of sampling (repeatable; step 0 = first token)")
     q.add_argument("--trace", metavar="FILE.json", default=None,
                    help="write a Perfetto / Chrome trace: one slice per prefill and decode step")
+    add_threads_arg(q)
     q.set_defaults(func=cmd_generate)
 
     q = sub.add_parser("lens", help="logit lens: the next-token guess after every layer")
@@ -285,12 +305,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--step", type=int, default=0,
                    help="0 = the prefill's prediction; K = the K-th decode step of a generation with these settings")
     q.add_argument("--top", type=int, default=5)
+    add_threads_arg(q)
     q.set_defaults(func=cmd_lens)
 
-    from engine import bench, estimate
+    from engine import bench, bench_load, estimate
 
     estimate.add_subcommand(sub)
     bench.add_subcommands(sub)
+    bench_load.add_subcommand(sub)
     return p
 
 

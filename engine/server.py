@@ -7,7 +7,7 @@ thread only waits for the CPU, never for the lock.
 
 Commands are (kind, argument) tuples:
     load (model, device, dtype) · generate GenerateRequest · preview (request_id, text, chat, top)
-    pause · resume · step · stop · params SamplingParams · capture Capture
+    pause · resume · step · stop · params SamplingParams · capture Capture · threads ("auto" or a count)
     batch_bench (batches, prompt_tokens, new_tokens) · cancel_bench · quit
 Out go engine events (engine.events), PreviewResult, and notices as (kind, argument) tuples: load_progress,
 loaded (ModelInfo, Tokenizer, ModelConfig), load_failed, state, batch_progress, batch_row, batch_done, stopped.
@@ -59,6 +59,7 @@ class EngineServer:
         self.pending: deque[tuple[str, object]] = deque()  # read early, handled later
         self.session = None
         self.params = SamplingParams()
+        self.threads: int | str = "auto"  # decode threads: "auto" (engine.threads) or a fixed count
         self.quit = False
 
     # ---- plumbing ----
@@ -120,6 +121,8 @@ class EngineServer:
             self.batch_bench(*arg)
         elif kind == "params":
             self.params = arg
+        elif kind == "threads":
+            self.set_threads(arg)
         # pause/resume/step/stop/capture/cancel_bench outside a generation or a bench: nothing to act on
 
     # ---- commands ----
@@ -136,10 +139,23 @@ class EngineServer:
         except Exception as e:  # noqa: BLE001
             self.send(("load_failed", f"cannot load the model: {type(e).__name__}: {e}"))
             return
-        self.session = Session(lm)
+        self.session = Session(lm, threads=self.threads)
         self.send(("load_progress", (0.97, "warming up (first-call costs are not the model's)")))
         self.session.warm_up()
         self.send(("loaded", (lm.info, lm.tokenizer, lm.cfg)))
+
+    def set_threads(self, setting: int | str) -> None:
+        """Use `setting` from the next step on (also in a running generation)."""
+        from engine.threads import AdaptiveThreads
+
+        try:
+            controller = AdaptiveThreads(setting)
+        except ValueError as e:
+            self.send(Failed(str(e)))
+            return
+        self.threads = setting
+        if self.session is not None and self.session.threads is not None:
+            self.session.threads = controller
 
     def preview(self, request_id: int, text: str, chat: bool, top: int) -> None:
         from engine.sampling import funnel
@@ -199,6 +215,8 @@ class EngineServer:
                     break
                 elif kind == "capture":
                     gen.capture = arg
+                elif kind == "threads":
+                    self.set_threads(arg)
                 elif kind == "params":
                     self.params = arg
                     gen.params = arg if arg.seed != gen.params.seed else replace(arg, seed=gen.params.seed)

@@ -36,6 +36,7 @@ from engine.lens import lens_event
 from engine.loaders import LoadedModel
 from engine.probe import ATTENTION_MAX_BYTES, RESID_NORMS, RESID_STREAM, Probe, attn_point
 from engine.sampling import FunnelStages, SamplingParams, choose, funnel, make_generator, sample
+from engine.threads import AdaptiveThreads
 from engine.tokenizer import StreamDecoder, Tokenization
 
 CACHE_GRANULE = 256  # the cache grows in steps of this many positions, so it is rarely reallocated
@@ -102,8 +103,9 @@ def refunnel(ev: TokenSampled, params: SamplingParams, tokenizer, top: int = 20)
 class Session:
     """A loaded model plus the KV cache it keeps between generations."""
 
-    def __init__(self, lm: LoadedModel) -> None:
+    def __init__(self, lm: LoadedModel, threads: int | str = "auto") -> None:
         self.lm = lm
+        self.threads = AdaptiveThreads(threads) if lm.device.type == "cpu" else None
         self.cfg = lm.cfg
         self.tokenizer = lm.tokenizer
         self.cache: KVCache | None = None
@@ -311,6 +313,8 @@ class Generation:
                 if params.seed != seed_used:  # a new seed restarts the random stream from here
                     generator, seed_used = make_generator(params.seed, lm.device), params.seed
                 probe = capture.probe()
+                if s.threads is not None:
+                    s.threads.begin_step()
                 t0 = time.perf_counter()
                 if step == 0:
                     feed, start = ids[reuse:], reuse
@@ -343,6 +347,8 @@ class Generation:
                     yield from emit(PrefillDone(n_tokens=len(feed), n_reused=reuse, seconds=seconds, cost=cost))
                 else:
                     step_times.append(seconds)
+                    if s.threads is not None:
+                        s.threads.end_step(seconds, cost.bytes)
                 is_stop = token in s.stop_ids and not self.ignore_eos
                 delta = "" if is_stop else decoder.push(token)
                 text_parts.append(delta)

@@ -196,3 +196,15 @@ def test_cli_screenshot_on_the_real_model(qapp, tmp_path):
     colours = {image.pixel(x, y) for x in range(0, image.width(), 7) for y in range(0, image.height(), 7)}
     assert len(colours) > 200
 
+
+
+def test_threads_setting_is_sent_and_remembered(qtbot, make_window):
+    w = make_window(load=False)
+    assert w.threads_setting() == "auto"  # the default: the engine adapts to the machine's load
+    one = next(a for a in w.threads_group.actions() if a.data() == 1)
+    sent = []
+    w.bridge.set_threads = sent.append
+    one.trigger()
+    assert sent == [1] and w.threads_setting() == 1
+    w2 = make_window(load=False)
+    assert w2.threads_setting() == 1

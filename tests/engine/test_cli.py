@@ -52,6 +52,9 @@ def test_logits_and_generate_json():
     g = json.loads(r.stdout)
     assert {"prompt_ids", "ids", "text", "ttft_s", "tpot_s", "tokens_per_s", "finish_reason"} <= set(g)
     assert len(g["ids"]) == 12 and g["finish_reason"] == "length" and g["text"].strip()
+    one = json.loads(cli("generate", "--chat", "--greedy", "--prompt", "What is a KV cache?", "--max-new-tokens",
+                         "12", "--threads", "1", "--json").stdout)
+    assert one["ids"] == g["ids"]  # the thread count changes the speed, not the greedy continuation
 
 
 @pytest.mark.slow
@@ -69,6 +72,8 @@ def test_logit_bias_removes_the_top_candidate():
     (["info", "--model", "/no/such/model.gguf"], "not found"),
     (["generate", "--prompt", "hi", "--max-new-tokens", "abc"], "invalid int"),
     (["logits", "--prompt", "hi", "--logit-bias", "7042"], "ID=BIAS"),
+    (["generate", "--prompt", "hi", "--threads", "0"], "--threads"),
+    (["generate", "--prompt", "hi", "--threads", "many"], "--threads"),
 ])
 def test_errors_are_one_line_without_traceback(args, needle):
     r = cli(*args)

@@ -1,0 +1,185 @@
+"""How many threads decode uses, chosen at run time from what the engine observes.
+
+Why: a decode step runs ~150 small parallel regions (one per matrix–vector product and per small op). OpenMP's
+threads spin at the end of each region until every thread has arrived; when another process holds one of the cores,
+each region waits for a thread the kernel has descheduled. Measured on a 2-core machine (SmolLM2-135M, float32):
+15 ms per token quiet with 2 threads, 29 ms with 1, but 57 ms with 2 threads and one `yes` loop running and 585 ms
+next to a multi-threaded (niced) process. One thread never waits for anyone, so under load it is the faster choice;
+on a quiet machine two threads are ~1.9 × faster. No fixed setting is right, so `AdaptiveThreads` decides per step:
+
+- it keeps, for each thread count, the recent seconds per byte a decode step moved (weights + KV cache), so steps at
+  different context lengths compare;
+- with many threads, a step slower than 0.9 × the one-thread estimate switches to one thread at once (a slower step
+  is already a loss); a step much slower than the recent many-thread steps triggers a short one-thread probe, and so
+  does a one-thread estimate older than `REFRESH` steps;
+- with one thread it tries many threads again only when the other cores were mostly idle while it ran (other
+  processes' CPU time, from /proc/stat), and waits twice as long after each failed try.
+
+`torch.set_num_threads` changes the count between regions, so switching costs microseconds; OMP_WAIT_POLICY
+cannot change after OpenMP starts, which is why the count is the knob.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+
+import torch
+
+SLOWER_THAN_ONE = 0.9  # many threads must beat this fraction of one thread's time per byte, or one thread wins
+SUDDEN_SLOWDOWN = 1.5  # a many-thread step this much slower than the best recent ones → probe one thread
+REFRESH = 256  # steps after which the one-thread estimate is stale and probed again (~0.5 % of quiet time)
+PROBE_STEPS = 2  # one-thread steps per probe
+IDLE_SHARE = 0.4  # many threads are tried again only if others used at most this share of the other cores
+BACKOFF_MIN, BACKOFF_MAX = 4, 256  # steps before one thread tries many again, doubled after each failed try
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class CpuMeter:
+    """CPU time other processes used since the last `others_cores()` call, in cores (0 = idle, 1 = one core busy).
+
+    The machine's busy time (/proc/stat) minus this process's own (os.times). None where /proc/stat is absent.
+    """
+
+    def __init__(self, since: tuple[float, float | None, float] | None = None) -> None:
+        self._last = since or self._sample()
+
+    @staticmethod
+    def _machine_busy_s() -> float | None:
+        try:
+            with open("/proc/stat", "rb") as f:
+                fields = f.readline().split()[1:]
+        except OSError:
+            return None
+        v = [int(x) for x in fields[:8]]
+        return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+    def _sample(self) -> tuple[float, float | None, float]:
+        t = os.times()
+        return time.perf_counter(), self._machine_busy_s(), t.user + t.system
+
+    def others_cores(self) -> float | None:
+        now = self._sample()
+        (w0, m0, o0), (w1, m1, o1) = self._last, now
+        self._last = now
+        if m0 is None or m1 is None or w1 - w0 < 0.02:  # /proc/stat ticks at 10 ms: shorter windows are noise
+            return None
+        return max(0.0, (m1 - m0 - (o1 - o0)) / (w1 - w0))
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._last[0]
+
+
+_IMPORTED = CpuMeter()._last  # a window that covers the model's load: the first decision has something to go by
+
+
+def _median(xs) -> float | None:
+    s = sorted(xs)
+    return s[len(s) // 2] if s else None
+
+
+class AdaptiveThreads:
+    """Chooses torch's thread count before each step (`begin_step`) from the step times it is shown (`end_step`).
+
+    `setting` is "auto" or a fixed count; a fixed count is set once and never changed.
+    """
+
+    def __init__(self, setting: int | str = "auto", max_threads: int | None = None) -> None:
+        if setting != "auto" and (isinstance(setting, bool) or not isinstance(setting, int) or setting < 1):
+            raise ValueError(f"threads must be 'auto' or a positive integer, got {setting!r}")
+        self.auto = setting == "auto"
+        if self.auto:
+            self.max = max(1, min(max_threads or torch.get_num_threads(), available_cores()))
+        else:
+            self.max = int(setting)
+            torch.set_num_threads(self.max)
+        self.current = self.max
+        self.switches = 0
+        self._one: deque[float] = deque(maxlen=3)  # seconds per byte at one thread, newest last
+        self._many: deque[float] = deque(maxlen=16)  # the same at self.max threads
+        self._one_age = 10**9  # steps since one thread was last observed
+        self._probe_left = 0  # one-thread probe steps still to run (then choose)
+        self._wait = 0  # steps at one thread before many threads may be tried again
+        self._backoff = BACKOFF_MIN
+        self._since_switch = 0
+        recent = time.perf_counter() - _IMPORTED[0] < 5.0  # else the window would describe the distant past
+        self._meter = CpuMeter(since=_IMPORTED if recent else None)
+        self._started = False
+
+    def describe(self) -> str:
+        return f"auto ({self.current} of {self.max})" if self.auto else str(self.max)
+
+    def begin_step(self) -> int:
+        """Set and return the thread count for the next step (prefill or decode)."""
+        if self.auto and not self._started:
+            self._started = True  # others busy since the engine started (the load) or since we were made: one thread
+            if self.max > 1 and not self._others_leave_room(default=True):
+                self._switch(1)
+                self._wait = self._backoff
+        if torch.get_num_threads() != self.current:
+            torch.set_num_threads(self.current)
+        return self.current
+
+    def _switch(self, n: int) -> None:
+        if n != self.current:
+            self.current, self.switches, self._since_switch = n, self.switches + 1, 0
+        self._meter.others_cores()  # the idle window starts at the switch
+
+    def _others_leave_room(self, default: bool) -> bool:
+        """Did other processes leave the other cores mostly idle since the last look? (unknown → `default`)"""
+        others = self._meter.others_cores()
+        return default if others is None else others <= IDLE_SHARE * (self.max - 1)
+
+    def end_step(self, seconds: float, work_bytes: float) -> None:
+        """Record a decode step that ran at `self.current` threads, moved `work_bytes` and took `seconds`."""
+        if not self.auto or self.max == 1 or work_bytes <= 0:
+            return
+        per_byte = seconds / work_bytes
+        self._since_switch += 1
+        if self.current == self.max:
+            self._many.append(per_byte)
+            self._one_age += 1
+            self._after_many(per_byte)
+        else:
+            self._one.append(per_byte)
+            self._one_age = 0
+            self._after_one()
+
+    def _after_many(self, per_byte: float) -> None:
+        one = _median(self._one)
+        if one is not None and per_byte > SLOWER_THAN_ONE * one:  # already a loss: one thread now
+            if self._since_switch <= 1:  # the try right after one thread failed: wait longer next time
+                self._backoff = min(BACKOFF_MAX, self._backoff * 2)
+            self._wait = self._backoff
+            self._switch(1)
+            return
+        if self._since_switch >= 8:
+            self._backoff = BACKOFF_MIN  # many threads held: a later failure starts from a short wait again
+        best = min(self._many)
+        sudden = self._since_switch >= 16 and per_byte > SUDDEN_SLOWDOWN * best
+        if one is None or self._one_age > REFRESH or sudden:
+            self._probe_left = PROBE_STEPS
+            self._one.clear()  # the probe measures one thread under today's conditions
+            self._switch(1)
+
+    def _after_one(self) -> None:
+        if self._probe_left:
+            self._probe_left -= 1
+            if self._probe_left == 0:
+                recent_many = _median(list(self._many)[-3:])
+                if recent_many is not None and recent_many < SLOWER_THAN_ONE * _median(self._one):
+                    self._switch(self.max)
+                else:
+                    self._wait = self._backoff
+            return
+        self._wait -= 1
+        if self._wait <= 0 and self._meter.elapsed() >= 0.05 and self._others_leave_room(default=True):
+            self._switch(self.max)
