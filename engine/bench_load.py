@@ -133,6 +133,9 @@ def ratios(out: dict, n_max: int) -> dict:
     cond = out["conditions"]
     quiet = cond.get("quiet")
     r = {}
+    for name, c in cond.items():  # what auto can control: never slower than the better fixed setting
+        t = c["tpot_s"]
+        r[f"{name}: auto / best fixed count, same condition"] = t["auto"] / min(t["1"], t[str(n_max)])
     if quiet:
         one = quiet["tpot_s"]["1"]
         r["quiet: auto / all threads (target ≤ 1.05)"] = quiet["tpot_s"]["auto"] / quiet["tpot_s"][str(n_max)]

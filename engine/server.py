@@ -151,7 +151,7 @@ class EngineServer:
         try:
             controller = AdaptiveThreads(setting)
         except ValueError as e:
-            self.send(Failed(str(e)))
+            self.send(Failed(message=str(e)))
             return
         self.threads = setting
         if self.session is not None and self.session.threads is not None:

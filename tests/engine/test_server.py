@@ -130,22 +130,23 @@ def test_the_server_ends_when_the_app_goes_away(tiny_dir):
     assert not c.thread.is_alive()
 
 
-def test_threads_setting_applies_from_the_next_step(client):
+def test_threads_setting_applies_from_the_next_step(client, monkeypatch):
     import torch
 
-    before = torch.get_num_threads()
-    try:
-        req = GenerateRequest("the cat sat", chat=False, max_new_tokens=4, params=SamplingParams.greedy_params(),
-                              ignore_eos=True, start_paused=True)
-        client.send("generate", req)
-        client.until(lambda m: isinstance(m, TokenSampled))
-        client.send("threads", 1)  # while paused inside a generation
-        client.send("step")
-        client.until(lambda m: isinstance(m, TokenSampled))
-        assert torch.get_num_threads() == 1
-        client.send("threads", 0)
-        assert isinstance(client.until(lambda m: isinstance(m, Failed))[-1], Failed)  # refused, with the reason
-        client.send("resume")
-        assert client.until(lambda m: isinstance(m, Finished))[-1].reason == "length"
-    finally:
-        torch.set_num_threads(before)
+    from engine import threads
+
+    counts = []  # torch's thread count is per OS thread: record what the server's thread asks for
+    real = torch.set_num_threads
+    monkeypatch.setattr(threads.torch, "set_num_threads", lambda n: (counts.append(n), real(n)))
+    req = GenerateRequest("the cat sat", chat=False, max_new_tokens=4, params=SamplingParams.greedy_params(),
+                          ignore_eos=True, start_paused=True)
+    client.send("generate", req)
+    client.until(lambda m: isinstance(m, TokenSampled))
+    client.send("threads", 1)  # while paused inside a generation
+    client.send("step")
+    client.until(lambda m: isinstance(m, TokenSampled))
+    assert counts and counts[-1] == 1
+    client.send("threads", 0)
+    assert "threads" in client.until(lambda m: isinstance(m, Failed))[-1].message  # refused, with the reason
+    client.send("resume")
+    assert client.until(lambda m: isinstance(m, Finished))[-1].reason == "length"
