@@ -15,31 +15,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from engine import dtypes
 from engine.config import ModelConfig
-
-# Canonical short dtype names used as keys of Hardware.peak_flops.
-_CANONICAL = {
-    "float32": "fp32", "fp32": "fp32", "tf32": "tf32",
-    "float16": "fp16", "fp16": "fp16", "half": "fp16",
-    "bfloat16": "bf16", "bf16": "bf16",
-    "fp8": "fp8", "float8": "fp8", "int8": "int8", "int4": "int4",
-    "q8_0": "q8_0", "q4_1": "q4_1",
-}
-
-# Where to look when a chip lists no figure for the dtype asked for. Weight-only quantised formats
-# (q4_1, q8_0, int4) are usually multiplied on the integer units when present, else after dequantising
-# to 16-bit floats.
-_FALLBACK = {
-    "fp32": ("fp32",),
-    "tf32": ("tf32", "fp32"),
-    "fp16": ("fp16", "bf16", "fp32"),
-    "bf16": ("bf16", "fp16", "fp32"),
-    "fp8": ("fp8", "fp16", "bf16", "fp32"),
-    "int8": ("int8", "fp16", "bf16", "fp32"),
-    "int4": ("int4", "int8", "fp16", "bf16", "fp32"),
-    "q8_0": ("int8", "fp16", "bf16", "fp32"),
-    "q4_1": ("int8", "fp16", "bf16", "fp32"),
-}
 
 
 class UnknownNameError(KeyError, ValueError):
@@ -50,12 +27,8 @@ class UnknownNameError(KeyError, ValueError):
 
 
 def canonical_dtype(dtype: str) -> str:
-    """The short name ("fp16", "bf16", "int8", …) for any accepted spelling of a dtype."""
-    key = str(dtype).strip().lower().removeprefix("torch.")
-    try:
-        return _CANONICAL[key]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(_CANONICAL)}") from None
+    """The short name ("fp16", "bf16", "int8", …) for any accepted spelling of a dtype (see engine.dtypes)."""
+    return dtypes.canonical(dtype)
 
 
 @dataclass(frozen=True)
@@ -76,8 +49,7 @@ class Hardware:
         """Dense peak for `dtype`, else for the nearest dtype listed (e.g. int4→int8→fp16), in FLOP/s."""
         if not self.peak_flops:
             raise ValueError(f"hardware {self.name!r} lists no peak FLOP/s")
-        key = canonical_dtype(dtype)
-        for candidate in _FALLBACK.get(key, (key,)):
+        for candidate in dtypes.lookup(dtype).peak_fallback:
             if candidate in self.peak_flops:
                 return float(self.peak_flops[candidate])
         return float(max(self.peak_flops.values()))

@@ -60,32 +60,14 @@ helps.
 
 from __future__ import annotations
 
+from engine import dtypes
 from engine.config import ModelConfig
 from engine.events import StepCost
 
-DTYPE_BYTES: dict[str, float] = {
-    "float32": 4.0,
-    "fp32": 4.0,
-    "bfloat16": 2.0,
-    "bf16": 2.0,
-    "float16": 2.0,
-    "fp16": 2.0,
-    "fp8": 1.0,
-    "int8": 1.0,
-    "int4": 0.5,
-    # GGUF block formats: 32 weights per block plus per-block constants, all in fp16.
-    "q4_1": 20 / 32,  # 32 × 4 bits = 16 bytes, + fp16 scale + fp16 minimum = 20 bytes per 32 weights
-    "q8_0": 34 / 32,  # 32 × 8 bits = 32 bytes, + fp16 scale = 34 bytes per 32 weights
-}
-
 
 def bytes_per_value(dtype: str) -> float:
-    """Storage of one value in `dtype`, in bytes (fractions for packed 4-bit formats)."""
-    key = str(dtype).strip().lower().removeprefix("torch.")
-    try:
-        return DTYPE_BYTES[key]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPE_BYTES)}") from None
+    """Storage of one value in `dtype`, in bytes (fractions for packed 4-bit formats); see engine.dtypes."""
+    return dtypes.bytes_per_value(dtype)
 
 
 def _positive(name: str, value: int, minimum: int = 1) -> int:

@@ -18,14 +18,12 @@ import json
 import sys
 from typing import Any
 
-from engine import costs
+from engine import costs, dtypes
 from engine.catalog import Hardware, UnknownNameError, canonical_dtype, hardware_preset, model_preset
 from engine.config import ModelConfig
 
 THIS_MACHINE = "this-machine"
-DTYPE_CHOICES = (
-    "fp32", "float32", "fp16", "float16", "bf16", "bfloat16", "fp8", "int8", "int4", "q8_0", "q4_1",
-)
+DTYPE_CHOICES = dtypes.ACCEPTED
 
 
 def _resolve_model(cfg: ModelConfig | str) -> ModelConfig:
@@ -38,7 +36,7 @@ def _resolve_hardware(hardware: Hardware | str, dtype: str) -> Hardware:
     if hardware.strip().lower() == THIS_MACHINE:
         from engine.hardware import cached_this_machine  # imports torch; only needed for this choice
 
-        measurable = canonical_dtype(dtype) in ("fp32", "fp16", "bf16")
+        measurable = canonical_dtype(dtype) in dtypes.MEASURABLE
         return cached_this_machine("cpu", dtype if measurable else "float32")
     try:
         return hardware_preset(hardware)

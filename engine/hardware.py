@@ -24,11 +24,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from engine import dtypes
 from engine.catalog import Hardware, canonical_dtype
 
 MAX_AGE_S = 7 * 24 * 3600.0
 CACHE_FILE = "hardware.json"
-_MEASURABLE = {"fp32": "float32", "tf32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 class MeasurementCancelled(RuntimeError):
@@ -99,9 +99,10 @@ def measure_this_machine(
     import torch
 
     key = canonical_dtype(dtype)
-    if key not in _MEASURABLE:
-        raise ValueError(f"can only time float matmuls, not {dtype!r}; valid: {', '.join(_MEASURABLE)}")
-    torch_dtype = getattr(torch, _MEASURABLE[key])
+    torch_name = dtypes.lookup(key).torch_name
+    if torch_name is None:
+        raise ValueError(f"can only time float matmuls, not {dtype!r}; valid: {', '.join(dtypes.MEASURABLE)}")
+    torch_dtype = getattr(torch, torch_name)
     dev = torch.device(device)
     kind = dev.type
     on_gpu = kind in ("cuda", "mps")
@@ -188,7 +189,7 @@ def measure_this_machine(
         memory_bytes=memory,
         source=(
             f"measured with PyTorch {torch.__version__}: sum and copy of {size_mb:g} MB (best of {repeats}), "
-            f"{n}×{n} {_MEASURABLE[key]} matmul (best of {reps})"
+            f"{n}×{n} {torch_name} matmul (best of {reps})"
         ),
         measured=True,
         details={

@@ -20,7 +20,7 @@ from app.bridge import Bridge
 from app.panels.base import Panel
 from app.theme import BACKGROUND, DECODE_COLOR, PREFILL_COLOR, style_plot
 from app.units import fmt_amount, fmt_bandwidth, fmt_bytes, fmt_flops, fmt_fraction, si
-from engine import costs
+from engine import costs, dtypes
 from engine.catalog import Hardware, canonical_dtype, hardware_presets, model_presets
 from engine.config import ModelConfig
 from engine.events import ModelInfo, PrefillDone, PromptTokenized, StepCost, TokenSampled
@@ -32,7 +32,6 @@ DEFAULT_PROMPT = 512  # prompt length of the analytic points before any prompt a
 MAX_BATCH = 1024
 MAX_PROMPT = 131_072
 DTYPES = ("fp32", "fp16", "bf16", "int8")
-MEASURABLE = ("fp32", "fp16", "bf16")
 ROOF_COLOR = "#e8e8e8"
 
 
@@ -284,7 +283,7 @@ class RooflinePanel(Panel):
         self.hw_combo.setCurrentIndex(i)
 
     def _load_cached(self, dtype: str) -> None:
-        if dtype not in MEASURABLE or dtype in self.this_machine:
+        if dtype not in dtypes.MEASURABLE or dtype in self.this_machine:
             return
         from engine.hardware import load_cached
 
@@ -310,7 +309,7 @@ class RooflinePanel(Panel):
         """Measure this machine at the chosen dtype (fp32 for a dtype that cannot be timed) in a thread."""
         if self._measuring is not None and self._measuring.is_alive():
             return
-        dtype = self.dtype() if self.dtype() in MEASURABLE else "fp32"
+        dtype = self.dtype() if self.dtype() in dtypes.MEASURABLE else "fp32"
         device, kwargs, signals, stop = self.device(), dict(self.measure_kwargs), self._signals, self._stop
         stop.clear()
 
