@@ -8,6 +8,7 @@ import pytest
 from engine.events import Failed, Finished, TokenSampled
 from engine.sampling import SamplingParams
 from engine.server import GenerateRequest, PreviewResult, serve
+from engine.session import Capture
 
 
 class Client:
@@ -43,20 +44,23 @@ def client(tiny_dir):
 
 def test_generate_pause_step_resume(client):
     req = GenerateRequest("the cat sat", chat=False, max_new_tokens=8, params=SamplingParams.greedy_params(),
-                          ignore_eos=True, start_paused=True)
+                          capture=Capture(funnel_top=5), ignore_eos=True, start_paused=True)
     client.send("generate", req)
     first = client.until(lambda m: isinstance(m, TokenSampled))
-    assert ("state", "paused") in first and first[-1].step == 0
+    assert ("state", "paused") in first and first[-1].step == 0 and first[-1].funnel.greedy
     assert not client.events.poll(0.3)  # paused: nothing more comes
     client.send("step")
     step = client.until(lambda m: isinstance(m, TokenSampled))
-    assert step[-1].step == 1 and not client.events.poll(0.3)
-    client.send("params", SamplingParams(temperature=1.0, top_k=1))
+    assert step[-1].step == 1 and step[-1].funnel.greedy and not client.events.poll(0.3)
+    new = SamplingParams(temperature=1.0, top_k=1)
+    client.send("params", new)
     client.send("resume")
     rest = client.until(lambda m: isinstance(m, Finished))
     assert rest[-1].reason == "length" and len(rest[-1].ids) == 8
     later = [m for m in rest if isinstance(m, TokenSampled)]
-    assert all(t.funnel is None or t.funnel.kept_final == 1 for t in later)  # the new settings applied
+    assert [t.step for t in later] == list(range(2, 8))
+    # the new settings applied from the next token on: sampled (not greedy), top-k 1 keeps one token
+    assert all(t.params == new and not t.funnel.greedy and t.funnel.kept_top_k == 1 for t in later)
     assert client.until(lambda m: isinstance(m, tuple))[-1] == ("state", "idle")
 
 

@@ -106,11 +106,16 @@ def test_seeded_runs_repeat(session):
 
 
 def test_prefix_caching_reuses_the_shared_prompt(session):
-    run(session.generate("the cat sat on the mat", GREEDY, 2, ignore_eos=True))
+    first = run(session.generate("the cat sat on the mat", GREEDY, 2, ignore_eos=True))[-1]
     events = run(session.generate("the cat sat on the mat and then", GREEDY, 2, ignore_eos=True))
     pre = next(e for e in events if isinstance(e, PrefillDone))
-    n_old = len(session.tokenize("the cat sat on the mat").ids)
-    assert pre.n_reused >= n_old - 1 and pre.n_tokens + pre.n_reused == len(events[0].ids)
+    old, new = session.tokenize("the cat sat on the mat").ids, list(events[0].ids)
+    assert new[: len(old)] == old  # the new prompt extends the old one, token for token
+    # the cache holds what the first run fed through the model: its prompt and every generated token but the last
+    cached = old + first.ids.tolist()[:-1]
+    shared = next((i for i, (a, b) in enumerate(zip(cached, new, strict=False)) if a != b), min(len(cached), len(new)))
+    assert pre.n_reused == min(shared, len(new) - 1) >= len(old)
+    assert pre.n_tokens == len(new) - pre.n_reused
     # and the answer is the same as without any reuse
     session.forget_cache()
     again = run(session.generate("the cat sat on the mat and then", GREEDY, 2, ignore_eos=True))
@@ -150,7 +155,8 @@ def test_context_limit_ends_generation(session):
     ids = session.tokenize("the cat " * 40).ids
     n_free = session.cfg.context_length - len(ids)
     fin = run(session.generate("the cat " * 40, GREEDY, n_free + 50, ignore_eos=True))[-1]
-    assert fin.reason in ("context", "length") and len(ids) + len(fin.ids) <= session.cfg.context_length + 1
+    # tokens at positions len(ids)…context_length - 1 fit; max new tokens is 50 further away
+    assert fin.reason == "context" and len(fin.ids) == n_free
 
 
 @pytest.mark.slow

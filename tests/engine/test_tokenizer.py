@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import statistics
-import time
 import unicodedata
 from functools import lru_cache
 from pathlib import Path
@@ -533,9 +531,7 @@ def _real_gguf_path() -> Path:
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> dict:
     reader = gguf.GGUFReader(str(_real_gguf_path()))
-    start = time.perf_counter()
     tok = Tokenizer.from_gguf(reader)
-    from_gguf_s = time.perf_counter() - start
     ref = _Reference(
         reader.fields["tokenizer.ggml.tokens"].contents(),
         reader.fields["tokenizer.ggml.merges"].contents(),
@@ -543,7 +539,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> dict:
     )
     cache = tmp_path_factory.mktemp("tokenizer-cache")
     tok.save(cache)
-    return {"tok": tok, "ref": ref, "cache": cache, "from_gguf_s": from_gguf_s}
+    return {"tok": tok, "ref": ref, "cache": cache}
 
 
 @pytest.mark.slow
@@ -702,31 +698,11 @@ def test_real_stream_decoder(real: dict) -> None:
 
 
 @pytest.mark.slow
-def test_real_cache_round_trip_and_load_time(real: dict) -> None:
+def test_real_cache_round_trip(real: dict) -> None:
+    """The saved tokenizer loads back equal. (Its load time is part of the model load `make bench` measures.)"""
     tok: Tokenizer = real["tok"]
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        loaded = Tokenizer.load(real["cache"])
-        times.append(time.perf_counter() - start)
-    assert min(times) < 0.3, f"Tokenizer.load took {min(times):.3f} s"
+    loaded = Tokenizer.load(real["cache"])
     for name in ("vocab_size", "bos_id", "eos_ids", "chat_template", "add_bos", "warnings"):
         assert getattr(loaded, name) == getattr(tok, name), name
     for text in [*HARD_STRINGS, "a\x04b", "\U00040000z"]:
         assert loaded.encode(text) == tok.encode(text)
-
-
-@pytest.mark.slow
-def test_real_encode_speed(real: dict) -> None:
-    tok: Tokenizer = real["tok"]
-    words = ["the", "quick", "brown", "fox", "2024", "über", "😀", "\n", "世界", "x=1;", "  ", "<|im_end|>"]
-    text = " ".join(words[(k * 7) % len(words)] for k in range(3000))
-    while len(tok.encode(text).ids) > 2000:
-        text = text[: int(len(text) * 0.95)]
-    assert len(tok.encode(text).ids) > 1800
-    times = []
-    for _ in range(15):
-        start = time.perf_counter()
-        tok.encode(text)
-        times.append(time.perf_counter() - start)
-    assert statistics.median(times) < 0.016, f"encode took {statistics.median(times) * 1e3:.1f} ms"
