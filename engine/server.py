@@ -158,6 +158,8 @@ class EngineServer:
             self.session.threads = controller
 
     def preview(self, request_id: int, text: str, chat: bool, top: int) -> None:
+        import torch
+
         from engine.sampling import funnel
 
         if self.session is None or not text:
@@ -167,7 +169,9 @@ class EngineServer:
         if not tok.ids or len(tok.ids) >= self.session.cfg.context_length:
             return
         logits, reused, _ = self.session.next_token_logits(tok.ids)
-        f = self.session.make_funnel(funnel(logits, self.params), self.params, top)
+        # The prompt is the context of the first token: penalties apply to it exactly as in Generate's step 0.
+        context = torch.tensor(tok.ids, dtype=torch.long)
+        f = self.session.make_funnel(funnel(logits, self.params, context), self.params, top)
         self.send(PreviewResult(request_id, text, len(tok.ids), reused, len(tok.ids) - reused,
                                 time.perf_counter() - t0, f))
 
