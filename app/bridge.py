@@ -13,6 +13,7 @@ import contextlib
 import multiprocessing
 import sys
 import threading
+from collections.abc import Iterable
 
 from PySide6 import QtCore
 
@@ -30,7 +31,6 @@ from engine.events import (
 )
 from engine.sampling import SamplingParams
 from engine.server import GenerateRequest, PreviewResult, serve
-from engine.session import Capture
 
 __all__ = ["Bridge", "GenerateRequest", "PreviewResult"]
 
@@ -132,7 +132,7 @@ class Bridge(QtCore.QObject):
         self.cfg = None
         self.state = "idle"
         self.params = SamplingParams()
-        self.attention_layers: set[int] | None = None  # layers whose attention the next generation captures
+        self.attention_layers: frozenset[int] = frozenset()  # layers a panel asked for (capture_attention)
         self._preview_id = 0
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs Qt threads
         cmd_recv, self._commands = ctx.Pipe(duplex=False)
@@ -199,8 +199,11 @@ class Bridge(QtCore.QObject):
     def cancel_batch_bench(self) -> None:
         self._post("cancel_bench")
 
-    def set_capture(self, capture: Capture) -> None:
-        self._post("capture", capture)
+    def capture_attention(self, layers: Iterable[int]) -> None:
+        """Ask for the attention weights of these layers: every later Generate captures them, and a running
+        generation adds them from its next token on."""
+        self.attention_layers = frozenset(int(x) for x in layers)
+        self._post("attention_layers", self.attention_layers)
 
     def select_step(self, step: int) -> None:
         self.sig_step_selected.emit(int(step))

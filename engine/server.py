@@ -7,7 +7,7 @@ thread only waits for the CPU, never for the lock.
 
 Commands are (kind, argument) tuples:
     load (model, device, dtype) · generate GenerateRequest · preview (request_id, text, chat, top)
-    pause · resume · step · stop · params SamplingParams · capture Capture · threads ("auto" or a count)
+    pause · resume · step · stop · params SamplingParams · attention_layers frozenset · threads ("auto" or a count)
     batch_bench (batches, prompt_tokens, new_tokens) · cancel_bench · quit
 Out go engine events (engine.events), PreviewResult, and notices as (kind, argument) tuples: load_progress,
 loaded (ModelInfo, Tokenizer, ModelConfig), load_failed, state, batch_progress, batch_row, batch_done, stopped.
@@ -123,7 +123,7 @@ class EngineServer:
             self.params = arg
         elif kind == "threads":
             self.set_threads(arg)
-        # pause/resume/step/stop/capture/cancel_bench outside a generation or a bench: nothing to act on
+        # pause/resume/step/stop/attention_layers/cancel_bench outside a generation or a bench: nothing to act on
 
     # ---- commands ----
     def load(self, model, device: str, dtype: str) -> None:
@@ -217,8 +217,8 @@ class EngineServer:
                 elif kind in ("stop", "quit"):
                     gen.stop()
                     break
-                elif kind == "capture":
-                    gen.capture = arg
+                elif kind == "attention_layers":  # the app asks for more layers: captured from the next token
+                    gen.capture = replace(gen.capture, attention_layers=gen.capture.attention_layers | frozenset(arg))
                 elif kind == "threads":
                     self.set_threads(arg)
                 elif kind == "params":

@@ -38,10 +38,15 @@ class AttentionMatrix:
     def __init__(self, n_heads: int) -> None:
         self.n_heads = n_heads
         self.size = 0
+        self.first_step: int | None = None  # the first step captured (> 0: the layer was asked for mid-run)
+        self.rows_skipped = 0  # query rows the engine left out of a long prefill to bound memory
         self._w = np.full((n_heads, 0, 0), np.nan, dtype=np.float32)
 
     def add(self, ev: AttentionCaptured) -> None:
         h, nq, nk = ev.weights.shape
+        if self.first_step is None:
+            self.first_step = ev.step
+        self.rows_skipped += ev.rows_skipped
         end = max(self.size, ev.query_start + nq, nk)
         if end > self._w.shape[1]:  # grow the capacity geometrically so each step is amortised O(S)
             cap = max(end, int(self._w.shape[1] * 1.5) + 16)
@@ -108,8 +113,6 @@ class AttentionPanel(Panel):
         self._grid_key: tuple[int, int] | None = None
         self._font = QtGui.QFont()
         self._font.setPointSize(FONT_PT)
-        if not hasattr(bridge, "attention_layers"):
-            bridge.attention_layers = set()
         self._build()
         bridge.sig_model_loaded.connect(self._on_model_loaded)
         bridge.sig_prompt.connect(self._on_prompt)
@@ -234,12 +237,12 @@ class AttentionPanel(Panel):
         self.layer_spin.setMaximum(info.n_layers - 1)
         self.head_spin.setMaximum(info.n_heads - 1)
         self.layer_spin.setValue(info.n_layers - 1)
-        self.bridge.attention_layers = {self.layer_spin.value()}
+        self.bridge.capture_attention({self.layer_spin.value()})
         self._build_grid()
         self.clear()
 
     def _on_layer_changed(self, layer: int) -> None:
-        self.bridge.attention_layers = {int(layer)}
+        self.bridge.capture_attention({int(layer)})  # a running generation captures it from its next token
         self.mark_dirty()
 
     @QtCore.Slot(object)
@@ -341,6 +344,8 @@ class AttentionPanel(Panel):
             captured = sorted(self._matrices)
             self.status.setText(
                 "Generate to see attention." if not captured else
+                f"Layer {self.layer()} is captured from the next token on (captured so far: "
+                f"{', '.join(map(str, captured))})." if self.bridge.state != "idle" else
                 f"Layer {self.layer()} was not captured in this run (captured: {', '.join(map(str, captured))}); "
                 "generate again to capture it.")
             self.image.clear()
@@ -353,9 +358,17 @@ class AttentionPanel(Panel):
                 self.heat_note.setVisible(False)
                 self.heat.getPlotItem().getViewBox().enableAutoRange()
             s = m.shape[1]
+            am = self._matrices[self.layer()]
+            notes = []
+            if am.first_step:
+                notes.append(f"captured from step {am.first_step} on (asked for during the run): earlier rows are "
+                             "blank")
+            if am.rows_skipped:
+                notes.append(f"the prefill's first {am.rows_skipped:,} query rows were left out to bound the "
+                             "capture's memory; the last rows are all here")
             self.status.setText(
                 f"Layer {self.layer()}: {s} × {s} (query × key) — prompt {self._n_prompt} tokens at once (prefill), "
-                f"then one row per decode step. Dark grey = causal mask.")
+                f"then one row per decode step. Dark grey = causal mask." + "".join(f" ⚠ {n}." for n in notes))
             self.image.setImage(self._display(m[head]), levels=(0.0, 1.0), autoLevels=False)
             self.image.setRect(QtCore.QRectF(0, 0, s, s))
             if self.tabs.currentIndex() == 1 or not self.grid_images:

@@ -171,18 +171,22 @@ class GenerationPanel(Panel):
 
     # ---- commands ----
     def capture_for(self, text: str, chat: bool) -> Capture:
-        """What to record: the attention layers the attention panel asked for, else a size-dependent default."""
-        layers = getattr(self.bridge, "attention_layers", None)
+        """What to record: the attention layers a panel asked for, and every layer when the prompt is short (so
+        switching layers afterwards shows the whole run). The engine bounds each layer's capture of a long prefill
+        to its last query rows (Capture.attention_max_bytes); the attention panel says when rows were left out."""
+        layers = set(self.bridge.attention_layers)
         cfg = self.bridge.cfg
-        if layers is None and cfg is not None:
+        if cfg is not None:
             try:
                 n_prompt = len(self.bridge.tokenizer.encode(
                     self.bridge.tokenizer.chat_prompt(text) if chat else text).ids)
             except ValueError:
                 n_prompt = ALL_LAYERS_BELOW
-            layers = range(cfg.n_layers) if n_prompt < ALL_LAYERS_BELOW else [cfg.n_layers - 1]
-        return Capture(attention_layers=frozenset(int(x) for x in (layers or ())), residual_norms=True,
-                       funnel_top=FUNNEL_TOP, logits=True)
+            if n_prompt < ALL_LAYERS_BELOW:
+                layers |= set(range(cfg.n_layers))
+            elif not layers:
+                layers = {cfg.n_layers - 1}
+        return Capture(attention_layers=frozenset(layers), residual_norms=True, funnel_top=FUNNEL_TOP, logits=True)
 
     def generate(self, start_paused: bool = False) -> bool:
         """Start a generation of the current prompt; returns False when one cannot start now."""

@@ -195,19 +195,48 @@ def test_generate_yields_tokens_and_lights_up_prefill(qtbot, window):
 
 
 def test_generate_request_uses_bridge_params_and_capture(qtbot, window):
+    from app.panels.generation import ALL_LAYERS_BELOW
     from engine.sampling import SamplingParams
 
+    n_layers = window.bridge.info.n_layers
     window.bridge.set_params(SamplingParams(temperature=0.0))
     gen = setup_generation(window, max_new=3)
     finish_generation(qtbot, window, gen.generate)
     req = gen.last_request
     assert req.params.temperature == 0.0 and req.max_new_tokens == 3 and not req.chat
     assert req.capture.funnel_top == 20 and req.capture.logits and req.capture.residual_norms
-    assert req.capture.attention_layers  # short prompt and no choice made: every layer
-    window.bridge.attention_layers = {1}
+    assert req.capture.attention_layers == frozenset(range(n_layers))  # a short prompt: every layer
+    # A long prompt: only the layer the attention panel shows (the last one after loading).
+    qtbot.waitUntil(lambda: gen.state == "idle", timeout=5_000)
+    setup_generation(window, text="the cat " * ALL_LAYERS_BELOW, max_new=2)
+    finish_generation(qtbot, window, gen.generate)
+    assert gen.last_request.capture.attention_layers == frozenset({n_layers - 1})
+    window.panels["attention"].layer_spin.setValue(0)
     qtbot.waitUntil(lambda: gen.state == "idle", timeout=5_000)
     finish_generation(qtbot, window, gen.generate)
+    assert gen.last_request.capture.attention_layers == frozenset({0})
+
+
+def test_changing_the_attention_layer_mid_generation_captures_it_from_the_next_token(qtbot, window):
+    from app.panels.generation import ALL_LAYERS_BELOW
+
+    attention = window.panels["attention"]
+    gen = setup_generation(window, text="the cat " * ALL_LAYERS_BELOW, max_new=4)
+    attention.layer_spin.setValue(1)
+    with qtbot.waitSignal(window.bridge.sig_token, timeout=20_000):
+        gen.step()  # prefill, then pause
+    qtbot.waitUntil(lambda: gen.state == "paused", timeout=5_000)
     assert gen.last_request.capture.attention_layers == frozenset({1})
+    attention.layer_spin.setValue(0)
+    window.tick_panels(flush=True)
+    assert "captured from the next token on" in attention.status.text()
+    with qtbot.waitSignal(window.bridge.sig_token, timeout=10_000):
+        gen.step()
+    window.tick_panels(flush=True)
+    m = attention._matrices[0]
+    assert m.first_step == 1
+    assert attention.matrix() is not None and "captured from step 1 on" in attention.status.text()
+    finish_generation(qtbot, window, gen.stop)
 
 
 def test_pause_step_resume(qtbot, window):
