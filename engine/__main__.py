@@ -107,10 +107,10 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(a: argparse.Namespace) -> int:
-    from engine.loaders import ModelLoadError, load
+    from engine.loaders import ModelLoadError, load_tokenizer
 
     try:
-        tok = load(a.model, device="cpu", dtype="float32").tokenizer
+        tok = load_tokenizer(a.model)  # the tokenizer only: no weights are read
     except ModelLoadError as e:
         raise CliError(str(e)) from None
     text = tok.chat_prompt(a.text) if a.chat else a.text

@@ -1,12 +1,21 @@
-"""Byte-level BPE tokenizer that reproduces llama.cpp's tokenization, with the bookkeeping a live view needs.
+"""Tokenizers that reproduce llama.cpp's tokenization exactly, with the bookkeeping a live view needs.
 
-The BPE itself runs in Hugging Face `tokenizers` (Rust, fast enough to re-tokenize on every keystroke).
-This module builds that tokenizer from a GGUF vocabulary or a Hugging Face model directory, then adds what
-the UI shows: per-token byte and character spans, readable pieces, special-token flags, and the input bytes
-the vocabulary cannot represent (byte-level BPE drops those; we report them instead).
+The merging runs in Hugging Face `tokenizers` (Rust, fast enough to re-tokenize on every keystroke). This module
+builds that tokenizer from a GGUF vocabulary or a Hugging Face model directory, then adds what the UI shows:
+per-token byte and character spans, readable pieces, special-token flags, and the input bytes the vocabulary cannot
+represent (byte-level BPE drops those; we report them instead).
 
-Only byte-level BPE vocabularies are supported (GGUF `tokenizer.ggml.model == "gpt2"`): SmolLM/SmolLM2,
-Llama 3, Qwen2 and GPT-2-style models. SentencePiece vocabularies (Llama 2, Mistral) are rejected.
+Two GGUF vocabulary kinds (`tokenizer.ggml.model`), each as llama.cpp's llama-vocab.cpp treats it:
+- `gpt2`, byte-level BPE (SmolLM2, Llama 3, Qwen2, GPT-2, Falcon, DeepSeek, StarCoder, ...): llama.cpp first splits
+  the text with the regexes of its pre-tokenizer (`tokenizer.ggml.pre`), then merges by rank. Every pre-tokenizer
+  name llama.cpp knows is either reproduced here (`SUPPORTED_PRE`) or refused with an error naming it.
+- `llama`, SentencePiece-style (Llama 2, Mistral, Phi-3, Gemma): spaces become U+2581, a space is put in front of
+  each piece of text that starts the prompt or follows a special token (if `add_space_prefix`), and symbols are
+  merged greedily by the *score* of the token they would form (ties: leftmost first). Characters left without a token
+  become byte-fallback tokens `<0xNN>`. That score-driven merge is expressed as a BPE merge list: every way a token
+  splits into two tokens is a merge, ranked by the token's score (`_spm_merges`).
+Special tokens are found in the text the way llama.cpp's tokenizer_st_partition finds them (longest first, with its
+lstrip/rstrip rules); the merging then runs on the text between them.
 """
 
 from __future__ import annotations
@@ -33,12 +42,22 @@ from tokenizers import Tokenizer as _HFTokenizer
 if TYPE_CHECKING:
     import gguf
 
-__all__ = ["Tokenization", "Tokenizer", "StreamDecoder", "CHATML_TEMPLATE", "bytes_to_unicode"]
+
+__all__ = [
+    "Tokenization",
+    "Tokenizer",
+    "StreamDecoder",
+    "CHATML_TEMPLATE",
+    "SUPPORTED_PRE",
+    "bytes_to_unicode",
+    "llama_cpp_pre_type",
+]
 
 # Bump when the cache layout changes: load() refuses other versions so callers rebuild instead of misreading.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 CACHE_META = "inference_lab_tokenizer.json"
 CACHE_TOKENIZER = "tokenizer.json"
+CACHE_BYTES = "token_bytes.npy"
 
 # Used when a model ships no template; the same ChatML that transformers used as its default.
 CHATML_TEMPLATE = (
@@ -48,8 +67,11 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-# llama.cpp's pre-tokenizer regexes. The `(?i:'s|...)` of the Hugging Face originals is spelled out as
-# character classes, as llama.cpp does: case-insensitive matching would also accept e.g. "'ſ" (long s).
+# ------------------------------------------------------------------------------------------- pre-tokenizers
+# llama.cpp's pre-tokenizer regexes (llama-vocab.cpp, llm_tokenizer_bpe). The `(?i:'s|...)` of the Hugging Face
+# originals is spelled out as character classes, as llama.cpp does: case-insensitive matching would also accept
+# e.g. "'ſ" (long s).
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -58,12 +80,102 @@ _QWEN2_SPLIT = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# llama.cpp matches regexes with explicit non-ASCII ranges against the text with every non-ASCII whitespace
+# character replaced by U+000B, so such a range never matches U+3000, U+2028 and the like even where it spans them;
+# `&&[^\s]` removes them here too.
+_CJK_SPLIT = (
+    r"[[\x{4e00}-\x{9fa5}\x{800}-\x{4e00}\x{ac00}-\x{d7ff}]&&[^\s]]+"
+)
+_DEEPSEEK_LLM_LETTERS = (
+    r"\s?[[A-Za-z\x{b5}\x{c0}-\x{d6}\x{d8}-\x{f6}\x{f8}-\x{1ba}\x{1bc}-\x{1bf}\x{1c4}-\x{293}\x{295}-\x{2af}"
+    r"\x{370}-\x{373}\x{376}\x{377}\x{37b}-\x{37d}\x{37f}\x{386}\x{388}-\x{38a}\x{38c}\x{38e}-\x{3a1}\x{3a3}"
+    r"-\x{3f5}\x{3f7}-\x{481}\x{48a}-\x{52f}\x{531}-\x{556}\x{10a0}-\x{10c5}\x{13a0}-\x{13f5}\x{13f8}-\x{13fd}"
+    r"\x{1c90}-\x{1cba}\x{1cbd}-\x{1cbf}\x{1d00}-\x{1d2b}\x{1d6b}-\x{1d77}\x{1d79}-\x{1d9a}\x{1e00}-\x{1f15}"
+    r"\x{1f18}-\x{1f1d}\x{1f20}-\x{1f45}\x{1f48}-\x{1f4d}\x{1f50}-\x{1f57}\x{1f59}\x{1f5b}\x{1f5d}\x{1f5f}"
+    r"-\x{1f7d}\x{1f80}-\x{1fb4}\x{1fb6}-\x{1fbc}\x{1fbe}\x{1fc2}-\x{1fc4}\x{1fc6}-\x{1fcc}\x{1fd0}-\x{1fd3}"
+    r"\x{1fd6}-\x{1fdb}\x{1fe0}-\x{1fec}\x{1ff2}-\x{1ff4}\x{1ff6}-\x{1ffc}\x{2102}\x{2107}\x{210a}-\x{2113}"
+    r"\x{2115}\x{2119}-\x{211d}\x{2124}\x{2126}\x{2128}\x{212a}-\x{212d}\x{212f}-\x{2134}\x{2139}\x{213c}"
+    r"-\x{213f}\x{2145}-\x{2149}\x{214e}\x{2183}\x{2184}\x{2c00}-\x{2c7b}\x{2c7e}-\x{2ce4}\x{2ceb}-\x{2cee}"
+    r"\x{2cf2}\x{2cf3}\x{a640}-\x{a66d}\x{a680}-\x{a69b}\x{a722}-\x{a76f}\x{a771}-\x{a787}\x{a78b}-\x{a78e}"
+    r"\x{ab70}-\x{abbf}\x{fb00}-\x{fb06}\x{fb13}-\x{fb17}\x{ff21}-\x{ff3a}\x{ff41}-\x{ff5a}\x{10400}-\x{1044f}"
+    r"\x{104b0}-\x{104d3}\x{104d8}-\x{104fb}\x{10c80}-\x{10cb2}\x{10cc0}-\x{10cf2}\x{118a0}-\x{118df}\x{1e900}"
+    r"-\x{1e943}]&&[^\s]]+"
+)
+_DEEPSEEK_LLM_PUNCT = (
+    r"\s?[[!-/:-~\x{ff01}-\x{ff0f}\x{ff1a}-\x{ff5e}\x{2018}-\x{201f}\x{3000}-\x{3002}]&&[^\s]]+"
+)
 
-# GGUF `tokenizer.ggml.pre` names grouped the way llama.cpp groups them (same regexes => same tokenization).
-_PRE_DIGITS_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
-_PRE_GPT2 = {"gpt2", "default", "mpt", "olmo", "jais"}
-_PRE_LLAMA3 = {"llama-bpe", "llama3", "llama-v3", "falcon3", "dbrx", "smaug-bpe"}
-_PRE_QWEN2 = {"qwen2", "stablelm2", "hunyuan"}
+# The pre-tokenizer steps reproduced here, by llama.cpp pre type. Each is the list of regexes llama.cpp applies in
+# turn (every match and every gap between matches becomes a piece), then the GPT-2 byte-to-character mapping.
+# "gpt2" and "digits" use the `tokenizers` ByteLevel regex, which is the same GPT-2 split.
+_PRE_STEPS: dict[str, tuple[str, ...]] = {
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", "[0-9][0-9][0-9]"),
+    "gpt2": (_GPT2_SPLIT,),
+    "digits": (r"\p{N}", _GPT2_SPLIT),
+    "llama3": (_LLAMA3_SPLIT,),
+    "qwen2": (_QWEN2_SPLIT,),
+    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_SPLIT, "[0-9][0-9][0-9]"),
+    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_SPLIT, r"\p{N}"),
+    "deepseek-llm": (r"[\r\n]", _DEEPSEEK_LLM_LETTERS, _DEEPSEEK_LLM_PUNCT, r"\s+\z", _CJK_SPLIT, r"\p{N}+"),
+}
+
+# Every `tokenizer.ggml.pre` name llama.cpp's llama-vocab.cpp knows, mapped to the pre-tokenizer rules it applies
+# (names sharing a regex set share a group here). Groups in _PRE_STEPS are reproduced; the others are refused.
+_PRE_NAMES: dict[str, tuple[str, ...]] = {
+    "default": ("default",),
+    "llama3": (
+        "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
+        "dbrx", "smaug-bpe", "glm4", "chatglm-bpe",
+    ),
+    "qwen2": (
+        "qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open", "grok-2",
+    ),
+    "gpt2": (
+        "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
+        "modern-bert", "exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling",
+    ),
+    "digits": (
+        "starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2",
+    ),
+    "falcon": ("falcon",),
+    "deepseek-coder": ("deepseek-coder",),
+    "deepseek-llm": ("deepseek-llm",),
+    # Known to llama.cpp, not reproduced here (their regexes are not implemented, or not checked against llama.cpp).
+    "gpt2+sep": ("jina-v1-en", "jina-v2-code", "roberta-bpe"),
+    "deepseek-v3": ("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"),
+    "spark2.5": ("spark2_5",),
+    "youtu": ("youtu",),
+    "jais2": ("jais-2",),
+    "gemma4": ("gemma4", "granite-embed-multi-311m"),
+    "sarvam-moe": ("sarvam-moe",),
+    "whitespace": ("whitespace",),
+    "qwen35": ("qwen35",),
+    "poro": ("poro-chat", "bloom", "gpt3-finnish"),
+    "viking": ("viking",),
+    "tekken": ("tekken",),
+    "exaone-moe": ("exaone-moe",),
+    "chameleon": ("chameleon",),
+    "gpt4o": ("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"),
+    "granite-embed-multi": ("granite-embed-multi-97m",),
+    "tiny-aya": ("tiny_aya", "cohere2moe"),
+    "superbpe": ("superbpe",),
+    "bailingmoe": ("bailingmoe", "bailingmoe2", "llada-moe"),
+    "seed-coder": ("seed-coder",),
+    "kimi-k2": ("kimi-k2",),
+    "ufakzeka": ("ufakzeka",),
+    "afmoe": ("afmoe",),
+    "laguna": ("laguna",),
+    "minicpm5": ("minicpm5",),
+}
+_PRE_GROUP = {name: group for group, names in _PRE_NAMES.items() for name in names}
+# The names llama.cpp gives `ignore_merges` (a pre-split word that is itself a token is not merged) and add_bos.
+_PRE_IGNORE_MERGES = {
+    "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
+}
+_PRE_ADD_BOS = _PRE_IGNORE_MERGES
+_PRE_NO_BOS = {"glm4", "chatglm-bpe"}  # llama.cpp clears the BOS id for these
+
+SUPPORTED_PRE: frozenset[str] = frozenset(n for n, g in _PRE_GROUP.items() if g in _PRE_STEPS)
 
 # Texts llama.cpp treats as end-of-generation whatever the metadata says; stopping on them avoids
 # run-on output.
@@ -79,9 +191,86 @@ _EOG_TEXTS = (
     "<|end_of_text|>",
     "<end_of_utterance>",
 )
+# Texts llama.cpp forces to control type when it finds them (end-of-turn, end-of-generation and fill-in-the-middle
+# markers), which decides whether they are matched in text and shown as special.
+_CONTROL_TEXTS = frozenset(
+    [
+        *_EOG_TEXTS,
+        "<｜end▁of▁sentence｜>",
+        "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+        "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+        "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+        "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>",
+        "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+        "<|file_sep|>",
+    ]
+)
 
 # GGUF token types (llama.cpp's llama_token_type).
-_TYPE_UNKNOWN, _TYPE_CONTROL, _TYPE_USER_DEFINED = 2, 3, 4
+_TYPE_NORMAL, _TYPE_UNKNOWN, _TYPE_CONTROL, _TYPE_USER_DEFINED, _TYPE_UNUSED, _TYPE_BYTE = 1, 2, 3, 4, 5, 6
+# Flags of a special token in the partition list.
+_NEEDS_PARSE_SPECIAL, _LSTRIP, _RSTRIP = 1, 2, 4
+_SPACE = "\u2581"  # SentencePiece's visible space
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_ASCII_SPACE = " \t\n\v\f\r"  # C isspace(), which llama.cpp's lstrip/rstrip use
+
+
+def llama_cpp_pre_type(pre: str | None) -> str:
+    """The pre-tokenizer group llama.cpp applies for a GGUF `tokenizer.ggml.pre` value (None: missing -> default).
+
+    Raises ValueError naming the value when llama.cpp does not know it or this module does not reproduce it.
+    """
+    name = "default" if pre is None or pre == "" else str(pre)
+    group = _PRE_GROUP.get(name)
+    if group is None:
+        raise ValueError(
+            f"unknown GGUF pre-tokenizer {name!r}: llama.cpp does not know it either (it refuses such a file)"
+        )
+    if group not in _PRE_STEPS:
+        raise ValueError(
+            f"the GGUF pre-tokenizer {name!r} (llama.cpp's {group!r} rules) is not reproduced by Inference Lab; "
+            "refusing it rather than tokenizing differently from llama.cpp"
+        )
+    return group
+
+
+def _bpe_pre_tokenizer(group: str) -> Any:
+    if group == "gpt2":
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if group == "digits":
+        # llama.cpp splits every numeric character off first, then applies the GPT-2 regex.
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    steps = [pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False) for p in _PRE_STEPS[group]]
+    return pre_tokenizers.Sequence([*steps, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _spm_merges(tokens: Sequence[str], scores: Sequence[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """llama.cpp's SentencePiece merge as a BPE merge list.
+
+    llama.cpp merges any two neighbouring symbols whose concatenation is a token, best token score first, leftmost
+    first among equal scores. So every split of a token into two tokens is a merge, ranked by the token's score.
+    Equal scores (e.g. Llama 2's runs of U+2581, all at -1e9) rank the split with the longer left part first: then a
+    run is built by growing its leftmost symbol, which is the order llama.cpp's leftmost-first rule produces.
+    """
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for i, text in enumerate(tokens):
+        n = len(text)
+        if n < 2:
+            continue
+        score = -float(scores[i])
+        for k in range(1, n):
+            left = text[:k]
+            if left in vocab:
+                right = text[k:]
+                if right in vocab:
+                    ranked.append((score, -k, i, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
 
 
 @lru_cache(maxsize=1)
@@ -217,8 +406,81 @@ def _unrepresentable_class(vocab: dict[str, int]) -> str:
     return "[" + "".join(f"\\x{{{c:X}}}" for c in missing) + "]" if missing else ""
 
 
+
+class _ReaderView:
+    """A gguf.GGUFReader seen through the read_metadata() interface (for readers not backed by a file)."""
+
+    def __init__(self, reader: gguf.GGUFReader) -> None:
+        self._reader = reader
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return _gguf_field(self._reader, key, default)
+
+
+def _strings(meta: Any, key: str) -> list[str] | None:
+    value = meta.get(key)
+    if value is None:
+        return None
+    return [v.decode("utf-8", "replace") if isinstance(v, bytes | bytearray) else str(v) for v in value]
+
+
+@dataclass
+class _Rules:
+    """How llama.cpp treats the text around the merging, for a GGUF vocabulary."""
+
+    kind: str  # "spm" (SentencePiece-style, tokenizer.ggml.model "llama") or "bpe" (byte-level, "gpt2")
+    token_types: np.ndarray  # GGUF token type per id, after llama.cpp's overrides
+    specials: list[tuple[int, int]]  # (id, flags) of the tokens matched in text, in llama.cpp's order
+    add_space_prefix: bool = False
+    add_eos: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "token_types": self.token_types.tolist(),
+            "specials": [list(s) for s in self.specials],
+            "add_space_prefix": self.add_space_prefix,
+            "add_eos": self.add_eos,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> _Rules:
+        return cls(
+            kind=d["kind"],
+            token_types=np.asarray(d["token_types"], dtype=np.int32),
+            specials=[(int(i), int(f)) for i, f in d["specials"]],
+            add_space_prefix=bool(d["add_space_prefix"]),
+            add_eos=bool(d["add_eos"]),
+        )
+
+
+def _partition_order(
+    texts: Sequence[str], types: np.ndarray, name: str = "", pre: str = ""
+) -> list[tuple[int, int]]:
+    """llama.cpp's special-token cache: control, user-defined and unknown tokens, longest text first, with the
+    lstrip/rstrip attributes llama.cpp gives some models by name."""
+    kinds = (_TYPE_CONTROL, _TYPE_USER_DEFINED, _TYPE_UNKNOWN)
+    ids = [i for i in np.flatnonzero(np.isin(types, kinds)).tolist()]
+    ids.sort(key=lambda i: (-len(texts[i].encode("utf-8")), i))
+    flags = {i: _NEEDS_PARSE_SPECIAL if types[i] in (_TYPE_CONTROL, _TYPE_UNKNOWN) else 0 for i in ids}
+    name = name.lower()
+    if any(p in pre for p in ("jina-v2-de", "jina-v2-es", "jina-v2-code")):
+        for i in ids:
+            if texts[i] == "<mask>":
+                flags[i] |= _LSTRIP
+    elif "phi-3" in name or "phi3" in name:
+        for i in ids:
+            flags[i] |= _RSTRIP
+        for i, t in enumerate(texts):
+            if t == "</s>" and i in flags:
+                flags[i] |= _RSTRIP
+            if t in ("<unk>", "<s>", "<|endoftext|>") and i in flags:
+                flags[i] &= ~_RSTRIP
+    return [(i, flags[i]) for i in ids]
+
+
 class Tokenizer:
-    """A byte-level BPE tokenizer plus the metadata (BOS/EOS, chat template) that goes with it."""
+    """A tokenizer plus the metadata (BOS/EOS, chat template) that goes with it."""
 
     vocab_size: int
     bos_id: int | None
@@ -237,50 +499,76 @@ class Tokenizer:
         add_bos: bool = False,
         warnings: Iterable[str] = (),
         extra_tokens: dict[int, str] | None = None,
+        rules: _Rules | None = None,
+        token_bytes: list[bytes] | None = None,
     ) -> None:
         """Wrap a `tokenizers.Tokenizer`. Prefer the `from_*` / `load` constructors.
 
         `extra_tokens` names ids the backend's vocabulary cannot hold (a GGUF vocabulary may repeat a
         string; a dict keeps only one id for it) so that they still decode to the right bytes.
+        `rules` (GGUF vocabularies) makes encode() find special tokens and space prefixes as llama.cpp does; without
+        it the backend's own added tokens do that (Hugging Face directories).
         """
         self._backend = backend
         self.chat_template = chat_template
         self.add_bos = bool(add_bos)
         self.warnings = list(warnings)
         self._extra_tokens = dict(extra_tokens or {})
+        self._rules = rules
 
-        vocab = backend.get_vocab(with_added_tokens=True)
         added = backend.get_added_tokens_decoder()
-        size = max([*vocab.values(), *added.keys(), *self._extra_tokens.keys(), -1]) + 1
+        size = max(backend.get_vocab_size(with_added_tokens=True), *(i + 1 for i in self._extra_tokens), 0)
+        if rules is not None:
+            size = max(size, len(rules.token_types))
         self.vocab_size = size
 
-        texts: list[str | None] = [None] * size
-        for text, i in vocab.items():
-            texts[i] = text
-        for i, text in self._extra_tokens.items():
-            texts[i] = text
-        for i, tok in added.items():
-            texts[i] = tok.content
-        self._texts = texts
-
-        translate, outside = _byte_level_tables()
-        token_bytes: list[bytes] = []
-        for i, text in enumerate(texts):
-            if text is None:
-                token_bytes.append(b"")
-            elif i in added or outside.search(text):
-                # Added tokens are matched in the raw text, so they stand for their own UTF-8 bytes.
-                token_bytes.append(text.encode("utf-8"))
-            else:
-                token_bytes.append(text.translate(translate).encode("latin-1"))
-        self._token_bytes = token_bytes
-        self._lengths = np.fromiter((len(b) for b in token_bytes), dtype=np.int64, count=size)
-
         special = np.zeros(size, dtype=bool)
-        for i, tok in added.items():
-            special[i] = tok.special
+        if rules is None:
+            for i, tok in added.items():
+                special[i] = tok.special
+        else:
+            types = np.full(size, _TYPE_NORMAL, dtype=np.int32)
+            types[: len(rules.token_types)] = rules.token_types
+            special[:] = np.isin(types, (_TYPE_CONTROL, _TYPE_UNKNOWN))
+            self._types = types
         self._special = special
+        if token_bytes is None:
+            token_bytes = self._compute_token_bytes(added)
+        elif len(token_bytes) != size:
+            raise ValueError(f"{len(token_bytes)} token byte strings for {size} tokens")
+        self._token_bytes = token_bytes
+        # The bytes a token stands for inside the merged text; differs from token_bytes only for SentencePiece
+        # control/user-defined tokens, whose U+2581 stands for a space there.
+        core_bytes: dict[int, bytes] = {}
+        if rules is not None and rules.kind == "spm":
+            literal = np.flatnonzero(np.isin(self._types, (_TYPE_CONTROL, _TYPE_UNKNOWN, _TYPE_USER_DEFINED)))
+            for i in literal.tolist():
+                text = self._text(i)
+                if text and _SPACE in text:
+                    core_bytes[i] = text.replace(_SPACE, " ").encode("utf-8")
+        self._core_bytes = core_bytes
+        self._lengths = np.fromiter((len(b) for b in token_bytes), dtype=np.int64, count=size)
+        self._core_lengths = self._lengths.copy()
+        for i, b in core_bytes.items():
+            self._core_lengths[i] = len(b)
         self._pieces: list[str | None] = [None] * size
+
+        # Special-token matching for GGUF vocabularies. Gemma has ~6,400 such tokens, so encode() first finds which
+        # occur at all: it walks the prefixes of the special texts from every position where one could start.
+        self._specials: list[tuple[int, str, int]] = []
+        self._special_index: dict[str, int] = {}
+        self._special_prefixes: set[str] = set()
+        starts: set[str] = set()
+        if rules is not None:
+            for i, flags in rules.specials:
+                text = self._text(i)
+                if not text:
+                    continue
+                self._special_index[text] = len(self._specials)
+                self._specials.append((i, text, flags))
+                starts.add(text[0])
+                self._special_prefixes.update(text[:k] for k in range(1, len(text) + 1))
+        self._special_start = re.compile("[" + "".join(re.escape(c) for c in sorted(starts)) + "]") if starts else None
 
         if bos_id is not None and not 0 <= bos_id < size:
             self.warnings.append(f"BOS id {bos_id} is outside the vocabulary ({size} tokens); ignoring it")
@@ -294,11 +582,65 @@ class Tokenizer:
             if 0 <= i < size and i not in eos:
                 eos.append(int(i))
         self.eos_ids = tuple(eos)
+        self.add_eos = bool(rules is not None and rules.add_eos and eos)
 
-        # Byte values whose single-byte token is missing: BPE cannot start from them, so it drops them.
-        enc = bytes_to_unicode()
-        unrep = bytes(b for b in range(256) if enc[b] not in vocab)
-        self._unrepresentable_bytes = frozenset(unrep)
+        if rules is not None and rules.kind == "spm":
+            # Bytes with no <0xNN> token: byte fallback has nothing to emit for them.
+            self._unrepresentable_bytes = frozenset(
+                b for b in range(256) if backend.token_to_id(f"<0x{b:02X}>") is None
+            )
+        else:
+            # Byte values whose single-byte token is missing: BPE cannot start from them, so it drops them.
+            enc = bytes_to_unicode()
+            self._unrepresentable_bytes = frozenset(b for b in range(256) if backend.token_to_id(enc[b]) is None)
+
+    def _text(self, token_id: int) -> str | None:
+        """The vocabulary string of a token (byte-level or U+2581 form), or None for an id without one."""
+        text = self._extra_tokens.get(token_id)
+        return text if text is not None else self._backend.id_to_token(token_id)
+
+    def _compute_token_bytes(self, added: dict[int, Any]) -> list[bytes]:
+        """The exact bytes each token stands for, from its vocabulary string and (GGUF) type."""
+        texts: list[str | None] = [None] * self.vocab_size
+        for text, i in self._backend.get_vocab(with_added_tokens=True).items():
+            texts[i] = text
+        for i, text in self._extra_tokens.items():
+            texts[i] = text
+        for i, tok in added.items():
+            texts[i] = tok.content
+        translate, outside = _byte_level_tables()
+        out: list[bytes] = []
+        rules = self._rules
+        if rules is None:
+            for i, text in enumerate(texts):
+                if text is None:
+                    out.append(b"")
+                elif i in added or outside.search(text):
+                    # Added tokens are matched in the raw text, so they stand for their own UTF-8 bytes.
+                    out.append(text.encode("utf-8"))
+                else:
+                    out.append(text.translate(translate).encode("latin-1"))
+            return out
+        literal = (_TYPE_CONTROL, _TYPE_UNKNOWN, _TYPE_USER_DEFINED)
+        spm = rules.kind == "spm"
+        for text, kind in zip(texts, self._types.tolist(), strict=True):
+            if text is None:
+                out.append(b"")
+            elif kind in literal:
+                out.append(text.encode("utf-8"))
+            elif spm:
+                m = _BYTE_TOKEN.fullmatch(text) if kind == _TYPE_BYTE else None
+                out.append(bytes([int(m.group(1), 16)]) if m else text.replace(_SPACE, " ").encode("utf-8"))
+            elif outside.search(text):
+                out.append(text.encode("utf-8"))
+            else:
+                out.append(text.translate(translate).encode("latin-1"))
+        return out
+
+    @property
+    def kind(self) -> str:
+        """"spm" (SentencePiece-style GGUF), "bpe" (byte-level GGUF) or "hf" (a Hugging Face tokenizer.json)."""
+        return self._rules.kind if self._rules is not None else "hf"
 
     # ----------------------------------------------------------------------------------------- constructors
 
@@ -306,24 +648,40 @@ class Tokenizer:
     def from_vocab(
         cls,
         tokens: Sequence[str],
-        merges: Sequence[str] | Sequence[tuple[str, str]],
+        merges: Sequence[str] | Sequence[tuple[str, str]] = (),
         token_types: Sequence[int] | None = None,
         *,
-        pre: str = "smollm",
+        model: str = "gpt2",
+        scores: Sequence[float] | None = None,
+        pre: str | None = "smollm",
         bos_id: int | None = None,
         eos_ids: Iterable[int] = (),
         chat_template: str | None = None,
         add_bos: bool | None = None,
+        add_eos: bool = False,
+        add_space_prefix: bool | None = None,
+        name: str = "",
     ) -> Tokenizer:
-        """Build from a vocabulary in GGUF form: byte-level token strings, "a b" merges, GGUF token types.
+        """Build from a vocabulary in GGUF form, tokenizing exactly as llama.cpp does.
 
-        `pre` is the GGUF `tokenizer.ggml.pre` name; it picks the pre-tokenizer llama.cpp would use.
-        `add_bos=None` means the llama.cpp default for that pre-tokenizer (true only for Llama 3).
+        `model` is GGUF's `tokenizer.ggml.model`: "gpt2" (byte-level BPE: byte-level token strings and "a b" merges;
+        `pre` is `tokenizer.ggml.pre` and picks the pre-tokenizer) or "llama" (SentencePiece-style: token strings
+        with U+2581 for spaces, `scores`, byte tokens <0xNN>; `add_space_prefix` defaults to true as in llama.cpp).
+        `add_bos=None` means llama.cpp's default (true for SentencePiece-style and for Llama 3's pre-tokenizer).
+        `name` is `general.name` (llama.cpp gives Phi-3's special tokens an rstrip by it).
         """
+        if model not in ("gpt2", "llama"):
+            raise ValueError(f"unsupported tokenizer model {model!r}")
         warnings: list[str] = []
-        types = list(token_types) if token_types is not None else [1] * len(tokens)
-        if len(types) != len(tokens):
-            raise ValueError(f"{len(tokens)} tokens but {len(types)} token types")
+        types_in = list(token_types) if token_types is not None else [_TYPE_NORMAL] * len(tokens)
+        if len(types_in) != len(tokens):
+            raise ValueError(f"{len(tokens)} tokens but {len(types_in)} token types")
+        # llama.cpp names empty tokens "[EMPTY_<id>]" and forces marker-looking tokens to control type.
+        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        types = np.asarray(types_in, dtype=np.int32)
+        for i, text in enumerate(tokens):
+            if text in _CONTROL_TEXTS:
+                types[i] = _TYPE_CONTROL
 
         vocab: dict[str, int] = {}
         extra: dict[int, str] = {}
@@ -332,6 +690,44 @@ class Tokenizer:
                 extra[i] = text
             else:
                 vocab[text] = i
+
+        if model == "llama":
+            if extra:
+                i = next(iter(extra))
+                raise ValueError(f"duplicate token in vocabulary: {tokens[i]!r} has ids {vocab[tokens[i]]} and {i}")
+            if scores is None:
+                scores = [0.0] * len(tokens)
+            if len(scores) != len(tokens):
+                raise ValueError(f"{len(tokens)} tokens but {len(scores)} scores")
+            merge_pairs = _spm_merges(tokens, scores, vocab)
+            try:
+                backend = _HFTokenizer(models.BPE(vocab, merge_pairs, byte_fallback=True))
+            except Exception as exc:
+                raise ValueError(f"invalid SentencePiece-style vocabulary: {exc}") from exc
+            # A character that is no token but starts one would merge in llama.cpp and fall back to bytes here.
+            orphans = {ch for t, k in zip(tokens, types.tolist(), strict=True) if k == _TYPE_NORMAL for ch in t}
+            orphans -= vocab.keys()
+            if orphans:
+                warnings.append(
+                    f"{len(orphans)} characters occur inside tokens but are no token themselves; text with them "
+                    "may tokenize differently from llama.cpp"
+                )
+            rules = _Rules(
+                "spm",
+                types,
+                _partition_order(tokens, types, name),
+                add_space_prefix=True if add_space_prefix is None else bool(add_space_prefix),
+                add_eos=add_eos,
+            )
+            if add_bos is None:
+                add_bos = True
+            eos = list(eos_ids)
+            eos += [i for text in _EOG_TEXTS if (i := vocab.get(text)) is not None]
+            return cls(backend, bos_id=bos_id, eos_ids=eos, chat_template=chat_template, add_bos=add_bos,
+                       warnings=warnings, rules=rules)
+
+        pre_name = "default" if pre is None or pre == "" else str(pre)
+        group = llama_cpp_pre_type(pre_name)
         if extra:
             warnings.append(
                 f"{len(extra)} token strings occur more than once; later copies are never produced"
@@ -345,38 +741,12 @@ class Tokenizer:
                 pairs.append((left, right))
             else:
                 pairs.append((m[0], m[1]))
-
-        pre_name = (pre or "default").lower()
-        ignore_merges = pre_name in _PRE_LLAMA3
         try:
-            model = models.BPE(vocab, pairs, ignore_merges=ignore_merges)
+            bpe = models.BPE(vocab, pairs, ignore_merges=pre_name in _PRE_IGNORE_MERGES)
         except Exception as exc:
             raise ValueError(f"invalid BPE vocabulary or merges: {exc}") from exc
-        backend = _HFTokenizer(model)
-
-        if pre_name in _PRE_DIGITS_GPT2:
-            # llama.cpp splits every numeric character off first, then applies the GPT-2 regex.
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Digits(individual_digits=True),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-                ]
-            )
-        elif pre_name in _PRE_LLAMA3 or pre_name in _PRE_QWEN2:
-            pattern = _LLAMA3_SPLIT if pre_name in _PRE_LLAMA3 else _QWEN2_SPLIT
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
-        else:
-            if pre_name not in _PRE_GPT2:
-                warnings.append(
-                    f"unknown pre-tokenizer {pre!r}; using the plain GPT-2 byte-level split, so tokenization "
-                    "may differ from llama.cpp's"
-                )
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        backend = _HFTokenizer(bpe)
+        backend.pre_tokenizer = _bpe_pre_tokenizer(group)
         isolate = _unrepresentable_class(vocab)
         if isolate:
             # llama.cpp's BPE cannot merge across a byte that has no token (it sits between its neighbours and is
@@ -387,25 +757,17 @@ class Tokenizer:
             )
         backend.decoder = decoders.ByteLevel()
 
-        # llama.cpp recognises control, unknown and user-defined tokens written in the text; only the first
-        # two are special (rendered as markup rather than text).
-        added: list[AddedToken] = []
-        for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
-            if i in extra or not text:
-                continue
-            if kind in (_TYPE_CONTROL, _TYPE_UNKNOWN):
-                added.append(AddedToken(text, special=True, normalized=False))
-            elif kind == _TYPE_USER_DEFINED:
-                added.append(AddedToken(text, special=False, normalized=False))
-        backend.add_tokens(added)
-
         if add_bos is None:
-            add_bos = pre_name in _PRE_LLAMA3
+            add_bos = pre_name in _PRE_ADD_BOS
+        if pre_name in _PRE_NO_BOS:
+            bos_id = None
+            add_bos = False
         eos = list(eos_ids)
         for text in _EOG_TEXTS:
             i = vocab.get(text)
             if i is not None:
                 eos.append(i)
+        rules = _Rules("bpe", types, _partition_order(tokens, types, name, pre_name), add_eos=add_eos)
         return cls(
             backend,
             bos_id=bos_id,
@@ -414,40 +776,79 @@ class Tokenizer:
             add_bos=add_bos,
             warnings=warnings,
             extra_tokens=extra,
+            rules=rules,
         )
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader | str | os.PathLike[str]) -> Tokenizer:
-        """Build from the tokenizer metadata of a GGUF file (a `gguf.GGUFReader`, or a path to open)."""
-        if not hasattr(reader, "fields"):
-            import gguf
+    def from_gguf(cls, source: Any) -> Tokenizer:
+        """Build from the tokenizer metadata of a GGUF file: a path, a `gguf.GGUFReader`, or read_metadata()'s dict.
 
-            reader = gguf.GGUFReader(reader)
-        model = _gguf_field(reader, "tokenizer.ggml.model")
+        A path is read with engine.gguf_meta (the metadata only: fast, and it works on vocabulary-only files).
+        """
+        from engine.gguf_meta import GGUFMetadata, read_metadata
+
+        if isinstance(source, GGUFMetadata):
+            meta: Any = source
+        elif hasattr(source, "fields"):
+            filename = getattr(getattr(source, "data", None), "filename", None)
+            meta = read_metadata(filename) if filename else _ReaderView(source)
+        else:
+            meta = read_metadata(source)
+
+        def get(key: str, default: Any = None) -> Any:
+            value = meta.get(key)
+            return default if value is None else value
+
+        model = get("tokenizer.ggml.model")
         if model is None:
             raise ValueError("the GGUF file has no tokenizer (tokenizer.ggml.model is missing)")
-        if model != "gpt2":
+        if model not in ("gpt2", "llama"):
             raise ValueError(
-                f"unsupported tokenizer model {model!r} in GGUF: only byte-level BPE ('gpt2', as used by "
-                "SmolLM2, Llama 3 and Qwen2) is supported"
+                f"unsupported tokenizer model {model!r} in GGUF: byte-level BPE ('gpt2': SmolLM2, Llama 3, Qwen2, "
+                "...) and SentencePiece-style ('llama': Llama 2, Mistral, Phi-3, Gemma) are supported"
             )
-        tokens = _gguf_field(reader, "tokenizer.ggml.tokens")
+        tokens = _strings(meta, "tokenizer.ggml.tokens")
         if not tokens:
             raise ValueError("the GGUF file has no tokenizer.ggml.tokens")
-        merges = _gguf_field(reader, "tokenizer.ggml.merges", [])
-        types = _gguf_field(reader, "tokenizer.ggml.token_type")
-        eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
-        eos = [i for key in eos_keys if (i := _gguf_field(reader, f"tokenizer.ggml.{key}")) is not None]
-        add_bos = _gguf_field(reader, "tokenizer.ggml.add_bos_token")
+        n = len(tokens)
+        merges = _strings(meta, "tokenizer.ggml.merges") or []
+        if model == "gpt2" and not merges:
+            raise ValueError("the GGUF file has a BPE vocabulary without tokenizer.ggml.merges")
+        types = get("tokenizer.ggml.token_type")
+        scores = get("tokenizer.ggml.scores")
+        for key, arr in (("token_type", types), ("scores", scores)):
+            if arr is not None and len(arr) < n:
+                raise ValueError(f"tokenizer.ggml.{key} has {len(arr)} entries for {n} tokens")
+
+        def token_id(key: str, default: int | None) -> int | None:
+            # llama.cpp keeps its default when the file names an id outside the vocabulary.
+            value = get(f"tokenizer.ggml.{key}")
+            if value is not None and 0 <= int(value) < n:
+                return int(value)
+            return default if default is not None and 0 <= default < n else None
+
+        spm = model == "llama"
+        bos = token_id("bos_token_id", 1 if spm else 11)
+        eos = [i for key, d in (("eos_token_id", 2 if spm else 11), ("eot_token_id", None), ("eom_token_id", None))
+               if (i := token_id(key, d)) is not None]
+        if get("tokenizer.ggml.add_sep_token"):
+            raise ValueError("the GGUF vocabulary appends a separator token (an encoder's); that is not supported")
+        add_bos = get("tokenizer.ggml.add_bos_token")
+        add_prefix = get("tokenizer.ggml.add_space_prefix")
         return cls.from_vocab(
             tokens,
             merges,
-            types,
-            pre=_gguf_field(reader, "tokenizer.ggml.pre", "default"),
-            bos_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+            None if types is None else [int(t) for t in types[:n]],
+            model=model,
+            scores=None if scores is None else np.asarray(scores[:n], dtype=np.float64).tolist(),
+            pre=get("tokenizer.ggml.pre"),
+            bos_id=bos,
             eos_ids=eos,
-            chat_template=_gguf_field(reader, "tokenizer.chat_template"),
+            chat_template=get("tokenizer.chat_template"),
             add_bos=None if add_bos is None else bool(add_bos),
+            add_eos=bool(get("tokenizer.ggml.add_eos_token", False)),
+            add_space_prefix=None if add_prefix is None else bool(add_prefix),
+            name=str(get("general.name", "")),
         )
 
     @classmethod
@@ -539,6 +940,7 @@ class Tokenizer:
 
     # ---------------------------------------------------------------------------------------------- cache
 
+
     def save(self, directory: str | Path) -> None:
         """Write a cache that `load` reads back quickly (tokenizer.json plus a small metadata file)."""
         directory = Path(directory)
@@ -552,11 +954,18 @@ class Tokenizer:
             "warnings": self.warnings,
             "special_ids": np.flatnonzero(self._special).tolist(),
             "extra_tokens": {str(i): t for i, t in self._extra_tokens.items()},
+            "rules": None if self._rules is None else self._rules.to_json(),
         }
         # Write then rename, metadata last: an interrupted save never leaves a cache that load() accepts.
         tmp = directory / (CACHE_TOKENIZER + ".tmp")
         self._backend.save(str(tmp))
         os.replace(tmp, directory / CACHE_TOKENIZER)
+        blob = b"".join(self._token_bytes)
+        tmp = directory / (CACHE_BYTES + ".tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, self._lengths)
+            np.save(f, np.frombuffer(blob, dtype=np.uint8))
+        os.replace(tmp, directory / CACHE_BYTES)
         tmp = directory / (CACHE_META + ".tmp")
         tmp.write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
         os.replace(tmp, directory / CACHE_META)
@@ -578,6 +987,18 @@ class Tokenizer:
                 f"tokenizer cache in {directory} has format {meta.get('format')}, need {CACHE_FORMAT}"
             )
         backend = _HFTokenizer.from_file(str(tok_file))
+        rules = meta.get("rules")
+        token_bytes = None
+        bytes_file = directory / CACHE_BYTES
+        if bytes_file.is_file():
+            with open(bytes_file, "rb") as f:
+                lengths = np.load(f)
+                blob = np.load(f).tobytes()
+            ends = np.cumsum(lengths).tolist()
+            if not ends or ends[-1] != len(blob):
+                raise ValueError(f"tokenizer cache in {directory} is inconsistent (token bytes)")
+            starts = [0, *ends[:-1]]
+            token_bytes = [blob[s:e] for s, e in zip(starts, ends, strict=True)]
         tok = cls(
             backend,
             bos_id=meta["bos_id"],
@@ -586,6 +1007,8 @@ class Tokenizer:
             add_bos=meta["add_bos"],
             warnings=meta["warnings"],
             extra_tokens={int(i): t for i, t in meta["extra_tokens"].items()},
+            rules=None if rules is None else _Rules.from_json(rules),
+            token_bytes=token_bytes,
         )
         if np.flatnonzero(tok._special).tolist() != meta["special_ids"]:
             raise ValueError(f"tokenizer cache in {directory} is inconsistent (special tokens differ)")
@@ -593,28 +1016,40 @@ class Tokenizer:
 
     # -------------------------------------------------------------------------------------------- encoding
 
-    def encode(self, text: str) -> Tokenization:
-        """Tokenize `text`. Special-token strings in it become special tokens; BOS only if the model asks."""
+    def encode(self, text: str, *, parse_special: bool = True, add_special: bool = True) -> Tokenization:
+        """Tokenize `text` as llama.cpp's llama_tokenize(text, add_special, parse_special) does.
+
+        Special-token strings in the text become special tokens (`parse_special=False`: only user-defined ones, as in
+        llama.cpp; Hugging Face directories always match them). `add_special` adds BOS (and EOS) where the model
+        asks for them.
+        """
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise ValueError(f"text is not valid Unicode: lone surrogate at index {exc.start}") from None
-        enc = self._backend.encode(text, add_special_tokens=False)
-        ids: list[int] = enc.ids
-        tb = self._token_bytes
-        if b"".join([tb[i] for i in ids]) == data:
-            # The common case: tokens tile the input, so spans are running sums of cached byte lengths.
-            lengths = self._lengths[np.asarray(ids, dtype=np.int64)]
-            ends = np.cumsum(lengths)
-            starts = ends - lengths
-            unrepresentable: list[tuple[int, int]] = []
+        if self._rules is not None:
+            ids, starts, ends, unrepresentable = self._encode_gguf(text, data, parse_special)
         else:
-            starts, ends, unrepresentable = self._align(text, data, ids, enc.offsets)
+            enc = self._backend.encode(text, add_special_tokens=False)
+            ids = enc.ids
+            tb = self._token_bytes
+            if b"".join([tb[i] for i in ids]) == data:
+                # The common case: tokens tile the input, so spans are running sums of cached byte lengths.
+                lengths = self._lengths[np.asarray(ids, dtype=np.int64)]
+                ends = np.cumsum(lengths)
+                starts = ends - lengths
+                unrepresentable = []
+            else:
+                starts, ends, unrepresentable = self._align(text, data, ids, enc.offsets, tb)
 
-        if self.add_bos and self.bos_id is not None:
+        if add_special and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
             starts = np.concatenate([np.zeros(1, np.int64), starts])
             ends = np.concatenate([np.zeros(1, np.int64), ends])
+        if add_special and self.add_eos:
+            ids = [*ids, self.eos_ids[0]]
+            starts = np.concatenate([starts, np.full(1, len(data), np.int64)])
+            ends = np.concatenate([ends, np.full(1, len(data), np.int64)])
 
         byte_offsets = list(zip(starts.tolist(), ends.tolist(), strict=True))
         if len(data) == len(text):
@@ -637,11 +1072,108 @@ class Tokenizer:
             unrepresentable=unrepresentable,
         )
 
+    def _partition(self, text: str, parse_special: bool) -> list[tuple[int, int, int]]:
+        """llama.cpp's tokenizer_st_partition: (token id, start, end) for special tokens, (-1, start, end) for the
+        text between them (character offsets). A token's span includes the whitespace its lstrip/rstrip removed."""
+        frags: list[tuple[int, int, int]] = [(-1, 0, len(text))] if text else []
+        if not text or self._special_start is None:
+            return frags
+        prefixes, index = self._special_prefixes, self._special_index
+        found: set[int] = set()
+        for m in self._special_start.finditer(text):
+            p = m.start()
+            end = p + 1
+            while end <= len(text) and (s := text[p:end]) in prefixes:
+                if (k := index.get(s)) is not None:
+                    found.add(k)
+                end += 1
+        for k in sorted(found):
+            tid, token, flags = self._specials[k]
+            if flags & _NEEDS_PARSE_SPECIAL and not parse_special:
+                continue
+            out: list[tuple[int, int, int]] = []
+            for frag in frags:
+                if frag[0] != -1:
+                    out.append(frag)
+                    continue
+                _, pos, end = frag
+                while True:
+                    m = text.find(token, pos, end)
+                    if m < 0:
+                        break
+                    left = m
+                    if flags & _LSTRIP:
+                        while left > pos and text[left - 1] in _ASCII_SPACE:
+                            left -= 1
+                    if left > pos:
+                        out.append((-1, pos, left))
+                    pos = m + len(token)
+                    if flags & _RSTRIP:
+                        while pos < end and text[pos] in _ASCII_SPACE:
+                            pos += 1
+                    out.append((tid, left, pos))
+                if pos < end:
+                    out.append((-1, pos, end))
+            frags = out
+        return frags
+
+    def _encode_gguf(
+        self, text: str, data: bytes, parse_special: bool
+    ) -> tuple[list[int], np.ndarray, np.ndarray, list[tuple[int, int]]]:
+        rules = self._rules
+        assert rules is not None
+        spm = rules.kind == "spm"
+        if len(data) == len(text):
+            char_to_byte = None
+        else:
+            cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+            char_len = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
+            char_to_byte = np.concatenate([np.zeros(1, np.int64), np.cumsum(char_len)])
+        ids: list[int] = []
+        starts: list[np.ndarray] = []
+        ends: list[np.ndarray] = []
+        unrepresentable: list[tuple[int, int]] = []
+        prev_special = True  # the start of the text counts as "after a special token" for the space prefix
+        for tid, a, b in self._partition(text, parse_special):
+            base = a if char_to_byte is None else int(char_to_byte[a])
+            if tid >= 0:
+                stop = b if char_to_byte is None else int(char_to_byte[b])
+                ids.append(tid)
+                starts.append(np.array([base], np.int64))
+                ends.append(np.array([stop], np.int64))
+                prev_special = True
+                continue
+            piece = text[a:b]
+            prefix = 1 if spm and rules.add_space_prefix and prev_special else 0
+            core = " " + piece if prefix else piece
+            enc = self._backend.encode(core.replace(" ", _SPACE) if spm else core, add_special_tokens=False)
+            fids = enc.ids
+            fdata = core.encode("utf-8")
+            cb = self._core_bytes
+            tb = self._token_bytes
+            if b"".join([cb.get(i) or tb[i] for i in fids]) == fdata:
+                lengths = self._core_lengths[np.asarray(fids, dtype=np.int64)]
+                e = np.cumsum(lengths)
+                s = e - lengths
+            else:
+                view = [cb.get(i) or tb[i] for i in range(self.vocab_size)] if cb else tb
+                s, e, bad = self._align(core, fdata, fids, enc.offsets, view)
+                unrepresentable.extend((base + j - prefix, v) for j, v in bad if j >= prefix)
+            if prefix:
+                s = np.maximum(s - 1, 0)
+                e = np.maximum(e - 1, 0)
+            ids.extend(fids)
+            starts.append(s + base)
+            ends.append(e + base)
+            prev_special = False
+        if not ids:
+            return [], np.zeros(0, np.int64), np.zeros(0, np.int64), unrepresentable
+        return ids, np.concatenate(starts), np.concatenate(ends), unrepresentable
+
     def _align(
-        self, text: str, data: bytes, ids: list[int], char_offsets: list[tuple[int, int]]
+        self, text: str, data: bytes, ids: list[int], char_offsets: list[tuple[int, int]], tb: Sequence[bytes]
     ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
         """Place tokens on the input bytes when they do not simply tile it (some bytes were dropped)."""
-        tb = self._token_bytes
         unrep = self._unrepresentable_bytes
         n = len(data)
         starts = np.zeros(len(ids), np.int64)
@@ -683,7 +1215,7 @@ class Tokenizer:
 
     def _make_piece(self, token_id: int) -> str:
         if self._special[token_id]:
-            return self._texts[token_id] or ""
+            return self._text(token_id) or ""
         return _readable(self._token_bytes[token_id])
 
     def _check_id(self, token_id: int) -> int:
@@ -716,7 +1248,7 @@ class Tokenizer:
     def _token_text(self, token_id: int | None) -> str:
         if token_id is None:
             return ""
-        return self._texts[token_id] if self._special[token_id] else self.decode([token_id])
+        return (self._text(token_id) or "") if self._special[token_id] else self.decode([token_id])
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render the model's chat template (ChatML when it has none) in a Jinja sandbox."""

@@ -22,6 +22,7 @@ from engine import costs
 from engine.config import ModelConfig
 from engine.events import ModelInfo
 from engine.model import Transformer, build_model, fuse_state_dict
+from engine.tokenizer import CACHE_FORMAT as TOKENIZER_CACHE_FORMAT
 from engine.tokenizer import Tokenizer
 
 CACHE_VERSION = "2"  # bump when the converted weights or the tokenizer change
@@ -186,6 +187,34 @@ def _from_hub(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as e:
         raise ModelLoadError(f"could not get {repo_id} from the Hugging Face hub ({type(e).__name__})") from None
+
+
+def load_tokenizer(model: str | os.PathLike | None = None, use_cache: bool = True) -> Tokenizer:
+    """Only the tokenizer of a model: a GGUF file's metadata is read, its weights never (vocabulary-only files work).
+
+    A large vocabulary (Gemma's 262,144 tokens) takes seconds to build, so GGUF tokenizers are cached by file.
+    """
+    path = resolve_model_path(model)
+    try:
+        if path.is_dir():
+            return Tokenizer.from_dir(path)
+        st = path.stat()
+        key = f"{CACHE_VERSION}|{TOKENIZER_CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+        cdir = cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
+        if use_cache:
+            try:
+                return Tokenizer.load(cdir)
+            except (FileNotFoundError, ValueError, OSError):
+                pass
+        tok = Tokenizer.from_gguf(path)
+        if use_cache:
+            try:
+                tok.save(cdir)
+            except OSError:
+                pass  # a read-only or full disk only costs the next start
+        return tok
+    except (ValueError, FileNotFoundError, KeyError, OSError) as e:
+        raise ModelLoadError(f"cannot read the tokenizer of {path.name}: {e}") from None
 
 
 def load(
