@@ -1,6 +1,21 @@
-"""Model configuration: the handful of shapes that determine everything else.
+"""Model configuration: the handful of shapes that determine everything else, and the few per-family differences.
 
-A config completes itself: `head_dim` and the GQA group size are derived in `__post_init__`.
+A config completes itself: `head_dim`, the GQA group size and the layer types are derived in `__post_init__`.
+Families differ in a few explicit places, each a field below and one small branch in engine/model.py:
+
+| field | Llama/SmolLM2 | Qwen2 | Qwen3 | Phi-3 | Mistral | Gemma 3 |
+|---|---|---|---|---|---|---|
+| qkv_bias | no | yes | no | no | no | no |
+| qk_norm (RMSNorm per head before RoPE) | no | no | yes | no | no | yes |
+| post_norms (norm on attention and MLP outputs) | no | no | no | no | no | yes |
+| mlp_activation | silu | silu | silu | silu | silu | gelu_tanh |
+| embedding_scale | 1 | 1 | 1 | 1 | 1 | √d_model |
+| attn_scale (0 = 1/√head_dim) | 0 | 0 | 0 | 0 | 0 | query_pre_attn_scalar^-½ |
+| sliding_window, layer_types | – | – | – | window, all local | window, all local | 512; every 6th global |
+| rope_base_local | – | – | – | – | – | 10,000 (global layers: rope_base) |
+
+Gemma's RMSNorm scales by (1 + w) in Hugging Face checkpoints; llama.cpp's converter stores 1 + w in the GGUF, and
+the Hugging Face loader adds the 1 likewise, so the model's RMSNorm is x / rms(x) · w for every family.
 """
 
 from __future__ import annotations
@@ -61,6 +76,18 @@ class ModelConfig:
     architecture: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # ---- per-family differences (see the table above) ----
+    qk_norm: bool = False
+    post_norms: bool = False
+    mlp_activation: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU with the tanh approximation)
+    embedding_scale: float = 1.0
+    attn_scale: float = 0.0  # 0 means 1/√head_dim
+    sliding_window: int = 0  # 0: no window; else a local layer's query sees the last `sliding_window` positions
+    layer_types: tuple[str, ...] = ()  # "global" or "local" per layer; () means all local if windowed, else global
+    rope_base_local: float = 0.0  # RoPE base of local layers; 0 means rope_base
+    # Divisors of RoPE's per-pair frequencies on global layers (Llama 3.1's "llama3" scaling, linear scaling,
+    # GGUF's rope_freqs tensor); () means none. Length head_dim / 2.
+    rope_freq_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "ffn_dim", "vocab_size", "context_length"):
@@ -81,11 +108,45 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for RoPE")
         self.eos_token_ids = tuple(self.eos_token_ids)
+        if self.mlp_activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"mlp_activation must be 'silu' or 'gelu_tanh', got {self.mlp_activation!r}")
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be ≥ 0, got {self.sliding_window}")
+        if not self.layer_types:
+            self.layer_types = ("local" if self.sliding_window else "global",) * self.n_layers
+        self.layer_types = tuple(self.layer_types)
+        if len(self.layer_types) != self.n_layers or not set(self.layer_types) <= {"global", "local"}:
+            raise ValueError(f"layer_types must be 'global' or 'local' for each of {self.n_layers} layers")
+        if "local" in self.layer_types and not self.sliding_window:
+            raise ValueError("local layers need a sliding_window")
+        if self.rope_base_local == 0.0:
+            self.rope_base_local = self.rope_base
+        self.rope_freq_factors = tuple(float(f) for f in self.rope_freq_factors)
+        if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
+            n = len(self.rope_freq_factors)
+            raise ValueError(f"rope_freq_factors has {n} values, expected {self.head_dim // 2}")
 
     @property
     def group_size(self) -> int:
         """Query heads that share one KV head (GQA); 1 means plain multi-head attention."""
         return self.n_heads // self.n_kv_heads
+
+    def is_local(self, layer: int) -> bool:
+        """A local layer attends to the last `sliding_window` positions only (Gemma 3, Mistral)."""
+        return self.layer_types[layer] == "local"
+
+    @property
+    def n_local_layers(self) -> int:
+        return sum(t == "local" for t in self.layer_types)
+
+    @property
+    def n_global_layers(self) -> int:
+        return self.n_layers - self.n_local_layers
+
+    @property
+    def softmax_scale(self) -> float:
+        """The factor on q·k before the softmax: attn_scale, or 1/√head_dim."""
+        return self.attn_scale or self.head_dim**-0.5
 
     @property
     def q_dim(self) -> int:
@@ -102,8 +163,9 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in names}
-        if "eos_token_ids" in kw:
-            kw["eos_token_ids"] = tuple(kw["eos_token_ids"])
+        for name in ("eos_token_ids", "layer_types", "rope_freq_factors"):
+            if name in kw:
+                kw[name] = tuple(kw[name])
         return cls(**kw)
 
 

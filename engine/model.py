@@ -1,7 +1,11 @@
 """The transformer, read top to bottom: Transformer → Block → Attention → MLP → RMSNorm.
 
-One Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2): pre-norm blocks, grouped-query attention
-with RoPE (adjacent-pair convention, see engine.rope), SwiGLU MLP, RMSNorm, optional tied LM head.
+One decoder for the Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/3, Phi-3) and Gemma 3: pre-norm blocks,
+grouped-query attention with RoPE (adjacent-pair convention, see engine.rope), gated MLP, RMSNorm, optional tied
+LM head. The families differ only where engine.config's fields say so, each a small branch here:
+embedding × embedding_scale, q/k RMSNorm per head (qk_norm), norms on the attention and MLP outputs (post_norms),
+GELU-tanh instead of SiLU (mlp_activation), the softmax scale (attn_scale), and sliding-window local layers with
+their own RoPE base (layer_types, sliding_window, rope_base_local).
 
 Two fusions make each decode step fewer, larger matrix-vector products: q, k and v are one projection (`wqkv`),
 gate and up are one projection (`w_gate_up`). Loaders produce unfused tensors and `fuse_state_dict` joins them.
@@ -11,8 +15,6 @@ H query heads, KV key/value heads, G = H // KV query heads per KV head, hd head_
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -98,47 +100,65 @@ class MLP(nn.Module):
         super().__init__()
         self.w_gate_up = Linear(cfg.d_model, 2 * cfg.ffn_dim, bias=False)
         self.w_down = Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+        self.gelu = cfg.mlp_activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (B, T, ffn) each
-        return self.w_down(F.silu(gate) * up)  # (B, T, d)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)  # GeGLU (Gemma) or SwiGLU
+        return self.w_down(act * up)  # (B, T, d)
 
 
-def causal_mask(n_queries: int, n_keys: int, device: torch.device) -> torch.Tensor:
-    """(T, S) bool, True where query i (at absolute position S - T + i) may read key j: j ≤ S - T + i."""
-    start = n_keys - n_queries
-    q_pos = torch.arange(start, n_keys, device=device)[:, None]
-    return torch.arange(n_keys, device=device)[None, :] <= q_pos
+def attention_mask(
+    start: int, n_queries: int, key_start: int, n_keys: int, window: int, device: torch.device
+) -> torch.Tensor | None:
+    """(T, S) bool, True where query i (absolute position start + i) may read key j (position key_start + j).
+
+    Causal: key ≤ query. With a sliding window W (local layers) also query - key < W, so a query reads at most W
+    keys, itself included (Hugging Face's and llama.cpp's convention). None when every query reads every key.
+    """
+    q_pos = torch.arange(start, start + n_queries, device=device)[:, None]  # (T, 1)
+    k_pos = torch.arange(key_start, key_start + n_keys, device=device)[None, :]  # (1, S)
+    if start >= key_start + n_keys - 1 and (not window or start + n_queries - 1 - key_start < window):
+        return None
+    mask = k_pos <= q_pos
+    if window:
+        mask &= q_pos - k_pos < window
+    return mask
 
 
 def explicit_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_size: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_size: int, scale: float,
+    mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q·kᵀ/√hd + causal mask)·v with GQA, returning the output and the weights.
+    """softmax(q·kᵀ·scale + mask)·v with GQA, returning the output and the weights.
 
-    q (B, H, T, hd); k, v (B, KV, S, hd). Query head h reads KV head h // G, so the G heads of one group are
-    stacked as rows of one matrix product instead of repeating k and v.
+    q (B, H, T, hd); k, v (B, KV, S, hd); mask (T, S) bool or None. Query head h reads KV head h // G, so the
+    G heads of one group are stacked as rows of one matrix product instead of repeating k and v.
     """
     B, H, T, hd = q.shape
     KV, S = k.shape[1], k.shape[2]
     qg = q.reshape(B, KV, group_size * T, hd)  # (B, KV, G·T, hd): rows g·T + t
-    scores = (qg @ k.transpose(-1, -2)) * (1.0 / math.sqrt(hd))  # (B, KV, G·T, S)
-    if T > 1:
-        mask = causal_mask(T, S, q.device).repeat(group_size, 1)  # (G·T, S)
-        scores = scores.masked_fill(~mask, float("-inf"))
+    scores = (qg @ k.transpose(-1, -2)) * scale  # (B, KV, G·T, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.repeat(group_size, 1), float("-inf"))  # mask (G·T, S)
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, KV, G·T, S)
     out = weights @ v  # (B, KV, G·T, hd)
     return out.reshape(B, H, T, hd), weights.reshape(B, H, T, S)
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The same result as explicit_attention through torch's fused kernel (weights are never materialised)."""
-    T, S = q.shape[2], k.shape[2]
-    if T == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # one query sees every cached key
-    if T == S:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(T, S, q.device), enable_gqa=True)
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
+    plain_causal: bool = False,
+) -> torch.Tensor:
+    """The same result as explicit_attention through torch's fused kernel (weights are never materialised).
+
+    plain_causal: the mask is exactly the lower triangle of a square, which the kernel builds itself.
+    """
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    if plain_causal:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 class Attention(nn.Module):
@@ -147,6 +167,9 @@ class Attention(nn.Module):
         self.layer, self.cfg = layer, cfg
         self.wqkv = Linear(cfg.d_model, cfg.q_dim + 2 * cfg.kv_dim, bias=cfg.qkv_bias)
         self.wo = Linear(cfg.q_dim, cfg.d_model, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None  # Gemma 3, Qwen3
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.window = cfg.sliding_window if cfg.is_local(layer) else 0
         self.point = attn_point(layer)
 
     def forward(
@@ -155,20 +178,29 @@ class Attention(nn.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         q, k, v = self.wqkv(x).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
-        q = apply_rope(q.view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2), rope)  # (B, H, T, hd)
-        k = apply_rope(k.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2), rope)  # (B, KV, T, hd)
+        q = q.view(B, T, cfg.n_heads, cfg.head_dim)  # (B, T, H, hd)
+        k = k.view(B, T, cfg.n_kv_heads, cfg.head_dim)  # (B, T, KV, hd)
+        if self.q_norm is not None:  # RMSNorm over each head's vector, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), rope)  # (B, H, T, hd)
+        k = apply_rope(k.transpose(1, 2), rope)  # (B, KV, T, hd)
         v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)  # (B, KV, T, hd)
         k_all, v_all = cache.update(self.layer, start, k, v)  # (B, KV, S, hd)
+        key_start, S = cache.first_position(self.layer), k_all.shape[2]
+        mask = attention_mask(start, T, key_start, S, self.window, x.device)  # (T, S) or None
         if probe is not None and probe.wants(self.point):
-            n = probe.attention_rows(cfg.n_heads, T, k_all.shape[2])
+            n = probe.attention_rows(cfg.n_heads, T, S)
             if n == T:
-                y, weights = explicit_attention(q, k_all, v_all, cfg.group_size)
+                y, weights = explicit_attention(q, k_all, v_all, cfg.group_size, cfg.softmax_scale, mask)
             else:  # a long prefill: every row through the fused kernel, the weights of the last n rows only
-                y = sdpa_attention(q, k_all, v_all)
-                weights = explicit_attention(q[:, :, T - n:], k_all, v_all, cfg.group_size)[1]
+                plain = start == key_start and T == S and (not self.window or T <= self.window)
+                y = sdpa_attention(q, k_all, v_all, cfg.softmax_scale, mask, plain)
+                rows = None if mask is None else mask[T - n:]
+                weights = explicit_attention(q[:, :, T - n:], k_all, v_all, cfg.group_size, cfg.softmax_scale, rows)[1]
             probe.record(self.point, weights)  # (B, H, n, S)
         else:
-            y = sdpa_attention(q, k_all, v_all)
+            plain = start == key_start and T == S and (not self.window or T <= self.window)
+            y = sdpa_attention(q, k_all, v_all, cfg.softmax_scale, mask, plain)
         return self.wo(y.transpose(1, 2).reshape(B, T, cfg.q_dim))  # (B, T, d)
 
 
@@ -179,12 +211,19 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
+        # Gemma 3 also normalises what attention and the MLP add to the residual stream (four norms per block).
+        self.post_attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.post_norms else None
+        self.post_mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if cfg.post_norms else None
+        self.local = cfg.is_local(layer)
 
     def forward(
-        self, x: torch.Tensor, start: int, rope: torch.Tensor, cache: KVCache, probe: Probe | None
+        self, x: torch.Tensor, start: int, ropes: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+        probe: Probe | None,
     ) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), start, rope, cache, probe)
-        return h + self.mlp(self.mlp_norm(h))
+        a = self.attn(self.attn_norm(x), start, ropes[self.local], cache, probe)
+        h = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
+        m = self.mlp(self.mlp_norm(h))
+        return h + (m if self.post_mlp_norm is None else self.post_mlp_norm(m))
 
 
 class Transformer(nn.Module):
@@ -196,10 +235,14 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output = None if cfg.tied_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rope: torch.Tensor | None = None  # built by init_rope() once the weights are on their device
+        self.rope_local: torch.Tensor | None = None  # local layers' table (their own base, no scaling)
 
     def init_rope(self) -> None:
-        device = self.tok_embeddings.weight.device
-        self.rope = rope_table(self.cfg.head_dim, self.cfg.context_length, self.cfg.rope_base, device)
+        cfg, device = self.cfg, self.tok_embeddings.weight.device
+        self.rope = rope_table(cfg.head_dim, cfg.context_length, cfg.rope_base, device, cfg.rope_freq_factors)
+        self.rope_local = self.rope
+        if cfg.n_local_layers and (cfg.rope_base_local != cfg.rope_base or cfg.rope_freq_factors):
+            self.rope_local = rope_table(cfg.head_dim, cfg.context_length, cfg.rope_base_local, device)
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -219,12 +262,14 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         if start + T > self.cfg.context_length:
             raise ValueError(f"position {start + T - 1} is beyond the context length {self.cfg.context_length}")
-        rope = self.rope[start : start + T]  # (T, hd/2)
+        ropes = (self.rope[start : start + T], self.rope_local[start : start + T])  # (T, hd/2) global, local
         x = self.tok_embeddings(tokens)  # (B, T, d): a row lookup, no matmul
+        if self.cfg.embedding_scale != 1.0:
+            x = x * self.cfg.embedding_scale  # Gemma: × √d_model
         norms = [x[:, -1].float().norm(dim=-1)] if probe is not None and probe.wants(RESID_NORMS) else None
         stream = [x[:, -1]] if probe is not None and probe.wants(RESID_STREAM) else None
         for layer in self.layers:
-            x = layer(x, start, rope, cache, probe)
+            x = layer(x, start, ropes, cache, probe)
             if norms is not None:
                 norms.append(x[:, -1].float().norm(dim=-1))
             if stream is not None:

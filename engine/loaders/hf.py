@@ -2,6 +2,12 @@
 
 HF checkpoints store q/k rows in the rotate-halves RoPE layout; they are reordered into the adjacent-pair layout
 of engine.rope here, so one RoPE implementation serves every loader.
+
+Family differences read here (see engine/config.py): Gemma 3 (`gemma3_text`) names its four norms input_layernorm,
+post_attention_layernorm (on the attention output), pre_feedforward_layernorm and post_feedforward_layernorm, and
+its RMSNorm scales by (1 + w): the 1 is added to every norm weight on load, as llama.cpp's converter does. Phi-3
+fuses qkv_proj and gate_up_proj (gate first); they are split. RoPE scaling of types linear and llama3 becomes
+per-frequency divisors.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from pathlib import Path
 import torch
 
 from engine.config import LIMITS, ModelConfig, checked_float, checked_int
-from engine.rope import halves_to_pairs
+from engine.rope import halves_to_pairs_all, scaling_freq_factors
 
 WEIGHT_MAP: dict[str, str] = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
@@ -34,16 +40,82 @@ WEIGHT_MAP: dict[str, str] = {
     "model.layers.{}.mlp.down_proj.weight": "layers.{}.mlp.w_down.weight",
 }
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Where a family's names differ from WEIGHT_MAP (Gemma 3's post_attention_layernorm is not the pre-MLP norm).
+FAMILY_MAPS: dict[str, dict[str, str]] = {
+    "gemma3_text": {
+        "model.layers.{}.post_attention_layernorm.weight": "layers.{}.post_attn_norm.weight",
+        "model.layers.{}.pre_feedforward_layernorm.weight": "layers.{}.mlp_norm.weight",
+        "model.layers.{}.post_feedforward_layernorm.weight": "layers.{}.post_mlp_norm.weight",
+    },
+}
+COMMON_EXTRA = {
+    "model.layers.{}.self_attn.q_norm.weight": "layers.{}.attn.q_norm.weight",
+    "model.layers.{}.self_attn.k_norm.weight": "layers.{}.attn.k_norm.weight",
+    "model.layers.{}.self_attn.qkv_proj.weight": "layers.{}.attn.wqkv.weight",  # phi3, split on load
+    "model.layers.{}.mlp.gate_up_proj.weight": "layers.{}.mlp.w_gate_up.weight",  # phi3, split on load
+}
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 _REQUIRED = object()
 
 
-def _engine_name(hf_name: str) -> str | None:
+def _engine_name(hf_name: str, model_type: str = "llama") -> str | None:
+    names = {**WEIGHT_MAP, **COMMON_EXTRA, **FAMILY_MAPS.get(model_type, {})}
     parts = hf_name.split(".")
     if parts[:2] == ["model", "layers"] and len(parts) > 3 and parts[2].isdigit():
-        templ = WEIGHT_MAP.get(".".join(["model", "layers", "{}", *parts[3:]]))
+        templ = names.get(".".join(["model", "layers", "{}", *parts[3:]]))
         return templ.format(parts[2]) if templ else None
-    return WEIGHT_MAP.get(hf_name)
+    return names.get(hf_name)
+
+
+def _rope(c: dict, layer_type: str = "full_attention") -> dict:
+    """RoPE settings of one layer type: transformers 5 writes `rope_parameters` (per layer type for Gemma 3);
+    older configs write rope_theta, rope_scaling (global layers) and Gemma's rope_local_base_freq."""
+    params = c.get("rope_parameters") or {}
+    if not isinstance(params, dict) or not isinstance(c.get("rope_scaling") or {}, dict):
+        raise ValueError("config.json: rope_parameters and rope_scaling must be JSON objects")
+    if isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    elif any(isinstance(v, dict) for v in params.values()):
+        params = {}
+    out = {**(c.get("rope_scaling") or {}), **params} if layer_type == "full_attention" else dict(params)
+    if "rope_theta" not in out:
+        local = layer_type == "sliding_attention"
+        out["rope_theta"] = c.get("rope_local_base_freq", 10000.0) if local else c.get("rope_theta", 10000.0)
+    return out
+
+
+def _family(c: dict, mtype: str, n_layers: int, head_dim: int) -> dict:
+    """The config fields in which this family differs from Llama (see engine/config.py)."""
+    fam: dict = {}
+    window = c.get("sliding_window")
+    if mtype in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
+        window = None
+    types = c.get("layer_types")
+    if mtype == "gemma3_text":
+        if c.get("final_logit_softcapping") is not None or c.get("attn_logit_softcapping") is not None:
+            raise ValueError("logit soft-capping is not supported (Gemma 3 checkpoints do not use it)")
+        every = int(c.get("sliding_window_pattern", 6))
+        types = types or ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n_layers)]
+        fam.update(
+            qk_norm=True, post_norms=True, mlp_activation="gelu_tanh", embedding_scale=c["hidden_size"] ** 0.5,
+            attn_scale=float(c.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+            rope_base_local=float(_rope(c, "sliding_attention")["rope_theta"]),
+        )
+        if c.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ValueError(f"activation {c['hidden_activation']!r} is not supported (gelu_pytorch_tanh is)")
+    elif mtype == "qwen3":
+        fam["qk_norm"] = True
+    elif mtype == "phi3":
+        partial = (c.get("rope_parameters") or {}).get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"partial rotary embeddings ({partial}) are not supported")
+    if window and types and "sliding_attention" in types:
+        fam["layer_types"] = tuple("local" if t == "sliding_attention" else "global" for t in types)
+        fam["sliding_window"] = int(window)
+    elif window and not types:
+        fam["sliding_window"] = int(window)  # Mistral, Phi-3: every layer local
+    return fam
 
 
 def read_config(directory: Path) -> ModelConfig:
@@ -62,39 +134,44 @@ def read_config(directory: Path) -> ModelConfig:
         raise ValueError(
             f"unsupported architecture {mtype!r} (Inference Lab runs: {', '.join(SUPPORTED_MODEL_TYPES)})"
         )
-    if c.get("rope_scaling"):
-        kind = c["rope_scaling"].get("rope_type", "?") if isinstance(c["rope_scaling"], dict) else "?"
-        raise ValueError(f"RoPE scaling ({kind}) is not supported yet")
-
     def need(key: str, field: str, default: object = _REQUIRED) -> int:
         value = c.get(key, default)
         if value is _REQUIRED:
             raise ValueError(f"config.json lacks {key}")
         return checked_int(value, f"config.json: {key}", LIMITS[field])
 
+    n_layers = need("num_hidden_layers", "n_layers")
+    d_model = need("hidden_size", "d_model")
     n_heads = need("num_attention_heads", "n_heads")
     eos = c.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     for i in eos_ids:
         checked_int(i, "config.json: eos_token_id", (0, LIMITS["vocab_size"][1]))
     bos = c.get("bos_token_id")
+    head_dim = need("head_dim", "head_dim") if c.get("head_dim") else d_model // n_heads
+    rope = _rope(c)
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    rope_base = checked_float(rope["rope_theta"], "config.json: rope_theta", 0.0, math.inf)
+    factors = () if kind == "default" else scaling_freq_factors(rope, head_dim, rope_base)
     return ModelConfig(
         name=directory.name,
         architecture=mtype,
-        n_layers=need("num_hidden_layers", "n_layers"),
-        d_model=need("hidden_size", "d_model"),
+        n_layers=n_layers,
+        d_model=d_model,
         n_heads=n_heads,
         n_kv_heads=need("num_key_value_heads", "n_kv_heads", c.get("num_key_value_heads") or n_heads),
         ffn_dim=need("intermediate_size", "ffn_dim"),
         vocab_size=need("vocab_size", "vocab_size"),
         context_length=need("max_position_embeddings", "context_length", 2048),
-        rope_base=checked_float(c.get("rope_theta", 10000.0), "config.json: rope_theta", 0.0, math.inf),
+        rope_base=rope_base,
+        rope_freq_factors=factors,
         norm_eps=checked_float(c.get("rms_norm_eps", 1e-5), "config.json: rms_norm_eps", 0.0, 1.0),
         tied_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=mtype == "qwen2" or bool(c.get("attention_bias", False)),
-        head_dim=need("head_dim", "head_dim") if c.get("head_dim") else 0,
+        head_dim=head_dim,
         bos_token_id=None if bos is None else checked_int(bos, "config.json: bos_token_id", (0, 2**31)),
         eos_token_ids=eos_ids,
+        **_family(c, mtype, n_layers, head_dim),
     )
 
 
@@ -168,6 +245,7 @@ def read_weights(directory: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     if not files:
         raise FileNotFoundError(f"{directory} has no *.safetensors weights (pickled .bin files are never loaded)")
     sd: dict[str, torch.Tensor] = {}
+    gemma = cfg.architecture == "gemma3_text"
     for f in files:
         check_safetensors(f)
         try:
@@ -175,7 +253,7 @@ def read_weights(directory: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         except SafetensorError as e:
             raise ValueError(f"{f.name} is not a valid safetensors file ({e})") from None
         for hf_name, w in tensors.items():
-            name = _engine_name(hf_name)
+            name = _engine_name(hf_name, cfg.architecture)
             if name is None:
                 if hf_name.endswith("rotary_emb.inv_freq"):
                     continue  # a cached RoPE table some checkpoints carry; recomputed from rope_theta
@@ -183,9 +261,15 @@ def read_weights(directory: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
             if name == "output.weight" and cfg.tied_embeddings:
                 continue  # a tied head saved explicitly is the embedding again
             w = w.float()
-            if ".attn.wq." in name:
-                w = halves_to_pairs(w, cfg.n_heads)
-            elif ".attn.wk." in name:
-                w = halves_to_pairs(w, cfg.n_kv_heads)
-            sd[name] = w
-    return sd
+            if gemma and name.endswith("norm.weight"):
+                w = w + 1.0  # Gemma's RMSNorm scales by (1 + w)
+            if name.endswith(".attn.wqkv.weight"):  # phi3: [q; k; v]
+                q, k, v = w.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim])
+                sd.update({name.replace("wqkv", "wq"): q, name.replace("wqkv", "wk"): k,
+                           name.replace("wqkv", "wv"): v})
+            elif name.endswith(".mlp.w_gate_up.weight"):  # phi3: [gate; up]
+                gate, up = w.split(cfg.ffn_dim)
+                sd.update({name.replace("w_gate_up", "w_gate"): gate, name.replace("w_gate_up", "w_up"): up})
+            else:
+                sd[name] = w
+    return halves_to_pairs_all(sd, cfg)

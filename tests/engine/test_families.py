@@ -1,0 +1,136 @@
+"""Gemma 3, Qwen3, Phi-3, Mistral and Llama 3.1 RoPE scaling, each held to transformers' own implementation.
+
+Every family is a tiny random transformers model (tests/tiny_families.py) loaded through the Hugging Face loader
+and, where gguf can write it, through the GGUF loader; the engine's logits must equal transformers' at every
+position. Each feature is also switched off once to show that the comparison would catch its absence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torch.testing import assert_close
+
+pytest.importorskip("transformers")
+
+from engine.kv_cache import KVCache  # noqa: E402
+from engine.loaders import load  # noqa: E402
+from engine.model import build_model  # noqa: E402
+from engine.probe import Probe  # noqa: E402
+from tests.tiny_families import FAMILIES, reference_logits, write_checkpoint  # noqa: E402
+
+IDS = [5, 77, 140, 3, 250, 99, 12, 200, 41, 7, 66, 13, 290, 31, 8]  # 15 tokens: several sliding windows of 4
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    d = tmp_path_factory.mktemp("families")
+    return {f: write_checkpoint(d, f) for f in FAMILIES}
+
+
+def full_logits(model, cfg, ids, probe=None):
+    cache = KVCache(cfg, 1, len(ids), torch.float32)
+    return model(torch.tensor([ids]), 0, cache, probe, all_logits=True)[0]  # (T, V)
+
+
+def _sources(checkpoints):
+    return [(f, kind) for f in FAMILIES for kind in ("hf", "gguf") if kind == "hf" or FAMILIES[f]["gguf_arch"]]
+
+
+@pytest.mark.parametrize(("family", "kind"), _sources({}))
+def test_family_matches_transformers(checkpoints, family, kind):
+    ck = checkpoints[family]
+    lm = load(ck.hf_dir if kind == "hf" else ck.gguf, device="cpu", dtype="float32", use_cache=False)
+    ref = reference_logits(ck.model, IDS)
+    assert_close(full_logits(lm.model, lm.cfg, IDS), ref, atol=1e-4, rtol=1e-4)
+    # the explicit (captured) attention path gives the same logits
+    probe = Probe.for_capture(range(lm.cfg.n_layers))
+    assert_close(full_logits(lm.model, lm.cfg, IDS, probe), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_gemma3_config_from_both_loaders(checkpoints):
+    ck = checkpoints["gemma3"]
+    for src in (ck.hf_dir, ck.gguf):
+        cfg = load(src, device="cpu", dtype="float32", use_cache=False).cfg
+        assert cfg.layer_types == ("local",) * 5 + ("global", "local")
+        assert (cfg.sliding_window, cfg.rope_base, cfg.rope_base_local) == (4, 1e6, 1e4)
+        assert cfg.qk_norm and cfg.post_norms and cfg.mlp_activation == "gelu_tanh" and cfg.tied_embeddings
+        assert cfg.embedding_scale == pytest.approx(64**0.5) and cfg.softmax_scale == pytest.approx(32**-0.5)
+
+
+def _without(lm, **changes):
+    cfg = dataclasses.replace(lm.cfg, **changes)
+    return build_model(cfg, dict(lm.model.state_dict()), torch.float32), cfg
+
+
+@pytest.mark.parametrize(("family", "changes"), [
+    ("gemma3", dict(sliding_window=0, layer_types=())),  # no window
+    ("gemma3", dict(rope_base_local=1e6)),  # one RoPE base for all layers
+    ("gemma3", dict(embedding_scale=1.0)),
+    ("gemma3", dict(mlp_activation="silu")),
+    ("gemma3", dict(post_norms=False)),
+    ("gemma3", dict(attn_scale=0.1)),
+    ("mistral", dict(sliding_window=0, layer_types=())),
+    ("llama3", dict(rope_freq_factors=())),
+])
+def test_each_feature_matters(checkpoints, family, changes):
+    ck = checkpoints[family]
+    lm = load(ck.hf_dir, device="cpu", dtype="float32", use_cache=False)
+    ref = reference_logits(ck.model, IDS)
+    if "post_norms" in changes:  # the post-norm weights have nowhere to go: drop them
+        sd = {k: v for k, v in lm.model.state_dict().items() if "post_" not in k}
+        cfg = dataclasses.replace(lm.cfg, **changes)
+        model = build_model(cfg, sd, torch.float32)
+    else:
+        model, cfg = _without(lm, **changes)
+    assert (full_logits(model, cfg, IDS) - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_windowed_cache_decode_equals_transformers(checkpoints, family):
+    """Prefill 3 tokens, decode the rest one by one (both attention paths): local layers keep ≤ 2 windows."""
+    ck = checkpoints[family]
+    lm = load(ck.gguf or ck.hf_dir, device="cpu", dtype="float32", use_cache=False)
+    ref = reference_logits(ck.model, IDS)
+    cache = KVCache(lm.cfg, 1, 64, torch.float32)
+    out = [lm.model(torch.tensor([IDS[:3]]), 0, cache)[0]]
+    for p in range(3, len(IDS)):
+        probe = Probe.for_capture([0, lm.cfg.n_layers - 1]) if p % 2 else None
+        out.append(lm.model(torch.tensor([[IDS[p]]]), p, cache, probe)[0])
+    assert_close(torch.stack(out), ref[2:], atol=1e-4, rtol=1e-4)
+    W = lm.cfg.sliding_window
+    held = [cache.positions_held(i) for i in range(lm.cfg.n_layers)]
+    assert all(h <= 2 * W if lm.cfg.is_local(i) else h == len(IDS) for i, h in enumerate(held))
+    per_slot = 2 * lm.cfg.n_kv_heads * lm.cfg.head_dim * 4
+    assert cache.bytes_used() == per_slot * sum(held) < per_slot * lm.cfg.n_layers * len(IDS)
+    assert cache.bytes_allocated() == per_slot * (lm.cfg.n_global_layers * 64 + lm.cfg.n_local_layers * 2 * W)
+
+
+def test_long_prefill_after_prefix_and_truncate(checkpoints):
+    """A prefill longer than the local buffers after a cached prefix, and prefix reuse within / beyond reach."""
+    ck = checkpoints["gemma3"]
+    lm = load(ck.gguf, device="cpu", dtype="float32", use_cache=False)
+    ref = reference_logits(ck.model, IDS)
+    cache = KVCache(lm.cfg, 1, 64, torch.float32)
+    lm.model(torch.tensor([IDS[:2]]), 0, cache)
+    last = lm.model(torch.tensor([IDS[2:]]), 2, cache)[0]  # 13 new tokens > 2 · window slots
+    assert_close(last, ref[-1], atol=1e-4, rtol=1e-4)
+    assert cache.truncate(len(IDS) - 3) == len(IDS) - 3  # the window before it is still held
+    assert_close(lm.model(torch.tensor([IDS[-3:]]), len(IDS) - 3, cache)[0], ref[-1], atol=1e-4, rtol=1e-4)
+    assert cache.truncate(3) == 0  # local layers dropped positions 0..: nothing can be reused
+
+
+def test_captured_attention_shows_the_window_band(checkpoints):
+    ck = checkpoints["gemma3"]
+    lm = load(ck.gguf, device="cpu", dtype="float32", use_cache=False)
+    probe = Probe.for_capture([0, 5])
+    full_logits(lm.model, lm.cfg, IDS, probe)
+    local, glob = probe.values["layers.0.attn.pattern"][0], probe.values["layers.5.attn.pattern"][0]  # (H, T, S)
+    T = len(IDS)
+    q, k = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")
+    assert (local[:, (k > q) | (q - k >= 4)] == 0).all() and (local[:, (k <= q) & (q - k < 4)] > 0).all()
+    assert (glob[:, k > q] == 0).all() and (glob[:, k <= q] > 0).all()
+    assert abs(local.sum(-1) - 1).max() < 1e-5
