@@ -43,7 +43,7 @@ CACHE_GRANULE = 256  # the cache grows in steps of this many positions, so it is
 FUNNEL_TOP = 20  # candidates kept in each step's sampling funnel by the app and the benchmark
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Capture:
     """What to record per step. Everything is off by default: the forward pass then takes the fast path."""
 
@@ -56,7 +56,7 @@ class Capture:
 
     @classmethod
     def everything(cls, n_layers: int, funnel_top: int = FUNNEL_TOP) -> Capture:
-        return cls(frozenset(range(n_layers)), True, funnel_top, True)
+        return cls(attention_layers=frozenset(range(n_layers)), residual_norms=True, funnel_top=funnel_top, logits=True)
 
     def probe(self) -> Probe | None:
         if not self.attention_layers and not self.residual_norms and not self.lens_top:

@@ -30,7 +30,7 @@ def run(gen):
 
 
 def test_event_order_and_counts(session):
-    cap = Capture(frozenset({0, 1}), residual_norms=True, funnel_top=5, logits=True)
+    cap = Capture(attention_layers=frozenset({0, 1}), residual_norms=True, funnel_top=5, logits=True)
     events = run(session.generate("the cat sat on the mat", GREEDY, 6, cap, ignore_eos=True))
     kinds = [type(e).__name__ for e in events]
     assert kinds[0] == "PromptTokenized" and kinds[-1] == "Finished"
