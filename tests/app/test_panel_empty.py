@@ -18,7 +18,7 @@ from engine.session import Capture, Session
 
 @pytest.fixture(scope="module")
 def tiny_run(tiny_lm):
-    cap = Capture(attention_layers=frozenset(range(tiny_lm.cfg.n_layers)), residual_norms=True, funnel_top=20, logits=True)
+    cap = Capture.everything(tiny_lm.cfg.n_layers, funnel_top=20)
     return list(Session(tiny_lm).generate("the cat sat", SamplingParams(temperature=0.9, seed=3), max_new_tokens=4,
                                           capture=cap, ignore_eos=True))
 

@@ -26,7 +26,7 @@ PANEL_SIZE = (500, 350)
 @pytest.fixture(scope="module")
 def tiny_run(tiny_lm):
     """One real generation on the tiny model with every layer's attention, the funnels and the logits captured."""
-    cap = Capture(attention_layers=frozenset(range(tiny_lm.cfg.n_layers)), residual_norms=True, funnel_top=20, logits=True)
+    cap = Capture.everything(tiny_lm.cfg.n_layers, funnel_top=20)
     gen = Session(tiny_lm).generate("the cat sat on the mat", SamplingParams(temperature=0.9, seed=3),
                                     max_new_tokens=N_NEW, capture=cap, ignore_eos=True)
     return list(gen)
@@ -436,7 +436,9 @@ def test_render_panels_on_the_real_model(qtbot, bridge, real_lm, tmp_path):
             "roofline": roofline}
     panels = {name: make_panel(qtbot, m, bridge) for name, m in mods.items()}
     events = Session(real_lm).generate("Explain what a KV cache is in two sentences.", chat=True,
-                                       max_new_tokens=20, capture=Capture(attention_layers=frozenset({last}), residual_norms=True, funnel_top=20, logits=True))
+                                       max_new_tokens=20,
+                                       capture=Capture(attention_layers=frozenset({last}), residual_norms=True,
+                                                       funnel_top=20, logits=True))
     feed(bridge, events)
     qtbot.wait(50)
     for name, panel in panels.items():
