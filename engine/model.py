@@ -33,6 +33,7 @@ def _split_count(out_features: int) -> int:
     return n
 
 
+ROPE_ROWS = 4096  # positions of the RoPE table built at load; it doubles as a generation needs more
 SPLIT_MAX_ROWS = 4  # up to this many rows the row-block product wins; above it oneDNN does (measured 1–512)
 
 
@@ -237,12 +238,17 @@ class Transformer(nn.Module):
         self.rope: torch.Tensor | None = None  # built by init_rope() once the weights are on their device
         self.rope_local: torch.Tensor | None = None  # local layers' table (their own base, no scaling)
 
-    def init_rope(self) -> None:
+    def init_rope(self, rows: int = ROPE_ROWS) -> None:
+        """Build the RoPE tables for the first `rows` positions; forward grows them when a step needs more.
+
+        Built for the whole context at once, a 1M-token model's table would take gigabytes at load, used or not.
+        """
         cfg, device = self.cfg, self.tok_embeddings.weight.device
-        self.rope = rope_table(cfg.head_dim, cfg.context_length, cfg.rope_base, device, cfg.rope_freq_factors)
+        rows = min(rows, cfg.context_length)
+        self.rope = rope_table(cfg.head_dim, rows, cfg.rope_base, device, cfg.rope_freq_factors)
         self.rope_local = self.rope
         if cfg.n_local_layers and (cfg.rope_base_local != cfg.rope_base or cfg.rope_freq_factors):
-            self.rope_local = rope_table(cfg.head_dim, cfg.context_length, cfg.rope_base_local, device)
+            self.rope_local = rope_table(cfg.head_dim, rows, cfg.rope_base_local, device)
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -257,11 +263,11 @@ class Transformer(nn.Module):
 
         Returns float32 logits of the last position (B, V), or of every position (B, T, V) if all_logits.
         """
-        if self.rope is None:
-            self.init_rope()
         B, T = tokens.shape
         if start + T > self.cfg.context_length:
             raise ValueError(f"position {start + T - 1} is beyond the context length {self.cfg.context_length}")
+        if self.rope is None or self.rope.shape[0] < start + T:  # grow geometrically: amortised O(1) per token
+            self.init_rope(max(start + T, 2 * (0 if self.rope is None else self.rope.shape[0]), ROPE_ROWS))
         ropes = (self.rope[start : start + T], self.rope_local[start : start + T])  # (T, hd/2) global, local
         x = self.tok_embeddings(tokens)  # (B, T, d): a row lookup, no matmul
         if self.cfg.embedding_scale != 1.0:

@@ -1,5 +1,7 @@
 """The model against an independent reference, both loaders, both attention paths, and the KV cache."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -151,3 +153,18 @@ def test_gguf_cache_round_trip(tiny_dir, tmp_path, monkeypatch):
     assert not first.info.from_cache and second.info.from_cache
     assert_close(full_logits(first, IDS), full_logits(second, IDS))
     assert second.tokenizer.encode("hello there").ids == first.tokenizer.encode("hello there").ids
+
+
+def test_rope_table_grows_with_the_positions_used(tiny_lm):
+    """The RoPE table is built for the positions a run reaches, not for the whole claimed context at load."""
+    from engine.model import ROPE_ROWS, build_model
+    from engine.rope import rope_table
+
+    cfg = dataclasses.replace(tiny_lm.cfg, context_length=16_000_000)  # a 16M-token table would be ~1 GB
+    net = build_model(cfg, tiny_lm.model.state_dict())
+    assert net.rope.shape[0] == ROPE_ROWS
+    cache = KVCache(cfg, 1, ROPE_ROWS + 8, torch.float32)
+    net(torch.zeros(1, ROPE_ROWS, dtype=torch.long), 0, cache)
+    net(torch.tensor([[5, 6, 7]]), ROPE_ROWS, cache)  # positions past the first table
+    assert net.rope.shape[0] == 2 * ROPE_ROWS
+    torch.testing.assert_close(net.rope, rope_table(cfg.head_dim, 2 * ROPE_ROWS, cfg.rope_base))
