@@ -238,6 +238,25 @@ def load_cached(
         return None
 
 
+def this_machine(
+    device: str = "cpu",
+    dtype: str = "float32",
+    cache_dir: str | Path | None = None,
+    max_age_s: float = MAX_AGE_S,
+) -> Hardware | None:
+    """This machine's roofs for `dtype`, the one policy every panel follows; never measures.
+
+    The cached measurement at `dtype` when that dtype can be timed and was measured, else the cached float32 one
+    (whose peak_for() then answers for the dtype, as a catalogue chip's does), else None.
+    """
+    key = canonical_dtype(dtype)
+    if key in dtypes.MEASURABLE:
+        hw = load_cached(device, key, cache_dir, max_age_s)
+        if hw is not None or key == "fp32":
+            return hw
+    return load_cached(device, "fp32", cache_dir, max_age_s)
+
+
 def store_cached(hw: Hardware, device: str, dtype: str, cache_dir: str | Path | None = None) -> Path:
     """Write one measurement into the cache file (atomically) and return the file's path."""
     path = _cache_path(cache_dir)

@@ -286,17 +286,12 @@ class BatchingPanel(Panel):
             self.progress.setFormat("Load a model to measure batched decode")
 
     def refresh_this_machine(self) -> None:
-        """Offer this machine's roofs when a measurement is cached (reading the cache never measures)."""
-        info = self.bridge.info
-        device = info.device if info is not None else "cpu"
-        dtype = self._model_dtype()
-        hw = None
-        try:
-            from engine.hardware import load_cached
+        """Offer this machine's roofs when engine.hardware's one policy finds a measurement for the model's dtype
+        (reading the cache never measures)."""
+        from engine.hardware import this_machine
 
-            hw = load_cached(device, dtype) or (load_cached(device, "float32") if dtype != "fp32" else None)
-        except Exception:  # noqa: BLE001 — a broken cache only means "not measured"
-            hw = None
+        info = self.bridge.info
+        hw = this_machine(info.device if info is not None else "cpu", self._model_dtype())
         self.this_machine = hw
         i = self.roof_combo.findData(THIS_MACHINE)
         if hw is None:

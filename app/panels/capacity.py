@@ -149,6 +149,7 @@ class CapacityPanel(Panel):
             combo.currentIndexChanged.connect(self._on_input_changed)
         for spin in (self.context_spin, self.batch_spin, self.prompt_spin):
             spin.valueChanged.connect(self._on_input_changed)
+        self.dtype_combo.currentIndexChanged.connect(lambda _i: self.refresh_this_machine())
 
         inputs = QtWidgets.QGridLayout()
         inputs.setContentsMargins(0, 0, 0, 0)
@@ -288,22 +289,24 @@ class CapacityPanel(Panel):
 
     # ---- choices -------------------------------------------------------------------------------------------------
     def refresh_this_machine(self) -> None:
-        """Offer "this machine" when a measurement is cached (reading the cache never measures)."""
-        try:
-            from engine.hardware import load_cached
+        """Offer "this machine" when engine.hardware's one policy finds a measurement for the chosen dtype
+        (reading the cache never measures)."""
+        from engine.hardware import this_machine
 
-            hw = load_cached("cpu", "float32")
-        except Exception:  # noqa: BLE001 — a broken cache only means "not measured"
-            hw = None
+        info = self.bridge.info
+        hw = this_machine(info.device if info is not None else "cpu", self.dtype())
         i = self.hw_combo.findData(THIS_MACHINE)
         if hw is None:
             if i >= 0 and self.hw_combo.currentIndex() != i:
                 self.hw_combo.removeItem(i)
                 self.hardware.pop(THIS_MACHINE, None)
             return
+        changed = self.hardware.get(THIS_MACHINE) != hw
         self.hardware[THIS_MACHINE] = hw
         if i < 0:
             self.hw_combo.insertItem(0, f"This machine (measured): {hw.label}", THIS_MACHINE)
+        elif changed and self.hw_combo.currentIndex() == i and not self._building:
+            self.recompute()
 
     @guarded
     def showEvent(self, event: QtGui.QShowEvent) -> None:  # noqa: N802 — Qt's name

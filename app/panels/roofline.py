@@ -93,7 +93,7 @@ class RooflinePanel(Panel):
         super().__init__(bridge, parent)
         self.presets: dict[str, Hardware] = hardware_presets()
         self.models = model_presets()
-        self.this_machine: dict[str, Hardware] = {}  # measured, by canonical dtype
+        self.this_machine: dict[str, Hardware | None] = {}  # engine.hardware.this_machine's answer, by dtype
         self.measure_kwargs: dict = {}  # e.g. {"quick": True} in tests
         self._measuring: threading.Thread | None = None
         self._stop = threading.Event()
@@ -112,8 +112,7 @@ class RooflinePanel(Panel):
         bridge.sig_prompt.connect(self._on_prompt)
         bridge.sig_prefill.connect(self._on_prefill)
         bridge.sig_token.connect(self._on_token)
-        self._load_cached(self.dtype())
-        if self.this_machine:  # open on "this machine" when a cached measurement exists
+        if self.this_machine_roofs() is not None:  # open on "this machine" when a cached measurement exists
             self.hw_combo.setCurrentIndex(0)
         if bridge.info is not None:
             self._on_model_loaded(bridge.info)
@@ -234,9 +233,7 @@ class RooflinePanel(Panel):
         key = self.hw_combo.currentData()
         if key != THIS_MACHINE:
             return self.presets[key]
-        dtype = self.dtype()
-        return self.this_machine.get(dtype) or self.this_machine.get("fp32") or next(
-            iter(self.this_machine.values()), None)
+        return self.this_machine_roofs()
 
     def model_key(self) -> str:
         """LOADED or a catalogue key such as "llama-2-70b"."""
@@ -282,17 +279,14 @@ class RooflinePanel(Panel):
             raise ValueError(f"unknown hardware {key!r}")
         self.hw_combo.setCurrentIndex(i)
 
-    def _load_cached(self, dtype: str) -> None:
-        if dtype not in dtypes.MEASURABLE or dtype in self.this_machine:
-            return
-        from engine.hardware import load_cached
+    def this_machine_roofs(self) -> Hardware | None:
+        """This machine at the chosen dtype by engine.hardware's one policy (asked once per dtype), or None."""
+        dtype = self.dtype()
+        if dtype not in self.this_machine:
+            from engine.hardware import this_machine
 
-        try:
-            hw = load_cached(self.device(), dtype)
-        except Exception:  # noqa: BLE001 — a broken cache only means "not measured"
-            hw = None
-        if hw is not None:
-            self.this_machine[dtype] = hw
+            self.this_machine[dtype] = this_machine(self.device(), dtype)
+        return self.this_machine[dtype]
 
     def _on_hw_changed(self, _i: int) -> None:
         self.mark_dirty()
@@ -301,7 +295,6 @@ class RooflinePanel(Panel):
         self.mark_dirty()
 
     def _on_dtype_changed(self, _i: int) -> None:
-        self._load_cached(self.dtype())
         self.mark_dirty()
 
     # ---- measuring this machine (background thread) ------------------------------------------------------------
@@ -350,7 +343,10 @@ class RooflinePanel(Panel):
 
     @QtCore.Slot(object, str)
     def _on_measure_done(self, hw: Hardware, dtype: str) -> None:
-        self.this_machine[dtype] = hw
+        # the cache now holds it; remember it too, in case the cache could not be written
+        self.this_machine = {dtype: hw}
+        if self.dtype() not in dtypes.MEASURABLE:
+            self.this_machine[self.dtype()] = hw  # the policy's fallback to the float32 measurement
         self.measure_button.setEnabled(True)
         self.progress.setVisible(False)
         self.select_hardware(THIS_MACHINE)
@@ -372,8 +368,8 @@ class RooflinePanel(Panel):
             dtype = "fp32"
         if dtype in DTYPES:
             self.dtype_combo.setCurrentText(dtype)
-        self._load_cached(self.dtype())
-        if self.this_machine:
+        self.this_machine = {}  # the device may have changed
+        if self.this_machine_roofs() is not None:
             self.select_hardware(THIS_MACHINE)
         self.model_combo.setItemText(0, f"Loaded: {info.name}")
         self.model_combo.setItemData(0, f"The loaded model, {info.name}", QtCore.Qt.ItemDataRole.ToolTipRole)
