@@ -10,8 +10,11 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from engine.sampling import SamplingParams
+if TYPE_CHECKING:
+    from engine.sampling import SamplingParams
+
 
 
 class CliError(Exception):
@@ -62,6 +65,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _params(a: argparse.Namespace) -> SamplingParams:
+    from engine.sampling import SamplingParams
+
     try:
         bias = []
         for item in a.logit_bias:
@@ -107,7 +112,7 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(a: argparse.Namespace) -> int:
-    from engine.loaders import ModelLoadError, load_tokenizer
+    from engine.locate import ModelLoadError, load_tokenizer  # no torch: starts in a fraction of a second
 
     try:
         tok = load_tokenizer(a.model)  # the tokenizer only: no weights are read

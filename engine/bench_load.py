@@ -20,7 +20,6 @@ import time
 import numpy as np
 
 from engine.bench import PROMPT, _machine
-from engine.threads import CpuMeter, available_cores
 
 COMPETITOR_MT = """
 import sys, time, torch
@@ -41,6 +40,8 @@ class Competitor:
         if kind == "busy":
             self.proc = subprocess.Popen(["timeout", str(int(limit)), "yes"], stdout=subprocess.DEVNULL)
         elif kind == "multithreaded":
+            from engine.threads import available_cores
+
             code = COMPETITOR_MT.format(threads=available_cores(), limit=limit)
             self.proc = subprocess.Popen(["nice", "-n", "5", sys.executable, "-c", code], stdout=subprocess.PIPE,
                                          text=True)
@@ -95,6 +96,7 @@ def measure(session, threads: str, new_tokens: int, time_limit: float) -> dict:
 def run(conditions: list[str], new_tokens: int, rounds: int, limit: float, dtype: str) -> dict:
     from engine.loaders import load
     from engine.session import Session
+    from engine.threads import CpuMeter, available_cores  # torch: imported when a bench runs, not for every command
 
     lm = load(None, device="cpu", dtype=dtype)
     n_max = available_cores()
