@@ -23,6 +23,7 @@ from engine.events import (
     Failed,
     Finished,
     KVCacheGrew,
+    LensCaptured,
     ModelInfo,
     PrefillDone,
     PromptTokenized,
@@ -96,6 +97,8 @@ class Bridge(QtCore.QObject):
     """AttentionCaptured for one subscribed layer of one step."""
     sig_norms = QtCore.Signal(object)
     """ResidualNorms of one step."""
+    sig_lens = QtCore.Signal(object)
+    """LensCaptured: the logit lens of one step (every layer's next-token guess)."""
     sig_kv = QtCore.Signal(object)
     """KVCacheGrew after one step."""
     sig_prefill = QtCore.Signal(object)
@@ -121,7 +124,7 @@ class Bridge(QtCore.QObject):
 
     _ROUTES = (
         (PromptTokenized, "sig_prompt"), (AttentionCaptured, "sig_attention"), (ResidualNorms, "sig_norms"),
-        (KVCacheGrew, "sig_kv"), (PrefillDone, "sig_prefill"), (TokenSampled, "sig_token"),
+        (LensCaptured, "sig_lens"), (KVCacheGrew, "sig_kv"), (PrefillDone, "sig_prefill"), (TokenSampled, "sig_token"),
         (Finished, "sig_finished"), (PreviewResult, "sig_preview"),
     )
 
@@ -133,6 +136,7 @@ class Bridge(QtCore.QObject):
         self.state = "idle"
         self.params = SamplingParams()
         self.attention_layers: frozenset[int] = frozenset()  # layers a panel asked for (capture_attention)
+        self.lens_top = 0  # top tokens per layer of the logit lens the next generation captures (0 = none)
         self._preview_id = 0
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs Qt threads
         cmd_recv, self._commands = ctx.Pipe(duplex=False)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 SCREENSHOT_EXTS = (".png",)
 TIMELINE_EXTS = (".png", ".svg")
+SESSION_EXTS = (".ilab",)
 HEADLESS_SIZE = (1600, 1000)
 
 
@@ -30,6 +31,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--screenshot", metavar="OUT.png", help="headless: save a PNG of the whole window and exit")
     p.add_argument("--export-timeline", metavar="OUT.png|.svg", help="headless: save the timeline and exit")
     p.add_argument("--timeout", type=float, default=600.0, help="headless: give up after this many seconds")
+    p.add_argument("--open-session", metavar="FILE.ilab", help="open a saved session (no model needed to show it)")
+    p.add_argument("--save-session", metavar="OUT.ilab", help="headless: generate, save the session and exit")
     args = p.parse_args(argv)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
@@ -58,15 +61,18 @@ def _fail(message: str, code: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    headless = bool(args.screenshot or args.export_timeline)
+    headless = bool(args.screenshot or args.export_timeline or args.save_session)
     for option, path, exts in (("--screenshot", args.screenshot, SCREENSHOT_EXTS),
-                               ("--export-timeline", args.export_timeline, TIMELINE_EXTS)):
+                               ("--export-timeline", args.export_timeline, TIMELINE_EXTS),
+                               ("--save-session", args.save_session, SESSION_EXTS)):
         if path:
             problem = check_output_path(option, path, exts)
             if problem:
                 return _fail(problem, 2)
-    if headless and not args.prompt:
-        return _fail("--screenshot and --export-timeline need --prompt", 2)
+    if args.open_session and not Path(args.open_session).expanduser().is_file():
+        return _fail(f"--open-session {args.open_session}: no such file", 2)
+    if headless and not args.prompt and not args.open_session:
+        return _fail("--screenshot, --export-timeline and --save-session need --prompt or --open-session", 2)
     if headless:
         os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -92,8 +98,23 @@ def main(argv: list[str] | None = None) -> int:
     window = MainWindow(args.model, device=args.device)
     _apply_args(window, args)
     window.show()
+    if args.open_session:
+        _open_when_loaded(window, str(Path(args.open_session).expanduser()))
     _close_on_ctrl_c(window)
     return app.exec()
+
+
+def _open_when_loaded(window, path: str) -> None:
+    """Open a session once the model has loaded (or failed to): a model arriving later would clear the panels."""
+    from app import session_io
+
+    def go(*_args) -> None:
+        for sig in (window.bridge.sig_model_loaded, window.bridge.sig_load_failed):
+            sig.disconnect(go)
+        session_io.open_session_from(window, path)
+
+    window.bridge.sig_model_loaded.connect(go)
+    window.bridge.sig_load_failed.connect(go)
 
 
 def _close_on_ctrl_c(window) -> None:
@@ -152,7 +173,10 @@ def _run_headless(app, args: argparse.Namespace) -> int:
 
     _quiet_qt_messages()
 
-    window = MainWindow(args.model, persist=False, interactive=False, device=args.device)
+    from app import session_io
+
+    replay_only = bool(args.open_session) and not args.prompt
+    window = MainWindow(args.model, persist=False, interactive=False, device=args.device, load=not replay_only)
     window.resize(*HEADLESS_SIZE)
     window.show()
     outcome: dict[str, object] = {}
@@ -213,6 +237,12 @@ def _run_headless(app, args: argparse.Namespace) -> int:
                 finish(1, window.last_error)
                 return
             outputs.append(("timeline", path))
+        if args.save_session:
+            path = str(Path(args.save_session).expanduser())
+            if not session_io.save_session_to(window, path):
+                finish(1, window.last_error)
+                return
+            outputs.append(("session", path))
         for kind, path in outputs:
             print(f"{kind}: {path}")
         finish(0)
@@ -221,13 +251,22 @@ def _run_headless(app, args: argparse.Namespace) -> int:
         if time.monotonic() > deadline:
             finish(1, f"timed out after {args.timeout:.0f} s")
 
-    window.bridge.sig_model_loaded.connect(on_loaded)
-    window.bridge.sig_load_failed.connect(lambda msg: finish(1, msg))
-    window.bridge.sig_failed.connect(lambda msg: finish(1, msg))
-    window.bridge.sig_finished.connect(on_finished)
+    if not replay_only:
+        window.bridge.sig_model_loaded.connect(on_loaded)
+        window.bridge.sig_load_failed.connect(lambda msg: finish(1, msg))
+        window.bridge.sig_failed.connect(lambda msg: finish(1, msg))
+        window.bridge.sig_finished.connect(on_finished)
     watchdog = QtCore.QTimer(window)
     watchdog.timeout.connect(check_deadline)
     watchdog.start(500)
+    if replay_only:
+        def open_and_save() -> None:
+            if session_io.open_session_from(window, str(Path(args.open_session).expanduser())):
+                save()
+            else:
+                finish(1, window.last_error)
+
+        QtCore.QTimer.singleShot(0, open_and_save)
     code = app.exec()
     watchdog.stop()
     window.close()

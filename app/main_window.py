@@ -15,7 +15,7 @@ from pathlib import Path
 
 from PySide6 import QtCore, QtGui, QtWidgets
 
-from app import theme
+from app import session_io, theme
 from app.bridge import Bridge
 from app.guard import guarded, report, reporter
 from app.panels import PANEL_MODULES
@@ -103,6 +103,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self._wire_panels()
         self._build_menus()
         self._build_status_bar()
+        session_io.install(self)  # recorder, File → Save/Open session, autosave
 
         self.bridge.sig_load_progress.connect(self._on_load_progress)
         self.bridge.sig_model_loaded.connect(self._on_model_loaded)
@@ -464,6 +465,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self._closed = True
         self.save_settings()
         self.draw_timer.stop()
+        session_io.clean_exit(self)
         ok = self.bridge.shutdown(timeout_ms=10_000)
         while not ok:  # a model load cannot be interrupted: wait for it rather than destroy a running thread
             log.warning("the worker is still busy; waiting for it to finish")

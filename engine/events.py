@@ -125,6 +125,8 @@ class LensCaptured:
     probs: np.ndarray  # (n_layers + 2, N) float32
     entropy_bits: np.ndarray  # (n_layers + 2,) float32: entropy of each row's whole distribution, in bits
     pieces: tuple[tuple[str, ...], ...] = ()  # readable text of `ids`, row by row
+    token_id: int = -1  # the token this step chose (-1: not known)
+    token_probs: np.ndarray | None = None  # (n_layers + 2,) its probability in every row
 
 
 @dataclass(frozen=True, kw_only=True)

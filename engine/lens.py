@@ -34,9 +34,12 @@ def lens_probs(model: torch.nn.Module, stream: torch.Tensor, final_logits: torch
 
 def lens_event(
     model: torch.nn.Module, tokenizer, step: int, position: int, stream: np.ndarray | torch.Tensor,
-    final_logits: torch.Tensor, top: int,
+    final_logits: torch.Tensor, top: int, token: int | None = None,
 ) -> LensCaptured:
-    """The LensCaptured event for one step from the captured residual stream (L + 1, d) and the step's logits."""
+    """The LensCaptured event for one step from the captured residual stream (L + 1, d) and the step's logits.
+
+    `token` (the token the step chose) gets its probability in every row, wherever it ranks.
+    """
     p = lens_probs(model, torch.as_tensor(stream), final_logits)
     vals, idx = torch.topk(p, min(top, p.shape[-1]), dim=-1)  # (L + 2, N)
     ids = idx.cpu().numpy().astype(np.int64)
@@ -44,6 +47,8 @@ def lens_event(
         step=step, position=position, ids=ids, probs=vals.cpu().numpy().astype(np.float32),
         entropy_bits=entropy_bits(p).cpu().numpy(),
         pieces=tuple(tuple(tokenizer.piece(int(i)) for i in row) for row in ids),
+        token_id=-1 if token is None else int(token),
+        token_probs=None if token is None else p[:, int(token)].cpu().numpy().astype(np.float32),
     )
 
 

@@ -337,7 +337,7 @@ class Generation:
                 yield from emit_all(emit, self._captured(probe, step, phase, start, len(feed)))
                 if probe is not None and RESID_STREAM in probe.values and capture.lens_top:
                     yield from emit(lens_event(lm.model, tok, step, pos - 1, probe.values[RESID_STREAM][0], logits,
-                                               capture.lens_top))
+                                               capture.lens_top, token))
                 kv = s.cache
                 yield from emit(KVCacheGrew(
                     step=step, n_tokens=kv.pos, bytes_used=kv.bytes_used(), bytes_allocated=kv.bytes_allocated()

@@ -186,7 +186,8 @@ class GenerationPanel(Panel):
                 layers |= set(range(cfg.n_layers))
             elif not layers:
                 layers = {cfg.n_layers - 1}
-        return Capture(attention_layers=frozenset(layers), residual_norms=True, funnel_top=FUNNEL_TOP, logits=True)
+        return Capture(attention_layers=frozenset(layers), residual_norms=True, funnel_top=FUNNEL_TOP, logits=True,
+                       lens_top=int(getattr(self.bridge, "lens_top", 0)))
 
     def generate(self, start_paused: bool = False) -> bool:
         """Start a generation of the current prompt; returns False when one cannot start now."""

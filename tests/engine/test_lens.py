@@ -44,6 +44,11 @@ def test_last_row_is_the_models_own_distribution(tiny_lm):
         assert ev.ids[-1][0] == tok.token_id  # greedy: the output row's top token is the one chosen
         assert ev.entropy_bits[-1] == entropy_bits(p).item()
         np.testing.assert_allclose(ev.probs[-2], ev.probs[-1], atol=1e-5)  # the last layer through the head
+        assert ev.token_id == tok.token_id and ev.token_probs[-1] == p[tok.token_id].item()
+        for row in range(ev.ids.shape[0]):  # where the chosen token is among a row's top, the two agree
+            hit = np.flatnonzero(ev.ids[row] == tok.token_id)
+            if hit.size:
+                assert ev.token_probs[row] == pytest.approx(float(ev.probs[row, hit[0]]), abs=1e-6)
 
 
 def test_entropy_bits_of_known_distributions():
