@@ -32,7 +32,7 @@ def assert_same(a, b, where="event"):
 
 @pytest.fixture(scope="module")
 def recorded(tiny_lm):
-    cap = Capture(frozenset({0, 1}), residual_norms=True, funnel_top=8, logits=True, lens_top=4)
+    cap = Capture(attention_layers=frozenset({0, 1}), residual_norms=True, funnel_top=8, logits=True, lens_top=4)
     params = SamplingParams(temperature=0.9, top_p=0.9, seed=5)
     events = list(Session(tiny_lm).generate("the cat sat", params, 5, cap, ignore_eos=True, forced={2: 9}))
     return SavedSession(events=events, prompt="the cat sat", chat=False,
