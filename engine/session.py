@@ -129,6 +129,12 @@ class Session:
             )
         if max_new_tokens < 1:
             raise ValueError(f"max new tokens must be at least 1, got {max_new_tokens}")
+        outside = next((int(i) for i in ids if not 0 <= int(i) < self.cfg.vocab_size), None)
+        if outside is not None:  # a tokenizer larger than the model's embedding (mismatched files), or bad ids
+            raise ValueError(
+                f"the prompt holds token id {outside}, outside this model's vocabulary (0…{self.cfg.vocab_size - 1}):"
+                " do its tokenizer and weights match?"
+            )
 
     # ---- the cache ---------------------------------------------------------------------------------------------
     def _prepare_cache(self, ids: Sequence[int], capacity: int) -> int:

@@ -142,6 +142,9 @@ def _write_cache(directory: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor],
 def _read_cache(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, dict]:
     from safetensors.torch import load_file
 
+    from engine.loaders.hf import check_safetensors
+
+    check_safetensors(directory / "model.safetensors")
     cfg = ModelConfig.from_dict(json.loads((directory / "config.json").read_text()))
     meta = json.loads((directory / "meta.json").read_text())
     return cfg, load_file(str(directory / "model.safetensors")), Tokenizer.load(directory / "tokenizer"), meta
@@ -162,8 +165,12 @@ def load(
         from_cache = cdir is not None and (cdir / "meta.json").is_file()
         if from_cache:
             report(0.2, "reading cached weights")
-            cfg, sd, tok, meta = _read_cache(cdir)
-        else:
+            try:
+                cfg, sd, tok, meta = _read_cache(cdir)
+            except Exception:  # noqa: BLE001 — a damaged cache (a crash, a full disk) is rebuilt, not reported
+                shutil.rmtree(cdir, ignore_errors=True)
+                from_cache = False
+        if not from_cache:
             cfg, sd, tok, file_type = _read_source(path, report)
             meta = {"file_type": file_type, "source": str(path)}
             if cdir is not None:

@@ -155,6 +155,22 @@ def test_gguf_cache_round_trip(tiny_dir, tmp_path, monkeypatch):
     assert second.tokenizer.encode("hello there").ids == first.tokenizer.encode("hello there").ids
 
 
+@pytest.mark.parametrize("damage", ["truncate", "config"])
+def test_a_damaged_weight_cache_is_rebuilt(tiny_dir, tmp_path, monkeypatch, damage):
+    """A cache cut short (a crash, a full disk) or unreadable is converted again from the source, not reported."""
+    monkeypatch.setenv("INFERENCE_LAB_CACHE", str(tmp_path / "cache"))
+    first = load(tiny_dir.gguf, device="cpu", dtype="float32")
+    (weights,) = (tmp_path / "cache").rglob("model.safetensors")
+    if damage == "truncate":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    else:
+        (weights.parent / "config.json").write_text("{not json")
+    again = load(tiny_dir.gguf, device="cpu", dtype="float32")
+    assert not again.info.from_cache
+    assert_close(full_logits(again, IDS), full_logits(first, IDS))
+    assert load(tiny_dir.gguf, device="cpu", dtype="float32").info.from_cache  # and the cache is whole again
+
+
 def test_rope_table_grows_with_the_positions_used(tiny_lm):
     """The RoPE table is built for the positions a run reaches, not for the whole claimed context at load."""
     from engine.model import ROPE_ROWS, build_model

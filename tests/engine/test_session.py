@@ -149,6 +149,12 @@ def test_bad_prompts_raise_clear_errors(session):
         session.generate("word " * 400, GREEDY, 3)
     with pytest.raises(ValueError, match="at least 1"):
         session.generate("hi", GREEDY, 0)
+    # ids the embedding has no row for (a tokenizer larger than the model) are refused before any forward pass
+    vocab = session.cfg.vocab_size
+    with pytest.raises(ValueError, match=f"token id {vocab}, outside this model's vocabulary"):
+        session.check_prompt([5, vocab, 6])
+    with pytest.raises(ValueError, match="token id -1"):
+        session.next_token_logits([5, -1])
 
 
 def test_context_limit_ends_generation(session):
