@@ -30,7 +30,7 @@ from engine.events import (
     ResidualNorms,
     TokenSampled,
 )
-from engine.sampling import SamplingParams
+from engine.messages import SamplingParams
 from engine.server import GenerateRequest, PreviewResult, serve
 
 __all__ = ["Bridge", "GenerateRequest", "PreviewResult"]

@@ -12,7 +12,7 @@ from dataclasses import fields
 
 from PySide6 import QtCore
 
-from engine.sampling import SamplingParams
+from engine.messages import SamplingParams
 
 ORGANISATION = "InferenceLab"
 APPLICATION = "Inference Lab"

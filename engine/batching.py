@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -18,6 +17,7 @@ import torch
 from engine import costs
 from engine.kv_cache import KVCache
 from engine.loaders import LoadedModel
+from engine.messages import BatchRow
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32)
 
@@ -59,24 +59,6 @@ def generate_batch(
         sync()
         steps[i - 1] = time.perf_counter() - t0
     return out.cpu().numpy(), prefill_s, steps
-
-
-@dataclass(frozen=True)
-class BatchRow:
-    batch: int
-    context: int  # positions attended by the middle decode step
-    tpot_s: float  # median time of one decode step (every stream waits this long per token)
-    tokens_per_s_per_stream: float
-    tokens_per_s_system: float
-    flops_per_step: float
-    bytes_per_step: float
-    intensity: float  # analytic FLOP per byte of one decode step at this batch
-    achieved_flops: float  # flops_per_step / tpot_s
-    achieved_bandwidth: float  # bytes_per_step / tpot_s
-    kv_bytes: float  # cache at the end of the run, all sequences
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def bench_batch(

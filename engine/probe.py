@@ -21,6 +21,8 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from engine.messages import ATTENTION_MAX_BYTES
+
 
 def attn_point(layer: int) -> str:
     return f"layers.{layer}.attn.pattern"
@@ -28,7 +30,6 @@ def attn_point(layer: int) -> str:
 
 RESID_NORMS = "resid.norms"
 RESID_STREAM = "resid.stream"
-ATTENTION_MAX_BYTES = 16 * 2**20  # float32 attention weights kept per layer and step
 
 
 class Probe:

@@ -15,41 +15,13 @@ app's funnel plot shows); `sample` draws one token from the last one with an exp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from engine.messages import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.7
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not (0.0 <= self.temperature <= 10.0):
-            raise ValueError(f"temperature must be between 0 and 10 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 (off) or a positive number of tokens, got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if not (0.0 <= self.min_p < 1.0):
-            raise ValueError(f"min_p must be in [0, 1) (0 = off), got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive (1 = off), got {self.repetition_penalty}")
-        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @classmethod
-    def greedy_params(cls) -> SamplingParams:
-        return cls(temperature=0.0)
+__all__ = ["SamplingParams", "FunnelStages", "funnel", "sample", "choose", "make_generator"]
 
 
 @dataclass(frozen=True)

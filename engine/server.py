@@ -25,8 +25,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 
 from engine.events import Failed, Funnel, TokenSampled
-from engine.sampling import SamplingParams
-from engine.session import Capture
+from engine.messages import Capture, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -34,35 +34,13 @@ from engine.events import (
 from engine.kv_cache import KVCache
 from engine.lens import lens_event
 from engine.loaders import LoadedModel
-from engine.probe import ATTENTION_MAX_BYTES, RESID_NORMS, RESID_STREAM, Probe, attn_point
-from engine.sampling import FunnelStages, SamplingParams, choose, funnel, make_generator, sample
+from engine.messages import FUNNEL_TOP, Capture  # noqa: F401 — FUNNEL_TOP re-exported for the engine's users
+from engine.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
+from engine.sampling import FunnelStages, SamplingParams, choose, make_generator, sample
 from engine.threads import AdaptiveThreads
 from engine.tokenizer import StreamDecoder, Tokenization
 
 CACHE_GRANULE = 256  # the cache grows in steps of this many positions, so it is rarely reallocated
-FUNNEL_TOP = 20  # candidates kept in each step's sampling funnel by the app and the benchmark
-
-
-@dataclass(frozen=True, kw_only=True)
-class Capture:
-    """What to record per step. Everything is off by default: the forward pass then takes the fast path."""
-
-    attention_layers: frozenset[int] = field(default_factory=frozenset)
-    attention_max_bytes: int = ATTENTION_MAX_BYTES  # per layer and step; a long prefill keeps its last rows
-    residual_norms: bool = False
-    funnel_top: int = 0  # candidates in each step's funnel (0 = no funnel)
-    logits: bool = False  # the full raw logits, so a UI can re-run the funnel with other settings
-    lens_top: int = 0  # top tokens per layer in each step's logit lens (0 = no lens; it costs L + 1 LM heads)
-
-    @classmethod
-    def everything(cls, n_layers: int, funnel_top: int = FUNNEL_TOP) -> Capture:
-        return cls(attention_layers=frozenset(range(n_layers)), residual_norms=True, funnel_top=funnel_top, logits=True)
-
-    def probe(self) -> Probe | None:
-        if not self.attention_layers and not self.residual_norms and not self.lens_top:
-            return None
-        return Probe.for_capture(self.attention_layers, self.residual_norms, residual_stream=self.lens_top > 0,
-                                 max_attention_bytes=self.attention_max_bytes)
 
 
 def _sync(device: torch.device) -> None:
@@ -89,15 +67,6 @@ def condense_funnel(
         kept_top_k=stages.kept_top_k, kept_top_p=stages.kept_top_p, kept_final=stages.kept_final,
         vocab_size=int(stages.logits.shape[-1]), greedy=params.greedy,
     )
-
-
-def refunnel(ev: TokenSampled, params: SamplingParams, tokenizer, top: int = 20) -> Funnel | None:
-    """Re-run a step's sampling funnel with other settings from the logits it captured (no model run)."""
-    if ev.logits is None:
-        return ev.funnel
-    ctx = torch.from_numpy(ev.context_ids) if ev.context_ids is not None else None
-    stages = funnel(torch.from_numpy(np.asarray(ev.logits)), params, ctx)
-    return condense_funnel(stages, params, top, tokenizer, ev.token_id)
 
 
 class Session:

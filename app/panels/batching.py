@@ -28,9 +28,9 @@ from app.panels.capacity import (
 )
 from app.units import fmt_bandwidth, fmt_flops, fmt_fraction
 from engine import costs
-from engine.batching import BatchRow
 from engine.catalog import Hardware, canonical_dtype, hardware_presets
 from engine.events import ModelInfo
+from engine.messages import BatchRow
 
 FONT_PT = 9
 BATCH_CHOICES = (1, 2, 4, 8, 16, 32)

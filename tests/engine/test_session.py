@@ -14,8 +14,9 @@ from engine.events import (
     TokenSampled,
 )
 from engine.kv_cache import KVCache
+from engine.refunnel import refunnel
 from engine.sampling import SamplingParams
-from engine.session import Capture, Session, refunnel
+from engine.session import Capture, Session
 
 GREEDY = SamplingParams.greedy_params()
 
