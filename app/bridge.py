@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from PySide6 import QtCore
 
 from app.guard import guarded
+from engine.catalog import canonical_dtype
 from engine.events import (
     AttentionCaptured,
     Failed,
@@ -119,6 +120,12 @@ class Bridge(QtCore.QObject):
     """Batching lab: one measured engine.batching.BatchRow."""
     sig_batch_done = QtCore.Signal(str)
     """Batching lab ended: "" when complete, else why it stopped ("cancelled", an error)."""
+    sig_this_machine = QtCore.Signal(object)
+    """(device, dtype, Hardware or None): this machine's cached or new measurement, from the engine process."""
+    sig_measure_progress = QtCore.Signal(float, str)
+    """Measuring this machine: fraction done and what is being measured."""
+    sig_measure_done = QtCore.Signal(str)
+    """Measuring this machine ended: "" when measured, else why not ("measurement cancelled", an error)."""
     sig_params = QtCore.Signal(object)
     """The sampling settings changed (SamplingParams); panels re-draw the funnel without re-running the model."""
 
@@ -138,6 +145,7 @@ class Bridge(QtCore.QObject):
         self.attention_layers: frozenset[int] = frozenset()  # layers a panel asked for (capture_attention)
         self.lens_top = 0  # top tokens per layer of the logit lens the next generation captures (0 = none)
         self._preview_id = 0
+        self._machine: dict[tuple[str, str], object] = {}  # (device, dtype) → the engine's answer (None: none)
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs Qt threads
         cmd_recv, self._commands = ctx.Pipe(duplex=False)
         events_recv, events_send = ctx.Pipe(duplex=False)
@@ -209,6 +217,23 @@ class Bridge(QtCore.QObject):
         self.attention_layers = frozenset(int(x) for x in layers)
         self._post("attention_layers", self.attention_layers)
 
+    def this_machine(self, device: str, dtype: str):
+        """This machine's cached measurement (engine.catalog.Hardware) for (device, dtype), or None: not
+        measured, or the engine has not answered yet (sig_this_machine tells when it does). Never measures."""
+        key = (str(device), canonical_dtype(dtype))
+        if key not in self._machine:
+            self._machine[key] = None
+            self._post("this_machine", key)
+        return self._machine[key]
+
+    def measure_machine(self, device: str, dtype: str, **measure_kwargs) -> None:
+        """Measure this machine in the engine process (after any generation); progress and the result come as
+        sig_measure_progress, sig_this_machine and sig_measure_done."""
+        self._post("measure", (str(device), canonical_dtype(dtype), measure_kwargs))
+
+    def cancel_measure(self) -> None:
+        self._post("cancel_measure")
+
     def select_step(self, step: int) -> None:
         self.sig_step_selected.emit(int(step))
 
@@ -248,6 +273,16 @@ class Bridge(QtCore.QObject):
                 self.sig_batch_row.emit(arg)
             elif kind == "batch_done":
                 self.sig_batch_done.emit(arg)
+            elif kind == "this_machine":
+                device, dtype, hw = arg
+                if hw is not None:  # a measurement exists now: "none" answers (the float32 fallback) may change
+                    self._machine = {k: v for k, v in self._machine.items() if v is not None or k[0] != device}
+                self._machine[(device, canonical_dtype(dtype))] = hw
+                self.sig_this_machine.emit(arg)
+            elif kind == "measure_progress":
+                self.sig_measure_progress.emit(float(arg[0]), str(arg[1]))
+            elif kind == "measure_done":
+                self.sig_measure_done.emit(arg)
             elif kind == "state":
                 self.state = arg
                 self.sig_state.emit(arg)

@@ -47,7 +47,7 @@ class SamplingParams:
         return cls(temperature=0.0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Capture:
     """What to record per step. Everything is off by default: the forward pass then takes the fast path."""
 

@@ -8,9 +8,12 @@ thread only waits for the CPU, never for the lock.
 Commands are (kind, argument) tuples:
     load (model, device, dtype) · generate GenerateRequest · preview (request_id, text, chat, top)
     pause · resume · step · stop · params SamplingParams · attention_layers frozenset · threads ("auto" or a count)
-    batch_bench (batches, prompt_tokens, new_tokens) · cancel_bench · quit
+    batch_bench (batches, prompt_tokens, new_tokens) · cancel_bench · this_machine (device, dtype)
+    measure (device, dtype, measure_kwargs) · cancel_measure · quit
 Out go engine events (engine.events), PreviewResult, and notices as (kind, argument) tuples: load_progress,
-loaded (ModelInfo, Tokenizer, ModelConfig), load_failed, state, batch_progress, batch_row, batch_done, stopped.
+loaded (ModelInfo, Tokenizer, ModelConfig), load_failed, state, batch_progress, batch_row, batch_done,
+this_machine (device, dtype, Hardware or None), measure_progress, measure_done, stopped. This machine's roofs are
+measured here, not in the GUI: torch lives in this process, and a measurement must not run beside a decode.
 Both ends are this program's own processes, so pickling over the pipes is safe (no file is ever unpickled).
 """
 
@@ -118,11 +121,15 @@ class EngineServer:
             self.preview(*arg)
         elif kind == "batch_bench":
             self.batch_bench(*arg)
+        elif kind == "this_machine":
+            self.this_machine(*arg)
+        elif kind == "measure":
+            self.measure(*arg)
         elif kind == "params":
             self.params = arg
         elif kind == "threads":
             self.set_threads(arg)
-        # pause/resume/step/stop/attention_layers/cancel_bench outside a generation or a bench: nothing to act on
+        # pause/resume/step/stop/attention_layers/cancel_* outside a generation or a bench: nothing to act on
 
     # ---- commands ----
     def load(self, model, device: str, dtype: str) -> None:
@@ -223,6 +230,9 @@ class EngineServer:
                 elif kind == "params":
                     self.params = arg
                     gen.params = arg if arg.seed != gen.params.seed else replace(arg, seed=gen.params.seed)
+                elif kind in ("this_machine", "measure"):
+                    self.pending.append(cmd)  # answered once this generation has ended (a measurement beside a
+                    # decode would time both wrong)
                 elif kind in ("generate", "load", "batch_bench"):
                     gen.stop()
                     self.pending.append(cmd)  # run it once this generation has ended
@@ -245,21 +255,7 @@ class EngineServer:
             return
 
         later: list[tuple[str, object]] = []  # commands that arrive during the bench, run after it
-
-        def should_stop() -> bool:
-            try:
-                while self.commands.poll(0):
-                    cmd = self.commands.recv()
-                    if cmd[0] in ("cancel_bench", "quit"):
-                        self.quit = self.quit or cmd[0] == "quit"
-                        return True
-                    later.append(cmd)
-            except (EOFError, OSError):
-                self.quit = True
-                return True
-            return False
-
-
+        should_stop = self._stop_check("cancel_bench", later)
         try:
             bench_batch(
                 self.session.lm, batches, prompt_tokens, new_tokens,
@@ -273,6 +269,53 @@ class EngineServer:
             self.send(("batch_done", f"failed: {type(e).__name__}: {e}"))
         else:
             self.send(("batch_done", ""))
+        finally:
+            self.pending.extend(later)
+
+    def _stop_check(self, cancel: str, later: list[tuple[str, object]]):
+        """A should_stop() for a long job: True on `cancel` or quit; other commands wait in `later`."""
+
+        def should_stop() -> bool:
+            try:
+                while self.commands.poll(0):
+                    cmd = self.commands.recv()
+                    if cmd[0] in (cancel, "quit"):
+                        self.quit = self.quit or cmd[0] == "quit"
+                        return True
+                    later.append(cmd)
+            except (EOFError, OSError):
+                self.quit = True
+                return True
+            return False
+
+        return should_stop
+
+    def this_machine(self, device: str, dtype: str) -> None:
+        """Answer with this machine's cached measurement for (device, dtype), or None; never measures."""
+        from engine.hardware import this_machine
+
+        try:
+            hw = this_machine(device, dtype)  # the one policy: the dtype's own run, else float32's
+        except Exception:  # noqa: BLE001 — a broken cache only means "not measured"
+            hw = None
+        self.send(("this_machine", (device, dtype, hw)))
+
+    def measure(self, device: str, dtype: str, measure_kwargs: dict) -> None:
+        """Measure this machine's bandwidth and FLOP/s (cached), with progress; cancel_measure or quit stops it."""
+        from engine.hardware import MeasurementCancelled, cached_this_machine
+
+        later: list[tuple[str, object]] = []
+        try:
+            hw = cached_this_machine(device, dtype, refresh=True, progress=lambda f, m: self.send(
+                ("measure_progress", (f, m))), should_stop=self._stop_check("cancel_measure", later),
+                **measure_kwargs)
+        except MeasurementCancelled:
+            self.send(("measure_done", "measurement cancelled"))
+        except Exception as e:  # noqa: BLE001 — the panel must learn that the run ended
+            self.send(("measure_done", f"measuring failed: {type(e).__name__}: {e}"))
+        else:
+            self.send(("this_machine", (device, dtype, hw)))
+            self.send(("measure_done", ""))
         finally:
             self.pending.extend(later)
 

@@ -105,6 +105,7 @@ class BatchingPanel(Panel):
         self._labels: dict[str, list[pg.TextItem]] = {"tl": [], "roof": []}
         self._build()
         bridge.sig_model_loaded.connect(self._on_model_loaded)
+        bridge.sig_this_machine.connect(lambda _answer: self.refresh_this_machine())
         bridge.sig_batch_progress.connect(self._on_progress)
         bridge.sig_batch_row.connect(self._on_row)
         bridge.sig_batch_done.connect(self._on_done)
@@ -288,10 +289,9 @@ class BatchingPanel(Panel):
     def refresh_this_machine(self) -> None:
         """Offer this machine's roofs when engine.hardware's one policy finds a measurement for the model's dtype
         (reading the cache never measures)."""
-        from engine.hardware import this_machine
-
         info = self.bridge.info
-        hw = this_machine(info.device if info is not None else "cpu", self._model_dtype())
+        hw = self.bridge.this_machine(  # the engine's answer; None until it comes (sig_this_machine)
+            info.device if info is not None else "cpu", self._model_dtype())
         self.this_machine = hw
         i = self.roof_combo.findData(THIS_MACHINE)
         if hw is None:

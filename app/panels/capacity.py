@@ -115,6 +115,7 @@ class CapacityPanel(Panel):
         self._build()
         self.refresh_this_machine()
         bridge.sig_model_loaded.connect(self._on_model_loaded)
+        bridge.sig_this_machine.connect(lambda _answer: self.refresh_this_machine())
         if bridge.cfg is not None:
             self._on_model_loaded(bridge.info)
         self._building = False
@@ -291,10 +292,9 @@ class CapacityPanel(Panel):
     def refresh_this_machine(self) -> None:
         """Offer "this machine" when engine.hardware's one policy finds a measurement for the chosen dtype
         (reading the cache never measures)."""
-        from engine.hardware import this_machine
-
         info = self.bridge.info
-        hw = this_machine(info.device if info is not None else "cpu", self.dtype())
+        hw = self.bridge.this_machine(  # the engine's answer; None until it comes (sig_this_machine)
+            info.device if info is not None else "cpu", self.dtype())
         i = self.hw_combo.findData(THIS_MACHINE)
         if hw is None:
             if i >= 0 and self.hw_combo.currentIndex() != i:

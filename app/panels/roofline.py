@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import html
 import math
-import threading
 
 import numpy as np
 import pyqtgraph as pg
@@ -50,14 +49,6 @@ def fmt_intensity(x: float) -> str:
     return f"{x:.0f}" if x >= 100 else f"{x:.3g}" if x >= 0.01 else f"{x:.2g}"
 
 
-class _MeasureSignals(QtCore.QObject):
-    """Emitted from the measuring thread; connected (queued) to the panel in the GUI thread."""
-
-    progress = QtCore.Signal(float, str)
-    done = QtCore.Signal(object, str)
-    failed = QtCore.Signal(str)
-
-
 class RooflinePanel(Panel):
     title = "Roofline"
     object_name = "panel_roofline"
@@ -93,14 +84,12 @@ class RooflinePanel(Panel):
         super().__init__(bridge, parent)
         self.presets: dict[str, Hardware] = hardware_presets()
         self.models = model_presets()
-        self.this_machine: dict[str, Hardware | None] = {}  # engine.hardware.this_machine's answer, by dtype
         self.measure_kwargs: dict = {}  # e.g. {"quick": True} in tests
-        self._measuring: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._signals = _MeasureSignals()
-        self._signals.progress.connect(self._on_measure_progress)
-        self._signals.done.connect(self._on_measure_done)
-        self._signals.failed.connect(self._on_measure_failed)
+        self._measuring: tuple[str, str] | None = None  # (device, dtype) being measured in the engine process
+        self._user_chose_hw = False
+        bridge.sig_this_machine.connect(self._on_this_machine)
+        bridge.sig_measure_progress.connect(self._on_measure_progress)
+        bridge.sig_measure_done.connect(self._on_measure_done)
         self._prefill: PrefillDone | None = None
         self._decode: list[tuple[float, float]] = []  # (intensity, achieved FLOP/s)
         self._n_prompt = 0
@@ -280,15 +269,12 @@ class RooflinePanel(Panel):
         self.hw_combo.setCurrentIndex(i)
 
     def this_machine_roofs(self) -> Hardware | None:
-        """This machine at the chosen dtype by engine.hardware's one policy (asked once per dtype), or None."""
-        dtype = self.dtype()
-        if dtype not in self.this_machine:
-            from engine.hardware import this_machine
-
-            self.this_machine[dtype] = this_machine(self.device(), dtype)
-        return self.this_machine[dtype]
+        """This machine at the chosen dtype by engine.hardware's one policy, as the engine process answers it
+        (None until it has: sig_this_machine then redraws), or None."""
+        return self.bridge.this_machine(self.device(), self.dtype())
 
     def _on_hw_changed(self, _i: int) -> None:
+        self._user_chose_hw = True
         self.mark_dirty()
 
     def _on_choice_changed(self, _v: int) -> None:
@@ -297,43 +283,26 @@ class RooflinePanel(Panel):
     def _on_dtype_changed(self, _i: int) -> None:
         self.mark_dirty()
 
-    # ---- measuring this machine (background thread) ------------------------------------------------------------
+    # ---- measuring this machine (in the engine process) ---------------------------------------------------------
     def measure(self) -> None:
-        """Measure this machine at the chosen dtype (fp32 for a dtype that cannot be timed) in a thread."""
-        if self._measuring is not None and self._measuring.is_alive():
+        """Measure this machine at the chosen dtype (fp32 for a dtype that cannot be timed), in the engine process:
+        torch lives there, and the engine runs it between generations, never beside a decode."""
+        if self._measuring is not None:
             return
         dtype = self.dtype() if self.dtype() in dtypes.MEASURABLE else "fp32"
-        device, kwargs, signals, stop = self.device(), dict(self.measure_kwargs), self._signals, self._stop
-        stop.clear()
-
-        def run() -> None:
-            from engine.hardware import MeasurementCancelled, cached_this_machine
-
-            try:
-                hw = cached_this_machine(device, dtype, refresh=True, progress=signals.progress.emit,
-                                         should_stop=stop.is_set, **kwargs)
-            except MeasurementCancelled:
-                signals.failed.emit("measurement cancelled")
-            except Exception as e:  # noqa: BLE001 — one sentence for the user instead of a dead thread
-                signals.failed.emit(f"measuring failed: {type(e).__name__}: {e}")
-            else:
-                signals.done.emit(hw, dtype)
-
+        device = self.device()
+        self._measuring = (device, canonical_dtype(dtype))
         self.measure_button.setEnabled(False)
         self.progress.setValue(0)
         self.progress.setVisible(True)
-        self.hw_label.setText(f"Measuring this machine ({device}, {dtype})…")
-        self._measuring = threading.Thread(target=run, name="measure-this-machine", daemon=True)
-        self._measuring.start()
+        waiting = " (after the generation)" if self.bridge.state != "idle" else ""
+        self.hw_label.setText(f"Measuring this machine ({device}, {dtype}){waiting}…")
+        self.bridge.measure_machine(device, dtype, **self.measure_kwargs)
 
-    def shutdown(self, timeout_s: float = 5.0) -> bool:
-        """Stop a running measurement and wait for its thread (call before the window goes)."""
-        self._stop.set()
-        t = self._measuring
-        if t is not None:
-            t.join(timeout_s)
-            return not t.is_alive()
-        return True
+    def cancel_measure(self) -> None:
+        """Stop a running measurement (the engine checks between its timed runs)."""
+        if self._measuring is not None:
+            self.bridge.cancel_measure()
 
     @QtCore.Slot(float, str)
     def _on_measure_progress(self, fraction: float, message: str) -> None:
@@ -341,23 +310,28 @@ class RooflinePanel(Panel):
         self.progress.setFormat(message[:40])
         self.progress.setToolTip(message)
 
-    @QtCore.Slot(object, str)
-    def _on_measure_done(self, hw: Hardware, dtype: str) -> None:
-        # the cache now holds it; remember it too, in case the cache could not be written
-        self.this_machine = {dtype: hw}
-        if self.dtype() not in dtypes.MEASURABLE:
-            self.this_machine[self.dtype()] = hw  # the policy's fallback to the float32 measurement
-        self.measure_button.setEnabled(True)
-        self.progress.setVisible(False)
-        self.select_hardware(THIS_MACHINE)
+    @QtCore.Slot(object)
+    def _on_this_machine(self, answer) -> None:
+        """The engine answered a look-up or finished a measurement: (device, dtype, Hardware or None)."""
+        device, dtype, hw = answer
+        if device != self.device():
+            return
+        measured = self._measuring == (device, canonical_dtype(dtype)) and hw is not None
+        if hw is not None and (measured or (canonical_dtype(dtype) == canonical_dtype(self.dtype())
+                                            and not self._user_chose_hw)):
+            self.select_hardware(THIS_MACHINE)  # open on it, as on a cached one at start
+        if measured:
+            self.sig_measured.emit(hw)
         self.mark_dirty()
-        self.sig_measured.emit(hw)
 
     @QtCore.Slot(str)
-    def _on_measure_failed(self, message: str) -> None:
+    def _on_measure_done(self, message: str) -> None:
+        self._measuring = None
         self.measure_button.setEnabled(True)
         self.progress.setVisible(False)
-        self.hw_label.setText(message)
+        if message:
+            self.hw_label.setText(message)
+        self.mark_dirty()
 
     # ---- events ------------------------------------------------------------------------------------------------
     @QtCore.Slot(object)
@@ -368,7 +342,6 @@ class RooflinePanel(Panel):
             dtype = "fp32"
         if dtype in DTYPES:
             self.dtype_combo.setCurrentText(dtype)
-        self.this_machine = {}  # the device may have changed
         if self.this_machine_roofs() is not None:
             self.select_hardware(THIS_MACHINE)
         self.model_combo.setItemText(0, f"Loaded: {info.name}")

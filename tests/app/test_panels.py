@@ -403,26 +403,53 @@ def test_roofline_batch_and_catalogue_model_move_the_analytic_points(qtbot, load
         costs.decode_cost(loaded.cfg, ctx, batch=256, weight_dtype="fp16").intensity)
 
 
-def test_roofline_measures_this_machine_in_the_background(qtbot, loaded):
+def test_roofline_measures_this_machine_in_the_engine_process(qtbot, loaded):
     from app.panels import roofline
 
-    panel = make_panel(qtbot, roofline, loaded)
+    with qtbot.waitSignal(loaded.sig_this_machine, timeout=30_000) as answer:  # the engine answers: not measured
+        panel = make_panel(qtbot, roofline, loaded)
+    assert answer.args[0][2] is None
     panel.hw_combo.setCurrentIndex(0)  # this machine, not measured yet (the test cache is private)
     panel.flush()
     assert panel.roofs() is None and "Measure" in panel.hw_label.text()
     panel.measure_kwargs = {"quick": True}
+    progress = []
+    loaded.sig_measure_progress.connect(lambda f, m: progress.append(f))
     with qtbot.waitSignal(panel.sig_measured, timeout=30_000):
         panel.measure()
         assert not panel.measure_button.isEnabled() and panel.progress.isVisible()
-    assert panel.shutdown()
+    qtbot.waitUntil(lambda: panel.measure_button.isEnabled(), timeout=5_000)
+    assert progress and progress == sorted(progress)
     panel.flush()
     hw = panel.hardware()
     assert hw.measured and panel.roofs()[2] == pytest.approx(costs.ridge_point(hw.peak_for("fp32"),
                                                                                hw.bandwidth_bytes_per_s))
-    assert panel.measure_button.isEnabled()
     # a second panel finds the cached measurement at once
     again = make_panel(qtbot, roofline, loaded)
     assert again.hw_combo.currentData() == roofline.THIS_MACHINE and again.hardware() is not None
+
+
+def test_roofline_measurement_can_be_cancelled(qtbot, loaded):
+    from app.panels import roofline
+
+    panel = make_panel(qtbot, roofline, loaded)
+    with qtbot.waitSignal(loaded.sig_measure_progress, timeout=30_000):
+        panel.measure()  # the full measurement: seconds, with a stop check between its timed runs
+    with qtbot.waitSignal(loaded.sig_measure_done, timeout=30_000) as done:
+        panel.cancel_measure()
+    assert done.args == ["measurement cancelled"]
+    assert panel.measure_button.isEnabled() and "cancelled" in panel.hw_label.text()
+
+
+def test_closing_stops_a_measurement(qtbot):
+    """The window closing (Bridge.shutdown) ends a running measurement: the engine exits on its own, exit code 0."""
+    from app.bridge import Bridge
+
+    b = Bridge()
+    with qtbot.waitSignal(b.sig_measure_progress, timeout=30_000):
+        b.measure_machine("cpu", "float32")
+    assert b.shutdown(timeout_ms=20_000)
+    assert b.process.exitcode == 0  # quit was read between timed runs (a terminate would give -15)
 
 
 # ---- every panel on the real model, rendered ---------------------------------------------------------------------

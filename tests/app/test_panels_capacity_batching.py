@@ -100,15 +100,13 @@ def test_loaded_model_entry(cap, bridge, tiny_lm):
     assert cap.result["kv_bytes_per_token"] == costs.kv_bytes_per_token(tiny_lm.cfg, "fp32")
 
 
-def test_this_machine_only_when_cached(qtbot, bridge, monkeypatch):
-    import engine.hardware
-
-    monkeypatch.setattr(engine.hardware, "load_cached", lambda *a, **k: None)
+def test_this_machine_only_when_cached(qtbot, bridge):
     panel = show(qtbot, capacity.PANEL(bridge))
+    with qtbot.waitSignal(bridge.sig_this_machine, timeout=30_000):  # the engine's answer (private cache: none)
+        pass
     assert panel.hw_combo.findData(capacity.THIS_MACHINE) < 0
     hw = Hardware("this-machine", "This machine (test)", {"fp32": 1e11}, 2e10, 8e9, "test", measured=True)
-    monkeypatch.setattr(engine.hardware, "load_cached", lambda *a, **k: hw)
-    panel.refresh_this_machine()
+    bridge._on_raw(("this_machine", ("cpu", "float32", hw)))  # as the engine process answers once measured
     panel.select(hardware=capacity.THIS_MACHINE, model="smollm2-135m", dtype="fp32", context=1024)
     r = panel.result
     assert r["hardware_measured"] and r["ridge_point"] == pytest.approx(5.0)
