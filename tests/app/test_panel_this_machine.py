@@ -1,4 +1,8 @@
-"""Roofline, Capacity and Batching lab find "this machine" by the same policy (engine.hardware.this_machine)."""
+"""Roofline, Capacity and Batching lab find "this machine" by the same policy (engine.hardware.this_machine).
+
+The engine process answers those look-ups (Bridge.this_machine); here the bridge answers at once by running the
+policy in this process over a fake cache, as the engine would over the real one.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,15 @@ BF16 = Hardware("this-machine", "this machine, bf16 run", {"bf16": 3e11}, 2e10, 
 EXPECTED = {"fp32": FP32, "fp16": FP32, "bf16": BF16, "int8": FP32}
 
 
+def answer_here(monkeypatch, bridge) -> None:
+    """The bridge answers look-ups by the engine's policy, synchronously, in this process."""
+    import engine.hardware
+
+    monkeypatch.setattr(bridge, "this_machine", lambda device, dtype: engine.hardware.this_machine(device, dtype))
+
+
 @pytest.fixture
-def cache(monkeypatch):
+def cache(monkeypatch, bridge):
     import engine.hardware
 
     stored = {"fp32": FP32, "bf16": BF16}
@@ -24,6 +35,7 @@ def cache(monkeypatch):
         return stored.get(canonical_dtype(dtype)) if device == "cpu" else None
 
     monkeypatch.setattr(engine.hardware, "load_cached", load_cached)
+    answer_here(monkeypatch, bridge)
     return asked
 
 
@@ -65,6 +77,7 @@ def test_roofline_never_borrows_another_dtypes_run(qtbot, monkeypatch, loaded):
     monkeypatch.setattr(engine.hardware, "load_cached",
                         lambda device="cpu", dtype="float32", *_a, **_k: BF16 if canonical_dtype(dtype) == "bf16"
                         else None)
+    answer_here(monkeypatch, loaded)
     roof = roofline.PANEL(loaded)
     qtbot.addWidget(roof)
     roof.select_hardware(roofline.THIS_MACHINE)

@@ -106,7 +106,7 @@ def test_this_machine_only_when_cached(qtbot, bridge):
         pass
     assert panel.hw_combo.findData(capacity.THIS_MACHINE) < 0
     hw = Hardware("this-machine", "This machine (test)", {"fp32": 1e11}, 2e10, 8e9, "test", measured=True)
-    bridge._on_raw(("this_machine", ("cpu", "float32", hw)))  # as the engine process answers once measured
+    bridge._on_raw(("this_machine", ("cpu", panel.dtype(), hw)))  # as the engine answers once measured
     panel.select(hardware=capacity.THIS_MACHINE, model="smollm2-135m", dtype="fp32", context=1024)
     r = panel.result
     assert r["hardware_measured"] and r["ridge_point"] == pytest.approx(5.0)
