@@ -34,6 +34,8 @@ def _split_count(out_features: int) -> int:
 
 
 ROPE_ROWS = 4096  # positions of the RoPE table built at load; it doubles as a generation needs more
+HEAD_RESCORE = 64  # candidates whose logits a bf16/fp16 head recomputes in float32 (see Transformer.head)
+HEAD_RESCORE_MAX_ROWS = 64  # positions it does that for (decode and last-position prefill; not long all-logits)
 SPLIT_MAX_ROWS = 4  # up to this many rows the row-block product wins; above it oneDNN does (measured 1–512)
 
 
@@ -45,18 +47,48 @@ def _onednn_linear() -> object | None:
 _ONEDNN_LINEAR = _onednn_linear()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _bf16_packing() -> bool:
+    """Can oneDNN multiply by a bfloat16 weight kept in its own blocked layout (CPUs with native bf16 dot products)?"""
+    try:
+        return (_ONEDNN_LINEAR is not None and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+                and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack_for_decode(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a CPU bfloat16 weight (out, in) for one-row products, or None where it cannot help.
+
+    oneDNN's bf16 kernel wants the weight in its own layout (pairs of input rows interleaved for the bf16 dot
+    product); given a plain tensor it reorders the whole weight on every call, so a one-row product moved ~3 × the
+    weight's bytes (measured: bf16 decode no faster than float32). Reordered once at load, the one-row product
+    reads the bf16 weight once: ~0.4 × float32's time per token here.
+    """
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not _bf16_packing():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """y = x·Wᵀ + b, by the fastest product measured for each shape on the CPU (torch 2.13, 2 cores).
 
-    - a few rows (decode: one row per sequence): F.linear runs on one thread at ~16 GB/s of weights, while a batched
-      product over row-blocks of W, (n, out/n, in) @ (n, in, M), uses every thread at ~48 GB/s;
-    - more rows (prefill): oneDNN's fp32 kernel does ~200 GFLOP/s at 41 rows where F.linear (MKL) does ~95.
-    Elsewhere (CUDA, other dtypes) F.linear.
+    - a few rows (decode: one row per sequence), float32: F.linear runs on one thread at ~16 GB/s of weights, while
+      a batched product over row-blocks of W, (n, out/n, in) @ (n, in, M), uses every thread at ~48 GB/s;
+    - a few rows, bfloat16 with `packed` (pack_for_decode(W)): oneDNN's bf16 kernel on the pre-reordered weight;
+    - more rows (prefill), float32: oneDNN's fp32 kernel does ~200 GFLOP/s at 41 rows where F.linear (MKL) does ~95.
+    Elsewhere (CUDA, bfloat16 prefill, other dtypes) F.linear.
     """
     out_f, in_f = weight.shape
-    if x.device.type != "cpu" or weight.dtype != torch.float32:
+    if x.device.type != "cpu":
         return F.linear(x, weight, bias)
     rows = x.numel() // in_f
+    if packed is not None and rows <= SPLIT_MAX_ROWS:
+        y = _ONEDNN_LINEAR(x.reshape(rows, in_f), packed, bias, "none", [], "")  # (M, out)
+        return y.view(*x.shape[:-1], out_f)
+    if weight.dtype != torch.float32:
+        return F.linear(x, weight, bias)
     n = _split_count(out_f)
     if rows <= SPLIT_MAX_ROWS and n > 1:
         xs = x.reshape(1, rows, in_f).expand(n, rows, in_f).contiguous().transpose(1, 2)  # (n, in, M)
@@ -72,11 +104,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     """nn.Linear whose forward takes the decode fast path of `linear`. Weights always come from a checkpoint."""
 
+    packed: torch.Tensor | None = None  # pack_for_decode(weight), set by Transformer.pack_for_decode()
+
     def reset_parameters(self) -> None:  # random init is wasted work (and slow on the meta device)
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class Embedding(nn.Embedding):
@@ -237,6 +271,7 @@ class Transformer(nn.Module):
         self.output = None if cfg.tied_embeddings else Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rope: torch.Tensor | None = None  # built by init_rope() once the weights are on their device
         self.rope_local: torch.Tensor | None = None  # local layers' table (their own base, no scaling)
+        self.head_packed: torch.Tensor | None = None  # pack_for_decode(lm_head)
 
     def init_rope(self, rows: int = ROPE_ROWS) -> None:
         """Build the RoPE tables for the first `rows` positions; forward grows them when a step needs more.
@@ -249,6 +284,17 @@ class Transformer(nn.Module):
         self.rope_local = self.rope
         if cfg.n_local_layers and (cfg.rope_base_local != cfg.rope_base or cfg.rope_freq_factors):
             self.rope_local = rope_table(cfg.head_dim, rows, cfg.rope_base_local, device)
+
+    def pack_for_decode(self) -> bool:
+        """Keep a oneDNN-layout copy of every bfloat16 projection for decode (see pack_for_decode); True if done.
+
+        The plain weights stay: prefill, captures and batching read them. Costs the weights' bytes once more.
+        """
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for m in linears:
+            m.packed = pack_for_decode(m.weight)
+        self.head_packed = pack_for_decode(self.lm_head)
+        return self.head_packed is not None
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -288,8 +334,20 @@ class Transformer(nn.Module):
         return self.head(x if all_logits else x[:, -1])  # (B, [T,] V)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Residual stream (…, d) → float32 logits (…, V): the final norm, then the LM head."""
-        return linear(self.norm(x), self.lm_head).float()
+        """Residual stream (…, d) → float32 logits (…, V): the final norm, then the LM head.
+
+        In bfloat16 a logit near 25 is rounded to steps of 0.125, coarser than the gap between the two best
+        candidates of many prompts (0.09 for "The" and "L" after "What is the capital of France?"), so ties and
+        flips against float32 come from the output's rounding alone. The HEAD_RESCORE best candidates are therefore
+        recomputed in float32 from the same hidden state (a 64 × d product, ~0.1 ms).
+        """
+        h = self.norm(x)
+        y = linear(h, self.lm_head, packed=self.head_packed)
+        if y.dtype == torch.float32 or h.numel() // h.shape[-1] > HEAD_RESCORE_MAX_ROWS:
+            return y.float()
+        top = torch.topk(y, min(HEAD_RESCORE, y.shape[-1]), dim=-1).indices  # (…, k)
+        exact = torch.einsum("...d,...kd->...k", h.float(), self.lm_head[top].float())  # (…, k)
+        return y.float().scatter(-1, top, exact)
 
 
 def fuse_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -332,4 +390,6 @@ def build_model(
     model.load_state_dict(sd, assign=True, strict=True)
     model.eval().requires_grad_(False)
     model.init_rope()
+    if dtype == torch.bfloat16:
+        model.pack_for_decode()
     return model

@@ -133,11 +133,13 @@ class EngineServer:
 
     # ---- commands ----
     def load(self, model, device: str, dtype: str) -> None:
-        from engine.loaders import ModelLoadError, load
+        from engine.loaders import ModelLoadError, load, preferred_dtype
         from engine.session import Session
 
         self.send(("load_progress", (0.0, "loading model")))
         try:
+            if dtype == "auto":  # the app's default: the fastest dtype that keeps float32's greedy outputs
+                dtype = preferred_dtype(device)
             lm = load(model, device=device, dtype=dtype, progress=lambda f, m: self.send(("load_progress", (f, m))))
         except ModelLoadError as e:
             self.send(("load_failed", str(e)))

@@ -68,6 +68,20 @@ def resolve_device(device: str = "auto") -> torch.device:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def preferred_dtype(device: str = "cpu") -> str:
+    """The dtype the app loads by default: the fastest one whose greedy continuations equal float32's.
+
+    bfloat16 on CUDA, and on CPUs with native bf16 dot products (avx512_bf16, AMX), where decode reads half the bytes
+    (engine.model.pack_for_decode); the default model's greedy continuations on the test prompts are then the same
+    as float32's (tests/engine/test_bf16_decode.py). float32 on other CPUs, where bf16 products are emulated.
+    """
+    from engine.model import _bf16_packing
+
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return "bfloat16"
+    return "bfloat16" if _bf16_packing() else "float32"
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """auto: float32 on CPU (the fastest there, no AMX), bfloat16 on CUDA."""
     if dtype == "auto":

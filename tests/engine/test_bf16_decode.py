@@ -1,0 +1,101 @@
+"""bfloat16 decode through oneDNN's pre-reordered weights (engine.model.pack_for_decode), held to float64 and to
+the float32 model: the packed product against F.linear in float64 on the same bf16 inputs, decode logits of the
+tiny model against its float32 decode, and the real model's greedy continuations against float32's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.testing import assert_close
+
+from engine import model
+from engine.kv_cache import KVCache
+from engine.loaders import load
+from engine.model import SPLIT_MAX_ROWS, linear, pack_for_decode
+
+needs_bf16 = pytest.mark.skipif(not model._bf16_packing(), reason="this CPU has no native bf16 dot products")
+
+
+@needs_bf16
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize(("rows", "n_in", "n_out"),
+                         [(1, 576, 960), (1, 64, 96), (SPLIT_MAX_ROWS, 33, 7), (2, 1536, 576)])
+def test_packed_product_matches_float64(rows, n_in, n_out, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + n_in)
+    w = torch.randn(n_out, n_in, generator=g).bfloat16()
+    x = torch.randn(rows, n_in, generator=g).bfloat16()
+    b = torch.randn(n_out, generator=g).bfloat16() if bias else None
+    packed = pack_for_decode(w)
+    assert packed is not None
+    y = linear(x, w, b, packed)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())  # the same bf16 inputs, exact sums
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n_out)
+    # one bf16 rounding of the output (2^-8 relative) plus float32 accumulation over n_in terms
+    assert_close(y.double(), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+
+
+def test_nothing_is_packed_where_it_cannot_help():
+    assert pack_for_decode(torch.randn(8, 4)) is None  # float32: the row-block split is the fast path
+    assert pack_for_decode(torch.randn(8, 4, device="meta").bfloat16()) is None  # not a CPU tensor
+
+
+def decode_logits(lm, ids: list[int]) -> torch.Tensor:
+    """Prefill the first token, then decode the rest one at a time (the packed path): logits of every step."""
+    cache = KVCache(lm.cfg, 1, len(ids), lm.dtype)
+    out = [lm.model(torch.tensor([ids[:1]]), 0, cache)[0]]
+    for i, t in enumerate(ids[1:], start=1):
+        out.append(lm.model(torch.tensor([[t]]), i, cache)[0])
+    return torch.stack(out)  # (T, V) float32
+
+
+@needs_bf16
+def test_tiny_model_bf16_decode_stays_within_bf16_tolerance_of_float32(tiny_dir, tiny_lm):
+    ids = [1, 17, 42, 99, 3, 250, 7, 64, 128, 5, 33, 200]
+    bf = load(tiny_dir.gguf, device="cpu", dtype="bfloat16", use_cache=False)
+    assert bf.model.head_packed is not None  # decode takes the packed path
+    lf, lb = decode_logits(tiny_lm, ids), decode_logits(bf, ids)
+    assert (lf.argmax(-1) == lb.argmax(-1)).float().mean() > 0.8
+    assert_close(lb, lf, atol=0.3, rtol=0.1)  # the same bound the bf16 prefill is held to (test_model.py)
+    plain = load(tiny_dir.gguf, device="cpu", dtype="bfloat16", use_cache=False)
+    for m in plain.model.modules():
+        if isinstance(m, model.Linear):
+            m.packed = None
+    plain.model.head_packed = None
+    assert_close(lb, decode_logits(plain, ids), atol=0.05, rtol=0.02)  # packing changes the layout, not the math
+
+
+TEST_PROMPTS = ["Explain what a KV cache is in two sentences.", "What is the capital of France?",
+                "Write a haiku about memory bandwidth.", "How do I sort a list in Python?",
+                "Tell me a fun fact about octopuses.", "Give three tips for staying focused."]
+
+
+@needs_bf16
+def test_bf16_head_gives_its_best_candidates_float32_logits(tiny_dir):
+    bf = load(tiny_dir.gguf, device="cpu", dtype="bfloat16", use_cache=False)
+    x = torch.randn(1, bf.cfg.d_model, generator=torch.Generator().manual_seed(3)).bfloat16()
+    logits = bf.model.head(x)[0]  # (V,) float32
+    h = bf.model.norm(x)[0].double()
+    ref = bf.model.lm_head.double() @ h  # float64 from the same bf16 hidden state and weights
+    top = torch.topk(ref, model.HEAD_RESCORE).indices
+    assert_close(logits[top].double(), ref[top], rtol=1e-5, atol=1e-4)  # float32 precision, not bf16's 2^-8
+    assert logits.argmax() == ref.argmax()
+
+
+@pytest.mark.slow
+@needs_bf16
+def test_real_model_bf16_greedy_continuations_equal_float32(real_lm):
+    """Why the app defaults to bfloat16 on this kind of CPU (engine.loaders.preferred_dtype)."""
+    from engine.loaders import preferred_dtype
+    from engine.sampling import SamplingParams
+    from engine.session import Session
+
+    assert preferred_dtype("cpu") == "bfloat16"
+    bf = load(None, device="cpu", dtype="bfloat16")
+    for prompt in TEST_PROMPTS:
+        runs = []
+        for lm in (real_lm, bf):
+            fin = list(Session(lm).generate(prompt, SamplingParams.greedy_params(), 24, chat=True,
+                                            ignore_eos=True))[-1]
+            runs.append(fin.ids.tolist())
+        assert runs[0] == runs[1], prompt
