@@ -28,8 +28,7 @@ import numpy as np
 
 from engine import events as ev_mod
 from engine.config import ModelConfig
-from engine.sampling import SamplingParams
-from engine.session import Capture
+from engine.messages import Capture, SamplingParams  # plain data: the GUI process reads session files, torch-free
 
 FORMAT = "inference-lab-session"
 VERSION = 1
