@@ -265,6 +265,25 @@ def cmd_lens(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(a: argparse.Namespace) -> int:
+    from engine.discover import discover, memory_available
+
+    memory = memory_available()
+    entries = discover(memory=memory)
+    if a.json:
+        print(json.dumps({"memory_available": memory, "models": [e.to_json() for e in entries]}, indent=2))
+        return 0
+    print(f"{len(entries)} models; {memory / 2**30:.1f} GiB of memory available now")
+    for e in entries:
+        params = f"{e.n_params / 1e6:,.0f}M" if e.n_params else "?"
+        quant = ",".join(sorted(e.quant_types)) or "-"
+        fits = "fits" if e.fits.get(a.dtype) else "too big" if e.fits else "?"
+        arch = e.architecture or (e.error and "unreadable") or "?"
+        print(f"{e.source:<11} {e.name:<48} {arch:<10} {params:>8} {e.file_bytes / 2**20:>9,.0f} MiB  {quant:<24} "
+              f"{a.dtype}: {fits}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m engine", description="Inference Lab's engine on the command line.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -272,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     q = sub.add_parser("info", help="facts about the model")
     _add_model_args(q)
     q.set_defaults(func=cmd_info)
+
+    q = sub.add_parser("models", help="the models on this machine (headers only), as the model picker lists them")
+    q.add_argument("--json", action="store_true", help="print JSON instead of text")
+    q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the dtype whose memory need the text listing checks (JSON gives all)")
+    q.set_defaults(func=cmd_models)
 
     q = sub.add_parser("tokenize", help="ids, pieces and spans of a text")
     _add_model_args(q)

@@ -215,5 +215,8 @@ def load(
         weight_bytes=int(costs.weight_bytes(cfg, dname)), kv_bytes_per_token=int(costs.kv_bytes_per_token(cfg, dname)),
         file_type=meta.get("file_type", "unknown"), load_s=time.perf_counter() - t0, from_cache=from_cache,
     )
+    from engine.discover import remember
+
+    remember(path)  # for the model picker's recent files
     report(1.0, "ready")
     return LoadedModel(model=net, tokenizer=tok, cfg=cfg, info=info, device=dev, dtype=dt)
