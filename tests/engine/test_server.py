@@ -35,7 +35,8 @@ class Client:
 def client(tiny_dir):
     c = Client()
     c.send("load", (str(tiny_dir.gguf), "cpu", "float32"))
-    c.until(lambda m: isinstance(m, tuple) and m[0] in ("loaded", "load_failed"))
+    loaded = c.until(lambda m: isinstance(m, tuple) and m[0] in ("loaded", "load_failed"))[-1]
+    assert loaded[0] == "loaded", loaded  # every test below needs the model
     yield c
     c.send("quit")
     c.thread.join(10)
