@@ -65,8 +65,39 @@ def run_ours(dtype: str, capture: str, new_tokens: int, repeats: int, generation
         "load_s": load_s, "from_cache": lm.info.from_cache, "prompt_tokens": int(len(best.prompt_ids)),
         "ttft_s": float(min(f.ttft_s for f in runs)), "tpot_s": _stats(list(best.step_seconds)),
         "tokens_per_s": best.tokens_per_s, "peak_rss_bytes": _rss_peak_bytes(),
-        "rss_over_generations": rss_series, "text": best.text[:80],
+        "rss_over_generations": rss_series, "text": best.text[:80], "tokenizer": tokenizer_timings(lm.tokenizer),
     }
+
+
+def tokenizer_timings(tok, repeats: int = 15) -> dict:
+    """Median seconds to encode a mixed ~2,000-token text and to load the tokenizer back from its cache.
+
+    (Measured here, in the benchmark; unit tests assert no speed, which a busy machine would make flaky.)
+    """
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    from engine.tokenizer import Tokenizer
+
+    words = ["the", "quick", "brown", "fox", "2024", "über", "😀", "\n", "世界", "x=1;", "  ", "<|im_end|>"]
+    text = " ".join(words[(k * 7) % len(words)] for k in range(3000))
+    while len(tok.encode(text).ids) > 2000:
+        text = text[: int(len(text) * 0.95)]
+    encode = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        tok.encode(text)
+        encode.append(time.perf_counter() - t)
+    with tempfile.TemporaryDirectory() as d:
+        tok.save(Path(d))
+        load = []
+        for _ in range(3):
+            t = time.perf_counter()
+            Tokenizer.load(Path(d))
+            load.append(time.perf_counter() - t)
+    return {"encode_tokens": len(tok.encode(text).ids), "encode_s": statistics.median(encode),
+            "load_s": statistics.median(load)}
 
 
 def _current_rss() -> int:
@@ -296,6 +327,10 @@ def _print_report(r: dict) -> None:
         t = x["tpot_s"]
         print(f"{name:<24}{x['load_s']:>8.2f}s{_ms(x['ttft_s']):>10}{_ms(t['mean']):>11}{_ms(t['p50']):>10}"
               f"{_ms(t['p90']):>10}{x['tokens_per_s']:>8.1f}{x['peak_rss_bytes'] / 2**20:>8.0f}MB")
+    tok = next((x["tokenizer"] for x in r["results"].values() if x and "tokenizer" in x), None)
+    if tok:
+        print(f"tokenizer: encode {tok['encode_tokens']:,} tokens {_ms(tok['encode_s'])} (median), "
+              f"load from its cache {_ms(tok['load_s'])}")
     if r["gui"]:
         print("GUI: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r["gui"].items()))
     for k, v in r["ratios"].items():
