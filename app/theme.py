@@ -7,7 +7,13 @@ one glance tells which phase a thing belongs to.
 
 from __future__ import annotations
 
-from PySide6 import QtGui, QtWidgets
+import math
+
+import numpy as np
+from PySide6 import QtCore, QtGui, QtWidgets
+
+from app.units import si
+from engine import costs
 
 # ---- base palette ----------------------------------------------------------------------------------------------
 BACKGROUND = "#1e1f24"  # window and plot background
@@ -25,6 +31,9 @@ SPECIAL_TOKEN_COLOR = "#b35fd0"  # control tokens such as <|im_start|>
 WARNING_COLOR = "#e8b44c"
 ERROR_COLOR = "#f7768e"
 OK_COLOR = "#9ece6a"
+SYSTEM_COLOR = "#bb9af7"  # system tokens/s (all streams together): apart from decode blue (TPOT) and prefill amber
+ROOF_COLOR = "#e8e8e8"  # the roofline's roofs
+RIDGE_COLOR = "#888888"
 
 # Backgrounds for alternating tokens under light text: distinct hues, similar (dark) lightness, so boundaries
 # show without any token looking more important than its neighbours.
@@ -85,26 +94,68 @@ PLOT_FONT_PT = 9  # tick and axis-label size of every plot
 
 
 def style_plot(pi, left: tuple[str, str | None] | None = None, bottom: tuple[str, str | None] | None = None,
-               grid: tuple[bool, bool] = (True, True)) -> None:
+               grid: tuple[bool, bool] = (True, True), *, right: tuple[str, str | None] | None = None,
+               log: tuple[bool, bool] = (False, False), mouse: bool = True,
+               colors: dict[str, str] | None = None) -> None:
     """The common look of a panel's pyqtgraph PlotItem: no menu or buttons, themed ticks and axis labels.
 
-    `left` / `bottom` are (label, units or None). An axis without units gets no automatic SI prefix: a count
-    or a ratio is never shown as "(x0.001)".
+    `left` / `bottom` / `right` are (label, units or None); `right` also shows the right axis. An axis without
+    units gets no automatic SI prefix: a count or a ratio is never shown as "(x0.001)". `log` sets log axes,
+    `mouse=False` fixes the view, `colors` gives an axis label its own colour (by axis name).
     """
     font = QtGui.QFont()
     font.setPointSize(PLOT_FONT_PT)
     pi.setMenuEnabled(False)
     pi.hideButtons()
     pi.showGrid(x=grid[0], y=grid[1], alpha=0.2)
-    style = {"font-size": f"{PLOT_FONT_PT}pt", "color": FOREGROUND}
-    for name, label in (("left", left), ("bottom", bottom)):
+    if any(log):
+        pi.setLogMode(x=log[0], y=log[1])
+    if not mouse:
+        pi.setMouseEnabled(False, False)
+    if right is not None:
+        pi.showAxis("right")
+    for name, label in (("left", left), ("bottom", bottom), ("right", right)):
+        if name == "right" and label is None:
+            continue
         axis = pi.getAxis(name)
         axis.setStyle(tickFont=font)
         axis.setTextPen(FOREGROUND)
         if label is not None:
-            pi.setLabel(name, label[0], units=label[1], **style)
+            colour = (colors or {}).get(name, FOREGROUND)
+            pi.setLabel(name, label[0], units=label[1], **{"font-size": f"{PLOT_FONT_PT}pt", "color": colour})
         if label is None or label[1] is None:
             axis.enableAutoSIPrefix(False)
+
+
+def log_ticks(lo: float, hi: float, most: int = 10, sep: str = "",
+              decades_beyond: float = 3.0) -> list[tuple[float, str]]:
+    """Ticks of a log10 axis between log10 bounds lo and hi, labelled in SI units (1k, 2M, 10G).
+
+    Every 1…9 × 10^k in a range narrower than a factor of about 6, 1-2-5 × 10^k up to `decades_beyond` decades,
+    and whole decades beyond that (every other one, or sparser, when there would be more than `most`).
+    """
+    if hi - lo > decades_beyond:
+        ks = range(math.ceil(lo), math.floor(hi) + 1)
+        stride = max(1, math.ceil(len(ks) / most))
+        return [(float(k), si(10.0**k, sep)) for k in ks if k % stride == 0]
+    steps = (1, 2, 5) if hi - lo > 0.8 else (1, 1.5, 2, 3, 4, 5, 6, 7, 8, 9)
+    ticks = []
+    for k in range(math.floor(lo), math.ceil(hi) + 1):
+        for m in steps:
+            v = m * 10.0**k
+            if lo <= math.log10(v) <= hi:
+                ticks.append((math.log10(v), si(v, sep)))
+    return ticks
+
+
+def roof_points(lo: float, hi: float, peak: float, bandwidth: float) -> tuple[np.ndarray, np.ndarray]:
+    """The roofline min(peak, I · bandwidth) (engine.costs.attainable_flops) between intensities lo and hi.
+
+    On log-log axes both roofs are straight lines, so the ends and the ridge point draw it exactly.
+    """
+    ridge = costs.ridge_point(peak, bandwidth)
+    xs = np.array([lo, *([ridge] if lo < ridge < hi else []), hi], dtype=float)
+    return xs, np.array([costs.attainable_flops(i, peak, bandwidth) for i in xs])
 
 
 def placeholder(pi) -> object:
@@ -127,3 +178,13 @@ def show_empty(pi, note, text: str, x_range: tuple[float, float], y_range: tuple
     note.setText(text)
     note.setPos((x_range[0] + x_range[1]) / 2, (y_range[0] + y_range[1]) / 2)
     note.setVisible(True)
+
+
+def set_number_cell(table: QtWidgets.QTableWidget, row: int, col: int, text: str) -> None:
+    """Write a right-aligned number into a table cell, creating the item on first use."""
+    item = table.item(row, col)
+    if item is None:
+        item = QtWidgets.QTableWidgetItem()
+        item.setTextAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
+        table.setItem(row, col, item)
+    item.setText(text)

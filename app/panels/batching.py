@@ -17,14 +17,21 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app.bridge import Bridge
 from app.guard import guarded
 from app.panels.base import Panel
-from app.panels.capacity import (
+from app.theme import (
     BACKGROUND,
     DECODE_COLOR,
     ERROR_COLOR,
     FOREGROUND,
     MUTED,
+    RIDGE_COLOR,
+    ROOF_COLOR,
     SYSTEM_COLOR,
     log_ticks,
+    placeholder,
+    roof_points,
+    set_number_cell,
+    show_empty,
+    style_plot,
 )
 from app.units import fmt_bandwidth, fmt_flops, fmt_fraction
 from engine import costs
@@ -36,7 +43,11 @@ FONT_PT = 9
 BATCH_CHOICES = (1, 2, 4, 8, 16, 32)
 THIS_MACHINE = "this-machine"
 NO_ROOF = "__none__"
-ROOF_COLOR = "#e8e8e8"
+# The axes before the first run (log10 bounds on the log plots): TPOT in ms and tokens/s, batch 1…32,
+# FLOP/byte 0.1…100 and FLOP/s 1 G…10 T; the rows replace them.
+EMPTY_TPOT_MS, EMPTY_TOKENS_S = (0.0, 100.0), (0.0, 1000.0)
+EMPTY_LOG_TOKENS_S = (0.0, 3.0)
+EMPTY_LOG_INTENSITY, EMPTY_LOG_FLOPS = (-1.0, 2.0), (9.0, 13.0)
 COLUMNS = ("B", "TPOT ms", "tok/s stream", "tok/s system", "FLOP/byte", "GFLOP/s", "GB/s", "of roof")
 
 
@@ -166,11 +177,13 @@ class BatchingPanel(Panel):
 
         self.tl_plot = self._plot("TPOT (ms)", "system tokens/s", log=False)
         tl = self.tl_plot.getPlotItem()
+        self.tl_note = placeholder(tl)
         self.tl_curve = tl.plot([], [], pen=pg.mkPen(SYSTEM_COLOR, width=1.5), symbol="o", symbolSize=8,
                                 symbolBrush=SYSTEM_COLOR, symbolPen=pg.mkPen(BACKGROUND))
 
         self.speed_plot = self._plot("batch size B", "tokens/s", log=True)
         sp = self.speed_plot.getPlotItem()
+        self.speed_note = placeholder(sp)
         self.system_curve = sp.plot([], [], pen=pg.mkPen(SYSTEM_COLOR, width=2), symbol="o", symbolSize=6,
                                     symbolBrush=SYSTEM_COLOR, symbolPen=None)
         self.stream_curve = sp.plot([], [], pen=pg.mkPen(DECODE_COLOR, width=2), symbol="o", symbolSize=6,
@@ -185,7 +198,7 @@ class BatchingPanel(Panel):
         self.roof_plot = self._plot("FLOP/byte", "FLOP/s", log=True)
         rp = self.roof_plot.getPlotItem()
         self.roof_curve = rp.plot([], [], pen=pg.mkPen(ROOF_COLOR, width=2))
-        self.ridge_line = pg.InfiniteLine(angle=90, pen=pg.mkPen("#888888", width=1,
+        self.ridge_line = pg.InfiniteLine(angle=90, pen=pg.mkPen(RIDGE_COLOR, width=1,
                                                                  style=QtCore.Qt.PenStyle.DotLine))
         rp.addItem(self.ridge_line)
         self.gap_lines = rp.plot([], [], pen=pg.mkPen(MUTED, width=1, style=QtCore.Qt.PenStyle.DashLine),
@@ -247,20 +260,7 @@ class BatchingPanel(Panel):
     def _plot(self, x_label: str, y_label: str, log: bool) -> pg.PlotWidget:
         w = pg.PlotWidget(background=BACKGROUND)
         w.setMinimumSize(150, 120)
-        pi = w.getPlotItem()
-        pi.setMenuEnabled(False)
-        pi.hideButtons()
-        pi.setMouseEnabled(False, False)
-        pi.setLogMode(x=log, y=log)
-        pi.showGrid(x=True, y=True, alpha=0.15)
-        style = {"font-size": f"{FONT_PT}pt", "color": FOREGROUND}
-        pi.setLabel("bottom", x_label, **style)
-        pi.setLabel("left", y_label, **style)
-        for name in ("left", "bottom"):
-            ax = pi.getAxis(name)
-            ax.setStyle(tickFont=self._font)
-            ax.setTextPen(FOREGROUND)
-            ax.enableAutoSIPrefix(False)
+        style_plot(w.getPlotItem(), left=(y_label, None), bottom=(x_label, None), log=(log, log), mouse=False)
         return w
 
     def _label(self, kind: str, i: int, plot: pg.PlotWidget, colour: str) -> pg.TextItem:
@@ -459,12 +459,7 @@ class BatchingPanel(Panel):
                      f"{r.tokens_per_s_system:.1f}", f"{r.intensity:.2f}", f"{r.achieved_flops / 1e9:.2f}",
                      f"{r.achieved_bandwidth / 1e9:.2f}", frac)
             for j, text in enumerate(cells):
-                item = self.table.item(i, j)
-                if item is None:
-                    item = QtWidgets.QTableWidgetItem()
-                    item.setTextAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
-                    self.table.setItem(i, j, item)
-                item.setText(text)
+                set_number_cell(self.table, i, j, text)
 
     def _draw_speed(self, rows: list[BatchRow]) -> None:
         b = np.array([r.batch for r in rows], dtype=float)
@@ -472,6 +467,7 @@ class BatchingPanel(Panel):
         system = np.array([r.tokens_per_s_system for r in rows])
         stream = np.array([r.tokens_per_s_per_stream for r in rows])
         self.tl_curve.setData(tpot_ms, system)
+        self._draw_empty_speed(bool(rows))
         for i, label in enumerate(self._labels["tl"]):
             if i >= len(rows):
                 label.setText("")
@@ -500,6 +496,21 @@ class BatchingPanel(Panel):
             sp.getAxis("bottom").setTicks([[(math.log10(v), str(int(v))) for v in b], []])
             sp.getAxis("left").setTicks([log_ticks(y_lo, y_hi), []])
 
+    def _draw_empty_speed(self, has_rows: bool) -> None:
+        """Before the first run: real axes (ms, tokens/s, the batch sizes offered) and what will appear."""
+        self.tl_note.setVisible(not has_rows)
+        self.speed_note.setVisible(not has_rows)
+        if has_rows:
+            return
+        show_empty(self.tl_plot.getPlotItem(), self.tl_note, "Run: one point\nper batch size", EMPTY_TPOT_MS,
+                   EMPTY_TOKENS_S)
+        sp = self.speed_plot.getPlotItem()
+        x = (math.log10(BATCH_CHOICES[0]) - 0.15, math.log10(BATCH_CHOICES[-1]) + 0.15)
+        show_empty(sp, self.speed_note, "Run: tokens/s\nby batch size", x,
+                   EMPTY_LOG_TOKENS_S)
+        sp.getAxis("bottom").setTicks([[(math.log10(b), str(b)) for b in BATCH_CHOICES], []])
+        sp.getAxis("left").setTicks([log_ticks(*EMPTY_LOG_TOKENS_S, decades_beyond=2.0), []])
+
     def _draw_roofline(self, rows: list[BatchRow], roofs: tuple[float, float] | None) -> None:
         rp = self.roof_plot.getPlotItem()
         intensity = np.array([r.intensity for r in rows])
@@ -520,19 +531,20 @@ class BatchingPanel(Panel):
                 label.setPos(math.log10(r.intensity), math.log10(r.achieved_flops))
             if rows:
                 xs, ys = np.log10(intensity), np.log10(achieved)
-                rp.getViewBox().setRange(xRange=(xs.min() - 0.3, xs.max() + 0.3),
-                                         yRange=(ys.min() - 0.6, ys.max() + 0.8), padding=0)
-                self.roof_note.setPos(xs.min() - 0.28, ys.max() + 0.78)
-                rp.getAxis("bottom").setTicks([log_ticks(xs.min() - 0.3, xs.max() + 0.3), []])
-                rp.getAxis("left").setTicks([log_ticks(ys.min() - 0.6, ys.max() + 0.8), []])
+                x_range, y_range = (xs.min() - 0.3, xs.max() + 0.3), (ys.min() - 0.6, ys.max() + 0.8)
+            else:
+                x_range, y_range = EMPTY_LOG_INTENSITY, EMPTY_LOG_FLOPS
+            rp.getViewBox().setRange(xRange=x_range, yRange=y_range, padding=0)
+            self.roof_note.setPos(x_range[0] + 0.02, y_range[1] - 0.02)
+            rp.getAxis("bottom").setTicks([log_ticks(*x_range), []])
+            rp.getAxis("left").setTicks([log_ticks(*y_range), []])
             return
         peak, bw = roofs
         ridge = costs.ridge_point(peak, bw)
         roof_at = np.array([costs.attainable_flops(i, peak, bw) for i in intensity])
         lo = min([ridge / 30] + [i / 2 for i in intensity])
         hi = max([ridge * 6] + [i * 3 for i in intensity])
-        grid = np.logspace(math.log10(lo), math.log10(hi), 120)
-        self.roof_curve.setData(grid, [costs.attainable_flops(i, peak, bw) for i in grid])
+        self.roof_curve.setData(*roof_points(lo, hi, peak, bw))
         self.ridge_line.setVisible(True)
         self.ridge_line.setPos(math.log10(ridge))
         self.analytic_points.setData(intensity, roof_at)

@@ -16,31 +16,22 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app.bridge import Bridge
 from app.guard import guarded
 from app.panels.base import Panel
-from app.units import fmt_bandwidth, fmt_bytes, fmt_flops, fmt_rate, fmt_seconds, si
+from app.theme import (
+    BACKGROUND,
+    DECODE_COLOR,
+    ERROR_COLOR,
+    MUTED,
+    OK_COLOR,
+    SYSTEM_COLOR,
+    WARNING_COLOR,
+    log_ticks,
+    style_plot,
+)
+from app.units import fmt_bandwidth, fmt_bytes, fmt_flops, fmt_rate, fmt_seconds
 from engine.catalog import Hardware, hardware_presets, model_presets
 from engine.config import ModelConfig
 from engine.estimate import estimate
 from engine.events import ModelInfo
-
-try:  # the shared theme; local fallbacks keep the panel usable while it changes
-    from app import theme as _theme
-except ImportError:  # pragma: no cover
-    _theme = None
-
-
-def _colour(name: str, fallback: str) -> str:
-    return getattr(_theme, name, fallback) if _theme is not None else fallback
-
-
-BACKGROUND = _colour("BACKGROUND", "#1e1f24")
-FOREGROUND = _colour("FOREGROUND", "#d8dae0")
-MUTED = _colour("MUTED", "#8b90a0")
-ACCENT = _colour("ACCENT", "#7aa2f7")
-DECODE_COLOR = _colour("DECODE_COLOR", "#4fb0e0")
-OK_COLOR = _colour("OK_COLOR", "#9ece6a")
-ERROR_COLOR = _colour("ERROR_COLOR", "#f7768e")
-WARNING_COLOR = _colour("WARNING_COLOR", "#e8b44c")
-SYSTEM_COLOR = "#bb9af7"  # system tokens/s: apart from decode blue (TPOT) and prefill amber
 
 FONT_PT = 9
 LOADED = "__loaded__"
@@ -48,18 +39,6 @@ THIS_MACHINE = "this-machine"
 DTYPES = (("fp32", "fp32"), ("fp16 / bf16", "fp16"), ("int8", "int8"), ("int4", "int4"))
 SWEEP_MAX_BATCH = 256
 SEED_EXAMPLE = {"model": "llama-2-70b", "hardware": "h100-sxm", "dtype": "fp16", "context": 4096, "batch": 1}
-
-
-def log_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
-    """Ticks at 1, 2, 5 × 10^k between log10 bounds lo and hi (all of 1…9 × 10^k when the range is narrow)."""
-    steps = (1, 2, 5) if hi - lo > 0.8 else (1, 1.5, 2, 3, 4, 5, 6, 7, 8, 9)
-    ticks = []
-    for k in range(math.floor(lo), math.ceil(hi) + 1):
-        for m in steps:
-            v = m * 10.0**k
-            if lo <= math.log10(v) <= hi:
-                ticks.append((math.log10(v), si(v)))
-    return ticks
 
 
 def sweep_batches(max_batch: int = SWEEP_MAX_BATCH, points: int = 48) -> np.ndarray:
@@ -238,21 +217,9 @@ class CapacityPanel(Panel):
         self.plot = pg.PlotWidget(background=BACKGROUND)
         self.plot.setMinimumWidth(220)
         pi = self.plot.getPlotItem()
-        pi.setMenuEnabled(False)
-        pi.hideButtons()
-        pi.setMouseEnabled(False, False)
-        pi.setLogMode(x=True, y=True)
-        pi.showGrid(x=True, y=True, alpha=0.15)
-        label_style = {"font-size": f"{FONT_PT}pt"}
-        pi.setLabel("bottom", "batch size", color=FOREGROUND, **label_style)
-        pi.setLabel("left", "TPOT ms: floor ─, roofline ┄", color=DECODE_COLOR, **label_style)
-        pi.showAxis("right")
-        pi.setLabel("right", "system tokens/s", color=SYSTEM_COLOR, **label_style)
-        for name in ("left", "bottom", "right"):
-            ax = pi.getAxis(name)
-            ax.setStyle(tickFont=self._font)
-            ax.setTextPen(FOREGROUND)
-            ax.enableAutoSIPrefix(False)
+        style_plot(pi, left=("TPOT ms: floor ─, roofline ┄", None), bottom=("batch size", None),
+                   right=("system tokens/s", None), log=(True, True), mouse=False,
+                   colors={"left": DECODE_COLOR, "right": SYSTEM_COLOR})
         pi.getAxis("bottom").setTicks([[(math.log10(b), str(b)) for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)], []])
         self.tpot_curve = pi.plot([], [], pen=pg.mkPen(DECODE_COLOR, width=2))
         # The roofline estimate, max(compute, memory): it leaves the floor once a step turns compute-bound.

@@ -12,7 +12,16 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app import units
 from app.bridge import Bridge
 from app.panels.base import Panel
-from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, PREFILL_COLOR, placeholder, show_empty, style_plot
+from app.theme import (
+    ACCENT,
+    BACKGROUND,
+    DECODE_COLOR,
+    PREFILL_COLOR,
+    placeholder,
+    set_number_cell,
+    show_empty,
+    style_plot,
+)
 from engine import costs
 from engine.config import ModelConfig
 from engine.events import KVCacheGrew, ModelInfo, PromptTokenized
@@ -239,12 +248,7 @@ class KVCachePanel(Panel):
                 per = costs.kv_bytes_per_token(cfg, dtype, batch)
                 cells = (per, per * now, per * full, costs.kv_bytes_per_token(no_gqa, dtype, batch) * full)
                 for c, value in enumerate(cells):
-                    item = self.table.item(r, c)
-                    if item is None:
-                        item = QtWidgets.QTableWidgetItem()
-                        item.setTextAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
-                        self.table.setItem(r, c, item)
-                    item.setText(fmt_bytes(value))
+                    set_number_cell(self.table, r, c, fmt_bytes(value))
                 r += 1
         self.table.setVerticalHeaderLabels(labels)
         ratio = cfg.n_heads / cfg.n_kv_heads

@@ -17,8 +17,17 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from app.panels.base import Panel
-from app.theme import BACKGROUND, DECODE_COLOR, PREFILL_COLOR, style_plot
-from app.units import fmt_amount, fmt_bandwidth, fmt_bytes, fmt_flops, fmt_fraction, si
+from app.theme import (
+    BACKGROUND,
+    DECODE_COLOR,
+    PREFILL_COLOR,
+    RIDGE_COLOR,
+    ROOF_COLOR,
+    log_ticks,
+    roof_points,
+    style_plot,
+)
+from app.units import fmt_amount, fmt_bandwidth, fmt_bytes, fmt_flops, fmt_fraction
 from engine import costs, dtypes
 from engine.catalog import Hardware, canonical_dtype, hardware_presets, model_presets
 from engine.config import ModelConfig
@@ -31,15 +40,11 @@ DEFAULT_PROMPT = 512  # prompt length of the analytic points before any prompt a
 MAX_BATCH = 1024
 MAX_PROMPT = 131_072
 DTYPES = ("fp32", "fp16", "bf16", "int8")
-ROOF_COLOR = "#e8e8e8"
 
 
-def decade_ticks(lo: float, hi: float, most: int = 10) -> list[tuple[float, str]]:
-    """Ticks at whole decades between log10 bounds lo and hi (every other one, or sparser, beyond `most`),
-    labelled in SI units."""
-    ks = range(math.ceil(lo), math.floor(hi) + 1)
-    step = max(1, math.ceil(len(ks) / most))
-    return [(float(k), si(10.0**k, " ")) for k in ks if k % step == 0]
+def decades(lo: float, hi: float, most: int = 10) -> list[tuple[float, str]]:
+    """Ticks at whole decades only (the roofline spans many), labelled "1 T", "10 G"."""
+    return log_ticks(lo, hi, most, sep=" ", decades_beyond=0.0)
 
 
 def fmt_intensity(x: float) -> str:
@@ -172,12 +177,11 @@ class RooflinePanel(Panel):
 
         self.plot = pg.PlotWidget(background=BACKGROUND)
         pi = self.plot.getPlotItem()
-        pi.setLogMode(x=True, y=True)
-        style_plot(pi, left=("attainable FLOP/s", None), bottom=("arithmetic intensity (FLOP/byte)", None))
-        for name in ("left", "bottom"):
-            pi.getAxis(name).enableAutoSIPrefix(False)
+        style_plot(pi, left=("attainable FLOP/s", None), bottom=("arithmetic intensity (FLOP/byte)", None),
+                   log=(True, True))
         self.roof = pi.plot([], [], pen=pg.mkPen(ROOF_COLOR, width=2.5))
-        self.ridge_line = pg.InfiniteLine(angle=90, pen=pg.mkPen("#888888", width=1, style=QtCore.Qt.PenStyle.DotLine))
+        self.ridge_line = pg.InfiniteLine(angle=90, pen=pg.mkPen(RIDGE_COLOR, width=1,
+                                                                 style=QtCore.Qt.PenStyle.DotLine))
         pi.addItem(self.ridge_line)
         self.ridge_text = self._text(ROOF_COLOR, anchor=(0, 1))
         self.roof_text = self._text("#bbbbbb", anchor=(0, 0))
@@ -435,9 +439,7 @@ class RooflinePanel(Panel):
         self.roof_text.setText(f"memory roof {fmt_bandwidth(bw)} · I")
         labels = self._analytic_labels(analytic, ridge)
         labels, lo, hi = self._fit_labels(labels, lo, hi, y_hi - y_lo, peak, bw, ridge)
-        grid = np.logspace(math.log10(lo), math.log10(hi), 200)
-        roof = np.array([costs.attainable_flops(i, peak, bw) for i in grid])
-        self.roof.setData(grid, roof)
+        self.roof.setData(*roof_points(lo, hi, peak, bw))
         self.ridge_line.setVisible(True)
         self.ridge_line.setPos(math.log10(ridge))
         self.ridge_text.setText(f"ridge {ridge:.3g} FLOP/B")
@@ -452,8 +454,8 @@ class RooflinePanel(Panel):
         x_lo, x_hi = math.log10(lo), math.log10(hi)
         pi.getViewBox().setRange(xRange=(x_lo, x_hi), yRange=(y_lo, y_hi), padding=0)
         # no tick label at the very right edge, where it would be cut in half
-        pi.getAxis("bottom").setTicks([decade_ticks(x_lo, x_hi - 0.03 * (x_hi - x_lo), most=9), []])
-        pi.getAxis("left").setTicks([decade_ticks(y_lo, y_hi), []])
+        pi.getAxis("bottom").setTicks([decades(x_lo, x_hi - 0.03 * (x_hi - x_lo), most=9), []])
+        pi.getAxis("left").setTicks([decades(y_lo, y_hi), []])
         self._set_takeaway(ridge, analytic)
 
     def _analytic_labels(self, analytic: dict[str, StepCost], ridge: float) -> list[tuple[str, float, str, int]]:

@@ -131,3 +131,16 @@ def test_attention_empty_axes_and_notes(qtbot, loaded, tiny_run):
         loaded._on_raw(ev)
     panel.flush()
     assert not panel.heat_note.isVisible() and not panel.norm_note.isVisible()
+
+
+def test_batching_empty_axes(qtbot, loaded):
+    panel = make(qtbot, "batching", loaded)
+    tl, sp = panel.tl_plot.getPlotItem(), panel.speed_plot.getPlotItem()
+    (x0, x1), (y0, y1) = tl.getViewBox().viewRange()
+    assert x0 == 0 and y0 == 0 and x1 > 0 and y1 > 0  # ms and tokens/s start at zero
+    (bx0, bx1), _ = sp.getViewBox().viewRange()  # log10 of the batch sizes offered, 1…32
+    assert bx0 < 0 < 1.5 < bx1 < 1.7
+    assert [t for _, t in sp.getAxis("bottom")._tickLevels[0]] == ["1", "2", "4", "8", "16", "32"]
+    for pi in (tl, sp, panel.roof_plot.getPlotItem()):
+        no_scale_nonsense(pi)
+    assert panel.tl_note.isVisible() and panel.speed_note.isVisible()
