@@ -28,7 +28,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face model directory (default: SmolLM2)")
+    p.add_argument("--model", default=None, help="a .gguf file, a Hugging Face model directory or a known model "
+                   "(smollm2, gemma3-270m); default: SmolLM2")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--json", action="store_true", help="print JSON instead of text")

@@ -17,7 +17,7 @@ Per layer the decoder holds wq (q_dim×d), wk and wv (kv_dim×d each), wo (d×q_
 w_gate and w_up (ffn×d each) and w_down (d×ffn), and two RMSNorm weight vectors (d each); Qwen2 adds biases
 on q, k and v (q_dim + 2·kv_dim). Around the layers sit the token embedding (vocab×d), the final norm (d)
 and the LM head (vocab×d), which is the embedding matrix itself when the embeddings are tied, so it is
-counted once then.
+counted once then. Gemma 3 has four norms per layer and per-head q/k norms (2·head_dim).
 
 FLOPs of a step
 ---------------
@@ -33,6 +33,8 @@ prefill of n tokens starting at position s (a reused prefix of s cached tokens) 
     Σ_{p=s}^{s+n-1} (p + 1) = n·s + n·(n + 1)/2   query-key pairs,
 and one decode step at context c (c positions including the new one) sees c pairs. These are the useful
 pairs; a kernel that computes the full square and masks half of it performs more arithmetic than this.
+A local (sliding-window) layer lets position p read only keys p − W + 1…p, i.e. min(p + 1, W) keys
+(window_pairs); Gemma 3 has five local layers (W = 512) for each global one.
 
 Bytes of a step
 ---------------
@@ -45,7 +47,10 @@ KV cache: per token and per layer the cache keeps one key and one value vector p
 A step writes the keys and values of its new tokens (kv_write_bytes) and reads those of the positions that were
 in the cache before it (kv_read_bytes): a step of n tokens after s cached ones reads s and writes n positions.
 Its own new keys and values are used while they are fresh, like the other activations, and are not counted
-again as a read. One decode step at context c is such a step with n = 1 and s = c − 1.
+again as a read. One decode step at context c is such a step with n = 1 and s = c − 1. A local layer reads at
+most W − 1 cached positions and needs to keep only the last W, so at context c the cache holds
+    2 · n_kv_heads · head_dim · bytes per value · (n_global · c + n_local · min(c, W))   (kv_bytes).
+The engine's cache (engine.kv_cache) keeps at most 2·W positions in a local layer.
 
 Time
 ----
@@ -88,7 +93,8 @@ def n_params(cfg: ModelConfig) -> int:
     """Total parameters of the model, in parameters (a tied embedding/LM-head matrix counted once)."""
     d = cfg.d_model
     bias = (cfg.q_dim + 2 * cfg.kv_dim) if cfg.qkv_bias else 0
-    per_layer = layer_matrix_params(cfg) + 2 * d + bias
+    norms = (4 if cfg.post_norms else 2) * d + (2 * cfg.head_dim if cfg.qk_norm else 0)  # Gemma 3: 4 + q/k norms
+    per_layer = layer_matrix_params(cfg) + norms + bias
     embedding = cfg.vocab_size * d
     lm_head = 0 if cfg.tied_embeddings else cfg.vocab_size * d
     return cfg.n_layers * per_layer + embedding + d + lm_head
@@ -106,9 +112,40 @@ def step_weight_bytes(cfg: ModelConfig, dtype: str, rows: int) -> float:
     return (n_params(cfg) - untouched + looked_up) * bytes_per_value(dtype)
 
 
+def step_weight_bytes_file(cfg: ModelConfig, file_bytes: float, embedding_file_bytes: float, rows: int) -> float:
+    """The same weights at the file's own format (e.g. Q4_K blocks), as llama.cpp would stream them, in bytes.
+
+    file_bytes: all tensors of the file; embedding_file_bytes: its token-embedding table, of which an untied model
+    reads only the `rows` looked-up rows.
+    """
+    if cfg.tied_embeddings:
+        return float(file_bytes)
+    return file_bytes - embedding_file_bytes + min(rows, cfg.vocab_size) * embedding_file_bytes / cfg.vocab_size
+
+
 def kv_bytes_per_token(cfg: ModelConfig, dtype: str, batch: int = 1) -> float:
-    """Keys plus values that one position adds to the cache across all layers (times `batch`), in bytes."""
+    """Keys plus values that one position adds to the cache across all layers (times `batch`), in bytes.
+
+    This is the growth while the context is shorter than any sliding window; past it, local layers stop growing
+    (see kv_bytes).
+    """
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * bytes_per_value(dtype) * batch
+
+
+def kv_bytes(cfg: ModelConfig, dtype: str, context: int, batch: int = 1) -> tuple[float, float]:
+    """KV cache holding `context` positions, split (global layers, local layers), in bytes.
+
+    A global layer keeps every position; a local (sliding-window) layer needs only the last min(context, window):
+        2 · kv_heads · head_dim · bytes per value · (n_global · context + n_local · min(context, window)).
+    """
+    per_position = 2 * cfg.n_kv_heads * cfg.head_dim * bytes_per_value(dtype) * batch
+    local = min(context, cfg.sliding_window) if cfg.sliding_window else context
+    return per_position * cfg.n_global_layers * context, per_position * cfg.n_local_layers * local
+
+
+def kv_bytes_per_token_at(cfg: ModelConfig, dtype: str, context: int, batch: int = 1) -> float:
+    """Average KV bytes per position of a cache holding `context` positions (windowed layers capped), in bytes."""
+    return sum(kv_bytes(cfg, dtype, context, batch)) / context
 
 
 def linear_flops_per_token(cfg: ModelConfig) -> float:
@@ -131,6 +168,27 @@ def causal_pairs(n_tokens: int, start: int = 0) -> int:
     return n_tokens * start + n_tokens * (n_tokens + 1) // 2
 
 
+def window_pairs(n_tokens: int, start: int, window: int) -> int:
+    """Query-key pairs of n queries at positions start… in a sliding window: Σ_p min(p + 1, window), in pairs."""
+    unclipped = max(0, min(start + n_tokens, window) - start)  # queries that still see every earlier key
+    return unclipped * start + unclipped * (unclipped + 1) // 2 + (n_tokens - unclipped) * window
+
+
+def attention_flops(cfg: ModelConfig, n_tokens: int, start: int = 0) -> float:
+    """QKᵀ and AV of n queries after `start` cached positions, global layers causal and local ones windowed, in
+    FLOPs: 4 · heads · head_dim per query-key pair and layer."""
+    per_pair_layer = 2.0 * 2.0 * cfg.n_heads * cfg.head_dim
+    local = window_pairs(n_tokens, start, cfg.sliding_window) if cfg.sliding_window else 0
+    return per_pair_layer * (cfg.n_global_layers * causal_pairs(n_tokens, start) + cfg.n_local_layers * local)
+
+
+def kv_positions_read(cfg: ModelConfig, start: int) -> int:
+    """Cached positions a step after `start` cached ones reads, summed over layers: a local layer reads at most
+    window − 1 of them (its first new query reaches back that far)."""
+    local = min(start, cfg.sliding_window - 1) if cfg.sliding_window else start
+    return cfg.n_global_layers * start + cfg.n_local_layers * local
+
+
 def prefill_cost(
     cfg: ModelConfig,
     n_tokens: int,
@@ -149,14 +207,14 @@ def prefill_cost(
     logit_rows = n_tokens if all_logits else 1
     per_sequence = (
         n_tokens * linear_flops_per_token(cfg)
-        + causal_pairs(n_tokens, start) * attention_flops_per_pair(cfg)
+        + attention_flops(cfg, n_tokens, start)
         + logit_rows * lm_head_flops_per_token(cfg)
     )
     kv_token = kv_bytes_per_token(cfg, kv_dtype)
     return StepCost(
         flops=batch * per_sequence,
         weight_bytes=step_weight_bytes(cfg, weight_dtype, rows=n_tokens * batch),
-        kv_read_bytes=start * kv_token * batch,
+        kv_read_bytes=kv_positions_read(cfg, start) * kv_token / cfg.n_layers * batch,
         kv_write_bytes=n_tokens * kv_token * batch,
     )
 

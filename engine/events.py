@@ -43,6 +43,21 @@ class ModelInfo:
     file_type: str
     load_s: float
     from_cache: bool
+    # sliding-window attention (Gemma 3, Mistral): 0 and all "global" when the model has none
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
+    rope_base_local: float = 0.0
+    # KV bytes one position adds in the global and in the local layers (the local part only while the context is
+    # shorter than the window); kv_bytes_per_token above is the average per position at the full context_length
+    kv_bytes_per_token_global: int = 0
+    kv_bytes_per_token_local: int = 0
+    # the file's own storage: bytes and values by tensor type (GGUF: Q4_K, Q6_K, F32, …; safetensors: BF16, …)
+    file_bytes_by_type: dict[str, int] = field(default_factory=dict)
+    file_params_by_type: dict[str, int] = field(default_factory=dict)
+    file_bits_per_weight: dict[str, float] = field(default_factory=dict)
+    # weights one decode step streams: at the file's format (as llama.cpp would) and at the running dtype
+    decode_weight_bytes_file: int = 0
+    decode_weight_bytes: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -40,7 +40,7 @@ from engine.locate import (  # noqa: F401 — re-exported: where callers have al
 from engine.model import Transformer, build_model, fuse_state_dict
 from engine.tokenizer import Tokenizer
 
-CACHE_VERSION = "3"  # bump when the converted weights or the tokenizer change (3: tokenizer cache format 2)
+CACHE_VERSION = "4"  # bump when the converted weights or the tokenizer change (4: file tensor stats in meta)
 
 Progress = Callable[[float, str], None]
 
@@ -101,7 +101,8 @@ def _cache_dir(path: Path) -> Path:
 
 def _read_source(
     path: Path, progress: Progress
-) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, str]:
+) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, dict]:
+    """Config, weights (float32, engine names), tokenizer and facts about the file (its format, bytes by type)."""
     if path.is_dir():
         from engine.loaders import hf
 
@@ -109,7 +110,8 @@ def _read_source(
         cfg = hf.read_config(path)
         progress(0.2, "reading safetensors")
         sd = hf.read_weights(path, cfg)
-        return cfg, sd, _tokenizer(Tokenizer.from_dir, path, "tokenizer.json"), "safetensors"
+        tok = _tokenizer(Tokenizer.from_dir, path, "tokenizer.json")
+        return cfg, sd, tok, {"file_type": "safetensors", **hf.tensor_stats(path)}
     from engine.loaders import gguf as gg
 
     progress(0.05, f"parsing {path.name}")
@@ -118,7 +120,7 @@ def _read_source(
     progress(0.3, "building the tokenizer")
     tok = _tokenizer(Tokenizer.from_gguf, reader, "the GGUF tokenizer")
     sd = gg.read_weights(reader, cfg, lambda f, m: progress(0.35 + 0.5 * f, m))
-    return cfg, sd, tok, gg.file_type_name(reader)
+    return cfg, sd, tok, {"file_type": gg.file_type_name(reader), **gg.tensor_stats(reader)}
 
 
 def _tokenizer(build: Callable[[object], Tokenizer], source: object, what: str) -> Tokenizer:
@@ -185,8 +187,8 @@ def load(
                 shutil.rmtree(cdir, ignore_errors=True)
                 from_cache = False
         if not from_cache:
-            cfg, sd, tok, file_type = _read_source(path, report)
-            meta = {"file_type": file_type, "source": str(path)}
+            cfg, sd, tok, meta = _read_source(path, report)
+            meta["source"] = str(path)
             if cdir is not None:
                 report(0.85, "writing the weight cache for a fast next start")
                 sd = fuse_state_dict(sd, cfg)
@@ -207,13 +209,26 @@ def load(
     del sd
     n_params = sum(p.numel() for p in net.parameters())
     dname = str(dt).removeprefix("torch.")
+    files = {k: tuple(v) for k, v in meta.get("file_tensors", {}).items()}  # type -> (bytes, values)
+    file_bytes = sum(b for b, _ in files.values())
+    per_position = costs.kv_bytes_per_token(cfg, dname) / cfg.n_layers  # one position in one layer
     info = ModelInfo(
         name=cfg.name, path=str(path), architecture=cfg.architecture, n_layers=cfg.n_layers,
         d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
         ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, context_length=cfg.context_length,
         rope_base=cfg.rope_base, n_params=n_params, dtype=dname, device=str(dev),
-        weight_bytes=int(costs.weight_bytes(cfg, dname)), kv_bytes_per_token=int(costs.kv_bytes_per_token(cfg, dname)),
+        weight_bytes=int(costs.weight_bytes(cfg, dname)),
+        kv_bytes_per_token=round(costs.kv_bytes_per_token_at(cfg, dname, cfg.context_length)),
         file_type=meta.get("file_type", "unknown"), load_s=time.perf_counter() - t0, from_cache=from_cache,
+        sliding_window=cfg.sliding_window, layer_types=cfg.layer_types, rope_base_local=cfg.rope_base_local,
+        kv_bytes_per_token_global=round(per_position * cfg.n_global_layers),
+        kv_bytes_per_token_local=round(per_position * cfg.n_local_layers),
+        file_bytes_by_type={k: b for k, (b, _) in files.items()},
+        file_params_by_type={k: n for k, (_, n) in files.items()},
+        file_bits_per_weight={k: round(8 * b / n, 4) for k, (b, n) in files.items() if n},
+        decode_weight_bytes_file=round(costs.step_weight_bytes_file(
+            cfg, file_bytes, meta.get("file_embedding_bytes", 0), rows=1)) if files else 0,
+        decode_weight_bytes=round(costs.step_weight_bytes(cfg, dname, rows=1)),
     )
     from engine.discover import remember
 

@@ -161,6 +161,19 @@ def file_type_name(reader) -> str:
         return f"type {ft}"
 
 
+def tensor_stats(reader) -> dict:
+    """The file's own storage: {"file_tensors": {ggml type: [bytes, values]}, "file_embedding_bytes": bytes}."""
+    by_type: dict[str, list[int]] = {}
+    embedding = 0
+    for t in reader.tensors:
+        entry = by_type.setdefault(t.tensor_type.name, [0, 0])
+        entry[0] += int(t.n_bytes)
+        entry[1] += int(t.n_elements)
+        if t.name == "token_embd.weight":
+            embedding = int(t.n_bytes)
+    return {"file_tensors": by_type, "file_embedding_bytes": embedding}
+
+
 def read_weights(
     reader, cfg: ModelConfig, progress: Callable[[float, str], None] | None = None
 ) -> dict[str, torch.Tensor]:

@@ -237,6 +237,25 @@ def check_safetensors(path: Path) -> None:
             )
 
 
+def tensor_stats(directory: Path) -> dict:
+    """The checkpoint's own storage: {"file_tensors": {dtype: [bytes, values]}, "file_embedding_bytes": bytes}."""
+    from safetensors import safe_open
+
+    by_type: dict[str, list[int]] = {}
+    embedding = 0
+    for f in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():  # noqa: SIM118 — safe_open is not a mapping
+                sl = st.get_slice(name)
+                dtype, values = sl.get_dtype(), math.prod(sl.get_shape())
+                entry = by_type.setdefault(dtype, [0, 0])
+                entry[0] += values * WEIGHT_DTYPES.get(dtype, 4)
+                entry[1] += values
+                if name == "model.embed_tokens.weight":
+                    embedding = values * WEIGHT_DTYPES.get(dtype, 4)
+    return {"file_tensors": by_type, "file_embedding_bytes": embedding}
+
+
 def read_weights(directory: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
