@@ -2,7 +2,8 @@
 
 Both dequantize the same blocks to float32, so the logits must agree to float32 rounding, and greedy continuations
 must be the same tokens. transformers takes ~40 s (more on a busy machine) to convert the file; it runs once per
-module. The prompt ids are transformers' tokenization of the prompts, so this test needs no Gemma tokenizer.
+module. The prompt ids are transformers' tokenization of the prompts; the CLI tests tokenize with the engine's own
+tokenizer and must reach the same ids and continuations.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ from torch.testing import assert_close
 pytest.importorskip("transformers")
 
 from engine.kv_cache import KVCache  # noqa: E402
-from engine.loaders import gemma3_path  # noqa: E402
-from engine.loaders import gguf as gg  # noqa: E402
-from engine.model import build_model  # noqa: E402
+from engine.loaders import gemma3_path, load  # noqa: E402
+from tests.engine.test_cli import cli  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -57,9 +57,9 @@ def reference(gemma_file):
 
 @pytest.fixture(scope="module")
 def engine_model(gemma_file):
-    reader = gg.open_reader(gemma_file)
-    cfg = gg.read_config(reader, "gemma-3-270m")
-    return build_model(cfg, gg.read_weights(reader, cfg), torch.float32), cfg
+    """Loaded once through the engine's own path, which also writes the weight cache the CLI tests then read."""
+    lm = load("gemma3-270m", device="cpu", dtype="float32")
+    return lm.model, lm.cfg
 
 
 def test_config_read_from_the_file(engine_model):
@@ -94,3 +94,39 @@ def test_greedy_continuation_matches_transformers(engine_model, reference, text)
             out.append(int(logits.argmax()))
             logits = model(torch.tensor([[out[-1]]]), len(ids) + len(out) - 1, cache)[0]
     assert out == reference[text][1]
+
+
+def test_cli_info_json(engine_model):
+    import json
+
+    r = cli("info", "--model", "gemma3-270m", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["n_layers"], d["d_model"], d["n_heads"], d["n_kv_heads"], d["head_dim"], d["vocab_size"]) == (
+        18, 640, 4, 1, 256, 262144)
+    assert d["sliding_window"] == 512 and d["layer_types"].count("global") == 3 and len(d["layer_types"]) == 18
+    assert d["n_params"] == 268_098_176  # = transformers' Gemma3ForCausalLM on this file (tied head once)
+    per_layer = 2 * 1 * 256 * 4  # K and V, one KV head of 256, float32
+    assert d["kv_bytes_per_token_global"] == 3 * per_layer and d["kv_bytes_per_token_local"] == 15 * per_layer
+    # at the full 32,768-token context the 15 local layers hold 512 positions each
+    assert d["kv_bytes_per_token"] == round(per_layer * (3 * 32768 + 15 * 512) / 32768)
+    assert set(d["file_bytes_by_type"]) == {"F32", "Q5_0", "Q4_K", "Q8_0", "Q6_K"}
+    assert d["file_bits_per_weight"]["Q8_0"] == 8.5 and d["file_bits_per_weight"]["Q4_K"] == 4.5
+    assert d["file_bits_per_weight"]["Q5_0"] == 5.5 and d["file_bits_per_weight"]["Q6_K"] == 6.5625
+    tensors = sum(d["file_bytes_by_type"].values())
+    assert gemma3_path().stat().st_size - 10_000_000 < tensors < gemma3_path().stat().st_size  # + tokenizer
+    assert d["decode_weight_bytes_file"] == tensors  # tied: the Q8_0 embedding is read whole as the LM head
+    assert d["decode_weight_bytes"] == (d["n_params"] + 640) * 4  # + the looked-up embedding row
+
+
+def test_cli_logits_and_generate_match_transformers(engine_model, reference):
+    import json
+
+    text = "The capital of France is"
+    d = json.loads(cli("logits", "--model", "gemma3-270m", "--prompt", text, "--top", "3", "--json",
+                       timeout=600).stdout)
+    assert d["prompt_ids"] == PROMPTS[text]  # the engine's tokenizer = transformers' on this prompt
+    assert d["candidates"][0]["id"] == int(reference[text][0][-1].argmax())
+    g = json.loads(cli("generate", "--model", "gemma3-270m", "--prompt", text, "--greedy", "--ignore-eos",
+                       "--max-new-tokens", str(NEW_TOKENS), "--json", timeout=600).stdout)
+    assert g["ids"] == reference[text][1]
