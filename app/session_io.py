@@ -112,6 +112,9 @@ def replay(window, saved: SavedSession) -> str | None:
             bridge.sig_params.emit(params)
         for ev in saved.events:
             bridge._on_raw(ev)
+        branches = window.panels.get("branches")
+        if branches is not None and saved.branches:
+            branches.restore(saved.branches)
     finally:
         if recorder is not None:
             recorder.replaying = False
@@ -168,7 +171,11 @@ def current_session(window) -> SavedSession:
     text = prompt.text() if prompt is not None else (gen.text() if gen is not None else "")
     chat = prompt.chat() if prompt is not None else (gen.chat() if gen is not None else False)
     max_new = gen.max_tokens.value() if gen is not None else 0
-    return window.recorder.snapshot(text, chat, max_new)
+    saved = window.recorder.snapshot(text, chat, max_new)
+    branches = window.panels.get("branches")
+    if branches is not None and len(branches.branches) > 1:
+        saved.branches = branches.export()
+    return saved
 
 
 def save_session_to(window, path: str | os.PathLike[str]) -> bool:

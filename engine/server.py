@@ -40,6 +40,8 @@ class GenerateRequest:
     capture: Capture = field(default_factory=Capture)
     ignore_eos: bool = False
     start_paused: bool = False  # prefill, then wait for step or resume
+    prompt_ids: tuple[int, ...] = ()  # when given, the prompt as token ids (a fork's prefix); `text` is then a label
+    forced: tuple[tuple[int, int], ...] = ()  # (step, token id) pairs put in place of sampling (a fork: ((0, id),))
 
 
 @dataclass(frozen=True)
@@ -189,8 +191,9 @@ class EngineServer:
             self.send(("state", "idle"))
             return
         try:
-            gen = self.session.generate(req.text, req.params, req.max_new_tokens, req.capture, chat=req.chat,
-                                        ignore_eos=req.ignore_eos)
+            prompt = list(req.prompt_ids) if req.prompt_ids else req.text
+            gen = self.session.generate(prompt, req.params, req.max_new_tokens, req.capture, chat=req.chat,
+                                        ignore_eos=req.ignore_eos, forced=dict(req.forced))
         except ValueError as e:
             self.send(Failed(message=str(e)))
             self.send(("state", "idle"))

@@ -155,3 +155,18 @@ def test_threads_setting_applies_from_the_next_step(client, monkeypatch):
     assert "threads" in client.until(lambda m: isinstance(m, Failed))[-1].message  # refused, with the reason
     client.send("resume")
     assert client.until(lambda m: isinstance(m, Finished))[-1].reason == "length"
+
+
+def test_a_fork_request_continues_from_its_prefix(client):
+    greedy = SamplingParams.greedy_params()
+    client.send("generate", GenerateRequest("the cat sat", chat=False, max_new_tokens=6, params=greedy,
+                                            ignore_eos=True))
+    base = client.until(lambda m: isinstance(m, Finished))[-1]
+    prefix = tuple(base.prompt_ids.tolist() + base.ids[:2].tolist())
+    alt = (int(base.ids[2]) + 1) % 300
+    client.send("generate", GenerateRequest("fork", chat=False, max_new_tokens=4, params=greedy, ignore_eos=True,
+                                            prompt_ids=prefix, forced=((0, alt),)))
+    seen = client.until(lambda m: isinstance(m, Finished))
+    fork = seen[-1]
+    assert fork.prompt_ids.tolist() == list(prefix) and fork.ids[0] == alt
+    assert [m.forced for m in seen if isinstance(m, TokenSampled)] == [True, False, False, False]

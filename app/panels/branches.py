@@ -1,0 +1,410 @@
+"""Branches: how sure the model was of each token, what it could have said instead, and forks from there.
+
+The output of the shown run is coloured by each token's probability (or by its step's entropy), with a legend.
+Hovering a token lists the step's top alternatives with their raw and final probabilities; clicking a token opens
+the same list as a menu, and choosing an alternative forks the generation at that step with that token
+(engine: GenerateRequest.prompt_ids + forced, which reuses the KV cache of the shared prefix). Every run and fork
+is kept in a tree; selecting a branch shows it in every panel again, and two branches can be compared side by side.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from PySide6 import QtCore, QtGui, QtWidgets
+
+from app import theme
+from app.bridge import Bridge, GenerateRequest
+from app.panels.base import Panel
+from engine.events import Finished, PromptTokenized, TokenSampled
+
+ALTERNATIVES = 5
+BINS = 10  # colour steps of the legend
+
+
+def confidence_color(x: float) -> QtGui.QColor:
+    """x in [0, 1] (1 = sure) → red … amber … green, dark enough for white text."""
+    x = min(1.0, max(0.0, x))
+    hue = 0.0 + 0.33 * x  # red (0) → green (0.33)
+    return QtGui.QColor.fromHsvF(hue, 0.75, 0.55)
+
+
+def token_entropy_bits(ev: TokenSampled) -> float | None:
+    """Entropy of the step's raw distribution in bits, from the captured logits (None when not captured)."""
+    if ev.logits is None:
+        return None
+    x = np.asarray(ev.logits, dtype=np.float64)
+    x = x - x.max()
+    p = np.exp(x)
+    p /= p.sum()
+    nz = p[p > 0]
+    return float(-(nz * np.log2(nz)).sum())
+
+
+def token_prob(ev: TokenSampled) -> tuple[float | None, float | None]:
+    """(raw, final) probability of the chosen token at its step, from the funnel (None when not captured)."""
+    f = ev.funnel
+    if f is None:
+        return None, None
+    hit = np.flatnonzero(f.ids == ev.token_id)
+    if not hit.size:
+        return None, None
+    return float(f.p_raw[hit[0]]), float(f.p_final[hit[0]])
+
+
+@dataclass
+class Branch:
+    """One run: its events, and where it forked from (parent branch, step, token)."""
+
+    name: str
+    events: list = field(default_factory=list)
+    parent: int | None = None  # index of the parent branch
+    step: int = 0  # the parent's step it forked at (its step 0 is the forced token)
+    token: int = -1
+
+    @property
+    def prompt(self) -> PromptTokenized | None:
+        return next((e for e in self.events if isinstance(e, PromptTokenized)), None)
+
+    @property
+    def tokens(self) -> list[TokenSampled]:
+        return [e for e in self.events if isinstance(e, TokenSampled)]
+
+    @property
+    def finished(self) -> Finished | None:
+        return next((e for e in reversed(self.events) if isinstance(e, Finished)), None)
+
+    def summary(self) -> str:
+        toks = self.tokens
+        probs = [p for p in (token_prob(t)[0] for t in toks) if p is not None]
+        fin = self.finished
+        parts = [f"{len(toks)} tokens"]
+        if probs:
+            parts.append(f"mean p {np.mean(probs):.2f}")
+            parts.append(f"perplexity {math.exp(-np.mean(np.log(np.maximum(probs, 1e-12)))):.2f}")
+        if fin is not None:
+            parts.append(f"TTFT {1e3 * fin.ttft_s:.0f} ms · TPOT {1e3 * fin.tpot_s:.1f} ms")
+        return " · ".join(parts)
+
+
+def branch_html(branch: Branch, mode: str, tokenizer=None) -> str:
+    """The branch's prompt (muted) and its tokens, each an anchor coloured by confidence."""
+    out = ["<div style='white-space: pre-wrap; font-family: monospace;'>"]
+    p = branch.prompt
+    if p is not None:
+        out.append(f"<span style='color:{theme.MUTED}'>{html.escape(p.text)}</span>")
+    for t in branch.tokens:
+        text = t.text or (t.piece if tokenizer is not None and tokenizer.is_special(t.token_id) else "")
+        if not text:
+            continue
+        x = None
+        if mode == "entropy":
+            h = token_entropy_bits(t)
+            x = None if h is None else 1.0 - min(1.0, h / 8.0)  # 0 bits sure … 8 bits and more unsure
+        else:
+            x = token_prob(t)[0]
+        bg = confidence_color(x).name() if x is not None else theme.SURFACE_ALT
+        deco = "underline" if t.forced else "none"  # a forced token (a fork's first) is underlined
+        out.append(f"<a href='step:{t.step}' style='color:#ffffff; text-decoration:{deco}; background:{bg};'>"
+                   f"{html.escape(text)}</a>")
+    out.append("</div>")
+    return "".join(out)
+
+
+def alternatives_text(ev: TokenSampled, n: int = ALTERNATIVES) -> str:
+    f = ev.funnel
+    head = f"step {ev.step} · chose {ev.piece!r} (id {ev.token_id}){' · forced' if ev.forced else ''}"
+    if f is None:
+        return head + "\n(no funnel captured for this step)"
+    order = np.argsort(-f.p_raw)[:n]
+    rows = [f"{f.pieces[i]!r:>14}  raw {f.p_raw[i]:.3f}  final {f.p_final[i]:.3f}" for i in order]
+    return head + "\n" + "\n".join(rows)
+
+
+class BranchesPanel(Panel):
+    title = "Branches"
+    object_name = "panel_branches"
+    help_text = (
+        "How sure the model was of each token, and what else it could have said. Each generated token is "
+        "coloured by its probability under the model (raw softmax, before the sampling settings) or by the "
+        "entropy of its step (in bits: how spread the distribution was); red is unsure, green sure. Hover a token "
+        "for its step's top alternatives with raw and final (after temperature, top-k, top-p, min-p) "
+        "probabilities. Click a token and pick an alternative to fork: the generation continues from that step "
+        "with that token and the current settings, reusing the KV cache of the shared prefix. Every run and fork "
+        "is a branch in the tree; select one to show it in every panel, tick two and press Compare to see them "
+        "side by side."
+    )
+
+    sig_fork_requested = QtCore.Signal(int, int)
+    """A fork was asked for: (step, token id) of the shown branch."""
+
+    def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(bridge, parent)
+        self.branches: list[Branch] = []
+        self.shown: int | None = None
+        self._recording: int | None = None  # the branch the incoming events belong to
+        self._pending_fork: tuple[int, int, int] | None = None  # (parent, step, token) of a fork sent to the engine
+        self._replaying = False
+        self._build()
+        bridge.sig_prompt.connect(self._on_prompt)
+        for sig in (bridge.sig_prefill, bridge.sig_token, bridge.sig_finished, bridge.sig_kv, bridge.sig_attention,
+                    bridge.sig_norms, getattr(bridge, "sig_lens", None)):
+            if sig is not None:
+                sig.connect(self._on_event)
+        self.mark_dirty()
+
+    def _build(self) -> None:
+        self.mode = QtWidgets.QComboBox()
+        self.mode.addItem("colour by probability", "prob")
+        self.mode.addItem("colour by entropy", "entropy")
+        self.mode.currentIndexChanged.connect(lambda _i: self.mark_dirty())
+        self.legend = QtWidgets.QLabel()
+        self.legend.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        top = QtWidgets.QHBoxLayout()
+        top.addWidget(self.mode)
+        top.addWidget(self.legend, 1)
+
+        self.view = QtWidgets.QTextBrowser()
+        self.view.setOpenLinks(False)
+        self.view.setMouseTracking(True)
+        self.view.highlighted.connect(self._on_hover)
+        self.view.anchorClicked.connect(self._on_anchor)
+        self.view.setPlaceholderText("Generate to see each token's confidence; click a token to fork.")
+
+        self.tree = QtWidgets.QTreeWidget()
+        self.tree.setHeaderLabels(["branch", "tokens · confidence · timing"])
+        self.tree.itemClicked.connect(self._on_tree_clicked)
+        self.compare_btn = QtWidgets.QPushButton("Compare ticked")
+        self.compare_btn.setToolTip("Tick two branches in the tree, then compare them side by side")
+        self.compare_btn.clicked.connect(self.compare_ticked)
+        right = QtWidgets.QWidget()
+        rl = QtWidgets.QVBoxLayout(right)
+        rl.setContentsMargins(0, 0, 0, 0)
+        rl.addWidget(self.tree, 1)
+        rl.addWidget(self.compare_btn)
+
+        split = QtWidgets.QSplitter(QtCore.Qt.Orientation.Horizontal)
+        split.addWidget(self.view)
+        split.addWidget(right)
+        split.setSizes([500, 300])
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addLayout(top)
+        layout.addWidget(split, 1)
+
+    # ---- recording ----
+    @QtCore.Slot(object)
+    def _on_prompt(self, ev: PromptTokenized) -> None:
+        if self._replaying:
+            return
+        if self._pending_fork is not None:
+            parent, step, token = self._pending_fork
+            self._pending_fork = None
+            piece = self.bridge.tokenizer.piece(token) if self.bridge.tokenizer is not None else str(token)
+            b = Branch(f"fork @ {step}: {piece!r}", [ev], parent, step, token)
+        else:
+            b = Branch(f"run {sum(x.parent is None for x in self.branches) + 1}", [ev])
+        self.branches.append(b)
+        self._recording = self.shown = len(self.branches) - 1
+        self._rebuild_tree()
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_event(self, ev: object) -> None:
+        if self._replaying or self._recording is None:
+            return
+        self.branches[self._recording].events.append(ev)
+        if isinstance(ev, (TokenSampled, Finished)) and self._recording == self.shown:
+            self.mark_dirty()
+        if isinstance(ev, Finished):
+            self._rebuild_tree()
+
+    def clear(self) -> None:
+        self.branches, self.shown, self._recording, self._pending_fork = [], None, None, None
+        self.tree.clear()
+        super().clear()
+
+    # ---- sessions ----
+    def export(self) -> list[dict]:
+        """The branches as plain records for a session file."""
+        return [{"name": b.name, "parent": b.parent, "step": b.step, "token": b.token, "shown": i == self.shown,
+                 "events": list(b.events)} for i, b in enumerate(self.branches)]
+
+    def restore(self, records: list[dict]) -> None:
+        """Take the branches of an opened session (the shown one was replayed through the bridge already)."""
+        if not records:
+            return
+        self.branches = [Branch(r["name"], list(r["events"]), r.get("parent"), int(r.get("step", 0)),
+                                int(r.get("token", -1))) for r in records]
+        self.shown = next((i for i, r in enumerate(records) if r.get("shown")), len(records) - 1)
+        self._recording = None
+        self._rebuild_tree()
+        self.mark_dirty()
+
+    # ---- forking ----
+    def fork(self, step: int, token: int) -> bool:
+        """Fork the shown branch at `step` with `token`; False when it cannot start now."""
+        gen = self._generation_panel()
+        if self.shown is None or self.bridge.state != "idle" or self.bridge.info is None:
+            return False
+        b = self.branches[self.shown]
+        p = b.prompt
+        if p is None:
+            return False
+        prefix = tuple(int(i) for i in p.ids) + tuple(t.token_id for t in b.tokens[:step])
+        max_new = gen.max_tokens.value() if gen is not None else 64
+        capture = gen.capture_for("", False) if gen is not None else None
+        req = GenerateRequest(
+            text=f"fork of {b.name} at step {step}", chat=False, max_new_tokens=max_new, params=self.bridge.params,
+            ignore_eos=bool(getattr(gen, "ignore_eos", False)), prompt_ids=prefix, forced=((0, int(token)),),
+            **({"capture": capture} if capture is not None else {}),
+        )
+        self._pending_fork = (self.shown, step, int(token))
+        self._recording = None
+        self.bridge.generate(req)
+        self.sig_fork_requested.emit(step, int(token))
+        return True
+
+    def _generation_panel(self):
+        w = self.window()
+        panels = getattr(w, "panels", {})
+        return panels.get("generation")
+
+    # ---- switching and comparing ----
+    def show_branch(self, index: int) -> None:
+        """Show branch `index` in every panel (its events go through the bridge again)."""
+        if not 0 <= index < len(self.branches) or self.bridge.state != "idle":
+            return
+        self._replaying = True
+        try:
+            for ev in self.branches[index].events:
+                self.bridge._on_raw(ev)
+        finally:
+            self._replaying = False
+        self.shown = index
+        self._rebuild_tree()
+        self.mark_dirty()
+
+    def compare_ticked(self) -> QtWidgets.QDialog | None:
+        ticked = [int(self._item(i).data(0, QtCore.Qt.ItemDataRole.UserRole))
+                  for i in range(self.tree.topLevelItemCount())
+                  if self._item(i).checkState(0) == QtCore.Qt.CheckState.Checked]
+        if len(ticked) != 2:
+            QtWidgets.QToolTip.showText(QtGui.QCursor.pos(), "Tick exactly two branches to compare.")
+            return None
+        return self.compare(*ticked)
+
+    def compare(self, a: int, b: int) -> QtWidgets.QDialog:
+        dialog = QtWidgets.QDialog(self)
+        dialog.setWindowTitle(f"{self.branches[a].name}  ↔  {self.branches[b].name}")
+        dialog.setAttribute(QtCore.Qt.WidgetAttribute.WA_DeleteOnClose)
+        grid = QtWidgets.QGridLayout(dialog)
+        mode = self.mode.currentData()
+        for col, i in enumerate((a, b)):
+            br = self.branches[i]
+            title = QtWidgets.QLabel(f"<b>{html.escape(br.name)}</b><br>{html.escape(br.summary())}")
+            title.setTextFormat(QtCore.Qt.TextFormat.RichText)
+            view = QtWidgets.QTextBrowser()
+            view.setHtml(branch_html(br, mode, self.bridge.tokenizer))
+            grid.addWidget(title, 0, col)
+            grid.addWidget(view, 1, col)
+        dialog.resize(1000, 500)
+        dialog.show()
+        self.compare_dialog = dialog
+        return dialog
+
+    def _item(self, i: int) -> QtWidgets.QTreeWidgetItem:
+        return self.tree.topLevelItem(i)
+
+    def _rebuild_tree(self) -> None:
+        ticked = {i for i in range(self.tree.topLevelItemCount())
+                  if self._item(i).checkState(0) == QtCore.Qt.CheckState.Checked}
+        self.tree.clear()
+        for i, b in enumerate(self.branches):
+            depth, p = 0, b.parent
+            while p is not None:
+                depth, p = depth + 1, self.branches[p].parent
+            item = QtWidgets.QTreeWidgetItem([("  " * depth) + ("└ " if depth else "") + b.name, b.summary()])
+            item.setData(0, QtCore.Qt.ItemDataRole.UserRole, i)
+            item.setCheckState(0, QtCore.Qt.CheckState.Checked if i in ticked else QtCore.Qt.CheckState.Unchecked)
+            if i == self.shown:
+                f = item.font(0)
+                f.setBold(True)
+                item.setFont(0, f)
+                item.setFont(1, f)
+            self.tree.addTopLevelItem(item)
+        self.tree.resizeColumnToContents(0)
+
+    @QtCore.Slot(QtWidgets.QTreeWidgetItem, int)
+    def _on_tree_clicked(self, item: QtWidgets.QTreeWidgetItem, column: int) -> None:
+        if column == 0 and item.checkState(0) == QtCore.Qt.CheckState.Checked:
+            return  # a tick, not a switch
+        index = item.data(0, QtCore.Qt.ItemDataRole.UserRole)
+        if index is not None and index != self.shown:
+            self.show_branch(int(index))
+
+    # ---- hover and click ----
+    def _token_at(self, url: QtCore.QUrl | str) -> TokenSampled | None:
+        s = url.toString() if isinstance(url, QtCore.QUrl) else str(url)
+        if not s.startswith("step:") or self.shown is None:
+            return None
+        step = int(s.removeprefix("step:"))
+        return next((t for t in self.branches[self.shown].tokens if t.step == step), None)
+
+    @QtCore.Slot(QtCore.QUrl)
+    def _on_hover(self, url: QtCore.QUrl) -> None:
+        t = self._token_at(url)
+        if t is None:
+            QtWidgets.QToolTip.hideText()
+            return
+        QtWidgets.QToolTip.showText(QtGui.QCursor.pos(), alternatives_text(t), self.view)
+
+    @QtCore.Slot(QtCore.QUrl)
+    def _on_anchor(self, url: QtCore.QUrl) -> None:
+        t = self._token_at(url)
+        if t is None:
+            return
+        self.bridge.select_step(t.step)
+        menu = self.alternatives_menu(t)
+        if menu is not None:
+            menu.popup(QtGui.QCursor.pos())
+
+    def alternatives_menu(self, t: TokenSampled) -> QtWidgets.QMenu | None:
+        f = t.funnel
+        if f is None:
+            return None
+        menu = QtWidgets.QMenu(self)
+        menu.addSection(f"step {t.step}: fork with another token")
+        for i in np.argsort(-f.p_raw)[:ALTERNATIVES]:
+            tok = int(f.ids[i])
+            label = f"{f.pieces[i]!r}   raw {f.p_raw[i]:.3f} · final {f.p_final[i]:.3f}"
+            action = menu.addAction(label + ("   (chosen)" if tok == t.token_id else ""))
+            action.setEnabled(tok != t.token_id)
+            action.triggered.connect(lambda _c=False, s=t.step, k=tok: self.fork(s, k))
+        self.last_menu = menu
+        return menu
+
+    # ---- drawing ----
+    def draw(self) -> None:
+        mode = self.mode.currentData()
+        swatches = "".join(
+            f"<span style='background:{confidence_color((i + 0.5) / BINS).name()}'>&nbsp;&nbsp;&nbsp;</span>"
+            for i in range(BINS))
+        ends = ("p 0", "p 1") if mode == "prob" else ("≥ 8 bits", "0 bits")
+        self.legend.setText(f"{ends[0]} {swatches} {ends[1]} "
+                            f"<span style='color:{theme.MUTED}'>· underlined: forced · hover: alternatives · "
+                            f"click: fork</span>")
+        if self.shown is None:
+            self.view.clear()
+            return
+        bar = self.view.verticalScrollBar()
+        at_end = bar.value() >= bar.maximum() - 4
+        self.view.setHtml(branch_html(self.branches[self.shown], mode, self.bridge.tokenizer))
+        if at_end:
+            bar.setValue(bar.maximum())
+
+
+PANEL = BranchesPanel

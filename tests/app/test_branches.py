@@ -1,0 +1,82 @@
+"""Branches panel: confidence colours, alternatives, forking from an alternative, switching and comparing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from app import session_io
+from app.panels.branches import alternatives_text, branch_html, confidence_color, token_entropy_bits, token_prob
+from engine.events import PrefillDone, TokenSampled
+from tests.app.test_sessions import generate
+
+pytestmark = pytest.mark.qt_log_ignore("This plugin does not support raise")
+
+
+def test_confidence_colours_go_from_red_to_green():
+    hues = [confidence_color(x).hueF() for x in (0.0, 0.5, 1.0)]
+    assert hues[0] < hues[1] < hues[2] and hues[0] == pytest.approx(0.0, abs=0.01)
+
+
+def fork_and_wait(qtbot, w, panel, step, token):
+    with qtbot.waitSignal(w.bridge.sig_finished, timeout=30_000):
+        assert panel.fork(step, token)
+    qtbot.waitUntil(lambda: w.bridge.state == "idle", timeout=10_000)
+    w.tick_panels(flush=True)
+
+
+def test_fork_from_an_alternative_then_switch_and_compare(qtbot, window, tmp_path):
+    panel = window.panels["branches"]
+    generate(qtbot, window, n=6)
+    qtbot.waitUntil(lambda: window.bridge.state == "idle", timeout=10_000)
+    assert len(panel.branches) == 1 and panel.shown == 0
+    main = panel.branches[0]
+    toks = main.tokens
+    # colours and hover text come from the step's own funnel
+    t2 = toks[2]
+    raw, final = token_prob(t2)
+    i = int(np.flatnonzero(t2.funnel.ids == t2.token_id)[0])
+    assert raw == pytest.approx(float(t2.funnel.p_raw[i])) and final == pytest.approx(float(t2.funnel.p_final[i]))
+    h = token_entropy_bits(t2)
+    p = np.exp(t2.logits - t2.logits.max())
+    p /= p.sum()
+    assert h == pytest.approx(float(-(p[p > 0] * np.log2(p[p > 0])).sum()), rel=1e-6)
+    text = alternatives_text(t2)
+    assert text.count("raw") == 5 and "final" in text
+    page = branch_html(main, "prob")
+    assert page.count("href='step:") == sum(1 for t in toks if t.text) and confidence_color(raw).name() in page
+    menu = panel.alternatives_menu(t2)
+    actions = [a for a in menu.actions() if not a.isSeparator()]
+    assert len(actions) == 5 and sum(not a.isEnabled() for a in actions) <= 1  # the chosen one is disabled
+
+    alt = next(int(t) for t in t2.funnel.ids[np.argsort(-t2.funnel.p_raw)] if int(t) != t2.token_id)
+    fork_and_wait(qtbot, window, panel, 2, alt)
+    assert len(panel.branches) == 2 and panel.shown == 1
+    fork = panel.branches[1]
+    assert (fork.parent, fork.step, fork.token) == (0, 2, alt)
+    prefix = main.prompt.ids.tolist() + [t.token_id for t in toks[:2]]
+    assert fork.prompt.ids.tolist() == prefix
+    assert fork.tokens[0].token_id == alt and fork.tokens[0].forced
+    pre = next(e for e in fork.events if isinstance(e, PrefillDone))
+    assert pre.n_reused == len(prefix) - 1  # the KV cache of the shared prefix was reused
+    gen = window.panels["generation"]
+    assert [t.token_id for t in gen.tokens] == [t.token_id for t in fork.tokens]
+
+    panel.show_branch(0)  # every panel shows the first run again
+    window.tick_panels(flush=True)
+    assert [t.token_id for t in gen.tokens] == [t.token_id for t in toks]
+    assert len(panel.branches) == 2 and panel.shown == 0
+
+    dialog = panel.compare(0, 1)
+    views = dialog.findChildren(type(panel.view))
+    assert len(views) == 2 and "fork @ 2" in dialog.windowTitle()
+    dialog.close()
+
+    # branches travel in the session file
+    path = tmp_path / "b.ilab"
+    assert session_io.save_session_to(window, path)
+    from engine.session_file import load_session
+
+    saved = load_session(path, with_tokenizer=False)
+    assert [b["name"] for b in saved.branches] == [b.name for b in panel.branches]
+    assert sum(isinstance(e, TokenSampled) for e in saved.branches[1]["events"]) == len(fork.tokens)
