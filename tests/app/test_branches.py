@@ -58,7 +58,9 @@ def test_fork_from_an_alternative_then_switch_and_compare(qtbot, window, tmp_pat
     assert fork.prompt.ids.tolist() == prefix
     assert fork.tokens[0].token_id == alt and fork.tokens[0].forced
     pre = next(e for e in fork.events if isinstance(e, PrefillDone))
-    assert pre.n_reused == len(prefix) - 1  # the KV cache of the shared prefix was reused
+    # The KV cache of the shared prefix was reused (all of it unless a typing preview ran in between and kept only
+    # the prompt's part; the engine test holds the exact count).
+    assert pre.n_reused >= len(main.prompt.ids) - 1 and pre.n_reused + pre.n_tokens == len(prefix)
     gen = window.panels["generation"]
     assert [t.token_id for t in gen.tokens] == [t.token_id for t in fork.tokens]
 
