@@ -12,9 +12,10 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from engine.threads import threads_arg
+
 if TYPE_CHECKING:
     from engine.sampling import SamplingParams
-
 
 
 class CliError(Exception):
@@ -33,19 +34,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-
-
-def threads_arg(value: str) -> int | str:
-    """--threads: "auto" (adapt to the machine's load at run time, see engine.threads) or a fixed count ≥ 1."""
-    if value == "auto":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"takes auto or a positive integer, got {value!r}")
-    return n
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:

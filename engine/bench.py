@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.threads import threads_arg
+
 PROMPT = "Explain what a KV cache is in two sentences."
 
 
@@ -32,7 +34,7 @@ def _stats(seconds: list[float]) -> dict:
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90))}
 
 
-def run_ours(dtype: str, capture: str, new_tokens: int, repeats: int, generations: int) -> dict:
+def run_ours(dtype: str, capture: str, new_tokens: int, repeats: int, generations: int, threads: int | str) -> dict:
     import torch
 
     from engine.events import Finished
@@ -42,7 +44,7 @@ def run_ours(dtype: str, capture: str, new_tokens: int, repeats: int, generation
 
     t0 = time.perf_counter()
     lm = load(None, device="cpu", dtype=dtype)
-    session = Session(lm)
+    session = Session(lm, threads=threads)
     load_s = time.perf_counter() - t0
     cap = Capture.everything(lm.cfg.n_layers) if capture == "all" else Capture()
     greedy = SamplingParams.greedy_params()
@@ -55,13 +57,14 @@ def run_ours(dtype: str, capture: str, new_tokens: int, repeats: int, generation
         assert isinstance(fin, Finished), fin
         runs.append(fin)
     best = min(runs, key=lambda f: f.tpot_s)
+    ended_at = session.threads.current if session.threads else torch.get_num_threads()
     rss_series = []
     for _ in range(generations):  # memory must not grow over many generations
         for _ in session.generate(PROMPT, greedy, 16, cap, chat=True, ignore_eos=True):
             pass
         rss_series.append(_current_rss())
     return {
-        "impl": "ours", "dtype": dtype, "capture": capture, "threads": torch.get_num_threads(),
+        "impl": "ours", "dtype": dtype, "capture": capture, "threads": str(threads), "threads_at_end": ended_at,
         "load_s": load_s, "from_cache": lm.info.from_cache, "prompt_tokens": int(len(best.prompt_ids)),
         "ttft_s": float(min(f.ttft_s for f in runs)), "tpot_s": _stats(list(best.step_seconds)),
         "tokens_per_s": best.tokens_per_s, "peak_rss_bytes": _rss_peak_bytes(),
@@ -126,7 +129,7 @@ def run_hf(dtype: str, new_tokens: int, repeats: int) -> dict:
     def once(n: int) -> tuple[float, list[float]]:
         with torch.inference_mode():
             t = time.perf_counter()
-            out = model(ids, use_cache=True)
+            out = model(ids, use_cache=True, logits_to_keep=1)  # the last position's logits only, as ours
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             ttft = time.perf_counter() - t
             past, steps = out.past_key_values, []
@@ -147,14 +150,51 @@ def run_hf(dtype: str, new_tokens: int, repeats: int) -> dict:
     }
 
 
+def run_llama_cpp(new_tokens: int, repeats: int, threads: int) -> dict:
+    """llama.cpp (llama-cpp-python) on the same Q4_1 GGUF file, same prompt ids, greedy, streamed token by token."""
+    from llama_cpp import Llama, __version__
+
+    from engine.loaders import default_model_path
+    from engine.tokenizer import Tokenizer
+
+    path = default_model_path()
+    t0 = time.perf_counter()
+    llm = Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+    load_s = time.perf_counter() - t0
+    tok = Tokenizer.from_gguf(str(path))
+    ids = tok.encode(tok.chat_prompt(PROMPT)).ids
+
+    def once(n: int) -> tuple[float, list[float]]:
+        llm.reset()
+        stamps = [time.perf_counter()]
+        for _ in llm.create_completion(ids, max_tokens=n, temperature=0.0, stream=True):
+            stamps.append(time.perf_counter())
+        return stamps[1] - stamps[0], list(np.diff(stamps[1:]))
+
+    once(4)
+    runs = [once(new_tokens) for _ in range(repeats)]
+    best = min(runs, key=lambda r: float(np.mean(r[1])) if r[1] else float("inf"))
+    return {
+        "impl": f"llama.cpp (llama-cpp-python {__version__})", "dtype": "q4_1", "capture": "none",
+        "threads": str(threads), "load_s": load_s, "prompt_tokens": len(ids), "ttft_s": min(r[0] for r in runs),
+        "tpot_s": _stats(best[1]), "tokens_per_s": 1 / float(np.mean(best[1])), "new_tokens": len(best[1]) + 1,
+        "peak_rss_bytes": _rss_peak_bytes(),
+    }
+
+
 def cmd_bench_one(a: argparse.Namespace) -> int:
     import torch
 
-    torch.set_num_threads(a.threads)
+    from engine.threads import available_cores
+
+    fixed = a.threads if a.threads != "auto" else available_cores()
     if a.impl == "hf":
+        torch.set_num_threads(fixed)
         r = run_hf(a.dtype, a.new_tokens, a.repeats)
+    elif a.impl == "llama.cpp":
+        r = run_llama_cpp(a.new_tokens, a.repeats, fixed)
     else:
-        r = run_ours(a.dtype, a.capture, a.new_tokens, a.repeats, a.generations)
+        r = run_ours(a.dtype, a.capture, a.new_tokens, a.repeats, a.generations, a.threads)
     print(json.dumps(r))
     return 0
 
@@ -215,13 +255,12 @@ def _machine() -> dict:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    import torch
 
     from engine import costs
     from engine.hardware import measure_this_machine
     from engine.loaders import load
 
-    threads = str(a.threads or torch.get_num_threads())
+    threads = str(a.threads)
     n_new, reps = (8, 1) if a.smoke else (a.new_tokens, a.repeats)
     busy = BusyMeter()
     machine = _machine()
@@ -248,19 +287,34 @@ def cmd_bench(a: argparse.Namespace) -> int:
             for dt in dtypes:
                 print(f"measuring Hugging Face transformers {dt} …", file=sys.stderr)
                 results[f"hf-{dt}"] = _child(["--impl", "hf", "--dtype", dt, *base])
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print("llama-cpp-python is not installed (pip install '.[bench]'): no llama.cpp comparison",
+                  file=sys.stderr)
+        else:
+            print("measuring llama.cpp on the same Q4_1 file …", file=sys.stderr)
+            results["llama.cpp-q4_1"] = _child(["--impl", "llama.cpp", *base])
     gui = None
     if not a.smoke and not a.no_gui:
         print("measuring GUI responsiveness …", file=sys.stderr)
         gui = _gui_bench()
     cores_busy = busy.cores_used()
-    floor_bytes = costs.decode_cost(cfg, 41 + n_new // 2, weight_dtype="float32").bytes
+    measured = [r for r in results.values() if r]
+    prompt_tokens = measured[0]["prompt_tokens"] if measured else 41
+    # the mean decode step attends over the prompt plus half the new tokens
+    floor_bytes = costs.decode_cost(cfg, prompt_tokens + n_new // 2, weight_dtype="float32").bytes
     report = {
         "machine": machine, "bandwidth_bytes_per_s": hw.bandwidth_bytes_per_s,
         "matmul_flops": hw.peak_flops.get("fp32"), "decode_bytes_per_token_fp32": floor_bytes,
         "tpot_floor_s": floor_bytes / hw.bandwidth_bytes_per_s, "results": results, "gui": gui,
-        "other_processes_cores": cores_busy, "trustworthy": cores_busy < 0.15,
+        "other_processes_cores": cores_busy, "trustworthy": cores_busy < 0.15, "prompt_tokens": prompt_tokens,
+        "new_tokens": n_new, "threads": threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     report["ratios"] = _ratios(report)
+    if a.output:
+        Path(a.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.output).write_text(json.dumps(report, indent=2) + "\n")
     if a.json:
         print(json.dumps(report, indent=2))
     else:
@@ -286,6 +340,13 @@ def _ratios(r: dict) -> dict:
         out["decode_tokens_per_s_vs_hf"] = on["tokens_per_s"] / hf["tokens_per_s"]
         out["ttft_vs_hf"] = on["ttft_s"] / hf["ttft_s"]
         out["peak_rss_vs_hf"] = (off or on)["peak_rss_bytes"] / hf["peak_rss_bytes"]
+    bf = res.get("ours-bfloat16-none")
+    if off and bf:
+        out["bf16_tpot_over_fp32"] = bf["tpot_s"]["mean"] / off["tpot_s"]["mean"]
+    llama = res.get("llama.cpp-q4_1")
+    if llama and (bf or off):
+        out["ours_fastest_tpot_over_llama_cpp"] = min(x["tpot_s"]["mean"] for x in (bf, off) if x) / llama[
+            "tpot_s"]["mean"]
     if on and on.get("rss_over_generations"):
         s = on["rss_over_generations"]
         out["rss_growth_bytes_over_generations"] = s[-1] - s[min(len(s) - 1, 5)]
@@ -378,19 +439,20 @@ def add_subcommands(sub) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--generations", type=int, default=100, help="generations for the memory-growth check")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=threads_arg, default="auto", help="auto (default) or a fixed count")
+    p.add_argument("--output", default=None, help="also write the raw results as JSON to this file")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers comparison")
     p.add_argument("--no-gui", action="store_true", help="skip the GUI responsiveness measurement")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("bench-one", help=argparse.SUPPRESS)
-    p.add_argument("--impl", choices=["ours", "hf"], default="ours")
+    p.add_argument("--impl", choices=["ours", "hf", "llama.cpp"], default="ours")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--capture", choices=["none", "all"], default="none")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--generations", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=threads_arg, default="auto")
     p.set_defaults(func=cmd_bench_one)
 
     p = sub.add_parser("bench-batch", help="measure batched decode: TPOT and tokens/s per stream and system")

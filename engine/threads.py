@@ -21,11 +21,10 @@ cannot change after OpenMP starts, which is why the count is the knob.
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from collections import deque
-
-import torch
 
 SLOWER_THAN_ONE = 0.9  # many threads must beat this fraction of one thread's time per byte, or one thread wins
 SUDDEN_SLOWDOWN = 1.5  # a many-thread step this much slower than the best recent ones → probe one thread
@@ -41,6 +40,19 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def threads_arg(value: str) -> int | str:
+    """The --threads flag: "auto" (adapt at run time) or a fixed count ≥ 1."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"takes auto or a positive integer, got {value!r}")
+    return n
 
 
 class CpuMeter:
@@ -93,6 +105,9 @@ class AdaptiveThreads:
     """
 
     def __init__(self, setting: int | str = "auto", max_threads: int | None = None) -> None:
+        import torch  # here, not at the top: the CLI parses --threads (threads_arg) without importing torch
+
+        self._torch = torch
         if setting != "auto" and (isinstance(setting, bool) or not isinstance(setting, int) or setting < 1):
             raise ValueError(f"threads must be 'auto' or a positive integer, got {setting!r}")
         self.auto = setting == "auto"
@@ -124,8 +139,8 @@ class AdaptiveThreads:
             if self.max > 1 and not self._others_leave_room(default=True):
                 self._switch(1)
                 self._wait = self._backoff
-        if torch.get_num_threads() != self.current:
-            torch.set_num_threads(self.current)
+        if self._torch.get_num_threads() != self.current:
+            self._torch.set_num_threads(self.current)
         return self.current
 
     def _switch(self, n: int) -> None:

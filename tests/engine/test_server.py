@@ -138,11 +138,9 @@ def test_the_server_ends_when_the_app_goes_away(tiny_dir):
 def test_threads_setting_applies_from_the_next_step(client, monkeypatch):
     import torch
 
-    from engine import threads
-
     counts = []  # torch's thread count is per OS thread: record what the server's thread asks for
     real = torch.set_num_threads
-    monkeypatch.setattr(threads.torch, "set_num_threads", lambda n: (counts.append(n), real(n)))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (counts.append(n), real(n)))
     req = GenerateRequest("the cat sat", chat=False, max_new_tokens=4, params=SamplingParams.greedy_params(),
                           ignore_eos=True, start_paused=True)
     client.send("generate", req)
