@@ -34,7 +34,7 @@ from engine.events import (
 from engine.kv_cache import KVCache
 from engine.lens import lens_event
 from engine.loaders import LoadedModel
-from engine.messages import FUNNEL_TOP, Capture  # noqa: F401 — FUNNEL_TOP re-exported for the engine's users
+from engine.messages import ATTENTION_MAX_BYTES, FUNNEL_TOP, Capture  # noqa: F401 — constants re-exported
 from engine.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
 from engine.sampling import FunnelStages, SamplingParams, choose, make_generator, sample
 from engine.threads import AdaptiveThreads
