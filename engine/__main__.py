@@ -164,9 +164,25 @@ def cmd_generate(a: argparse.Namespace) -> int:
         forced = parse_force(a.force)
     except ValueError as e:
         raise CliError(str(e)) from None
+    schema = None
+    if a.regex is not None and a.json_schema is not None:
+        raise CliError("give --regex or --json-schema, not both")
+    if a.json_schema is not None:
+        try:
+            with open(a.json_schema, encoding="utf-8") as fh:
+                schema = fh.read()
+        except OSError as e:
+            raise CliError(f"cannot read the JSON schema {a.json_schema}: {e.strerror or e}") from None
     s = _session(a)
     try:
-        gen = s.generate(a.prompt, params, a.max_new_tokens, chat=a.chat, ignore_eos=a.ignore_eos, forced=forced)
+        constraint = None
+        if a.regex is not None or schema is not None:
+            from engine.constrain import Constraint
+
+            eos = [*s.tokenizer.eos_ids, *sorted(set(s.stop_ids) - set(s.tokenizer.eos_ids))]
+            constraint = Constraint.build(s.tokenizer, s.cfg.vocab_size, eos, regex=a.regex, json_schema=schema)
+        gen = s.generate(a.prompt, params, a.max_new_tokens, chat=a.chat, ignore_eos=a.ignore_eos, forced=forced,
+                         constraint=constraint)
     except ValueError as e:
         raise CliError(str(e)) from None
     done_forced: list[list[int]] = []
@@ -311,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--ignore-eos", action="store_true")
     q.add_argument("--force", action="append", default=[], metavar="STEP:TOKEN_ID",
                    help="put TOKEN_ID at generation step STEP instead of sampling (repeatable; step 0 = first token)")
+    q.add_argument("--regex", default=None, metavar="R",
+                   help="the output must match this regular expression (constrained decoding, llguidance)")
+    q.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="the output must be JSON valid under the schema in FILE")
     q.add_argument("--trace", metavar="FILE.json", default=None,
                    help="write a Perfetto / Chrome trace: one slice per prefill and decode step")
     add_threads_arg(q)

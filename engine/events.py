@@ -186,6 +186,7 @@ class Funnel:
     kept_final: int
     vocab_size: int
     greedy: bool
+    kept_grammar: int = -1  # tokens a grammar (regex / JSON schema) allowed at this step; -1 = no grammar
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ import torch
 
 from engine import costs
 from engine.branching import check_forced, tokenization_of
+from engine.constrain import Constraint
 from engine.events import (
     AttentionCaptured,
     Event,
@@ -162,7 +163,7 @@ class Session:
     def generate(
         self, prompt: str | Tokenization | Sequence[int], params: SamplingParams | None = None,
         max_new_tokens: int = 64, capture: Capture | None = None, chat: bool = False, ignore_eos: bool = False,
-        forced: Mapping[int, int] | None = None,
+        forced: Mapping[int, int] | None = None, constraint: Constraint | None = None,
     ) -> Generation:
         """Start a generation; iterate it to run. The prompt is checked now (ValueError on bad input).
 
@@ -178,7 +179,7 @@ class Session:
         self.check_prompt(tok.ids, max_new_tokens)
         force = check_forced(forced or {}, self.cfg.vocab_size, max_new_tokens)
         return Generation(self, tok, params or SamplingParams(), max_new_tokens, capture or Capture(), ignore_eos,
-                          force)
+                          force, constraint)
 
     def fork(
         self, prompt_ids: Sequence[int], generated_ids: Sequence[int], step: int, token: int,
@@ -202,11 +203,13 @@ class Generation:
     def __init__(
         self, session: Session, prompt: Tokenization, params: SamplingParams, max_new_tokens: int,
         capture: Capture, ignore_eos: bool, forced: Mapping[int, int] | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         self.session, self.prompt = session, prompt
         self.params, self.capture = params, capture
         self.max_new_tokens, self.ignore_eos = max_new_tokens, ignore_eos
         self.forced: dict[int, int] = dict(forced or {})  # step → token id that replaces the sampled one
+        self.constraint = constraint  # a regex / JSON schema the output must match (engine.constrain)
         self._stop = False
         self._events = self._run()
 
@@ -299,13 +302,29 @@ class Generation:
                     cost = costs.decode_cost(cfg, pos, weight_dtype=s.dtype_name)
                 logits = s._forward(feed, start, probe)
                 force = self.forced.get(step)
+                allowed_logits, kept_grammar = logits, -1
+                if self.constraint is not None:  # the grammar's stage comes first: −∞ for what it forbids
+                    allowed_logits, kept_grammar = self.constraint.mask_logits(logits)
                 if capture.funnel_top:
-                    token, stages = sample(logits, params, generator, context[:pos])
+                    token, stages = sample(allowed_logits, params, generator, context[:pos])
                     token = token if force is None else force
+                    if self.constraint is not None:  # the funnel still starts from the model's own logits
+                        # a stage that is off keeps "everything", which under a grammar means what the grammar kept
+                        stages = replace(
+                            stages, logits=logits.float(), p_raw=torch.softmax(logits.float(), dim=-1),
+                            kept_top_k=min(stages.kept_top_k, kept_grammar),
+                            kept_top_p=min(stages.kept_top_p, kept_grammar),
+                            kept_final=min(stages.kept_final, kept_grammar))
                     condensed = s.make_funnel(stages, params, capture.funnel_top, token)
+                    if self.constraint is not None:
+                        condensed = replace(condensed, kept_grammar=kept_grammar)
                 else:
-                    token, condensed = choose(logits, params, generator, context[:pos]), None
+                    token, condensed = choose(allowed_logits, params, generator, context[:pos]), None
                     token = token if force is None else force
+                grammar_done = False
+                if self.constraint is not None:
+                    self.constraint.advance(token)
+                    grammar_done = self.constraint.stopped
                 raw = logits.cpu().numpy() if capture.logits else None
                 _sync(lm.device)
                 seconds = time.perf_counter() - t0
@@ -324,7 +343,7 @@ class Generation:
                     step_times.append(seconds)
                     if s.threads is not None:
                         s.threads.end_step(seconds, cost.bytes)
-                is_stop = token in s.stop_ids and not self.ignore_eos
+                is_stop = token in s.stop_ids and (not self.ignore_eos or grammar_done)
                 delta = "" if is_stop else decoder.push(token)
                 text_parts.append(delta)
                 out_ids.append(token)
@@ -339,7 +358,7 @@ class Generation:
                     context[pos] = token
                 pos += 1
                 step += 1
-                if is_stop:
+                if is_stop or grammar_done:
                     reason = "eos"
                 elif len(out_ids) >= self.max_new_tokens:
                     reason = "length"
