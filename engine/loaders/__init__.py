@@ -201,7 +201,8 @@ def load(
     except ModelLoadError:
         raise
     except (ValueError, FileNotFoundError, OSError) as e:
-        raise ModelLoadError(_one_line(f"cannot load {path.name}: {e}")) from None
+        text = str(e) if str(e).startswith(f"{path.name} ") else f"cannot load {path.name}: {e}"  # named once
+        raise ModelLoadError(_one_line(text)) from None
     except MemoryError:
         raise ModelLoadError(f"cannot load {path.name}: it needs more memory than this machine gives") from None
     except Exception as e:  # noqa: BLE001 — a model file is untrusted input: one clear line, never a traceback

@@ -168,3 +168,20 @@ def test_a_fork_request_continues_from_its_prefix(client):
     fork = seen[-1]
     assert fork.prompt_ids.tolist() == list(prefix) and fork.ids[0] == alt
     assert [m.forced for m in seen if isinstance(m, TokenSampled)] == [True, False, False, False]
+
+
+def test_a_damaged_model_fails_to_load_and_the_server_goes_on(tiny_dir, tmp_path):
+    """Asked to open a damaged file, the engine answers one clear line and still loads the next model."""
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(tiny_dir.gguf.read_bytes()[:5000])
+    c = Client()
+    try:
+        c.send("load", (str(bad), "cpu", "float32"))
+        failed = c.until(lambda m: isinstance(m, tuple) and m[0] in ("loaded", "load_failed"))[-1]
+        assert failed[0] == "load_failed" and "cut.gguf is damaged" in failed[1] and "\n" not in failed[1]
+        c.send("load", (str(tiny_dir.gguf), "cpu", "float32"))
+        assert c.until(lambda m: isinstance(m, tuple) and m[0] in ("loaded", "load_failed"))[-1][0] == "loaded"
+    finally:
+        c.send("quit")
+        c.thread.join(10)
+    assert not c.thread.is_alive()
