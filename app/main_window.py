@@ -180,6 +180,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self.open_action = file_menu.addAction("&Open model…", self._open_model_dialog)
         self.open_action.setShortcut(QtGui.QKeySequence("Ctrl+O"))
         file_menu.addAction("Open model &folder…", self._open_model_folder_dialog)
+        self.pick_action = file_menu.addAction("Open model from &list…", self._open_model_picker)
+        self.pick_action.setShortcut(QtGui.QKeySequence("Ctrl+Shift+O"))
         self.export_action = file_menu.addAction("&Export timeline…", self._export_timeline_dialog)
         self.export_action.setShortcut(QtGui.QKeySequence("Ctrl+E"))
         self.export_action.setEnabled("timeline" in self.panels)
@@ -262,6 +264,16 @@ class MainWindow(QtWidgets.QMainWindow):
         path, _ = QtWidgets.QFileDialog.getOpenFileName(
             self, "Open model", self._dialog_dir(), "GGUF models (*.gguf);;All files (*)")
         if path:
+            self.load_model(path)
+
+    def _open_model_picker(self) -> None:
+        from app.model_picker import ModelPicker
+
+        picker = ModelPicker(self, dtype=self.dtype)
+        if picker.exec() and picker.chosen is not None:
+            path, dtype = picker.chosen
+            if dtype != self.dtype:
+                self.dtype = dtype  # the user agreed to bfloat16 for a model that does not fit otherwise
             self.load_model(path)
 
     def _open_model_folder_dialog(self) -> None:

@@ -1,0 +1,54 @@
+"""File → Open model from list…: the table of discovered models and the fits-in-memory decision."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from PySide6 import QtWidgets
+
+from app.model_picker import ModelPicker, decide
+from engine.discover import ModelEntry, read_model_facts
+
+GIB = 2**30
+
+
+def _entry(name: str, n_params: int, error: str | None = None) -> ModelEntry:
+    e = ModelEntry(name=name, path=f"/models/{name}.gguf", source="lmstudio", format="gguf", file_bytes=n_params,
+                   architecture="llama", n_params=n_params, quant_types={"Q4_K": 3}, error=error)
+    e.weight_bytes = {"float32": 4 * n_params, "bfloat16": 2 * n_params, "float16": 2 * n_params}
+    e.fits = {dtype: need <= GIB for dtype, need in e.weight_bytes.items()}  # as discover() would with 1 GiB free
+    return e
+
+
+def test_decide_loads_offers_bfloat16_or_refuses_with_numbers() -> None:
+    small, mid, huge = _entry("small", GIB // 8), _entry("mid", GIB // 2), _entry("huge", 4 * GIB)
+    assert decide(small, "float32", GIB).action == "load"
+    d = decide(mid, "float32", GIB)  # 2 GiB at float32, 1 GiB in bfloat16
+    assert d.action == "ask" and d.dtype == "bfloat16"
+    assert "2.00 GiB at float32" in d.message and "(1.00 GiB)" in d.message
+    d = decide(huge, "float32", GIB)
+    assert d.action == "refuse" and "16.00 GiB at float32" in d.message and "1.00 GiB of memory" in d.message
+    assert decide(mid, "bfloat16", GIB).action == "load"
+    assert decide(_entry("bad", 1, error="ValueError: cut short"), "float32", GIB).action == "refuse"
+
+
+def test_picker_lists_and_opens(qtbot, tiny_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = read_model_facts(tiny_dir.gguf, "tiny", "recent", memory=GIB)
+    entries = [real, _entry("mid", GIB // 2)]
+    picker = ModelPicker(dtype="float32", find=lambda: entries, memory=GIB)
+    qtbot.addWidget(picker)
+    assert picker.table.rowCount() == 2
+    assert picker.table.item(0, 0).text() == "tiny" and picker.table.item(0, 2).text() == "llama"
+    assert picker.table.item(0, 6).text() == "yes" and picker.table.item(1, 6).text().startswith("no (2.00 GiB")
+    picker.table.selectRow(0)
+    picker._open()
+    assert picker.chosen == (str(Path(tiny_dir.gguf)), "float32")
+
+    picker = ModelPicker(dtype="float32", find=lambda: entries, memory=GIB)
+    qtbot.addWidget(picker)
+    monkeypatch.setattr(QtWidgets.QMessageBox, "question",
+                        staticmethod(lambda *a, **k: QtWidgets.QMessageBox.StandardButton.Yes))
+    picker.table.selectRow(1)
+    picker._open()
+    assert picker.chosen == ("/models/mid.gguf", "bfloat16")
