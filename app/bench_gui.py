@@ -1,8 +1,13 @@
 """GUI responsiveness, measured: `python -m app.bench_gui [--smoke]` prints one JSON line (run by `make bench`).
 
-- main-thread stalls during a 128-token generation with every panel visible: a 10 ms QTimer probe records the gaps
-  between its ticks; a stall is a gap minus the 10 ms interval (p50, p99, worst);
-- the panels' redraw rate during that generation (draws per second, all panels together and the busiest one);
+- main-thread stalls during a 128-token generation with every panel on screen: the default layout tabs some docks
+  behind others (Capacity and Batching lab behind Roofline), and a tabbed-away panel never paints, so the benchmark
+  lays every dock out side by side (no tabs, 2400×1400) and reports which panels were on screen and painted;
+  a 10 ms QTimer probe records the gaps between its ticks; a stall is a gap minus the 10 ms interval (p50, p99,
+  worst);
+- the panels' redraw rate during that generation (draws per second, all panels together and the busiest one), and
+  per panel the draws and the paint events its widgets received (a panel whose data does not change during a
+  generation, such as the capacity estimator, draws and paints once when laid out, not during it);
 - keystroke → token boundaries for prompts of about 200 and 2,000 tokens: one key press through re-tokenizing,
   re-highlighting and a synchronous repaint of the editor;
 - the generation's own TPOT with the GUI running, to compare with the CLI's.
@@ -17,6 +22,14 @@ import time
 
 import numpy as np
 
+WINDOW = (2400, 1400)
+# Every dock in its own place, no tabs; a panel not named here joins the bottom row.
+BENCH_LAYOUT = {
+    "top": ("prompt", "preview", "sampling", "lens"),
+    "left": ("generation",),
+    "right": ("attention",),
+    "bottom": ("kv_cache", "timeline", "roofline", "capacity", "batching"),
+}
 PROMPT = "Explain what a KV cache is in two sentences."
 PARAGRAPH = ("The key and value vectors of every past token never change during decoding, so an inference engine "
              "keeps them in a cache and appends one row per step; numbers like 2024 or 3.14159 split into digits. ")
@@ -33,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(sys.argv[:1])
     win = MainWindow(None, persist=False, interactive=False)
-    win.resize(1600, 1000)
+    win.resize(*WINDOW)
     win.show()
     loop = QtCore.QEventLoop()
     win.bridge.sig_model_loaded.connect(lambda _i: loop.quit())
@@ -41,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     loop.exec()
     if win.bridge.info is None:
         return 1
+    paints = PaintCounter(win.panels)
+    paints.start(app)
+    show_every_panel(win)
+    for _ in range(5):
+        app.processEvents()
+    painted_once = paints.stop(app)  # the layout's first paint: every panel on screen must have painted
 
     # ---- keystroke → boundaries ----
     prompt = win.panels["prompt"]
@@ -87,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     win.bridge.sig_finished.connect(lambda ev: (finished.setdefault("ev", ev), done.quit()))
     win.bridge.sig_failed.connect(lambda m: (finished.setdefault("error", m), done.quit()))
     draws0 = {k: p.draw_count for k, p in win.panels.items()}
+    visible = {k: on_screen(p) for k, p in win.panels.items()}
     bridge = win.bridge
     orig = bridge.params
     from dataclasses import replace
@@ -95,11 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     last[0] = t_start
     timer.start()
+    paints.start(app)
     if not gen.generate():
         return 1
     # ignore_eos is not a GUI knob: a short answer simply ends early; the stats still hold
     done.exec()
     timer.stop()
+    painted = paints.stop(app)
     elapsed = time.perf_counter() - t_start
     if "ev" not in finished:
         print(finished.get("error", "generation failed"), file=sys.stderr)
@@ -115,10 +137,88 @@ def main(argv: list[str] | None = None) -> int:
         **{f"keystroke_{n}_tokens_ms": typing[n]["p50_ms"] for n in sizes},
         **{f"keystroke_{n}_tokens_max_ms": typing[n]["max_ms"] for n in sizes},
         "peak_rss_mb": _peak_rss_mb(),
+        "window": list(WINDOW),
+        "panels": len(win.panels),
+        "panels_on_screen": sum(visible.values()),
+        "panels_painted": sum(n > 0 for n in painted_once.values()),  # when laid out
+        "panels_painted_during_generation": sum(n > 0 for n in painted.values()),
+        "not_on_screen": [k for k, v in visible.items() if not v],
+        "draws_per_panel": draws,
+        "paints_per_panel": painted,  # during the generation (static panels, e.g. capacity, need none)
     }
     win.close()
     print(json.dumps(result))
     return 0
+
+
+def show_every_panel(win) -> None:
+    """Lay every dock out side by side (BENCH_LAYOUT), so that no panel hides behind a tab."""
+    from PySide6 import QtCore
+
+    areas = {"top": QtCore.Qt.DockWidgetArea.TopDockWidgetArea, "left": QtCore.Qt.DockWidgetArea.LeftDockWidgetArea,
+             "right": QtCore.Qt.DockWidgetArea.RightDockWidgetArea,
+             "bottom": QtCore.Qt.DockWidgetArea.BottomDockWidgetArea}
+    rows = {area: [n for n in names if n in win.docks] for area, names in BENCH_LAYOUT.items()}
+    listed = {n for names in rows.values() for n in names}
+    rows["bottom"] += [n for n in win.docks if n not in listed]
+    for dock in win.docks.values():
+        dock.setFloating(False)
+        win.removeDockWidget(dock)
+    for area, names in rows.items():
+        for i, name in enumerate(names):
+            dock = win.docks[name]
+            if i == 0:
+                win.addDockWidget(areas[area], dock)
+            else:
+                win.splitDockWidget(win.docks[names[i - 1]], dock, QtCore.Qt.Orientation.Horizontal)
+            dock.show()
+        if names:
+            win.resizeDocks([win.docks[n] for n in names], [WINDOW[0] // len(names)] * len(names),
+                            QtCore.Qt.Orientation.Horizontal)
+
+
+def on_screen(widget) -> bool:
+    """Visible and not covered: some of the widget is really drawn in the window."""
+    return widget.isVisible() and not widget.visibleRegion().isEmpty()
+
+
+class PaintCounter:
+    """Counts the paint events each panel's widgets receive (an application-wide event filter)."""
+
+    def __init__(self, panels: dict) -> None:
+        from PySide6 import QtCore
+
+        class _Filter(QtCore.QObject):
+            def eventFilter(self, obj, event):  # noqa: N802 — Qt's name
+                if event.type() == QtCore.QEvent.Type.Paint:
+                    owner = outer._owner(obj)
+                    if owner is not None:
+                        outer.counts[owner] += 1
+                return False
+
+        outer = self
+        self.panels = panels
+        self.counts = dict.fromkeys(panels, 0)
+        self._filter = _Filter()
+
+    def _owner(self, obj) -> str | None:
+        from PySide6 import QtWidgets
+
+        w = obj if isinstance(obj, QtWidgets.QWidget) else None
+        while w is not None:
+            for name, panel in self.panels.items():
+                if w is panel:
+                    return name
+            w = w.parentWidget()
+        return None
+
+    def start(self, app) -> None:
+        self.counts = dict.fromkeys(self.panels, 0)
+        app.installEventFilter(self._filter)
+
+    def stop(self, app) -> dict[str, int]:
+        app.removeEventFilter(self._filter)
+        return dict(self.counts)
 
 
 def _peak_rss_mb() -> float:

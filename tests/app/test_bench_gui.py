@@ -20,3 +20,9 @@ def test_bench_gui_smoke():
     d = json.loads(r.stdout.strip().splitlines()[-1])
     assert d["tokens"] >= 1 and d["tpot_ms_with_gui"] > 0 and d["stall_max_ms"] >= d["stall_p99_ms"] >= 0
     assert d["keystroke_200_tokens_ms"] > 0 and d["redraws_per_s_all_panels"] > 0
+    # every panel on screen (none tabbed away) and painted
+    assert d["panels"] >= 10 and d["not_on_screen"] == []
+    assert d["panels_on_screen"] == d["panels"] == len(d["paints_per_panel"])
+    assert d["panels_painted"] == d["panels"]
+    for name in ("sampling", "attention", "kv_cache", "timeline", "roofline"):  # the live ones repaint as it runs
+        assert d["paints_per_panel"][name] > 0 and d["draws_per_panel"][name] > 0, name
