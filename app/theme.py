@@ -7,6 +7,7 @@ one glance tells which phase a thing belongs to.
 
 from __future__ import annotations
 
+import html
 import math
 
 import numpy as np
@@ -169,13 +170,20 @@ def placeholder(pi) -> object:
     item.setZValue(10)
     item.setVisible(False)
     pi.addItem(item, ignoreBounds=True)
+    vb = pi.getViewBox()
+
+    def fit(*_args: object) -> None:  # wrap inside the plot, however narrow the dock
+        item.setTextWidth(max(60.0, vb.width() - 16.0))
+
+    vb.sigResized.connect(fit)
+    fit()
     return item
 
 
 def show_empty(pi, note, text: str, x_range: tuple[float, float], y_range: tuple[float, float]) -> None:
     """An empty plot shows its real axes over `x_range` × `y_range` and `text` in the middle."""
     pi.getViewBox().setRange(xRange=x_range, yRange=y_range, padding=0)
-    note.setText(text)
+    note.setHtml(f"<div style='text-align:center'>{html.escape(text).replace(chr(10), '<br>')}</div>")
     note.setPos((x_range[0] + x_range[1]) / 2, (y_range[0] + y_range[1]) / 2)
     note.setVisible(True)
 

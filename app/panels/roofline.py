@@ -39,6 +39,7 @@ LOADED = "loaded"  # the model selector's entry for the engine's model (bridge.c
 DEFAULT_PROMPT = 512  # prompt length of the analytic points before any prompt arrives
 MAX_BATCH = 1024
 MAX_PROMPT = 131_072
+MAX_WIDEN = 1.5  # decades the x axis may grow on each side to fit the labels
 DTYPES = ("fp32", "fp16", "bf16", "int8")
 
 
@@ -500,6 +501,10 @@ class RooflinePanel(Panel):
                     x_hi = max(x_hi, x_lo + (x - x_lo) / (1 - share))
             x_hi = max(x_hi, x_lo + (math.log10(ridge) - x_lo) / (1 - ridge_share))  # the ridge label, right of it
             x_lo = min(x_lo, x_hi - (x_hi - math.log10(ridge)) / (1 - roof_share))  # the roof label, left of it
+        # A narrow plot cannot make room for every label: past MAX_WIDEN decades a label may be cut, but the axis
+        # stays readable (it once ran from 1e-35 to 1e14 FLOP/byte in a 260-pixel-wide panel).
+        x_lo = max(x_lo, math.log10(lo) - MAX_WIDEN)
+        x_hi = min(x_hi, math.log10(hi) + MAX_WIDEN)
         return out, 10.0**x_lo, 10.0**x_hi
 
     def _draw_analytic(self, labels: list[tuple[str, float, str, int]], peak: float, bw: float) -> None:
