@@ -110,6 +110,7 @@ def _read_source(
         cfg = hf.read_config(path)
         progress(0.2, "reading safetensors")
         sd = hf.read_weights(path, cfg)
+        hf.check_tokenizer_files(path)
         tok = _tokenizer(Tokenizer.from_dir, path, "tokenizer.json")
         return cfg, sd, tok, {"file_type": "safetensors", **hf.tensor_stats(path)}
     from engine.loaders import gguf as gg

@@ -256,6 +256,24 @@ def tensor_stats(directory: Path) -> dict:
     return {"file_tensors": by_type, "file_embedding_bytes": embedding}
 
 
+# The JSON files of a model directory the tokenizer reads besides tokenizer.json; each must hold an object.
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "generation_config.json", "chat_template.json")
+
+
+def check_tokenizer_files(directory: Path) -> None:
+    """Each JSON file the tokenizer reads parses and holds an object, else one ValueError naming the file."""
+    for name in ("tokenizer.json", *TOKENIZER_SIDE_FILES):
+        f = directory / name
+        if not f.is_file():
+            continue
+        try:
+            value = json.loads(f.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{name} is not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} must hold a JSON object, it holds a {type(value).__name__}")
+
+
 def read_weights(directory: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file

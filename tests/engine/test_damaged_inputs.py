@@ -134,6 +134,8 @@ def _hf_cases(good: Path, out: Path) -> dict[str, tuple[Path, str]]:
                                     "ends"),
         "tokenizer-nonsense": ({"tokenizer.json": b"nonsense {{{"}, "tokenizer.json"),
         "tokenizer-not-a-tokenizer": ({"tokenizer.json": b"{\"hello\": [1, 2]}"}, "tokenizer"),
+        "tokenizer_config-not-json": ({"tokenizer_config.json": b"{\"bos_token\": "}, "tokenizer_config.json"),
+        "generation_config-a-list": ({"generation_config.json": b"[2]"}, "generation_config.json"),
         "pickle-renamed-safetensors": ({"model.safetensors": pickled.read_bytes()}, "pickle"),
     }
     return {f"hf:{name}": (variant(name, files), word) for name, (files, word) in specs.items()}
