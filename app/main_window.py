@@ -181,7 +181,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.open_action.setShortcut(QtGui.QKeySequence("Ctrl+O"))
         file_menu.addAction("Open model &folder…", self._open_model_folder_dialog)
         self.pick_action = file_menu.addAction("Open model from &list…", self._open_model_picker)
-        self.pick_action.setShortcut(QtGui.QKeySequence("Ctrl+Shift+O"))
+        self.pick_action.setShortcut(QtGui.QKeySequence("Ctrl+M"))
         self.export_action = file_menu.addAction("&Export timeline…", self._export_timeline_dialog)
         self.export_action.setShortcut(QtGui.QKeySequence("Ctrl+E"))
         self.export_action.setEnabled("timeline" in self.panels)
