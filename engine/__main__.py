@@ -34,6 +34,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    from engine.remote.cli import add_url_args
+
+    add_url_args(p)
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
@@ -101,6 +104,10 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(a: argparse.Namespace) -> int:
+    if getattr(a, "url", None):
+        from engine.remote import cli
+
+        return cli.cmd_tokenize(a)
     from engine.locate import ModelLoadError, load_tokenizer  # no torch: starts in a fraction of a second
 
     try:
@@ -126,6 +133,10 @@ def cmd_tokenize(a: argparse.Namespace) -> int:
 
 
 def cmd_logits(a: argparse.Namespace) -> int:
+    if getattr(a, "url", None):
+        from engine.remote import cli
+
+        return cli.cmd_logits(a)
     import torch
 
     from engine.sampling import funnel
@@ -156,6 +167,10 @@ def cmd_logits(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    if getattr(a, "url", None):
+        from engine.remote import cli
+
+        return cli.cmd_generate(a)
     from engine.branching import parse_force
     from engine.events import Failed, Finished, TokenSampled
 
@@ -353,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_subcommands(sub)
     bench_load.add_subcommand(sub)
     export_hf.add_subcommand(sub)
+    from engine.remote import cli as remote_cli
+
+    remote_cli.add_subcommand(sub)
     return p
 
 

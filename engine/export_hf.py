@@ -192,12 +192,11 @@ def add_subcommand(sub) -> None:
 def _cmd(a) -> int:
     import sys
 
-    from engine.__main__ import CliError
-
     try:
         out = export(a.model, a.out, overwrite=a.overwrite)
     except ExportError as e:
-        raise CliError(str(e)) from None
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"wrote {out} ({size / 1e6:.0f} MB)", file=sys.stderr)
     return 0

@@ -1,0 +1,212 @@
+"""`--url` versions of tokenize / logits / generate, and `serve-bench`, with the same JSON keys as the local ones."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+from engine.remote.backend import RemoteBackend, RemoteTokenSampled
+from engine.remote.client import API_KEY_ENV, RemoteError
+
+
+def add_url_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=None, help="an OpenAI-compatible server (vLLM, llama.cpp) instead of --model")
+    p.add_argument("--api-key-env", default=API_KEY_ENV, metavar="VAR",
+                   help=f"environment variable holding the server's API key (default {API_KEY_ENV})")
+
+
+def _fail(e: Exception | str) -> SystemExit:
+    """One line on stderr and exit status 1 (as the local commands' CliError; `python -m` makes that class twice)."""
+    print(f"error: {e}", file=sys.stderr)
+    return SystemExit(1)
+
+
+def _backend(a: argparse.Namespace) -> RemoteBackend:
+    key = os.environ.get(a.api_key_env) if a.api_key_env else None
+    try:
+        b = RemoteBackend(a.url, api_key=key, timeout=getattr(a, "timeout", 60.0))
+        b.probe()
+    except RemoteError as e:
+        raise _fail(e) from None
+    return b
+
+
+def _sampling(a: argparse.Namespace):
+    from engine.__main__ import _params
+
+    try:
+        return _params(a)
+    except Exception as e:  # engine.__main__.CliError, a twin of __main__.CliError under `python -m`
+        if type(e).__name__ == "CliError":
+            raise _fail(e) from None
+        raise
+
+
+def cmd_tokenize(a: argparse.Namespace) -> int:
+    b = _backend(a)
+    try:
+        t = b.tokenize(a.text, a.chat)
+    except RemoteError as e:
+        raise _fail(e) from None
+    if a.json:
+        print(json.dumps({
+            "ids": t.ids.tolist(), "pieces": list(t.pieces), "offsets": t.offsets.tolist(),
+            "byte_offsets": t.byte_offsets.tolist(), "unrepresentable": [],
+            "server": b.info.to_dict(),
+        }, ensure_ascii=False))
+    else:
+        for i, (tid, piece, (s, e)) in enumerate(zip(t.ids.tolist(), t.pieces, t.offsets.tolist(), strict=True)):
+            print(f"{i:5d} {tid:7d}  [{s:4d},{e:4d})  {piece!r}")
+        print(f"{len(t.ids)} tokens by {b.info.kind} ({b.info.model})")
+    return 0
+
+
+def cmd_logits(a: argparse.Namespace) -> int:
+    params = _sampling(a)
+    b = _backend(a)
+    try:
+        gen = b.generate(a.prompt, params, max_new_tokens=1, chat=a.chat, top_logprobs=a.top)
+        prompt_ids: list[int] = []
+        tok = None
+        for ev in gen:
+            if isinstance(ev, RemoteTokenSampled) and tok is None:
+                tok = ev
+            elif type(ev).__name__ == "Failed":
+                raise RemoteError(ev.message)
+            elif type(ev).__name__ == "Finished":
+                prompt_ids = ev.prompt_ids.tolist()
+    except (RemoteError, ValueError) as e:
+        raise _fail(e) from None
+    if tok is None or tok.funnel is None:
+        raise _fail(RemoteError(f"the {b.info.kind} server returned no log-probabilities"))
+    f = tok.funnel
+    cands = [
+        {"id": int(f.ids[i]) if f.ids[i] >= 0 else None, "token": f.pieces[i], "logit": None,
+         "logprob": float(f.logits[i]), "prob_raw": float(f.p_raw[i]), "prob": None}
+        for i in range(len(f.ids))
+    ]
+    if a.json:
+        print(json.dumps({"prompt_ids": prompt_ids, "candidates": cands, "kept": None, "source": f.source,
+                          "server": b.info.to_dict()}, ensure_ascii=False))
+    else:
+        print(f"{len(prompt_ids)} prompt tokens; top {len(cands)} candidates from {b.info.kind} ({f.source})")
+        print(f"{'id':>7} {'token':<20} {'logprob':>9} {'p raw':>8}")
+        for c in cands:
+            print(f"{c['id'] if c['id'] is not None else '?':>7} {c['token']!r:<20} {c['logprob']:9.3f} "
+                  f"{c['prob_raw']:8.4f}")
+    return 0
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from engine.events import Failed, Finished
+
+    params = _sampling(a)
+    b = _backend(a)
+    try:
+        gen = b.generate(a.prompt, params, a.max_new_tokens, chat=a.chat, top_logprobs=getattr(a, "top", 5),
+                         ignore_eos=a.ignore_eos)
+    except ValueError as e:
+        raise _fail(e) from None
+    logprobs: list[float | None] = []
+    for ev in gen:
+        if isinstance(ev, RemoteTokenSampled):
+            logprobs.append(ev.logprob)
+            if not a.json:
+                print(ev.text, end="", flush=True)
+        elif isinstance(ev, Failed):
+            if not a.json:
+                print(file=sys.stderr)
+            raise _fail(RemoteError(ev.message))
+        elif isinstance(ev, Finished):
+            if a.json:
+                print(json.dumps({
+                    "prompt_ids": ev.prompt_ids.tolist(), "ids": ev.ids.tolist(), "text": ev.text,
+                    "ttft_s": ev.ttft_s, "tpot_s": ev.tpot_s, "tokens_per_s": ev.tokens_per_s,
+                    "total_s": ev.total_s, "finish_reason": ev.reason, "logprobs": logprobs,
+                    "itl_s": ev.step_seconds.tolist(), "usage": gen.usage,
+                    "server": b.info.to_dict(),
+                }, ensure_ascii=False))
+            else:
+                print()
+                print(f"[{len(ev.ids)} tokens from {b.info.kind}, {ev.reason}; TTFT {ev.ttft_s * 1e3:.1f} ms, "
+                      f"TPOT {ev.tpot_s * 1e3:.1f} ms ({ev.tokens_per_s:.1f} tok/s)]", file=sys.stderr)
+    return 0
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {s!r}") from None
+    if not out or any(x < 1 for x in out):
+        raise argparse.ArgumentTypeError(f"concurrency levels must be positive, got {s!r}")
+    return out
+
+
+def cmd_serve_bench(a: argparse.Namespace) -> int:
+    from engine.remote import bench
+
+    if a.num_prompts < 1 or a.max_new_tokens < 1:
+        raise _fail(ValueError("--num-prompts and --max-new-tokens must be at least 1"))
+    if a.time_limit <= 0:
+        raise _fail(ValueError("--time-limit must be positive"))
+    slo = {k: v for k, v in (("ttft", a.slo_ttft_ms), ("tpot", a.slo_tpot_ms), ("e2el", a.slo_e2el_ms)) if v}
+    b = _backend(a)
+    rate = a.request_rate if a.request_rate is not None else math.inf
+    runs = []
+    for c in a.concurrency:
+        r = bench.run_once(b, c, a.num_prompts, a.max_new_tokens, request_rate=rate, burstiness=a.burstiness,
+                           seed=a.seed, time_limit_s=a.time_limit, slo_ms=slo or None)
+        d = r.to_dict()
+        d["request_rate"] = None if math.isinf(rate) else rate
+        runs.append(d)
+        if not a.json:
+            print(f"concurrency {c:3d}: {r.completed}/{r.completed + r.failed} ok in {r.duration_s:.2f} s; "
+                  f"{r.output_throughput:7.1f} tok/s system, {r.per_stream_tokens_per_s:6.1f} tok/s per stream; "
+                  f"TTFT {r.mean_ttft_ms:.0f} ms (p99 {r.p99_ttft_ms:.0f}), TPOT {r.mean_tpot_ms:.1f} ms, "
+                  f"ITL p99 {r.p99_itl_ms:.1f} ms")
+        if r.completed == 0:
+            msg = r.errors[0] if r.errors else "no request completed"
+            raise _fail(RemoteError(f"serve-bench at concurrency {c}: {msg}"))
+    out = {"server": b.info.to_dict(), "max_new_tokens": a.max_new_tokens, "num_prompts": a.num_prompts,
+           "runs": runs}
+    if a.out:
+        path = a.out
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(bench.to_csv(runs) if path.endswith(".csv") else json.dumps(out, indent=2))
+        except OSError as e:
+            raise _fail(e) from None
+    if a.json:
+        print(json.dumps(out))
+    return 0
+
+
+def add_subcommand(sub) -> None:
+    q = sub.add_parser("serve-bench", help="bounded load benchmark against a server (vllm bench serve's figures)")
+    add_url_args(q)
+    q.add_argument("--concurrency", type=_int_list, default=[1, 2, 4], help="levels to sweep, e.g. 1,2,4,8")
+    q.add_argument("--num-prompts", type=int, default=8, help="requests per level")
+    q.add_argument("--max-new-tokens", type=int, default=32)
+    q.add_argument("--request-rate", type=float, default=None, help="requests/s (default: all at once)")
+    q.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1 = Poisson)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--time-limit", type=float, default=120.0, help="seconds per level, at most")
+    q.add_argument("--slo-ttft-ms", type=float, default=None)
+    q.add_argument("--slo-tpot-ms", type=float, default=None)
+    q.add_argument("--slo-e2el-ms", type=float, default=None)
+    q.add_argument("--out", default=None, help="also write the results (.json or .csv)")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=_require_url(cmd_serve_bench))
+
+
+def _require_url(fn):
+    def run(a: argparse.Namespace) -> int:
+        if not a.url:
+            raise _fail("serve-bench needs --url (an OpenAI-compatible server, e.g. http://127.0.0.1:8000)")
+        return fn(a)
+
+    return run
