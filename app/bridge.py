@@ -32,6 +32,7 @@ from engine.events import (
     TokenSampled,
 )
 from engine.messages import SamplingParams
+from engine.remote.backend import ServerConnected, ServerMetricsSampled
 from engine.server import GenerateRequest, PreviewResult, serve
 
 __all__ = ["Bridge", "GenerateRequest", "PreviewResult"]
@@ -128,11 +129,26 @@ class Bridge(QtCore.QObject):
     """Measuring this machine ended: "" when measured, else why not ("measurement cancelled", an error)."""
     sig_params = QtCore.Signal(object)
     """The sampling settings changed (SamplingParams); panels re-draw the funnel without re-running the model."""
+    sig_server_connected = QtCore.Signal(object)
+    """Connected to a server: engine.remote.client.ServerInfo (generations now run there)."""
+    sig_server_failed = QtCore.Signal(str)
+    """Connecting to a server failed: one sentence for the user."""
+    sig_server_metrics = QtCore.Signal(object)
+    """ServerMetricsSampled during a remote generation, or (t, ServerMetrics) during a load-lab run."""
+    sig_serve_progress = QtCore.Signal(float, str)
+    """Load lab: fraction of the requests done and a word on it."""
+    sig_serve_request = QtCore.Signal(object)
+    """Load lab: one finished request (engine.remote.bench.RequestResult)."""
+    sig_serve_run = QtCore.Signal(object)
+    """Load lab: the figures of one concurrency level (a dict with `vllm bench serve`'s keys)."""
+    sig_serve_done = QtCore.Signal(str)
+    """Load lab ended: "" when complete, else why it stopped."""
 
     _ROUTES = (
         (PromptTokenized, "sig_prompt"), (AttentionCaptured, "sig_attention"), (ResidualNorms, "sig_norms"),
         (LensCaptured, "sig_lens"), (KVCacheGrew, "sig_kv"), (PrefillDone, "sig_prefill"), (TokenSampled, "sig_token"),
         (Finished, "sig_finished"), (PreviewResult, "sig_preview"),
+        (ServerMetricsSampled, "sig_server_metrics"),
     )
 
     def __init__(self, parent: QtCore.QObject | None = None) -> None:
@@ -141,6 +157,7 @@ class Bridge(QtCore.QObject):
         self.tokenizer = None  # the loaded model's tokenizer: fast and thread-safe, used by the GUI for typing
         self.cfg = None
         self.state = "idle"
+        self.server = None  # the ServerInfo of the connected server, None while generating locally
         self.params = SamplingParams()
         self.attention_layers: frozenset[int] = frozenset()  # layers a panel asked for (capture_attention)
         self.lens_top = 0  # top tokens per layer of the logit lens the next generation captures (0 = none)
@@ -234,6 +251,20 @@ class Bridge(QtCore.QObject):
     def cancel_measure(self) -> None:
         self._post("cancel_measure")
 
+    def connect_server(self, url: str, api_key: str | None = None) -> None:
+        """Generate on a server from now on; the key goes to the engine process's memory only, never to disk."""
+        self._post("connect", (url, api_key))
+
+    def disconnect_server(self) -> None:
+        self._post("disconnect")
+
+    def run_serve_bench(self, config: dict) -> None:
+        """Load lab: `config` holds concurrency (list), num_prompts, max_new_tokens, request_rate, time_limit_s."""
+        self._post("serve_bench", dict(config))
+
+    def cancel_serve_bench(self) -> None:
+        self._post("cancel_serve_bench")
+
     def select_step(self, step: int) -> None:
         self.sig_step_selected.emit(int(step))
 
@@ -283,10 +314,29 @@ class Bridge(QtCore.QObject):
                 self.sig_measure_progress.emit(float(arg[0]), str(arg[1]))
             elif kind == "measure_done":
                 self.sig_measure_done.emit(arg)
+            elif kind == "connected":
+                self.server = arg
+                self.sig_server_connected.emit(arg)
+            elif kind == "connect_failed":
+                self.sig_server_failed.emit(arg)
+            elif kind == "disconnected":
+                self.server = None
+            elif kind == "serve_progress":
+                self.sig_serve_progress.emit(float(arg[0]), str(arg[1]))
+            elif kind == "serve_request":
+                self.sig_serve_request.emit(arg)
+            elif kind == "serve_metrics":
+                self.sig_server_metrics.emit(arg)
+            elif kind == "serve_run":
+                self.sig_serve_run.emit(arg)
+            elif kind == "serve_done":
+                self.sig_serve_done.emit(arg)
             elif kind == "state":
                 self.state = arg
                 self.sig_state.emit(arg)
             return
+        if isinstance(ev, ServerConnected):
+            return  # the probe's result already came as the "connected" notice
         if isinstance(ev, Failed):
             self.sig_failed.emit(ev.message)
             return

@@ -28,6 +28,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--greedy", action="store_true", help="temperature 0: always take the most likely token")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--url", help="generate on an OpenAI-compatible server (vLLM, llama.cpp), e.g. http://127.0.0.1:8000;"
+                   " the API key, if any, is read from $INFERENCE_LAB_API_KEY")
+    p.add_argument("--load-lab", metavar="C1,C2,…", help="headless, with --url: after the generation run the Load "
+                   "lab at these concurrency levels (8 requests each) and show it in the screenshot")
     p.add_argument("--screenshot", metavar="OUT.png", help="headless: save a PNG of the whole window and exit")
     p.add_argument("--export-timeline", metavar="OUT.png|.svg", help="headless: save the timeline and exit")
     p.add_argument("--timeout", type=float, default=600.0, help="headless: give up after this many seconds")
@@ -97,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_headless(app, args)
     window = MainWindow(args.model, device=args.device)
     _apply_args(window, args)
+    if args.url:
+        window.connect_server(args.url)
     window.show()
     if args.open_session:
         _open_when_loaded(window, str(Path(args.open_session).expanduser()))
@@ -191,6 +197,9 @@ def _run_headless(app, args: argparse.Namespace) -> int:
         app.exit(code)
 
     def on_loaded(_info) -> None:
+        if args.url and window.bridge.server is None:
+            window.connect_server(args.url)  # generate once connected
+            return
         _apply_args(window, args)
         prompt = window.panels.get("prompt")
         if prompt is not None:
@@ -210,6 +219,10 @@ def _run_headless(app, args: argparse.Namespace) -> int:
             window.tick_panels(flush=True)
 
     def on_finished(_ev) -> None:
+        if args.load_lab and "load_lab" not in outcome:
+            outcome["load_lab"] = True
+            run_load_lab()
+            return
         # The generation owned the KV cache; now the preview runs on the same prompt and shows the reuse.
         preview = window.panels.get("preview")
         if preview is None or preview.result is not None:
@@ -218,6 +231,24 @@ def _run_headless(app, args: argparse.Namespace) -> int:
         window.bridge.sig_preview.connect(lambda _r: QtCore.QTimer.singleShot(0, save))
         QtCore.QTimer.singleShot(10_000, save)  # a preview that never comes must not hold the picture back
         preview.request_now()  # runs once the worker is idle again
+
+    def run_load_lab() -> None:
+        from app.panels.load_lab import parse_levels
+
+        lab = window.panels.get("load_lab")
+        if lab is None or window.bridge.server is None:
+            finish(1, "--load-lab needs --url and the Load lab panel")
+            return
+        try:
+            levels = parse_levels(args.load_lab)
+        except ValueError as e:
+            finish(2, str(e))
+            return
+        window.docks["load_lab"].show()
+        window.docks["load_lab"].raise_()
+        window.bridge.sig_serve_done.connect(lambda msg: finish(1, msg) if msg else QtCore.QTimer.singleShot(0, save))
+        lab.run({"concurrency": levels, "num_prompts": 8, "max_new_tokens": args.max_new_tokens or 32,
+                 "request_rate": None, "burstiness": 1.0, "time_limit_s": 120.0})
 
     def save() -> None:
         if "saving" in outcome:
@@ -254,6 +285,8 @@ def _run_headless(app, args: argparse.Namespace) -> int:
     if not replay_only:
         window.bridge.sig_model_loaded.connect(on_loaded)
         window.bridge.sig_load_failed.connect(lambda msg: finish(1, msg))
+        window.bridge.sig_server_connected.connect(on_loaded)
+        window.bridge.sig_server_failed.connect(lambda msg: finish(1, msg))
         window.bridge.sig_failed.connect(lambda msg: finish(1, msg))
         window.bridge.sig_finished.connect(on_finished)
     watchdog = QtCore.QTimer(window)

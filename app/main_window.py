@@ -111,6 +111,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self.bridge.sig_failed.connect(self._on_failed)
         self.bridge.sig_state.connect(self._on_state)
         reporter().sig_error.connect(self._on_callback_error)
+        self.bridge.sig_server_connected.connect(self._on_server_connected)
+        self.bridge.sig_server_failed.connect(self._on_server_failed)
 
         self.draw_timer = QtCore.QTimer(self)
         self.draw_timer.setInterval(DRAW_INTERVAL_MS)
@@ -182,6 +184,9 @@ class MainWindow(QtWidgets.QMainWindow):
         file_menu.addAction("Open model &folder…", self._open_model_folder_dialog)
         self.pick_action = file_menu.addAction("Open model from &list…", self._open_model_picker)
         self.pick_action.setShortcut(QtGui.QKeySequence("Ctrl+M"))
+        self.connect_action = file_menu.addAction("&Connect to server…", self._connect_dialog)
+        self.disconnect_action = file_menu.addAction("&Disconnect from server", self.disconnect_server)
+        self.disconnect_action.setEnabled(False)
         self.export_action = file_menu.addAction("&Export timeline…", self._export_timeline_dialog)
         self.export_action.setShortcut(QtGui.QKeySequence("Ctrl+E"))
         self.export_action.setEnabled("timeline" in self.panels)
@@ -232,6 +237,10 @@ class MainWindow(QtWidgets.QMainWindow):
         sb.addWidget(self.message, 1)
         sb.addWidget(self.progress)
         sb.addPermanentWidget(self.model_label)
+        self.server_label = QtWidgets.QLabel("")
+        self.server_label.setStyleSheet(f"color: {theme.ACCENT};")
+        self.server_label.hide()
+        sb.addPermanentWidget(self.server_label)
 
     # ---- model ----
     def _stored_model(self) -> str | None:
@@ -281,6 +290,41 @@ class MainWindow(QtWidgets.QMainWindow):
             self, "Open a Hugging Face model folder (config.json + safetensors)", self._dialog_dir())
         if path:
             self.load_model(path)
+
+    # ---- remote server ----
+    def connect_server(self, url: str, api_key: str | None = None) -> None:
+        """Generate on an OpenAI-compatible server from now on (the key is kept in memory only)."""
+        self._set_message(f"Connecting to {url}…")
+        self.bridge.connect_server(url, api_key)
+
+    def disconnect_server(self) -> None:
+        self.bridge.disconnect_server()
+        self.disconnect_action.setEnabled(False)
+        self.server_label.hide()
+        self._set_message("Disconnected: generations run on the local model again.")
+
+    def _connect_dialog(self) -> None:
+        from app.connect_dialog import ConnectDialog
+
+        server = self.bridge.server
+        dlg = ConnectDialog(server.url if server is not None else "", self)
+        if dlg.exec() == QtWidgets.QDialog.DialogCode.Accepted and dlg.url():
+            self.connect_server(dlg.url(), dlg.api_key())
+
+    @QtCore.Slot(object)
+    def _on_server_connected(self, info) -> None:
+        self.last_error = ""
+        self.disconnect_action.setEnabled(True)
+        self.server_label.setText(f"server: {info.kind} · {info.model} · {info.url}")
+        self.server_label.setToolTip("A server gives no attention maps, residual norms or per-step costs; "
+                                     "those panels keep the local model's or stay empty.")
+        self.server_label.show()
+        self._set_message(f"Connected to {info.kind} at {info.url} ({info.model}). Generations run there; "
+                          "attention and residuals are not available from a server.")
+
+    @QtCore.Slot(str)
+    def _on_server_failed(self, message: str) -> None:
+        self._show_error(message, title="Could not connect to the server", box=True)
 
     def _dialog_dir(self) -> str:
         return str(Path(self._model_request).parent) if self._model_request else str(Path.home())

@@ -10,6 +10,7 @@ Commands are (kind, argument) tuples:
     pause · resume · step · stop · params SamplingParams · attention_layers frozenset · threads ("auto" or a count)
     batch_bench (batches, prompt_tokens, new_tokens) · cancel_bench · this_machine (device, dtype)
     measure (device, dtype, measure_kwargs) · cancel_measure · quit
+    connect (url, api_key) · disconnect · serve_bench dict · cancel_serve_bench (engine.remote.worker)
 Out go engine events (engine.events), PreviewResult, and notices as (kind, argument) tuples: load_progress,
 loaded (ModelInfo, Tokenizer, ModelConfig), load_failed, state, batch_progress, batch_row, batch_done,
 this_machine (device, dtype, Hardware or None), measure_progress, measure_done, stopped. This machine's roofs are
@@ -131,6 +132,10 @@ class EngineServer:
             self.params = arg
         elif kind == "threads":
             self.set_threads(arg)
+        else:
+            from engine.remote import worker
+
+            worker.handle(self, kind, arg)  # connect / disconnect / serve_bench (engine.remote.worker)
         # pause/resume/step/stop/attention_layers/cancel_* outside a generation or a bench: nothing to act on
 
     # ---- commands ----
@@ -173,6 +178,9 @@ class EngineServer:
         from engine.sampling import funnel
 
         if self.session is None or not text:
+            return
+        if getattr(self.session, "is_remote", False):
+            self.session.preview(self, request_id, text, chat, top)
             return
         t0 = time.perf_counter()
         tok = self.session.tokenize(text, chat)
@@ -257,6 +265,9 @@ class EngineServer:
 
         if self.session is None:
             self.send(("batch_done", "the model is not loaded yet"))
+            return
+        if getattr(self.session, "is_remote", False):
+            self.send(("batch_done", "the batching lab runs the local model: use the Load lab for a server"))
             return
 
         later: list[tuple[str, object]] = []  # commands that arrive during the bench, run after it

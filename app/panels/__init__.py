@@ -7,7 +7,7 @@ import importlib
 # Order = the order of the View menu and of the default layout.
 PANEL_MODULES = (
     "prompt", "preview", "generation", "sampling", "attention", "kv_cache", "timeline", "roofline", "capacity",
-    "batching", "lens", "branches",
+    "batching", "lens", "branches", "load_lab",
 )
 
 

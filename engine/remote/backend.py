@@ -18,16 +18,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.events import Event, Failed, Finished, Funnel, PromptTokenized, StepCost, TokenSampled
+from engine.messages import SamplingParams
 from engine.remote.client import Client, RemoteError, ServerInfo
 from engine.remote.metrics import ServerMetrics, parse_prometheus, server_metrics
 from engine.remote.sse import Candidate, Chunk, StreamToken
-from engine.sampling import SamplingParams
 
 NO_COST = StepCost(flops=0.0, weight_bytes=0.0, kv_read_bytes=0.0, kv_write_bytes=0.0)
 CANNOT = "A server gives no attention maps, residual norms or per-step costs; those panels stay empty."
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TopNFunnel(Funnel):
     """A funnel re-drawn from the server's top-N log-probabilities only: kept_* count among those N."""
 
@@ -35,7 +35,7 @@ class TopNFunnel(Funnel):
     top_n: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RemoteTokenSampled(TokenSampled):
     """A token as a server streamed it: `seconds` is the gap since the previous token arrived (0 inside a chunk)."""
 
@@ -45,14 +45,14 @@ class RemoteTokenSampled(TokenSampled):
     cannot: str = CANNOT
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServerConnected:
     """The probe's result: the first event of a remote session."""
 
     info: ServerInfo
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServerMetricsSampled:
     """One scrape of the server's /metrics during a run (seconds since the request was sent)."""
 
@@ -308,6 +308,8 @@ class RemoteGeneration:
         self._gen = self._run()
         self.usage: dict | None = None
         self.timings: dict | None = None
+        self.capture = None  # set by the engine process like a local Generation's; a server captures nothing
+        self.metrics_every_s = 0.5  # scrape the server's /metrics this often while streaming (0 = never)
 
     def stop(self) -> None:
         self._stop = True
@@ -345,8 +347,15 @@ class RemoteGeneration:
         finish = None
         n = 0
         stream = b.client.stream(path, payload)
+        scrape = info.metrics and self.metrics_every_s > 0
+        last_scrape = t0
         try:
             for ci, (t, chunk) in enumerate(stream):
+                if scrape and t - last_scrape >= self.metrics_every_s:
+                    last_scrape = t
+                    m = b.metrics()
+                    if m is not None:
+                        yield ServerMetricsSampled(t=t - t0, metrics=m)
                 if chunk.prompt_token_ids and not prompt_ids:
                     prompt_ids = chunk.prompt_token_ids
                 if chunk.usage:
@@ -382,6 +391,10 @@ class RemoteGeneration:
         finally:
             stream.close()
         total = last - t0
+        if scrape:
+            m = b.metrics()
+            if m is not None:
+                yield ServerMetricsSampled(t=time.perf_counter() - t0, metrics=m)
         if self.usage and not self._stop:
             n_out = int(self.usage.get("completion_tokens") or n)
         else:

@@ -19,10 +19,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from engine.messages import SamplingParams
 from engine.remote.backend import RemoteBackend
 from engine.remote.client import RemoteError
 from engine.remote.metrics import ServerMetrics
-from engine.sampling import SamplingParams
 
 PROMPTS = (
     "Explain what a KV cache is in two sentences.",

@@ -198,7 +198,9 @@ class Client:
         finally:
             conn.close()
         if not done:
-            raise RemoteError(f"the stream from {self.url} ended early, after {n_chunks} chunks, without [DONE]")
+            raise RemoteError(
+                f"the connection to {self.url} dropped mid-stream after {n_chunks} chunks (no end-of-stream marker)"
+            )
 
 
 def _lines(resp: http.client.HTTPResponse) -> Iterator[bytes]:

@@ -1,0 +1,330 @@
+"""Load lab: a bounded load benchmark against the connected server (engine.remote.bench, in the engine process).
+
+For each concurrency level it sends a fixed number of streamed requests (at most that many in flight, all at once
+or at a request rate with gamma arrivals) and measures, per request, TTFT, TPOT, ITL and end-to-end latency with
+`vllm bench serve`'s definitions. Rows arrive through sig_serve_run and are only stored here, then drawn on the tick.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6 import QtCore, QtWidgets
+
+from app import theme
+from app.bridge import Bridge
+from app.panels.base import Panel
+
+COLUMNS = ("conc.", "ok", "fail", "tok/s system", "tok/s stream", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+           "ITL p99", "E2EL p99", "req/s", "goodput")
+SERIES = (("median_ttft_ms", "TTFT p50", theme.PREFILL_COLOR, QtCore.Qt.PenStyle.SolidLine),
+          ("p99_ttft_ms", "TTFT p99", theme.PREFILL_COLOR, QtCore.Qt.PenStyle.DashLine),
+          ("median_tpot_ms", "TPOT p50", theme.DECODE_COLOR, QtCore.Qt.PenStyle.SolidLine),
+          ("p99_tpot_ms", "TPOT p99", theme.DECODE_COLOR, QtCore.Qt.PenStyle.DashLine),
+          ("p99_itl_ms", "ITL p99", theme.OK_COLOR, QtCore.Qt.PenStyle.DotLine))
+
+
+def parse_levels(text: str) -> list[int]:
+    """"1,2,4,8" -> [1, 2, 4, 8]; ValueError with the reason otherwise."""
+    try:
+        levels = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError(f"concurrency levels are whole numbers separated by commas, not {text!r}") from None
+    if not levels or any(c < 1 or c > 256 for c in levels):
+        raise ValueError("concurrency levels must be between 1 and 256")
+    return levels
+
+
+def summarize(runs: list[dict]) -> str:
+    """One sentence on what the runs show, from their own numbers."""
+    ok = [r for r in runs if r.get("completed")]
+    if not ok:
+        return ""
+    if len(ok) == 1:
+        r = ok[0]
+        return (f"Concurrency {r['concurrency']}: {r['output_throughput']:.0f} tok/s for the system, "
+                f"{r['per_stream_tokens_per_s']:.0f} per stream. Add levels to see the trade-off.")
+    a, b = ok[0], ok[-1]
+    gain = b["output_throughput"] / a["output_throughput"] if a["output_throughput"] else math.nan
+    return (f"From {a['concurrency']} to {b['concurrency']} requests in flight the server's output rose ×{gain:.1f} "
+            f"({a['output_throughput']:.0f} → {b['output_throughput']:.0f} tok/s) while each stream went from "
+            f"{a['per_stream_tokens_per_s']:.0f} to {b['per_stream_tokens_per_s']:.0f} tok/s and TTFT p99 from "
+            f"{a['p99_ttft_ms']:.0f} to {b['p99_ttft_ms']:.0f} ms.")
+
+
+class LoadLabPanel(Panel):
+    title = "Load lab"
+    object_name = "panel_load_lab"
+    help_text = (
+        "A bounded load test of the connected server (File → Connect to server…), measured like `vllm bench "
+        "serve`. For each concurrency level C, N streamed requests are sent with at most C in flight (or at a "
+        "request rate, with gamma-distributed gaps: burstiness 1 = Poisson). Per request: TTFT = time to the "
+        "first chunk with text; ITL = gaps between chunks; E2EL = the whole request; TPOT = (E2EL − TTFT) / "
+        "(output tokens − 1), in ms. Per level: output throughput = output tokens / duration (tok/s for the "
+        "system) and per-stream speed = 1 / mean TPOT. Left: system tok/s against per-stream tok/s, one point "
+        "per level — batching buys system throughput with each stream's speed. Middle: latency percentiles "
+        "against C. Right: the server's own KV-cache usage and queue (from /metrics) during the run. Every run "
+        "is bounded by its request count and a time limit; Cancel stops it at once. Export writes JSON or CSV."
+    )
+
+    def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(bridge, parent)
+        self.runs: list[dict] = []
+        self.requests = 0
+        self.metrics: list[tuple[float, float | None, float | None, float | None]] = []  # t, kv, running, waiting
+        self.running = False
+        self.status = "Connect to a server (File → Connect to server…), then Run."
+        self.progress_value = 0.0
+        self._t_offset = 0.0
+        self._build()
+        bridge.sig_server_connected.connect(self._on_connected)
+        bridge.sig_serve_progress.connect(self._on_progress)
+        bridge.sig_serve_request.connect(self._on_request)
+        bridge.sig_serve_run.connect(self._on_run)
+        bridge.sig_serve_done.connect(self._on_done)
+        bridge.sig_server_metrics.connect(self._on_metrics)
+        self._update_buttons()
+        self.mark_dirty()
+
+    # ---- widgets ---------------------------------------------------------------------------------------------------
+    def _spin(self, lo: float, hi: float, value: float, tip: str, decimals: int = 0) -> QtWidgets.QAbstractSpinBox:
+        s = QtWidgets.QDoubleSpinBox() if decimals else QtWidgets.QSpinBox()
+        if decimals:
+            s.setDecimals(decimals)
+        s.setRange(lo, hi)
+        s.setValue(value)
+        s.setToolTip(tip)
+        return s
+
+    def _build(self) -> None:
+        row = QtWidgets.QHBoxLayout()
+        row.setContentsMargins(0, 0, 0, 0)
+        self.levels_edit = QtWidgets.QLineEdit("1,2,4,8")
+        self.levels_edit.setMaximumWidth(110)
+        self.levels_edit.setToolTip("Concurrency levels: requests in flight at once, one run per level")
+        self.prompts_spin = self._spin(1, 1000, 8, "Requests sent per level")
+        self.tokens_spin = self._spin(1, 4096, 32, "Tokens generated per request (the server ignores EOS)")
+        self.rate_spin = self._spin(0, 1000, 0, "Request rate, requests/s (0 = all at once)", decimals=1)
+        self.burst_spin = self._spin(0.1, 10, 1.0, "Burstiness: gamma shape of the gaps (1 = Poisson)", decimals=1)
+        self.limit_spin = self._spin(1, 3600, 60, "Time limit per level, seconds")
+        for label, w in (("C", self.levels_edit), ("N", self.prompts_spin), ("new", self.tokens_spin),
+                         ("rate", self.rate_spin), ("burst", self.burst_spin), ("limit s", self.limit_spin)):
+            row.addWidget(QtWidgets.QLabel(label))
+            row.addWidget(w)
+        row.addStretch(1)
+        self.run_button = QtWidgets.QPushButton("Run")
+        self.run_button.clicked.connect(lambda: self.run())
+        self.cancel_button = QtWidgets.QPushButton("Cancel")
+        self.cancel_button.clicked.connect(self.cancel)
+        self.export_button = QtWidgets.QPushButton("Export…")
+        self.export_button.clicked.connect(self._export_dialog)
+        for b in (self.run_button, self.cancel_button, self.export_button):
+            row.addWidget(b)
+
+        self.progress = QtWidgets.QProgressBar()
+        self.progress.setRange(0, 1000)
+        self.progress.setMaximumHeight(14)
+        self.progress.setTextVisible(False)
+        self.status_label = QtWidgets.QLabel()
+        self.status_label.setWordWrap(True)
+
+        pg.setConfigOptions(antialias=True)
+        self.plots = pg.GraphicsLayoutWidget()
+        self.plots.setBackground(theme.BACKGROUND)
+        p1 = self.tput_plot = self.plots.addPlot(title="system vs per-stream tok/s")
+        p1.setLabel("bottom", "per-stream tok/s")
+        p1.setLabel("left", "system tok/s")
+        p1.showGrid(x=True, y=True, alpha=0.2)
+        self.tput_curve = p1.plot([], [], pen=pg.mkPen(theme.ACCENT, width=2), symbol="o", symbolSize=8,
+                                  symbolBrush=theme.ACCENT)
+        self.tput_labels: list[pg.TextItem] = []
+        p2 = self.lat_plot = self.plots.addPlot(title="latency vs concurrency")
+        p2.setLabel("bottom", "requests in flight")
+        p2.setLabel("left", "ms")
+        p2.setLogMode(x=True, y=True)
+        p2.showGrid(x=True, y=True, alpha=0.2)
+        p2.addLegend(offset=(5, 5), labelTextSize="8pt")
+        self.lat_curves = {}
+        for key, name, color, style in SERIES:
+            self.lat_curves[key] = p2.plot([], [], name=name, pen=pg.mkPen(color, width=2, style=style),
+                                           symbol="o", symbolSize=5, symbolBrush=color)
+        p3 = self.server_plot = self.plots.addPlot(title="server: KV cache % and queue")
+        p3.setLabel("bottom", "s")
+        p3.setLabel("left", "KV % · requests")
+        p3.showGrid(x=True, y=True, alpha=0.2)
+        p3.addLegend(offset=(5, 5), labelTextSize="8pt")
+        self.kv_curve = p3.plot([], [], name="KV used %", pen=pg.mkPen(theme.WARNING_COLOR, width=2))
+        self.running_curve = p3.plot([], [], name="running", pen=pg.mkPen(theme.DECODE_COLOR, width=1.5))
+        self.waiting_curve = p3.plot([], [], name="waiting", pen=pg.mkPen(theme.ERROR_COLOR, width=1.5))
+
+        self.table = QtWidgets.QTableWidget(0, len(COLUMNS))
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.verticalHeader().setVisible(False)
+        self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
+        self.table.setMaximumHeight(150)
+
+        lay = QtWidgets.QVBoxLayout(self)
+        lay.setContentsMargins(4, 4, 4, 4)
+        lay.addLayout(row)
+        lay.addWidget(self.progress)
+        lay.addWidget(self.status_label)
+        lay.addWidget(self.plots, 1)
+        lay.addWidget(self.table)
+
+    def _update_buttons(self) -> None:
+        connected = self.bridge.server is not None
+        self.run_button.setEnabled(connected and not self.running)
+        self.cancel_button.setEnabled(self.running)
+        self.export_button.setEnabled(bool(self.runs))
+
+    # ---- actions -------------------------------------------------------------------------------------------------
+    def config(self) -> dict:
+        rate = float(self.rate_spin.value())
+        return {"concurrency": parse_levels(self.levels_edit.text()), "num_prompts": int(self.prompts_spin.value()),
+                "max_new_tokens": int(self.tokens_spin.value()), "request_rate": rate or None,
+                "burstiness": float(self.burst_spin.value()), "time_limit_s": float(self.limit_spin.value())}
+
+    def run(self, config: dict | None = None) -> bool:
+        if self.bridge.server is None:
+            self.status = "Connect to a server first (File → Connect to server…)."
+            self.mark_dirty()
+            return False
+        try:
+            cfg = config or self.config()
+        except ValueError as e:
+            self.status = f"⚠ {e}"
+            self.mark_dirty()
+            return False
+        self.runs, self.metrics, self.requests = [], [], 0
+        self.running, self.progress_value = True, 0.0
+        self._t_offset, self._last_t = 0.0, 0.0
+        self.status = f"Running {len(cfg['concurrency'])} levels × {cfg['num_prompts']} requests…"
+        self.bridge.run_serve_bench(cfg)
+        self._update_buttons()
+        self.mark_dirty()
+        return True
+
+    def cancel(self) -> None:
+        if self.running:
+            self.bridge.cancel_serve_bench()
+            self.status = "Cancelling…"
+            self.mark_dirty()
+
+    def export(self, path: str) -> None:
+        """Write the runs as JSON (`vllm bench serve`'s keys) or CSV, by the file's extension."""
+        from engine.remote.bench import to_csv
+
+        server = self.bridge.server
+        with open(path, "w", encoding="utf-8") as f:
+            if path.lower().endswith(".csv"):
+                f.write(to_csv(self.runs))
+            else:
+                json.dump({"server": server.to_dict() if server is not None else None, "runs": self.runs}, f,
+                          indent=2)
+
+    def _export_dialog(self) -> None:
+        path, _ = QtWidgets.QFileDialog.getSaveFileName(self, "Export load-lab results", "load-lab.json",
+                                                        "JSON (*.json);;CSV (*.csv)")
+        if path:
+            try:
+                self.export(path)
+                self.status = f"Saved {path}."
+            except OSError as e:
+                self.status = f"⚠ could not save {path}: {e.strerror or e}"
+            self.mark_dirty()
+
+    # ---- slots (store only) ------------------------------------------------------------------------------------------
+    @QtCore.Slot(object)
+    def _on_connected(self, info) -> None:
+        self.status = f"Connected to {info.kind} ({info.model}). Pick levels and Run."
+        self._update_buttons()
+        self.mark_dirty()
+
+    @QtCore.Slot(float, str)
+    def _on_progress(self, fraction: float, message: str) -> None:
+        self.progress_value = fraction
+        self.status = f"Running: {message}."
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_request(self, _r) -> None:
+        self.requests += 1
+
+    @QtCore.Slot(object)
+    def _on_run(self, run: dict) -> None:
+        self.runs.append(run)
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_metrics(self, item) -> None:
+        if not self.running or not isinstance(item, tuple):
+            return  # a remote generation's ServerMetricsSampled belongs to the KV panel, not to a load run
+        t, m = item
+        if self.metrics and t + self._t_offset < self.metrics[-1][0]:
+            self._t_offset = self.metrics[-1][0]  # each level restarts its clock: keep the time axis running on
+        self.metrics.append((t + self._t_offset, m.kv_usage, m.running, m.waiting))
+        self.mark_dirty()
+
+    @QtCore.Slot(str)
+    def _on_done(self, message: str) -> None:
+        self.running = False
+        if message:
+            self.status = f"Stopped: {message}." if message == "cancelled" else f"⚠ {message}"
+        else:
+            self.progress_value = 1.0
+            self.status = summarize(self.runs) or "Done."
+        self._update_buttons()
+        self.mark_dirty()
+
+    # ---- drawing -------------------------------------------------------------------------------------------------
+    def draw(self) -> None:
+        self.progress.setValue(int(self.progress_value * 1000))
+        self.status_label.setText(self.status)
+        runs = [r for r in self.runs if r.get("completed")]
+        xs = np.array([r["per_stream_tokens_per_s"] for r in runs], dtype=float)
+        ys = np.array([r["output_throughput"] for r in runs], dtype=float)
+        self.tput_curve.setData(xs, ys)
+        for item in self.tput_labels:
+            self.tput_plot.removeItem(item)
+        self.tput_labels = []
+        for r, x, y in zip(runs, xs, ys, strict=True):
+            t = pg.TextItem(f"C={r['concurrency']}", color=theme.FOREGROUND, anchor=(0, 1))
+            t.setPos(x, y)
+            self.tput_plot.addItem(t)
+            self.tput_labels.append(t)
+        cs = np.array([r["concurrency"] or 1 for r in runs], dtype=float)
+        for key, curve in self.lat_curves.items():
+            vals = np.array([max(r[key], 1e-3) for r in runs], dtype=float)
+            curve.setData(cs, vals)
+        if self.metrics:
+            m = np.array([[t, np.nan if kv is None else 100 * kv, np.nan if ru is None else ru,
+                           np.nan if wa is None else wa] for t, kv, ru, wa in self.metrics], dtype=float)
+            self.kv_curve.setData(m[:, 0], m[:, 1], connect="finite")
+            self.running_curve.setData(m[:, 0], m[:, 2], connect="finite")
+            self.waiting_curve.setData(m[:, 0], m[:, 3], connect="finite")
+        else:
+            for c in (self.kv_curve, self.running_curve, self.waiting_curve):
+                c.setData([], [])
+        self.table.setRowCount(len(self.runs))
+        for i, r in enumerate(self.runs):
+            cells = (r["concurrency"], r["completed"], r["failed"], f"{r['output_throughput']:.1f}",
+                     f"{r['per_stream_tokens_per_s']:.1f}", f"{r['median_ttft_ms']:.0f}", f"{r['p99_ttft_ms']:.0f}",
+                     f"{r['median_tpot_ms']:.1f}", f"{r['p99_tpot_ms']:.1f}", f"{r['p99_itl_ms']:.1f}",
+                     f"{r['p99_e2el_ms']:.0f}", f"{r['request_throughput']:.2f}",
+                     "" if r.get("goodput") is None else f"{r['goodput']:.2f}")
+            for j, v in enumerate(cells):
+                item = QtWidgets.QTableWidgetItem(str(v))
+                item.setTextAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
+                self.table.setItem(i, j, item)
+        self._update_buttons()
+
+    def clear(self) -> None:
+        """A new generation does not clear the load runs: they belong to the server, not to the prompt."""
+        self.mark_dirty()
+
+
+PANEL = LoadLabPanel
