@@ -266,8 +266,7 @@ class GenerationPanel(Panel):
 
     @QtCore.Slot(object)
     def _on_token(self, ev: TokenSampled) -> None:
-        tok = self.bridge.tokenizer
-        special = tok is not None and tok.is_special(ev.token_id)
+        special = self._is_special(ev.token_id)
         shown = ev.text or (ev.piece if special else "")
         self.tokens.append(OutToken(ev.step, ev.phase, ev.position, ev.token_id, ev.piece, shown, ev.seconds))
         self.mark_dirty()
@@ -341,11 +340,17 @@ class GenerationPanel(Panel):
             kinds = [PENDING] * len(seg)
         return seg, kinds
 
+    def _is_special(self, token_id: int) -> bool:
+        """Per the local tokenizer; a server's ids (-1 when it names none) belong to its vocabulary, not ours."""
+        tok = self.bridge.tokenizer
+        if tok is None or getattr(self.bridge, "server", None) is not None or not 0 <= token_id < tok.vocab_size:
+            return False
+        return tok.is_special(token_id)
+
     def _token_kind(self, t: OutToken, index: int) -> int:
         if t.step == 0:
             return FIRST
-        tok = self.bridge.tokenizer
-        if tok is not None and tok.is_special(t.token_id):
+        if self._is_special(t.token_id):
             return SPECIAL
         return DECODE_A if index % 2 else DECODE_B
 

@@ -76,6 +76,8 @@ class KVCachePanel(Panel):
         bridge.sig_model_loaded.connect(self._on_model_loaded)
         bridge.sig_prompt.connect(self._on_prompt)
         bridge.sig_kv.connect(self._on_kv)
+        bridge.sig_server_metrics.connect(self._on_server_metrics)
+        self.server_metrics = None  # the latest engine.remote.metrics.ServerMetrics of a remote generation
         self.mark_dirty()
 
     def _build(self) -> None:
@@ -131,6 +133,23 @@ class KVCachePanel(Panel):
         self.clear()
 
     @QtCore.Slot(object)
+    def _on_server_metrics(self, item) -> None:
+        self.server_metrics = item[1] if isinstance(item, tuple) else item.metrics
+        self.mark_dirty()
+
+    def server_text(self) -> str:
+        """The server's own KV figures (vLLM /metrics), or what it cannot say."""
+        if self.bridge.server is None:
+            return ""
+        m = self.server_metrics
+        if m is None or m.kv_usage is None:
+            return (f"<br><i>{self.bridge.server.kind} reports no KV-cache figures; the curve shows nothing from "
+                    "a server</i>")
+        hit = "" if m.prefix_hit_rate is None else f" · prefix-cache hits {m.prefix_hit_rate:.0%}"
+        return (f"<br>server ({self.bridge.server.kind}, /metrics): KV cache <b>{m.kv_usage:.1%}</b> used · "
+                f"{m.running or 0:.0f} running · {m.waiting or 0:.0f} waiting{hit}")
+
+    @QtCore.Slot(object)
     def _on_kv(self, ev: KVCacheGrew) -> None:
         self._events.append(ev)
         self.mark_dirty()
@@ -173,6 +192,7 @@ class KVCachePanel(Panel):
             f"{bpv:g} B ({dtype}) = <b>{per_token:,.0f} bytes</b> ({fmt_bytes(per_token)})<br>"
             f"now: {n:,} tokens × {per_token:,.0f} B = <b style='color:{ACCENT}'>{fmt_bytes(used)}</b> in use"
             + (f", {fmt_bytes(alloc)} allocated" if alloc else "")
+            + self.server_text()
         )
         self._draw_curves()
         self._draw_table(cfg, n)

@@ -371,7 +371,7 @@ class RooflinePanel(Panel):
     @QtCore.Slot(object)
     def _on_token(self, ev: TokenSampled) -> None:
         self._context = max(self._context, ev.position + 1)
-        if ev.phase == "decode" and ev.seconds > 0:
+        if ev.phase == "decode" and ev.seconds > 0 and ev.cost.flops > 0:  # a server reports no step cost
             self._decode.append((ev.cost.intensity, ev.cost.flops / ev.seconds))
             self.mark_dirty()
 

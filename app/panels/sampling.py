@@ -420,6 +420,8 @@ class SamplingPanel(Panel):
             f"kept: top-k <b>{f.kept_top_k:,}</b>/{v:,} · top-p <b>{f.kept_top_p:,}</b>/{v:,} · "
             f"min-p <b>{f.kept_final:,}</b>/{v:,}")
         live = "" if ev.logits is not None else " · <i>no logits saved: knobs cannot re-run this step</i>"
+        if getattr(f, "source", None):  # engine.remote.backend.TopNFunnel: kept counts are among these N only
+            live = f" · <i>re-drawn from the {f.top_n} {f.source}</i>"
         piece = f.pieces[j] if j is not None else ev.piece  # special tokens have no text piece of their own
         self.summary.setText(
             f"Step {step} ({phase}): sampled <span style='color:{ACCENT}'><b>{html.escape(_readable(piece))}</b></span>"

@@ -62,6 +62,8 @@ class TimelinePanel(Panel):
         bridge.sig_token.connect(self._on_token)
         bridge.sig_finished.connect(self._on_finished)
         bridge.sig_step_selected.connect(self._on_step_selected)
+        bridge.sig_server_metrics.connect(self._on_server_metrics)
+        self.server_metrics = None  # engine.remote.metrics.ServerMetrics: the server's own TTFT/ITL means
         self.mark_dirty()
 
     def _build(self) -> None:
@@ -111,6 +113,12 @@ class TimelinePanel(Panel):
         self._selected = step
         self.mark_dirty()
 
+    @QtCore.Slot(object)
+    def _on_server_metrics(self, item) -> None:
+        if not isinstance(item, tuple):  # a remote generation's scrape, not a load-lab run's
+            self.server_metrics = item.metrics
+            self.mark_dirty()
+
     def clear(self) -> None:
         self._seconds, self._finished, self._selected = {}, None, None
         super().clear()
@@ -157,7 +165,18 @@ class TimelinePanel(Panel):
             f"<b>{s['tokens_per_s']:.1f} tok/s</b><br>"
             f"TPOT p50 {fmt_s(s['tpot_p50_s'])} · p90 {fmt_s(s['tpot_p90_s'])}<br>"
             f"TTFT + ({s['n_tokens']} − 1)·TPOT = <b>{fmt_s(s['latency_formula_s'])}</b> &nbsp;·&nbsp; {measured}"
+            + self._server_line()
         )
+
+    def _server_line(self) -> str:
+        """On a server: bars are chunk arrival gaps (0 for the later tokens of a chunk), beside its own means."""
+        server = self.bridge.server
+        if server is None:
+            return ""
+        m = self.server_metrics
+        own = ("" if m is None or m.mean_ttft_s is None else
+               f" · its /metrics since start: TTFT {fmt_s(m.mean_ttft_s)}, ITL {fmt_s(m.mean_itl_s or 0.0)}")
+        return f"<br>{server.kind}: times from chunk arrivals{own}"
 
     # ---- drawing -----------------------------------------------------------------------------------------------
     def draw(self) -> None:

@@ -144,6 +144,25 @@ class RemoteBackend:
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 60.0) -> None:
         self.client = Client(url, api_key=api_key, timeout=timeout)
         self.info: ServerInfo | None = None
+        self._token_bytes: dict[int, bytes] = {}
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """A token's text as the server detokenizes it alone (cached; None when the server cannot say)."""
+        if token_id not in self._token_bytes:
+            try:
+                self._token_bytes[token_id] = self._detok_bytes(token_id)
+            except (RemoteError, KeyError, TypeError):
+                return None
+        return self._token_bytes[token_id]
+
+    def with_pieces(self, top: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
+        """Candidates named only by id (vLLM's return_tokens_as_token_ids) get their bytes from the server."""
+        out = []
+        for c in top:
+            if c.raw is None and c.id is not None and (not c.token or c.token.startswith("token_id:")):
+                c = Candidate(token=c.token, logprob=c.logprob, id=c.id, raw=self.token_bytes(c.id))
+            out.append(c)
+        return tuple(out)
 
     # ---- discovery --------------------------------------------------------------------------------------
     def probe(self) -> ServerInfo:
@@ -268,6 +287,8 @@ class RemoteBackend:
             p["logit_bias"] = {str(t): b for t, b in params.logit_bias}
         if info.kind == "vllm":
             p["return_token_ids"] = True
+            if top_logprobs:
+                p["return_tokens_as_token_ids"] = True  # ids for the top-N too; pieces come from /detokenize
             if ignore_eos:
                 p["ignore_eos"] = True
         if chat:
@@ -370,12 +391,14 @@ class RemoteGeneration:
                     if n > 0:
                         gaps.append(gap)
                     text = tok.text
-                    piece = _readable(tok.raw) if tok.raw is not None else text
+                    raw = tok.raw if tok.raw is not None else (
+                        b.token_bytes(tok.id) if tok.id is not None and info.kind == "vllm" else None)
+                    piece = _readable(raw) if raw is not None else text
                     ev = RemoteTokenSampled(
                         step=n, phase="prefill" if n == 0 else "decode", position=len(prompt_ids) + n,
                         token_id=tok.id if tok.id is not None else -1, piece=piece, text=text, seconds=gap,
                         cost=NO_COST,
-                        funnel=funnel_from_top(tok.top, self.params, tok.id, piece),
+                        funnel=funnel_from_top(b.with_pieces(tok.top), self.params, tok.id, piece),
                         params=self.params, arrival_s=t - t0, chunk=ci, logprob=tok.logprob,
                     )
                     ids.append(ev.token_id)

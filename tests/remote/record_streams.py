@@ -2,7 +2,7 @@
 
     python -m tests.remote.record_streams URL KIND [API_KEY]
 
-writes tests/remote/streams/KIND-{chat,completions,plain}.sse: the raw bytes of the response bodies.
+writes tests/remote/streams/KIND-{chat,completions,plain[,ids]}.sse: the raw bytes of the response bodies.
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ def record(url: str, kind: str, api_key: str | None = None) -> list[Path]:
         "completions": base | extra | {"prompt": "The year 2024 was", "logprobs": 3},
         "plain": base | {"prompt": "Hello, my name is"},
     }
+    if kind == "vllm":  # what engine.remote asks vLLM for: ids for the top-N too
+        bodies["ids"] = base | extra | {"prompt": "The year 2024 was", "logprobs": 3,
+                                        "return_tokens_as_token_ids": True}
     paths = []
     for name, body in bodies.items():
         path = "/v1/chat/completions" if name == "chat" else "/v1/completions"

@@ -87,12 +87,12 @@ def _start(kind: str, cmd: list[str], env: dict, log: Path, port: int, timeout_s
 def start_vllm(hf_dir: Path, log_dir: Path, api_key: str | None = None, timeout_s: float = 420.0) -> RunningServer:
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS=str(min(2, os.cpu_count() or 1)),
-               VLLM_LOGGING_LEVEL="WARNING", PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1")
     env.pop("PYTHONPATH", None)
     cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
            "--served-model-name", SERVED_NAME, "--dtype", "float32", "--max-model-len", "2048",
            "--host", "127.0.0.1", "--port", str(port), "--max-logprobs", str(MAX_LOGPROBS),
-           "--disable-log-stats"]
+           "--enforce-eager"]
     if api_key:
         cmd += ["--api-key", api_key]
     return _start("vllm", cmd, env, log_dir / f"vllm-{port}.log", port, timeout_s)
