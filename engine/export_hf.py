@@ -17,11 +17,13 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch and the tokenizer load only when exporting: `python -m engine` starts fast
+    import torch
 
-from engine.config import ModelConfig
-from engine.tokenizer import Tokenizer
+    from engine.config import ModelConfig
+    from engine.tokenizer import Tokenizer
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -69,6 +71,8 @@ def _hf_name(name: str) -> str:
 
 def hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Unfused engine tensors -> Hugging Face tensors (q/k rows in the rotate-halves layout)."""
+    import torch
+
     out: dict[str, torch.Tensor] = {}
     for name, w in sd.items():
         if ".attn.wq." in name:

@@ -7,9 +7,12 @@ import json
 import math
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from engine.remote.backend import RemoteBackend, RemoteTokenSampled
 from engine.remote.client import API_KEY_ENV, RemoteError
+
+if TYPE_CHECKING:  # the backend imports torch (via engine.sampling); argument parsing must not
+    from engine.remote.backend import RemoteBackend
 
 
 def add_url_args(p: argparse.ArgumentParser) -> None:
@@ -25,6 +28,8 @@ def _fail(e: Exception | str) -> SystemExit:
 
 
 def _backend(a: argparse.Namespace) -> RemoteBackend:
+    from engine.remote.backend import RemoteBackend
+
     key = os.environ.get(a.api_key_env) if a.api_key_env else None
     try:
         b = RemoteBackend(a.url, api_key=key, timeout=getattr(a, "timeout", 60.0))
@@ -72,7 +77,7 @@ def cmd_logits(a: argparse.Namespace) -> int:
         prompt_ids: list[int] = []
         tok = None
         for ev in gen:
-            if isinstance(ev, RemoteTokenSampled) and tok is None:
+            if type(ev).__name__ == "RemoteTokenSampled" and tok is None:
                 tok = ev
             elif type(ev).__name__ == "Failed":
                 raise RemoteError(ev.message)
@@ -112,7 +117,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise _fail(e) from None
     logprobs: list[float | None] = []
     for ev in gen:
-        if isinstance(ev, RemoteTokenSampled):
+        if type(ev).__name__ == "RemoteTokenSampled":
             logprobs.append(ev.logprob)
             if not a.json:
                 print(ev.text, end="", flush=True)
