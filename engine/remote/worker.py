@@ -28,8 +28,12 @@ class RemoteSession:
         self.backend = backend
         self.local = local  # the local Session it replaced, restored on disconnect
 
-    def generate(self, text: str, params: SamplingParams, max_new_tokens: int, capture=None, chat: bool = False,
-                 ignore_eos: bool = False):
+    def generate(self, text, params: SamplingParams, max_new_tokens: int, capture=None, chat: bool = False,
+                 ignore_eos: bool = False, forced: dict | None = None, **_ignored):
+        if forced:
+            raise ValueError("a server samples its own tokens: forcing a token (branching) works on the local model")
+        if not isinstance(text, str):
+            raise ValueError("a server takes the prompt as text: branching from token ids works on the local model")
         top = getattr(capture, "funnel_top", 0) or 10
         gen = self.backend.generate(text, params, max_new_tokens, chat=chat,
                                     top_logprobs=min(top, SERVER_TOP_LOGPROBS), ignore_eos=ignore_eos)
