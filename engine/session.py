@@ -70,6 +70,10 @@ def condense_funnel(
     )
 
 
+class NonFiniteLogits(ValueError):
+    """A forward pass gave NaN or infinite logits; the message says where."""
+
+
 class Session:
     """A loaded model plus the KV cache it keeps between generations."""
 
@@ -142,6 +146,12 @@ class Session:
         tokens = torch.tensor([list(new_ids)], dtype=torch.long, device=self.lm.device)  # (1, T)
         logits = self.lm.model(tokens, start, self.cache, probe)[0]  # (V,)
         self.cached_ids.extend(int(i) for i in new_ids)
+        if not bool(torch.isfinite(logits).all()):  # sampling would fail obscurely, argmax would pick garbage
+            self.forget_cache()
+            raise NonFiniteLogits(
+                f"the model produced NaN or infinite logits at position {start + len(new_ids) - 1} "
+                f"(damaged weights, or values beyond {self.dtype_name}'s range)"
+            )
         return logits
 
     # ---- one-off next-token preview ----------------------------------------------------------------------------
@@ -372,7 +382,8 @@ class Generation:
                 return
         except Exception as e:  # noqa: BLE001 — the consumer gets one clear message instead of a dead thread
             s.forget_cache()
-            yield Failed(message=f"generation failed: {type(e).__name__}: {e}")
+            text = str(e) if isinstance(e, NonFiniteLogits) else f"generation failed: {type(e).__name__}: {e}"
+            yield Failed(message=text)
 
 
 def emit_all(emit, events: Iterator[Event]) -> Iterator[Event]:

@@ -136,6 +136,13 @@ def _tokenizer(build: Callable[[object], Tokenizer], source: object, what: str) 
         raise ValueError(f"{what} could not be read ({type(e).__name__}: {e})") from None
 
 
+def _check_finite(sd: dict[str, torch.Tensor]) -> None:
+    """Every weight is a finite number (a NaN or inf would surface only later, as garbage or a failed draw)."""
+    for name, t in sd.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"tensor {name!r} holds NaN or infinite values: the weights are damaged")
+
+
 def _one_line(text: str, limit: int = 400) -> str:
     """An error text as one line of at most `limit` characters."""
     line = " ".join(str(text).split())
@@ -189,6 +196,7 @@ def load(
                 from_cache = False
         if not from_cache:
             cfg, sd, tok, meta = _read_source(path, report)
+            _check_finite(sd)
             meta["source"] = str(path)
             if cdir is not None:
                 report(0.85, "writing the weight cache for a fast next start")

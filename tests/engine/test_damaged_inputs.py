@@ -10,6 +10,7 @@ pickle renamed to model.safetensors. Two undamaged controls must still work, so 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -75,6 +76,8 @@ def _gguf_cases(good: Path, out: Path) -> dict[str, tuple[Path, str]]:
         # within the limits (a real model may claim 16M), so it must load and run in bounded memory
         "context_length-16M": (_patch(data, value_offset("llama.context_length"), U32.pack(16_000_000)), ""),
     }
+    norm = next(t for t in r.tensors if t.name == "output_norm.weight")  # float32 values in the data
+    variants["nan-weights"] = (_patch(data, norm.data_offset, struct.pack("<ff", math.nan, math.inf)), "NaN")
     rng = random.Random(12)
     for i in range(6):  # single bit flips in the header (metadata and tensor descriptions)
         pos = rng.randrange(r.data_offset)

@@ -6,6 +6,7 @@ import torch
 
 from engine.events import (
     AttentionCaptured,
+    Failed,
     Finished,
     KVCacheGrew,
     PrefillDone,
@@ -201,3 +202,21 @@ def test_warm_up_leaves_no_trace(session):
     assert session.warm_up() > 0
     assert session.cache is None and session.cached_ids == []
     assert run(session.generate("the cat", GREEDY, 4, ignore_eos=True))[-1].ids.tolist() == before
+
+
+def test_non_finite_logits_end_the_generation_with_one_clear_message(tiny_lm):
+    """Weights that make NaN (here the final norm, past the loader's own check) fail the step by name, in both
+    the sampled and the greedy path (argmax would otherwise pick a token from NaN), and leave no cache behind."""
+    import dataclasses
+
+    from engine.model import build_model
+
+    sd = {k: v.clone() for k, v in tiny_lm.model.state_dict().items()}
+    sd["norm.weight"][0] = float("nan")
+    s = Session(dataclasses.replace(tiny_lm, model=build_model(tiny_lm.cfg, sd)))
+    for params in (GREEDY, SamplingParams(temperature=1.0, seed=0)):
+        last = run(s.generate("the cat", params, 3, ignore_eos=True))[-1]
+        assert isinstance(last, Failed) and "NaN or infinite logits at position" in last.message
+        assert s.cache is None
+    with pytest.raises(ValueError, match="NaN or infinite logits"):
+        s.next_token_logits(s.tokenize("the cat").ids)
