@@ -57,3 +57,14 @@ def test_the_app_generates_with_torch_blocked_in_its_process(tiny_dir, tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().endswith("False 0 0"), r.stdout[-3000:]  # not even a try, caught or not
     assert shot.stat().st_size > 10_000
+
+
+def test_startup_benchmark_runs_and_reports_no_torch(tmp_path) -> None:
+    import json
+    import os
+
+    r = subprocess.run([sys.executable, "-m", "app.bench_startup"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120, env={**os.environ, "INFERENCE_LAB_SETTINGS": str(tmp_path / "s.ini")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["torch_loaded"] is False and out["gui_max_rss_mb"] > 0 and out["total_s"] > 0
