@@ -1,1 +1,1 @@
-"""Inference Lab's desktop application (PySide6 + pyqtgraph). Runs the engine in a worker thread."""
+"""Inference Lab's desktop application (PySide6 + pyqtgraph). Runs the engine in its own process."""

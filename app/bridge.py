@@ -83,7 +83,7 @@ class EventRelay(QtCore.QObject):
 
 
 class Bridge(QtCore.QObject):
-    """Owns the worker thread; the GUI's only door to the engine."""
+    """Owns the engine process and the thread that relays its events; the GUI's only door to the engine."""
 
     sig_load_progress = QtCore.Signal(float, str)
     """Model loading: fraction done and what is happening."""

@@ -124,7 +124,7 @@ def _open_when_loaded(window, path: str) -> None:
 
 
 def _close_on_ctrl_c(window) -> None:
-    """Ctrl+C in the terminal closes the window the normal way (settings saved, worker stopped)."""
+    """Ctrl+C in the terminal closes the window the normal way (settings saved, engine stopped)."""
     import signal
 
     from PySide6 import QtCore
@@ -230,7 +230,7 @@ def _run_headless(app, args: argparse.Namespace) -> int:
             return
         window.bridge.sig_preview.connect(lambda _r: QtCore.QTimer.singleShot(0, save))
         QtCore.QTimer.singleShot(10_000, save)  # a preview that never comes must not hold the picture back
-        preview.request_now()  # runs once the worker is idle again
+        preview.request_now()  # runs once the engine is idle again
 
     def run_load_lab() -> None:
         from app.panels.load_lab import parse_levels

@@ -1,7 +1,7 @@
 """The main window: one dock per panel, the menus, the status bar, the shared draw timer and the settings.
 
-The window shows at once; the model loads in the worker thread while a progress bar runs in the status bar.
-Closing the window stops the worker (flag → quit → wait) before anything is destroyed.
+The window shows at once; the model loads in the engine process while a progress bar runs in the status bar.
+Closing the window stops the engine process and the bridge's relay thread before anything is destroyed.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def discover_panels() -> list[tuple[str, type[Panel]]]:
 
 class MainWindow(QtWidgets.QMainWindow):
     sig_closed = QtCore.Signal()
-    """The window closed and the worker thread has stopped."""
+    """The window closed and the engine process has stopped."""
 
     def __init__(self, model: str | None = None, *, persist: bool = True, load: bool = True,
                  interactive: bool = True, device: str = "auto", dtype: str = "auto") -> None:
@@ -122,7 +122,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.resize(*DEFAULT_SIZE)
         self._restore()
         if self.settings is not None:
-            self.bridge.set_params(self.bridge.params)  # the worker and the sampling panel get the restored knobs
+            self.bridge.set_params(self.bridge.params)  # the engine and the sampling panel get the restored knobs
         if load:
             self.load_model(model if model is not None else self._stored_model())
 
@@ -260,7 +260,7 @@ class MainWindow(QtWidgets.QMainWindow):
             self.settings.save_threads(setting)
 
     def load_model(self, path: str | None = None) -> None:
-        """Load a model in the worker (None = the default model); progress shows in the status bar."""
+        """Load a model in the engine process (None = the default model); progress shows in the status bar."""
         self._model_request = str(path) if path else None
         self.progress.setValue(0)
         self.progress.show()
@@ -515,7 +515,7 @@ class MainWindow(QtWidgets.QMainWindow):
                 self._apply_default_sizes()
 
     def shutdown(self) -> bool:
-        """Save settings, stop the draw timer and the worker thread (waits for the current token or load)."""
+        """Save settings, stop the draw timer, the engine process and the relay thread (waits for the current token)."""
         if self._closed:
             return True
         self._closed = True
@@ -524,7 +524,7 @@ class MainWindow(QtWidgets.QMainWindow):
         session_io.clean_exit(self)
         ok = self.bridge.shutdown(timeout_ms=10_000)
         while not ok:  # a model load cannot be interrupted: wait for it rather than destroy a running thread
-            log.warning("the worker is still busy; waiting for it to finish")
+            log.warning("the relay thread is still busy; waiting for it to finish")
             ok = self.bridge.worker_thread.wait(5_000)
         return ok
 

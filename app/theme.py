@@ -41,11 +41,6 @@ RIDGE_COLOR = "#888888"
 TOKEN_COLORS = ["#2d4f73", "#5d3d63", "#2f5d4c", "#6a4e2a", "#45507f", "#66383f"]
 
 
-def token_color(index: int) -> str:
-    """Background colour of the token at `index` in an alternating run."""
-    return TOKEN_COLORS[index % len(TOKEN_COLORS)]
-
-
 def qcolor(name: str, alpha: int | None = None) -> QtGui.QColor:
     c = QtGui.QColor(name)
     if alpha is not None:

@@ -84,11 +84,6 @@ def model_presets() -> dict[str, ModelConfig]:
     return {key: ModelConfig.from_dict(entry) for key, entry in _load("models.json").items()}
 
 
-def model_sources() -> dict[str, str]:
-    """The config.json each catalogue model was copied from, by key."""
-    return {key: entry.get("source", "") for key, entry in _load("models.json").items()}
-
-
 def hardware_presets() -> dict[str, Hardware]:
     """Every catalogue chip, by key (e.g. "h100-sxm")."""
     return {key: Hardware.from_dict(entry, name=key) for key, entry in _load("hardware.json").items()}

@@ -1,6 +1,7 @@
 """The generation loop as a generator of events: prefill once, then decode one token per step.
 
-One generator, two drivers: the CLI prints the events, the app drives the same generator in a worker thread.
+One generator, two drivers: the CLI prints the events, the app drives the same generator in its engine process
+(engine.server).
 A `Generation` can be advanced one event at a time, paused simply by not advancing it, stopped between tokens,
 and its sampling settings and capture can change between tokens.
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -390,7 +390,3 @@ def emit_all(emit, events: Iterator[Event]) -> Iterator[Event]:
     for e in events:
         yield from emit(e)
 
-
-def with_params(gen: Generation, **changes) -> None:
-    """Change sampling settings of a running generation (they apply from the next token on)."""
-    gen.params = replace(gen.params, **changes)

@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
-
 # Order = the order of the View menu and of the default layout.
 PANEL_MODULES = (
     "prompt", "preview", "generation", "sampling", "attention", "kv_cache", "timeline", "roofline", "capacity",
     "batching", "lens", "branches", "load_lab",
 )
-
-
-def panel_classes() -> list[type]:
-    return [importlib.import_module(f"app.panels.{m}").PANEL for m in PANEL_MODULES]

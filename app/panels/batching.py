@@ -1,6 +1,6 @@
 """Batching lab: batched decode measured on the loaded model, one batch size after another.
 
-The measurement runs in the bridge's worker thread (engine.batching.bench_batch via bridge.run_batch_bench); rows
+The measurement runs in the engine process (engine.batching.bench_batch via bridge.run_batch_bench); rows
 arrive one by one through sig_batch_row and are only stored here, then drawn on the app's tick. The roofs of the
 roofline plot are this machine's cached measurement (engine.hardware.load_cached) or a catalogue chip the user
 picks; nothing is made up when neither is chosen: the measured points are then drawn without a roof.
@@ -360,7 +360,7 @@ class BatchingPanel(Panel):
         if not self.running:
             return
         self.bridge.cancel_batch_bench()
-        # The worker clears the cancel flag when the run starts, so a cancel sent before then would be lost:
+        # The engine clears the cancel flag when the run starts, so a cancel sent before then would be lost:
         # send it again when the first progress of this run arrives.
         self._cancel_pending = not self._started
         self._progress = (self._progress[0], "cancelling…")
@@ -401,7 +401,7 @@ class BatchingPanel(Panel):
 
     @QtCore.Slot(str)
     def _on_failed(self, message: str) -> None:
-        # A bench that raises ends with sig_failed instead of sig_batch_done (the worker reports any exception).
+        # A bench that raises ends with sig_failed instead of sig_batch_done (the engine reports any exception).
         if self.running:
             self._finish(f"failed: {message}")
 

@@ -246,7 +246,7 @@ class GenerationPanel(Panel):
 
     @QtCore.Slot(str)
     def _on_failed(self, message: str) -> None:
-        if self._state == "starting":  # the worker refused the request (no state change follows)
+        if self._state == "starting":  # the engine refused the request (no state change follows)
             self._state = "idle"
             self._update_buttons()
         self.status.setText(f"<span style='color:{theme.ERROR_COLOR}'>{_escape(message)}</span>")

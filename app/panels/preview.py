@@ -1,7 +1,7 @@
 """Next-token preview: while the user types, the model's top candidates for the token after the prompt.
 
 Requests are debounced (150 ms after the last keystroke) and the bridge drops queued requests that a newer one
-supersedes; a result older than the last request sent is ignored. The worker keeps the KV cache of the previous
+supersedes; a result older than the last request sent is ignored. The engine keeps the KV cache of the previous
 preview, so appending text only prefills the new tokens: the panel says how many were reused.
 """
 
@@ -104,7 +104,7 @@ class PreviewPanel(Panel):
             self.debounce.start()
 
     def request_now(self) -> None:
-        """Ask the worker for the next-token candidates of the current text (skipped while generating)."""
+        """Ask the engine for the next-token candidates of the current text (skipped while generating)."""
         self.debounce.stop()
         if self.bridge.tokenizer is None:
             return
@@ -112,7 +112,7 @@ class PreviewPanel(Panel):
             self.result = None
             self.mark_dirty()
             return
-        if self.bridge.state != "idle":  # the worker ignores previews while the cache belongs to a generation
+        if self.bridge.state != "idle":  # the engine defers previews while the cache belongs to a generation
             self._waiting_for_idle = True
             return
         self._waiting_for_idle = False

@@ -75,7 +75,7 @@ def window(qtbot, make_window):
 
 @pytest.fixture
 def bridge(qtbot):
-    """A bare Bridge (its worker thread runs but no model is loaded); shut down after the test."""
+    """A bare Bridge (its engine process runs but no model is loaded); shut down after the test."""
     from app.bridge import Bridge
 
     b = Bridge()

@@ -2,7 +2,7 @@
 
 A generation runs headless on the tiny random model (2 layers, 4 query heads, 2 KV heads); its events go through a
 real Bridge's routing (`_on_raw`, which re-emits them as the typed sig_… signals) into the panels, exactly as they
-arrive from the worker thread. The panels are then drawn with tick() and the plot items' data is checked.
+arrive from the engine process. The panels are then drawn with tick() and the plot items' data is checked.
 """
 
 from __future__ import annotations

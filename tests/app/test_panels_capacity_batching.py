@@ -2,7 +2,7 @@
 
 Capacity: pure arithmetic from engine.estimate, checked against the seed's worked example (Llama-2-70B, fp16,
 H100 SXM: about 138 GB of weights, a TPOT floor of about 41 ms). Batching: a real batched-decode measurement on
-the tiny random model through a real Bridge (worker thread), waited for on the bridge's GUI-thread signals.
+the tiny random model through a real Bridge (engine process), waited for on the bridge's GUI-thread signals.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def test_batching_run_on_tiny_model(qtbot, loaded_bridge, tmp_path):
 
 
 def test_cancel_before_the_run_starts(qtbot, loaded_bridge):
-    """A cancel sent before the worker picks the run up still stops it."""
+    """A cancel sent before the engine picks the run up still stops it."""
     bridge = loaded_bridge
     panel = show(qtbot, batching.PANEL(bridge))
     batches = (4,) * 40
