@@ -71,6 +71,14 @@ class AttentionPanel(Panel):
     title = "Attention"
     object_name = "panel_attention"
     shortcut = "Alt+5"
+    subscriptions = {
+        "sig_model_loaded": "_on_model_loaded",
+        "sig_prompt": "_on_prompt",
+        "sig_attention": "_on_attention",
+        "sig_token": "_on_token",
+        "sig_norms": "_on_norms",
+        "sig_step_selected": "_on_step_selected",
+    }
     help_text = (
         "Attention weights of one layer: each row is a query token (the one being computed), each column a key "
         "token it reads from. A row is softmax(q·kᵀ / √d_head) over the keys and sums to 1. The model is causal: "
@@ -114,12 +122,6 @@ class AttentionPanel(Panel):
         self._font = QtGui.QFont()
         self._font.setPointSize(FONT_PT)
         self._build()
-        bridge.sig_model_loaded.connect(self._on_model_loaded)
-        bridge.sig_prompt.connect(self._on_prompt)
-        bridge.sig_attention.connect(self._on_attention)
-        bridge.sig_token.connect(self._on_token)
-        bridge.sig_norms.connect(self._on_norms)
-        bridge.sig_step_selected.connect(self._on_step_selected)
         if bridge.info is not None:
             self._on_model_loaded(bridge.info)
 

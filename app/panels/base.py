@@ -1,6 +1,7 @@
 """The contract every panel follows: receive fast, paint on a tick.
 
-A panel's slots (connected to the bridge's `sig_…` signals) only store the latest data and call `mark_dirty()`.
+A panel names the bridge signals it listens to in one table, `subscriptions` ({"sig_token": "_on_token", …}),
+which the base class connects; those slots only store the latest data and call `mark_dirty()`.
 One app-wide timer calls `tick()` on every panel about 30 times a second; `tick()` calls `draw()` only when
 something changed. Plot items are created once in `__init__`; `draw()` only updates them (setData / setImage).
 
@@ -30,6 +31,7 @@ class Panel(QtWidgets.QWidget):
     # A plot repaint costs milliseconds of GUI thread (axes, text) and the GUI shares two cores with the engine:
     # measured here, repainting every panel at 30 Hz doubled the engine's TPOT. Plots redraw at most this often.
     max_fps: ClassVar[float] = 8.0
+    subscriptions: ClassVar[dict[str, str]] = {}  # bridge signal → this panel's slot (method name)
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(parent)
@@ -38,6 +40,8 @@ class Panel(QtWidgets.QWidget):
         self._last_draw = 0.0
         self.draw_count = 0  # how many times draw() ran (the GUI benchmark reads it)
         bridge.sig_model_loaded.connect(self._refresh_help)
+        for signal, slot in self.subscriptions.items():
+            getattr(bridge, signal).connect(getattr(self, slot))
         if bridge.info is not None and bridge.cfg is not None:
             self._refresh_help(bridge.info)
 

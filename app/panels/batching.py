@@ -84,6 +84,14 @@ class BatchingPanel(Panel):
     title = "Batching lab"
     object_name = "panel_batching"
     shortcut = "Alt+0"
+    subscriptions = {
+        "sig_model_loaded": "_on_model_loaded",
+        "sig_this_machine": "_on_this_machine",
+        "sig_batch_progress": "_on_progress",
+        "sig_batch_row": "_on_row",
+        "sig_batch_done": "_on_done",
+        "sig_failed": "_on_failed",
+    }
     help_text = (
         "A real measurement, not a formula: the loaded model decodes B random prompts together, for each batch "
         "size you tick, and every decode step is timed. One step reads all the weights once whatever B is, and "
@@ -115,17 +123,14 @@ class BatchingPanel(Panel):
         self._font.setPointSize(FONT_PT)
         self._labels: dict[str, list[pg.TextItem]] = {"tl": [], "roof": []}
         self._build()
-        bridge.sig_model_loaded.connect(self._on_model_loaded)
-        bridge.sig_this_machine.connect(lambda _answer: self.refresh_this_machine())
-        bridge.sig_batch_progress.connect(self._on_progress)
-        bridge.sig_batch_row.connect(self._on_row)
-        bridge.sig_batch_done.connect(self._on_done)
-        bridge.sig_failed.connect(self._on_failed)
         self.refresh_this_machine()
         if bridge.info is not None:
             self._on_model_loaded(bridge.info)
         self._update_buttons()
         self.mark_dirty()
+
+    def _on_this_machine(self, _answer: object) -> None:
+        self.refresh_this_machine()  # the engine answered a look-up or measured: the policy's answer may change
 
     # ---- widgets -------------------------------------------------------------------------------------------------
     def _build(self) -> None:

@@ -50,6 +50,10 @@ class CapacityPanel(Panel):
     title = "Capacity"
     object_name = "panel_capacity"
     shortcut = "Alt+9"
+    subscriptions = {
+        "sig_model_loaded": "_on_model_loaded",
+        "sig_this_machine": "_on_this_machine",
+    }
     help_text = (
         "A back-of-the-envelope serving calculator: pick a model, a chip, a number format, a context length and a "
         "batch, and it tells you whether the model fits and how fast it can run there at best. Memory: weights = "
@@ -93,14 +97,15 @@ class CapacityPanel(Panel):
         self._building = True
         self._build()
         self.refresh_this_machine()
-        bridge.sig_model_loaded.connect(self._on_model_loaded)
-        bridge.sig_this_machine.connect(lambda _answer: self.refresh_this_machine())
         if bridge.cfg is not None:
             self._on_model_loaded(bridge.info)
         self._building = False
         self.set_seed_example()
         if bridge.info is None:
             self.help_text = f"{type(self).help_text} {self.seed_help()}"
+
+    def _on_this_machine(self, _answer: object) -> None:
+        self.refresh_this_machine()  # the engine answered a look-up or measured: the policy's answer may change
 
     # ---- widgets -------------------------------------------------------------------------------------------------
     def _build(self) -> None:

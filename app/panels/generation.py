@@ -52,6 +52,17 @@ def _formats() -> list[QtGui.QTextCharFormat]:
 class GenerationPanel(Panel):
     title = "Generation"
     object_name = "dock_generation"
+    subscriptions = {
+        "sig_model_loaded": "_on_model_loaded",
+        "sig_load_progress": "_on_loading",
+        "sig_state": "_on_state",
+        "sig_failed": "_on_failed",
+        "sig_prompt": "_on_prompt",
+        "sig_prefill": "_on_prefill",
+        "sig_token": "_on_token",
+        "sig_finished": "_on_finished",
+        "sig_step_selected": "_on_step_selected",
+    }
     help_text = (
         "Generate runs the model on the prompt (Ctrl+Enter). First comes the prefill: every prompt token goes "
         "through the model in one forward pass, which fills the KV cache and yields the first new token; the time "
@@ -135,15 +146,6 @@ class GenerationPanel(Panel):
             sc = QtGui.QShortcut(QtGui.QKeySequence(keys), self, context=win)
             sc.activated.connect(lambda s=slot: s())
 
-        bridge.sig_model_loaded.connect(self._on_model_loaded)
-        bridge.sig_load_progress.connect(self._on_loading)
-        bridge.sig_state.connect(self._on_state)
-        bridge.sig_failed.connect(self._on_failed)
-        bridge.sig_prompt.connect(self._on_prompt)
-        bridge.sig_prefill.connect(self._on_prefill)
-        bridge.sig_token.connect(self._on_token)
-        bridge.sig_finished.connect(self._on_finished)
-        bridge.sig_step_selected.connect(self._on_step_selected)
         self._update_buttons()
         self._update_status()
 

@@ -42,6 +42,12 @@ class KVCachePanel(Panel):
     title = "KV cache"
     object_name = "panel_kv_cache"
     shortcut = "Alt+6"
+    subscriptions = {
+        "sig_model_loaded": "_on_model_loaded",
+        "sig_prompt": "_on_prompt",
+        "sig_kv": "_on_kv",
+        "sig_server_metrics": "_on_server_metrics",
+    }
     help_text = (
         "The KV cache keeps the key and value vectors of every token already processed, so each new token needs "
         "one forward pass over itself instead of re-running the whole sequence. It grows by the same amount with "
@@ -73,10 +79,6 @@ class KVCachePanel(Panel):
         self._font = QtGui.QFont()
         self._font.setPointSize(FONT_PT)
         self._build()
-        bridge.sig_model_loaded.connect(self._on_model_loaded)
-        bridge.sig_prompt.connect(self._on_prompt)
-        bridge.sig_kv.connect(self._on_kv)
-        bridge.sig_server_metrics.connect(self._on_server_metrics)
         self.server_metrics = None  # the latest engine.remote.metrics.ServerMetrics of a remote generation
         self.mark_dirty()
 

@@ -27,6 +27,12 @@ def row_name(row: int, n_rows: int) -> str:
 class LensPanel(Panel):
     title = "Logit lens"
     object_name = "panel_lens"
+    subscriptions = {
+        "sig_prompt": "_on_prompt",
+        "sig_lens": "_on_lens",
+        "sig_token": "_on_token",
+        "sig_step_selected": "_on_step_selected",
+    }
     help_text = (
         "The logit lens reads the residual stream of the newest token after the embedding and after every layer "
         "and sends it through the model's own final norm and LM head, as if the model stopped there: "
@@ -50,10 +56,6 @@ class LensPanel(Panel):
         self.pieces: dict[int, str] = {}  # step → the chosen token's piece
         self.selected: int | None = None  # None: follow the newest step
         self._build()
-        bridge.sig_prompt.connect(self._on_prompt)
-        bridge.sig_lens.connect(self._on_lens)
-        bridge.sig_token.connect(self._on_token)
-        bridge.sig_step_selected.connect(self._on_step_selected)
         self.mark_dirty()
 
     def _build(self) -> None:

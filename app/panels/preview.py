@@ -29,6 +29,12 @@ def short_piece(piece: str, limit: int = LABEL_CHARS) -> str:
 class PreviewPanel(Panel):
     title = "Next-token preview"
     object_name = "dock_preview"
+    subscriptions = {
+        "sig_preview": "_on_preview",
+        "sig_model_loaded": "_request_on_load",
+        "sig_state": "_on_state",
+        "sig_params": "_on_params",
+    }
     help_text = (
         "While you type, the model reads the prompt and shows the tokens it finds most likely to come next. Grey "
         "bars are the raw softmax probabilities; blue bars are the probabilities after the current sampling "
@@ -85,12 +91,14 @@ class PreviewPanel(Panel):
         self.debounce.setSingleShot(True)
         self.debounce.setInterval(DEBOUNCE_MS)
         self.debounce.timeout.connect(self.request_now)
-        bridge.sig_preview.connect(self._on_preview)
-        bridge.sig_model_loaded.connect(lambda _info: self.request_now())
-        bridge.sig_state.connect(self._on_state)
-        bridge.sig_params.connect(lambda _p: self.debounce.start())
 
     # ---- inputs ----
+    def _on_params(self, _params: object) -> None:
+        self.debounce.start()  # the preview's funnel follows the sampling settings
+
+    def _request_on_load(self, _info: object) -> None:
+        self.request_now()
+
     @QtCore.Slot(str)
     def set_text(self, text: str) -> None:
         if text != self._text:

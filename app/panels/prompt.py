@@ -56,6 +56,9 @@ def prompt_segments(tok: Tokenization) -> tuple[Segments, list[int]]:
 class PromptPanel(Panel):
     title = "Prompt"
     object_name = "dock_prompt"
+    subscriptions = {
+        "sig_model_loaded": "_on_model_loaded",
+    }
     help_text = (
         "Type a prompt. The coloured boxes over the text are the model's tokens: the units it actually reads. "
         "Hover a token for its id, its text piece (· is a space, ↵ a newline), and the bytes and characters it "
@@ -128,7 +131,6 @@ class PromptPanel(Panel):
 
         self.editor.textChanged.connect(self._on_text_changed)
         self.chat_box.toggled.connect(self._on_chat_toggled)
-        bridge.sig_model_loaded.connect(self._on_model_loaded)
         self._update_counters()
 
     # ---- public ----

@@ -59,6 +59,15 @@ class RooflinePanel(Panel):
     title = "Roofline"
     object_name = "panel_roofline"
     shortcut = "Alt+8"
+    subscriptions = {
+        "sig_this_machine": "_on_this_machine",
+        "sig_measure_progress": "_on_measure_progress",
+        "sig_measure_done": "_on_measure_done",
+        "sig_model_loaded": "_on_model_loaded",
+        "sig_prompt": "_on_prompt",
+        "sig_prefill": "_on_prefill",
+        "sig_token": "_on_token",
+    }
     help_text = (
         "The roofline model. A step does F floating-point operations and moves B bytes to or from memory; its "
         "arithmetic intensity is I = F / B, in FLOP per byte. A machine with peak compute P (FLOP/s) and memory "
@@ -93,9 +102,6 @@ class RooflinePanel(Panel):
         self.measure_kwargs: dict = {}  # e.g. {"quick": True} in tests
         self._measuring: tuple[str, str] | None = None  # (device, dtype) being measured in the engine process
         self._user_chose_hw = False
-        bridge.sig_this_machine.connect(self._on_this_machine)
-        bridge.sig_measure_progress.connect(self._on_measure_progress)
-        bridge.sig_measure_done.connect(self._on_measure_done)
         self._prefill: PrefillDone | None = None
         self._decode: list[tuple[float, float]] = []  # (intensity, achieved FLOP/s)
         self._n_prompt = 0
@@ -103,10 +109,6 @@ class RooflinePanel(Panel):
         self._font = QtGui.QFont()
         self._font.setPointSize(FONT_PT)
         self._build()
-        bridge.sig_model_loaded.connect(self._on_model_loaded)
-        bridge.sig_prompt.connect(self._on_prompt)
-        bridge.sig_prefill.connect(self._on_prefill)
-        bridge.sig_token.connect(self._on_token)
         if self.this_machine_roofs() is not None:  # open on "this machine" when a cached measurement exists
             self.hw_combo.setCurrentIndex(0)
         if bridge.info is not None:

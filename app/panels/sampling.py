@@ -53,6 +53,12 @@ class SamplingPanel(Panel):
     title = "Logits and sampling"
     object_name = "panel_sampling"
     shortcut = "Alt+4"
+    subscriptions = {
+        "sig_prompt": "_on_prompt",
+        "sig_token": "_on_token",
+        "sig_step_selected": "_on_step_selected",
+        "sig_params": "_on_bridge_params",
+    }
     help_text = (
         "From logits to one token. The model's last layer gives one raw score (logit) per vocabulary entry. "
         "Sampling turns them into one choice in stages, each over the whole "
@@ -90,10 +96,6 @@ class SamplingPanel(Panel):
         self._build_plot()
         self._debounce = QtCore.QTimer(self, singleShot=True, interval=50)
         self._debounce.timeout.connect(self._send_params)
-        bridge.sig_prompt.connect(self._on_prompt)
-        bridge.sig_token.connect(self._on_token)
-        bridge.sig_step_selected.connect(self._on_step_selected)
-        bridge.sig_params.connect(self._on_bridge_params)
         self._show_params(self._params)
         self.mark_dirty()
 

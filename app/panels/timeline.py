@@ -34,6 +34,13 @@ class TimelinePanel(Panel):
     title = "Timeline"
     object_name = "panel_timeline"
     shortcut = "Alt+7"
+    subscriptions = {
+        "sig_prompt": "_on_prompt",
+        "sig_token": "_on_token",
+        "sig_finished": "_on_finished",
+        "sig_step_selected": "_on_step_selected",
+        "sig_server_metrics": "_on_server_metrics",
+    }
     help_text = (
         "Where the time goes. The first bar is the prefill: the whole prompt in one forward pass, which also "
         "yields the first token. Its duration is the time to first token (TTFT), and it grows with the prompt "
@@ -58,11 +65,6 @@ class TimelinePanel(Panel):
         self._font = QtGui.QFont()
         self._font.setPointSize(FONT_PT)
         self._build()
-        bridge.sig_prompt.connect(self._on_prompt)
-        bridge.sig_token.connect(self._on_token)
-        bridge.sig_finished.connect(self._on_finished)
-        bridge.sig_step_selected.connect(self._on_step_selected)
-        bridge.sig_server_metrics.connect(self._on_server_metrics)
         self.server_metrics = None  # engine.remote.metrics.ServerMetrics: the server's own TTFT/ITL means
         self.mark_dirty()
 

@@ -121,3 +121,18 @@ def test_status_bar_error_clears_on_the_next_successful_generation(qtbot, window
     finish_generation(qtbot, window, gen.generate)
     qtbot.waitUntil(lambda: window.message.text() == "Ready.", timeout=5_000)
     assert window.last_error == ""
+
+
+def test_panels_subscribe_through_their_table() -> None:
+    """Each panel names its bridge signals in `subscriptions` (connected by Panel); no file repeats connect blocks."""
+    from pathlib import Path
+
+    from app.bridge import Bridge
+    from app.main_window import discover_panels
+
+    for name, cls in discover_panels():
+        for signal, slot in cls.subscriptions.items():
+            assert isinstance(getattr(Bridge, signal), QtCore.Signal), (name, signal)
+            assert callable(getattr(cls, slot)), (name, slot)
+        source = (Path(ROOT) / "app" / "panels" / f"{name}.py").read_text(encoding="utf-8")
+        assert "bridge.sig_" not in source, name
