@@ -127,6 +127,10 @@ def alternatives_text(ev: TokenSampled, n: int = ALTERNATIVES) -> str:
 class BranchesPanel(Panel):
     title = "Branches"
     object_name = "panel_branches"
+    subscriptions = {
+        "sig_prompt": "_on_prompt", "sig_prefill": "_on_event", "sig_token": "_on_event", "sig_finished": "_on_event",
+        "sig_kv": "_on_event", "sig_attention": "_on_event", "sig_norms": "_on_event", "sig_lens": "_on_event",
+    }
     help_text = (
         "How sure the model was of each token, and what else it could have said. Each generated token is "
         "coloured by its probability under the model (raw softmax, before the sampling settings) or by the "
@@ -149,11 +153,6 @@ class BranchesPanel(Panel):
         self._pending_fork: tuple[int, int, int] | None = None  # (parent, step, token) of a fork sent to the engine
         self._replaying = False
         self._build()
-        bridge.sig_prompt.connect(self._on_prompt)
-        for sig in (bridge.sig_prefill, bridge.sig_token, bridge.sig_finished, bridge.sig_kv, bridge.sig_attention,
-                    bridge.sig_norms, getattr(bridge, "sig_lens", None)):
-            if sig is not None:
-                sig.connect(self._on_event)
         self.mark_dirty()
 
     def _build(self) -> None:
