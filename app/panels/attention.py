@@ -33,10 +33,15 @@ def _readable(piece: str) -> str:
 
 
 class AttentionMatrix:
-    """The attention weights of one layer for the whole sequence so far: (heads, S, S), NaN where masked."""
+    """The attention weights of one layer for the whole sequence so far: (heads, S, S), NaN where masked.
 
-    def __init__(self, n_heads: int) -> None:
+    `window` > 0 is a local layer's sliding window W: a query at position q reads keys q − W + 1 … q only, so the
+    keys before that are masked too (the band along the diagonal).
+    """
+
+    def __init__(self, n_heads: int, window: int = 0) -> None:
         self.n_heads = n_heads
+        self.window = window
         self.size = 0
         self.first_step: int | None = None  # the first step captured (> 0: the layer was asked for mid-run)
         self.rows_skipped = 0  # query rows the engine left out of a long prefill to bound memory
@@ -58,6 +63,8 @@ class AttentionMatrix:
         q = np.arange(ev.query_start, ev.query_start + nq)[:, None]  # (nq, 1) absolute query positions
         k = np.arange(nk)[None, :]  # (1, nk) key positions
         block[:, k > q] = np.nan  # the causal mask, explicitly
+        if self.window:
+            block[:, q - k >= self.window] = np.nan  # outside the sliding window
         self._w[:, rows, :nk] = block
         self.size = end
 
@@ -106,6 +113,10 @@ class AttentionPanel(Panel):
             text += (f"It has {h} query heads but only {kv} key/value head{'s' if kv > 1 else ''}: query head h "
                      f"reads KV head h // {g}, so heads {groups}{more} share their keys and values, and the KV "
                      f"cache is {g}× smaller than with {h} KV heads.")
+        if cfg.n_local_layers:
+            text += (f" {cfg.n_local_layers} of its {cfg.n_layers} layers are local: a query there reads only the "
+                     f"last {cfg.sliding_window:,} positions (a sliding window, the band along the diagonal); the "
+                     f"other {cfg.n_global_layers} read every earlier position.")
         return text
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
@@ -171,6 +182,8 @@ class AttentionPanel(Panel):
         self.row_box.setVisible(False)
         pi.addItem(self.row_box)
         self.heat_note = placeholder(pi)
+        # a local layer's window edge: query q reads keys from q − W + 1, so the edge runs from (0, W − 1) down
+        self.window_edge = pi.plot([], [], pen=pg.mkPen(ACCENT, width=1.5, style=QtCore.Qt.PenStyle.DashLine))
         self.heat.scene().sigMouseClicked.connect(self._on_heat_clicked)
         vb.sigRangeChanged.connect(lambda *_: self.mark_dirty())
 
@@ -260,7 +273,7 @@ class AttentionPanel(Panel):
     def _on_attention(self, ev: AttentionCaptured) -> None:
         h = ev.weights.shape[0]
         if ev.layer not in self._matrices or self._matrices[ev.layer].n_heads != h:
-            self._matrices[ev.layer] = AttentionMatrix(h)
+            self._matrices[ev.layer] = AttentionMatrix(h, self.window(ev.layer))
         if h != self.n_heads or ev.group_size != self.group_size:  # a model the panel was not told about
             self.n_heads, self.group_size = h, max(1, ev.group_size)
             self.head_spin.setMaximum(h - 1)
@@ -322,6 +335,13 @@ class AttentionPanel(Panel):
     def layer(self) -> int:
         return int(self.layer_spin.value())
 
+    def window(self, layer: int) -> int:
+        """The sliding window of `layer` in the loaded model (0: a global layer, it reads every earlier key)."""
+        cfg = self.bridge.cfg
+        if cfg is None or not cfg.sliding_window or not 0 <= layer < len(cfg.layer_types):
+            return 0
+        return cfg.sliding_window if cfg.is_local(layer) else 0
+
     def head(self) -> int:
         return int(self.head_spin.value())
 
@@ -337,9 +357,11 @@ class AttentionPanel(Panel):
         head = self.head()
         kv = head // self.group_size
         colour = GROUP_COLORS[kv % len(GROUP_COLORS)]
+        w = self.window(self.layer())
         self.kv_label.setText(
             f"<span style='color:{colour}'>head {head} → KV head {kv}</span> "
-            f"({self.n_heads} q heads, {max(1, self.n_heads // self.group_size)} KV heads)")
+            f"({self.n_heads} q heads, {max(1, self.n_heads // self.group_size)} KV heads"
+            + (f"; local, window {w:,})" if w else ")"))
         self.colorbar.axis.setLabel("√weight" if self.sqrt_check.isChecked() else "weight")
         m = self.matrix()
         if m is None:
@@ -356,6 +378,7 @@ class AttentionPanel(Panel):
             for img in self.grid_images:
                 img.clear()
             self.row_box.setVisible(False)
+            self.window_edge.setData([], [])
             self._draw_empty_heat()
         else:
             if self.heat_note.isVisible():  # the first weights: leave the empty view's fixed range
@@ -370,9 +393,17 @@ class AttentionPanel(Panel):
             if am.rows_skipped:
                 notes.append(f"the prefill's first {am.rows_skipped:,} query rows were left out to bound the "
                              "capture's memory; the last rows are all here")
+            w = am.window
+            mask = ("Dark grey = causal mask." if not w else
+                    f"Local layer: each query reads only the last {w:,} positions (sliding window); dark grey = "
+                    "causal mask and, left of the dashed edge, the keys outside the window.")
             self.status.setText(
                 f"Layer {self.layer()}: {s} × {s} (query × key) — prompt {self._n_prompt} tokens at once (prefill), "
-                f"then one row per decode step. Dark grey = causal mask." + "".join(f" ⚠ {n}." for n in notes))
+                f"then one row per decode step. {mask}" + "".join(f" ⚠ {n}." for n in notes))
+            if w and s > w:
+                self.window_edge.setData([0.0, float(s - w + 1)], [float(w - 1), float(s)])
+            else:
+                self.window_edge.setData([], [])
             self.image.setImage(self._display(m[head]), levels=(0.0, 1.0), autoLevels=False)
             self.image.setRect(QtCore.QRectF(0, 0, s, s))
             if self.tabs.currentIndex() == 1 or not self.grid_images:

@@ -62,12 +62,17 @@ class KVCachePanel(Panel):
     def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
         dtype = info.dtype
         per_token = costs.kv_bytes_per_token(cfg, dtype)
-        full = per_token * cfg.context_length
+        full = sum(costs.kv_bytes(cfg, dtype, cfg.context_length))
         weights = costs.weight_bytes(cfg, dtype)
         text = (f"For {info.name} in {dtype}: 2 · {cfg.n_layers} · {cfg.n_kv_heads} · {cfg.head_dim} · "
                 f"{costs.bytes_per_value(dtype):g} = {per_token:,.0f} bytes ({fmt_bytes(per_token)}) per token, so "
                 f"its full {cfg.context_length:,}-token context holds {fmt_bytes(full)} per sequence, "
                 f"{full / weights:.0%} of the {fmt_bytes(weights)} its weights take.")
+        if cfg.n_local_layers:
+            g, loc = costs.kv_bytes(cfg, dtype, cfg.context_length)
+            text += (f" Only its {cfg.n_global_layers} global layers grow with the context ({fmt_bytes(g)} at full "
+                     f"context); its {cfg.n_local_layers} local layers keep the last {cfg.sliding_window:,} positions "
+                     f"(a sliding window), so they stop at {fmt_bytes(loc)}.")
         if cfg.group_size > 1:
             text += (f" Without GQA each of its {cfg.n_heads} query heads would keep its own keys and values: "
                      f"{cfg.group_size}× as many bytes.")
@@ -189,10 +194,18 @@ class KVCachePanel(Panel):
         n = self._events[-1].n_tokens if self._events else 0
         used = self._events[-1].bytes_used if self._events else 0
         alloc = self._events[-1].bytes_allocated if self._events else 0
+        text = (f"per token = 2 (K, V) · {cfg.n_layers} layers · {cfg.n_kv_heads} KV heads · {cfg.head_dim} head "
+                f"dim · {bpv:g} B ({dtype}) = <b>{per_token:,.0f} bytes</b> ({fmt_bytes(per_token)})<br>")
+        if cfg.n_local_layers:
+            g, loc = costs.kv_bytes(cfg, dtype, max(1, n))
+            w = cfg.sliding_window
+            text += (f"of which {cfg.n_global_layers} global layers keep every token and {cfg.n_local_layers} local "
+                     f"layers only the last {w:,} (sliding window): now {fmt_bytes(g)} global + {fmt_bytes(loc)} "
+                     f"local by the formula<br>now: {n:,} tokens → ")
+        else:
+            text += f"now: {n:,} tokens × {per_token:,.0f} B = "
         self.formula.setText(
-            f"per token = 2 (K, V) · {cfg.n_layers} layers · {cfg.n_kv_heads} KV heads · {cfg.head_dim} head dim · "
-            f"{bpv:g} B ({dtype}) = <b>{per_token:,.0f} bytes</b> ({fmt_bytes(per_token)})<br>"
-            f"now: {n:,} tokens × {per_token:,.0f} B = <b style='color:{ACCENT}'>{fmt_bytes(used)}</b> in use"
+            text + f"<b style='color:{ACCENT}'>{fmt_bytes(used)}</b> in use"
             + (f", {fmt_bytes(alloc)} allocated" if alloc else "")
             + self.server_text()
         )
@@ -250,10 +263,11 @@ class KVCachePanel(Panel):
                        (0.0, EMPTY_BYTES))
             return
         per_token, full = self.per_token(), cfg.context_length
+        at_full = sum(costs.kv_bytes(cfg, self.kv_dtype(), full))
         show_empty(pi, self.empty_note,
                    f"Generate: the bytes in the cache\nappear here, token by token\n"
-                   f"({fmt_bytes(per_token)} per token,\n{fmt_bytes(per_token * full)} at the full "
-                   f"{full:,}-token context)", (0.0, float(full)), (0.0, per_token * full))
+                   f"({fmt_bytes(per_token)} per token,\n{fmt_bytes(at_full)} at the full "
+                   f"{full:,}-token context)", (0.0, float(full)), (0.0, at_full))
 
     def _draw_table(self, cfg, n_now: int) -> None:
         full = cfg.context_length
@@ -268,7 +282,8 @@ class KVCachePanel(Panel):
             for batch in TABLE_BATCHES:
                 labels.append(f"{dtype} · batch {batch}")
                 per = costs.kv_bytes_per_token(cfg, dtype, batch)
-                cells = (per, per * now, per * full, costs.kv_bytes_per_token(no_gqa, dtype, batch) * full)
+                cells = (per, sum(costs.kv_bytes(cfg, dtype, now, batch)), sum(costs.kv_bytes(cfg, dtype, full, batch)),
+                         sum(costs.kv_bytes(no_gqa, dtype, full, batch)))
                 for c, value in enumerate(cells):
                     set_number_cell(self.table, r, c, fmt_bytes(value))
                 r += 1

@@ -1,0 +1,71 @@
+"""Sliding-window models (Gemma 3, Mistral): the attention panel masks the keys outside a local layer's window and
+draws its edge; the KV cache panel splits global and local layers. The tiny test model is turned into a windowed
+one (window 4, layer 0 local, layer 1 global); the expected cells and bytes are worked out by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from engine.events import AttentionCaptured
+
+
+@pytest.fixture
+def windowed(bridge, tiny_lm):
+    cfg = dataclasses.replace(tiny_lm.cfg, sliding_window=4, layer_types=("local", "global"))
+    info = dataclasses.replace(tiny_lm.info, sliding_window=4, layer_types=("local", "global"))
+    bridge._on_raw(("loaded", (info, tiny_lm.tokenizer, cfg)))
+    return bridge
+
+
+def prefill(layer: int, t: int = 7) -> AttentionCaptured:
+    w = np.tril(np.ones((4, t, t), dtype=np.float32))  # causal rows (not normalised: only the mask matters here)
+    return AttentionCaptured(step=0, phase="prefill", layer=layer, query_start=0, weights=w, group_size=2)
+
+
+def test_attention_masks_outside_the_window(qtbot, windowed):
+    from app.panels import attention
+
+    panel = attention.PANEL(windowed)
+    qtbot.addWidget(panel)
+    assert (panel.window(0), panel.window(1)) == (4, 0)
+    windowed.sig_attention.emit(prefill(0))
+    windowed.sig_attention.emit(prefill(1))
+    panel.layer_spin.setValue(0)
+    panel.flush()
+    m = panel.matrix()[0]
+    # query 6 reads keys 3, 4, 5, 6 (6 − 4 + 1 = 3); keys 0…2 are outside the window, 7+ do not exist
+    assert np.isnan(m[6, :3]).all() and not np.isnan(m[6, 3:7]).any()
+    assert not np.isnan(m[3, :4]).any()  # query 3 still sees every earlier key (3 − 4 + 1 = 0)
+    x, y = panel.window_edge.getData()
+    assert list(x) == [0.0, 4.0] and list(y) == [3.0, 7.0]  # from (0, W − 1) to (S − W + 1, S)
+    assert "sliding window" in panel.status.text() and "window 4" in panel.kv_label.text()
+
+    panel.layer_spin.setValue(1)  # the global layer: only the causal mask
+    panel.flush()
+    m = panel.matrix()[0]
+    assert not np.isnan(m[6, :7]).any()
+    assert panel.window_edge.getData()[0] is None or len(panel.window_edge.getData()[0]) == 0
+    assert "1 of its 2 layers are local" in panel.help_text
+
+
+def test_kv_cache_splits_global_and_local(qtbot, windowed):
+    from app.panels import kv_cache
+
+    panel = kv_cache.PANEL(windowed)
+    qtbot.addWidget(panel)
+    panel.flush()
+    # one layer's keys and values per position: 2 · 2 KV heads · 16 · 4 bytes = 256 B. At the full 256-token
+    # context the global layer holds 256 · 256 = 65,536 B and the local one 4 · 256 = 1,024 B: 66,560 B in all.
+    assert "65.54 kB at full context" in panel.help_text and "stop at 1.02 kB" in panel.help_text
+    assert "holds 66.56 kB per sequence" in panel.help_text
+    header = [panel.table.horizontalHeaderItem(c).text() for c in range(4)]
+    full = header.index("full context\n(256)")
+    assert panel.table.item(0, full).text() == "66.56 kB"  # fp32, batch 1
+    # without GQA: 4 KV heads, twice the bytes
+    assert panel.table.item(0, 3).text() == "133.12 kB"
+    assert "1 global layers keep every token and 1 local layers only the last 4" in panel.formula.text()
+    (_x0, _x1), (y0, y1) = panel.plot.getPlotItem().getViewBox().viewRange()
+    assert (y0, y1) == pytest.approx((0, 66_560))
