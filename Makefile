@@ -11,7 +11,7 @@ SERVERS      := .venv-servers
 VLLM_STAMP   := $(SERVERS)/vllm/.installed
 LLAMA_STAMP  := $(SERVERS)/llamacpp/.installed
 
-.PHONY: run test bench bench-smoke lint setup clean servers
+.PHONY: run test bench bench-load bench-smoke lint setup clean servers
 
 setup: $(STAMP)
 
@@ -51,7 +51,13 @@ test:
 bench: $(STAMP)
 	# the comparison with Hugging Face transformers needs the optional bench extra
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) -m engine bench
+	# raw results beside BENCHMARKS.md; llama.cpp joins when llama-cpp-python is installed (pip install '.[llama]')
+	$(PY) -m engine bench --output benchmarks/results.json
+
+bench-load: $(STAMP)
+	# decode TPOT with 1, all and auto threads: quiet, next to a busy loop, next to a multi-threaded process
+	$(PY) -m engine bench-load --output benchmarks/load.json
+	$(PY) -m engine bench-gemv
 
 bench-smoke: $(STAMP)
 	$(PY) -m engine bench --smoke

@@ -93,17 +93,23 @@ def measure(session, threads: str, new_tokens: int, time_limit: float) -> dict:
             "ended_at_threads": th.current if th else None}
 
 
-def run(conditions: list[str], new_tokens: int, rounds: int, limit: float, dtype: str) -> dict:
+def run(conditions: list[str], new_tokens: int, rounds: int, limit: float, dtype: str, also: str | None = None) -> dict:
     from engine.loaders import load
     from engine.session import Session
     from engine.threads import CpuMeter, available_cores  # torch: imported when a bench runs, not for every command
 
-    lm = load(None, device="cpu", dtype=dtype)
+    lms = {None: load(None, device="cpu", dtype=dtype)}
     n_max = available_cores()
     configs = ["1", str(n_max), "auto"]
+    if also:  # a second dtype, at one thread and auto, interleaved with the first: "bfloat16:1", "bfloat16:auto"
+        lms[also] = load(None, device="cpu", dtype=also)
+        configs += [f"{also}:1", f"{also}:auto"]
+    lm = lms[None]
     warm = Session(lm, threads=n_max)
     measure(warm, str(n_max), 8, limit)  # first-call costs
-    out: dict = {"machine": _machine(), "dtype": dtype, "new_tokens": new_tokens, "conditions": {}}
+    if also:
+        measure(Session(lms[also], threads=n_max), str(n_max), 8, limit)
+    out: dict = {"machine": _machine(), "dtype": dtype, "also": also, "new_tokens": new_tokens, "conditions": {}}
     for cond in conditions:
         print(f"condition {cond} …", file=sys.stderr)
         comp = Competitor(cond, limit * len(configs) * rounds + 30)
@@ -113,10 +119,11 @@ def run(conditions: list[str], new_tokens: int, rounds: int, limit: float, dtype
             runs: dict[str, list[dict]] = {c: [] for c in configs}
             for r in range(rounds):
                 for c in configs if r % 2 == 0 else configs[::-1]:
-                    s = Session(lm, threads="auto" if c == "auto" else int(c))
+                    dt, _, th = c.rpartition(":")
+                    s = Session(lms[dt or None], threads="auto" if th == "auto" else int(th))
                     time.sleep(0.25)  # what a CLI run spends loading: `auto` looks at the machine meanwhile
                     runs[c].append(measure(s, c, new_tokens, limit))
-                    print(f"  {c:>4} threads: TPOT {runs[c][-1]['tpot_s'] * 1e3:7.1f} ms", file=sys.stderr)
+                    print(f"  {c:>14} threads: TPOT {runs[c][-1]['tpot_s'] * 1e3:7.1f} ms", file=sys.stderr)
             wall = time.perf_counter() - wall0
             comp_cores = (comp.cpu_s() - c0) / wall
             others = meter.others_cores()
@@ -138,6 +145,9 @@ def ratios(out: dict, n_max: int) -> dict:
     for name, c in cond.items():  # what auto can control: never slower than the better fixed setting
         t = c["tpot_s"]
         r[f"{name}: auto / best fixed count, same condition"] = t["auto"] / min(t["1"], t[str(n_max)])
+        if out.get("also"):
+            for th in ("1", "auto"):
+                r[f"{name}: {out['also']} / {out['dtype']} at {th} thread(s)"] = t[f"{out['also']}:{th}"] / t[th]
     if quiet:
         one = quiet["tpot_s"]["1"]
         r["quiet: auto / all threads (target ≤ 1.05)"] = quiet["tpot_s"]["auto"] / quiet["tpot_s"][str(n_max)]
@@ -155,7 +165,7 @@ def print_report(out: dict) -> None:
           "tokens, TPOT mean over interleaved runs")
     for name, c in out["conditions"].items():
         bg = "?" if c["background_cores"] is None else f"{c['background_cores']:.2f}"
-        tp = "  ".join(f"{k:>4} thr {v * 1e3:7.1f} ms" for k, v in c["tpot_s"].items())
+        tp = "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in c["tpot_s"].items())
         sw = sum(x["switches"] for x in c["runs"]["auto"])
         print(f"{name:<14}{tp}   (auto switched {sw}×; competitor {c['competitor_cores']:.2f} cores, "
               f"other processes {bg} cores)")
@@ -170,7 +180,9 @@ def cmd_bench_load(a: argparse.Namespace) -> int:
         print(f"error: --conditions takes quiet,busy,multithreaded; got {a.conditions!r}", file=sys.stderr)
         return 2
     new_tokens, rounds = (6, 1) if a.smoke else (a.new_tokens, a.rounds)
-    out = run(conditions, new_tokens, rounds, a.limit, a.dtype)
+    if a.also in ("none", a.dtype):
+        a.also = None
+    out = run(conditions, new_tokens, rounds, a.limit, a.dtype, a.also)
     if a.json:
         print(json.dumps(out, indent=2))
     else:
@@ -188,6 +200,8 @@ def add_subcommand(sub) -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of each configuration")
     p.add_argument("--limit", type=float, default=20.0, help="seconds one generation may take before it is cut")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--also", default="bfloat16", choices=["bfloat16", "float32", "none"],
+                   help="a second dtype measured at 1 and auto threads in the same run (none: skip)")
     p.add_argument("--smoke", action="store_true", help="6 tokens, one round: only checks that it works")
     p.add_argument("--json", action="store_true")
     p.add_argument("--output", default=None, help="also write the raw results as JSON to this file")
