@@ -58,6 +58,11 @@ def summarize(runs: list[dict]) -> str:
 class LoadLabPanel(Panel):
     title = "Load lab"
     object_name = "panel_load_lab"
+    subscriptions = {
+        "sig_server_connected": "_on_connected", "sig_serve_progress": "_on_progress",
+        "sig_serve_request": "_on_request", "sig_serve_run": "_on_run", "sig_serve_done": "_on_done",
+        "sig_server_metrics": "_on_metrics",
+    }
     help_text = (
         "A bounded load test of the connected server (File → Connect to server…), measured like `vllm bench "
         "serve`. For each concurrency level C, N streamed requests are sent with at most C in flight (or at a "
@@ -80,12 +85,6 @@ class LoadLabPanel(Panel):
         self.progress_value = 0.0
         self._t_offset = 0.0
         self._build()
-        bridge.sig_server_connected.connect(self._on_connected)
-        bridge.sig_serve_progress.connect(self._on_progress)
-        bridge.sig_serve_request.connect(self._on_request)
-        bridge.sig_serve_run.connect(self._on_run)
-        bridge.sig_serve_done.connect(self._on_done)
-        bridge.sig_server_metrics.connect(self._on_metrics)
         self._update_buttons()
         self.mark_dirty()
 
