@@ -273,7 +273,7 @@ class AttentionPanel(Panel):
     def _on_attention(self, ev: AttentionCaptured) -> None:
         h = ev.weights.shape[0]
         if ev.layer not in self._matrices or self._matrices[ev.layer].n_heads != h:
-            self._matrices[ev.layer] = AttentionMatrix(h, self.window(ev.layer))
+            self._matrices[ev.layer] = AttentionMatrix(h, self.sliding_window(ev.layer))
         if h != self.n_heads or ev.group_size != self.group_size:  # a model the panel was not told about
             self.n_heads, self.group_size = h, max(1, ev.group_size)
             self.head_spin.setMaximum(h - 1)
@@ -335,7 +335,7 @@ class AttentionPanel(Panel):
     def layer(self) -> int:
         return int(self.layer_spin.value())
 
-    def window(self, layer: int) -> int:
+    def sliding_window(self, layer: int) -> int:
         """The sliding window of `layer` in the loaded model (0: a global layer, it reads every earlier key)."""
         cfg = self.bridge.cfg
         if cfg is None or not cfg.sliding_window or not 0 <= layer < len(cfg.layer_types):
@@ -357,7 +357,7 @@ class AttentionPanel(Panel):
         head = self.head()
         kv = head // self.group_size
         colour = GROUP_COLORS[kv % len(GROUP_COLORS)]
-        w = self.window(self.layer())
+        w = self.sliding_window(self.layer())
         self.kv_label.setText(
             f"<span style='color:{colour}'>head {head} → KV head {kv}</span> "
             f"({self.n_heads} q heads, {max(1, self.n_heads // self.group_size)} KV heads"

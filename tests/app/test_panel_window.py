@@ -30,7 +30,7 @@ def test_attention_masks_outside_the_window(qtbot, windowed):
 
     panel = attention.PANEL(windowed)
     qtbot.addWidget(panel)
-    assert (panel.window(0), panel.window(1)) == (4, 0)
+    assert (panel.sliding_window(0), panel.sliding_window(1)) == (4, 0)
     windowed.sig_attention.emit(prefill(0))
     windowed.sig_attention.emit(prefill(1))
     panel.layer_spin.setValue(0)
