@@ -150,35 +150,64 @@ def run_hf(dtype: str, new_tokens: int, repeats: int) -> dict:
     }
 
 
-def run_llama_cpp(new_tokens: int, repeats: int, threads: int) -> dict:
-    """llama.cpp (llama-cpp-python) on the same Q4_1 GGUF file, same prompt ids, greedy, streamed token by token."""
-    from llama_cpp import Llama, __version__
+LLAMA_CPP_SCRIPT = """
+import json, sys, time, resource
+from llama_cpp import Llama, __version__
+path, ids = sys.argv[1], json.loads(sys.argv[2])
+n, repeats, threads = map(int, sys.argv[3:6])
+t0 = time.perf_counter()
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+load_s = time.perf_counter() - t0
+def once(n):
+    llm.reset()
+    stamps = [time.perf_counter()]
+    for _ in llm.create_completion(ids, max_tokens=n, temperature=0.0, stream=True):
+        stamps.append(time.perf_counter())
+    return stamps[1] - stamps[0], [b - a for a, b in zip(stamps[1:], stamps[2:])]
+once(4)
+runs = [once(n) for _ in range(repeats)]
+print(json.dumps({"version": __version__, "load_s": load_s, "runs": runs,
+                  "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
 
+
+def llama_cpp_python() -> str | None:
+    """An interpreter that can import llama_cpp: $INFERENCE_LAB_LLAMA_PYTHON, this one, or `make servers`'s own."""
+    if os.environ.get("INFERENCE_LAB_LLAMA_PYTHON"):
+        return os.environ["INFERENCE_LAB_LLAMA_PYTHON"]
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        other = Path(__file__).resolve().parents[1] / ".venv-servers" / "llamacpp" / "bin" / "python"
+        return str(other) if other.exists() else None
+    return sys.executable
+
+
+def run_llama_cpp(new_tokens: int, repeats: int, threads: int) -> dict:
+    """llama.cpp (llama-cpp-python) on the same Q4_1 GGUF file, same prompt ids, greedy, streamed token by token.
+
+    Runs in the interpreter that has llama_cpp (possibly another virtual environment), so the script is plain text.
+    """
     from engine.loaders import default_model_path
     from engine.tokenizer import Tokenizer
 
+    python = llama_cpp_python()
+    if python is None:
+        raise RuntimeError("llama-cpp-python is not installed")
     path = default_model_path()
-    t0 = time.perf_counter()
-    llm = Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
-    load_s = time.perf_counter() - t0
     tok = Tokenizer.from_gguf(str(path))
     ids = tok.encode(tok.chat_prompt(PROMPT)).ids
-
-    def once(n: int) -> tuple[float, list[float]]:
-        llm.reset()
-        stamps = [time.perf_counter()]
-        for _ in llm.create_completion(ids, max_tokens=n, temperature=0.0, stream=True):
-            stamps.append(time.perf_counter())
-        return stamps[1] - stamps[0], list(np.diff(stamps[1:]))
-
-    once(4)
-    runs = [once(new_tokens) for _ in range(repeats)]
-    best = min(runs, key=lambda r: float(np.mean(r[1])) if r[1] else float("inf"))
+    r = subprocess.run([python, "-c", LLAMA_CPP_SCRIPT, str(path), json.dumps(ids), str(new_tokens), str(repeats),
+                        str(threads)], capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError((r.stderr.strip().splitlines() or ["llama.cpp failed"])[-1])
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    best = min(d["runs"], key=lambda x: float(np.mean(x[1])) if x[1] else float("inf"))
     return {
-        "impl": f"llama.cpp (llama-cpp-python {__version__})", "dtype": "q4_1", "capture": "none",
-        "threads": str(threads), "load_s": load_s, "prompt_tokens": len(ids), "ttft_s": min(r[0] for r in runs),
-        "tpot_s": _stats(best[1]), "tokens_per_s": 1 / float(np.mean(best[1])), "new_tokens": len(best[1]) + 1,
-        "peak_rss_bytes": _rss_peak_bytes(),
+        "impl": f"llama.cpp (llama-cpp-python {d['version']})", "dtype": "q4_1", "capture": "none",
+        "threads": str(threads), "load_s": d["load_s"], "prompt_tokens": len(ids),
+        "ttft_s": min(x[0] for x in d["runs"]), "tpot_s": _stats(best[1]), "tokens_per_s": 1 / float(np.mean(best[1])),
+        "new_tokens": len(best[1]) + 1, "peak_rss_bytes": d["peak_rss_bytes"],
     }
 
 
@@ -287,10 +316,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
             for dt in dtypes:
                 print(f"measuring Hugging Face transformers {dt} …", file=sys.stderr)
                 results[f"hf-{dt}"] = _child(["--impl", "hf", "--dtype", dt, *base])
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            print("llama-cpp-python is not installed (pip install '.[bench]'): no llama.cpp comparison",
+        if llama_cpp_python() is None:
+            print("llama-cpp-python is not installed (pip install '.[llama]' or make servers): no llama.cpp comparison",
                   file=sys.stderr)
         else:
             print("measuring llama.cpp on the same Q4_1 file …", file=sys.stderr)
