@@ -134,3 +134,23 @@ def test_captured_attention_shows_the_window_band(checkpoints):
     assert (local[:, (k > q) | (q - k >= 4)] == 0).all() and (local[:, (k <= q) & (q - k < 4)] > 0).all()
     assert (glob[:, k > q] == 0).all() and (glob[:, k <= q] > 0).all()
     assert abs(local.sum(-1) - 1).max() < 1e-5
+
+
+def test_session_prefix_reuse_on_a_windowed_model(checkpoints):
+    """The session's prefix caching asks the cache how far back it can resume: within the local layers' reach it
+    reuses the prefix, beyond it it recomputes; the logits are transformers' either way."""
+    from engine.session import Session
+
+    ck = checkpoints["gemma3"]
+    s = Session(load(ck.gguf, device="cpu", dtype="float32", use_cache=False))
+    ref = reference_logits(ck.model, IDS)
+    logits, reuse, _ = s.next_token_logits(IDS[:12])
+    assert reuse == 0
+    assert_close(logits, ref[11], atol=1e-4, rtol=1e-4)
+    logits, reuse, _ = s.next_token_logits(IDS)  # the 12 cached positions are still reachable
+    assert reuse == 12
+    assert_close(logits, ref[-1], atol=1e-4, rtol=1e-4)
+    other = IDS[:5] + [9, 10, 11]
+    logits, reuse, _ = s.next_token_logits(other)  # local layers dropped positions < 7: start again
+    assert reuse == 0
+    assert_close(logits, reference_logits(ck.model, other)[-1], atol=1e-4, rtol=1e-4)

@@ -130,3 +130,15 @@ def test_cli_logits_and_generate_match_transformers(engine_model, reference):
     g = json.loads(cli("generate", "--model", "gemma3-270m", "--prompt", text, "--greedy", "--ignore-eos",
                        "--max-new-tokens", str(NEW_TOKENS), "--json", timeout=600).stdout)
     assert g["ids"] == reference[text][1]
+
+
+def test_bfloat16_picks_the_same_next_token(engine_model, reference):
+    """Running in bfloat16 (weights and activations) keeps the reference's next token on the plain prompt."""
+    lm = load("gemma3-270m", device="cpu", dtype="bfloat16")  # from the weight cache the fixture wrote
+    text = "The capital of France is"
+    ids = PROMPTS[text]
+    with torch.inference_mode():
+        logits = lm.model(torch.tensor([ids]), 0, KVCache(lm.cfg, 1, len(ids), torch.bfloat16))[0]
+    ref = reference[text][0][-1]
+    assert int(logits.argmax()) == int(ref.argmax())
+    assert torch.corrcoef(torch.stack([logits, ref]))[0, 1] > 0.99
