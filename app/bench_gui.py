@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 WINDOW = (2400, 1400)
-# Every dock in its own place, no tabs; a panel not named here joins the bottom row.
+# Every dock in its own place, no tabs; a panel not named here joins the shorter of the top and bottom rows.
 BENCH_LAYOUT = {
     "top": ("prompt", "preview", "sampling", "lens"),
     "left": ("generation",),
@@ -160,7 +160,8 @@ def show_every_panel(win) -> None:
              "bottom": QtCore.Qt.DockWidgetArea.BottomDockWidgetArea}
     rows = {area: [n for n in names if n in win.docks] for area, names in BENCH_LAYOUT.items()}
     listed = {n for names in rows.values() for n in names}
-    rows["bottom"] += [n for n in win.docks if n not in listed]
+    for name in (n for n in win.docks if n not in listed):  # a newer panel joins the shorter of the two rows
+        min((rows["top"], rows["bottom"]), key=len).append(name)
     for dock in win.docks.values():
         dock.setFloating(False)
         win.removeDockWidget(dock)

@@ -103,8 +103,13 @@ class AttentionPanel(Panel):
 
     def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
         hd, h, kv, g = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.group_size
-        text = (f"{info.name} has {cfg.n_layers} layers and d_head = {hd}, so its scores are divided by "
-                f"√{hd} ≈ {math.sqrt(hd):.4g}. ")
+        scale = cfg.softmax_scale
+        if math.isclose(scale, hd**-0.5):
+            text = (f"{info.name} has {cfg.n_layers} layers and d_head = {hd}, so its scores are divided by "
+                    f"√{hd} ≈ {math.sqrt(hd):.4g}. ")
+        else:  # the model sets its own scale (Gemma's query_pre_attn_scalar)
+            text = (f"{info.name} has {cfg.n_layers} layers and d_head = {hd}; it scales its scores by "
+                    f"{scale:.4g} instead of 1/√{hd}. ")
         if g == 1:
             text += f"Each of its {h} query heads has its own key/value head (no GQA)."
         else:

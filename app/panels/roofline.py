@@ -437,7 +437,8 @@ class RooflinePanel(Panel):
         lo = min([0.1] + [x / 3 for x in xs if x > 0])
         hi = max([ridge * 20, 100.0] + [x * 5 for x in xs])
         ys = [f for _i, f in measured.values()] + [peak]
-        y_lo = min(math.log10(min(ys) / 4), math.log10(peak) - 2.5)  # at least 2.5 decades: readable ticks
+        # at least 2.5 decades (readable ticks), and room under the lowest point for its label
+        y_lo = min(math.log10(min(ys) / 10), math.log10(peak) - 2.5)
         y_hi = math.log10(peak * 10)  # a decade of headroom for the ridge label
         self.roof_text.setText(f"memory roof {fmt_bandwidth(bw)} · I")
         labels = self._analytic_labels(analytic, ridge)

@@ -87,3 +87,12 @@ def test_help_follows_the_model_and_reaches_the_dock(qtbot, bridge, tiny_lm):
     bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))
     assert panel.help_text.startswith(general) and "512 bytes" in panel.help_text
     assert dock.whatsThis() == panel.help_text
+
+
+def test_attention_help_states_a_models_own_scale(qtbot, bridge, tiny_lm):
+    import dataclasses
+
+    cfg = dataclasses.replace(tiny_lm.cfg, attn_scale=0.1)  # as Gemma's query_pre_attn_scalar sets it
+    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, cfg)))
+    text = make(qtbot, "attention", bridge).help_text
+    assert "scales its scores by 0.1 instead of 1/√16" in text and "divided by √16" not in text
