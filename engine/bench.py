@@ -441,6 +441,10 @@ def cmd_bench_batch(a: argparse.Namespace) -> int:
     except ValueError:
         print(f"error: --batches must be positive integers separated by commas, got {a.batches!r}", file=sys.stderr)
         return 2
+    if a.threads != "auto":  # a batch's products are large: no per-step adaptation here, a fixed count if asked
+        import torch
+
+        torch.set_num_threads(a.threads)
     try:
         lm = load(a.model, device=a.device, dtype=a.dtype)
     except ModelLoadError as e:
@@ -489,5 +493,6 @@ def add_subcommands(sub) -> None:
     p.add_argument("--batches", default="1,2,4,8,16,32")
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--threads", type=threads_arg, default="auto", help="auto (torch's count) or a fixed count")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_batch)
