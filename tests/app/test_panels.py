@@ -77,18 +77,33 @@ def test_panel_contract():
     assert len(names) == 5
 
 
-@pytest.mark.parametrize("name", ["sampling", "attention", "kv_cache", "timeline", "roofline"])
+HELD = {  # what each panel keeps of a generation: nothing before it and after clear(), something after it
+    "sampling": lambda p: len(p._tokens),
+    "attention": lambda p: len(p._matrices),
+    "kv_cache": lambda p: len(p._events),
+    "timeline": lambda p: len(p._seconds),
+    "roofline": lambda p: (p._prefill is not None) + len(p._decode),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HELD))
 def test_panels_draw_empty_and_after_clear(qtbot, loaded, tiny_run, name):
     import importlib
 
     panel = make_panel(qtbot, importlib.import_module(f"app.panels.{name}"), loaded)
+    held = HELD[name]
     panel.draw()  # before any generation
+    assert held(panel) == 0
     feed(loaded, tiny_run)
+    drawn = panel.draw_count
     panel.flush()
+    assert held(panel) > 0 and panel.draw_count == drawn + 1
     panel.clear()
     panel.flush()  # a new generation starts from nothing
+    assert held(panel) == 0 and panel.draw_count == drawn + 2
     loaded._on_raw(tiny_run[0])  # PromptTokenized alone
     panel.flush()
+    assert held(panel) == 0
 
 
 # ---- sampling -------------------------------------------------------------------------------------------------

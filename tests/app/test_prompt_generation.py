@@ -152,13 +152,18 @@ def test_preview_shows_candidates_and_prefix_reuse(qtbot, window):
 
 
 def test_preview_ignores_stale_results(qtbot, window):
-    from app.bridge import PreviewResult
+    from dataclasses import replace
 
     preview = window.panels["preview"]
-    preview._last_id = 10
-    old = PreviewResult(9, "old", 1, 0, 1, 0.0, funnel=None)
-    preview._on_preview(old)
-    assert preview.result is None or preview.result.request_id != 9
+    window.panels["prompt"].set_text("the cat")
+    qtbot.waitUntil(lambda: preview.result is not None and preview.result.text == "the cat", timeout=10_000)
+    real = preview.result
+    preview._last_id = real.request_id + 10
+    current = replace(real, request_id=preview._last_id, text="new")
+    preview._on_preview(current)
+    assert preview.result is current
+    preview._on_preview(replace(real, request_id=preview._last_id - 1, text="old"))  # answers an older request
+    assert preview.result is current
 
 
 # ---- generation ------------------------------------------------------------------------------------------------
