@@ -161,6 +161,7 @@ class Bridge(QtCore.QObject):
         self.params = SamplingParams()
         self.attention_layers: frozenset[int] = frozenset()  # layers a panel asked for (capture_attention)
         self.lens_top = 0  # top tokens per layer of the logit lens the next generation captures (0 = none)
+        self.grammar: dict[str, str] | None = None  # {"regex": R} or {"json_schema": S} for the next generation
         self._preview_id = 0
         self._machine: dict[tuple[str, str], object] = {}  # (device, dtype) → the engine's answer (None: none)
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs Qt threads

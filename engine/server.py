@@ -43,6 +43,8 @@ class GenerateRequest:
     start_paused: bool = False  # prefill, then wait for step or resume
     prompt_ids: tuple[int, ...] = ()  # when given, the prompt as token ids (a fork's prefix); `text` is then a label
     forced: tuple[tuple[int, int], ...] = ()  # (step, token id) pairs put in place of sampling (a fork: ((0, id),))
+    regex: str | None = None  # the output must match this regular expression (engine.constrain)
+    json_schema: str | None = None  # … or be JSON valid under this schema (JSON text)
 
 
 @dataclass(frozen=True)
@@ -200,8 +202,16 @@ class EngineServer:
             return
         try:
             prompt = list(req.prompt_ids) if req.prompt_ids else req.text
+            constraint = None
+            if req.regex is not None or req.json_schema is not None:
+                from engine.constrain import Constraint
+
+                s = self.session
+                eos = [*s.tokenizer.eos_ids, *sorted(set(s.stop_ids) - set(s.tokenizer.eos_ids))]
+                constraint = Constraint.build(s.tokenizer, s.cfg.vocab_size, eos, regex=req.regex,
+                                              json_schema=req.json_schema)
             gen = self.session.generate(prompt, req.params, req.max_new_tokens, req.capture, chat=req.chat,
-                                        ignore_eos=req.ignore_eos, forced=dict(req.forced))
+                                        ignore_eos=req.ignore_eos, forced=dict(req.forced), constraint=constraint)
         except ValueError as e:
             self.send(Failed(message=str(e)))
             self.send(("state", "idle"))

@@ -5,5 +5,5 @@ from __future__ import annotations
 # Order = the order of the View menu and of the default layout.
 PANEL_MODULES = (
     "prompt", "preview", "generation", "sampling", "attention", "kv_cache", "timeline", "roofline", "capacity",
-    "batching", "lens", "branches", "load_lab",
+    "batching", "lens", "branches", "load_lab", "constrain",
 )

@@ -203,6 +203,7 @@ class GenerationPanel(Panel):
         req = GenerateRequest(
             text=text, chat=chat, max_new_tokens=self.max_tokens.value(), params=self.bridge.params,
             capture=self.capture_for(text, chat), ignore_eos=self.ignore_eos, start_paused=start_paused,
+            **dict(getattr(self.bridge, "grammar", None) or {}),  # regex= / json_schema= from the Constrain panel
         )
         self.last_request = req
         self._state = "starting"

@@ -319,6 +319,8 @@ class SamplingPanel(Panel):
             return ev.funnel
         if ev.funnel is not None and ev.params == self._params and len(ev.funnel.ids) >= FUNNEL_TOP:
             return ev.funnel  # as sampled: no need to re-run (and no torch work on the GUI thread)
+        if ev.funnel is not None and getattr(ev.funnel, "kept_grammar", -1) >= 0:
+            return ev.funnel  # a grammar shaped this step: re-running the knobs without it would mislead
         return refunnel(ev, self._params, self.bridge.tokenizer, top=FUNNEL_TOP)
 
     def kept_counts(self) -> tuple[int, int, int] | None:
@@ -421,6 +423,9 @@ class SamplingPanel(Panel):
         mode = "greedy (T = 0): argmax" if f.greedy else (
             f"kept: top-k <b>{f.kept_top_k:,}</b>/{v:,} · top-p <b>{f.kept_top_p:,}</b>/{v:,} · "
             f"min-p <b>{f.kept_final:,}</b>/{v:,}")
+        kept_grammar = getattr(f, "kept_grammar", -1)
+        if kept_grammar >= 0:  # the grammar is the first stage: what it removed is hatched from temperature on
+            mode = f"grammar kept <b>{kept_grammar:,}</b>/{v:,} (the rest removed by the grammar) · " + mode
         live = "" if ev.logits is not None else " · <i>no logits saved: knobs cannot re-run this step</i>"
         if getattr(f, "source", None):  # engine.remote.backend.TopNFunnel: kept counts are among these N only
             live = f" · <i>re-drawn from the {f.top_n} {f.source}</i>"
