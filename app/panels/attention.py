@@ -1,9 +1,10 @@
 """Attention: who each token reads from, for one layer — one head large, all heads as small multiples.
 
 The prefill captures a (heads, T, T) block of weights, each decode step one new row (heads, 1, S); the panel
-assembles them into a growing (heads, S, S) lower-triangular matrix. Cells the causal mask forbids (a key after its
-query) hold NaN and are drawn in the mask colour, not as a zero weight. Rows whose queries were never computed
-(prompt tokens reused from the KV cache) are NaN too.
+assembles them into a growing lower-triangular matrix. Cells the causal mask forbids (a key after its query) hold NaN
+and are drawn in the mask colour, not as a zero weight. Only the rows the engine sent are kept: a long prefill sends
+its last query rows (the event's rows_skipped), so the panel holds (heads, rows sent, S), never S × S, and says that
+the first rows were left out.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ def _readable(piece: str) -> str:
 
 
 class AttentionMatrix:
-    """The attention weights of one layer for the whole sequence so far: (heads, S, S), NaN where masked.
+    """The attention weights of one layer for the rows captured so far: (heads, S − first_row, S), NaN where masked.
 
+    Only the rows the engine sent are stored: a long prefill arrives as its last query rows (`rows_skipped` says how
+    many came before), so memory follows what the events carry, never S × S. `first_row` is the first query row
+    stored; the rows above it were left out (or computed before the layer was asked for) and are not kept.
     `window` > 0 is a local layer's sliding window W: a query at position q reads keys q − W + 1 … q only, so the
     keys before that are masked too (the band along the diagonal).
     """
@@ -42,7 +46,8 @@ class AttentionMatrix:
     def __init__(self, n_heads: int, window: int = 0) -> None:
         self.n_heads = n_heads
         self.window = window
-        self.size = 0
+        self.size = 0  # S: the keys (and the query rows' end) seen so far
+        self.first_row = 0
         self.first_step: int | None = None  # the first step captured (> 0: the layer was asked for mid-run)
         self.rows_skipped = 0  # query rows the engine left out of a long prefill to bound memory
         self._w = np.full((n_heads, 0, 0), np.nan, dtype=np.float32)
@@ -51,27 +56,46 @@ class AttentionMatrix:
         h, nq, nk = ev.weights.shape
         if self.first_step is None:
             self.first_step = ev.step
+            self.first_row = ev.query_start
         self.rows_skipped += ev.rows_skipped
+        if ev.query_start < self.first_row:  # rows above the stored ones (not sent today): keep them too
+            self._reshape(ev.query_start, self._w.shape[1] + self.first_row - ev.query_start, self._w.shape[2])
         end = max(self.size, ev.query_start + nq, nk)
-        if end > self._w.shape[1]:  # grow the capacity geometrically so each step is amortised O(S)
-            cap = max(end, int(self._w.shape[1] * 1.5) + 16)
-            grown = np.full((h, cap, cap), np.nan, dtype=np.float32)
-            grown[:, : self.size, : self.size] = self._w[:, : self.size, : self.size]
-            self._w = grown
-        rows = slice(ev.query_start, ev.query_start + nq)
+        rows_cap, keys_cap = self._w.shape[1], self._w.shape[2]
+        if end - self.first_row > rows_cap or end > keys_cap:
+            # grow geometrically so each decode step is amortised O(S); keys by 1/8 (S may be thousands) so the
+            # array stays within a small factor of what the events carry
+            if end - self.first_row > rows_cap:
+                rows_cap = max(end - self.first_row, int(rows_cap * 1.5) + 16)
+            if end > keys_cap:
+                keys_cap = max(end, keys_cap + max(64, keys_cap // 8))
+            self._reshape(self.first_row, rows_cap, keys_cap)
         block = np.array(ev.weights, dtype=np.float32)
         q = np.arange(ev.query_start, ev.query_start + nq)[:, None]  # (nq, 1) absolute query positions
         k = np.arange(nk)[None, :]  # (1, nk) key positions
         block[:, k > q] = np.nan  # the causal mask, explicitly
         if self.window:
             block[:, q - k >= self.window] = np.nan  # outside the sliding window
-        self._w[:, rows, :nk] = block
+        r = ev.query_start - self.first_row
+        self._w[:, r : r + nq, :nk] = block
         self.size = end
+
+    def _reshape(self, first_row: int, rows_cap: int, keys_cap: int) -> None:
+        grown = np.full((self.n_heads, rows_cap, keys_cap), np.nan, dtype=np.float32)
+        shift = self.first_row - first_row
+        n = max(0, self.size - self.first_row)
+        grown[:, shift : shift + n, : self.size] = self._w[:, :n, : self.size]
+        self._w, self.first_row = grown, first_row
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, capacity included."""
+        return int(self._w.nbytes)
 
     @property
     def weights(self) -> np.ndarray:
-        """(heads, S, S) view of the filled part."""
-        return self._w[:, : self.size, : self.size]
+        """(heads, S − first_row, S) view of the filled part: row i is query position first_row + i."""
+        return self._w[:, : max(0, self.size - self.first_row), : self.size]
 
 
 class AttentionPanel(Panel):
@@ -326,7 +350,7 @@ class AttentionPanel(Panel):
             return
         p = vb.mapSceneToView(event.scenePos())
         row = int(math.floor(p.y()))
-        if 0 <= row < m.shape[1]:
+        if self.first_row() <= row < m.shape[2]:
             self.bridge.select_step(self.step_of_row(row))
 
     def _on_grid_clicked(self, event) -> None:
@@ -351,9 +375,16 @@ class AttentionPanel(Panel):
         return int(self.head_spin.value())
 
     def matrix(self) -> np.ndarray | None:
-        """(heads, S, S) of the chosen layer, NaN where masked, or None if that layer was not captured."""
+        """(heads, S − first_row, S) of the chosen layer, NaN where masked, or None if that layer was not captured.
+
+        Row i is query position first_row() + i (0 unless the first rows were left out or not captured)."""
         m = self._matrices.get(self.layer())
         return None if m is None or m.size == 0 else m.weights
+
+    def first_row(self) -> int:
+        """The query position of the chosen layer's first stored row."""
+        m = self._matrices.get(self.layer())
+        return 0 if m is None else m.first_row
 
     def _display(self, w: np.ndarray) -> np.ndarray:
         return np.sqrt(np.clip(w, 0.0, None)) if self.sqrt_check.isChecked() else w
@@ -389,39 +420,43 @@ class AttentionPanel(Panel):
             if self.heat_note.isVisible():  # the first weights: leave the empty view's fixed range
                 self.heat_note.setVisible(False)
                 self.heat.getPlotItem().getViewBox().enableAutoRange()
-            s = m.shape[1]
+            s = m.shape[2]
             am = self._matrices[self.layer()]
+            r0 = am.first_row
             notes = []
             if am.first_step:
-                notes.append(f"captured from step {am.first_step} on (asked for during the run): earlier rows are "
-                             "blank")
+                notes.append(f"captured from step {am.first_step} on (asked for during the run): the rows before "
+                             f"query {r0:,} are not shown")
             if am.rows_skipped:
                 notes.append(f"the prefill's first {am.rows_skipped:,} query rows were left out to bound the "
-                             "capture's memory; the last rows are all here")
+                             f"capture's memory; rows {r0:,}–{s - 1:,} are shown")
             w = am.window
             mask = ("Dark grey = causal mask." if not w else
                     f"Local layer: each query reads only the last {w:,} positions (sliding window); dark grey = "
                     "causal mask and, left of the dashed edge, the keys outside the window.")
             self.status.setText(
-                f"Layer {self.layer()}: {s} × {s} (query × key) — prompt {self._n_prompt} tokens at once (prefill), "
+                f"Layer {self.layer()}: {s - r0:,} × {s:,} (query × key) — prompt {self._n_prompt:,} tokens at once "
+                f"(prefill), "
                 f"then one row per decode step. {mask}" + "".join(f" ⚠ {n}." for n in notes))
-            if w and s > w:
-                self.window_edge.setData([0.0, float(s - w + 1)], [float(w - 1), float(s)])
+            top = max(r0, w - 1)  # the edge x = y − W + 1, drawn over the stored rows only
+            if w and s > top + 1:
+                self.window_edge.setData([float(top - w + 1), float(s - w + 1)], [float(top), float(s)])
             else:
                 self.window_edge.setData([], [])
             self.image.setImage(self._display(m[head]), levels=(0.0, 1.0), autoLevels=False)
-            self.image.setRect(QtCore.QRectF(0, 0, s, s))
+            self.image.setRect(QtCore.QRectF(0, r0, s, s - r0))
             if self.tabs.currentIndex() == 1 or not self.grid_images:
                 self._build_grid()
                 for h, img in enumerate(self.grid_images):
                     if h < m.shape[0]:
                         img.setImage(self._display(m[h]), levels=(0.0, 1.0), autoLevels=False)
-                        self.grid_boxes[h].setRange(xRange=(0, s), yRange=(0, s), padding=0)
-            self._draw_labels(s)
-            self._draw_selection(s)
+                        img.setRect(QtCore.QRectF(0, r0, s, s - r0))
+                        self.grid_boxes[h].setRange(xRange=(0, s), yRange=(r0, s), padding=0)
+            self._draw_labels(s, r0)
+            self._draw_selection(s, r0)
         self._draw_norms()
 
-    def _draw_labels(self, s: int) -> None:
+    def _draw_labels(self, s: int, first_row: int = 0) -> None:
         pi = self.heat.getPlotItem()
         vb = pi.getViewBox()
         (x0, x1), (y0, y1) = vb.viewRange()
@@ -429,10 +464,11 @@ class AttentionPanel(Panel):
         fm = QtGui.QFontMetrics(self._font)
         for axis, lo, hi, px, room in (("bottom", x0, x1, width_px, fm.horizontalAdvance("wwwww")),
                                        ("left", y0, y1, height_px, fm.height() + 2)):
-            visible = max(1.0, min(hi, s) - max(lo, 0))
+            start = 0 if axis == "bottom" else first_row  # rows above first_row are not stored
+            visible = max(1.0, min(hi, s) - max(lo, start))
             per_label = px / visible  # pixels per token
             stride = max(1, math.ceil(room / max(per_label, 1e-6)))
-            first = max(0, int(lo))
+            first = max(start, int(lo))
             ticks = [(i + 0.5, self._label(i, axis == "bottom")) for i in range(first - first % stride,
                                                                                  min(s, int(hi) + 1), stride)]
             pi.getAxis(axis).setTicks([ticks, []])
@@ -441,12 +477,12 @@ class AttentionPanel(Panel):
         text = self._pieces[i] if i < len(self._pieces) else ""
         return text[:6] if short else f"{text[:10]} {i}"
 
-    def _draw_selection(self, s: int) -> None:
+    def _draw_selection(self, s: int, first_row: int = 0) -> None:
         if self._selected_step is None:
             self.row_box.setVisible(False)
             return
         r0, r1 = self.rows_of_step(self._selected_step)
-        r1 = min(r1, s)
+        r0, r1 = max(r0, first_row), min(r1, s)
         self.row_box.setRect(QtCore.QRectF(0, r0, s, max(0, r1 - r0)))
         self.row_box.setVisible(r1 > r0)
 
