@@ -58,7 +58,7 @@ def checked_float(value: object, what: str, lo: float, hi: float) -> float:
 
 @dataclass
 class ModelConfig:
-    """Shapes of a Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2)."""
+    """Shapes of a decoder of the Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/3, Phi-3) or Gemma 3."""
 
     name: str = "model"
     n_layers: int = 2
