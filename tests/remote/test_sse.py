@@ -27,8 +27,12 @@ def chunks_of(path: Path):
 def test_every_recorded_stream_counts_like_the_server(path):
     chunks = chunks_of(path)
     usage = [c.usage for c in chunks if c.usage]
-    assert len(usage) == 1  # stream_options include_usage: one final usage chunk
-    n = usage[0]["completion_tokens"]
+    if path.stem.startswith("vllm"):
+        assert len(usage) == 1  # stream_options include_usage: one final usage chunk
+        n = usage[0]["completion_tokens"]
+    else:
+        assert usage == []  # llama-cpp-python ignores include_usage: the recorder's max_tokens=6, all used
+        n = 6
     tokens = [t for c in chunks for t in c.tokens]
     assert len(tokens) == n
     assert "".join(t.text for t in tokens) == "".join(c.text for c in chunks)
@@ -57,6 +61,16 @@ def test_vllm_token_ids_everywhere():
     assert [t.top[0].id for t in with_ids] == [t.id for t in with_ids]  # greedy
     assert [t.logprob for t in with_ids] == [t.logprob for t in plain]
     assert [t.text for t in with_ids] == [t.text for t in plain]
+
+
+def test_llamacpp_formats_name_no_ids():
+    """llama-cpp-python reports tokens as text only: ids stay unknown (None), never guessed."""
+    chat = [t for c in chunks_of(STREAMS / "llamacpp-chat.sse") for t in c.tokens]
+    legacy = [t for c in chunks_of(STREAMS / "llamacpp-completions.sse") for t in c.tokens]
+    assert all(t.id is None and len(t.top) == 3 for t in chat + legacy)
+    assert [t.text for t in legacy][:3] == [" ", "2", "0"]  # digits one by one, as in the vLLM recording
+    for t in chat + legacy:
+        assert t.logprob == pytest.approx(t.top[0].logprob)  # greedy: the sampled token is the top-1
 
 
 def test_vllm_metrics_recording():
