@@ -110,18 +110,35 @@ def hf_config(cfg: ModelConfig, eos_id: int | None) -> dict:
     }
 
 
-def tokenizer_json(tok: Tokenizer) -> str:
-    """The engine's own `tokenizers` pipeline as tokenizer.json, plus a BOS post-processor when the model adds one."""
-    from tokenizers import processors
+def hf_backend(tok: Tokenizer):
+    """The engine's own `tokenizers` pipeline (BPE + the llama.cpp pre-tokenizer) as a stand-alone tokenizer.json
+    model: GGUF control / user-defined tokens become added tokens (matched in the text, as llama.cpp matches them),
+    and a BPE post-processor adds BOS when the model asks for it."""
+    from tokenizers import AddedToken, processors
 
-    backend = tok._backend
+    from engine.tokenizer import _TYPE_CONTROL, _TYPE_UNKNOWN, _TYPE_USER_DEFINED
+
+    rules = getattr(tok, "_rules", None)
+    if rules is not None and rules.kind != "bpe":
+        raise ExportError("only byte-level BPE tokenizers can be exported yet (this one is SentencePiece-style)")
+    backend = tok._backend.__class__.from_str(tok._backend.to_str())
+    if rules is not None:
+        added = []
+        for i, kind in enumerate(rules.token_types.tolist()):
+            text = tok._text(i)
+            if not text or kind not in (_TYPE_CONTROL, _TYPE_UNKNOWN, _TYPE_USER_DEFINED):
+                continue
+            added.append((i, AddedToken(text, special=kind != _TYPE_USER_DEFINED, normalized=False)))
+        backend.add_tokens([a for _, a in added])
+        wrong = [(i, a.content) for i, a in added if backend.token_to_id(a.content) != i]
+        if wrong:
+            raise ExportError(f"added token {wrong[0][1]!r} would get another id than {wrong[0][0]}")
     if tok.add_bos and tok.bos_id is not None:
-        backend = backend.__class__.from_str(backend.to_str())
-        bos = tok._texts[tok.bos_id]
+        bos = tok._text(tok.bos_id)
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.bos_id)]
         )
-    return backend.to_str(pretty=False)
+    return backend
 
 
 def export(model: str | os.PathLike | None, out: str | os.PathLike, overwrite: bool = False) -> Path:
@@ -145,9 +162,10 @@ def export(model: str | os.PathLike | None, out: str | os.PathLike, overwrite: b
     tensors = hf_state_dict(sd, cfg)
 
     def text(i: int | None) -> str | None:
-        return None if i is None else tok._texts[i]
+        return None if i is None else tok._text(i)
 
-    added = tok._backend.get_added_tokens_decoder()
+    backend = hf_backend(tok)
+    added = backend.get_added_tokens_decoder()
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": text(tok.bos_id),
@@ -173,7 +191,7 @@ def export(model: str | os.PathLike | None, out: str | os.PathLike, overwrite: b
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "tokenizer.json").write_text(tokenizer_json(tok), encoding="utf-8")
+        (tmp / "tokenizer.json").write_text(backend.to_str(pretty=False), encoding="utf-8")
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False),
                                                    encoding="utf-8")
         (tmp / "generation_config.json").write_text(json.dumps(gen_config, indent=2))

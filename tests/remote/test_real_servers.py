@@ -218,3 +218,19 @@ def test_llamacpp_killed_mid_stream(server_logs):
     r = cli("generate", "--url", s.url, "--prompt", "hi")
     assert r.returncode != 0 and "connection refused" in r.stderr and time.monotonic() - t0 < 60
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_app_renders_a_vllm_run_and_the_load_lab(vllm_server, tmp_path):
+    """`python -m app --url`: a real generation on vLLM, then the Load lab at two levels, in one screenshot."""
+    from PySide6 import QtGui
+
+    shot = tmp_path / "vllm.png"
+    env = dict(ENV, QT_QPA_PLATFORM="offscreen")
+    r = subprocess.run([sys.executable, "-m", "app", "--url", vllm_server.url, "--prompt", PROMPT, "--greedy",
+                        "--max-new-tokens", "8", "--load-lab", "1,4", "--screenshot", str(shot)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    image = QtGui.QImage(str(shot))
+    assert image.width() > 800 and image.height() > 600
+    colours = {image.pixel(x, y) for x in range(0, image.width(), 7) for y in range(0, image.height(), 7)}
+    assert len(colours) > 200
