@@ -57,14 +57,17 @@ class RunningServer:
                 self.proc.wait(timeout=10)
 
 
-def _wait_ready(server: RunningServer, timeout_s: float) -> None:
+def _wait_ready(server: RunningServer, timeout_s: float, api_key: str | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.proc.poll() is not None:
             raise RuntimeError(f"{server.kind} exited with {server.proc.returncode} while starting:\n"
                                f"{server.log_tail()}")
+        req = urllib.request.Request(server.url + "/v1/models")
+        if api_key:
+            req.add_header("Authorization", f"Bearer {api_key}")
         try:
-            with urllib.request.urlopen(server.url + "/v1/models", timeout=2) as r:
+            with urllib.request.urlopen(req, timeout=2) as r:
                 if r.status == 200 and json.loads(r.read()).get("data"):
                     return
         except (OSError, ValueError):
@@ -74,13 +77,14 @@ def _wait_ready(server: RunningServer, timeout_s: float) -> None:
     raise RuntimeError(f"{server.kind} was not ready within {timeout_s:.0f} s:\n{server.log_tail()}")
 
 
-def _start(kind: str, cmd: list[str], env: dict, log: Path, port: int, timeout_s: float) -> RunningServer:
+def _start(kind: str, cmd: list[str], env: dict, log: Path, port: int, timeout_s: float,
+           api_key: str | None = None) -> RunningServer:
     fh = open(log, "wb")  # noqa: SIM115 - kept open for the server's life
     proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                             cwd=str(log.parent))
     fh.close()
     server = RunningServer(kind=kind, url=f"http://127.0.0.1:{port}", proc=proc, log=log)
-    _wait_ready(server, timeout_s)
+    _wait_ready(server, timeout_s, api_key)
     return server
 
 
@@ -95,7 +99,7 @@ def start_vllm(hf_dir: Path, log_dir: Path, api_key: str | None = None, timeout_
            "--enforce-eager"]
     if api_key:
         cmd += ["--api-key", api_key]
-    return _start("vllm", cmd, env, log_dir / f"vllm-{port}.log", port, timeout_s)
+    return _start("vllm", cmd, env, log_dir / f"vllm-{port}.log", port, timeout_s, api_key)
 
 
 def start_llamacpp(gguf: Path, log_dir: Path, timeout_s: float = 120.0) -> RunningServer:

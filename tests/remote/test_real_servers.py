@@ -64,7 +64,7 @@ def test_vllm_tokenize_equals_server_and_local(vllm_server, real_lm):
     ref = raw(vllm_server.url, "/tokenize", {"model": "smollm2-135m-instruct", "prompt": DIGITS})
     assert got["ids"] == ref["tokens"]
     assert got["ids"] == real_lm.tokenizer.encode(DIGITS).ids  # the export kept llama.cpp's digit split
-    assert [got["pieces"][i] for i in range(3, 8)] == [" ", "2", "0", "2", "4"]
+    assert got["pieces"][:6] == ["In", " ", "2", "0", "2", "4"]
     assert "".join(got["pieces"]) == DIGITS
     assert got["offsets"][-1][1] == len(DIGITS)
 
