@@ -37,6 +37,14 @@ FAMILIES: dict[str, dict] = {
                   kw=dict(num_hidden_layers=2, head_dim=24, rope_theta=1e6)),
     "phi3": dict(cls="Phi3ForCausalLM", config="Phi3Config", gguf_arch="phi3",
                  kw=dict(num_hidden_layers=2, num_key_value_heads=4, rope_theta=1e4, sliding_window=None)),
+    # Gemma 3 4B and larger: linear RoPE scaling (factor 8) on the global layers only
+    "gemma3-linear": dict(
+        cls="Gemma3ForCausalLM", config="Gemma3TextConfig", gguf_arch="gemma3",
+        kw=dict(num_hidden_layers=7, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                sliding_window=4, query_pre_attn_scalar=32, tie_word_embeddings=True,
+                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    ),
     "mistral": dict(cls="MistralForCausalLM", config="MistralConfig", gguf_arch=None,
                     kw=dict(num_hidden_layers=2, sliding_window=4, rope_theta=1e4)),
     "llama3": dict(
@@ -68,7 +76,7 @@ def make_reference(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     with torch.no_grad():  # every weight random and O(1)-scaled, norms away from their init
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (0.0 if family == "gemma3" else 1.0))
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (0.0 if family.startswith("gemma3") else 1.0))
             elif "embed" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
@@ -161,6 +169,9 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str) -> Path:
     w.add_chat_template(CHATML)
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, head_dim, rope["rope_theta"]))
+    elif rope.get("rope_type") == "linear":  # llama.cpp writes linear scaling as metadata
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
     names = dict(LAYER_NAMES, **(GEMMA_LAYER_NAMES if arch == "gemma3" else {}))
     for hf_name, t in model.state_dict().items():
         arr = t.float().numpy().copy()

@@ -128,6 +128,15 @@ def read_config(reader, name: str) -> ModelConfig:
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if freqs is not None:
         family["rope_freq_factors"] = tuple(float(f) for f in np.asarray(freqs.data, dtype=np.float32).ravel())
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    factor = _field(reader, f"{arch}.rope.scaling.factor", 1.0)
+    if scaling == "linear" and factor != 1.0:  # e.g. Gemma 3 4B+: positions of the global layers divided by 8
+        factor = checked_float(factor, f"{arch}.rope.scaling.factor", 0.0, math.inf)
+        pairs = (head_dim or d_model // n_heads) // 2
+        old = family.get("rope_freq_factors", (1.0,) * pairs)
+        family["rope_freq_factors"] = tuple(f * factor for f in old)
+    elif scaling not in ("none", "linear"):
+        raise ValueError(f"RoPE scaling {scaling!r} is not supported (linear, and llama3's rope_freqs tensor, are)")
     return ModelConfig(
         name=name,
         architecture=arch,

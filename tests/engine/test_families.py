@@ -75,6 +75,7 @@ def _without(lm, **changes):
     ("gemma3", dict(attn_scale=0.1)),
     ("mistral", dict(sliding_window=0, layer_types=())),
     ("llama3", dict(rope_freq_factors=())),
+    ("gemma3-linear", dict(rope_freq_factors=())),
 ])
 def test_each_feature_matters(checkpoints, family, changes):
     ck = checkpoints[family]
