@@ -155,3 +155,11 @@ def test_session_prefix_reuse_on_a_windowed_model(checkpoints):
     logits, reuse, _ = s.next_token_logits(other)  # local layers dropped positions < 7: start again
     assert reuse == 0
     assert_close(logits, reference_logits(ck.model, other)[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_phi3_with_a_sliding_window(tmp_path):
+    """Phi-3-mini-4k's config states sliding_window 2047: transformers then masks every layer; so does the engine."""
+    ck = write_checkpoint(tmp_path, "phi3", sliding_window=4)
+    lm = load(ck.hf_dir, device="cpu", dtype="float32", use_cache=False)
+    assert lm.cfg.sliding_window == 4 and lm.cfg.n_local_layers == lm.cfg.n_layers
+    assert_close(full_logits(lm.model, lm.cfg, IDS), reference_logits(ck.model, IDS), atol=1e-4, rtol=1e-4)
