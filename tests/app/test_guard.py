@@ -136,3 +136,22 @@ def test_panels_subscribe_through_their_table() -> None:
             assert callable(getattr(cls, slot)), (name, slot)
         source = (Path(ROOT) / "app" / "panels" / f"{name}.py").read_text(encoding="utf-8")
         assert "bridge.sig_" not in source, name
+
+
+def test_excepthook_reports_an_unguarded_slot(qtbot, monkeypatch, callback_errors) -> None:
+    """python -m app installs it: an exception in a slot nobody guarded is logged and shown, and the app goes on."""
+    import sys
+
+    from app.guard import install_excepthook
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # pytest-qt's own hook comes back after the test
+    install_excepthook()
+
+    class Emitter(QtCore.QObject):
+        sig = QtCore.Signal()
+
+    e = Emitter()
+    e.sig.connect(lambda: [][1])
+    e.sig.emit()
+    assert callback_errors.count == 1 and "IndexError" in callback_errors.reporter.last
+    callback_errors.accept()
