@@ -27,6 +27,7 @@ from engine.events import (
     LensCaptured,
     ModelInfo,
     PrefillDone,
+    PromptScored,
     PromptTokenized,
     ResidualNorms,
     TokenSampled,
@@ -99,6 +100,8 @@ class Bridge(QtCore.QObject):
     """AttentionCaptured for one subscribed layer of one step."""
     sig_norms = QtCore.Signal(object)
     """ResidualNorms of one step."""
+    sig_prompt_scores = QtCore.Signal(object)
+    """PromptScored: each prompt token's probability from the prefill's logits (when asked for)."""
     sig_lens = QtCore.Signal(object)
     """LensCaptured: the logit lens of one step (every layer's next-token guess)."""
     sig_kv = QtCore.Signal(object)
@@ -146,7 +149,8 @@ class Bridge(QtCore.QObject):
 
     _ROUTES = (
         (PromptTokenized, "sig_prompt"), (AttentionCaptured, "sig_attention"), (ResidualNorms, "sig_norms"),
-        (LensCaptured, "sig_lens"), (KVCacheGrew, "sig_kv"), (PrefillDone, "sig_prefill"), (TokenSampled, "sig_token"),
+        (PromptScored, "sig_prompt_scores"), (LensCaptured, "sig_lens"), (KVCacheGrew, "sig_kv"),
+        (PrefillDone, "sig_prefill"), (TokenSampled, "sig_token"),
         (Finished, "sig_finished"), (PreviewResult, "sig_preview"),
         (ServerMetricsSampled, "sig_server_metrics"),
     )
@@ -160,6 +164,7 @@ class Bridge(QtCore.QObject):
         self.server = None  # the ServerInfo of the connected server, None while generating locally
         self.params = SamplingParams()
         self.attention_layers: frozenset[int] = frozenset()  # layers a panel asked for (capture_attention)
+        self.score_prompt = False  # the next generation scores every prompt token (PromptScored)
         self.lens_top = 0  # top tokens per layer of the logit lens the next generation captures (0 = none)
         self.grammar: dict[str, str] | None = None  # {"regex": R} or {"json_schema": S} for the next generation
         self._preview_id = 0

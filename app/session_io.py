@@ -22,8 +22,8 @@ from engine.events import Finished, PromptTokenized
 from engine.session_file import SavedSession, load_session, model_identity, same_model, save_session
 
 AUTOSAVE_NAME = "autosave.ilab"
-SIGNALS = ("sig_prompt", "sig_attention", "sig_norms", "sig_lens", "sig_kv", "sig_prefill", "sig_token",
-           "sig_finished")
+SIGNALS = ("sig_prompt", "sig_prompt_scores", "sig_attention", "sig_norms", "sig_lens", "sig_kv", "sig_prefill",
+           "sig_token", "sig_finished")
 
 
 def autosave_path() -> Path:

@@ -128,6 +128,22 @@ class ResidualNorms:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PromptScored:
+    """How surprising each prompt token was to the model, from the prefill's logits at every position (one pass).
+
+    Token i is scored by the logits at position i − 1; the first token, and prompt tokens whose keys and values
+    were reused from the KV cache (not recomputed), have no score: scores start at `first`.
+    """
+
+    first: int  # index of the first scored prompt token
+    ids: np.ndarray  # (n,) int64: the scored tokens, prompt[first:]
+    probs: np.ndarray  # (n,) float32: p(token | the tokens before it)
+    surprise_bits: np.ndarray  # (n,) float32: −log₂ p
+    entropy_bits: np.ndarray  # (n,) float32: entropy of the distribution it was drawn against
+    top_ids: np.ndarray  # (n,) int64: what the model expected most at that position
+
+
+@dataclass(frozen=True, kw_only=True)
 class LensCaptured:
     """The logit lens of one step, for the newest position: the residual stream after the embedding (row 0) and
     after each layer (rows 1…L) projected through the final norm and the LM head, and the model's own output
@@ -234,6 +250,6 @@ class Failed:
 
 
 Event = (
-    PromptTokenized | AttentionCaptured | ResidualNorms | LensCaptured | KVCacheGrew | PrefillDone | TokenSampled
-    | Finished | Failed
+    PromptTokenized | PromptScored | AttentionCaptured | ResidualNorms | LensCaptured | KVCacheGrew | PrefillDone
+    | TokenSampled | Finished | Failed
 )

@@ -57,6 +57,7 @@ class Capture:
     funnel_top: int = 0  # candidates in each step's funnel (0 = no funnel)
     logits: bool = False  # the full raw logits, so a UI can re-run the funnel with other settings
     lens_top: int = 0  # top tokens per layer in each step's logit lens (0 = no lens; it costs L + 1 LM heads)
+    prompt_scores: bool = False  # the prefill keeps every position's logits: each prompt token's probability
 
     @classmethod
     def everything(cls, n_layers: int, funnel_top: int = FUNNEL_TOP) -> Capture:

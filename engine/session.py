@@ -11,6 +11,7 @@ and values are reused and only the new tokens are prefilled (prefix caching).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -29,6 +30,7 @@ from engine.events import (
     Funnel,
     KVCacheGrew,
     PrefillDone,
+    PromptScored,
     PromptTokenized,
     ResidualNorms,
     TokenSampled,
@@ -143,9 +145,15 @@ class Session:
     def forget_cache(self) -> None:
         self.cache, self.cached_ids = None, []
 
-    def _forward(self, new_ids: Sequence[int], start: int, probe: Probe | None) -> torch.Tensor:
+    def _forward(self, new_ids: Sequence[int], start: int, probe: Probe | None,
+                 every: list | None = None) -> torch.Tensor:
+        """Logits (V,) of the last new token; with `every` (a list), also append every position's (T, V) to it."""
         tokens = torch.tensor([list(new_ids)], dtype=torch.long, device=self.lm.device)  # (1, T)
-        logits = self.lm.model(tokens, start, self.cache, probe)[0]  # (V,)
+        if every is None:
+            logits = self.lm.model(tokens, start, self.cache, probe)[0]  # (V,)
+        else:
+            every.append(self.lm.model(tokens, start, self.cache, probe, all_logits=True)[0])  # (T, V)
+            logits = every[-1][-1]
         self.cached_ids.extend(int(i) for i in new_ids)
         if not bool(torch.isfinite(logits).all()):  # sampling would fail obscurely, argmax would pick garbage
             self.forget_cache()
@@ -294,6 +302,10 @@ class Generation:
 
         try:
             reuse = s._prepare_cache(ids, capacity + 1)
+            if self.capture.prompt_scores and reuse:  # scoring needs every prompt position's logits: run them all
+                s.cache.truncate(0)
+                del s.cached_ids[:]
+                reuse = 0
             pos = n_prompt  # position of the next token to be produced
             step = 0
             while True:
@@ -311,7 +323,8 @@ class Generation:
                 else:
                     feed, start = ids[-1:], pos - 1
                     cost = costs.decode_cost(cfg, pos, weight_dtype=s.dtype_name)
-                logits = s._forward(feed, start, probe)
+                every: list | None = [] if step == 0 and capture.prompt_scores else None
+                logits = s._forward(feed, start, probe, every)
                 force = self.forced.get(step)
                 allowed_logits, kept_grammar = logits, -1
                 if self.constraint is not None:  # the grammar's stage comes first: −∞ for what it forbids
@@ -339,6 +352,8 @@ class Generation:
                 raw = logits.cpu().numpy() if capture.logits else None
                 _sync(lm.device)
                 seconds = time.perf_counter() - t0
+                if every:
+                    yield from emit(score_prompt(every[0], ids[:n_prompt], start))
                 yield from emit_all(emit, self._captured(probe, step, phase, start, len(feed)))
                 if probe is not None and RESID_STREAM in probe.values and capture.lens_top:
                     yield from emit(lens_event(lm.model, tok, step, pos - 1, probe.values[RESID_STREAM][0], logits,
@@ -385,6 +400,21 @@ class Generation:
             s.forget_cache()
             text = str(e) if isinstance(e, NonFiniteLogits) else f"generation failed: {type(e).__name__}: {e}"
             yield Failed(message=text)
+
+
+def score_prompt(every: torch.Tensor, prompt: Sequence[int], start: int) -> PromptScored:
+    """every (T, V): the prefill's logits at positions start … start + T − 1, each predicting the next token."""
+    first = start + 1
+    target = torch.tensor(list(prompt[first:]), dtype=torch.long, device=every.device)  # (n,)
+    logp = torch.log_softmax(every[:-1].float(), dim=-1)  # (n, V): position i predicts token i + 1
+    lp = logp.gather(-1, target[:, None])[:, 0] if len(target) else torch.zeros(0)
+    p = logp.exp()
+    entropy = -(p * logp).nan_to_num().sum(-1) / math.log(2.0)
+    return PromptScored(
+        first=first, ids=target.cpu().numpy(), probs=lp.exp().cpu().numpy().astype(np.float32),
+        surprise_bits=(-lp / math.log(2.0)).cpu().numpy().astype(np.float32),
+        entropy_bits=entropy.cpu().numpy().astype(np.float32), top_ids=logp.argmax(-1).cpu().numpy(),
+    )
 
 
 def emit_all(emit, events: Iterator[Event]) -> Iterator[Event]:

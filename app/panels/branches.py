@@ -19,7 +19,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app import theme
 from app.bridge import Bridge, GenerateRequest
 from app.panels.base import Panel
-from engine.events import Finished, PromptTokenized, TokenSampled
+from engine.events import Finished, PromptScored, PromptTokenized, TokenSampled
 
 ALTERNATIVES = 5
 BINS = 10  # colour steps of the legend
@@ -74,6 +74,10 @@ class Branch:
         return [e for e in self.events if isinstance(e, TokenSampled)]
 
     @property
+    def scores(self) -> PromptScored | None:
+        return next((e for e in self.events if isinstance(e, PromptScored)), None)
+
+    @property
     def finished(self) -> Finished | None:
         return next((e for e in reversed(self.events) if isinstance(e, Finished)), None)
 
@@ -95,7 +99,7 @@ def branch_html(branch: Branch, mode: str, tokenizer=None) -> str:
     out = ["<div style='white-space: pre-wrap; font-family: monospace;'>"]
     p = branch.prompt
     if p is not None:
-        out.append(f"<span style='color:{theme.MUTED}'>{html.escape(p.text)}</span>")
+        out.append(prompt_html(p, branch.scores))
     for t in branch.tokens:
         text = t.text or (t.piece if tokenizer is not None and tokenizer.is_special(t.token_id) else "")
         if not text:
@@ -111,6 +115,31 @@ def branch_html(branch: Branch, mode: str, tokenizer=None) -> str:
         out.append(f"<a href='step:{t.step}' style='color:#ffffff; text-decoration:{deco}; background:{bg};'>"
                    f"{html.escape(text)}</a>")
     out.append("</div>")
+    return "".join(out)
+
+
+def prompt_html(p: PromptTokenized, scores: PromptScored | None) -> str:
+    """The prompt, muted; with scores, each scored token coloured by its probability (an anchor for hovering)."""
+    if scores is None:
+        return f"<span style='color:{theme.MUTED}'>{html.escape(p.text)}</span>"
+    out, done = [], 0
+    for k, (a, b) in enumerate(np.asarray(p.offsets).reshape(-1, 2).tolist()):
+        a = max(a, done)
+        if b <= a:
+            continue
+        if a > done:
+            out.append(f"<span style='color:{theme.MUTED}'>{html.escape(p.text[done:a])}</span>")
+        i = k - scores.first
+        piece = html.escape(p.text[a:b])
+        if 0 <= i < len(scores.probs):
+            bg = confidence_color(float(scores.probs[i])).name()
+            out.append(f"<a href='prompt:{k}' style='color:#ffffff; text-decoration:none; background:{bg};'>"
+                       f"{piece}</a>")
+        else:
+            out.append(f"<span style='color:{theme.MUTED}'>{piece}</span>")
+        done = b
+    if done < len(p.text):
+        out.append(f"<span style='color:{theme.MUTED}'>{html.escape(p.text[done:])}</span>")
     return "".join(out)
 
 
@@ -130,6 +159,7 @@ class BranchesPanel(Panel):
     subscriptions = {
         "sig_prompt": "_on_prompt", "sig_prefill": "_on_event", "sig_token": "_on_event", "sig_finished": "_on_event",
         "sig_kv": "_on_event", "sig_attention": "_on_event", "sig_norms": "_on_event", "sig_lens": "_on_event",
+        "sig_prompt_scores": "_on_event",
     }
     help_text = (
         "How sure the model was of each token, and what else it could have said. Each generated token is "
@@ -139,7 +169,9 @@ class BranchesPanel(Panel):
         "probabilities. Click a token and pick an alternative to fork: the generation continues from that step "
         "with that token and the current settings, reusing the KV cache of the shared prefix. Every run and fork "
         "is a branch in the tree; select one to show it in every panel, tick two and press Compare to see them "
-        "side by side."
+        "side by side. 'Score the prompt' keeps the prefill's logits at every position (one forward pass, as "
+        "always) and colours each prompt token by its probability given the tokens before it; hover for its "
+        "surprise, −log₂ p bits."
     )
 
     sig_fork_requested = QtCore.Signal(int, int)
@@ -162,8 +194,12 @@ class BranchesPanel(Panel):
         self.mode.currentIndexChanged.connect(lambda _i: self.mark_dirty())
         self.legend = QtWidgets.QLabel()
         self.legend.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        self.score_box = QtWidgets.QCheckBox("Score the prompt")
+        self.score_box.setToolTip("Next generation: colour each prompt token by its probability under the model")
+        self.score_box.toggled.connect(self._on_score_toggled)
         top = QtWidgets.QHBoxLayout()
         top.addWidget(self.mode)
+        top.addWidget(self.score_box)
         top.addWidget(self.legend, 1)
 
         self.view = QtWidgets.QTextBrowser()
@@ -193,6 +229,10 @@ class BranchesPanel(Panel):
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addLayout(top)
         layout.addWidget(split, 1)
+
+    @QtCore.Slot(bool)
+    def _on_score_toggled(self, on: bool) -> None:
+        self.bridge.score_prompt = bool(on)
 
     # ---- recording ----
     @QtCore.Slot(object)
@@ -346,6 +386,21 @@ class BranchesPanel(Panel):
             self.show_branch(int(index))
 
     # ---- hover and click ----
+    def _prompt_tip(self, s: str) -> str:
+        b = self.branches[self.shown] if self.shown is not None else None
+        sc = b.scores if b is not None else None
+        if sc is None:
+            return ""
+        i = int(s.removeprefix("prompt:")) - sc.first
+        if not 0 <= i < len(sc.ids):
+            return ""
+        tok = self.bridge.tokenizer
+        piece = tok.piece(int(sc.ids[i])) if tok is not None else str(int(sc.ids[i]))
+        top = tok.piece(int(sc.top_ids[i])) if tok is not None else str(int(sc.top_ids[i]))
+        return (f"prompt token {sc.first + i} {piece!r}: p = {sc.probs[i]:.4f} · surprise "
+                f"{sc.surprise_bits[i]:.2f} bits\nentropy there {sc.entropy_bits[i]:.2f} bits · "
+                f"the model expected {top!r} most")
+
     def _token_at(self, url: QtCore.QUrl | str) -> TokenSampled | None:
         s = url.toString() if isinstance(url, QtCore.QUrl) else str(url)
         if not s.startswith("step:") or self.shown is None:
@@ -355,6 +410,11 @@ class BranchesPanel(Panel):
 
     @QtCore.Slot(QtCore.QUrl)
     def _on_hover(self, url: QtCore.QUrl) -> None:
+        if url.toString().startswith("prompt:"):
+            tip = self._prompt_tip(url.toString())
+            if tip:
+                QtWidgets.QToolTip.showText(QtGui.QCursor.pos(), tip, self.view)
+            return
         t = self._token_at(url)
         if t is None:
             QtWidgets.QToolTip.hideText()

@@ -189,7 +189,8 @@ class GenerationPanel(Panel):
             elif not layers:
                 layers = {cfg.n_layers - 1}
         return Capture(attention_layers=frozenset(layers), residual_norms=True, funnel_top=FUNNEL_TOP, logits=True,
-                       lens_top=int(getattr(self.bridge, "lens_top", 0)))
+                       lens_top=int(getattr(self.bridge, "lens_top", 0)),
+                       prompt_scores=bool(getattr(self.bridge, "score_prompt", False)))
 
     def generate(self, start_paused: bool = False) -> bool:
         """Start a generation of the current prompt; returns False when one cannot start now."""

@@ -33,7 +33,8 @@ def test_fork_from_an_alternative_then_switch_and_compare(qtbot, window, tmp_pat
     main = panel.branches[0]
     toks = main.tokens
     # colours and hover text come from the step's own funnel
-    t2 = toks[2]
+    k = next(i for i, t in enumerate(toks) if i >= 1 and t.text)  # a step whose token shows some text
+    t2 = toks[k]
     raw, final = token_prob(t2)
     i = int(np.flatnonzero(t2.funnel.ids == t2.token_id)[0])
     assert raw == pytest.approx(float(t2.funnel.p_raw[i])) and final == pytest.approx(float(t2.funnel.p_final[i]))
@@ -50,11 +51,11 @@ def test_fork_from_an_alternative_then_switch_and_compare(qtbot, window, tmp_pat
     assert len(actions) == 5 and sum(not a.isEnabled() for a in actions) <= 1  # the chosen one is disabled
 
     alt = next(int(t) for t in t2.funnel.ids[np.argsort(-t2.funnel.p_raw)] if int(t) != t2.token_id)
-    fork_and_wait(qtbot, window, panel, 2, alt)
+    fork_and_wait(qtbot, window, panel, k, alt)
     assert len(panel.branches) == 2 and panel.shown == 1
     fork = panel.branches[1]
-    assert (fork.parent, fork.step, fork.token) == (0, 2, alt)
-    prefix = main.prompt.ids.tolist() + [t.token_id for t in toks[:2]]
+    assert (fork.parent, fork.step, fork.token) == (0, k, alt)
+    prefix = main.prompt.ids.tolist() + [t.token_id for t in toks[:k]]
     assert fork.prompt.ids.tolist() == prefix
     assert fork.tokens[0].token_id == alt and fork.tokens[0].forced
     pre = next(e for e in fork.events if isinstance(e, PrefillDone))
@@ -71,7 +72,7 @@ def test_fork_from_an_alternative_then_switch_and_compare(qtbot, window, tmp_pat
 
     dialog = panel.compare(0, 1)
     views = dialog.findChildren(type(panel.view))
-    assert len(views) == 2 and "fork @ 2" in dialog.windowTitle()
+    assert len(views) == 2 and f"fork @ {k}" in dialog.windowTitle()
     dialog.close()
 
     # branches travel in the session file
@@ -82,3 +83,20 @@ def test_fork_from_an_alternative_then_switch_and_compare(qtbot, window, tmp_pat
     saved = load_session(path, with_tokenizer=False)
     assert [b["name"] for b in saved.branches] == [b.name for b in panel.branches]
     assert sum(isinstance(e, TokenSampled) for e in saved.branches[1]["events"]) == len(fork.tokens)
+
+
+def test_score_the_prompt_colours_each_prompt_token(qtbot, window):
+    panel = window.panels["branches"]
+    panel.score_box.setChecked(True)
+    assert window.bridge.score_prompt
+    generate(qtbot, window, text="the cat sat on the mat", n=2)
+    b = panel.branches[-1]
+    sc = b.scores
+    pre = next(e for e in b.events if isinstance(e, PrefillDone))
+    # scoring runs the whole prompt even when a typing preview left part of it in the KV cache
+    assert sc is not None and sc.first == 1 and pre.n_reused == 0 and len(sc.probs) == len(b.prompt.ids) - 1
+    assert np.all((sc.probs > 0) & (sc.probs <= 1)) and np.allclose(sc.surprise_bits, -np.log2(sc.probs), atol=1e-4)
+    page = branch_html(b, "prob")
+    assert page.count("href='prompt:") >= 1
+    tip = panel._prompt_tip(f"prompt:{sc.first}")
+    assert "surprise" in tip and f"{sc.probs[0]:.4f}" in tip

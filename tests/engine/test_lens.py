@@ -72,3 +72,21 @@ def test_cli_lens_json_real_model():
     assert json.loads(r2.stdout)["position"] == d["position"] + 2
     bad = cli("lens", "--prompt", "hi", "--top", "0")
     assert bad.returncode != 0 and "--top" in bad.stderr
+
+
+def test_prompt_scores_match_the_reference_at_every_position(tiny_dir, tiny_lm):
+    from engine.events import PromptScored
+
+    events = list(Session(tiny_lm).generate(IDS, GREEDY, 2, Capture(prompt_scores=True), ignore_eos=True))
+    sc = next(e for e in events if isinstance(e, PromptScored))
+    ref = torch.softmax(reference_logits(tiny_dir.hf_weights, IDS), -1)  # (T, V) float64, no cache
+    assert sc.first == 1 and sc.ids.tolist() == IDS[1:]
+    want = ref[torch.arange(len(IDS) - 1), torch.tensor(IDS[1:])].numpy()
+    np.testing.assert_allclose(sc.probs, want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(sc.surprise_bits, -np.log2(want), rtol=1e-3, atol=1e-4)
+    assert sc.top_ids.tolist() == ref[:-1].argmax(-1).tolist()
+    ent = -(ref[:-1] * ref[:-1].log2()).sum(-1).numpy()
+    np.testing.assert_allclose(sc.entropy_bits, ent, rtol=1e-4, atol=1e-4)
+    # the prefill's own next token is unchanged by keeping every position's logits
+    plain = list(Session(tiny_lm).generate(IDS, GREEDY, 2, ignore_eos=True))[-1]
+    assert plain.ids.tolist() == events[-1].ids.tolist()
