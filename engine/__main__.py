@@ -114,7 +114,10 @@ def cmd_tokenize(a: argparse.Namespace) -> int:
         tok = load_tokenizer(a.model)  # the tokenizer only: no weights are read
     except ModelLoadError as e:
         raise CliError(str(e)) from None
-    text = tok.chat_prompt(a.text) if a.chat else a.text
+    try:
+        text = tok.chat_prompt(a.text) if a.chat else a.text
+    except ValueError as e:  # a base model without a chat template
+        raise CliError(str(e)) from None
     t = tok.encode(text)
     if t.unrepresentable:
         bad = ", ".join(f"0x{b:02X} at byte {o}" for o, b in t.unrepresentable)

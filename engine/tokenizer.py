@@ -66,6 +66,7 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")  # the fallback needs both as tokens of the vocabulary
 
 # ------------------------------------------------------------------------------------------- pre-tokenizers
 # llama.cpp's pre-tokenizer regexes (llama-vocab.cpp, llm_tokenizer_bpe). The `(?i:'s|...)` of the Hugging Face
@@ -1250,8 +1251,23 @@ class Tokenizer:
             return ""
         return (self._text(token_id) or "") if self._special[token_id] else self.decode([token_id])
 
+    @property
+    def chat_unavailable(self) -> str | None:
+        """Why this model cannot wrap a prompt in a chat template, or None when it can.
+
+        A model with no template of its own falls back to ChatML only if its vocabulary has ChatML's special tokens;
+        otherwise (a base model such as Gemma 3 270M) ChatML's markers would be split into ordinary text pieces the
+        model never saw in training."""
+        if self.chat_template or all(self.token_id(t) is not None for t in CHATML_TOKENS):
+            return None
+        return ("this model has no chat template (a base model, not an instruction-tuned one) and its vocabulary has "
+                "no ChatML tokens; give the prompt as plain text (without --chat / the Chat toggle)")
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render the model's chat template (ChatML when it has none) in a Jinja sandbox."""
+        """Render the model's chat template (ChatML when it has none and its vocabulary has ChatML's tokens) in a
+        Jinja sandbox; ValueError when it has neither (chat_unavailable says why)."""
+        if (why := self.chat_unavailable) is not None:
+            raise ValueError(why)
         template = _compile_template(self.chat_template or CHATML_TEMPLATE)
         try:
             return template.render(

@@ -13,6 +13,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app import theme
 from app.bridge import GenerateRequest
+from app.chat_toggle import fit_chat_box
 from app.panels.base import Panel
 from app.settings import DEFAULT_MAX_NEW_TOKENS
 from app.token_view import Segments, TokenTextEdit, char_format, segments, utf16_len
@@ -159,7 +160,7 @@ class GenerationPanel(Panel):
 
     @QtCore.Slot(bool)
     def set_chat(self, chat: bool) -> None:
-        self.chat_box.setChecked(bool(chat))
+        self.chat_box.setChecked(bool(chat) and self.chat_box.isEnabled())  # disabled: the model cannot chat
 
     def chat(self) -> bool:
         return self.chat_box.isChecked()
@@ -232,6 +233,7 @@ class GenerationPanel(Panel):
     @QtCore.Slot(object)
     def _on_model_loaded(self, info) -> None:
         self._loaded = True
+        fit_chat_box(self.chat_box, self.bridge.tokenizer)  # a base model without a template cannot chat
         self.max_tokens.setMaximum(max(1, int(info.context_length) - 1))
         self._update_buttons()
         self._update_status()

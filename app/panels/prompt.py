@@ -11,6 +11,7 @@ import time
 from PySide6 import QtCore, QtWidgets
 
 from app import theme
+from app.chat_toggle import fit_chat_box
 from app.panels.base import Panel
 from app.token_view import SPECIAL_KIND, Segments, TokenTextEdit, char_format, segments, token_formats
 from engine.tokenizer import Tokenization
@@ -144,11 +145,12 @@ class PromptPanel(Panel):
         return self.chat_box.isChecked()
 
     def set_chat(self, chat: bool) -> None:
-        self.chat_box.setChecked(bool(chat))
+        self.chat_box.setChecked(bool(chat) and self.chat_box.isEnabled())  # disabled: the model cannot chat
 
     # ---- slots ----
     @QtCore.Slot(object)
     def _on_model_loaded(self, _info) -> None:
+        fit_chat_box(self.chat_box, self.bridge.tokenizer)  # a base model without a template cannot chat
         self._text = self.text()
         self.retokenize()
 

@@ -119,6 +119,13 @@ def test_cli_info_json(engine_model):
     assert d["decode_weight_bytes"] == (d["n_params"] + 640) * 4  # + the looked-up embedding row
 
 
+def test_cli_chat_is_refused_on_the_base_model(gemma_file):
+    # Gemma 3 270M (base) has no chat template and ChatML's markers are not in its vocabulary: one clear line
+    r = cli("generate", "--model", "gemma3-270m", "--chat", "--prompt", "hi", "--max-new-tokens", "2", timeout=600)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith("error: this model has no chat template") and r.stderr.count("\n") == 1
+
+
 def test_cli_logits_and_generate_match_transformers(engine_model, reference):
     import json
 

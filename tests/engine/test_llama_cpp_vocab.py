@@ -347,6 +347,10 @@ def test_tokenize_cli_on_a_vocabulary_only_file(vocab_dir: Path, tmp_path: Path)
     done = run("--model", str(vocab_dir / "ggml-vocab-bert-bge.gguf"), "--text", "x")
     assert done.returncode == 1 and "unsupported tokenizer model 'bert'" in done.stderr
     assert done.stderr.count("\n") == 1  # one line, no traceback
+    # Llama 1/2's vocabulary has no chat template and no ChatML tokens: --chat is refused, not wrapped in ChatML
+    done = run("--model", str(path), "--text", "hi", "--chat")
+    assert done.returncode == 1 and "has no chat template" in done.stderr and done.stdout == ""
+    assert done.stderr.count("\n") == 1
 
 
 # ------------------------------------------------------------------------------------- Gemma 3 270M (real)
@@ -371,6 +375,11 @@ def test_gemma_known_tokenizations(gemma: Tokenizer) -> None:
     assert t.pieces == ["<bos>", "<start_of_turn>", "user", "\n", "hi", "<end_of_turn>", "\n"]
     assert t.special == [True, True, False, False, False, True, False]
     assert 106 in gemma.eos_ids  # <end_of_turn>
+    # the base model has no chat template and ChatML's markers are not in its vocabulary: chat is refused
+    assert gemma.chat_template is None and gemma.token_id("<|im_start|>") is None
+    assert gemma.chat_unavailable is not None
+    with pytest.raises(ValueError, match="no chat template"):
+        gemma.chat_prompt("hi")
     t = gemma.encode("𝔘")  # no token: four byte-fallback tokens
     assert t.pieces[1:] == ["<0xF0>", "<0x9D>", "<0x94>", "<0x98>"] and t.unrepresentable == []
 

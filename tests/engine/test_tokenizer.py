@@ -373,6 +373,13 @@ def test_chat_template_and_fallback(tiny: Tokenizer) -> None:
     tokens, merges, types = tiny_vocab(300)
     plain = Tokenizer.from_vocab(tokens, merges, types)  # no template: ChatML
     assert plain.chat_prompt("hello") == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert plain.chat_unavailable is None  # its vocabulary has ChatML's tokens
+    # no template and no ChatML tokens (a base model such as Gemma 3 270M): refused, never split into text pieces
+    keep = [i for i, t in enumerate(tokens) if t not in ("<|im_start|>", "<|im_end|>")]
+    base = Tokenizer.from_vocab([tokens[i] for i in keep], merges, [types[i] for i in keep])
+    assert base.token_id("<|im_start|>") is None and base.chat_unavailable is not None
+    with pytest.raises(ValueError, match="has no chat template"):
+        base.chat_prompt("hello")
 
 
 def test_template_variables_and_errors() -> None:

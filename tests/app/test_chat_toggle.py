@@ -1,0 +1,39 @@
+"""A model that cannot chat (no chat template, no ChatML tokens: Gemma 3 270M base) disables both Chat toggles with
+the reason as tooltip; a model with a template gets them back as the user left them."""
+
+from __future__ import annotations
+
+from engine.tokenizer import Tokenizer
+from tests.tiny_tokenizer import tiny_vocab
+
+
+def base_tokenizer() -> Tokenizer:
+    tokens, merges, types = tiny_vocab(300)
+    keep = [i for i, t in enumerate(tokens) if t not in ("<|im_start|>", "<|im_end|>")]
+    return Tokenizer.from_vocab([tokens[i] for i in keep], merges, [types[i] for i in keep])
+
+
+def test_chat_toggles_follow_the_model(qtbot, bridge, tiny_lm):
+    from app.panels import generation, prompt
+
+    panels = [prompt.PANEL(bridge), generation.PANEL(bridge)]
+    for p in panels:
+        qtbot.addWidget(p)
+    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))
+    for p in panels:
+        p.set_chat(True)
+        assert p.chat_box.isEnabled() and p.chat()
+
+    base = base_tokenizer()
+    assert base.chat_unavailable is not None
+    bridge._on_raw(("loaded", (tiny_lm.info, base, tiny_lm.cfg)))
+    for p in panels:
+        assert not p.chat_box.isEnabled() and not p.chat()
+        assert "no chat template" in p.chat_box.toolTip()
+        p.set_chat(True)  # settings or --chat cannot turn it on
+        assert not p.chat()
+    assert "<|im_start|>" not in panels[0].chat_view.toPlainText() or panels[0].chat_pane.isHidden()
+
+    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))  # a model with a template again
+    for p in panels:
+        assert p.chat_box.isEnabled() and p.chat() and "no chat template" not in p.chat_box.toolTip()
