@@ -164,15 +164,16 @@ class LoadLabPanel(Panel):
         self.table.verticalHeader().setVisible(False)
         self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
-        self.table.setMaximumHeight(150)
+        self.tabs = QtWidgets.QTabWidget()
+        self.tabs.addTab(self.plots, "Plots")
+        self.tabs.addTab(self.table, "Table")
 
         lay = QtWidgets.QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addLayout(row)
         lay.addWidget(self.progress)
         lay.addWidget(self.status_label)
-        lay.addWidget(self.plots, 1)
-        lay.addWidget(self.table)
+        lay.addWidget(self.tabs, 1)
 
     def _update_buttons(self) -> None:
         connected = self.bridge.server is not None

@@ -88,9 +88,16 @@ def _token_id(token: str, given: int | None = None) -> int | None:
     return None
 
 
+def _raw(tok: str, b) -> bytes | None:
+    """A token's bytes as the server gives them. vLLM 0.32 with return_tokens_as_token_ids sends, for the chat top-N,
+    the bytes of the string "token_id:N" itself: those are no token's bytes, so they count as unknown."""
+    raw = bytes(b) if isinstance(b, list) else None
+    return None if raw is not None and tok.startswith("token_id:") and raw == tok.encode() else raw
+
+
 def _candidate(d: dict) -> Candidate:
     tok = str(d.get("token", ""))
-    raw = bytes(d["bytes"]) if isinstance(d.get("bytes"), list) else None
+    raw = _raw(tok, d.get("bytes"))
     return Candidate(token=tok, logprob=float(d.get("logprob", float("-inf"))), id=_token_id(tok, d.get("id")),
                      raw=raw)
 
@@ -135,7 +142,7 @@ def _tokens(lp, text: str, ids) -> tuple[StreamToken, ...]:
     if isinstance(lp, dict) and isinstance(lp.get("content"), list):  # chat format
         for i, e in enumerate(lp["content"]):
             tok = str(e.get("token", ""))
-            raw = bytes(e["bytes"]) if isinstance(e.get("bytes"), list) else None
+            raw = _raw(tok, e.get("bytes"))
             tid = _token_id(tok, ids[i] if ids and i < len(ids) else None)
             top = tuple(_candidate(t) for t in e.get("top_logprobs") or ())
             out.append(StreamToken(text=tok if not tok.startswith("token_id:") else "", id=tid,

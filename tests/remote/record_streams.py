@@ -36,9 +36,10 @@ def record(url: str, kind: str, api_key: str | None = None) -> list[Path]:
     if kind == "vllm":  # what engine.remote asks vLLM for: ids for the top-N too
         bodies["ids"] = base | extra | {"prompt": "The year 2024 was", "logprobs": 3,
                                         "return_tokens_as_token_ids": True}
+        bodies["chat-ids"] = bodies["chat"] | {"return_tokens_as_token_ids": True}
     paths = []
     for name, body in bodies.items():
-        path = "/v1/chat/completions" if name == "chat" else "/v1/completions"
+        path = "/v1/chat/completions" if name.startswith("chat") else "/v1/completions"
         conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
         conn.request("POST", path, body=json.dumps(body), headers=headers)
         r = conn.getresponse()

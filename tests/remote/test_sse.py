@@ -63,6 +63,18 @@ def test_vllm_token_ids_everywhere():
     assert [t.text for t in with_ids] == [t.text for t in plain]
 
 
+def test_vllm_chat_ids_never_show_token_id_strings():
+    """vLLM 0.32 sends the bytes of "token_id:N" for the chat top-N with return_tokens_as_token_ids: not taken."""
+    chunks = chunks_of(STREAMS / "vllm-chat-ids.sse")
+    plain = [t for c in chunks_of(STREAMS / "vllm-chat.sse") for t in c.tokens]
+    toks = [t for c in chunks for t in c.tokens]
+    assert b"token_id" in (STREAMS / "vllm-chat-ids.sse").read_bytes()
+    assert [t.id for t in toks] == [t.id for t in plain]
+    assert [[x.id for x in t.top] for t in toks][0][0] == toks[0].id
+    assert all(x.raw is None or not x.raw.startswith(b"token_id") for t in toks for x in t.top)
+    assert [t.raw for t in toks] == [t.raw for t in plain]  # the sampled token's own bytes are right
+
+
 def test_llamacpp_formats_name_no_ids():
     """llama-cpp-python reports tokens as text only: ids stay unknown (None), never guessed."""
     chat = [t for c in chunks_of(STREAMS / "llamacpp-chat.sse") for t in c.tokens]
