@@ -74,9 +74,9 @@ class TimelinePanel(Panel):
         style_plot(pi, left=("time", "s"), bottom=("step (0 = prefill)", None), grid=(False, True))
         self.bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush=DECODE_COLOR, pen=None)
         pi.addItem(self.bars)
-        self.tpot_line = pg.InfiniteLine(angle=0, pen=pg.mkPen(ACCENT, width=1, style=QtCore.Qt.PenStyle.DashLine),
-                                         label="TPOT mean", labelOpts={"position": 0.9, "color": ACCENT,
-                                                                              "anchors": [(1, 1), (1, 1)]})
+        # the mean's dashed line is keyed in the title (stats_text), not labelled in the plot where bars of about
+        # the mean's height would run through the label
+        self.tpot_line = pg.InfiniteLine(angle=0, pen=pg.mkPen(ACCENT, width=1, style=QtCore.Qt.PenStyle.DashLine))
         self.tpot_line.setVisible(False)
         pi.addItem(self.tpot_line)
         self.empty_note = placeholder(pi)
@@ -165,7 +165,9 @@ class TimelinePanel(Panel):
             f"<span style='color:{PREFILL_COLOR}'>■</span> TTFT <b>{fmt_s(s['ttft_s'])}</b> &nbsp; "
             f"<span style='color:{DECODE_COLOR}'>■</span> TPOT <b>{fmt_s(s['tpot_s'])}</b> &nbsp; "
             f"<b>{s['tokens_per_s']:.1f} tok/s</b><br>"
-            f"TPOT p50 {fmt_s(s['tpot_p50_s'])} · p90 {fmt_s(s['tpot_p90_s'])}<br>"
+            f"TPOT p50 {fmt_s(s['tpot_p50_s'])} · p90 {fmt_s(s['tpot_p90_s'])}"
+            + (f" &nbsp; <span style='color:{ACCENT}'><b>- - -</b></span> TPOT mean" if s["tpot_s"] > 0 else "")
+            + "<br>"
             f"TTFT + ({s['n_tokens']} − 1)·TPOT = <b>{fmt_s(s['latency_formula_s'])}</b> &nbsp;·&nbsp; {measured}"
             + self._server_line()
         )
