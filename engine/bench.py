@@ -103,6 +103,15 @@ def tokenizer_timings(tok, repeats: int = 15) -> dict:
             "load_s": statistics.median(load)}
 
 
+def gemma3_tokenizer_timings() -> dict | None:
+    """tokenizer_timings of Gemma 3 270M's 262,144-token SentencePiece vocabulary, when it is installed (the
+    speed a unit test used to assert; a test checks only that its tokenizations are right)."""
+    from engine.locate import gemma3_path, load_tokenizer
+
+    path = gemma3_path(assemble=False)
+    return None if path is None else tokenizer_timings(load_tokenizer(path))
+
+
 def _current_rss() -> int:
     import psutil
 
@@ -337,6 +346,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         "tpot_floor_s": floor_bytes / hw.bandwidth_bytes_per_s, "results": results, "gui": gui,
         "other_processes_cores": cores_busy, "trustworthy": cores_busy < 0.15, "prompt_tokens": prompt_tokens,
         "new_tokens": n_new, "threads": threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "tokenizer_gemma3": gemma3_tokenizer_timings(),
     }
     report["ratios"] = _ratios(report)
     if a.output:
@@ -416,9 +426,10 @@ def _print_report(r: dict) -> None:
         print(f"{name:<24}{x['load_s']:>8.2f}s{_ms(x['ttft_s']):>10}{_ms(t['mean']):>11}{_ms(t['p50']):>10}"
               f"{_ms(t['p90']):>10}{x['tokens_per_s']:>8.1f}{x['peak_rss_bytes'] / 2**20:>8.0f}MB")
     tok = next((x["tokenizer"] for x in r["results"].values() if x and "tokenizer" in x), None)
-    if tok:
-        print(f"tokenizer: encode {tok['encode_tokens']:,} tokens {_ms(tok['encode_s'])} (median), "
-              f"load from its cache {_ms(tok['load_s'])}")
+    for name, t in (("tokenizer", tok), ("Gemma 3 tokenizer", r.get("tokenizer_gemma3"))):
+        if t:
+            print(f"{name}: encode {t['encode_tokens']:,} tokens {_ms(t['encode_s'])} (median), "
+                  f"load from its cache {_ms(t['load_s'])}")
     if r["gui"]:
         print("GUI: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r["gui"].items()))
     for k, v in r["ratios"].items():

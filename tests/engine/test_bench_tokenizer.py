@@ -7,3 +7,14 @@ def test_tokenizer_timings_measure_a_2000_token_encode_and_a_cache_load(tiny_lm)
     t = tokenizer_timings(tiny_lm.tokenizer, repeats=3)
     assert 1500 < t["encode_tokens"] <= 2000
     assert t["encode_s"] > 0 and t["load_s"] > 0
+
+
+def test_gemma3_tokenizer_timings_when_installed():
+    from engine.bench import gemma3_tokenizer_timings
+    from engine.locate import gemma3_path
+
+    t = gemma3_tokenizer_timings()
+    if gemma3_path(assemble=False) is None:
+        assert t is None
+    else:
+        assert 1500 < t["encode_tokens"] <= 2000 and t["encode_s"] > 0 and t["load_s"] > 0

@@ -15,8 +15,6 @@ from __future__ import annotations
 import heapq
 import lzma
 import shutil
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -394,15 +392,13 @@ def test_gemma_matches_reference(gemma: Tokenizer, text: str, parse_special: boo
 
 
 @pytest.mark.slow
-def test_gemma_encode_speed(gemma: Tokenizer) -> None:
-    text = "The quick brown fox <start_of_turn> jumps over 12345 lazy dogs. 😀\n  " * 30
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        ids = gemma.encode(text).ids
-        times.append(time.perf_counter() - start)
-    assert len(ids) > 500
-    assert statistics.median(times) < 0.05, f"encode took {statistics.median(times) * 1e3:.1f} ms"
+def test_gemma_long_text_is_one_line_repeated(gemma: Tokenizer) -> None:
+    """A long text encodes as its repeated line does. (Encode speed is measured by `python -m engine bench`,
+    engine.bench.gemma3_tokenizer_timings: a unit test asserts no wall-clock time.)"""
+    line = "The quick brown fox <start_of_turn> jumps over 12345 lazy dogs. 😀\n"
+    one = gemma.encode(line).ids[1:]  # without <bos>; the line starts after a newline each time, as at the start
+    ids = gemma.encode(line * 30).ids
+    assert ids == [gemma.bos_id, *one * 30] and len(ids) > 500
 
 
 def test_scores_drive_the_merge_not_merge_order() -> None:
