@@ -16,6 +16,7 @@ from app.theme import (
     ACCENT,
     BACKGROUND,
     DECODE_COLOR,
+    FOREGROUND,
     PREFILL_COLOR,
     placeholder,
     set_number_cell,
@@ -28,6 +29,9 @@ from engine.events import KVCacheGrew, ModelInfo, PromptTokenized
 
 FONT_PT = 9
 ALLOC_COLOR = "#9a9a9a"
+KEY_HTML = (f"<span style='color:{ALLOC_COLOR}'><b>- - -</b></span> allocated &nbsp; "
+            f"<span style='color:{PREFILL_COLOR}'><b>—</b></span> prefill (one jump) &nbsp; "
+            f"<span style='color:{DECODE_COLOR}'><b>-•-</b></span> decode")
 TABLE_DTYPES = ("fp32", "fp16", "int8")
 TABLE_BATCHES = (1, 8, 32)
 EMPTY_TOKENS = (0.0, 1024.0)  # the axes before any model is loaded
@@ -95,13 +99,12 @@ class KVCachePanel(Panel):
         self.plot = pg.PlotWidget(background=BACKGROUND)
         pi = self.plot.getPlotItem()
         style_plot(pi, left=("KV cache", "B"), bottom=("tokens in the cache", None))
-        legend = pi.addLegend(offset=(-8, 28), labelTextSize=f"{FONT_PT}pt", brush=pg.mkBrush(20, 20, 20, 200))
-        self.alloc_curve = pi.plot([], [], pen=pg.mkPen(ALLOC_COLOR, width=1.5, style=QtCore.Qt.PenStyle.DashLine),
-                                   name="allocated")
-        self.prefill_curve = pi.plot([], [], pen=pg.mkPen(PREFILL_COLOR, width=2), name="prefill (one jump)")
+        # the curves are keyed in the plot's title (KEY_HTML): a legend inside the plot sat on the curves' newest
+        # end, top right, where the cache has just grown to, and on the label of its size
+        self.alloc_curve = pi.plot([], [], pen=pg.mkPen(ALLOC_COLOR, width=1.5, style=QtCore.Qt.PenStyle.DashLine))
+        self.prefill_curve = pi.plot([], [], pen=pg.mkPen(PREFILL_COLOR, width=2))
         self.used_curve = pi.plot([], [], pen=pg.mkPen(DECODE_COLOR, width=2), symbol="o", symbolSize=4,
-                                  symbolBrush=DECODE_COLOR, symbolPen=None, name="decode (+1 token a step)")
-        self.legend = legend
+                                  symbolBrush=DECODE_COLOR, symbolPen=None)
         self.prefill_point = pi.plot([], [], pen=None, symbol="o", symbolSize=9, symbolBrush=PREFILL_COLOR,
                                      symbolPen=None)
         self.total_text = pg.TextItem("", color="#e0e0e0", anchor=(1, 1))
@@ -222,7 +225,7 @@ class KVCachePanel(Panel):
             self._draw_empty(pi)
             return
         self.empty_note.setVisible(False)
-        self.legend.setVisible(True)
+        pi.setTitle(KEY_HTML, size=f"{FONT_PT}pt", color=FOREGROUND)
         pi.getViewBox().enableAutoRange()
         first = evs[0]
         start = first.n_tokens - (first.n_tokens if first.step == 0 else 1)
@@ -256,7 +259,7 @@ class KVCachePanel(Panel):
 
     def _draw_empty(self, pi: pg.PlotItem) -> None:
         """Before the first generation: the axes of the model's whole context, and what will appear."""
-        self.legend.setVisible(False)
+        pi.setTitle(None)
         cfg = self.bridge.cfg
         if cfg is None:
             show_empty(pi, self.empty_note, "Load a model to see its KV cache grow", EMPTY_TOKENS,

@@ -54,8 +54,15 @@ class TimelinePanel(Panel):
 
     def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
         weights = costs.step_weight_bytes(cfg, info.dtype, rows=1)
-        return (f"On {info.name} in {info.dtype} each decode step streams about {fmt_bytes(weights)} of weights, "
-                f"plus {fmt_bytes(costs.kv_bytes_per_token(cfg, info.dtype))} of KV cache per token of context.")
+        text = (f"On {info.name} in {info.dtype} each decode step streams about {fmt_bytes(weights)} of weights, "
+                f"plus {fmt_bytes(costs.kv_bytes_per_token(cfg, info.dtype))} of KV cache per token of context")
+        if not cfg.n_local_layers:
+            return text + "."
+        w = cfg.sliding_window  # past the window only the global layers' keys and values keep growing
+        beyond = costs.kv_bytes(cfg, info.dtype, w + 1)[0] - costs.kv_bytes(cfg, info.dtype, w)[0]
+        return (text + f" up to {w:,} tokens; beyond that its {cfg.n_local_layers} local layers read only their "
+                f"window, so each further token adds {fmt_bytes(beyond)} (its {cfg.n_global_layers} global "
+                f"layer{'s' if cfg.n_global_layers != 1 else ''}).")
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)

@@ -69,3 +69,14 @@ def test_kv_cache_splits_global_and_local(qtbot, windowed):
     assert "1 global layers keep every token and 1 local layers only the last 4" in panel.formula.text()
     (_x0, _x1), (y0, y1) = panel.plot.getPlotItem().getViewBox().viewRange()
     assert (y0, y1) == pytest.approx((0, 66_560))
+
+
+def test_timeline_help_says_what_a_token_adds_past_the_window(qtbot, windowed):
+    from app.panels import timeline
+
+    panel = timeline.PANEL(windowed)
+    qtbot.addWidget(panel)
+    # 2 · 2 KV heads · 16 · 4 bytes = 256 B per layer and position: 512 B for both layers up to the window of 4,
+    # then 256 B (the one global layer) per further token
+    assert "plus 512 B of KV cache per token of context up to 4 tokens" in panel.help_text
+    assert "each further token adds 256 B (its 1 global layer)" in panel.help_text
