@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--screenshot", metavar="OUT.png", help="headless: save a PNG of the whole window and exit")
     p.add_argument("--export-timeline", metavar="OUT.png|.svg", help="headless: save the timeline and exit")
     p.add_argument("--timeout", type=float, default=600.0, help="headless: give up after this many seconds")
+    p.add_argument("--lens", action="store_true", help="capture the logit lens of every step (Logit lens panel)")
     p.add_argument("--regex", help="constrain the output to this regular expression (Constrain output panel)")
     p.add_argument("--open-session", metavar="FILE.ilab", help="open a saved session (no model needed to show it)")
     p.add_argument("--save-session", metavar="OUT.ilab", help="headless: generate, save the session and exit")
@@ -150,6 +151,9 @@ def _apply_args(window, args: argparse.Namespace) -> None:
                 panel.set_chat(True)
     if args.max_new_tokens is not None and gen is not None:
         gen.set_max_new_tokens(args.max_new_tokens)
+    lens = window.panels.get("lens")
+    if args.lens and lens is not None:
+        lens.set_capture(True)
     constrain = window.panels.get("constrain")
     if args.regex is not None and constrain is not None:
         constrain.set_constraint("regex", args.regex)

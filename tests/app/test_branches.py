@@ -100,3 +100,16 @@ def test_score_the_prompt_colours_each_prompt_token(qtbot, window):
     assert page.count("href='prompt:") >= 1
     tip = panel._prompt_tip(f"prompt:{sc.first}")
     assert "surprise" in tip and f"{sc.probs[0]:.4f}" in tip
+
+
+def test_the_lens_is_captured_only_when_asked(qtbot, window):
+    from engine.events import LensCaptured
+
+    lens = window.panels["lens"]
+    assert window.bridge.lens_top == 0 and not lens.capture_box.isChecked()
+    generate(qtbot, window, n=2)
+    assert not any(isinstance(e, LensCaptured) for e in window.recorder.events) and not lens.lens
+    lens.set_capture(True)
+    assert window.bridge.lens_top > 0 and lens.capture_box.isChecked()
+    generate(qtbot, window, n=2)
+    assert sorted(lens.lens) == [0, 1]

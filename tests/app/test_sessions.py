@@ -44,12 +44,13 @@ def grabs(qtbot, w) -> dict[str, QtGui.QImage]:
 def test_save_then_open_without_the_model_shows_the_same_panels(qtbot, make_window, tmp_path):
     live = make_window(persist=False)
     wait_loaded(qtbot, live)
+    live.panels["lens"].set_capture(True)
     live.resize(1600, 1000)
     generate(qtbot, live)
     path = tmp_path / "run.ilab"
     assert session_io.save_session_to(live, path), live.last_error
     saved = load_session(path)
-    assert sum(isinstance(e, LensCaptured) for e in saved.events) == 6  # the lens panel asked for it
+    assert sum(isinstance(e, LensCaptured) for e in saved.events) == 6  # the lens panel's capture was ticked
     assert [e.token_id for e in saved.events if isinstance(e, TokenSampled)] == [
         e.token_id for e in live.recorder.events if isinstance(e, TokenSampled)]
 
