@@ -3,6 +3,8 @@
 For each concurrency level it sends a fixed number of streamed requests (at most that many in flight, all at once
 or at a request rate with gamma arrivals) and measures, per request, TTFT, TPOT, ITL and end-to-end latency with
 `vllm bench serve`'s definitions. Rows arrive through sig_serve_run and are only stored here, then drawn on the tick.
+While a level runs, its point is drawn live from the requests finished so far (sig_serve_request), summarised with
+the same code as the finished row (engine.remote.bench.summarize), so the plots move with every request.
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ class LoadLabPanel(Panel):
         "(output tokens − 1), in ms. Per level: output throughput = output tokens / duration (tok/s for the "
         "system) and per-stream speed = 1 / mean TPOT. Left: system tok/s against per-stream tok/s, one point "
         "per level — batching buys system throughput with each stream's speed. Middle: latency percentiles "
-        "against C. Right: the server's own KV-cache usage and queue (from /metrics) during the run. Every run "
+        "against C. The level still running is drawn hollow from the requests finished so far and moves with "
+        "every request. Right: the server's own KV-cache usage and queue (from /metrics) during the run. SLO "
+        "TTFT/TPOT/E2EL (ms, 0 = none): goodput counts the requests per second that met every SLO set. Every run "
         "is bounded by its request count and a time limit; Cancel stops it at once. Export writes JSON or CSV."
     )
 
@@ -79,6 +83,9 @@ class LoadLabPanel(Panel):
         super().__init__(bridge, parent)
         self.runs: list[dict] = []
         self.requests = 0
+        self.levels: list[int] = []
+        self.level_requests: list = []  # RequestResults of the level still running
+        self._cfg: dict = {}
         self.metrics: list[tuple[float, float | None, float | None, float | None]] = []  # t, kv, running, waiting
         self.running = False
         self.status = "Connect to a server (File → Connect to server…), then Run."
@@ -113,6 +120,15 @@ class LoadLabPanel(Panel):
                          ("rate", self.rate_spin), ("burst", self.burst_spin), ("limit s", self.limit_spin)):
             row.addWidget(QtWidgets.QLabel(label))
             row.addWidget(w)
+        row.addWidget(QtWidgets.QLabel("SLO ms"))
+        self.slo_spins = {}
+        for key, name in (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2el", "E2EL")):
+            spin = self._spin(0, 1e6, 0, f"{name} SLO in ms for goodput (0 = no SLO on {name})", decimals=3)
+            spin.setPrefix(f"{name} ")
+            spin.setSpecialValueText(f"{name} off")
+            spin.setMinimumWidth(105)
+            self.slo_spins[key] = spin
+            row.addWidget(spin)
         row.addStretch(1)
         self.run_button = QtWidgets.QPushButton("Run")
         self.run_button.clicked.connect(lambda: self.run())
@@ -139,6 +155,8 @@ class LoadLabPanel(Panel):
         p1.showGrid(x=True, y=True, alpha=0.2)
         self.tput_curve = p1.plot([], [], pen=pg.mkPen(theme.ACCENT, width=2), symbol="o", symbolSize=8,
                                   symbolBrush=theme.ACCENT)
+        self.tput_live = p1.plot([], [], pen=None, symbol="o", symbolSize=10, symbolPen=pg.mkPen(theme.ACCENT, width=2),
+                                 symbolBrush=None)
         self.tput_labels: list[pg.TextItem] = []
         p2 = self.lat_plot = self.plots.addPlot(title="latency vs concurrency")
         p2.setLabel("bottom", "requests in flight")
@@ -184,7 +202,9 @@ class LoadLabPanel(Panel):
     # ---- actions -------------------------------------------------------------------------------------------------
     def config(self) -> dict:
         rate = float(self.rate_spin.value())
-        return {"concurrency": parse_levels(self.levels_edit.text()), "num_prompts": int(self.prompts_spin.value()),
+        slo = {k: float(s.value()) for k, s in self.slo_spins.items() if s.value() > 0}
+        return {"slo_ms": slo or None, "concurrency": parse_levels(self.levels_edit.text()),
+                "num_prompts": int(self.prompts_spin.value()),
                 "max_new_tokens": int(self.tokens_spin.value()), "request_rate": rate or None,
                 "burstiness": float(self.burst_spin.value()), "time_limit_s": float(self.limit_spin.value())}
 
@@ -199,7 +219,8 @@ class LoadLabPanel(Panel):
             self.status = f"⚠ {e}"
             self.mark_dirty()
             return False
-        self.runs, self.metrics, self.requests = [], [], 0
+        self.runs, self.metrics, self.requests, self.level_requests = [], [], 0, []
+        self.levels, self._cfg = list(cfg["concurrency"]), dict(cfg)
         self.running, self.progress_value = True, 0.0
         self._t_offset, self._last_t = 0.0, 0.0
         self.status = f"Running {len(cfg['concurrency'])} levels × {cfg['num_prompts']} requests…"
@@ -251,12 +272,15 @@ class LoadLabPanel(Panel):
         self.mark_dirty()
 
     @QtCore.Slot(object)
-    def _on_request(self, _r) -> None:
+    def _on_request(self, r) -> None:
         self.requests += 1
+        self.level_requests.append(r)
+        self.mark_dirty()
 
     @QtCore.Slot(object)
     def _on_run(self, run: dict) -> None:
         self.runs.append(run)
+        self.level_requests = []
         self.mark_dirty()
 
     @QtCore.Slot(object)
@@ -281,24 +305,50 @@ class LoadLabPanel(Panel):
         self.mark_dirty()
 
     # ---- drawing -------------------------------------------------------------------------------------------------
+    def live_run(self) -> dict | None:
+        """The level still running, summarised from its requests finished so far (None when there are none)."""
+        ok = [r for r in self.level_requests if getattr(r, "ok", False)]
+        if not self.running or not ok or len(self.runs) >= len(self.levels):
+            return None
+        from engine.remote.bench import summarize as summarize_requests
+
+        duration = max(r.start_s + r.e2el_s for r in ok)  # the clock of the level, up to its last finished request
+        rate = self._cfg.get("request_rate") or math.inf
+        d = summarize_requests(self.level_requests, duration, self.levels[len(self.runs)], rate,
+                               float(self._cfg.get("burstiness", 1.0)), self._cfg.get("slo_ms")).to_dict()
+        d["so_far"] = len(self.level_requests)
+        return d
+
     def draw(self) -> None:
         self.progress.setValue(int(self.progress_value * 1000))
         self.status_label.setText(self.status)
         runs = [r for r in self.runs if r.get("completed")]
+        live = self.live_run()
         xs = np.array([r["per_stream_tokens_per_s"] for r in runs], dtype=float)
         ys = np.array([r["output_throughput"] for r in runs], dtype=float)
         self.tput_curve.setData(xs, ys)
+        if live is not None:
+            self.tput_live.setData([live["per_stream_tokens_per_s"]], [live["output_throughput"]])
+        else:
+            self.tput_live.setData([], [])
         for item in self.tput_labels:
             self.tput_plot.removeItem(item)
         self.tput_labels = []
-        for r, x, y in zip(runs, xs, ys, strict=True):
-            t = pg.TextItem(f"C={r['concurrency']}", color=theme.FOREGROUND, anchor=(0, 1))
-            t.setPos(x, y)
+        n = int(self._cfg.get("num_prompts", 0))
+        points = runs + ([live] if live is not None else [])
+        x_right = max((r["per_stream_tokens_per_s"] for r in points), default=0.0)
+        for r in points:
+            so_far = f" ({r['so_far']}/{n} so far)" if "so_far" in r else ""
+            # the rightmost point's label goes to its left, inside the plot
+            right = len(points) > 1 and r["per_stream_tokens_per_s"] >= x_right
+            t = pg.TextItem(f"C={r['concurrency']}{so_far}", color=theme.FOREGROUND, anchor=(1 if right else 0, 1))
+            t.setPos(r["per_stream_tokens_per_s"], r["output_throughput"])
             self.tput_plot.addItem(t)
             self.tput_labels.append(t)
-        cs = np.array([r["concurrency"] or 1 for r in runs], dtype=float)
+        lat_runs = runs + ([live] if live is not None else [])
+        cs = np.array([r["concurrency"] or 1 for r in lat_runs], dtype=float)
         for key, curve in self.lat_curves.items():
-            vals = np.array([max(r[key], 1e-3) for r in runs], dtype=float)
+            vals = np.array([max(r[key], 1e-3) for r in lat_runs], dtype=float)
             curve.setData(cs, vals)
         if self.metrics:
             m = np.array([[t, np.nan if kv is None else 100 * kv, np.nan if ru is None else ru,

@@ -9,6 +9,7 @@ from http.server import ThreadingHTTPServer
 import numpy as np
 import pytest
 
+from app.panels.load_lab import COLUMNS
 from tests.remote.test_client_errors import Handler
 
 
@@ -68,3 +69,48 @@ def test_load_lab_cancel(qtbot, window, stub):
         qtbot.wait(300)
         lab.cancel()
     assert blocker.args[0] == "cancelled" and not lab.running
+
+
+def test_load_lab_plots_live_per_request_and_sends_slos(qtbot, window, stub):
+    """Before a level's row arrives, its point is drawn from the requests finished so far; the SLO fields reach the
+    bench (goodput). Reference: the figures recomputed here from the streamed RequestResults with numpy."""
+    window.connect_server(stub)
+    qtbot.waitUntil(lambda: window.bridge.server is not None, timeout=30_000)
+    lab = window.panels["load_lab"]
+    lab.levels_edit.setText("2")
+    lab.prompts_spin.setValue(4)
+    lab.tokens_spin.setValue(4)
+    lab.slo_spins["tpot"].setValue(0.001)  # no request streams a token per microsecond: goodput 0
+    lab.slo_spins["ttft"].setValue(60_000)
+    cfg = lab.config()
+    assert cfg["slo_ms"] == {"tpot": 0.001, "ttft": 60_000.0}
+    seen = []
+
+    def on_request(_r):  # connected after the panel's slot, so the panel already holds this request
+        if not lab.runs:
+            lab.flush()
+            seen.append((list(lab.level_requests), lab.tput_live.getData(), (lab.lat_curves["p99_tpot_ms"].xData,
+                                                                         lab.lat_curves["p99_tpot_ms"].yData)))
+
+    window.bridge.sig_serve_request.connect(on_request)
+    with qtbot.waitSignal(window.bridge.sig_serve_done, timeout=60_000):
+        assert lab.run(cfg)
+    window.bridge.sig_serve_request.disconnect(on_request)
+    assert len(seen) == 4
+    for reqs, (lx, ly), (cx, cy) in seen:
+        ok = [r for r in reqs if r.ok]
+        assert ok, "the stub serves every request"
+        tokens = sum(r.output_tokens for r in ok)
+        duration = max(r.start_s + r.e2el_s for r in ok)
+        tpot = np.mean([(r.e2el_s - r.ttft_s) / (r.output_tokens - 1) for r in ok])
+        np.testing.assert_allclose(ly, [tokens / duration], rtol=1e-9)
+        np.testing.assert_allclose(lx, [1 / tpot], rtol=1e-9)
+        assert list(cx) == [2.0]  # the live level on the latency plot (data before the log axis)
+        np.testing.assert_allclose(cy, [max(np.percentile([(r.e2el_s - r.ttft_s) / (r.output_tokens - 1)
+                                                            for r in ok], 99) * 1e3, 1e-3)], rtol=1e-9)
+    assert [len(s[0]) for s in seen] == [1, 2, 3, 4]
+    (run,) = lab.runs
+    assert run["goodput"] == 0.0 and run["completed"] == 4
+    lab.flush()
+    assert lab.tput_live.getData()[0] is None or len(lab.tput_live.getData()[0]) == 0
+    assert lab.table.item(0, COLUMNS.index("goodput")).text() == "0.00"
