@@ -168,14 +168,14 @@ class TimelinePanel(Panel):
             return "Generate to see the timeline"
         s = self.stats()
         measured = (f"measured {fmt_s(s['measured_total_s'])}" if self._finished is not None else "running…")
-        return (  # three short lines, so the title fits a narrow dock
+        measured = measured.replace(" ", "&nbsp;")  # a narrow dock wraps between phrases, not inside them
+        return (  # three short lines, so the title fits a narrow dock (a test holds it to 340 px)
             f"<span style='color:{PREFILL_COLOR}'>■</span> TTFT <b>{fmt_s(s['ttft_s'])}</b> &nbsp; "
             f"<span style='color:{DECODE_COLOR}'>■</span> TPOT <b>{fmt_s(s['tpot_s'])}</b> &nbsp; "
-            f"<b>{s['tokens_per_s']:.1f} tok/s</b><br>"
+            f"<b>{s['tokens_per_s']:.1f}&nbsp;tok/s</b><br>"
             f"TPOT p50 {fmt_s(s['tpot_p50_s'])} · p90 {fmt_s(s['tpot_p90_s'])}"
-            + (f" &nbsp; <span style='color:{ACCENT}'><b>- - -</b></span> TPOT mean" if s["tpot_s"] > 0 else "")
-            + "<br>"
-            f"TTFT + ({s['n_tokens']} − 1)·TPOT = <b>{fmt_s(s['latency_formula_s'])}</b> &nbsp;·&nbsp; {measured}"
+            + (f" · <span style='color:{ACCENT}'><b>- - -</b></span>&nbsp;mean" if s["tpot_s"] > 0 else "")
+            + f"<br>TTFT + {s['n_tokens'] - 1}·TPOT = <b>{fmt_s(s['latency_formula_s'])}</b> · {measured}"
             + self._server_line()
         )
 
@@ -202,7 +202,9 @@ class TimelinePanel(Panel):
         self.tpot_line.setPos(s["tpot_s"])
         pi = self.plot.getPlotItem()
         pi.setTitle(self.stats_text(), size=f"{FONT_PT}pt", color=FOREGROUND)
-        pi.titleLabel.setMinimumWidth(10)  # a narrow dock clips the title instead of pushing the plot out of view
+        # a narrow dock wraps the title's lines (never clips them, never pushes the plot out of view)
+        pi.titleLabel.item.setTextWidth(max(80.0, self.plot.width() - pi.getAxis("left").width() - 12))
+        pi.titleLabel.setMinimumWidth(10)
         height = pi.titleLabel.item.boundingRect().height() + 2  # setTitle fixes the row at 30 px: one line
         pi.titleLabel.setMaximumHeight(height)
         pi.layout.setRowFixedHeight(0, height)

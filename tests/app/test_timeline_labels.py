@@ -29,4 +29,30 @@ def test_no_text_inside_the_plot_overlaps_a_bar(qtbot, bridge):
     for t in texts:
         r = t.sceneBoundingRect()
         assert not any(r.intersects(b) for b in bars), f"{t} overlaps a bar"
-    assert panel.tpot_line.isVisible() and "TPOT mean" in panel.stats_text()  # the dashed line is keyed
+    assert panel.tpot_line.isVisible() and "- - -</b></span>&nbsp;mean" in panel.stats_text()  # the line is keyed
+
+
+def test_the_title_fits_a_narrow_dock(qtbot, bridge):
+    """The three title lines fit a 340 px wide panel (the default layout's timeline dock is about 350 px) with long
+    figures: a clipped line hid the measured total."""
+    from app.panels import timeline
+    from engine.events import Finished
+
+    panel = timeline.PANEL(bridge)
+    qtbot.addWidget(panel)
+    panel.resize(340, 320)
+    panel.show()
+    steps = np.full(127, 0.1234)
+    panel._seconds = {0: 12.345, **{k: 0.1234 for k in range(1, 128)}}
+    panel._on_finished(Finished(reason="length", prompt_ids=np.zeros(4054, dtype=np.int64),
+                                ids=np.zeros(128, dtype=np.int64), text="", ttft_s=12.345, tpot_s=0.1234,
+                                step_seconds=steps, total_s=123.45))
+    panel.flush()
+    qtbot.wait(10)
+    panel.flush()
+    pi = panel.plot.getPlotItem()
+    assert "measured" in panel.stats_text()
+    width = panel.plot.width()  # a title wider than this pushed the plot item past its widget: clipped
+    title = pi.titleLabel.item.boundingRect()
+    assert title.width() <= width - pi.getAxis("left").width() and pi.width() <= width, panel.stats_text()
+    assert pi.layout.rowMinimumHeight(0) >= title.height()  # every (wrapped) line shows
