@@ -552,7 +552,7 @@ class RooflinePanel(Panel):
             if item is not None:
                 item.setData([i], [f])
             frac = "" if roofs is None else f", {fmt_fraction(f / costs.attainable_flops(i, *roofs))} of roof"
-            text.setText(f"{key} {i:.2g} FLOP/B{frac}")
+            text.setText(f"{key} {fmt_intensity(i)} FLOP/B{frac}")  # as the analytic labels (was 2.4e+02)
             right = math.log10(i) <= mid  # label on the side with room
             text.setAnchor((0 if right else 1, 1 if key == "prefill" else 0))
             text.setPos(math.log10(i) + (0.08 if right else -0.08), math.log10(f))

@@ -353,8 +353,11 @@ def test_roofline_points_and_ridge(qtbot, loaded, tiny_run):
         assert x > 0 and y > 0
     xs, ys = panel.measured_decode.xData, panel.measured_decode.yData  # getData() gives log10 on log axes
     assert len(xs) == len(of(tiny_run, TokenSampled)) - 1 and (ys > 0).all()
-    for text in (panel.prefill_text, panel.decode_text):
+    for key, text in (("prefill", panel.prefill_text), ("decode", panel.decode_text)):
         assert "% of roof" in text.textItem.toPlainText()
+        # written as the analytic labels write intensities (was '2.4e+02' beside '≈ 244')
+        assert text.textItem.toPlainText().startswith(f"{key} {roofline.fmt_intensity(pts[key][0])} FLOP/B")
+        assert "e+" not in text.textItem.toPlainText()
     # analytic (hollow) points sit on the roof
     ax, ay = panel.analytic_decode.xData, panel.analytic_decode.yData
     assert ay[0] == pytest.approx(costs.attainable_flops(ax[0], peak, bw))
