@@ -207,9 +207,15 @@ class KVCachePanel(Panel):
                      f"local by the formula<br>now: {n:,} tokens → ")
         else:
             text += f"now: {n:,} tokens × {per_token:,.0f} B = "
+        beyond = ""
+        if cfg.n_local_layers and used > sum(costs.kv_bytes(cfg, dtype, max(1, n))):
+            # engine.kv_cache: a local layer keeps up to twice its window (so prefix caching can step back), and
+            # drops the older half only when it runs out of slots
+            beyond = (f" (more than the formula: a local layer keeps up to 2 × {cfg.sliding_window:,} positions "
+                      "before dropping the oldest, so a re-run can reuse them)")
         self.formula.setText(
             text + f"<b style='color:{ACCENT}'>{fmt_bytes(used)}</b> in use"
-            + (f", {fmt_bytes(alloc)} allocated" if alloc else "")
+            + (f", {fmt_bytes(alloc)} allocated" if alloc else "") + beyond
             + self.server_text()
         )
         self._draw_curves()

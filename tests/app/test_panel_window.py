@@ -80,3 +80,21 @@ def test_timeline_help_says_what_a_token_adds_past_the_window(qtbot, windowed):
     # then 256 B (the one global layer) per further token
     assert "plus 512 B of KV cache per token of context up to 4 tokens" in panel.help_text
     assert "each further token adds 256 B (its 1 global layer)" in panel.help_text
+
+
+def test_kv_cache_says_why_in_use_exceeds_the_formula(qtbot, windowed):
+    from app.panels import kv_cache
+    from engine.events import KVCacheGrew
+
+    panel = kv_cache.PANEL(windowed)
+    qtbot.addWidget(panel)
+    # 7 tokens, 256 B per layer and position: the formula holds 7 (global) + 4 (local, the window) = 2,816 B; a
+    # local layer that has not rolled over yet still holds all 7 (up to 2 × 4 slots): 3,584 B in use
+    windowed.sig_kv.emit(KVCacheGrew(step=0, n_tokens=7, bytes_used=3584, bytes_allocated=4096))
+    panel.flush()
+    text = panel.formula.text()
+    assert "1.79 kB global + 1.02 kB local by the formula" in text and "3.58 kB</b> in use" in text
+    assert "more than the formula: a local layer keeps up to 2 × 4 positions" in text
+    windowed.sig_kv.emit(KVCacheGrew(step=1, n_tokens=7, bytes_used=2816, bytes_allocated=4096))
+    panel.flush()
+    assert "more than the formula" not in panel.formula.text()
