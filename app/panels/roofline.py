@@ -32,6 +32,8 @@ from engine import costs, dtypes
 from engine.catalog import Hardware, canonical_dtype, hardware_presets, model_presets
 from engine.config import ModelConfig
 from engine.events import ModelInfo, PrefillDone, PromptTokenized, StepCost, TokenSampled
+from engine.remote.backend import RemoteTokenSampled
+from engine.remote.shapes import MeasuredDecode, measured_decode
 
 FONT_PT = 9
 THIS_MACHINE = "this-machine"
@@ -67,6 +69,7 @@ class RooflinePanel(Panel):
         "sig_prompt": "_on_prompt",
         "sig_prefill": "_on_prefill",
         "sig_token": "_on_token",
+        "sig_server_connected": "_on_server_connected",
     }
     help_text = (
         "The roofline model. A step does F floating-point operations and moves B bytes to or from memory; its "
@@ -83,7 +86,11 @@ class RooflinePanel(Panel):
         "they are shown only for the loaded model. Hollow circles are the cost model's prediction, on the roof, "
         "for the chosen model (the loaded one or a catalogue preset) at the chosen batch, prompt length and dtype: "
         "prefill of the prompt, and decode at the prompt plus the tokens generated so far. 'This machine' is "
-        "measured here (memory read and copy bandwidth, matmul throughput, with PyTorch) and cached between runs."
+        "measured here (memory read and copy bandwidth, matmul throughput, with PyTorch) and cached between runs. "
+        "Connected to a server, pick its hardware above (remembered for its URL this session): the star is its "
+        "measured decode — mean TPOT from the chunks' arrival times, costed with the model's shapes (its "
+        "config.json when vLLM's model directory is readable here, else the catalogue model chosen under Model) "
+        "— as achieved bytes/s and FLOP/s; a line below says when the shapes are unknown."
     )
 
     def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
@@ -106,6 +113,8 @@ class RooflinePanel(Panel):
         self._decode: list[tuple[float, float]] = []  # (intensity, achieved FLOP/s)
         self._n_prompt = 0
         self._context = 0
+        self._server_hw: dict[str, str] = {}  # server URL -> the chip the user picked for it (this session)
+        self._server_gaps: list[float] = []  # arrival gaps (s) of the server's decode tokens, this generation
         self._font = QtGui.QFont()
         self._font.setPointSize(FONT_PT)
         self._build()
@@ -198,6 +207,9 @@ class RooflinePanel(Panel):
                                         symbolPen=pg.mkPen(BACKGROUND))
         self.prefill_text = self._text(PREFILL_COLOR, anchor=(0, 1))  # above its point
         self.decode_text = self._text(DECODE_COLOR, anchor=(0, 0))  # below its point: the two never collide
+        self.server_point = pi.plot([], [], pen=None, symbol="star", symbolSize=16, symbolBrush=DECODE_COLOR,
+                                    symbolPen=pg.mkPen("#ffffff", width=1))
+        self.server_text = self._text(DECODE_COLOR, anchor=(0, 1))
         self.analytic_prefill_text = self._text(PREFILL_COLOR, anchor=(1, 1))  # above the roof, placed in draw()
         self.analytic_decode_text = self._text(DECODE_COLOR, anchor=(1, 1))
 
@@ -282,6 +294,8 @@ class RooflinePanel(Panel):
 
     def _on_hw_changed(self, _i: int) -> None:
         self._user_chose_hw = True
+        if self.bridge.server is not None:  # the server's hardware, remembered for its URL
+            self._server_hw[self.bridge.server.url] = self.hw_combo.currentData()
         self.mark_dirty()
 
     def _on_choice_changed(self, _v: int) -> None:
@@ -357,8 +371,17 @@ class RooflinePanel(Panel):
         self.clear()
 
     @QtCore.Slot(object)
+    def _on_server_connected(self, info) -> None:
+        key = self._server_hw.get(info.url)
+        if key is not None and self.hw_combo.findData(key) >= 0:
+            self.select_hardware(key)
+        self._server_gaps = []
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
     def _on_prompt(self, ev: PromptTokenized) -> None:
         self._prefill, self._decode = None, []
+        self._server_gaps = []
         self._n_prompt = len(ev.ids)
         self._context = self._n_prompt
         if self._n_prompt:
@@ -373,13 +396,38 @@ class RooflinePanel(Panel):
     @QtCore.Slot(object)
     def _on_token(self, ev: TokenSampled) -> None:
         self._context = max(self._context, ev.position + 1)
+        if isinstance(ev, RemoteTokenSampled):
+            if ev.phase == "decode":
+                self._server_gaps.append(ev.seconds)  # 0 inside a chunk: the chunk's gap covers its tokens
+                self.mark_dirty()
+            return
         if ev.phase == "decode" and ev.seconds > 0 and ev.cost.flops > 0:  # a server reports no step cost
             self._decode.append((ev.cost.intensity, ev.cost.flops / ev.seconds))
             self.mark_dirty()
 
     def clear(self) -> None:
         self._prefill, self._decode = None, []
+        self._server_gaps = []
         super().clear()
+
+    def server_decode(self) -> tuple[MeasuredDecode | None, str]:
+        """The connected server's measured decode costed with its model's shapes (its config.json when the engine
+        could read it, else the catalogue model chosen under Model), and one line on it: what it is, or what is
+        missing. (None, "") while not connected."""
+        server = self.bridge.server
+        if server is None:
+            return None, ""
+        cfg, source = server.config, server.config_note
+        if cfg is None and self.model_key() != LOADED:
+            cfg, source = self.models[self.model_key()], f"shapes of {self.model_key()} as chosen under Model"
+        if cfg is None:
+            return None, f"Server decode not placed: {server.config_note or 'its model shapes are unknown'}."
+        m = measured_decode(cfg, self._context, self._server_gaps, self.dtype())
+        if m is None:
+            return None, f"Server ({server.model}): generate to place its measured decode rate ({source})."
+        return m, (f"Server ({server.model}): measured {m.tokens_per_s:.1f} tok/s (TPOT {m.tpot_s * 1e3:.1f} ms) "
+                   f"→ {fmt_bandwidth(m.bytes_per_s)} and {fmt_flops(m.flops_per_s)} achieved at context "
+                   f"{self._context}, {self.dtype()} weights ({source}).")
 
     # ---- numbers -----------------------------------------------------------------------------------------------
     def roofs(self) -> tuple[float, float, float] | None:
@@ -418,6 +466,7 @@ class RooflinePanel(Panel):
         measured = self.measured_points() if show_measured else {}
         trail = self._decode if show_measured else []
         analytic = self.analytic_costs()
+        server, server_line = self.server_decode()
         if r is None or hw is None:
             self.hw_label.setText("This machine has not been measured yet: press “Measure this machine” "
                                   "(a few seconds), or pick a catalogue chip.")
@@ -427,19 +476,24 @@ class RooflinePanel(Panel):
                 t.setText("")
             self.ridge_line.setVisible(False)
             self._draw_measured(measured, trail, None, 0.0)
-            self.takeaway.setText("")
+            self._draw_server(None, None, 0.0)
+            self.takeaway.setText(html.escape(server_line, quote=False))
             return
         peak, bw, ridge = r
         src = "measured" if hw.measured else "datasheet"
         self.hw_label.setText(f"{hw.label}: peak {fmt_flops(peak)} ({self.dtype()}), memory {fmt_bandwidth(bw)} "
                               f"— {src}")
         xs = [i for _p, (i, _f) in measured.items()] + [c.intensity for c in analytic.values()]
+        if server is not None:
+            xs.append(server.cost.intensity)
         lo = min([0.1] + [x / 3 for x in xs if x > 0])
         hi = max([ridge * 20, 100.0] + [x * 5 for x in xs])
-        ys = [f for _i, f in measured.values()] + [peak]
+        ys = [f for _i, f in measured.values()] + [peak] + ([server.flops_per_s] if server is not None else [])
         # at least 2.5 decades (readable ticks), and room under the lowest point for its label
         y_lo = min(math.log10(min(ys) / 10), math.log10(peak) - 2.5)
         y_hi = math.log10(peak * 10)  # a decade of headroom for the ridge label
+        if server is not None and server.flops_per_s > 0:  # a wrong chip or model can put it above the roof
+            y_hi = max(y_hi, math.log10(server.flops_per_s) + 0.6)
         self.roof_text.setText(f"memory roof {fmt_bandwidth(bw)} · I")
         labels = self._analytic_labels(analytic, ridge)
         labels, lo, hi = self._fit_labels(labels, lo, hi, y_hi - y_lo, peak, bw, ridge)
@@ -454,6 +508,7 @@ class RooflinePanel(Panel):
         self.roof_text.setPos(math.log10(lo), y_hi)
         self._draw_analytic(labels, peak, bw)
         self._draw_measured(measured, trail, (peak, bw), (math.log10(lo) + math.log10(hi)) / 2)
+        self._draw_server(server, (peak, bw), (math.log10(lo) + math.log10(hi)) / 2)
         pi = self.plot.getPlotItem()
         x_lo, x_hi = math.log10(lo), math.log10(hi)
         pi.getViewBox().setRange(xRange=(x_lo, x_hi), yRange=(y_lo, y_hi), padding=0)
@@ -461,6 +516,8 @@ class RooflinePanel(Panel):
         pi.getAxis("bottom").setTicks([decades(x_lo, x_hi - 0.03 * (x_hi - x_lo), most=9), []])
         pi.getAxis("left").setTicks([decades(y_lo, y_hi), []])
         self._set_takeaway(ridge, analytic)
+        if server_line:
+            self.takeaway.setText(self.takeaway.text() + "<br>" + html.escape(server_line, quote=False))
 
     def _analytic_labels(self, analytic: dict[str, StepCost], ridge: float) -> list[tuple[str, float, str, int]]:
         """(key, intensity, text, side) of each analytic point, side 1 for now (left of the point, above the
@@ -556,6 +613,22 @@ class RooflinePanel(Panel):
             right = math.log10(i) <= mid  # label on the side with room
             text.setAnchor((0 if right else 1, 1 if key == "prefill" else 0))
             text.setPos(math.log10(i) + (0.08 if right else -0.08), math.log10(f))
+
+    def _draw_server(self, m: MeasuredDecode | None, roofs: tuple[float, float] | None, mid: float) -> None:
+        if m is None or m.flops_per_s <= 0:
+            self.server_point.setData([], [])
+            self.server_text.setText("")
+            return
+        i, f = m.cost.intensity, m.flops_per_s
+        self.server_point.setData([i], [f])
+        share = None if roofs is None else f / costs.attainable_flops(i, *roofs)
+        frac = "" if share is None else f", {fmt_fraction(share)} of roof"
+        if share is not None and share > 1:
+            frac = f", {share:.3g}× the roof: wrong chip or model?"
+        self.server_text.setText(f"server decode {m.tokens_per_s:.0f} tok/s{frac}")
+        right = math.log10(i) <= mid
+        self.server_text.setAnchor((0 if right else 1, 1))
+        self.server_text.setPos(math.log10(i) + (0.08 if right else -0.08), math.log10(f) + 0.05)
 
     def _set_takeaway(self, ridge: float, analytic: dict[str, StepCost]) -> None:
         name = html.escape(self.model_name())

@@ -196,6 +196,7 @@ class RemoteBackend:
             version=version.get("version") if isinstance(version, dict) else None,
             max_model_len=int(max_len) if isinstance(max_len, int) else None,
             tokenize=tokenize, metrics=has_metrics, slots=slots,
+            root=str(m["root"]) if isinstance(m.get("root"), str) else None,
         )
         return self.info
 

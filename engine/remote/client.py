@@ -45,6 +45,9 @@ class ServerInfo:
     max_logprobs: int | None = None
     cannot: tuple[str, ...] = ("attention maps", "residual norms", "per-step cost", "the full-vocabulary funnel")
     notes: tuple[str, ...] = field(default_factory=tuple)
+    root: str | None = None  # vLLM: the directory the model was loaded from
+    config: object | None = None  # its ModelConfig when the engine process could read it (engine.remote.shapes)
+    config_note: str = ""  # where the config came from, or the one line saying what is missing
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "model": self.model, "url": self.url, "version": self.version,

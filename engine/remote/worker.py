@@ -8,6 +8,7 @@ The API key lives in this process's memory only; it is never written anywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -15,6 +16,7 @@ import time
 from engine.messages import SamplingParams
 from engine.remote.backend import RemoteBackend, RemoteTokenSampled
 from engine.remote.client import RemoteError
+from engine.remote.shapes import server_model_config
 
 SERVER_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs is 20; llama.cpp has no such cap
 
@@ -63,6 +65,8 @@ def connect(server, url: str, api_key: str | None) -> None:
     except RemoteError as e:
         server.send(("connect_failed", str(e)))
         return
+    cfg, note = server_model_config(info.model, info.root)
+    info = dataclasses.replace(info, config=cfg, config_note=note)
     local = server.session.local if getattr(server.session, "is_remote", False) else server.session
     server.session = RemoteSession(backend, local)
     server.send(("connected", info))

@@ -114,3 +114,50 @@ def test_load_lab_plots_live_per_request_and_sends_slos(qtbot, window, stub):
     lab.flush()
     assert lab.tput_live.getData()[0] is None or len(lab.tput_live.getData()[0]) == 0
     assert lab.table.item(0, COLUMNS.index("goodput")).text() == "0.00"
+
+
+def test_roofline_places_the_servers_measured_decode(qtbot, window, stub):
+    """The stub's model has no readable config: one line says so; with a catalogue model chosen the measured decode
+    is placed at that model's decode intensity and the rate the chunks arrived at (reference: the tokens' arrival
+    times, not the gaps the panel sums). The chip picked for a server is remembered for its URL."""
+    from engine import costs
+
+    roof = window.panels["roofline"]
+    window.connect_server(stub)
+    qtbot.waitUntil(lambda: window.bridge.server is not None, timeout=30_000)
+    assert window.bridge.server.config is None and "'m'" in window.bridge.server.config_note
+    roof.select_hardware("h100-sxm")
+    tokens = []
+    window.bridge.sig_token.connect(tokens.append)
+    gen = window.panels["generation"]
+    gen.set_text("hi")
+    with qtbot.waitSignal(window.bridge.sig_finished, timeout=30_000):
+        assert gen.generate()
+    window.tick_panels(flush=True)
+    assert "Server decode not placed: the server's model shapes are unknown" in roof.takeaway.text()
+    assert roof.server_point.getData()[0] is None or len(roof.server_point.getData()[0]) == 0
+
+    roof.select_model("llama-2-70b")
+    roof.flush()
+    decode = [t for t in tokens if t.phase == "decode"]
+    assert len(decode) == 2
+    tpot = (decode[-1].arrival_s - tokens[0].arrival_s) / len(decode)
+    cost = costs.decode_cost(roof.models["llama-2-70b"], decode[-1].position + 1, weight_dtype=roof.dtype())
+    x, y = roof.server_point.xData, roof.server_point.yData
+    np.testing.assert_allclose(x, [cost.intensity], rtol=1e-12)
+    np.testing.assert_allclose(y, [cost.flops / tpot], rtol=1e-6)
+    peak, bw, _ridge = roof.roofs()
+    share = cost.flops / tpot / min(peak, cost.intensity * bw)
+    label = roof.server_text.toPlainText()
+    assert label.startswith("server decode") and (f"{share:.3g}× the roof: wrong chip or model?" in label
+                                                   if share > 1 else "of roof" in label), label
+    assert "llama-2-70b as chosen under Model" in roof.takeaway.text()
+
+    roof.select_hardware("a100-80gb")
+    chosen = roof.hw_combo.currentData()
+    window.disconnect_server()
+    qtbot.waitUntil(lambda: window.bridge.server is None, timeout=30_000)
+    roof.select_hardware("this-machine")
+    window.connect_server(stub)
+    qtbot.waitUntil(lambda: window.bridge.server is not None, timeout=30_000)
+    assert roof.hw_combo.currentData() == chosen != "this-machine"

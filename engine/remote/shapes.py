@@ -1,0 +1,68 @@
+"""What a server's measured decode rate means on a roofline: the model's real shapes, where they can be known.
+
+A server's API names its model but not its shapes. vLLM's /v1/models gives `root`, the directory it loaded; when
+that directory (or the model id) is a Hugging Face directory readable here — a server on this machine, e.g. the
+default model exported with `python -m engine export-hf` — its config.json gives the shapes. Otherwise the caller
+says in one line that they are missing (the user may pick the model from the catalogue instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine import costs
+from engine.config import ModelConfig
+from engine.events import StepCost
+
+
+def server_model_config(model: str, root: str | None) -> tuple[ModelConfig | None, str]:
+    """(config, where it came from) or (None, one line saying what is missing). Imports torch (the HF loader):
+    call it in the engine process."""
+    for cand in (root, model):
+        if not cand:
+            continue
+        d = Path(cand).expanduser()
+        try:
+            if not (d / "config.json").is_file():
+                continue
+        except OSError:
+            continue
+        from engine.loaders.hf import read_config
+
+        try:
+            return read_config(d), f"config.json in {d}"
+        except Exception as e:  # noqa: BLE001 — any unreadable config is reported, not raised
+            return None, f"the server's model shapes are unknown: {d}/config.json could not be read ({e})"
+    where = f" (loaded from {root})" if root and root != model else ""
+    return None, (f"the server's model shapes are unknown: it serves {model!r}{where} and no config.json for it is "
+                  "readable here — pick its model under Model to place the measured rate")
+
+
+@dataclass(frozen=True)
+class MeasuredDecode:
+    """A server's decode as measured from chunk arrivals, costed with the model's shapes."""
+
+    tokens_per_s: float
+    tpot_s: float
+    cost: StepCost  # one decode step at the run's final context
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.cost.flops / self.tpot_s
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.cost.bytes / self.tpot_s
+
+
+def measured_decode(cfg: ModelConfig, context: int, decode_seconds: list[float], weight_dtype: str,
+                    batch: int = 1) -> MeasuredDecode | None:
+    """The decode tokens' arrival gaps (s; 0 inside a chunk) → mean TPOT, tokens/s and the achieved FLOP/s and
+    bytes/s of a decode step at `context` (None before a decode token with time arrived)."""
+    total = float(sum(decode_seconds))
+    if not decode_seconds or total <= 0:
+        return None
+    tpot = total / len(decode_seconds)
+    cost = costs.decode_cost(cfg, max(1, context), batch=batch, weight_dtype=weight_dtype)
+    return MeasuredDecode(tokens_per_s=1.0 / tpot, tpot_s=tpot, cost=cost)
