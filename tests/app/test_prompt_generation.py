@@ -15,6 +15,9 @@ def finish_generation(qtbot, w, start, timeout=30_000):
     """Run `start()` and wait for the bridge's sig_finished (GUI thread), then let every panel draw."""
     with qtbot.waitSignal(w.bridge.sig_finished, timeout=timeout) as blocker:
         assert start() is not False
+    # The panel turns idle on the engine's state message, which may arrive after sig_finished: a test that starts
+    # the next generation at once would otherwise be refused as busy (seen on a loaded machine).
+    qtbot.waitUntil(lambda: w.panels["generation"]._state == "idle", timeout=timeout)
     w.tick_panels(flush=True)
     return blocker.args[0]
 
