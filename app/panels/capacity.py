@@ -32,6 +32,7 @@ from engine.catalog import Hardware, hardware_presets, model_presets
 from engine.config import ModelConfig
 from engine.estimate import estimate
 from engine.events import ModelInfo
+from engine.remote.backend import RemoteTokenSampled
 
 FONT_PT = 9
 LOADED = "__loaded__"
@@ -53,6 +54,10 @@ class CapacityPanel(Panel):
     subscriptions = {
         "sig_model_loaded": "_on_model_loaded",
         "sig_this_machine": "_on_this_machine",
+        "sig_server_connected": "_on_server_connected",
+        "sig_prompt": "_on_prompt",
+        "sig_token": "_on_token",
+        "sig_serve_run": "_on_serve_run",
     }
     help_text = (
         "A back-of-the-envelope serving calculator: pick a model, a chip, a number format, a context length and a "
@@ -67,7 +72,9 @@ class CapacityPanel(Panel):
         "/ bandwidth, in seconds. Per-stream speed = 1 / TPOT, system speed = batch / TPOT (tokens/s): batching "
         "shares one weight read among many sequences. TTFT is one prompt's prefill alone on the chip. The plot "
         "sweeps the batch from 1 to 256: TPOT rises slowly (the cache grows) while system tokens/s climbs almost "
-        "in proportion."
+        "in proportion. Connected to a server, 'TPOT measured' is the server's own: the mean gap between its "
+        "decode tokens in the last generation (batch 1), and each Load lab level's mean TPOT and system tokens/s "
+        "at its concurrency — drawn as stars next to the estimate for the model and chip chosen here."
     )
 
     @staticmethod
@@ -92,6 +99,8 @@ class CapacityPanel(Panel):
         self.result: dict[str, Any] | None = None  # the latest estimate() output
         self.error = ""
         self.sweep: dict[str, np.ndarray] = {}
+        self._server_gaps: list[float] = []  # arrival gaps (s) of the server's decode tokens, last generation
+        self._server_runs: list[tuple[int, float, float]] = []  # Load lab: (concurrency, mean TPOT ms, system tok/s)
         self._font = QtGui.QFont()
         self._font.setPointSize(FONT_PT)
         self._building = True
@@ -171,7 +180,7 @@ class CapacityPanel(Panel):
             ("kv_total", "KV cache total"), ("max_batch", "largest batch"), ("max_context", "longest context"),
             ("intensity", "decode intensity"), ("ridge", "ridge point"), ("tpot_floor", "TPOT floor"),
             ("tpot", "TPOT (roofline)"), ("per_stream", "tokens/s per stream"), ("system", "tokens/s system"),
-            ("ttft", "TTFT estimate"),
+            ("ttft", "TTFT estimate"), ("measured", "TPOT measured"),
         )
         self.captions: dict[str, QtWidgets.QLabel] = {}
         for r, (key, caption) in enumerate(rows):
@@ -246,6 +255,12 @@ class CapacityPanel(Panel):
                                               symbolPen=pg.mkPen(BACKGROUND))
         self.current_system.setLogMode(True, True)
         self.vb2.addItem(self.current_system)
+        self.measured_tpot = pi.plot([], [], pen=None, symbol="star", symbolSize=13, symbolBrush=DECODE_COLOR,
+                                     symbolPen=pg.mkPen("#ffffff", width=1))
+        self.measured_system = pg.PlotDataItem([], [], pen=None, symbol="star", symbolSize=13,
+                                               symbolBrush=SYSTEM_COLOR, symbolPen=pg.mkPen("#ffffff", width=1))
+        self.measured_system.setLogMode(True, True)
+        self.vb2.addItem(self.measured_system)
         self.batch_line = pg.InfiniteLine(angle=90, pen=pg.mkPen(MUTED, width=1, style=QtCore.Qt.PenStyle.DotLine))
         pi.addItem(self.batch_line)
         self.limit_line = pg.InfiniteLine(angle=90, pen=pg.mkPen(ERROR_COLOR, width=1.5,
@@ -337,6 +352,43 @@ class CapacityPanel(Panel):
         if self.model_combo.currentData() == LOADED:
             self.recompute()
 
+    @QtCore.Slot(object)
+    def _on_server_connected(self, _info: object) -> None:
+        self._server_gaps, self._server_runs = [], []
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_prompt(self, _ev: object) -> None:
+        self._server_gaps = []
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_token(self, ev: object) -> None:
+        if isinstance(ev, RemoteTokenSampled) and ev.phase == "decode":
+            self._server_gaps.append(ev.seconds)  # 0 inside a chunk: the chunk's gap covers its tokens
+            self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_serve_run(self, run: dict) -> None:
+        if run.get("completed") and run.get("mean_tpot_ms"):
+            self._server_runs.append((int(run["concurrency"] or 1), float(run["mean_tpot_ms"]),
+                                      float(run["output_throughput"])))
+            self.mark_dirty()
+
+    def measured_tpot_s(self) -> float | None:
+        """The server's mean TPOT in its last generation (None before one with two or more timed tokens)."""
+        total = sum(self._server_gaps)
+        return total / len(self._server_gaps) if self._server_gaps and total > 0 else None
+
+    def measured_points(self) -> list[tuple[float, float, float | None]]:
+        """(batch, TPOT ms, system tok/s or None) the server measured: its last generation, then Load lab levels."""
+        pts: list[tuple[float, float, float | None]] = []
+        tpot = self.measured_tpot_s()
+        if tpot is not None:
+            pts.append((1.0, tpot * 1e3, None))
+        pts += [(float(c), t, s) for c, t, s in self._server_runs]
+        return pts
+
     def _on_input_changed(self, *_args: object) -> None:
         if not self._building:
             self.recompute()
@@ -375,7 +427,7 @@ class CapacityPanel(Panel):
             for v in self.values.values():
                 v.setText("–")
             for item in (self.tpot_curve, self.tpot_estimate_curve, self.system_curve, self.current_tpot,
-                         self.current_system):
+                         self.current_system, self.measured_tpot, self.measured_system):
                 item.setData([], [])
             return
         self._draw_numbers(r)
@@ -413,6 +465,15 @@ class CapacityPanel(Panel):
         v["per_stream"].setText(fmt_rate(r["tokens_per_s_per_stream"]))
         v["system"].setText(fmt_rate(r["tokens_per_s_system"]))
         v["ttft"].setText(f"{fmt_seconds(r['ttft_estimate_s'])}  ({r['prompt_tokens']:,} tokens, {pbound})")
+        server, tpot = self.bridge.server, self.measured_tpot_s()
+        if server is None:
+            v["measured"].setText("– (connect to a server: File → Connect to server…)")
+        elif tpot is None:
+            v["measured"].setText(f"– (generate on {server.model} to measure it)")
+        else:
+            v["measured"].setText(f"{tpot * 1e3:,.2f} ms  ({server.model} on the server, batch 1, "
+                                  f"{len(self._server_gaps)} tokens)")
+        self.values["measured"].setStyleSheet(f"color: {DECODE_COLOR};" if tpot is not None else "")
         colour = OK_COLOR if r["fits"] else ERROR_COLOR
         for key in ("weights", "kv_total"):
             self.captions[key].setStyleSheet(f"color: {colour};")
@@ -430,11 +491,15 @@ class CapacityPanel(Panel):
         batch = r["batch"]
         self.current_tpot.setData([batch], [r["tpot_floor_s"] * 1e3])
         self.current_system.setData([batch], [r["tokens_per_s_system"]])
+        pts = self.measured_points()
+        self.measured_tpot.setData([p[0] for p in pts], [p[1] for p in pts])
+        sys_pts = [p for p in pts if p[2]]
+        self.measured_system.setData([p[0] for p in sys_pts], [p[2] for p in sys_pts])
         x_lo, x_hi = -0.05, math.log10(max(SWEEP_MAX_BATCH, batch)) + 0.05
         pi = self.plot.getPlotItem()
         self.batch_line.setPos(math.log10(batch))
-        tp = self._log_range(np.concatenate([s["tpot_floor_ms"], s["tpot_ms"]]))
-        sy = self._log_range(np.append(s["system"], r["tokens_per_s_system"]))
+        tp = self._log_range(np.concatenate([s["tpot_floor_ms"], s["tpot_ms"], [p[1] for p in pts]]))
+        sy = self._log_range(np.concatenate([s["system"], [r["tokens_per_s_system"]], [p[2] for p in sys_pts]]))
         pi.getViewBox().setRange(xRange=(x_lo, x_hi), yRange=tp, padding=0)
         self.vb2.setRange(yRange=sy, padding=0)
         pi.getAxis("left").setTicks([log_ticks(*tp), []])

@@ -161,3 +161,36 @@ def test_roofline_places_the_servers_measured_decode(qtbot, window, stub):
     window.connect_server(stub)
     qtbot.waitUntil(lambda: window.bridge.server is not None, timeout=30_000)
     assert roof.hw_combo.currentData() == chosen != "this-machine"
+
+
+def test_capacity_shows_the_servers_measured_tpot(qtbot, window, stub):
+    """Capacity's 'TPOT measured' is the server's mean decode gap (reference: the tokens' arrival times), drawn at
+    batch 1 next to the estimate, and each Load lab level adds its mean TPOT and system tok/s at its concurrency."""
+    cap = window.panels["capacity"]
+    window.tick_panels(flush=True)
+    assert "connect to a server" in cap.values["measured"].text()
+    window.connect_server(stub)
+    qtbot.waitUntil(lambda: window.bridge.server is not None, timeout=30_000)
+    tokens = []
+    window.bridge.sig_token.connect(tokens.append)
+    gen = window.panels["generation"]
+    gen.set_text("hi")
+    with qtbot.waitSignal(window.bridge.sig_finished, timeout=30_000):
+        assert gen.generate()
+    window.bridge.sig_token.disconnect(tokens.append)
+    cap.flush()
+    decode = [t for t in tokens if t.phase == "decode"]
+    tpot_ms = (decode[-1].arrival_s - tokens[0].arrival_s) / len(decode) * 1e3
+    assert f"{tpot_ms:,.2f} ms" in cap.values["measured"].text() and "batch 1" in cap.values["measured"].text()
+    np.testing.assert_allclose(cap.measured_tpot.xData, [1.0])
+    np.testing.assert_allclose(cap.measured_tpot.yData, [tpot_ms], rtol=1e-6)
+
+    lab = window.panels["load_lab"]
+    with qtbot.waitSignal(window.bridge.sig_serve_done, timeout=60_000):
+        assert lab.run({"concurrency": [2], "num_prompts": 2, "max_new_tokens": 4, "request_rate": None,
+                        "burstiness": 1.0, "time_limit_s": 30.0})
+    cap.flush()
+    (run,) = lab.runs
+    np.testing.assert_allclose(cap.measured_tpot.xData, [1.0, 2.0])
+    np.testing.assert_allclose(cap.measured_tpot.yData, [tpot_ms, run["mean_tpot_ms"]], rtol=1e-6)
+    np.testing.assert_allclose(cap.measured_system.yData, [run["output_throughput"]])
