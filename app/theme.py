@@ -191,3 +191,18 @@ def set_number_cell(table: QtWidgets.QTableWidget, row: int, col: int, text: str
         item.setTextAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
         table.setItem(row, col, item)
     item.setText(text)
+
+
+def wrap_title(pi, widget_width: float) -> None:
+    """Let a plot's title wrap within its widget's width and size its row to the wrapped lines.
+
+    pyqtgraph gives a title the minimum width of its longest line and a row of one line's height: in a narrow dock
+    that widens the plot past its widget (clipping the title and the plot) or cuts the lines below the first.
+    """
+    label = pi.titleLabel
+    label.item.setTextWidth(max(80.0, widget_width - pi.getAxis("left").width() - 12))
+    label.setMinimumWidth(10)
+    label.setPreferredWidth(10)
+    height = label.item.boundingRect().height() + 2
+    label.setMaximumHeight(height)
+    pi.layout.setRowFixedHeight(0, height)

@@ -22,6 +22,7 @@ from app.theme import (
     set_number_cell,
     show_empty,
     style_plot,
+    wrap_title,
 )
 from engine import costs
 from engine.config import ModelConfig
@@ -232,6 +233,7 @@ class KVCachePanel(Panel):
             return
         self.empty_note.setVisible(False)
         pi.setTitle(KEY_HTML, size=f"{FONT_PT}pt", color=FOREGROUND)
+        wrap_title(pi, self.plot.width())
         pi.getViewBox().enableAutoRange()
         first = evs[0]
         start = first.n_tokens - (first.n_tokens if first.step == 0 else 1)

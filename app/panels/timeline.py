@@ -13,7 +13,17 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from app.panels.base import Panel
-from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, PREFILL_COLOR, placeholder, show_empty, style_plot
+from app.theme import (
+    ACCENT,
+    BACKGROUND,
+    DECODE_COLOR,
+    FOREGROUND,
+    PREFILL_COLOR,
+    placeholder,
+    show_empty,
+    style_plot,
+    wrap_title,
+)
 from app.units import fmt_bytes
 from engine import costs
 from engine.config import ModelConfig
@@ -202,12 +212,7 @@ class TimelinePanel(Panel):
         self.tpot_line.setPos(s["tpot_s"])
         pi = self.plot.getPlotItem()
         pi.setTitle(self.stats_text(), size=f"{FONT_PT}pt", color=FOREGROUND)
-        # a narrow dock wraps the title's lines (never clips them, never pushes the plot out of view)
-        pi.titleLabel.item.setTextWidth(max(80.0, self.plot.width() - pi.getAxis("left").width() - 12))
-        pi.titleLabel.setMinimumWidth(10)
-        height = pi.titleLabel.item.boundingRect().height() + 2  # setTitle fixes the row at 30 px: one line
-        pi.titleLabel.setMaximumHeight(height)
-        pi.layout.setRowFixedHeight(0, height)
+        wrap_title(pi, self.plot.width())
         if steps:
             self.empty_note.setVisible(False)
             pi.getViewBox().setRange(xRange=(-0.6, max(steps) + 0.6), yRange=(0, max(secs) * 1.08), padding=0)

@@ -1,6 +1,6 @@
-"""The timeline's text never sits on its bars: with decode steps as tall as their mean (a short prompt, where the
-prefill takes about one decode step) any label on the TPOT-mean line would cross them; the line is keyed in the
-title instead. Checked geometrically: every visible text item in the plot against every bar, in scene pixels."""
+"""Plot titles and labels: the timeline's text never sits on its bars (with decode steps as tall as their mean, a
+label on the TPOT-mean line would cross them, so the line is keyed in the title; checked geometrically, every
+visible text item against every bar in scene pixels), and titles fit a narrow dock: wrapped, never clipped."""
 
 from __future__ import annotations
 
@@ -56,3 +56,23 @@ def test_the_title_fits_a_narrow_dock(qtbot, bridge):
     title = pi.titleLabel.item.boundingRect()
     assert title.width() <= width - pi.getAxis("left").width() and pi.width() <= width, panel.stats_text()
     assert pi.layout.rowMinimumHeight(0) >= title.height()  # every (wrapped) line shows
+
+
+def test_kv_cache_key_fits_a_narrow_dock(qtbot, bridge, tiny_lm):
+    from app.panels import kv_cache
+    from engine.events import KVCacheGrew
+
+    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))
+    panel = kv_cache.PANEL(bridge)
+    qtbot.addWidget(panel)
+    panel.resize(220, 420)
+    panel.show()
+    bridge.sig_kv.emit(KVCacheGrew(step=0, n_tokens=7, bytes_used=3584, bytes_allocated=4096))
+    panel.flush()
+    qtbot.wait(10)
+    panel.flush()
+    pi = panel.plot.getPlotItem()
+    width = panel.plot.width()
+    title = pi.titleLabel.item.boundingRect()
+    assert "allocated" in pi.titleLabel.text and pi.width() <= width and title.width() <= width
+    assert pi.layout.rowMinimumHeight(0) >= title.height()
