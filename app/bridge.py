@@ -146,6 +146,9 @@ class Bridge(QtCore.QObject):
     """Load lab: the figures of one concurrency level (a dict with `vllm bench serve`'s keys)."""
     sig_serve_done = QtCore.Signal(str)
     """Load lab ended: "" when complete, else why it stopped."""
+    sig_server_tokens = QtCore.Signal(object)
+    """The server's tokenization of a prompt: (request_id, text, PromptTokenized or None, error, chat
+    PromptTokenized or None, chat error), from the engine process."""
 
     _ROUTES = (
         (PromptTokenized, "sig_prompt"), (AttentionCaptured, "sig_attention"), (ResidualNorms, "sig_norms"),
@@ -271,6 +274,13 @@ class Bridge(QtCore.QObject):
     def cancel_serve_bench(self) -> None:
         self._post("cancel_serve_bench")
 
+    def server_tokenize(self, text: str, chat: bool = False) -> int:
+        """Ask the engine process for the connected server's tokenization of `text` (sig_server_tokens answers;
+        only the newest request queued is served)."""
+        self._tokenize_id = getattr(self, "_tokenize_id", 0) + 1
+        self._post("server_tokenize", (self._tokenize_id, text, bool(chat)))
+        return self._tokenize_id
+
     def select_step(self, step: int) -> None:
         self.sig_step_selected.emit(int(step))
 
@@ -337,6 +347,8 @@ class Bridge(QtCore.QObject):
                 self.sig_serve_run.emit(arg)
             elif kind == "serve_done":
                 self.sig_serve_done.emit(arg)
+            elif kind == "server_tokens":
+                self.sig_server_tokens.emit(arg)
             elif kind == "state":
                 self.state = arg
                 self.sig_state.emit(arg)

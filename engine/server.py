@@ -219,6 +219,7 @@ class EngineServer:
         self.params = req.params
         paused, steps = req.start_paused, 0
         deferred_preview = None  # the newest preview asked for during the generation, run once it has ended
+        deferred_tokenize = None  # the newest server tokenization asked for meanwhile (one HTTP call at a time)
         self.send(("state", "paused" if paused else "generating"))
         for ev in gen:
             self.send(ev)
@@ -262,11 +263,15 @@ class EngineServer:
                     break
                 elif kind == "preview":
                     deferred_preview = cmd  # the KV cache belongs to the generation until it ends
+                elif kind == "server_tokenize":
+                    deferred_tokenize = cmd
             if steps:
                 steps -= 1
         self.send(("state", "idle"))
         if deferred_preview is not None:
             self.pending.append(deferred_preview)
+        if deferred_tokenize is not None:
+            self.pending.append(deferred_tokenize)
 
     def batch_bench(self, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int) -> None:
         import psutil

@@ -2,6 +2,9 @@
 
 Tokenizing runs in the GUI thread on every edit: the tokenizer is Rust BPE plus a few numpy sums, and the
 highlighter repaints only colours, so a 2,000-token prompt re-tokenizes and re-paints within one frame.
+Connected to a server with a tokenize endpoint, the boundaries are the server's own: asked for in the engine process
+(engine.remote.worker.server_tokenize, never on the GUI thread) 250 ms after the last edit, and labelled as the
+server's; a server without one falls back to the local tokenizer and says so in one line.
 """
 
 from __future__ import annotations
@@ -54,18 +57,31 @@ def prompt_segments(tok: Tokenization) -> tuple[Segments, list[int]]:
     return seg, kinds
 
 
+def as_tokenization(ev) -> Tokenization:
+    """A server's PromptTokenized as the Tokenization the highlighter draws (a server reports no skipped bytes)."""
+    return Tokenization(text=ev.text, ids=[int(i) for i in ev.ids], pieces=list(ev.pieces),
+                        offsets=[tuple(o) for o in ev.offsets], byte_offsets=[tuple(o) for o in ev.byte_offsets],
+                        special=[bool(s) for s in ev.special], unrepresentable=[])
+
+
 class PromptPanel(Panel):
     title = "Prompt"
     object_name = "dock_prompt"
     subscriptions = {
         "sig_model_loaded": "_on_model_loaded",
+        "sig_server_connected": "_on_server_connected",
+        "sig_server_tokens": "_on_server_tokens",
     }
+    SERVER_DEBOUNCE_MS = 250
     help_text = (
         "Type a prompt. The coloured boxes over the text are the model's tokens: the units it actually reads. "
         "Hover a token for its id, its text piece (· is a space, ↵ a newline), and the bytes and characters it "
         "covers. The counters show how many tokens the text costs; English prose averages roughly 0.75 words per "
         "token, code and other languages usually fewer. 'Chat template' shows the prompt as the model receives it "
-        "in chat mode: wrapped in the template's role markers, which are special tokens (purple)."
+        "in chat mode: wrapped in the template's role markers, which are special tokens (purple). Connected to a "
+        "server, the boundaries come from the server's own tokenizer (vLLM /tokenize, llama.cpp /tokenize), asked "
+        "a moment after you stop typing; a server without a tokenize endpoint shows the local model's instead and "
+        "says so."
     )
 
     sig_text_changed = QtCore.Signal(str)
@@ -79,6 +95,11 @@ class PromptPanel(Panel):
         self.chat_tok: Tokenization | None = None
         self.last_tokenize_ms = 0.0  # time of the last re-tokenize + re-highlight, for the curious
         self._text = ""
+        self._server_request = 0  # the id of the newest server tokenization asked for (0: none pending)
+        self._server_timer = QtCore.QTimer(self)
+        self._server_timer.setSingleShot(True)
+        self._server_timer.setInterval(self.SERVER_DEBOUNCE_MS)
+        self._server_timer.timeout.connect(self._ask_server)
 
         self.editor = TokenTextEdit(self)
         self.editor.setPlaceholderText("Type a prompt…")
@@ -102,6 +123,10 @@ class PromptPanel(Panel):
         self.warning.setWordWrap(True)
         self.warning.setStyleSheet(f"color: {theme.ERROR_COLOR};")
         self.warning.hide()
+        self.source_label = QtWidgets.QLabel("")
+        self.source_label.setWordWrap(True)
+        self.source_label.setStyleSheet(f"color: {theme.MUTED};")
+        self.source_label.hide()
         self.chat_label = QtWidgets.QLabel("As the model sees it (chat template, special tokens in purple):")
         self.chat_label.setStyleSheet(f"color: {theme.MUTED};")
 
@@ -128,6 +153,7 @@ class PromptPanel(Panel):
         layout.setSpacing(3)
         layout.addLayout(top)
         layout.addWidget(self.warning)
+        layout.addWidget(self.source_label)
         layout.addWidget(self.splitter, 1)
 
         self.editor.textChanged.connect(self._on_text_changed)
@@ -154,6 +180,48 @@ class PromptPanel(Panel):
         self._text = self.text()
         self.retokenize()
 
+    @QtCore.Slot(object)
+    def _on_server_connected(self, _info) -> None:
+        self.retokenize()
+
+    def _server(self):
+        """The connected server's ServerInfo, or None while generating locally."""
+        return self.bridge.server
+
+    @QtCore.Slot()
+    def _ask_server(self) -> None:
+        if self._server() is not None:
+            self._server_request = self.bridge.server_tokenize(self._text, self.chat())
+
+    @QtCore.Slot(object)
+    def _on_server_tokens(self, answer) -> None:
+        request_id, text, tok, error, chat_tok, chat_error = answer
+        server = self._server()
+        if request_id != self._server_request or text != self._text or server is None:
+            return  # superseded by a newer edit (its answer is on the way)
+        self._server_request = 0
+        if tok is None:
+            self._local_tokenize(f"The server could not tokenize ({error}): the boundaries shown are the local "
+                                 "model's tokenizer, which may not be the server's.")
+            return
+        self.tok = as_tokenization(tok)
+        self.warning.hide()
+        self.editor.highlighter.set_segments(*prompt_segments(self.tok))
+        self._set_source(f"Token boundaries from the server's own tokenizer ({server.kind} {server.tokenize}, "
+                         f"{server.model}).")
+        if self.chat():
+            if chat_tok is not None:
+                self._show_chat(as_tokenization(chat_tok))
+            else:
+                self.chat_tok = None
+                self.chat_view.highlighter.clear_segments(rehighlight=False)
+                self.chat_view.setPlainText(f"(the server's chat tokenization is not available: {chat_error})")
+        self._update_counters()
+
+    def _set_source(self, line: str) -> None:
+        self.source_label.setText(line)
+        self.source_label.setVisible(bool(line))
+
     @QtCore.Slot()
     def _on_text_changed(self) -> None:
         text = self.text()
@@ -171,7 +239,22 @@ class PromptPanel(Panel):
 
     # ---- work ----
     def retokenize(self) -> None:
-        """Tokenize the text (and its chat-wrapped form when shown) and repaint the boundaries now."""
+        """Tokenize the text (and its chat-wrapped form when shown) and repaint the boundaries now; connected to a
+        server with a tokenize endpoint, ask it instead (debounced, answered through sig_server_tokens)."""
+        server = self._server()
+        if server is not None and server.tokenize:
+            self.tok = self.chat_tok = None
+            self.editor.highlighter.clear_segments()  # the old boundaries do not fit the new text
+            self._server_request = -1  # pending: the timer sends it
+            self._server_timer.start()
+            self._update_counters()
+            return
+        self._local_tokenize("" if server is None else
+                             f"This {server.kind} server has no tokenize endpoint: the boundaries shown are the "
+                             "local model's tokenizer, which may not be the server's.")
+
+    def _local_tokenize(self, note: str = "") -> None:
+        self._set_source(note)
         t0 = time.perf_counter()
         tokenizer = self.bridge.tokenizer
         text = self._text
@@ -200,7 +283,11 @@ class PromptPanel(Panel):
             self.chat_view.highlighter.clear_segments(rehighlight=False)
             self.chat_view.setPlainText(f"(the chat template failed: {e})")
             return
-        self.chat_tok = tokenizer.encode(wrapped)
+        self._show_chat(tokenizer.encode(wrapped))
+
+    def _show_chat(self, chat_tok: Tokenization) -> None:
+        self.chat_tok = chat_tok
+        wrapped = chat_tok.text
         bar = self.chat_view.verticalScrollBar()
         scroll = bar.value()
         self.chat_view.highlighter.set_segments(*prompt_segments(self.chat_tok), rehighlight=False)
@@ -229,7 +316,9 @@ class PromptPanel(Panel):
         text = self._text
         n_chars, n_words = len(text), len(text.split())
         parts = [f"{n_chars:,} characters", f"{n_words:,} words"]
-        if self.tok is None:
+        if self.tok is None and self._server_request:
+            parts.append("tokens: asking the server…")
+        elif self.tok is None:
             parts.append("tokens: waiting for the model" if self.bridge.tokenizer is None else "tokens: –")
         else:
             n_tok = len(self.tok.ids)

@@ -1,8 +1,10 @@
 """The remote backend inside the engine process (engine.server): connect, generate, preview and serve-bench.
 
-Commands: connect (url, api_key) · disconnect · serve_bench dict · cancel_serve_bench.
+Commands: connect (url, api_key) · disconnect · serve_bench dict · cancel_serve_bench ·
+server_tokenize (request_id, text, chat).
 Notices out: connected ServerInfo · connect_failed str · serve_progress (fraction, message) ·
-serve_request RequestResult · serve_metrics (t, ServerMetrics) · serve_run dict · serve_done str.
+serve_request RequestResult · serve_metrics (t, ServerMetrics) · serve_run dict · serve_done str ·
+server_tokens (request_id, text, PromptTokenized or None, error, chat PromptTokenized or None, chat error).
 The API key lives in this process's memory only; it is never written anywhere.
 """
 
@@ -135,6 +137,36 @@ def serve_bench(server, cfg: dict) -> None:
     server.send(("serve_done", "cancelled" if cancel.is_set() else result.get("error", "")))
 
 
+def server_tokenize(server, request_id: int, text: str, chat: bool) -> None:
+    """The server's own tokenization of the prompt (and of its chat form), for the Prompt panel. Superseded
+    requests queued behind this one are dropped: only the newest text is asked for."""
+    later = []
+    while (nxt := server.next_command(0)) is not None:
+        if nxt[0] == "server_tokenize":
+            request_id, text, chat = nxt[1]
+        else:
+            later.append(nxt)
+        if nxt[0] == "quit":
+            break
+    server.pending.extend(later)
+    sess = server.session
+    if not getattr(sess, "is_remote", False):
+        server.send(("server_tokens", (request_id, text, None, "not connected to a server", None, "")))
+        return
+    tok = tok_chat = None
+    err = err_chat = ""
+    try:
+        tok = sess.backend.tokenize(text)
+    except (RemoteError, KeyError, TypeError, ValueError) as e:
+        err = str(e) if isinstance(e, RemoteError) else f"the server's tokenize answer was not understood ({e})"
+    if chat and tok is not None:
+        try:
+            tok_chat = sess.backend.tokenize(text, chat=True)
+        except (RemoteError, KeyError, TypeError, ValueError) as e:
+            err_chat = str(e)
+    server.send(("server_tokens", (request_id, text, tok, err, tok_chat, err_chat)))
+
+
 def handle(server, kind: str, arg) -> bool:
     """Run a remote command; False when `kind` is not one."""
     if kind == "connect":
@@ -143,6 +175,8 @@ def handle(server, kind: str, arg) -> bool:
         disconnect(server)
     elif kind == "serve_bench":
         serve_bench(server, arg)
+    elif kind == "server_tokenize":
+        server_tokenize(server, *arg)
     elif kind == "cancel_serve_bench":
         pass  # no bench running
     else:

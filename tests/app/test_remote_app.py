@@ -3,6 +3,7 @@ tests/remote/test_real_servers.py runs the app against a real vLLM)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from http.server import ThreadingHTTPServer
 
@@ -194,3 +195,81 @@ def test_capacity_shows_the_servers_measured_tpot(qtbot, window, stub):
     np.testing.assert_allclose(cap.measured_tpot.xData, [1.0, 2.0])
     np.testing.assert_allclose(cap.measured_tpot.yData, [tpot_ms, run["mean_tpot_ms"]], rtol=1e-6)
     np.testing.assert_allclose(cap.measured_system.yData, [run["output_throughput"]])
+
+
+def gpt2_byte_string(b: bytes) -> str:
+    """GPT-2's bytes_to_unicode, written out here as the reference: printable bytes stand for themselves, the
+    other 68 map to U+0100 onward in byte order."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    table, n = {}, 0
+    for v in range(256):
+        if v in keep:
+            table[v] = chr(v)
+        else:
+            table[v], n = chr(256 + n), n + 1
+    return "".join(table[v] for v in b)
+
+
+class TokenizingHandler(Handler):
+    """A vLLM-like stub: /v1/models says vLLM, /tokenize splits on spaces and returns vocabulary strings (Ġ for
+    a leading space, as byte-level BPE writes it) with their ids; it counts the tokenize calls."""
+
+    def do_GET(self):  # noqa: N802
+        if self.path == "/v1/models":
+            self._send(200, json.dumps({"object": "list", "data": [{"id": "m", "owned_by": "vllm"}]}).encode())
+        else:
+            super().do_GET()
+
+    def do_POST(self):  # noqa: N802
+        if self.path != "/tokenize":
+            return super().do_POST()
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        if "prompt" not in body:  # a chat prompt's tokens: not offered by this stub
+            return self._send(400, b'{"error": {"message": "no chat template"}}')
+        self.server.tokenize_calls.append(body["prompt"])
+        words = body["prompt"].split(" ")
+        strs = [gpt2_byte_string((" " if i else "").encode() + w.encode()) for i, w in enumerate(words)]
+        self._send(200, json.dumps({"tokens": [100 + i for i in range(len(strs))], "token_strs": strs,
+                                    "count": len(strs)}).encode())
+
+
+@pytest.fixture
+def tokenizing_stub():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), TokenizingHandler)
+    srv.mode, srv.tokenize_calls = "ok", []
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_prompt_shows_the_servers_tokens(qtbot, window, tokenizing_stub):
+    """Connected, the Prompt panel's boundaries are the server's /tokenize answer (reference: the stub's own split),
+    asked once after a burst of edits, labelled as the server's."""
+    srv = tokenizing_stub
+    prompt = window.panels["prompt"]
+    window.connect_server(f"http://127.0.0.1:{srv.server_address[1]}")
+    qtbot.waitUntil(lambda: window.bridge.server is not None, timeout=30_000)
+    assert window.bridge.server.tokenize == "/tokenize"
+    srv.tokenize_calls.clear()
+    for text in ("the", "the cat", "the cat sat", "héllo the cat sat"):
+        prompt.set_text(text)  # a burst of edits within the debounce
+    assert prompt.tok is None and "asking the server" in prompt.counters.text()
+    qtbot.waitUntil(lambda: prompt.tok is not None, timeout=30_000)
+    assert srv.tokenize_calls == ["héllo the cat sat"]  # debounced: only the last text was asked for
+    assert prompt.tok.ids == [100, 101, 102, 103]
+    assert prompt.tok.pieces == ["héllo", " the", " cat", " sat"]  # Ġ read back as a space
+    assert prompt.tok.offsets == [(0, 5), (5, 9), (9, 13), (13, 17)]
+    assert prompt.tok.byte_offsets == [(0, 6), (6, 10), (10, 14), (14, 18)]  # é is two bytes
+    assert "server's own tokenizer" in prompt.source_label.text() and prompt.source_label.isVisibleTo(prompt)
+    assert "<b>4 tokens</b>" in prompt.counters.text()
+
+
+def test_prompt_falls_back_when_the_server_cannot_tokenize(qtbot, window, stub):
+    prompt = window.panels["prompt"]
+    window.connect_server(stub)
+    qtbot.waitUntil(lambda: window.bridge.server is not None, timeout=30_000)
+    prompt.set_text("the cat")
+    assert prompt.tok is not None and prompt.tok.ids == window.bridge.tokenizer.encode("the cat").ids
+    line = prompt.source_label.text()
+    assert "has no tokenize endpoint" in line and "local model's tokenizer" in line and "\n" not in line
