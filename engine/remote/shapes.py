@@ -2,7 +2,8 @@
 
 A server's API names its model but not its shapes. vLLM's /v1/models gives `root`, the directory it loaded; when
 that directory (or the model id) is a Hugging Face directory readable here — a server on this machine, e.g. the
-default model exported with `python -m engine export-hf` — its config.json gives the shapes. Otherwise the caller
+default model exported with `python -m engine export-hf` — its config.json gives the shapes; llama.cpp's servers name
+the model by its GGUF path, whose metadata gives them when the file is readable here. Otherwise the caller
 says in one line that they are missing (the user may pick the model from the catalogue instead).
 """
 
@@ -24,10 +25,18 @@ def server_model_config(model: str, root: str | None) -> tuple[ModelConfig | Non
             continue
         d = Path(cand).expanduser()
         try:
-            if not (d / "config.json").is_file():
+            is_gguf = d.suffix.lower() == ".gguf" and d.is_file()
+            if not is_gguf and not (d / "config.json").is_file():
                 continue
         except OSError:
             continue
+        if is_gguf:  # llama.cpp's servers name the model by the GGUF file they loaded
+            from engine.loaders import gguf
+
+            try:
+                return gguf.read_config(gguf.open_reader(d), d.stem), f"metadata of {d}"
+            except Exception as e:  # noqa: BLE001 — any unreadable file is reported, not raised
+                return None, f"the server's model shapes are unknown: {d} could not be read ({e})"
         from engine.loaders.hf import read_config
 
         try:
@@ -35,8 +44,8 @@ def server_model_config(model: str, root: str | None) -> tuple[ModelConfig | Non
         except Exception as e:  # noqa: BLE001 — any unreadable config is reported, not raised
             return None, f"the server's model shapes are unknown: {d}/config.json could not be read ({e})"
     where = f" (loaded from {root})" if root and root != model else ""
-    return None, (f"the server's model shapes are unknown: it serves {model!r}{where} and no config.json for it is "
-                  "readable here — pick its model under Model to place the measured rate")
+    return None, (f"the server's model shapes are unknown: it serves {model!r}{where} and no config.json or GGUF "
+                  "for it is readable here — pick its model under Model to place the measured rate")
 
 
 @dataclass(frozen=True)

@@ -46,3 +46,14 @@ def test_measured_decode_rate(tmp_path):
     assert m.flops_per_s == pytest.approx(m.cost.flops / 0.024)
     assert m.cost.flops == pytest.approx(2 * 134_515_008, rel=0.05)
     assert measured_decode(cfg, 100, [], "bf16") is None and measured_decode(cfg, 100, [0.0], "bf16") is None
+
+
+def test_a_gguf_model_path_gives_the_same_shapes_as_its_hf_directory(tiny_dir):
+    """llama.cpp's servers name the model by its GGUF path: its metadata gives the shapes, equal to those the same
+    checkpoint's config.json gives (two independent readers)."""
+    from_gguf, source = server_model_config(str(tiny_dir.gguf), None)
+    from_hf, _ = server_model_config("tiny", str(tiny_dir.hf_dir))
+    assert from_gguf is not None and str(tiny_dir.gguf) in source
+    for key in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "tied_embeddings"):
+        assert getattr(from_gguf, key) == getattr(from_hf, key), key
+    assert costs.n_params(from_gguf) == costs.n_params(from_hf)
