@@ -120,7 +120,12 @@ class LoadLabPanel(Panel):
                          ("rate", self.rate_spin), ("burst", self.burst_spin), ("limit s", self.limit_spin)):
             row.addWidget(QtWidgets.QLabel(label))
             row.addWidget(w)
-        row.addWidget(QtWidgets.QLabel("SLO ms"))
+        row.addStretch(1)
+        # SLOs and the buttons on a second row: one row of every control made the dock (and so the window's
+        # default layout) wider than 1600 px
+        row2 = QtWidgets.QHBoxLayout()
+        row2.setContentsMargins(0, 0, 0, 0)
+        row2.addWidget(QtWidgets.QLabel("SLO ms"))
         self.slo_spins = {}
         for key, name in (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2el", "E2EL")):
             spin = self._spin(0, 1e6, 0, f"{name} SLO in ms for goodput (0 = no SLO on {name})", decimals=3)
@@ -128,8 +133,8 @@ class LoadLabPanel(Panel):
             spin.setSpecialValueText(f"{name} off")
             spin.setMinimumWidth(105)
             self.slo_spins[key] = spin
-            row.addWidget(spin)
-        row.addStretch(1)
+            row2.addWidget(spin)
+        row2.addStretch(1)
         self.run_button = QtWidgets.QPushButton("Run")
         self.run_button.clicked.connect(lambda: self.run())
         self.cancel_button = QtWidgets.QPushButton("Cancel")
@@ -137,7 +142,7 @@ class LoadLabPanel(Panel):
         self.export_button = QtWidgets.QPushButton("Export…")
         self.export_button.clicked.connect(self._export_dialog)
         for b in (self.run_button, self.cancel_button, self.export_button):
-            row.addWidget(b)
+            row2.addWidget(b)
 
         self.progress = QtWidgets.QProgressBar()
         self.progress.setRange(0, 1000)
@@ -189,6 +194,7 @@ class LoadLabPanel(Panel):
         lay = QtWidgets.QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addLayout(row)
+        lay.addLayout(row2)
         lay.addWidget(self.progress)
         lay.addWidget(self.status_label)
         lay.addWidget(self.tabs, 1)
