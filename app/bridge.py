@@ -134,6 +134,8 @@ class Bridge(QtCore.QObject):
     """The sampling settings changed (SamplingParams); panels re-draw the funnel without re-running the model."""
     sig_server_connected = QtCore.Signal(object)
     """Connected to a server: engine.remote.client.ServerInfo (generations now run there)."""
+    sig_server_disconnected = QtCore.Signal()
+    """Disconnected from the server: generations (and tokenization) are the local model's again."""
     sig_server_failed = QtCore.Signal(str)
     """Connecting to a server failed: one sentence for the user."""
     sig_server_metrics = QtCore.Signal(object)
@@ -337,6 +339,7 @@ class Bridge(QtCore.QObject):
                 self.sig_server_failed.emit(arg)
             elif kind == "disconnected":
                 self.server = None
+                self.sig_server_disconnected.emit()
             elif kind == "serve_progress":
                 self.sig_serve_progress.emit(float(arg[0]), str(arg[1]))
             elif kind == "serve_request":

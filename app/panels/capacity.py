@@ -55,6 +55,7 @@ class CapacityPanel(Panel):
         "sig_model_loaded": "_on_model_loaded",
         "sig_this_machine": "_on_this_machine",
         "sig_server_connected": "_on_server_connected",
+        "sig_server_disconnected": "_on_server_connected",
         "sig_prompt": "_on_prompt",
         "sig_token": "_on_token",
         "sig_serve_run": "_on_serve_run",
@@ -353,7 +354,7 @@ class CapacityPanel(Panel):
             self.recompute()
 
     @QtCore.Slot(object)
-    def _on_server_connected(self, _info: object) -> None:
+    def _on_server_connected(self, _info: object = None) -> None:
         self._server_gaps, self._server_runs = [], []
         self.mark_dirty()
 

@@ -70,6 +70,7 @@ class PromptPanel(Panel):
     subscriptions = {
         "sig_model_loaded": "_on_model_loaded",
         "sig_server_connected": "_on_server_connected",
+        "sig_server_disconnected": "_on_server_disconnected",
         "sig_server_tokens": "_on_server_tokens",
     }
     SERVER_DEBOUNCE_MS = 250
@@ -183,6 +184,12 @@ class PromptPanel(Panel):
     @QtCore.Slot(object)
     def _on_server_connected(self, _info) -> None:
         self.retokenize()
+
+    @QtCore.Slot()
+    def _on_server_disconnected(self) -> None:
+        self._server_request = 0
+        self._server_timer.stop()
+        self.retokenize()  # the local tokenizer's boundaries again
 
     def _server(self):
         """The connected server's ServerInfo, or None while generating locally."""

@@ -70,6 +70,7 @@ class RooflinePanel(Panel):
         "sig_prefill": "_on_prefill",
         "sig_token": "_on_token",
         "sig_server_connected": "_on_server_connected",
+        "sig_server_disconnected": "mark_dirty",
     }
     help_text = (
         "The roofline model. A step does F floating-point operations and moves B bytes to or from memory; its "

@@ -264,6 +264,11 @@ def test_prompt_shows_the_servers_tokens(qtbot, window, tokenizing_stub):
     assert "server's own tokenizer" in prompt.source_label.text() and prompt.source_label.isVisibleTo(prompt)
     assert "<b>4 tokens</b>" in prompt.counters.text()
 
+    window.disconnect_server()  # the local tokenizer's boundaries again, without the server's label
+    qtbot.waitUntil(lambda: window.bridge.server is None, timeout=30_000)
+    assert prompt.tok.ids == window.bridge.tokenizer.encode("héllo the cat sat").ids
+    assert not prompt.source_label.isVisibleTo(prompt)
+
 
 def test_prompt_falls_back_when_the_server_cannot_tokenize(qtbot, window, stub):
     prompt = window.panels["prompt"]
