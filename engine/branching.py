@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from engine.tokenizer import Tokenization, Tokenizer
+from engine.tokenizer import Tokenization, Tokenizer, char_spans
 
 
 def parse_force(items: Sequence[str]) -> dict[int, int]:
@@ -62,12 +62,7 @@ def tokenization_of(tokenizer: Tokenizer, ids: Sequence[int]) -> Tokenization:
     starts = ends - np.asarray([len(b) for b in raw], dtype=np.int64)
     byte_offsets = list(zip(starts.tolist(), ends.tolist(), strict=True))
     if data == text.encode("utf-8") and len(data) != len(text):
-        cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        char_len = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
-        byte_to_char = np.append(np.repeat(np.arange(len(text), dtype=np.int64), char_len), len(text))
-        cstart = byte_to_char[starts]
-        cend = np.where(ends > starts, byte_to_char[np.maximum(ends - 1, 0)] + 1, cstart)
-        offsets = list(zip(cstart.tolist(), cend.tolist(), strict=True))
+        offsets = char_spans(text, starts, ends)
     elif len(data) == len(text):
         offsets = byte_offsets
     else:  # invalid UTF-8 somewhere: character spans are only approximate, clip them to the text

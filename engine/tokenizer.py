@@ -1056,12 +1056,7 @@ class Tokenizer:
         if len(data) == len(text):
             offsets = byte_offsets
         else:
-            cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-            char_len = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
-            byte_to_char = np.append(np.repeat(np.arange(len(text), dtype=np.int64), char_len), len(text))
-            cstart = byte_to_char[starts]
-            cend = np.where(ends > starts, byte_to_char[np.maximum(ends - 1, 0)] + 1, cstart)
-            offsets = list(zip(cstart.tolist(), cend.tolist(), strict=True))
+            offsets = char_spans(text, starts, ends)
 
         return Tokenization(
             text=text,
@@ -1307,3 +1302,14 @@ class StreamDecoder:
         text = self._decoder.decode(b"", final=True)
         self._decoder.reset()
         return text
+
+
+def char_spans(text: str, starts: np.ndarray, ends: np.ndarray) -> list[tuple[int, int]]:
+    """Character spans of byte spans over text's UTF-8 encoding (a span inside a multi-byte character gets that
+    character's span; an empty span stays empty at its start)."""
+    cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    char_len = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
+    byte_to_char = np.append(np.repeat(np.arange(len(text), dtype=np.int64), char_len), len(text))
+    cstart = byte_to_char[starts]
+    cend = np.where(ends > starts, byte_to_char[np.maximum(ends - 1, 0)] + 1, cstart)
+    return list(zip(cstart.tolist(), cend.tolist(), strict=True))
