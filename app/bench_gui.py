@@ -121,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     # ignore_eos is not a GUI knob: a short answer simply ends early; the stats still hold
     done.exec()
     timer.stop()
+    # What arrived with the last tokens is drawn now (a short run can end between two ticks of the shared timer,
+    # and a panel's last update would otherwise go uncounted: the smoke test then saw a panel with no draw).
+    win.tick_panels(flush=True)
+    for _ in range(3):
+        app.processEvents()
     painted = paints.stop(app)
     elapsed = time.perf_counter() - t_start
     if "ev" not in finished:
