@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 
@@ -38,6 +41,18 @@ def callback_errors():
     errors = CallbackErrors()
     yield errors
     assert errors.count == errors.accepted, f"a Qt callback raised (caught by the guard): {errors.reporter.last}"
+
+
+@pytest.fixture(autouse=True)
+def _hardware_cache_untouched():
+    """A test that measures this machine must not leave its figures to later tests (they expect none measured)."""
+    path = Path(os.environ["INFERENCE_LAB_CACHE"]) / "hardware.json"
+    before = path.read_bytes() if path.exists() else None
+    yield
+    if before is None:
+        path.unlink(missing_ok=True)
+    else:
+        path.write_bytes(before)
 
 
 @pytest.fixture
