@@ -28,8 +28,15 @@ from collections import deque
 
 SLOWER_THAN_ONE = 0.9  # many threads must beat this fraction of one thread's time per byte, or one thread wins
 SUDDEN_SLOWDOWN = 1.5  # a many-thread step this much slower than the best recent ones → probe one thread
+CLEAR_LOSS = 1.5  # a many-thread step this much slower than one thread's estimate switches at once; a step between
+# SLOWER_THAN_ONE and this switches only when the next step is slow too (on a quiet machine single steps jitter to
+# ~1.1 × the one-thread time, and each such switch cost four one-thread steps: auto was 1.31 × two threads)
 REFRESH = 256  # steps after which the one-thread estimate is stale and probed again (~0.5 % of quiet time)
 PROBE_STEPS = 2  # one-thread steps per probe
+# /proc/stat and os.times() count 10 ms ticks, sampled at different instants: over a 28-ms decode step the
+# difference was off by one or two ticks (0.4–0.7 cores of phantom load), which kept `auto` at one thread on an idle
+# machine for whole runs; a quarter second bounds that error near 0.08 cores
+MIN_WINDOW_S = 0.25
 IDLE_SHARE = 0.4  # many threads are tried again only if others used at most this share of the other cores
 BACKOFF_MIN, BACKOFF_MAX = 4, 256  # steps before one thread tries many again, doubled after each failed try
 
@@ -79,18 +86,34 @@ class CpuMeter:
         return time.perf_counter(), self._machine_busy_s(), t.user + t.system
 
     def others_cores(self) -> float | None:
+        """None while the window is shorter than MIN_WINDOW_S (it then keeps growing) or /proc/stat is absent."""
         now = self._sample()
         (w0, m0, o0), (w1, m1, o1) = self._last, now
-        self._last = now
-        if m0 is None or m1 is None or w1 - w0 < 0.02:  # /proc/stat ticks at 10 ms: shorter windows are noise
+        if m0 is None or m1 is None or w1 - w0 < MIN_WINDOW_S:
             return None
+        self._last = now
         return max(0.0, (m1 - m0 - (o1 - o0)) / (w1 - w0))
+
+    def restart(self) -> None:
+        """Start a new window now."""
+        self._last = self._sample()
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._last[0]
 
 
 _IMPORTED = CpuMeter()._last  # a window that covers the model's load: the first decision has something to go by
+
+
+_CONFIGURED: list[int] = []
+
+
+def _configured_threads(torch) -> int:
+    """torch's thread count before any controller changed it (torch's count is process-wide: a session that ended on
+    one thread would otherwise make every later session's 'all threads' one thread)."""
+    if not _CONFIGURED:
+        _CONFIGURED.append(torch.get_num_threads())
+    return _CONFIGURED[0]
 
 
 def _median(xs) -> float | None:
@@ -111,8 +134,9 @@ class AdaptiveThreads:
         if setting != "auto" and (isinstance(setting, bool) or not isinstance(setting, int) or setting < 1):
             raise ValueError(f"threads must be 'auto' or a positive integer, got {setting!r}")
         self.auto = setting == "auto"
+        configured = _configured_threads(torch)  # read before this or any controller sets a count
         if self.auto:
-            self.max = max(1, min(max_threads or torch.get_num_threads(), available_cores()))
+            self.max = max(1, min(max_threads or configured, available_cores()))
         else:
             self.max = int(setting)
             torch.set_num_threads(self.max)
@@ -125,6 +149,7 @@ class AdaptiveThreads:
         self._wait = 0  # steps at one thread before many threads may be tried again
         self._backoff = BACKOFF_MIN
         self._since_switch = 0
+        self._slow_streak = 0  # consecutive many-thread steps slower than SLOWER_THAN_ONE × one thread
         recent = time.perf_counter() - _IMPORTED[0] < 5.0  # else the window would describe the distant past
         self._meter = CpuMeter(since=_IMPORTED if recent else None)
         self._started = False
@@ -145,8 +170,8 @@ class AdaptiveThreads:
 
     def _switch(self, n: int) -> None:
         if n != self.current:
-            self.current, self.switches, self._since_switch = n, self.switches + 1, 0
-        self._meter.others_cores()  # the idle window starts at the switch
+            self.current, self.switches, self._since_switch, self._slow_streak = n, self.switches + 1, 0, 0
+        self._meter.restart()  # the idle window starts at the switch
 
     def _others_leave_room(self, default: bool) -> bool:
         """Did other processes leave the other cores mostly idle since the last look? (unknown → `default`)"""
@@ -170,17 +195,21 @@ class AdaptiveThreads:
 
     def _after_many(self, per_byte: float) -> None:
         one = _median(self._one)
-        if one is not None and per_byte > SLOWER_THAN_ONE * one:  # already a loss: one thread now
-            if self._since_switch <= 1:  # the try right after one thread failed: wait longer next time
+        best = min(self._many)
+        slow = one is not None and per_byte > SLOWER_THAN_ONE * one
+        sudden = self._since_switch >= 16 and per_byte > SUDDEN_SLOWDOWN * best
+        # one odd step is jitter (a quiet machine has them); the second in a row, or a clear loss, is load
+        self._slow_streak = self._slow_streak + 1 if (slow or sudden) else 0
+        confirmed = self._slow_streak >= 2
+        if slow and (confirmed or per_byte > CLEAR_LOSS * one):  # a loss: one thread now
+            if self._since_switch <= 2:  # the try right after one thread failed: wait longer next time
                 self._backoff = min(BACKOFF_MAX, self._backoff * 2)
             self._wait = self._backoff
             self._switch(1)
             return
         if self._since_switch >= 8:
             self._backoff = BACKOFF_MIN  # many threads held: a later failure starts from a short wait again
-        best = min(self._many)
-        sudden = self._since_switch >= 16 and per_byte > SUDDEN_SLOWDOWN * best
-        if one is None or self._one_age > REFRESH or sudden:
+        if one is None or self._one_age > REFRESH or (sudden and confirmed):
             self._probe_left = PROBE_STEPS
             self._one.clear()  # the probe measures one thread under today's conditions
             self._switch(1)
@@ -196,5 +225,5 @@ class AdaptiveThreads:
                     self._wait = self._backoff
             return
         self._wait -= 1
-        if self._wait <= 0 and self._meter.elapsed() >= 0.05 and self._others_leave_room(default=True):
+        if self._wait <= 0 and self._meter.elapsed() >= MIN_WINDOW_S and self._others_leave_room(default=True):
             self._switch(self.max)

@@ -18,6 +18,9 @@ class FakeMeter:
     def elapsed(self) -> float:
         return 1.0
 
+    def restart(self) -> None:
+        pass
+
 
 @pytest.fixture()
 def restore_threads():
@@ -56,6 +59,17 @@ def test_quiet_machine_keeps_all_threads(restore_threads):
     assert used[-1] == 2
     assert used.count(1) <= 2 + 2 * (600 // th.REFRESH)  # the first probe and the periodic refreshes only
     assert used.count(1) >= 2  # it did measure one thread (else it could not know)
+
+
+def test_one_slow_step_on_a_quiet_machine_is_jitter_two_are_load(restore_threads):
+    c, meter = controller()
+    run(c, 50, QUIET)
+    assert c.current == 2
+    jitter = {2: 1.2 * QUIET[1], 1: QUIET[1]}  # a many-thread step at 1.2 × one thread's time (seen: 32.8 vs 29 ms)
+    assert run(c, 1, jitter) == [2] and c.current == 2  # one such step: keep all threads
+    assert run(c, 1, QUIET) == [2] and c.current == 2
+    run(c, 2, jitter)  # two in a row: one thread
+    assert c.current == 1
 
 
 def test_busy_core_moves_to_one_thread_and_stays(restore_threads):
@@ -125,3 +139,14 @@ def test_cpu_meter_counts_a_busy_process():
     finally:
         p.wait()
     assert others is not None and others >= 0.5  # the busy child is someone else's CPU time, not ours
+
+
+def test_a_later_session_still_has_all_threads(restore_threads, monkeypatch):
+    """torch's count is process-wide: one session ending on one thread must not cap the next one at one."""
+    monkeypatch.setattr(th, "_CONFIGURED", [2])  # the process started with two threads
+    c, meter = controller()
+    meter.others = 1.0
+    run(c, 50, ONE_BUSY_CORE)
+    assert c.current == 1 and torch.get_num_threads() == 1
+    later = th.AdaptiveThreads("auto")
+    assert later.max == min(2, th.available_cores())
