@@ -118,17 +118,23 @@ def _family(c: dict, mtype: str, n_layers: int, head_dim: int) -> dict:
     return fam
 
 
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold an object; ValueError naming the file otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path.name} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path.name} must hold a JSON object, it holds a {type(value).__name__}")
+    return value
+
+
 def read_config(directory: Path) -> ModelConfig:
     """config.json as a ModelConfig; every field is type- and range-checked, and an error names the key."""
     path = directory / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{directory} has no config.json")
-    try:
-        c = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"config.json is not valid JSON ({e})") from None
-    if not isinstance(c, dict):
-        raise ValueError(f"config.json must hold a JSON object, it holds a {type(c).__name__}")
+    c = read_json_object(path)
     mtype = c.get("model_type")
     if mtype not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -263,15 +269,8 @@ TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "generation_config.json", "chat
 def check_tokenizer_files(directory: Path) -> None:
     """Each JSON file the tokenizer reads parses and holds an object, else one ValueError naming the file."""
     for name in ("tokenizer.json", *TOKENIZER_SIDE_FILES):
-        f = directory / name
-        if not f.is_file():
-            continue
-        try:
-            value = json.loads(f.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{name} is not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"{name} must hold a JSON object, it holds a {type(value).__name__}")
+        if (directory / name).is_file():
+            read_json_object(directory / name)
 
 
 def read_weights(directory: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
