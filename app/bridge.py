@@ -307,6 +307,10 @@ class Bridge(QtCore.QObject):
     @QtCore.Slot(object)
     @guarded
     def _on_raw(self, ev: object) -> None:
+        if isinstance(ev, list):  # a generation step's events arrive together (engine.server)
+            for one in ev:
+                self._on_raw(one)
+            return
         if isinstance(ev, tuple):
             kind, arg = ev
             if kind == "load_progress":

@@ -17,14 +17,18 @@ class Client:
         self.events, events_send = multiprocessing.Pipe(duplex=False)
         self.thread = threading.Thread(target=serve, args=(cmd_recv, events_send), daemon=True)
         self.thread.start()
+        self.queued = []
 
     def send(self, kind, arg=None):
         self.commands.send((kind, arg))
 
     def until(self, pred, timeout=60):
         seen = []
-        while self.events.poll(timeout):
-            msg = self.events.recv()
+        while self.queued or self.events.poll(timeout):
+            if not self.queued:
+                got = self.events.recv()
+                self.queued.extend(got if isinstance(got, list) else [got])  # a step's events come as one list
+            msg = self.queued.pop(0)
             seen.append(msg)
             if pred(msg):
                 return seen
