@@ -23,12 +23,14 @@ import time
 import numpy as np
 
 WINDOW = (2400, 1400)
-# Every dock in its own place, no tabs; a panel not named here joins the shorter of the top and bottom rows.
+# Every dock in its own place, no tabs, in a grid whose minimum sizes fit the window (a layout that does not fit
+# makes the window grow, and a window resize repaints all of it): top and bottom rows side by side, left and right
+# columns stacked. A panel not named here joins the shortest group.
 BENCH_LAYOUT = {
-    "top": ("prompt", "preview", "sampling", "lens"),
-    "left": ("generation",),
-    "right": ("attention",),
-    "bottom": ("kv_cache", "timeline", "roofline", "capacity", "batching"),
+    "top": ("prompt", "preview", "sampling", "timeline"),
+    "left": ("generation", "branches", "constrain"),
+    "right": ("attention", "lens", "load_lab"),
+    "bottom": ("kv_cache", "roofline", "capacity", "batching"),
 }
 PROMPT = "Explain what a KV cache is in two sentences."
 PARAGRAPH = ("The key and value vectors of every past token never change during decoding, so an inference engine "
@@ -89,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     gen = win.panels["generation"]
     gen.set_chat(True)
     gen.set_max_new_tokens(n_new)
+    gen.ignore_eos = True  # the full n_new tokens, as the CLI's --ignore-eos (a test knob, not a GUI one)
+    for _ in range(5):  # the user typed and toggled before pressing Generate: that relayout is not the run's
+        app.processEvents()
+    size_before = win.size().toTuple()
     gaps: list[float] = []
     last = [time.perf_counter()]
 
@@ -118,7 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     paints.start(app)
     if not gen.generate():
         return 1
-    # ignore_eos is not a GUI knob: a short answer simply ends early; the stats still hold
     done.exec()
     timer.stop()
     # What arrived with the last tokens is drawn now (a short run can end between two ticks of the shared timer,
@@ -143,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         **{f"keystroke_{n}_tokens_max_ms": typing[n]["max_ms"] for n in sizes},
         "peak_rss_mb": _peak_rss_mb(),
         "window": list(WINDOW),
+        "window_during_generation": [list(size_before), list(win.size().toTuple())],  # a resize repaints it all
         "panels": len(win.panels),
         "panels_on_screen": sum(visible.values()),
         "panels_painted": sum(n > 0 for n in painted_once.values()),  # when laid out
@@ -165,22 +171,23 @@ def show_every_panel(win) -> None:
              "bottom": QtCore.Qt.DockWidgetArea.BottomDockWidgetArea}
     rows = {area: [n for n in names if n in win.docks] for area, names in BENCH_LAYOUT.items()}
     listed = {n for names in rows.values() for n in names}
-    for name in (n for n in win.docks if n not in listed):  # a newer panel joins the shorter of the two rows
-        min((rows["top"], rows["bottom"]), key=len).append(name)
+    for name in (n for n in win.docks if n not in listed):  # a newer panel joins the shortest group
+        min(rows.values(), key=len).append(name)
     for dock in win.docks.values():
         dock.setFloating(False)
         win.removeDockWidget(dock)
     for area, names in rows.items():
+        along = (QtCore.Qt.Orientation.Horizontal if area in ("top", "bottom") else QtCore.Qt.Orientation.Vertical)
         for i, name in enumerate(names):
             dock = win.docks[name]
             if i == 0:
                 win.addDockWidget(areas[area], dock)
             else:
-                win.splitDockWidget(win.docks[names[i - 1]], dock, QtCore.Qt.Orientation.Horizontal)
+                win.splitDockWidget(win.docks[names[i - 1]], dock, along)
             dock.show()
         if names:
-            win.resizeDocks([win.docks[n] for n in names], [WINDOW[0] // len(names)] * len(names),
-                            QtCore.Qt.Orientation.Horizontal)
+            extent = WINDOW[0] if along == QtCore.Qt.Orientation.Horizontal else WINDOW[1] // 2
+            win.resizeDocks([win.docks[n] for n in names], [extent // len(names)] * len(names), along)
 
 
 def on_screen(widget) -> bool:
