@@ -10,13 +10,20 @@
   generation, such as the capacity estimator, draws and paints once when laid out, not during it);
 - keystroke → token boundaries for prompts of about 200 and 2,000 tokens: one key press through re-tokenizing,
   re-highlighting and a synchronous repaint of the editor;
-- the generation's own TPOT with the GUI running, to compare with the CLI's.
+- the generation's own TPOT with the GUI running, and the CPU time the GUI process and the engine process spent
+  per token.
+
+`python -m app.bench_gui --compare [--rounds N] [--output F]` is the app-against-the-CLI benchmark: on a quiet
+machine and next to one `yes` busy loop, each round runs the CLI, the app (this module, in a fresh process) and the
+CLI again on the same prompt, dtype and thread setting, and prints the app's TPOT over the CLI's mean of the same
+round, with the app's stalls.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -38,7 +45,10 @@ PARAGRAPH = ("The key and value vectors of every past token never change during 
 
 
 def main(argv: list[str] | None = None) -> int:
-    smoke = "--smoke" in (sys.argv[1:] if argv is None else argv)  # a short run that only checks it works
+    argv = sys.argv[1:] if argv is None else argv
+    if "--compare" in argv:
+        return compare(argv)
+    smoke = "--smoke" in argv  # a short run that only checks it works
     n_new, sizes, presses = (8, (50, 200), 3) if smoke else (128, (200, 2000), 30)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     from PySide6 import QtCore, QtWidgets
@@ -118,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     from dataclasses import replace
 
     bridge.set_params(replace(orig, temperature=0.0))
+    import psutil
+
+    engine_proc = psutil.Process(bridge.process.pid)
+    cpu0 = (_cpu_s(), sum(engine_proc.cpu_times()[:2]))
     t_start = time.perf_counter()
     last[0] = t_start
     timer.start()
@@ -133,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         app.processEvents()
     painted = paints.stop(app)
     elapsed = time.perf_counter() - t_start
+    cpu = (_cpu_s() - cpu0[0], sum(engine_proc.cpu_times()[:2]) - cpu0[1])
     if "ev" not in finished:
         print(finished.get("error", "generation failed"), file=sys.stderr)
         return 1
@@ -141,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     draws = {k: p.draw_count - draws0[k] for k, p in win.panels.items()}
     result = {
         "tokens": int(len(fin.ids)), "tpot_ms_with_gui": fin.tpot_s * 1e3, "ttft_ms_with_gui": fin.ttft_s * 1e3,
+        "dtype": win.bridge.info.dtype,
+        # CPU time per generated token, from Generate to the last draw (GUI: this process, every thread)
+        "gui_cpu_ms_per_token": cpu[0] / max(len(fin.ids), 1) * 1e3,
+        "engine_cpu_ms_per_token": cpu[1] / max(len(fin.ids), 1) * 1e3,
         "stall_p50_ms": float(np.percentile(stalls, 50)), "stall_p99_ms": float(np.percentile(stalls, 99)),
         "stall_max_ms": float(stalls.max()), "redraws_per_s_all_panels": sum(draws.values()) / elapsed,
         "redraws_per_s_busiest_panel": max(draws.values()) / elapsed,
@@ -232,6 +251,61 @@ class PaintCounter:
     def stop(self, app) -> dict[str, int]:
         app.removeEventFilter(self._filter)
         return dict(self.counts)
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _run_json(args: list[str], timeout: float = 600) -> dict:
+    """Run a command of this program in a fresh process; its last stdout line is JSON."""
+    env = dict(os.environ, QT_QPA_PLATFORM=os.environ.get("QT_QPA_PLATFORM", "offscreen"))
+    r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(args[:3])} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def compare(argv: list[str]) -> int:
+    """The app against the CLI, in one run: quiet and next to one busy loop (see the module's docstring)."""
+    from engine.bench import BusyMeter
+    from engine.bench_load import Competitor
+
+    rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 2
+    output = argv[argv.index("--output") + 1] if "--output" in argv else None
+    cli = ["-m", "engine", "generate", "--chat", "--greedy", "--ignore-eos", "--max-new-tokens", "128",
+           "--prompt", PROMPT, "--json"]  # the app's defaults: dtype and threads "auto"
+    out: dict = {"command": "python -m app.bench_gui --compare", "rounds": rounds, "conditions": {}}
+    for condition in ("quiet", "busy"):
+        rows = []
+        for r in range(rounds):
+            comp = Competitor(condition if condition == "busy" else "none", limit=900)
+            meter = BusyMeter()
+            try:
+                before = _run_json(cli)["tpot_s"] * 1e3
+                gui = _run_json(["-m", "app.bench_gui"])
+                after = _run_json(cli)["tpot_s"] * 1e3
+                others = meter.cores_used()  # every other process, the competitor included
+            finally:
+                comp.stop()
+            cli_ms = (before + after) / 2
+            rows.append({"cli_tpot_ms": [before, after], "app": gui, "app_over_cli": gui["tpot_ms_with_gui"] / cli_ms,
+                         "other_processes_cores": others})
+            print(f"{condition} round {r + 1}: CLI {before:.1f} / {after:.1f} ms, app {gui['tpot_ms_with_gui']:.1f} ms"
+                  f" ({rows[-1]['app_over_cli']:.2f} ×), stall p99 {gui['stall_p99_ms']:.1f} ms, GUI CPU "
+                  f"{gui['gui_cpu_ms_per_token']:.1f} ms/token, engine CPU {gui['engine_cpu_ms_per_token']:.1f} "
+                  f"ms/token; other processes {others:.2f} cores", flush=True)
+        out["conditions"][condition] = {
+            "rounds": rows,
+            "app_over_cli_median": float(np.median([x["app_over_cli"] for x in rows])),
+            "stall_p99_ms_max": max(x["app"]["stall_p99_ms"] for x in rows),
+        }
+    print(json.dumps({c: {k: v for k, v in d.items() if k != "rounds"} for c, d in out["conditions"].items()}))
+    if output:
+        with open(output, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
 
 
 def _peak_rss_mb() -> float:

@@ -114,6 +114,10 @@ def style_plot(pi, left: tuple[str, str | None] | None = None, bottom: tuple[str
         if name == "right" and label is None:
             continue
         axis = pi.getAxis(name)
+        # An axis draws its ticks, labels and the grid lines across the whole plot; pyqtgraph replays them from a
+        # QPicture whenever anything in the plot repaints (text replayed as polygons): the largest part of a
+        # panel's paint. A pixmap cache makes that a copy until the ticks change.
+        axis.setCacheMode(QtWidgets.QGraphicsItem.CacheMode.DeviceCoordinateCache)
         axis.setStyle(tickFont=font)
         axis.setTextPen(FOREGROUND)
         if label is not None:
