@@ -274,9 +274,12 @@ def compare(argv: list[str]) -> int:
 
     rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 2
     output = argv[argv.index("--output") + 1] if "--output" in argv else None
+    from engine.loaders import preferred_dtype
+
+    dtype = preferred_dtype("cpu")  # what the app loads; the CLI's own "auto" is float32 on a CPU
     cli = ["-m", "engine", "generate", "--chat", "--greedy", "--ignore-eos", "--max-new-tokens", "128",
-           "--prompt", PROMPT, "--json"]  # the app's defaults: dtype and threads "auto"
-    out: dict = {"command": "python -m app.bench_gui --compare", "rounds": rounds, "conditions": {}}
+           "--prompt", PROMPT, "--json", "--dtype", dtype]  # threads "auto", as the app's default
+    out: dict = {"command": "python -m app.bench_gui --compare", "rounds": rounds, "dtype": dtype, "conditions": {}}
     for condition in ("quiet", "busy"):
         rows = []
         for r in range(rounds):
@@ -289,6 +292,8 @@ def compare(argv: list[str]) -> int:
                 others = meter.cores_used()  # every other process, the competitor included
             finally:
                 comp.stop()
+            if gui["dtype"] != dtype:
+                raise RuntimeError(f"the app loaded {gui['dtype']}, the CLI ran {dtype}")
             cli_ms = (before + after) / 2
             rows.append({"cli_tpot_ms": [before, after], "app": gui, "app_over_cli": gui["tpot_ms_with_gui"] / cli_ms,
                          "other_processes_cores": others})
