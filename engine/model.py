@@ -326,19 +326,20 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)  # (B, T, d): a row lookup, no matmul
         if self.cfg.embedding_scale != 1.0:
             x = x * self.cfg.embedding_scale  # Gemma: × √d_model
-        norms = [x[:, -1].float().norm(dim=-1)] if probe is not None and probe.wants(RESID_NORMS) else None
-        stream = [x[:, -1]] if probe is not None and probe.wants(RESID_STREAM) else None
+        want_norms = probe is not None and probe.wants(RESID_NORMS)
+        want_stream = probe is not None and probe.wants(RESID_STREAM)
+        rows = [x[:, -1]] if want_norms or want_stream else None  # each layer returns a new tensor: views stay
         for layer in self.layers:
             x = layer(x, start, ropes, cache, probe)
-            if norms is not None:
-                norms.append(x[:, -1].float().norm(dim=-1))
-            if stream is not None:
-                stream.append(x[:, -1])
+            if rows is not None:
+                rows.append(x[:, -1])
         cache.advance(T)
-        if norms is not None:
-            probe.record(RESID_NORMS, torch.stack(norms, dim=-1))  # (B, n_layers + 1)
-        if stream is not None:
-            probe.record(RESID_STREAM, torch.stack(stream, dim=1))  # (B, n_layers + 1, d)
+        if rows is not None:  # one stack and one norm for all layers, not a norm per layer
+            stacked = torch.stack(rows, dim=1)  # (B, n_layers + 1, d)
+            if want_norms:
+                probe.record(RESID_NORMS, stacked.float().norm(dim=-1))  # (B, n_layers + 1)
+            if want_stream:
+                probe.record(RESID_STREAM, stacked)  # (B, n_layers + 1, d)
         return self.head(x if all_logits else x[:, -1])  # (B, [T,] V)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -163,3 +163,19 @@ def test_phi3_with_a_sliding_window(tmp_path):
     lm = load(ck.hf_dir, device="cpu", dtype="float32", use_cache=False)
     assert lm.cfg.sliding_window == 4 and lm.cfg.n_local_layers == lm.cfg.n_layers
     assert_close(full_logits(lm.model, lm.cfg, IDS), reference_logits(ck.model, IDS), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_residual_norms_match_transformers_hidden_states(checkpoints, family):
+    """The residual-stream norms a panel shows (after the embedding, then after each layer) are the L2 norms of
+    transformers' own hidden states at the last position (its last entry is after the final norm: left out)."""
+    ck = checkpoints[family]
+    lm = load(ck.hf_dir, device="cpu", dtype="float32", use_cache=False)
+    probe = Probe.for_capture(residual_norms=True)
+    full_logits(lm.model, lm.cfg, IDS, probe)
+    with torch.no_grad():
+        hidden = ck.model(torch.tensor([IDS]), output_hidden_states=True).hidden_states
+    ref = np.array([h[0, -1].float().norm().item() for h in hidden[:-1]])
+    got = probe.values["resid.norms"][0]
+    assert got.shape == (lm.cfg.n_layers + 1,)
+    np.testing.assert_allclose(got[:-1], ref, rtol=1e-4)
