@@ -34,7 +34,16 @@ def _stats(seconds: list[float]) -> dict:
     return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90))}
 
 
-def run_ours(dtype: str, capture: str, new_tokens: int, repeats: int, generations: int, threads: int | str) -> dict:
+def prompt_ids(tok) -> tuple[list[int], bool]:
+    """PROMPT's ids with the model's chat template, or as plain text for a base model (Gemma 3 270M has none)."""
+    try:
+        return tok.encode(tok.chat_prompt(PROMPT)).ids, True
+    except ValueError:
+        return tok.encode(PROMPT).ids, False
+
+
+def run_ours(dtype: str, capture: str, new_tokens: int, repeats: int, generations: int, threads: int | str,
+             model: str | None = None) -> dict:
     import torch
 
     from engine.events import Finished
@@ -43,28 +52,30 @@ def run_ours(dtype: str, capture: str, new_tokens: int, repeats: int, generation
     from engine.session import Capture, Session
 
     t0 = time.perf_counter()
-    lm = load(None, device="cpu", dtype=dtype)
+    lm = load(model, device="cpu", dtype=dtype)
     session = Session(lm, threads=threads)
     load_s = time.perf_counter() - t0
     cap = Capture.everything(lm.cfg.n_layers) if capture == "all" else Capture()
     greedy = SamplingParams.greedy_params()
-    for _ in session.generate("Hello", greedy, 4, cap, chat=True, ignore_eos=True):  # warm-up: first-call costs
+    chat = prompt_ids(lm.tokenizer)[1]
+    for _ in session.generate("Hello", greedy, 4, cap, chat=chat, ignore_eos=True):  # warm-up: first-call costs
         pass
     runs = []
     for _ in range(repeats):
         session.forget_cache()  # every TTFT is a full prefill, no prefix reuse
-        fin = [e for e in session.generate(PROMPT, greedy, new_tokens, cap, chat=True, ignore_eos=True)][-1]
+        fin = [e for e in session.generate(PROMPT, greedy, new_tokens, cap, chat=chat, ignore_eos=True)][-1]
         assert isinstance(fin, Finished), fin
         runs.append(fin)
     best = min(runs, key=lambda f: f.tpot_s)
     ended_at = session.threads.current if session.threads else torch.get_num_threads()
     rss_series = []
     for _ in range(generations):  # memory must not grow over many generations
-        for _ in session.generate(PROMPT, greedy, 16, cap, chat=True, ignore_eos=True):
+        for _ in session.generate(PROMPT, greedy, 16, cap, chat=chat, ignore_eos=True):
             pass
         rss_series.append(_current_rss())
     return {
-        "impl": "ours", "dtype": dtype, "capture": capture, "threads": str(threads), "threads_at_end": ended_at,
+        "impl": "ours", "model": lm.info.name, "dtype": dtype, "capture": capture, "threads": str(threads),
+        "threads_at_end": ended_at,
         "load_s": load_s, "from_cache": lm.info.from_cache, "prompt_tokens": int(len(best.prompt_ids)),
         "ttft_s": float(min(f.ttft_s for f in runs)), "tpot_s": _stats(list(best.step_seconds)),
         "tokens_per_s": best.tokens_per_s, "peak_rss_bytes": _rss_peak_bytes(),
@@ -192,20 +203,20 @@ def llama_cpp_python() -> str | None:
     return sys.executable
 
 
-def run_llama_cpp(new_tokens: int, repeats: int, threads: int) -> dict:
+def run_llama_cpp(new_tokens: int, repeats: int, threads: int, model: str | None = None) -> dict:
     """llama.cpp (llama-cpp-python) on the same Q4_1 GGUF file, same prompt ids, greedy, streamed token by token.
 
     Runs in the interpreter that has llama_cpp (possibly another virtual environment), so the script is plain text.
     """
-    from engine.loaders import default_model_path
+    from engine.locate import resolve_model_path
     from engine.tokenizer import Tokenizer
 
     python = llama_cpp_python()
     if python is None:
         raise RuntimeError("llama-cpp-python is not installed")
-    path = default_model_path()
+    path = resolve_model_path(model)
     tok = Tokenizer.from_gguf(str(path))
-    ids = tok.encode(tok.chat_prompt(PROMPT)).ids
+    ids = prompt_ids(tok)[0]
     r = subprocess.run([python, "-c", LLAMA_CPP_SCRIPT, str(path), json.dumps(ids), str(new_tokens), str(repeats),
                         str(threads)], capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
@@ -213,7 +224,8 @@ def run_llama_cpp(new_tokens: int, repeats: int, threads: int) -> dict:
     d = json.loads(r.stdout.strip().splitlines()[-1])
     best = min(d["runs"], key=lambda x: float(np.mean(x[1])) if x[1] else float("inf"))
     return {
-        "impl": f"llama.cpp (llama-cpp-python {d['version']})", "dtype": "q4_1", "capture": "none",
+        "impl": f"llama.cpp (llama-cpp-python {d['version']})", "model": path.name,
+        "dtype": "q4_1" if model is None else "the file's own", "capture": "none",
         "threads": str(threads), "load_s": d["load_s"], "prompt_tokens": len(ids),
         "ttft_s": min(x[0] for x in d["runs"]), "tpot_s": _stats(best[1]), "tokens_per_s": 1 / float(np.mean(best[1])),
         "new_tokens": len(best[1]) + 1, "peak_rss_bytes": d["peak_rss_bytes"],
@@ -230,9 +242,9 @@ def cmd_bench_one(a: argparse.Namespace) -> int:
         torch.set_num_threads(fixed)
         r = run_hf(a.dtype, a.new_tokens, a.repeats)
     elif a.impl == "llama.cpp":
-        r = run_llama_cpp(a.new_tokens, a.repeats, fixed)
+        r = run_llama_cpp(a.new_tokens, a.repeats, fixed, a.model)
     else:
-        r = run_ours(a.dtype, a.capture, a.new_tokens, a.repeats, a.generations, a.threads)
+        r = run_ours(a.dtype, a.capture, a.new_tokens, a.repeats, a.generations, a.threads, a.model)
     print(json.dumps(r))
     return 0
 
@@ -331,6 +343,18 @@ def cmd_bench(a: argparse.Namespace) -> int:
         else:
             print("measuring llama.cpp on the same Q4_1 file …", file=sys.stderr)
             results["llama.cpp-q4_1"] = _child(["--impl", "llama.cpp", *base])
+        from engine.locate import gemma3_path
+
+        if gemma3_path() is None:
+            print("Gemma 3 270M is not installed (make setup installs it): no Gemma 3 figures", file=sys.stderr)
+        else:  # the second model: the file's Q4_K_M weights dequantized, the prompt as plain text (a base model)
+            for dt in dtypes:
+                print(f"measuring ours on Gemma 3 270M {dt} …", file=sys.stderr)
+                results[f"gemma3-ours-{dt}-none"] = _child(["--impl", "ours", "--model", "gemma3-270m", "--dtype",
+                                                            dt, "--capture", "none", *base])
+            if llama_cpp_python() is not None:
+                print("measuring llama.cpp on Gemma 3 270M …", file=sys.stderr)
+                results["gemma3-llama.cpp"] = _child(["--impl", "llama.cpp", "--model", "gemma3-270m", *base])
     gui = None
     if not a.smoke and not a.no_gui:
         print("measuring GUI responsiveness …", file=sys.stderr)
@@ -383,6 +407,15 @@ def _ratios(r: dict) -> dict:
     llama = res.get("llama.cpp-q4_1")
     if llama and (bf or off):
         out["ours_fastest_tpot_over_llama_cpp"] = min(x["tpot_s"]["mean"] for x in (bf, off) if x) / llama[
+            "tpot_s"]["mean"]
+    g32, gbf, gllama = (res.get(k) for k in ("gemma3-ours-float32-none", "gemma3-ours-bfloat16-none",
+                                             "gemma3-llama.cpp"))
+    if g32 and off:
+        out["gemma3_over_smollm2_tpot_fp32"] = g32["tpot_s"]["mean"] / off["tpot_s"]["mean"]
+    if g32 and gbf:
+        out["gemma3_bf16_tpot_over_fp32"] = gbf["tpot_s"]["mean"] / g32["tpot_s"]["mean"]
+    if gllama and (g32 or gbf):
+        out["gemma3_ours_fastest_tpot_over_llama_cpp"] = min(x["tpot_s"]["mean"] for x in (g32, gbf) if x) / gllama[
             "tpot_s"]["mean"]
     if on and on.get("rss_over_generations"):
         s = on["rss_over_generations"]
@@ -495,6 +528,7 @@ def add_subcommands(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--generations", type=int, default=0)
     p.add_argument("--threads", type=threads_arg, default="auto")
+    p.add_argument("--model", default=None, help="ours and llama.cpp: another model (default: SmolLM2-135M)")
     p.set_defaults(func=cmd_bench_one)
 
     p = sub.add_parser("bench-batch", help="measure batched decode: TPOT and tokens/s per stream and system")
