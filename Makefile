@@ -49,15 +49,19 @@ test:
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	# the comparison with Hugging Face transformers needs the optional bench extra
+	# the comparison with Hugging Face transformers needs the optional bench extra; llama.cpp and vLLM join when
+	# `make servers` has set them up (or llama-cpp-python is installed: pip install '.[llama]'). Raw results go
+	# beside BENCHMARKS.md. About 30 minutes on the 2-core machine; each part can also run alone.
 	$(PY) -m pip install --quiet -e '.[bench]'
-	# raw results beside BENCHMARKS.md; llama.cpp joins when llama-cpp-python is installed (pip install '.[llama]')
 	$(PY) -m engine bench --output benchmarks/results.json
+	$(MAKE) bench-load
+	$(PY) -m engine bench-profile --output benchmarks/profile.json
+	$(PY) -m app.bench_gui --compare --output benchmarks/gui.json
 
 bench-load: $(STAMP)
 	# decode TPOT with 1, all and auto threads: quiet, next to a busy loop, next to a multi-threaded process
 	$(PY) -m engine bench-load --output benchmarks/load.json
-	$(PY) -m engine bench-gemv
+	$(PY) -m engine bench-gemv --json > benchmarks/gemv.json
 
 bench-smoke: $(STAMP)
 	$(PY) -m engine bench --smoke

@@ -365,12 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_arg(q)
     q.set_defaults(func=cmd_lens)
 
-    from engine import bench, bench_gemv, bench_load, estimate, export_hf
+    from engine import bench, bench_gemv, bench_load, bench_profile, estimate, export_hf
 
     estimate.add_subcommand(sub)
     bench.add_subcommands(sub)
     bench_load.add_subcommand(sub)
     bench_gemv.add_subcommand(sub)
+    bench_profile.add_subcommand(sub)
     export_hf.add_subcommand(sub)
     from engine.remote import cli as remote_cli
 
