@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -267,8 +267,13 @@ class RemoteBackend:
         return str(r.get("content", "")).encode("utf-8")
 
     # ---- generation ---------------------------------------------------------------------------------------
-    def request_payload(self, prompt: str, params: SamplingParams, max_new_tokens: int, chat: bool,
+    def request_payload(self, prompt: str | Sequence[int], params: SamplingParams, max_new_tokens: int, chat: bool,
                         top_logprobs: int, ignore_eos: bool = False, stream: bool = True) -> tuple[str, dict]:
+        """The endpoint and body of a request; `prompt` may be token ids for a plain completion (sent as they are)."""
+        if not isinstance(prompt, str):
+            if chat:
+                raise ValueError("a chat request takes text, not token ids")
+            prompt = [int(i) for i in prompt]
         info = self._info()
         p: dict = {"model": info.model, "max_tokens": int(max_new_tokens), "stream": stream,
                    "temperature": float(params.temperature)}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -133,9 +133,11 @@ def arrival_gaps(n: int, rate: float, burstiness: float, seed: int) -> np.ndarra
     return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
 
 
-def one_request(backend: RemoteBackend, prompt: str, max_new_tokens: int, cancel: threading.Event,
+def one_request(backend: RemoteBackend, prompt: str | Sequence[int], max_new_tokens: int, cancel: threading.Event,
                 t_run: float, timeout_s: float) -> RequestResult:
-    """Stream one completion and time it (chunk arrivals, several tokens per chunk counted via usage)."""
+    """Stream one completion and time it (chunk arrivals, several tokens per chunk counted via usage).
+
+    `prompt` is text, or token ids sent as they are (no template, no BOS added by the server)."""
     path, payload = backend.request_payload(prompt, SamplingParams(temperature=0.0), max_new_tokens, chat=False,
                                             top_logprobs=0, ignore_eos=True)
     t0 = time.perf_counter()
