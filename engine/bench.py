@@ -232,19 +232,134 @@ def run_llama_cpp(new_tokens: int, repeats: int, threads: int, model: str | None
     }
 
 
+EXPORT_KEY = "export-hf-1"
+
+
+def exported_default_model() -> Path:
+    """The default model as a Hugging Face directory (what vLLM loads), exported once into the cache.
+
+    Keyed by the GGUF file (path, size, mtime) and by engine/export_hf.py's source, so a changed exporter re-exports.
+    """
+    import hashlib
+
+    from engine import export_hf
+    from engine.loaders import default_model_path
+    from engine.locate import cache_root
+
+    path = default_model_path()
+    st = path.stat()
+    code = hashlib.sha256(Path(export_hf.__file__).read_bytes()).hexdigest()[:12]
+    key = f"{EXPORT_KEY}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{code}"
+    out = cache_root() / "export-hf" / hashlib.sha256(key.encode()).hexdigest()[:20]
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out  # export() renames a finished directory into place: present means complete
+    return export_hf.export(path, out, overwrite=True)
+
+
+def vllm_result(runs: list, version: str | None, dtype: str, load_s: float, prompt_ids_sent: int,
+                threads: int, cpus: list[int] | None = None, rss_bytes: int | None = None) -> dict:
+    """run_llama_cpp's fields from vLLM's timed requests (engine.remote.bench.RequestResult): TTFT the best run's
+    first-token time over all runs, TPOT the statistics of the fastest run's gaps between streamed chunks."""
+    if not runs:
+        raise ValueError("no timed vLLM requests")
+    best = min(runs, key=lambda r: r.tpot_s if r.output_tokens > 1 else float("inf"))
+    if best.output_tokens < 2 or not best.itl_s:
+        raise ValueError(f"vLLM streamed {best.output_tokens} token(s): no decode step to time")
+    return {
+        "impl": f"vLLM {version or '?'} (CPU)", "dtype": dtype, "capture": "none", "threads": str(threads),
+        "omp_cpus": cpus, "load_s": load_s, "prompt_tokens": best.prompt_tokens or prompt_ids_sent,
+        "prompt_tokens_sent": prompt_ids_sent, "ttft_s": min(r.ttft_s for r in runs),
+        "tpot_s": _stats(list(best.itl_s)), "tokens_per_s": 1 / best.tpot_s, "new_tokens": best.output_tokens,
+        "chunks": len(best.itl_s) + 1, "peak_rss_bytes": rss_bytes,
+    }
+
+
+def _tree_peak_rss_bytes(pid: int) -> int | None:
+    """Sum of the peak RSS (VmHWM) of a process and its descendants; None where /proc cannot say."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return None
+    total = 0
+    for p in procs:
+        try:
+            for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+    return total or None
+
+
+def run_vllm(new_tokens: int, repeats: int, threads: int, dtype: str = "auto",
+             start_timeout_s: float = 420.0) -> dict:
+    """vLLM's CPU build as a server on 127.0.0.1: the default model exported as a Hugging Face directory, the same
+    prompt ids sent to /v1/completions, greedy, EOS ignored, one stream at a time; one warm-up request, then
+    `repeats` timed ones. Prefix caching is off so every TTFT is a full prefill. The server is always stopped."""
+    import tempfile
+    import threading
+
+    from engine.loaders import default_model_path
+    from engine.remote.backend import RemoteBackend
+    from engine.remote.bench import one_request
+    from engine.remote.launch import start_vllm, vllm_log_facts, vllm_python
+    from engine.tokenizer import Tokenizer
+
+    python = vllm_python()
+    if python is None:
+        raise RuntimeError("vLLM is not installed (make servers, or set INFERENCE_LAB_VLLM_PYTHON)")
+    hf_dir = exported_default_model()
+    ids = list(prompt_ids(Tokenizer.from_gguf(str(default_model_path())))[0])  # the chat template applied
+    cancel = threading.Event()
+    with tempfile.TemporaryDirectory(prefix="vllm-bench-") as logs:
+        server = start_vllm(hf_dir, Path(logs), timeout_s=start_timeout_s, threads=threads, dtype=dtype,
+                            extra_args=["--no-enable-prefix-caching"], python=python)
+        try:
+            backend = RemoteBackend(server.url, timeout=120.0)
+            info = backend.probe()
+            runs = []
+            for i in range(repeats + 1):  # the first is the warm-up
+                n = 4 if i == 0 else new_tokens
+                r = one_request(backend, ids, n, cancel, time.perf_counter(), timeout_s=300.0 + n)
+                if not r.ok:
+                    raise RuntimeError(f"vLLM request failed: {r.error}")
+                if i:
+                    runs.append(r)
+            rss = _tree_peak_rss_bytes(server.proc.pid)
+            facts = vllm_log_facts(server.log.read_text(errors="replace"))
+        except BaseException:
+            print(server.log_tail(), file=sys.stderr)
+            raise
+        finally:
+            server.stop()
+    return vllm_result(runs, info.version, facts["dtype"] or dtype, server.start_s, len(ids), threads,
+                       facts["cpus"], rss)
+
+
 def cmd_bench_one(a: argparse.Namespace) -> int:
     import torch
 
     from engine.threads import available_cores
 
     fixed = a.threads if a.threads != "auto" else available_cores()
+    dtype = a.dtype or ("auto" if a.impl == "vllm" else "float32")
+    if dtype == "auto" and a.impl != "vllm":
+        print("error: --dtype auto is for --impl vllm only (vLLM's own choice)", file=sys.stderr)
+        return 2
     if a.impl == "hf":
         torch.set_num_threads(fixed)
-        r = run_hf(a.dtype, a.new_tokens, a.repeats)
+        r = run_hf(dtype, a.new_tokens, a.repeats)
     elif a.impl == "llama.cpp":
         r = run_llama_cpp(a.new_tokens, a.repeats, fixed, a.model)
+    elif a.impl == "vllm":
+        if a.model:
+            print("error: --impl vllm measures the default model only", file=sys.stderr)
+            return 2
+        r = run_vllm(a.new_tokens, a.repeats, fixed, dtype)
     else:
-        r = run_ours(a.dtype, a.capture, a.new_tokens, a.repeats, a.generations, a.threads, a.model)
+        r = run_ours(dtype, a.capture, a.new_tokens, a.repeats, a.generations, a.threads, a.model)
     print(json.dumps(r))
     return 0
 
@@ -343,6 +458,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
         else:
             print("measuring llama.cpp on the same Q4_1 file …", file=sys.stderr)
             results["llama.cpp-q4_1"] = _child(["--impl", "llama.cpp", *base])
+        from engine.remote.launch import vllm_python
+
+        if a.no_vllm:
+            pass
+        elif vllm_python() is None:
+            print("vLLM is not installed (make servers, or set INFERENCE_LAB_VLLM_PYTHON): no vLLM comparison",
+                  file=sys.stderr)
+        else:
+            print("measuring vLLM (CPU build, a server on 127.0.0.1) on the exported model …", file=sys.stderr)
+            results["vllm"] = _child(["--impl", "vllm", *base], timeout=1500)
         from engine.locate import gemma3_path
 
         if gemma3_path() is None:
@@ -417,6 +542,10 @@ def _ratios(r: dict) -> dict:
     if gllama and (g32 or gbf):
         out["gemma3_ours_fastest_tpot_over_llama_cpp"] = min(x["tpot_s"]["mean"] for x in (g32, gbf) if x) / gllama[
             "tpot_s"]["mean"]
+    vllm = res.get("vllm")
+    if vllm and (bf or off):
+        out["ours_fastest_tpot_over_vllm"] = min(x["tpot_s"]["mean"] for x in (bf, off) if x) / vllm["tpot_s"]["mean"]
+        out["ours_ttft_over_vllm"] = min(x["ttft_s"] for x in (bf, off) if x) / vllm["ttft_s"]
     if on and on.get("rss_over_generations"):
         s = on["rss_over_generations"]
         out["rss_growth_bytes_over_generations"] = s[-1] - s[min(len(s) - 1, 5)]
@@ -456,8 +585,13 @@ def _print_report(r: dict) -> None:
             print(f"{name:<24} failed")
             continue
         t = x["tpot_s"]
+        rss = x.get("peak_rss_bytes")
         print(f"{name:<24}{x['load_s']:>8.2f}s{_ms(x['ttft_s']):>10}{_ms(t['mean']):>11}{_ms(t['p50']):>10}"
-              f"{_ms(t['p90']):>10}{x['tokens_per_s']:>8.1f}{x['peak_rss_bytes'] / 2**20:>8.0f}MB")
+              f"{_ms(t['p90']):>10}{x['tokens_per_s']:>8.1f}" + (f"{rss / 2**20:>8.0f}MB" if rss else f"{'–':>10}"))
+    for name, x in r["results"].items():
+        if x and "ours" not in name:
+            print(f"  {name}: {x.get('impl', name)}, {x.get('dtype')}, {x.get('threads')} threads"
+                  + (" (load = server start; RSS = sum of its processes' peaks)" if name == "vllm" else ""))
     tok = next((x["tokenizer"] for x in r["results"].values() if x and "tokenizer" in x), None)
     for name, t in (("tokenizer", tok), ("Gemma 3 tokenizer", r.get("tokenizer_gemma3"))):
         if t:
@@ -518,11 +652,13 @@ def add_subcommands(sub) -> None:
     p.add_argument("--output", default=None, help="also write the raw results as JSON to this file")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face transformers comparison")
     p.add_argument("--no-gui", action="store_true", help="skip the GUI responsiveness measurement")
+    p.add_argument("--no-vllm", action="store_true", help="skip vLLM (a server started for the run)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("bench-one", help=argparse.SUPPRESS)
-    p.add_argument("--impl", choices=["ours", "hf", "llama.cpp"], default="ours")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--impl", choices=["ours", "hf", "llama.cpp", "vllm"], default="ours")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "auto"],
+                   help="float32 by default; vllm: auto (vLLM's choice) by default")
     p.add_argument("--capture", choices=["none", "all"], default="none")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
