@@ -196,9 +196,6 @@ def sdpa_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-EXPLICIT_DECODE = True
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -228,13 +225,19 @@ class Attention(nn.Module):
         mask = attention_mask(start, T, key_start, S, self.window, x.device)  # (T, S) or None
         capture = probe is not None and probe.wants(self.point)
         n = probe.attention_rows(cfg.n_heads, T, S) if capture else 0
-        if (capture and n == T) or (EXPLICIT_DECODE and T == 1 and x.device.type == "cpu" and q.dtype != torch.float32):
-            # One query row in bfloat16 on a CPU: torch's fused kernel slows with the context (per layer, measured
-            # by scratch timing here: 42 µs at 50 keys, 0.82 ms at 1,000, 3.4 ms at 4,000) while two small matrix
-            # products stay at 46–158 µs; and the weights, when a panel wants them, come for free.
-            y, weights = explicit_attention(q, k_all, v_all, cfg.group_size, cfg.softmax_scale, mask)
+        if T == 1 and x.device.type == "cpu" and q.dtype != torch.float32:
+            # One query row in bfloat16 on a CPU: torch's fused kernel slows with the context (per layer, 1 thread:
+            # 42 µs at 50 keys, 0.82 ms at 1,000, 3.4 ms at 4,000), and so do bf16 products this small; two float32
+            # products on upcast copies take 26 µs at 50 keys, 113 µs at 1,000, 218 µs at 2,000 (bf16: 48–322 µs).
+            # The weights, when a panel wants them, come for free.
+            y, weights = explicit_attention(q.float(), k_all.float(), v_all.float(), cfg.group_size,
+                                            cfg.softmax_scale, mask)
+            y = y.to(q.dtype)
             if capture:
-                probe.record(self.point, weights)  # (B, H, T, S)
+                probe.record(self.point, weights)  # (B, H, 1, S)
+        elif capture and n == T:
+            y, weights = explicit_attention(q, k_all, v_all, cfg.group_size, cfg.softmax_scale, mask)
+            probe.record(self.point, weights)  # (B, H, T, S)
         elif capture:  # a long prefill: every row through the fused kernel, the weights of the last n rows only
             plain = start == key_start and T == S and (not self.window or T <= self.window)
             y = sdpa_attention(q, k_all, v_all, cfg.softmax_scale, mask, plain)
