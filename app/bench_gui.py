@@ -215,41 +215,41 @@ def on_screen(widget) -> bool:
 
 
 class PaintCounter:
-    """Counts the paint events each panel's widgets receive (an application-wide event filter)."""
+    """Counts the paint events each panel's widgets receive (an event filter on each panel's widgets only: an
+    application-wide Python filter would run for every event of the app and cost the GUI thread ~9 %)."""
 
     def __init__(self, panels: dict) -> None:
         from PySide6 import QtCore
 
         class _Filter(QtCore.QObject):
+            def __init__(self, name: str) -> None:
+                super().__init__()
+                self.name = name
+
             def eventFilter(self, obj, event):  # noqa: N802 — Qt's name
                 if event.type() == QtCore.QEvent.Type.Paint:
-                    owner = outer._owner(obj)
-                    if owner is not None:
-                        outer.counts[owner] += 1
+                    outer.counts[self.name] += 1
                 return False
 
         outer = self
         self.panels = panels
         self.counts = dict.fromkeys(panels, 0)
-        self._filter = _Filter()
-
-    def _owner(self, obj) -> str | None:
-        from PySide6 import QtWidgets
-
-        w = obj if isinstance(obj, QtWidgets.QWidget) else None
-        while w is not None:
-            for name, panel in self.panels.items():
-                if w is panel:
-                    return name
-            w = w.parentWidget()
-        return None
+        self._filters = {name: _Filter(name) for name in panels}
+        self._watched: list = []
 
     def start(self, app) -> None:
+        from PySide6 import QtWidgets
+
         self.counts = dict.fromkeys(self.panels, 0)
-        app.installEventFilter(self._filter)
+        for name, panel in self.panels.items():
+            for w in (panel, *panel.findChildren(QtWidgets.QWidget)):
+                w.installEventFilter(self._filters[name])
+                self._watched.append((w, self._filters[name]))
 
     def stop(self, app) -> dict[str, int]:
-        app.removeEventFilter(self._filter)
+        for w, f in self._watched:
+            w.removeEventFilter(f)
+        self._watched = []
         return dict(self.counts)
 
 

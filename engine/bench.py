@@ -181,7 +181,9 @@ load_s = time.perf_counter() - t0
 def once(n):
     llm.reset()
     stamps = [time.perf_counter()]
-    for _ in llm.create_completion(ids, max_tokens=n, temperature=0.0, stream=True):
+    # EOS ignored, as in the other runs (a -inf logit bias; llama-cpp-python has no ignore_eos)
+    for _ in llm.create_completion(ids, max_tokens=n, temperature=0.0, stream=True,
+                                   logit_bias={llm.token_eos(): float("-inf")}):
         stamps.append(time.perf_counter())
     return stamps[1] - stamps[0], [b - a for a, b in zip(stamps[1:], stamps[2:])]
 once(4)

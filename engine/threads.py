@@ -37,7 +37,9 @@ PROBE_STEPS = 2  # one-thread steps per probe
 # difference was off by one or two ticks (0.4–0.7 cores of phantom load), which kept `auto` at one thread on an idle
 # machine for whole runs; a quarter second bounds that error near 0.08 cores
 MIN_WINDOW_S = 0.25
-IDLE_SHARE = 0.4  # many threads are tried again only if others used at most this share of the other cores
+IDLE_SHARE = 0.25  # many threads are tried again only if others used at most this share of the other cores
+# (0.4 let the app's own GUI, ~0.35 of a core while it paints, send the engine back to two threads: in-app TPOT
+# 20.7–20.9 ms against 18.4–20.4 ms on one thread, measured alternating)
 BACKOFF_MIN, BACKOFF_MAX = 4, 256  # steps before one thread tries many again, doubled after each failed try
 
 

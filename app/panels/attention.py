@@ -63,20 +63,24 @@ class AttentionMatrix:
         end = max(self.size, ev.query_start + nq, nk)
         rows_cap, keys_cap = self._w.shape[1], self._w.shape[2]
         if end - self.first_row > rows_cap or end > keys_cap:
-            # grow geometrically so each decode step is amortised O(S); keys by 1/8 (S may be thousands) so the
+            # grow geometrically so each decode step is amortised O(S); keys by 1/4 (S may be thousands) so the
             # array stays within a small factor of what the events carry
             if end - self.first_row > rows_cap:
-                rows_cap = max(end - self.first_row, int(rows_cap * 1.5) + 16)
+                rows_cap = max(end - self.first_row, int(rows_cap * 1.5) + 64)
             if end > keys_cap:
-                keys_cap = max(end, keys_cap + max(64, keys_cap // 8))
+                keys_cap = max(end, keys_cap + max(128, keys_cap // 4))
             self._reshape(self.first_row, rows_cap, keys_cap)
+        r = ev.query_start - self.first_row
+        if nq == 1 and nk == ev.query_start + 1 and not self.window:  # a decode row: nothing to mask
+            self._w[:, r, :nk] = ev.weights[:, 0]
+            self.size = end
+            return
         block = np.array(ev.weights, dtype=np.float32)
         q = np.arange(ev.query_start, ev.query_start + nq)[:, None]  # (nq, 1) absolute query positions
         k = np.arange(nk)[None, :]  # (1, nk) key positions
         block[:, k > q] = np.nan  # the causal mask, explicitly
         if self.window:
             block[:, q - k >= self.window] = np.nan  # outside the sliding window
-        r = ev.query_start - self.first_row
         self._w[:, r : r + nq, :nk] = block
         self.size = end
 

@@ -31,13 +31,18 @@ class Panel(QtWidgets.QWidget):
     # A plot repaint costs milliseconds of GUI thread (axes, text) and the GUI shares two cores with the engine:
     # measured here, repainting every panel at 30 Hz doubled the engine's TPOT. Plots redraw at most this often.
     max_fps: ClassVar[float] = 8.0
+    # …and each panel's drawing (its draw() and the repaint it causes, measured every time) may take at most this
+    # fraction of one core: a panel that costs 13 ms a frame redraws about 3 times a second, a 2-ms one 8 times.
+    # The measurement is wall time, so on a loaded machine (a paint that waits for a core) panels slow down too.
+    # With ~8 panels live during a generation the GUI stays near a third of a core (docs: BENCHMARKS.md).
+    paint_budget: ClassVar[float] = 0.02
     subscriptions: ClassVar[dict[str, str]] = {}  # bridge signal → this panel's slot (method name)
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(parent)
         self.bridge = bridge
         self._dirty = False
-        self._last_draw = 0.0
+        self._next_draw = 0.0  # monotonic time before which tick() does not draw again
         self.draw_count = 0  # how many times draw() ran (the GUI benchmark reads it)
         bridge.sig_model_loaded.connect(self._refresh_help)
         for signal, slot in self.subscriptions.items():
@@ -66,17 +71,20 @@ class Panel(QtWidgets.QWidget):
         if not self._dirty:
             return
         now = time.monotonic()
-        if now - self._last_draw < 1.0 / self.max_fps:
+        if now < self._next_draw:
             return  # stays dirty: a later tick draws the latest data
         self._dirty = False
-        self._last_draw = now
         self.draw()
+        if self.isVisible():
+            self.repaint()  # now, so that the paint is part of what this draw is measured to cost
+        cost = time.monotonic() - now
+        self._next_draw = now + max(1.0 / self.max_fps, cost / self.paint_budget)
         self.draw_count += 1
 
     def flush(self) -> None:
         """Draw now if anything changed, whatever the rate limit (screenshots, exports, tests)."""
         if self._dirty:
-            self._last_draw = 0.0
+            self._next_draw = 0.0
             self.tick()
 
     def draw(self) -> None:
