@@ -79,6 +79,38 @@ def profile(dtype: str, threads: int, steps: int, prompt: str) -> dict:
             "tpot_timed_ms": timed_tpot * 1e3, "ms_per_step": parts, "operators_per_step": n_ops}
 
 
+def decode_attention(threads: int = 1, keys: tuple[int, ...] = (50, 1000, 4000), repeats: int = 200) -> dict:
+    """µs per layer of one bfloat16 decode query's attention, three ways, on the default model's head shapes:
+    torch's fused kernel, two bf16 products, and two float32 products on upcast copies (what the engine runs)."""
+    import torch
+
+    from engine.model import explicit_attention, sdpa_attention
+
+    torch.set_num_threads(threads)
+    H, KV, hd = 9, 3, 64  # SmolLM2-135M: 9 query heads share 3 KV heads of width 64
+    g = torch.Generator().manual_seed(0)
+    out: dict = {}
+    for S in keys:
+        q = torch.randn(1, 1, H, hd, generator=g).bfloat16().transpose(1, 2)  # a transposed view, as in the model
+        cache_k = torch.randn(1, KV, max(keys), hd, generator=g).bfloat16()  # a static cache, read as a slice
+        cache_v = torch.randn(1, KV, max(keys), hd, generator=g).bfloat16()
+        k, v = cache_k[:, :, :S], cache_v[:, :, :S]
+        ways = {
+            "fused kernel (bf16)": lambda q=q, k=k, v=v: sdpa_attention(q, k, v, hd**-0.5, None),
+            "two bf16 products": lambda q=q, k=k, v=v: explicit_attention(q, k, v, H // KV, hd**-0.5, None),
+            "two float32 products on upcast copies": lambda q=q, k=k, v=v: explicit_attention(
+                q.float(), k.float(), v.float(), H // KV, hd**-0.5, None)[0].bfloat16(),
+        }
+        for name, f in ways.items():
+            for _ in range(10):
+                f()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                f()
+            out.setdefault(name, {})[S] = (time.perf_counter() - t0) / repeats * 1e6
+    return out
+
+
 def cmd_bench_profile(a: argparse.Namespace) -> int:
     from engine.bench import PROMPT
 
@@ -90,9 +122,14 @@ def cmd_bench_profile(a: argparse.Namespace) -> int:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in r["ms_per_step"].items())
             print(f"{dtype} {threads} thread(s): TPOT {r['tpot_ms']:.1f} ms; timed {r['tpot_timed_ms']:.1f} ms = "
                   f"{parts} ({r['operators_per_step']:.0f} operators a step)", flush=True)
+    att = decode_attention()
+    print("bfloat16 decode attention per layer, 1 thread (µs at " + ", ".join(map(str, next(iter(att.values()))))
+          + " keys):")
+    for name, row in att.items():
+        print(f"  {name:<40}" + "".join(f"{us:>9.1f}" for us in row.values()))
     if a.output:
         with open(a.output, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump({"steps": out, "decode_attention_us_per_layer": att}, f, indent=1)
     return 0
 
 

@@ -36,6 +36,7 @@ def _split_count(out_features: int) -> int:
 ROPE_ROWS = 4096  # positions of the RoPE table built at load; it doubles as a generation needs more
 HEAD_RESCORE = 64  # candidates whose logits a bf16/fp16 head recomputes in float32 (see Transformer.head)
 HEAD_RESCORE_MAX_ROWS = 64  # positions it does that for (decode and last-position prefill; not long all-logits)
+UPCAST_MAX_KEYS = 3072  # a bf16 decode query's attention runs in float32 up to this many keys (Attention.forward)
 SPLIT_MAX_ROWS = 4  # up to this many rows the row-block product wins; above it oneDNN does (measured 1–512)
 
 
@@ -226,12 +227,14 @@ class Attention(nn.Module):
         capture = probe is not None and probe.wants(self.point)
         n = probe.attention_rows(cfg.n_heads, T, S) if capture else 0
         if T == 1 and x.device.type == "cpu" and q.dtype != torch.float32:
-            # One query row in bfloat16 on a CPU: torch's fused kernel slows with the context (per layer, 1 thread:
-            # 42 µs at 50 keys, 0.82 ms at 1,000, 3.4 ms at 4,000), and so do bf16 products this small; two float32
-            # products on upcast copies take 26 µs at 50 keys, 113 µs at 1,000, 218 µs at 2,000 (bf16: 48–322 µs).
-            # The weights, when a panel wants them, come for free.
-            y, weights = explicit_attention(q.float(), k_all.float(), v_all.float(), cfg.group_size,
-                                            cfg.softmax_scale, mask)
+            # One query row in bfloat16 on a CPU: torch's fused kernel slows with the context (per layer at 1 thread
+            # 40 µs at 50 keys, 0.79 ms at 1,000, 3.3 ms at 4,000: `python -m engine bench-profile`). Two float32
+            # products on upcast copies are fastest up to ~3,000 keys (25, 112, 298 µs at 50, 1,000, 3,000), where
+            # two bf16 products (49, 193, 468 µs) switch to a faster kernel (154 µs at 4,000). The weights, when
+            # a panel wants them, come for free.
+            upcast = S <= UPCAST_MAX_KEYS
+            y, weights = explicit_attention(*(t.float() if upcast else t for t in (q, k_all, v_all)),
+                                            cfg.group_size, cfg.softmax_scale, mask)
             y = y.to(q.dtype)
             if capture:
                 probe.record(self.point, weights)  # (B, H, 1, S)
