@@ -84,9 +84,19 @@ def decode_attention(threads: int = 1, keys: tuple[int, ...] = (50, 1000, 4000),
     torch's fused kernel, two bf16 products, and two float32 products on upcast copies (what the engine runs)."""
     import torch
 
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _time_attention(keys, repeats)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _time_attention(keys: tuple[int, ...], repeats: int) -> dict:
+    import torch
+
     from engine.model import explicit_attention, sdpa_attention
 
-    torch.set_num_threads(threads)
     H, KV, hd = 9, 3, 64  # SmolLM2-135M: 9 query heads share 3 KV heads of width 64
     g = torch.Generator().manual_seed(0)
     out: dict = {}

@@ -1,0 +1,24 @@
+"""bench-profile's split of a decode step: the parts add up to the step, and the model is left as it was."""
+
+import pytest
+
+from engine import model as m
+from engine.bench import PROMPT
+from engine.bench_profile import decode_attention, profile
+
+
+def test_split_adds_up_and_restores_the_model():
+    before = (m.linear, m.explicit_attention, m.sdpa_attention)
+    r = profile("float32", 1, 4, PROMPT)
+    assert (m.linear, m.explicit_attention, m.sdpa_attention) == before
+    parts = r["ms_per_step"]
+    assert parts["products"] > 0 and parts["attention"] > 0
+    assert sum(parts.values()) == pytest.approx(r["tpot_timed_ms"], rel=1e-6)
+    assert parts["products"] < r["tpot_timed_ms"]  # prefill work is not counted as a decode step's
+    assert r["operators_per_step"] > 100
+
+
+def test_decode_attention_times_each_way():
+    att = decode_attention(keys=(16, 64), repeats=3)
+    assert set(att) == {"fused kernel (bf16)", "two bf16 products", "two float32 products on upcast copies"}
+    assert all(set(row) == {16, 64} and all(us > 0 for us in row.values()) for row in att.values())
