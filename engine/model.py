@@ -334,11 +334,13 @@ class Transformer(nn.Module):
             x = x * self.cfg.embedding_scale  # Gemma: × √d_model
         want_norms = probe is not None and probe.wants(RESID_NORMS)
         want_stream = probe is not None and probe.wants(RESID_STREAM)
-        rows = [x[:, -1]] if want_norms or want_stream else None  # each layer returns a new tensor: views stay
+        # the last position after the embedding and after each layer; a view keeps its whole tensor alive, so a
+        # prefill (T rows) keeps a copy of the one row instead (30 views of a 4,096-token prefill: 283 MB)
+        rows = [x[:, -1] if T == 1 else x[:, -1].clone()] if want_norms or want_stream else None
         for layer in self.layers:
             x = layer(x, start, ropes, cache, probe)
             if rows is not None:
-                rows.append(x[:, -1])
+                rows.append(x[:, -1] if T == 1 else x[:, -1].clone())
         cache.advance(T)
         if rows is not None:  # one stack and one norm for all layers, not a norm per layer
             stacked = torch.stack(rows, dim=1)  # (B, n_layers + 1, d)
