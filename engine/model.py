@@ -152,10 +152,10 @@ def attention_mask(
     Causal: key ≤ query. With a sliding window W (local layers) also query - key < W, so a query reads at most W
     keys, itself included (Hugging Face's and llama.cpp's convention). None when every query reads every key.
     """
+    if start >= key_start + n_keys - 1 and (not window or start + n_queries - 1 - key_start < window):
+        return None  # decided from the numbers alone: a decode step builds no tensors here (2 per layer before)
     q_pos = torch.arange(start, start + n_queries, device=device)[:, None]  # (T, 1)
     k_pos = torch.arange(key_start, key_start + n_keys, device=device)[None, :]  # (1, S)
-    if start >= key_start + n_keys - 1 and (not window or start + n_queries - 1 - key_start < window):
-        return None
     mask = k_pos <= q_pos
     if window:
         mask &= q_pos - k_pos < window
