@@ -21,6 +21,8 @@ from app.bridge import Bridge
 from engine.config import ModelConfig
 from engine.events import ModelInfo
 
+MAX_DRAW_INTERVAL_S = 1.0  # however costly its drawing, a panel with new data redraws at least once a second
+
 
 class Panel(QtWidgets.QWidget):
     title: ClassVar[str] = "Panel"
@@ -78,7 +80,7 @@ class Panel(QtWidgets.QWidget):
         if self.isVisible():
             self.repaint()  # now, so that the paint is part of what this draw is measured to cost
         cost = time.monotonic() - now
-        self._next_draw = now + max(1.0 / self.max_fps, cost / self.paint_budget)
+        self._next_draw = now + max(1.0 / self.max_fps, min(cost / self.paint_budget, MAX_DRAW_INTERVAL_S))
         self.draw_count += 1
 
     def flush(self) -> None:
