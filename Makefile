@@ -61,6 +61,7 @@ bench: $(STAMP)
 bench-load: $(STAMP)
 	# decode TPOT with 1, all and auto threads: quiet, next to a busy loop, next to a multi-threaded process
 	$(PY) -m engine bench-load --output benchmarks/load.json
+	$(PY) -m engine bench-load --model gemma3-270m --output benchmarks/load-gemma3.json
 	$(PY) -m engine bench-gemv --json > benchmarks/gemv.json
 
 bench-smoke: $(STAMP)

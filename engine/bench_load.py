@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from engine.bench import PROMPT, _machine
+from engine.bench import PROMPT, _machine, prompt_ids
 
 COMPETITOR_MT = """
 import sys, time, torch
@@ -79,7 +79,8 @@ def measure(session, threads: str, new_tokens: int, time_limit: float) -> dict:
     from engine.sampling import SamplingParams
 
     session.forget_cache()
-    gen = session.generate(PROMPT, SamplingParams.greedy_params(), new_tokens, chat=True, ignore_eos=True)
+    chat = prompt_ids(session.tokenizer)[1]  # a base model (Gemma 3 270M) has no chat template: plain text
+    gen = session.generate(PROMPT, SamplingParams.greedy_params(), new_tokens, chat=chat, ignore_eos=True)
     t0, fin = time.perf_counter(), None
     for ev in gen:
         if time.perf_counter() - t0 > time_limit:
@@ -93,23 +94,25 @@ def measure(session, threads: str, new_tokens: int, time_limit: float) -> dict:
             "ended_at_threads": th.current if th else None}
 
 
-def run(conditions: list[str], new_tokens: int, rounds: int, limit: float, dtype: str, also: str | None = None) -> dict:
+def run(conditions: list[str], new_tokens: int, rounds: int, limit: float, dtype: str, also: str | None = None,
+        model: str | None = None) -> dict:
     from engine.loaders import load
     from engine.session import Session
     from engine.threads import CpuMeter, available_cores  # torch: imported when a bench runs, not for every command
 
-    lms = {None: load(None, device="cpu", dtype=dtype)}
+    lms = {None: load(model, device="cpu", dtype=dtype)}
     n_max = available_cores()
     configs = ["1", str(n_max), "auto"]
     if also:  # a second dtype, at one thread and auto, interleaved with the first: "bfloat16:1", "bfloat16:auto"
-        lms[also] = load(None, device="cpu", dtype=also)
+        lms[also] = load(model, device="cpu", dtype=also)
         configs += [f"{also}:1", f"{also}:auto"]
     lm = lms[None]
     warm = Session(lm, threads=n_max)
     measure(warm, str(n_max), 8, limit)  # first-call costs
     if also:
         measure(Session(lms[also], threads=n_max), str(n_max), 8, limit)
-    out: dict = {"machine": _machine(), "dtype": dtype, "also": also, "new_tokens": new_tokens, "conditions": {}}
+    out: dict = {"machine": _machine(), "model": lm.info.name, "dtype": dtype, "also": also,
+                 "new_tokens": new_tokens, "conditions": {}}
     for cond in conditions:
         print(f"condition {cond} …", file=sys.stderr)
         comp = Competitor(cond, limit * len(configs) * rounds + 30)
@@ -161,8 +164,8 @@ def ratios(out: dict, n_max: int) -> dict:
 
 def print_report(out: dict) -> None:
     m = out["machine"]
-    print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; {out['dtype']}, {out['new_tokens']} new "
-          "tokens, TPOT mean over interleaved runs")
+    print(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; {out.get('model', '')}, {out['dtype']}, "
+          f"{out['new_tokens']} new tokens, TPOT mean over interleaved runs")
     for name, c in out["conditions"].items():
         bg = "?" if c["background_cores"] is None else f"{c['background_cores']:.2f}"
         tp = "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in c["tpot_s"].items())
@@ -182,7 +185,7 @@ def cmd_bench_load(a: argparse.Namespace) -> int:
     new_tokens, rounds = (6, 1) if a.smoke else (a.new_tokens, a.rounds)
     if a.also in ("none", a.dtype):
         a.also = None
-    out = run(conditions, new_tokens, rounds, a.limit, a.dtype, a.also)
+    out = run(conditions, new_tokens, rounds, a.limit, a.dtype, a.also, a.model)
     if a.json:
         print(json.dumps(out, indent=2))
     else:
@@ -196,6 +199,7 @@ def cmd_bench_load(a: argparse.Namespace) -> int:
 def add_subcommand(sub) -> None:
     p = sub.add_parser("bench-load", help="decode TPOT with 1, all and auto threads, quiet and under two loads")
     p.add_argument("--conditions", default="quiet,busy,multithreaded")
+    p.add_argument("--model", default=None, help="another model (default: SmolLM2-135M), e.g. gemma3-270m")
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of each configuration")
     p.add_argument("--limit", type=float, default=20.0, help="seconds one generation may take before it is cut")
