@@ -51,7 +51,7 @@ test:
 bench: $(STAMP)
 	# the comparison with Hugging Face transformers needs the optional bench extra; llama.cpp and vLLM join when
 	# `make servers` has set them up (or llama-cpp-python is installed: pip install '.[llama]'). Raw results go
-	# beside BENCHMARKS.md. About 30 minutes on the 2-core machine; each part can also run alone.
+	# beside BENCHMARKS.md. About 8 minutes on the 2-core machine; each part can also run alone.
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m engine bench --output benchmarks/results.json
 	$(MAKE) bench-load
