@@ -51,12 +51,13 @@ test:
 bench: $(STAMP)
 	# the comparison with Hugging Face transformers needs the optional bench extra; llama.cpp and vLLM join when
 	# `make servers` has set them up (or llama-cpp-python is installed: pip install '.[llama]'). Raw results go
-	# beside BENCHMARKS.md. About 8 minutes on the 2-core machine; each part can also run alone.
+	# beside BENCHMARKS.md. About 10 minutes on the 2-core machine; each part can also run alone.
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) -m engine bench --output benchmarks/results.json
 	$(MAKE) bench-load
 	$(PY) -m engine bench-profile --output benchmarks/profile.json
 	$(PY) -m app.bench_gui --compare --output benchmarks/gui.json
+	$(PY) -m app.bench_gui --compare --model gemma3-270m --output benchmarks/gui-gemma3.json
 
 bench-load: $(STAMP)
 	# decode TPOT with 1, all and auto threads: quiet, next to a busy loop, next to a multi-threaded process

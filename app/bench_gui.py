@@ -13,10 +13,10 @@
 - the generation's own TPOT with the GUI running, and the CPU time the GUI process and the engine process spent
   per token.
 
-`python -m app.bench_gui --compare [--rounds N] [--output F]` is the app-against-the-CLI benchmark: on a quiet
-machine and next to one `yes` busy loop, each round runs the CLI, the app (this module, in a fresh process) and the
-CLI again on the same prompt, dtype and thread setting, and prints the app's TPOT over the CLI's mean of the same
-round, with the app's stalls.
+`python -m app.bench_gui --compare [--rounds N] [--output F] [--model M]` is the app-against-the-CLI benchmark:
+on a quiet machine and next to one `yes` busy loop, each round runs the CLI, the app (this module, in a fresh
+process) and the CLI again on the same prompt, dtype and thread setting, and prints the app's TPOT over the CLI's
+mean of the same round, with the app's stalls.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--compare" in argv:
         return compare(argv)
     smoke = "--smoke" in argv  # a short run that only checks it works
+    model = argv[argv.index("--model") + 1] if "--model" in argv else None  # default: SmolLM2-135M
     n_new, sizes, presses = (8, (50, 200), 3) if smoke else (128, (200, 2000), 30)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     from PySide6 import QtCore, QtWidgets
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.main_window import MainWindow
 
     app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(sys.argv[:1])
-    win = MainWindow(None, persist=False, interactive=False)
+    win = MainWindow(model, persist=False, interactive=False)
     win.resize(*WINDOW)
     win.show()
     loop = QtCore.QEventLoop()
@@ -99,7 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     # ---- stalls during a generation ----
     prompt.set_text(PROMPT)
     gen = win.panels["generation"]
-    gen.set_chat(True)
+    try:  # a base model (Gemma 3 270M) has no chat template: its prompt goes as plain text, as in the CLI run
+        win.bridge.tokenizer.chat_prompt(PROMPT)
+        chat = True
+    except ValueError:
+        chat = False
+    gen.set_chat(chat)
     gen.set_max_new_tokens(n_new)
     gen.ignore_eos = True  # the full n_new tokens, as the CLI's --ignore-eos (a test knob, not a GUI one)
     for _ in range(5):  # the user typed and toggled before pressing Generate: that relayout is not the run's
@@ -274,12 +280,17 @@ def compare(argv: list[str]) -> int:
 
     rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 2
     output = argv[argv.index("--output") + 1] if "--output" in argv else None
+    model = ["--model", argv[argv.index("--model") + 1]] if "--model" in argv else []
+    from engine.bench import prompt_ids
     from engine.loaders import preferred_dtype
+    from engine.locate import load_tokenizer
 
     dtype = preferred_dtype("cpu")  # what the app loads; the CLI's own "auto" is float32 on a CPU
-    cli = ["-m", "engine", "generate", "--chat", "--greedy", "--ignore-eos", "--max-new-tokens", "128",
+    chat = ["--chat"] if prompt_ids(load_tokenizer(model[1] if model else None))[1] else []  # as the app decides
+    cli = ["-m", "engine", "generate", *chat, *model, "--greedy", "--ignore-eos", "--max-new-tokens", "128",
            "--prompt", PROMPT, "--json", "--dtype", dtype]  # threads "auto", as the app's default
-    out: dict = {"command": "python -m app.bench_gui --compare", "rounds": rounds, "dtype": dtype, "conditions": {}}
+    out: dict = {"command": "python -m app.bench_gui --compare " + " ".join(model), "rounds": rounds,
+                 "dtype": dtype, "conditions": {}}
     for condition in ("quiet", "busy"):
         rows = []
         for r in range(rounds):
@@ -287,7 +298,7 @@ def compare(argv: list[str]) -> int:
             meter = BusyMeter()
             try:
                 before = _run_json(cli)["tpot_s"] * 1e3
-                gui = _run_json(["-m", "app.bench_gui"])
+                gui = _run_json(["-m", "app.bench_gui", *model])
                 after = _run_json(cli)["tpot_s"] * 1e3
                 others = meter.cores_used()  # every other process, the competitor included
             finally:
