@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tests.tiny_model import CHATML, llama_cpp_permute
-from tests.tiny_tokenizer import tiny_vocab, write_tiny_tokenizer_json
+from tests.tiny_tokenizer import add_tiny_vocab, write_tiny_tokenizer_json
 
 VOCAB = 300
 BASE = dict(
@@ -158,12 +158,7 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str) -> Path:
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     if arch == "gemma3":
         w.add_sliding_window(c.sliding_window)
-    tokens, merges, types = tiny_vocab(VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
+    add_tiny_vocab(w, VOCAB)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(CHATML)

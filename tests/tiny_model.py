@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests.tiny_tokenizer import tiny_vocab, write_tiny_tokenizer_json
+from tests.tiny_tokenizer import add_tiny_vocab, write_tiny_tokenizer_json
 
 CFG = dict(
     n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=300, context_length=256,
@@ -104,12 +104,7 @@ def write_gguf(path: Path, weights: dict[str, torch.Tensor], quantize_embedding:
     w.add_layer_norm_rms_eps(c["norm_eps"])
     w.add_vocab_size(c["vocab_size"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    tokens, merges, types = tiny_vocab(c["vocab_size"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
+    add_tiny_vocab(w, c["vocab_size"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(CHATML)

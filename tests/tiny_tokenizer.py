@@ -104,6 +104,16 @@ def _filler_merges(merges: list[str], count: int) -> list[str]:
     raise ValueError(f"tiny_vocab cannot make {count} more merges")
 
 
+def add_tiny_vocab(writer, vocab_size: int = 300) -> None:
+    """Write the tiny vocabulary into a gguf.GGUFWriter as a byte-level BPE (gpt2) tokenizer, SmolLM-pre-tokenized."""
+    tokens, merges, types = tiny_vocab(vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+
+
 def tiny_vocab(vocab_size: int = 300) -> tuple[list[str], list[str], list[int]]:
     """(tokens, merges, token_types) of a byte-level BPE vocabulary with exactly `vocab_size` tokens."""
     if vocab_size < FIRST_MERGED_ID:

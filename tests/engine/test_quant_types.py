@@ -19,7 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
 
 from engine.loaders import gguf as gg  # noqa: E402
 from engine.loaders import load  # noqa: E402
-from tests.tiny_tokenizer import tiny_vocab  # noqa: E402
+from tests.tiny_tokenizer import add_tiny_vocab  # noqa: E402
 
 D, FFN, HEADS, KV_HEADS, VOCAB = 256, 256, 4, 2, 300  # rows of 256 values: whole blocks of every type
 MATRICES = {  # GGUF name -> torch shape [out, in]
@@ -79,12 +79,7 @@ def write(path, qtype, seed=0) -> dict[str, np.ndarray]:
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-5)
-    tokens, merges, types = tiny_vocab(VOCAB)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
+    add_tiny_vocab(w, VOCAB)
     stored = {}
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     for name, (rows, cols) in MATRICES.items():
