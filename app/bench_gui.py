@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -264,18 +263,9 @@ def _cpu_s() -> float:
     return t.user + t.system
 
 
-def _run_json(args: list[str], timeout: float = 600) -> dict:
-    """Run a command of this program in a fresh process; its last stdout line is JSON."""
-    env = dict(os.environ, QT_QPA_PLATFORM=os.environ.get("QT_QPA_PLATFORM", "offscreen"))
-    r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(args[:3])} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def compare(argv: list[str]) -> int:
     """The app against the CLI, in one run: quiet and next to one busy loop (see the module's docstring)."""
-    from engine.bench import BusyMeter
+    from engine.bench import BusyMeter, run_json
     from engine.bench_load import Competitor
 
     rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 2
@@ -297,9 +287,9 @@ def compare(argv: list[str]) -> int:
             comp = Competitor(condition if condition == "busy" else "none", limit=900)
             meter = BusyMeter()
             try:
-                before = _run_json(cli)["tpot_s"] * 1e3
-                gui = _run_json(["-m", "app.bench_gui", *model])
-                after = _run_json(cli)["tpot_s"] * 1e3
+                before = run_json(cli)["tpot_s"] * 1e3
+                gui = run_json(["-m", "app.bench_gui", *model])
+                after = run_json(cli)["tpot_s"] * 1e3
                 others = meter.cores_used()  # every other process, the competitor included
             finally:
                 comp.stop()

@@ -367,15 +367,27 @@ def cmd_bench_one(a: argparse.Namespace) -> int:
 
 
 # ---- the driver -------------------------------------------------------------------------------------------------
-def _child(args: list[str], timeout: float = 900) -> dict | None:
-    cmd = [sys.executable, "-m", "engine", "bench-one", *args]
+def run_json(args: list[str], timeout: float = 900) -> dict:
+    """`python ARGS` of this program in a fresh process (offscreen Qt); its last stdout line is JSON.
+
+    A failure raises RuntimeError with the command's last line on stderr."""
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    env.setdefault("QT_QPA_PLATFORM", "offscreen")
+    try:
+        r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(str(e)) from e
     if r.returncode != 0:
-        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-        print(f"  {' '.join(args)}: failed: {tail}", file=sys.stderr)
-        return None
+        raise RuntimeError((r.stderr.strip().splitlines() or ["(no output)"])[-1])
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _child(args: list[str], timeout: float = 900) -> dict | None:
+    try:
+        return run_json(["-m", "engine", "bench-one", *args], timeout)
+    except RuntimeError as e:
+        print(f"  {' '.join(args)}: failed: {e}", file=sys.stderr)
+        return None
 
 
 class BusyMeter:
@@ -555,18 +567,11 @@ def _ratios(r: dict) -> dict:
 
 
 def _gui_bench() -> dict | None:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    env.setdefault("QT_QPA_PLATFORM", "offscreen")
     try:
-        r = subprocess.run([sys.executable, "-m", "app.bench_gui"], capture_output=True, text=True, timeout=600,
-                           env=env)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        return run_json(["-m", "app.bench_gui"], timeout=600)
+    except RuntimeError as e:
         print(f"  GUI benchmark failed: {e}", file=sys.stderr)
         return None
-    if r.returncode != 0:
-        print(f"  GUI benchmark failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
-        return None
-    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def _ms(x: float | None) -> str:
