@@ -226,29 +226,26 @@ class Attention(nn.Module):
         mask = attention_mask(start, T, key_start, S, self.window, x.device)  # (T, S) or None
         capture = probe is not None and probe.wants(self.point)
         n = probe.attention_rows(cfg.n_heads, T, S) if capture else 0
-        if T == 1 and x.device.type == "cpu" and q.dtype != torch.float32:
-            # One query row in bfloat16 on a CPU: torch's fused kernel slows with the context (per layer at 1 thread
-            # 40 µs at 50 keys, 0.79 ms at 1,000, 3.3 ms at 4,000: `python -m engine bench-profile`). Two float32
-            # products on upcast copies are fastest up to ~3,000 keys (25, 112, 298 µs at 50, 1,000, 3,000), where
-            # two bf16 products (49, 193, 468 µs) switch to a faster kernel (154 µs at 4,000). The weights, when
-            # a panel wants them, come for free.
-            upcast = S <= UPCAST_MAX_KEYS
+        # One query row in bfloat16 on a CPU: torch's fused kernel slows with the context (per layer at 1 thread
+        # 40 µs at 50 keys, 0.79 ms at 1,000, 3.3 ms at 4,000: `python -m engine bench-profile`). Two float32
+        # products on upcast copies are fastest up to ~3,000 keys (25, 112, 298 µs at 50, 1,000, 3,000), where two
+        # bf16 products (49, 193, 468 µs) switch to a faster kernel (154 µs at 4,000).
+        low_precision_decode = T == 1 and x.device.type == "cpu" and q.dtype != torch.float32
+        plain = start == key_start and T == S and (not self.window or T <= self.window)  # a square causal mask
+        if low_precision_decode or (capture and n == T):  # the weights, when a panel wants them, come for free
+            upcast = low_precision_decode and S <= UPCAST_MAX_KEYS
             y, weights = explicit_attention(*(t.float() if upcast else t for t in (q, k_all, v_all)),
                                             cfg.group_size, cfg.softmax_scale, mask)
-            y = y.to(q.dtype)
+            if upcast:
+                y = y.to(q.dtype)
             if capture:
-                probe.record(self.point, weights)  # (B, H, 1, S)
-        elif capture and n == T:
-            y, weights = explicit_attention(q, k_all, v_all, cfg.group_size, cfg.softmax_scale, mask)
-            probe.record(self.point, weights)  # (B, H, T, S)
+                probe.record(self.point, weights)  # (B, H, T, S)
         elif capture:  # a long prefill: every row through the fused kernel, the weights of the last n rows only
-            plain = start == key_start and T == S and (not self.window or T <= self.window)
             y = sdpa_attention(q, k_all, v_all, cfg.softmax_scale, mask, plain)
             rows = None if mask is None else mask[T - n:]
             weights = explicit_attention(q[:, :, T - n:], k_all, v_all, cfg.group_size, cfg.softmax_scale, rows)[1]
             probe.record(self.point, weights)  # (B, H, n, S)
         else:
-            plain = start == key_start and T == S and (not self.window or T <= self.window)
             y = sdpa_attention(q, k_all, v_all, cfg.softmax_scale, mask, plain)
         return self.wo(y.transpose(1, 2).reshape(B, T, cfg.q_dim))  # (B, T, d)
 
