@@ -27,10 +27,10 @@ def test_costly_panel_redraws_less_often_but_at_least_once_a_second(qtbot, bridg
     cheap, costly = Costly(bridge), Costly(bridge)
     qtbot.addWidget(cheap)
     qtbot.addWidget(costly)
-    costly.cost_s = 0.03  # 30 ms a frame: 2 % of a core allows one every 1.5 s, the floor makes it 1 s
-    n_cheap, n_costly = _draws_in(cheap, 1.2), _draws_in(costly, 2.2)
+    costly.cost_s = 0.06  # 60 ms a frame: 2 % of a core allows one every 3 s, the floor makes it 1 s
+    n_cheap, n_costly = _draws_in(cheap, 1.2), _draws_in(costly, 2.6)
     assert 5 <= n_cheap <= 11  # capped by max_fps (8 a second)
-    assert 2 <= n_costly <= 3  # once a second (the first draw comes at once)
+    assert 2 <= n_costly <= 3  # about once a second (the first draw comes at once); without the floor: 1
     assert costly.paint_budget == base.Panel.paint_budget and base.MAX_DRAW_INTERVAL_S == 1.0
 
 
