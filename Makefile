@@ -53,20 +53,20 @@ bench: $(STAMP)
 	# `make servers` has set them up (or llama-cpp-python is installed: pip install '.[llama]'). Raw results go
 	# beside BENCHMARKS.md. About 10 minutes on the 2-core machine; each part can also run alone.
 	$(PY) -m pip install --quiet -e '.[bench]'
-	$(PY) -m engine bench --output benchmarks/results.json
+	$(PY) -m benchmarks bench --output benchmarks/results.json
 	$(MAKE) bench-load
-	$(PY) -m engine bench-profile --output benchmarks/profile.json
-	$(PY) -m app.bench_gui --compare --output benchmarks/gui.json
-	$(PY) -m app.bench_gui --compare --model gemma3-270m --output benchmarks/gui-gemma3.json
+	$(PY) -m benchmarks bench-profile --output benchmarks/profile.json
+	$(PY) -m benchmarks.gui --compare --output benchmarks/gui.json
+	$(PY) -m benchmarks.gui --compare --model gemma3-270m --output benchmarks/gui-gemma3.json
 
 bench-load: $(STAMP)
 	# decode TPOT with 1, all and auto threads: quiet, next to a busy loop, next to a multi-threaded process
-	$(PY) -m engine bench-load --output benchmarks/load.json
-	$(PY) -m engine bench-load --model gemma3-270m --output benchmarks/load-gemma3.json
-	$(PY) -m engine bench-gemv --json > benchmarks/gemv.json
+	$(PY) -m benchmarks bench-load --output benchmarks/load.json
+	$(PY) -m benchmarks bench-load --model gemma3-270m --output benchmarks/load-gemma3.json
+	$(PY) -m benchmarks bench-gemv --json > benchmarks/gemv.json
 
 bench-smoke: $(STAMP)
-	$(PY) -m engine bench --smoke
+	$(PY) -m benchmarks bench --smoke
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

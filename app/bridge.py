@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from PySide6 import QtCore
 
 from app.guard import guarded
-from engine.catalog import canonical_dtype
+from engine.costs.catalog import canonical_dtype
 from engine.events import (
     AttentionCaptured,
     Failed,
@@ -32,7 +32,7 @@ from engine.events import (
     ResidualNorms,
     TokenSampled,
 )
-from engine.messages import SamplingParams
+from engine.protocol import SamplingParams
 from engine.remote.backend import ServerConnected, ServerMetricsSampled
 from engine.server import GenerateRequest, PreviewResult, serve
 
@@ -121,7 +121,7 @@ class Bridge(QtCore.QObject):
     sig_batch_progress = QtCore.Signal(float, str)
     """Batching lab: fraction done and what is being measured."""
     sig_batch_row = QtCore.Signal(object)
-    """Batching lab: one measured engine.batching.BatchRow."""
+    """Batching lab: one measured engine.run.batching.BatchRow."""
     sig_batch_done = QtCore.Signal(str)
     """Batching lab ended: "" when complete, else why it stopped ("cancelled", an error)."""
     sig_this_machine = QtCore.Signal(object)
@@ -246,7 +246,7 @@ class Bridge(QtCore.QObject):
         self._post("attention_layers", self.attention_layers)
 
     def this_machine(self, device: str, dtype: str):
-        """This machine's cached measurement (engine.catalog.Hardware) for (device, dtype), or None: not
+        """This machine's cached measurement (engine.costs.catalog.Hardware) for (device, dtype), or None: not
         measured, or the engine has not answered yet (sig_this_machine tells when it does). Never measures."""
         key = (str(device), canonical_dtype(dtype))
         if key not in self._machine:

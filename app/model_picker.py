@@ -1,4 +1,4 @@
-"""File → Open model from list…: the models on this machine (engine.discover), what each is, whether it fits.
+"""File → Open model from list…: the models on this machine (engine.formats.discover), what each is, whether it fits.
 
 The list comes from file headers only (no torch, nothing dequantized). Opening a model that would not fit in memory at
 the window's dtype is refused with the numbers, or loaded in bfloat16 when that fits and the user agrees.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from PySide6 import QtCore, QtWidgets
 
 from app.guard import guarded
-from engine.discover import ModelEntry, discover, memory_available
+from engine.formats.discover import ModelEntry, discover, memory_available
 
 COLUMNS = ("Name", "Source", "Architecture", "Parameters", "File", "Tensor types", "Fits at {dtype}")
 

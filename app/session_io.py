@@ -19,7 +19,7 @@ from PySide6 import QtCore
 from app.bridge import Bridge
 from app.settings import ENV_FILE
 from engine.events import Finished, PromptTokenized
-from engine.session_file import SavedSession, load_session, model_identity, same_model, save_session
+from engine.formats.session_file import SavedSession, load_session, model_identity, same_model, save_session
 
 AUTOSAVE_NAME = "autosave.ilab"
 SIGNALS = ("sig_prompt", "sig_prompt_scores", "sig_attention", "sig_norms", "sig_lens", "sig_kv", "sig_prefill",

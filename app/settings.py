@@ -12,7 +12,7 @@ from dataclasses import fields
 
 from PySide6 import QtCore
 
-from engine.messages import SamplingParams
+from engine.protocol import SamplingParams
 
 ORGANISATION = "InferenceLab"
 APPLICATION = "Inference Lab"
@@ -26,7 +26,7 @@ PROMPT_TEXT = "prompt/text"
 CHAT = "prompt/chat"  # wrap the prompt in the model's chat template
 MAX_NEW_TOKENS = "generation/max_new_tokens"
 MODEL_PATH = "model/path"  # the last model the user opened ("" = the default model)
-THREADS = "engine/threads"  # decode threads: "auto" or a positive count (engine.threads)
+THREADS = "engine/threads"  # decode threads: "auto" or a positive count (engine.run.threads)
 SAMPLING_PREFIX = "sampling/"  # + a SamplingParams field name
 
 DEFAULT_PROMPT = "Explain what a KV cache is in two sentences."

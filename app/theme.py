@@ -14,7 +14,7 @@ import numpy as np
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.units import si
-from engine import costs
+from engine.costs import formulas as costs
 
 # ---- base palette ----------------------------------------------------------------------------------------------
 BACKGROUND = "#1e1f24"  # window and plot background
@@ -149,7 +149,7 @@ def log_ticks(lo: float, hi: float, most: int = 10, sep: str = "",
 
 
 def roof_points(lo: float, hi: float, peak: float, bandwidth: float) -> tuple[np.ndarray, np.ndarray]:
-    """The roofline min(peak, I · bandwidth) (engine.costs.attainable_flops) between intensities lo and hi.
+    """The roofline min(peak, I · bandwidth) (engine.costs.formulas.attainable_flops) between intensities lo and hi.
 
     On log-log axes both roofs are straight lines, so the ends and the ridge point draw it exactly.
     """

@@ -12,10 +12,10 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from engine.threads import threads_arg
+from engine.run.threads import threads_arg
 
 if TYPE_CHECKING:
-    from engine.sampling import SamplingParams
+    from engine.run.sampling import SamplingParams
 
 
 class CliError(Exception):
@@ -57,7 +57,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _params(a: argparse.Namespace) -> SamplingParams:
-    from engine.sampling import SamplingParams
+    from engine.run.sampling import SamplingParams
 
     try:
         bias = []
@@ -76,7 +76,7 @@ def _params(a: argparse.Namespace) -> SamplingParams:
 
 def _session(a: argparse.Namespace):
     from engine.loaders import ModelLoadError, load
-    from engine.session import Session
+    from engine.run.session import Session
 
     try:
         return Session(load(a.model, device=a.device, dtype=a.dtype), threads=a.threads)
@@ -108,7 +108,7 @@ def cmd_tokenize(a: argparse.Namespace) -> int:
         from engine.remote import cli
 
         return cli.cmd_tokenize(a)
-    from engine.locate import ModelLoadError, load_tokenizer  # no torch: starts in a fraction of a second
+    from engine.formats.locate import ModelLoadError, load_tokenizer  # no torch: starts in a fraction of a second
 
     try:
         tok = load_tokenizer(a.model)  # the tokenizer only: no weights are read
@@ -142,7 +142,7 @@ def cmd_logits(a: argparse.Namespace) -> int:
         return cli.cmd_logits(a)
     import torch
 
-    from engine.sampling import funnel
+    from engine.run.sampling import funnel
 
     params = _params(a)
     s = _session(a)
@@ -174,8 +174,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         from engine.remote import cli
 
         return cli.cmd_generate(a)
-    from engine.branching import parse_force
     from engine.events import Failed, Finished, TokenSampled
+    from engine.run.branching import parse_force
 
     params = _params(a)
     try:
@@ -195,7 +195,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     try:
         constraint = None
         if a.regex is not None or schema is not None:
-            from engine.constrain import Constraint
+            from engine.run.constrain import Constraint
 
             eos = [*s.tokenizer.eos_ids, *sorted(set(s.stop_ids) - set(s.tokenizer.eos_ids))]
             constraint = Constraint.build(s.tokenizer, s.cfg.vocab_size, eos, regex=a.regex, json_schema=schema)
@@ -206,7 +206,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     done_forced: list[list[int]] = []
     recorder = None
     if a.trace:
-        from engine.trace import TraceRecorder, check_writable
+        from engine.run.trace import TraceRecorder, check_writable
 
         try:
             check_writable(a.trace)
@@ -246,8 +246,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 def cmd_lens(a: argparse.Namespace) -> int:
     from engine.events import Failed, LensCaptured, TokenSampled
-    from engine.lens import lens_rows
-    from engine.session import Capture
+    from engine.run.lens import lens_rows
+    from engine.run.session import Capture
 
     if a.top < 1:
         raise CliError(f"--top must be at least 1, got {a.top}")
@@ -289,7 +289,7 @@ def cmd_lens(a: argparse.Namespace) -> int:
 
 
 def cmd_models(a: argparse.Namespace) -> int:
-    from engine.discover import discover, memory_available
+    from engine.formats.discover import discover, memory_available
 
     memory = memory_available()
     entries = discover(memory=memory)
@@ -305,6 +305,42 @@ def cmd_models(a: argparse.Namespace) -> int:
         print(f"{e.source:<11} {e.name:<48} {arch:<10} {params:>8} {e.file_bytes / 2**20:>9,.0f} MiB  {quant:<24} "
               f"{a.dtype}: {fits}")
     return 0
+
+
+def cmd_bench_batch(a: argparse.Namespace) -> int:
+    import psutil
+
+    from engine.loaders import ModelLoadError, load
+    from engine.run.batching import bench_batch
+
+    try:
+        batches = [int(x) for x in a.batches.split(",") if x.strip()]
+        if not batches or min(batches) < 1:
+            raise ValueError
+    except ValueError:
+        print(f"error: --batches must be positive integers separated by commas, got {a.batches!r}", file=sys.stderr)
+        return 2
+    if a.threads != "auto":  # a batch's products are large: no per-step adaptation here, a fixed count if asked
+        import torch
+
+        torch.set_num_threads(a.threads)
+    try:
+        lm = load(a.model, device=a.device, dtype=a.dtype)
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    rows = bench_batch(lm, batches, a.prompt_tokens, a.new_tokens,
+                       progress=None if a.json else lambda f, m: print(f"  {m}", file=sys.stderr),
+                       memory_limit_bytes=psutil.virtual_memory().available * 0.5)
+    if a.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=2))
+        return 0
+    print(f"{'batch':>5}{'TPOT':>11}{'tok/s/stream':>14}{'tok/s system':>14}{'FLOP/B':>8}{'GFLOP/s':>9}{'GB/s':>7}")
+    for r in rows:
+        print(f"{r.batch:>5}{r.tpot_s * 1e3:>8.1f} ms{r.tokens_per_s_per_stream:>14.1f}{r.tokens_per_s_system:>14.1f}"
+              f"{r.intensity:>8.1f}{r.achieved_flops / 1e9:>9.1f}{r.achieved_bandwidth / 1e9:>7.1f}")
+    return 0
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -365,13 +401,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_arg(q)
     q.set_defaults(func=cmd_lens)
 
-    from engine import bench, bench_gemv, bench_load, bench_profile, estimate, export_hf
+    q = sub.add_parser("bench-batch", help="measure batched decode: TPOT and tokens/s per stream and system")
+    q.add_argument("--model", default=None)
+    q.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    q.add_argument("--batches", default="1,2,4,8,16,32")
+    q.add_argument("--prompt-tokens", type=int, default=32)
+    q.add_argument("--new-tokens", type=int, default=16)
+    q.add_argument("--threads", type=threads_arg, default="auto", help="auto (torch's count) or a fixed count")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_bench_batch)
+
+    from engine.costs import estimate
+    from engine.formats import export_hf
 
     estimate.add_subcommand(sub)
-    bench.add_subcommands(sub)
-    bench_load.add_subcommand(sub)
-    bench_gemv.add_subcommand(sub)
-    bench_profile.add_subcommand(sub)
     export_hf.add_subcommand(sub)
     from engine.remote import cli as remote_cli
 

@@ -83,7 +83,7 @@ class PromptTokenized:
 
 @dataclass(frozen=True, kw_only=True)
 class StepCost:
-    """Analytical cost of one forward step, from the model's real shapes (see engine.costs)."""
+    """Analytical cost of one forward step, from the model's real shapes (see engine.costs.formulas)."""
 
     flops: float  # floating-point operations (a multiply-add counts as 2)
     weight_bytes: float  # weights read from memory
@@ -116,7 +116,7 @@ class AttentionCaptured:
     query_start: int  # absolute position of the first query row
     weights: np.ndarray  # (n_heads, n_queries, n_keys) float32
     group_size: int  # query heads per KV head: head h reads KV head h // group_size
-    rows_skipped: int = 0  # the step's first query rows left out to bound memory (engine.probe); 0: all are here
+    rows_skipped: int = 0  # the step's first query rows left out to bound memory (engine.model.probe); 0: all are here
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,7 +220,7 @@ class TokenSampled:
     funnel: Funnel | None = None
     logits: np.ndarray | None = None  # (vocab,) float32 raw logits, when captured: lets a UI re-run the funnel
     context_ids: np.ndarray | None = None  # ids before this token (for the repetition penalty when re-running)
-    params: object = None  # the engine.sampling.SamplingParams this token was sampled with
+    params: object = None  # the engine.run.sampling.SamplingParams this token was sampled with
     forced: bool = False  # the token was put here by the caller (a fork, --force), not sampled
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 
 from engine.events import Failed, Funnel, TokenSampled
-from engine.messages import Capture, SamplingParams
+from engine.protocol import Capture, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class GenerateRequest:
     start_paused: bool = False  # prefill, then wait for step or resume
     prompt_ids: tuple[int, ...] = ()  # when given, the prompt as token ids (a fork's prefix); `text` is then a label
     forced: tuple[tuple[int, int], ...] = ()  # (step, token id) pairs put in place of sampling (a fork: ((0, id),))
-    regex: str | None = None  # the output must match this regular expression (engine.constrain)
+    regex: str | None = None  # the output must match this regular expression (engine.run.constrain)
     json_schema: str | None = None  # … or be JSON valid under this schema (JSON text)
 
 
@@ -67,7 +67,7 @@ class EngineServer:
         self.pending: deque[tuple[str, object]] = deque()  # read early, handled later
         self.session = None
         self.params = SamplingParams()
-        self.threads: int | str = "auto"  # decode threads: "auto" (engine.threads) or a fixed count
+        self.threads: int | str = "auto"  # decode threads: "auto" (engine.run.threads) or a fixed count
         self.quit = False
 
     # ---- plumbing ----
@@ -144,7 +144,7 @@ class EngineServer:
     # ---- commands ----
     def load(self, model, device: str, dtype: str) -> None:
         from engine.loaders import ModelLoadError, load, preferred_dtype
-        from engine.session import Session
+        from engine.run.session import Session
 
         self.send(("load_progress", (0.0, "loading model")))
         try:
@@ -164,7 +164,7 @@ class EngineServer:
 
     def set_threads(self, setting: int | str) -> None:
         """Use `setting` from the next step on (also in a running generation)."""
-        from engine.threads import AdaptiveThreads
+        from engine.run.threads import AdaptiveThreads
 
         try:
             controller = AdaptiveThreads(setting)
@@ -178,7 +178,7 @@ class EngineServer:
     def preview(self, request_id: int, text: str, chat: bool, top: int) -> None:
         import torch
 
-        from engine.sampling import funnel
+        from engine.run.sampling import funnel
 
         if self.session is None or not text:
             return
@@ -205,7 +205,7 @@ class EngineServer:
             prompt = list(req.prompt_ids) if req.prompt_ids else req.text
             constraint = None
             if req.regex is not None or req.json_schema is not None:
-                from engine.constrain import Constraint
+                from engine.run.constrain import Constraint
 
                 s = self.session
                 eos = [*s.tokenizer.eos_ids, *sorted(set(s.stop_ids) - set(s.tokenizer.eos_ids))]
@@ -285,7 +285,7 @@ class EngineServer:
     def batch_bench(self, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int) -> None:
         import psutil
 
-        from engine.batching import Cancelled, bench_batch
+        from engine.run.batching import Cancelled, bench_batch
 
         if self.session is None:
             self.send(("batch_done", "the model is not loaded yet"))
@@ -332,7 +332,7 @@ class EngineServer:
 
     def this_machine(self, device: str, dtype: str) -> None:
         """Answer with this machine's cached measurement for (device, dtype), or None; never measures."""
-        from engine.hardware import this_machine
+        from engine.costs.hardware import this_machine
 
         try:
             hw = this_machine(device, dtype)  # the one policy: the dtype's own run, else float32's
@@ -342,7 +342,7 @@ class EngineServer:
 
     def measure(self, device: str, dtype: str, measure_kwargs: dict) -> None:
         """Measure this machine's bandwidth and FLOP/s (cached), with progress; cancel_measure or quit stops it."""
-        from engine.hardware import MeasurementCancelled, cached_this_machine
+        from engine.costs.hardware import MeasurementCancelled, cached_this_machine
 
         later: list[tuple[str, object]] = []
         try:

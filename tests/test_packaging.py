@@ -14,7 +14,7 @@ def test_wheel_contains_packages_and_resources(tmp_path):
     assert r.returncode == 0, r.stderr
     (wheel,) = tmp_path.glob("inference_lab-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for needed in ("engine/model.py", "engine/loaders/gguf.py", "app/main.py", "app/panels/timeline.py",
+    for needed in ("engine/model/transformer.py", "engine/loaders/gguf.py", "app/main.py", "app/panels/timeline.py",
                    "resources/models.json", "resources/hardware.json", "resources/inference-lab.desktop"):
         assert needed in names, needed
     assert not any(n.startswith("tests/") for n in names)

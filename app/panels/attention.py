@@ -18,8 +18,8 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app.bridge import Bridge
 from app.panels.base import Panel
 from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, placeholder, show_empty, style_plot
-from engine.config import ModelConfig
 from engine.events import AttentionCaptured, ModelInfo, PromptTokenized, ResidualNorms, TokenSampled
+from engine.model.config import ModelConfig
 
 FONT_PT = 9
 MASK_COLOR = "#3c3c3c"  # the causal mask: cells a query may not read

@@ -6,7 +6,7 @@ One app-wide timer calls `tick()` on every panel about 30 times a second; `tick(
 something changed. Plot items are created once in `__init__`; `draw()` only updates them (setData / setImage).
 
 Help texts: the class's `help_text` explains the panel in general terms; `model_help()` adds sentences in the
-loaded model's own numbers (from its config and engine.costs), so a panel never speaks of a model that is not
+loaded model's own numbers (from its config and engine.costs.formulas), so a panel never speaks of a model that is not
 loaded. The instance's `help_text` is the two together, refreshed on every model load.
 """
 
@@ -18,8 +18,8 @@ from typing import ClassVar
 from PySide6 import QtWidgets
 
 from app.bridge import Bridge
-from engine.config import ModelConfig
 from engine.events import ModelInfo
+from engine.model.config import ModelConfig
 
 MAX_DRAW_INTERVAL_S = 1.0  # however costly its drawing, a panel with new data redraws at least once a second
 

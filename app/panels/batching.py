@@ -1,8 +1,8 @@
 """Batching lab: batched decode measured on the loaded model, one batch size after another.
 
-The measurement runs in the engine process (engine.batching.bench_batch via bridge.run_batch_bench); rows
+The measurement runs in the engine process (engine.run.batching.bench_batch via bridge.run_batch_bench); rows
 arrive one by one through sig_batch_row and are only stored here, then drawn on the app's tick. The roofs of the
-roofline plot are this machine's cached measurement (engine.hardware.load_cached) or a catalogue chip the user
+roofline plot are this machine's cached measurement (engine.costs.hardware.load_cached) or a catalogue chip the user
 picks; nothing is made up when neither is chosen: the measured points are then drawn without a roof.
 """
 
@@ -34,10 +34,10 @@ from app.theme import (
     style_plot,
 )
 from app.units import fmt_bandwidth, fmt_flops, fmt_fraction
-from engine import costs
-from engine.catalog import Hardware, canonical_dtype, hardware_presets
+from engine.costs import formulas as costs
+from engine.costs.catalog import Hardware, canonical_dtype, hardware_presets
 from engine.events import ModelInfo
-from engine.messages import BatchRow
+from engine.protocol import BatchRow
 
 FONT_PT = 9
 BATCH_CHOICES = (1, 2, 4, 8, 16, 32)
@@ -292,7 +292,7 @@ class BatchingPanel(Panel):
             self.progress.setFormat("Load a model to measure batched decode")
 
     def refresh_this_machine(self) -> None:
-        """Offer this machine's roofs when engine.hardware's one policy finds a measurement for the model's dtype
+        """Offer this machine's roofs when engine.costs.hardware's one policy finds a measurement for the model's dtype
         (reading the cache never measures)."""
         info = self.bridge.info
         hw = self.bridge.this_machine(  # the engine's answer; None until it comes (sig_this_machine)

@@ -1,6 +1,6 @@
 """Capacity estimator: will a model fit on a chip, and how fast can it prefill and decode there?
 
-Every number on this panel comes from engine.estimate.estimate(); the panel only chooses the inputs, formats the
+Every number on this panel comes from engine.costs.estimate.estimate(); the panel only chooses the inputs, formats the
 outputs with units and sweeps the batch size for the plot. Pure arithmetic, so it runs on the GUI thread.
 """
 
@@ -28,10 +28,10 @@ from app.theme import (
     style_plot,
 )
 from app.units import fmt_bandwidth, fmt_bytes, fmt_flops, fmt_rate, fmt_seconds
-from engine.catalog import Hardware, hardware_presets, model_presets
-from engine.config import ModelConfig
-from engine.estimate import estimate
+from engine.costs.catalog import Hardware, hardware_presets, model_presets
+from engine.costs.estimate import estimate
 from engine.events import ModelInfo
+from engine.model.config import ModelConfig
 from engine.remote.backend import RemoteTokenSampled
 
 FONT_PT = 9
@@ -80,7 +80,7 @@ class CapacityPanel(Panel):
 
     @staticmethod
     def seed_help() -> str:
-        """The seed example in numbers, computed by engine.estimate like every figure of the panel."""
+        """The seed example in numbers, computed by engine.costs.estimate like every figure of the panel."""
         r = estimate(SEED_EXAMPLE["model"], SEED_EXAMPLE["hardware"], SEED_EXAMPLE["dtype"],
                      SEED_EXAMPLE["context"], SEED_EXAMPLE["batch"])
         fits = ("and it fits" if r["fits"] else
@@ -278,7 +278,7 @@ class CapacityPanel(Panel):
 
     # ---- choices -------------------------------------------------------------------------------------------------
     def refresh_this_machine(self) -> None:
-        """Offer "this machine" when engine.hardware's one policy finds a measurement for the chosen dtype
+        """Offer "this machine" when engine.costs.hardware's one policy finds a measurement for the chosen dtype
         (reading the cache never measures)."""
         info = self.bridge.info
         hw = self.bridge.this_machine(  # the engine's answer; None until it comes (sig_this_machine)

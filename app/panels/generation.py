@@ -18,7 +18,7 @@ from app.panels.base import Panel
 from app.settings import DEFAULT_MAX_NEW_TOKENS
 from app.token_view import Segments, TokenTextEdit, char_format, segments, utf16_len
 from engine.events import Finished, PrefillDone, PromptTokenized, TokenSampled
-from engine.messages import FUNNEL_TOP, Capture
+from engine.protocol import FUNNEL_TOP, Capture
 
 # Format kinds of the output view.
 PENDING, PREFILL_A, PREFILL_B, DECODE_A, DECODE_B, SPECIAL, FIRST = range(7)

@@ -1,5 +1,5 @@
 """KV cache: bytes held against tokens, live, with the per-token formula spelled out in the loaded model's numbers
-and a table of how batch size, dtype and GQA would change it. Every number comes from engine.costs."""
+and a table of how batch size, dtype and GQA would change it. Every number comes from engine.costs.formulas."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from app.theme import (
     style_plot,
     wrap_title,
 )
-from engine import costs
-from engine.config import ModelConfig
+from engine.costs import formulas as costs
 from engine.events import KVCacheGrew, ModelInfo, PromptTokenized
+from engine.model.config import ModelConfig
 
 FONT_PT = 9
 ALLOC_COLOR = "#9a9a9a"
@@ -169,7 +169,7 @@ class KVCachePanel(Panel):
         self._events = []
         super().clear()
 
-    # ---- numbers (all from engine.costs) -----------------------------------------------------------------------
+    # ---- numbers (all from engine.costs.formulas) --------------------------------------------------------------------
     def kv_dtype(self) -> str:
         info = self.bridge.info
         return info.dtype if info is not None else "float32"
@@ -210,7 +210,7 @@ class KVCachePanel(Panel):
             text += f"now: {n:,} tokens × {per_token:,.0f} B = "
         beyond = ""
         if cfg.n_local_layers and used > sum(costs.kv_bytes(cfg, dtype, max(1, n))):
-            # engine.kv_cache: a local layer keeps up to twice its window (so prefix caching can step back), and
+            # engine.model.kv_cache: a local layer keeps up to twice its window (so prefix caching can step back), and
             # drops the older half only when it runs out of slots
             beyond = (f" (more than the formula: a local layer keeps up to 2 × {cfg.sliding_window:,} positions "
                       "before dropping the oldest, so a re-run can reuse them)")

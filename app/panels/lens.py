@@ -11,8 +11,8 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app.bridge import Bridge
 from app.panels.base import Panel
 from app.theme import ACCENT, BACKGROUND, MUTED, WARNING_COLOR, style_plot
-from engine.config import ModelConfig
 from engine.events import LensCaptured, ModelInfo, PromptTokenized, TokenSampled
+from engine.model.config import ModelConfig
 
 LENS_TOP = 5  # top tokens per layer the generation captures while this panel exists
 FONT_PT = 9

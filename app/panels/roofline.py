@@ -2,7 +2,7 @@
 measured prefill and decode steps and the cost model's analytic points for the loaded or a catalogue model at a
 chosen batch size and prompt length.
 
-Roofs and costs come from engine.costs, engine.catalog and engine.hardware; "this machine" is measured in a plain
+Roofs and costs come from engine.costs (formulas, catalog, hardware); "this machine" is measured in a plain
 background thread (never on the GUI thread) and the result comes back through a queued signal.
 """
 
@@ -28,10 +28,11 @@ from app.theme import (
     style_plot,
 )
 from app.units import fmt_amount, fmt_bandwidth, fmt_bytes, fmt_flops, fmt_fraction
-from engine import costs, dtypes
-from engine.catalog import Hardware, canonical_dtype, hardware_presets, model_presets
-from engine.config import ModelConfig
+from engine.costs import formulas as costs
+from engine.costs.catalog import Hardware, canonical_dtype, hardware_presets, model_presets
 from engine.events import ModelInfo, PrefillDone, PromptTokenized, StepCost, TokenSampled
+from engine.model import dtypes
+from engine.model.config import ModelConfig
 from engine.remote.backend import RemoteTokenSampled
 from engine.remote.shapes import MeasuredDecode, measured_decode
 
@@ -289,7 +290,7 @@ class RooflinePanel(Panel):
         self.hw_combo.setCurrentIndex(i)
 
     def this_machine_roofs(self) -> Hardware | None:
-        """This machine at the chosen dtype by engine.hardware's one policy, as the engine process answers it
+        """This machine at the chosen dtype by engine.costs.hardware's one policy, as the engine process answers it
         (None until it has: sig_this_machine then redraws), or None."""
         return self.bridge.this_machine(self.device(), self.dtype())
 

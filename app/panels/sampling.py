@@ -3,7 +3,7 @@
 Each candidate (the top tokens by raw logit) gets one row of four bars: its probability as plain softmax of the raw
 logits, after temperature (and repetition penalty), after top-k and after top-p and min-p — the distribution the
 token was actually drawn from. A bar a stage removed is drawn grey at the height it had before that stage.
-Changing a knob re-runs the funnel of the shown step from its captured logits (engine.refunnel, numpy, no model run)
+Changing a knob re-runs the funnel of the shown step from its captured logits (engine.run.refunnel, numpy, no model run)
 and, debounced, sends the settings to the engine for the next token.
 """
 
@@ -20,10 +20,10 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app.bridge import Bridge
 from app.panels.base import Panel
 from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, ERROR_COLOR, PREFILL_COLOR, placeholder, show_empty, style_plot
-from engine.config import ModelConfig
 from engine.events import Funnel, ModelInfo, PromptTokenized, TokenSampled
-from engine.messages import FUNNEL_TOP, SamplingParams
-from engine.refunnel import refunnel
+from engine.model.config import ModelConfig
+from engine.protocol import FUNNEL_TOP, SamplingParams
+from engine.run.refunnel import refunnel
 
 FONT_PT = 9
 REMOVED_COLOR = "#9a9a9a"  # drawn hatched

@@ -25,9 +25,9 @@ from app.theme import (
     wrap_title,
 )
 from app.units import fmt_bytes
-from engine import costs
-from engine.config import ModelConfig
+from engine.costs import formulas as costs
 from engine.events import Finished, ModelInfo, PromptTokenized, TokenSampled
+from engine.model.config import ModelConfig
 
 FONT_PT = 9
 EXPORT_WIDTH = 1600

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import torch
 
-from engine import costs
-from engine.config import ModelConfig
+from engine.costs import formulas as costs
 from engine.events import ModelInfo
-from engine.locate import (  # noqa: F401 — re-exported: where callers have always found them
+from engine.formats.locate import (  # noqa: F401 — re-exported: where callers have always found them
     DEFAULT_MODEL_DIST,
     DEFAULT_MODEL_FILE,
     GEMMA3_DIST,
@@ -37,8 +36,9 @@ from engine.locate import (  # noqa: F401 — re-exported: where callers have al
     load_tokenizer,
     resolve_model_path,
 )
-from engine.model import Transformer, build_model, fuse_state_dict
-from engine.tokenizer import Tokenizer
+from engine.model.config import ModelConfig
+from engine.model.transformer import Transformer, build_model, fuse_state_dict
+from engine.tokenizer.core import Tokenizer
 
 CACHE_VERSION = "4"  # bump when the converted weights or the tokenizer change (4: file tensor stats in meta)
 
@@ -72,10 +72,10 @@ def preferred_dtype(device: str = "cpu") -> str:
     """The dtype the app loads by default: the fastest one whose greedy continuations equal float32's.
 
     bfloat16 on CUDA, and on CPUs with native bf16 dot products (avx512_bf16, AMX), where decode reads half the bytes
-    (engine.model.pack_for_decode); the default model's greedy continuations on the test prompts are then the same
+    (engine.model.transformer.pack_for_decode); the default model's greedy continuations on the test prompts match
     as float32's (tests/engine/test_bf16_decode.py). float32 on other CPUs, where bf16 products are emulated.
     """
-    from engine.model import _bf16_packing
+    from engine.model.transformer import _bf16_packing
 
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         return "bfloat16"
@@ -240,7 +240,7 @@ def load(
             cfg, file_bytes, meta.get("file_embedding_bytes", 0), rows=1)) if files else 0,
         decode_weight_bytes=round(costs.step_weight_bytes(cfg, dname, rows=1)),
     )
-    from engine.discover import remember
+    from engine.formats.discover import remember
 
     remember(path)  # for the model picker's recent files
     report(1.0, "ready")

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import LIMITS, ModelConfig, checked_float, checked_int
-from engine.rope import halves_to_pairs_all
+from engine.model.config import LIMITS, ModelConfig, checked_float, checked_int
+from engine.model.rope import halves_to_pairs_all
 
 # GGUF tensor name -> this engine's (unfused) name; {} is the layer index.
 WEIGHT_MAP: dict[str, str] = {

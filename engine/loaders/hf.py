@@ -1,9 +1,9 @@
 """Hugging Face model directories: config.json + *.safetensors + tokenizer.json (never pickled .bin files).
 
 HF checkpoints store q/k rows in the rotate-halves RoPE layout; they are reordered into the adjacent-pair layout
-of engine.rope here, so one RoPE implementation serves every loader.
+of engine.model.rope here, so one RoPE implementation serves every loader.
 
-Family differences read here (see engine/config.py): Gemma 3 (`gemma3_text`) names its four norms input_layernorm,
+Family differences read here (see engine/model/config.py): Gemma 3 (`gemma3_text`) names its four norms input_layernorm,
 post_attention_layernorm (on the attention output), pre_feedforward_layernorm and post_feedforward_layernorm, and
 its RMSNorm scales by (1 + w): the 1 is added to every norm weight on load, as llama.cpp's converter does. Phi-3
 fuses qkv_proj and gate_up_proj (gate first); they are split. RoPE scaling of types linear and llama3 becomes
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from engine.config import LIMITS, ModelConfig, checked_float, checked_int
-from engine.rope import halves_to_pairs_all, scaling_freq_factors
+from engine.model.config import LIMITS, ModelConfig, checked_float, checked_int
+from engine.model.rope import halves_to_pairs_all, scaling_freq_factors
 
 WEIGHT_MAP: dict[str, str] = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
@@ -86,7 +86,7 @@ def _rope(c: dict, layer_type: str = "full_attention") -> dict:
 
 
 def _family(c: dict, mtype: str, n_layers: int, head_dim: int) -> dict:
-    """The config fields in which this family differs from Llama (see engine/config.py)."""
+    """The config fields in which this family differs from Llama (see engine/model/config.py)."""
     fam: dict = {}
     window = c.get("sliding_window")
     if mtype in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.events import Event, Failed, Finished, Funnel, PromptTokenized, StepCost, TokenSampled
-from engine.messages import SamplingParams
+from engine.protocol import SamplingParams
 from engine.remote.client import Client, RemoteError, ServerInfo
 from engine.remote.metrics import ServerMetrics, parse_prometheus, server_metrics
 from engine.remote.sse import Candidate, Chunk, StreamToken
@@ -64,7 +64,7 @@ class ServerMetricsSampled:
 
 def _bytes_of_vocab_string(s: str) -> bytes:
     """A byte-level BPE vocabulary string (`Ġthe`) as bytes; other strings (added tokens) as their UTF-8."""
-    from engine.tokenizer import _byte_level_tables
+    from engine.tokenizer.core import _byte_level_tables
 
     translate, outside = _byte_level_tables()
     if outside.search(s):
@@ -73,7 +73,7 @@ def _bytes_of_vocab_string(s: str) -> bytes:
 
 
 def _readable(b: bytes) -> str:
-    from engine.tokenizer import _readable as r
+    from engine.tokenizer.core import _readable as r
 
     return r(b)
 
@@ -115,7 +115,7 @@ def funnel_from_top(top: tuple[Candidate, ...], params: SamplingParams, sampled_
     """The sampling stages re-run over the server's top-N candidates (log-probabilities used as logits)."""
     import torch
 
-    from engine.sampling import funnel
+    from engine.run.sampling import funnel
 
     if not top:
         return None

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from engine.messages import SamplingParams
+from engine.protocol import SamplingParams
 from engine.remote.backend import RemoteBackend
 from engine.remote.client import RemoteError
 from engine.remote.metrics import ServerMetrics

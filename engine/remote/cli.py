@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from engine.remote.client import API_KEY_ENV, RemoteError
 
-if TYPE_CHECKING:  # the backend imports torch (via engine.sampling); argument parsing must not
+if TYPE_CHECKING:  # the backend imports torch (via engine.run.sampling); argument parsing must not
     from engine.remote.backend import RemoteBackend
 
 

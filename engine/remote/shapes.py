@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import costs
-from engine.config import ModelConfig
+from engine.costs import formulas as costs
 from engine.events import StepCost
+from engine.model.config import ModelConfig
 
 
 def server_model_config(model: str, root: str | None) -> tuple[ModelConfig | None, str]:

@@ -15,7 +15,7 @@ import math
 import threading
 import time
 
-from engine.messages import SamplingParams
+from engine.protocol import SamplingParams
 from engine.remote.backend import RemoteBackend, RemoteTokenSampled
 from engine.remote.client import RemoteError
 from engine.remote.shapes import server_model_config
@@ -24,7 +24,7 @@ SERVER_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs is 20; llama.cpp has n
 
 
 class RemoteSession:
-    """Stands where engine.session.Session stands in EngineServer, for a server."""
+    """Stands where engine.run.session.Session stands in EngineServer, for a server."""
 
     is_remote = True
 

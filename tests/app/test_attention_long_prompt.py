@@ -1,4 +1,4 @@
-"""A long prompt's attention: the engine sends only the prefill's last query rows (engine.probe bounds them by
+"""A long prompt's attention: the engine sends only the prefill's last query rows (engine.model.probe bounds them by
 bytes); the panel must keep memory bounded by what the events carry — never a (heads, S, S) array — draw those rows
 at their real positions and say that the first rows were left out. The sizes below are the issue's 4,054-token
 prompt; the expected row count comes from the engine's own bound."""
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from engine.events import AttentionCaptured
-from engine.messages import ATTENTION_MAX_BYTES
-from engine.probe import Probe
+from engine.model.probe import Probe
+from engine.protocol import ATTENTION_MAX_BYTES
 
 S = 4054  # prompt tokens
 

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_bench_gui_smoke():
     env = dict(os.environ, PYTHONPATH=str(ROOT), QT_QPA_PLATFORM="offscreen")
-    r = subprocess.run([sys.executable, "-m", "app.bench_gui", "--smoke"], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gui", "--smoke"], capture_output=True, text=True, env=env,
                        cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads(r.stdout.strip().splitlines()[-1])

@@ -63,7 +63,7 @@ def test_startup_benchmark_runs_and_reports_no_torch(tmp_path) -> None:
     import json
     import os
 
-    r = subprocess.run([sys.executable, "-m", "app.bench_startup"], capture_output=True, text=True, cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "benchmarks.startup"], capture_output=True, text=True, cwd=ROOT,
                        timeout=120, env={**os.environ, "INFERENCE_LAB_SETTINGS": str(tmp_path / "s.ini")})
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])

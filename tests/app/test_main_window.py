@@ -92,7 +92,7 @@ def test_load_failure_shows_error_and_app_stays_usable(qtbot, make_window, tmp_p
 
 
 def test_settings_restored_in_a_second_window(qtbot, make_window, settings_file):
-    from engine.sampling import SamplingParams
+    from engine.run.sampling import SamplingParams
 
     w1 = make_window()
     wait_loaded(qtbot, w1)

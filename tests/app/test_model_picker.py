@@ -8,7 +8,7 @@ import pytest
 from PySide6 import QtWidgets
 
 from app.model_picker import ModelPicker, decide
-from engine.discover import ModelEntry, read_model_facts
+from engine.formats.discover import ModelEntry, read_model_facts
 
 GIB = 2**30
 

@@ -12,8 +12,8 @@ import importlib
 import pytest
 
 from engine.events import KVCacheGrew, TokenSampled
-from engine.sampling import SamplingParams
-from engine.session import Capture, Session
+from engine.run.sampling import SamplingParams
+from engine.run.session import Capture, Session
 
 
 @pytest.fixture(scope="module")

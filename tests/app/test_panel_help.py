@@ -2,7 +2,7 @@
 
 The tiny test model (tests/tiny_model.py) is loaded into a bare bridge; every expected figure below is worked out
 by hand from its config (2 layers, d_model 64, 4 query heads of width 16, 2 KV heads, FFN 96, vocabulary 300,
-context 256, untied embeddings, float32), not by calling engine.costs or the panels.
+context 256, untied embeddings, float32), not by calling engine.costs.formulas or the panels.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Roofline, Capacity and Batching lab find "this machine" by the same policy (engine.hardware.this_machine).
+"""Roofline, Capacity and Batching lab find "this machine" by the same policy (engine.costs.hardware.this_machine).
 
 The engine process answers those look-ups (Bridge.this_machine); here the bridge answers at once by running the
 policy in this process over a fake cache, as the engine would over the real one.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.catalog import Hardware, canonical_dtype
+from engine.costs.catalog import Hardware, canonical_dtype
 
 FP32 = Hardware("this-machine", "this machine, fp32 run", {"fp32": 1e11}, 2e10, 8e9, "test", measured=True)
 BF16 = Hardware("this-machine", "this machine, bf16 run", {"bf16": 3e11}, 2e10, 8e9, "test", measured=True)
@@ -18,14 +18,14 @@ EXPECTED = {"fp32": FP32, "fp16": FP32, "bf16": BF16, "int8": FP32}
 
 def answer_here(monkeypatch, bridge) -> None:
     """The bridge answers look-ups by the engine's policy, synchronously, in this process."""
-    import engine.hardware
+    import engine.costs.hardware
 
-    monkeypatch.setattr(bridge, "this_machine", lambda device, dtype: engine.hardware.this_machine(device, dtype))
+    monkeypatch.setattr(bridge, "this_machine", lambda device, dtype: engine.costs.hardware.this_machine(device, dtype))
 
 
 @pytest.fixture
 def cache(monkeypatch, bridge):
-    import engine.hardware
+    import engine.costs.hardware
 
     stored = {"fp32": FP32, "bf16": BF16}
     asked = []
@@ -34,7 +34,7 @@ def cache(monkeypatch, bridge):
         asked.append((device, canonical_dtype(dtype)))
         return stored.get(canonical_dtype(dtype)) if device == "cpu" else None
 
-    monkeypatch.setattr(engine.hardware, "load_cached", load_cached)
+    monkeypatch.setattr(engine.costs.hardware, "load_cached", load_cached)
     answer_here(monkeypatch, bridge)
     return asked
 
@@ -71,10 +71,10 @@ def test_three_panels_one_policy(qtbot, cache, loaded):
 
 def test_roofline_never_borrows_another_dtypes_run(qtbot, monkeypatch, loaded):
     """Only a bf16 run is cached: fp32 roofs must not come from it (they did: "any measurement" was a fallback)."""
-    import engine.hardware
+    import engine.costs.hardware
     from app.panels import roofline
 
-    monkeypatch.setattr(engine.hardware, "load_cached",
+    monkeypatch.setattr(engine.costs.hardware, "load_cached",
                         lambda device="cpu", dtype="float32", *_a, **_k: BF16 if canonical_dtype(dtype) == "bf16"
                         else None)
     answer_here(monkeypatch, loaded)

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from PySide6 import QtCore, QtGui
 
-from engine import costs
+from engine.costs import formulas as costs
 from engine.events import AttentionCaptured, Finished, KVCacheGrew, PrefillDone, PromptTokenized, TokenSampled
-from engine.sampling import SamplingParams
-from engine.session import Capture, Session
+from engine.run.sampling import SamplingParams
+from engine.run.session import Capture, Session
 
 N_NEW = 6
 PANEL_SIZE = (500, 350)
@@ -251,7 +251,7 @@ def test_kv_cache_plot_and_formula(qtbot, loaded, tiny_run, tiny_lm):
     assert f"{cfg.n_layers} layers · {cfg.n_kv_heads} KV heads · {cfg.head_dim} head dim" in text
     x, y = panel.alloc_curve.getData()
     assert y[-1] == last.bytes_allocated
-    # the "how it scales" table: fp16 · batch 8 at full context, all through engine.costs
+    # the "how it scales" table: fp16 · batch 8 at full context, all through engine.costs.formulas
     row = list(kv_cache.TABLE_DTYPES).index("fp16") * len(kv_cache.TABLE_BATCHES) + 1
     expected = costs.kv_bytes_per_token(cfg, "fp16", 8) * cfg.context_length
     assert panel.table.item(row, 2).text() == kv_cache.fmt_bytes(expected)
@@ -330,7 +330,7 @@ def test_timeline_exports_when_never_shown(qtbot, loaded, tiny_run, tmp_path):
 # ---- roofline -------------------------------------------------------------------------------------------------
 def test_roofline_points_and_ridge(qtbot, loaded, tiny_run):
     from app.panels import roofline
-    from engine.catalog import hardware_presets
+    from engine.costs.catalog import hardware_presets
 
     panel = make_panel(qtbot, roofline, loaded)
     panel.select_hardware("h100-sxm")
@@ -370,7 +370,7 @@ def n_points(item) -> int:
 
 def test_roofline_batch_and_catalogue_model_move_the_analytic_points(qtbot, loaded, tiny_run):
     from app.panels import roofline
-    from engine.catalog import model_presets
+    from engine.costs.catalog import model_presets
 
     panel = make_panel(qtbot, roofline, loaded)
     panel.resize(650, 330)

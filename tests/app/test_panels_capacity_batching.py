@@ -1,6 +1,6 @@
 """The capacity estimator and the batching lab panels.
 
-Capacity: pure arithmetic from engine.estimate, checked against the seed's worked example (Llama-2-70B, fp16,
+Capacity: pure arithmetic from engine.costs.estimate, checked against the seed's worked example (Llama-2-70B, fp16,
 H100 SXM: about 138 GB of weights, a TPOT floor of about 41 ms). Batching: a real batched-decode measurement on
 the tiny random model through a real Bridge (engine process), waited for on the bridge's GUI-thread signals.
 """
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from app.panels import batching, capacity
-from engine import costs
-from engine.batching import BatchRow
-from engine.catalog import Hardware
+from engine.costs import formulas as costs
+from engine.costs.catalog import Hardware
+from engine.run.batching import BatchRow
 
 PANEL_SIZE = (700, 450)
 

@@ -204,7 +204,7 @@ def test_generate_yields_tokens_and_lights_up_prefill(qtbot, window):
 
 def test_generate_request_uses_bridge_params_and_capture(qtbot, window):
     from app.panels.generation import ALL_LAYERS_BELOW
-    from engine.sampling import SamplingParams
+    from engine.run.sampling import SamplingParams
 
     n_layers = window.bridge.info.n_layers
     window.bridge.set_params(SamplingParams(temperature=0.0))

@@ -121,7 +121,7 @@ def test_roofline_places_the_servers_measured_decode(qtbot, window, stub):
     """The stub's model has no readable config: one line says so; with a catalogue model chosen the measured decode
     is placed at that model's decode intensity and the rate the chunks arrived at (reference: the tokens' arrival
     times, not the gaps the panel sums). The chip picked for a server is remembered for its URL."""
-    from engine import costs
+    from engine.costs import formulas as costs
 
     roof = window.panels["roofline"]
     window.connect_server(stub)

@@ -1,7 +1,7 @@
 """Hovering any character of any prompt names exactly the tokens that cover it, and never raises.
 
 The reference is the tokenizer backend's own ids and character offsets (Hugging Face `tokenizers`, asked directly,
-not through engine.tokenizer's alignment) and, for bytes no token stands for, the vocabulary itself: a byte is lost
+not through engine.tokenizer.core's alignment) and, for bytes no token stands for, the vocabulary itself: a byte is lost
 when its byte-level character is not a token.
 """
 
@@ -15,7 +15,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.panels.prompt import PromptPanel
 from app.token_view import segments
-from engine.tokenizer import Tokenizer, bytes_to_unicode
+from engine.tokenizer.core import Tokenizer, bytes_to_unicode
 from tests.tiny_tokenizer import tiny_vocab
 
 HOSTILE = [

@@ -85,7 +85,7 @@ def main() -> None:
     import engine.loaders
     import engine.loaders.gguf
     import engine.loaders.hf
-    import engine.session  # noqa: F401
+    import engine.run.session  # noqa: F401
 
     results = {r["id"]: run(r["argv"], workdir, f"run{i}") for i, r in enumerate(runs)}
     Path(sys.argv[2]).write_text(json.dumps(results))

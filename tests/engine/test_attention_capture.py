@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from engine.events import AttentionCaptured, PrefillDone
-from engine.probe import ATTENTION_MAX_BYTES
-from engine.sampling import SamplingParams
-from engine.session import Capture, Session
+from engine.model.probe import ATTENTION_MAX_BYTES
+from engine.run.sampling import SamplingParams
+from engine.run.session import Capture, Session
 from tests.tiny_model import reference_logits
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -50,7 +50,7 @@ def test_a_short_prefill_keeps_every_row(tiny_lm, reference):
 
 def test_the_default_budget_bounds_the_issue_s_case() -> None:
     """The 4,054-token prompt on SmolLM2 (9 heads): 590 MB for one layer's full matrix; the default keeps ≤ 16 MiB."""
-    from engine.probe import Probe
+    from engine.model.probe import Probe
 
     full = 9 * 4054 * 4054 * 4
     assert full > 590e6

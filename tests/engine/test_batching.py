@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.batching import bench_batch, generate_batch
+from engine.run.batching import bench_batch, generate_batch
 
 
 def test_batched_greedy_equals_unbatched_exact_ids(tiny_lm):
     import torch
 
-    from engine.kv_cache import KVCache
+    from engine.model.kv_cache import KVCache
 
     rng = np.random.default_rng(2)
     prompts = rng.integers(3, tiny_lm.cfg.vocab_size, size=(3, 6)).tolist()

@@ -1,8 +1,8 @@
-"""engine.bench_load: its competitors really load the machine and really stop; its ratios say what they claim."""
+"""benchmarks.load: its competitors really load the machine and really stop; its ratios say what they claim."""
 
 import time
 
-from engine.bench_load import Competitor, ratios
+from benchmarks.load import Competitor, ratios
 
 
 def test_busy_competitor_uses_a_core_and_stops():

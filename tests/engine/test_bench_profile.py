@@ -1,8 +1,8 @@
 """bench-profile's split of a decode step: the parts add up to the step, and the model is left as it was."""
 
-from engine import model as m
-from engine.bench import PROMPT
-from engine.bench_profile import decode_attention, profile
+from benchmarks.bench import PROMPT
+from benchmarks.profile import decode_attention, profile
+from engine.model import transformer as m
 
 
 def test_split_adds_up_and_restores_the_model():

@@ -1,6 +1,6 @@
 """The tokenizer's speed is measured by the benchmark (never asserted in unit tests): the measurement itself works."""
 
-from engine.bench import tokenizer_timings
+from benchmarks.bench import tokenizer_timings
 
 
 def test_tokenizer_timings_measure_a_2000_token_encode_and_a_cache_load(tiny_lm):
@@ -10,8 +10,8 @@ def test_tokenizer_timings_measure_a_2000_token_encode_and_a_cache_load(tiny_lm)
 
 
 def test_gemma3_tokenizer_timings_when_installed():
-    from engine.bench import gemma3_tokenizer_timings
-    from engine.locate import gemma3_path
+    from benchmarks.bench import gemma3_tokenizer_timings
+    from engine.formats.locate import gemma3_path
 
     t = gemma3_tokenizer_timings()
     if gemma3_path(assemble=False) is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.bench import _print_report, _ratios, vllm_result
+from benchmarks.bench import _print_report, _ratios, vllm_result
 from engine.remote.bench import RequestResult
 
 
@@ -72,7 +72,7 @@ def test_no_vllm_ratio_without_vllm():
 
 
 def test_token_ids_go_to_the_completions_endpoint_as_they_are():
-    from engine.messages import SamplingParams
+    from engine.protocol import SamplingParams
     from engine.remote.backend import RemoteBackend
     from engine.remote.client import ServerInfo
 

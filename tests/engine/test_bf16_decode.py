@@ -1,4 +1,4 @@
-"""bfloat16 decode through oneDNN's pre-reordered weights (engine.model.pack_for_decode), held to float64 and to
+"""bfloat16 decode through oneDNN's pre-reordered weights (transformer.pack_for_decode), held to float64 and to
 the float32 model: the packed product against F.linear in float64 on the same bf16 inputs, decode logits of the
 tiny model against its float32 decode, and the real model's greedy continuations against float32's."""
 
@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from engine import model
-from engine.kv_cache import KVCache
 from engine.loaders import load
-from engine.model import SPLIT_MAX_ROWS, linear, pack_for_decode
+from engine.model import transformer as model
+from engine.model.kv_cache import KVCache
+from engine.model.transformer import SPLIT_MAX_ROWS, linear, pack_for_decode
 
 needs_bf16 = pytest.mark.skipif(not model._bf16_packing(), reason="this CPU has no native bf16 dot products")
 
@@ -87,8 +87,8 @@ def test_bf16_head_gives_its_best_candidates_float32_logits(tiny_dir):
 def test_real_model_bf16_greedy_continuations_equal_float32(real_lm):
     """Why the app defaults to bfloat16 on this kind of CPU (engine.loaders.preferred_dtype)."""
     from engine.loaders import preferred_dtype
-    from engine.sampling import SamplingParams
-    from engine.session import Session
+    from engine.run.sampling import SamplingParams
+    from engine.run.session import Session
 
     assert preferred_dtype("cpu") == "bfloat16"
     bf = load(None, device="cpu", dtype="bfloat16")

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from engine.branching import parse_force, tokenization_of
 from engine.events import Finished, PrefillDone, TokenSampled
-from engine.sampling import SamplingParams
-from engine.session import Capture, Session
+from engine.run.branching import parse_force, tokenization_of
+from engine.run.sampling import SamplingParams
+from engine.run.session import Capture, Session
 from tests.engine.test_cli import cli
 
 GREEDY = SamplingParams.greedy_params()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.session import ATTENTION_MAX_BYTES, Capture
+from engine.run.session import ATTENTION_MAX_BYTES, Capture
 
 
 def test_everything_sets_its_fields():

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.constrain import Constraint
 from engine.events import Finished, TokenSampled
-from engine.sampling import SamplingParams
-from engine.session import Capture, Session
+from engine.run.constrain import Constraint
+from engine.run.sampling import SamplingParams
+from engine.run.session import Capture, Session
 from tests.engine.test_cli import cli
 
 

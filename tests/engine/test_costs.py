@@ -1,4 +1,4 @@
-"""engine.costs and engine.catalog: parameter counts, KV sizes, FLOPs and bytes against hand-computed values.
+"""engine.costs (formulas, catalog): parameter counts, KV sizes, FLOPs and bytes against hand-computed values.
 
 The matmul FLOPs are also checked against torch's own FlopCounterMode on a small reference forward pass
 written here (causal attention computed query by query, so the counter sees exactly the useful query-key
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from engine import costs
-from engine.catalog import (
+from engine.costs import formulas as costs
+from engine.costs.catalog import (
     Hardware,
     UnknownNameError,
     hardware_preset,
@@ -23,7 +23,7 @@ from engine.catalog import (
     model_preset,
     model_presets,
 )
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 
 SMOLLM2 = ModelConfig(
     name="SmolLM2-135M", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3, ffn_dim=1536,

@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from engine import costs
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
+from engine.costs import formulas as costs
+from engine.model.config import ModelConfig
+from engine.model.kv_cache import KVCache
 
 GEMMA_270M = ModelConfig(
     name="gemma-3-270m", architecture="gemma3", n_layers=18, d_model=640, n_heads=4, n_kv_heads=1, head_dim=256,

@@ -1,4 +1,4 @@
-"""The model list (engine.discover, `python -m engine models`): fake Hugging Face, LM Studio and Ollama folders.
+"""The model list (engine.formats.discover, `python -m engine models`): fake Hugging Face, LM Studio and Ollama folders.
 
 Independent reference for the header facts: the `gguf` package's reader (parameter count and tensor types of the
 same files) and the tiny checkpoint's own known shapes for safetensors.
@@ -17,7 +17,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from engine.discover import discover, memory_available, read_model_facts, recent_files, remember
+from engine.formats.discover import discover, memory_available, read_model_facts, recent_files, remember
 
 
 def _gguf_reference(path: Path) -> tuple[int, dict[str, int]]:

@@ -1,4 +1,4 @@
-"""One dtype table (engine.dtypes) for bytes, names, peaks and timing; checked against torch's element sizes and
+"""One dtype table (engine.model.dtypes) for bytes, names, peaks and timing; checked against torch's element sizes and
 the gguf package's block sizes, and for agreement between every module that reads it."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ import gguf
 import pytest
 import torch
 
-from engine import costs, dtypes
-from engine.catalog import Hardware, canonical_dtype
-from engine.estimate import DTYPE_CHOICES
+from engine.costs import formulas as costs
+from engine.costs.catalog import Hardware, canonical_dtype
+from engine.costs.estimate import DTYPE_CHOICES
+from engine.model import dtypes
 
 
 @pytest.mark.parametrize("name, torch_dtype", [("fp32", torch.float32), ("fp16", torch.float16),

@@ -1,4 +1,4 @@
-"""engine.estimate (capacity estimator and its CLI) and engine.hardware (measuring this machine)."""
+"""engine.costs.estimate (capacity estimator and its CLI) and engine.costs.hardware (measuring this machine)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import estimate as est
-from engine import hardware
-from engine.catalog import Hardware
+from engine.costs import estimate as est
+from engine.costs import hardware
+from engine.costs.catalog import Hardware
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED_KEYS = {
@@ -105,11 +105,11 @@ def test_errors_print_one_line_and_exit_2(
 
 def test_cli_as_a_process() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    ok = subprocess.run([sys.executable, "-m", "engine.estimate", *SEED_ARGS], cwd=REPO, env=env,
+    ok = subprocess.run([sys.executable, "-m", "engine.costs.estimate", *SEED_ARGS], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["hardware"] == "h100-sxm"
-    bad = subprocess.run([sys.executable, "-m", "engine.estimate", "estimate", "--preset", "nope"], cwd=REPO,
+    bad = subprocess.run([sys.executable, "-m", "engine.costs.estimate", "estimate", "--preset", "nope"], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().count("\n") == 0 and "valid:" in bad.stderr

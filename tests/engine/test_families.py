@@ -16,10 +16,10 @@ from torch.testing import assert_close
 
 pytest.importorskip("transformers")
 
-from engine.kv_cache import KVCache  # noqa: E402
 from engine.loaders import load  # noqa: E402
-from engine.model import build_model  # noqa: E402
-from engine.probe import Probe  # noqa: E402
+from engine.model.kv_cache import KVCache  # noqa: E402
+from engine.model.probe import Probe  # noqa: E402
+from engine.model.transformer import build_model  # noqa: E402
 from tests.tiny_families import FAMILIES, reference_logits, write_checkpoint  # noqa: E402
 
 IDS = [5, 77, 140, 3, 250, 99, 12, 200, 41, 7, 66, 13, 290, 31, 8]  # 15 tokens: several sliding windows of 4
@@ -140,7 +140,7 @@ def test_captured_attention_shows_the_window_band(checkpoints):
 def test_session_prefix_reuse_on_a_windowed_model(checkpoints):
     """The session's prefix caching asks the cache how far back it can resume: within the local layers' reach it
     reuses the prefix, beyond it it recomputes; the logits are transformers' either way."""
-    from engine.session import Session
+    from engine.run.session import Session
 
     ck = checkpoints["gemma3"]
     s = Session(load(ck.gguf, device="cpu", dtype="float32", use_cache=False))

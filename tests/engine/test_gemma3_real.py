@@ -14,8 +14,8 @@ from torch.testing import assert_close
 
 pytest.importorskip("transformers")
 
-from engine.kv_cache import KVCache  # noqa: E402
 from engine.loaders import gemma3_path, load  # noqa: E402
+from engine.model.kv_cache import KVCache  # noqa: E402
 from tests.engine.test_cli import cli  # noqa: E402
 
 pytestmark = pytest.mark.slow

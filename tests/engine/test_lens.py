@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from engine.events import LensCaptured, TokenSampled
-from engine.lens import entropy_bits
-from engine.sampling import SamplingParams
-from engine.session import Capture, Session
+from engine.run.lens import entropy_bits
+from engine.run.sampling import SamplingParams
+from engine.run.session import Capture, Session
 from tests.engine.test_cli import cli
 from tests.tiny_model import CFG, reference_logits
 

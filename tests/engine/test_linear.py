@@ -1,4 +1,4 @@
-"""engine.model.linear, the CPU fast path, against F.linear in float64: every branch, 1 and 2 threads.
+"""engine.model.transformer.linear, the CPU fast path, against F.linear in float64: every branch, 1 and 2 threads.
 
 Branches: up to SPLIT_MAX_ROWS rows with the output split evenly over the threads (a batched product over row
 blocks of W); more rows through oneDNN's private fp32 op; an output that does not split evenly falls back. The
@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import model
-from engine.model import SPLIT_MAX_ROWS, linear
+from engine.model import transformer as model
+from engine.model.transformer import SPLIT_MAX_ROWS, linear
 
 SHAPES = [  # (leading shape of x, in_features, out_features)
     ((1,), 64, 96),  # decode: one row

@@ -1,6 +1,6 @@
 """GGUF tokenizers held to llama.cpp: its own test vocabularies and expected ids, and a transcription of its code.
 
-References, neither sharing code with engine/tokenizer.py (which runs every merge in Hugging Face `tokenizers`):
+References, neither sharing code with engine/tokenizer/core.py (which runs every merge in Hugging Face `tokenizers`):
 - tests/data/llama_cpp_vocab/: llama.cpp's tokenizer test files, `NAME.gguf.out` being the ids llama.cpp's
   test-tokenizer-0 expects for each text of `NAME.gguf.inp` (origin and licence in the README there).
 - `_SpmReference`: a slow pure-Python transcription of llama.cpp's SentencePiece-style tokenizer as llama-vocab.cpp
@@ -22,8 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.gguf_meta import read_metadata
-from engine.tokenizer import _PRE_GROUP, SUPPORTED_PRE, Tokenization, Tokenizer, llama_cpp_pre_type
+from engine.formats.gguf_meta import read_metadata
+from engine.tokenizer.core import _PRE_GROUP, SUPPORTED_PRE, Tokenization, Tokenizer, llama_cpp_pre_type
 from tests.tiny_tokenizer import tiny_vocab
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "llama_cpp_vocab"
@@ -393,8 +393,8 @@ def test_gemma_matches_reference(gemma: Tokenizer, text: str, parse_special: boo
 
 @pytest.mark.slow
 def test_gemma_long_text_is_one_line_repeated(gemma: Tokenizer) -> None:
-    """A long text encodes as its repeated line does. (Encode speed is measured by `python -m engine bench`,
-    engine.bench.gemma3_tokenizer_timings: a unit test asserts no wall-clock time.)"""
+    """A long text encodes as its repeated line does. (Encode speed is measured by `python -m benchmarks bench`,
+    benchmarks.bench.gemma3_tokenizer_timings: a unit test asserts no wall-clock time.)"""
     line = "The quick brown fox <start_of_turn> jumps over 12345 lazy dogs. 😀\n"
     one = gemma.encode(line).ids[1:]  # without <bos>; the line starts after a newline each time, as at the start
     ids = gemma.encode(line * 30).ids

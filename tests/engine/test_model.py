@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from engine.kv_cache import KVCache
 from engine.loaders import ModelLoadError, load
-from engine.probe import Probe
-from engine.rope import halves_to_pairs
+from engine.model.kv_cache import KVCache
+from engine.model.probe import Probe
+from engine.model.rope import halves_to_pairs
 from tests.tiny_model import (
     CFG,
     llama_cpp_permute,
@@ -111,7 +111,7 @@ def test_bfloat16_stays_close_to_float32(tiny_dir, tiny_lm):
 
 
 def test_kv_cache_bytes():
-    from engine.config import PRESETS
+    from engine.model.config import PRESETS
 
     cfg = PRESETS["tiny-test"]
     c = KVCache(cfg, 1, 10, torch.float32)
@@ -173,8 +173,8 @@ def test_a_damaged_weight_cache_is_rebuilt(tiny_dir, tmp_path, monkeypatch, dama
 
 def test_rope_table_grows_with_the_positions_used(tiny_lm):
     """The RoPE table is built for the positions a run reaches, not for the whole claimed context at load."""
-    from engine.model import ROPE_ROWS, build_model
-    from engine.rope import rope_table
+    from engine.model.rope import rope_table
+    from engine.model.transformer import ROPE_ROWS, build_model
 
     cfg = dataclasses.replace(tiny_lm.cfg, context_length=16_000_000)  # a 16M-token table would be ~1 GB
     net = build_model(cfg, tiny_lm.model.state_dict())

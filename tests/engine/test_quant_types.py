@@ -121,7 +121,7 @@ def test_quantized_model_runs(tmp_path, qtype):
     lm = load(path, device="cpu", dtype="float32", use_cache=False)
     assert lm.info.file_bits_per_weight[qtype.name] == 8 * gguf.GGML_QUANT_SIZES[qtype][1] / gguf.GGML_QUANT_SIZES[
         qtype][0]
-    from engine.kv_cache import KVCache
+    from engine.model.kv_cache import KVCache
 
     logits = lm.model(torch.tensor([[5, 7, 9]]), 0, KVCache(lm.cfg, 1, 8, torch.float32))
     assert torch.isfinite(logits).all()

@@ -1,4 +1,4 @@
-"""engine.refunnel (numpy, for the GUI process) gives engine.sampling's funnel (torch, what Generate samples from)."""
+"""engine.run.refunnel (numpy, GUI process) gives engine.run.sampling's funnel (torch, what Generate samples from)."""
 
 import itertools
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.messages import SamplingParams
-from engine.refunnel import funnel_stages
-from engine.sampling import funnel
+from engine.protocol import SamplingParams
+from engine.run.refunnel import funnel_stages
+from engine.run.sampling import funnel
 
 SETTINGS = [
     SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=r, logit_bias=b)

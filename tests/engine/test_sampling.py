@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, choose, funnel, make_generator, sample, top_k_mask, top_p_mask
+from engine.run.sampling import SamplingParams, choose, funnel, make_generator, sample, top_k_mask, top_p_mask
 
 
 def probs(*p):

@@ -6,9 +6,9 @@ import threading
 import pytest
 
 from engine.events import Failed, Finished, TokenSampled
-from engine.sampling import SamplingParams
+from engine.run.sampling import SamplingParams
+from engine.run.session import Capture
 from engine.server import GenerateRequest, PreviewResult, serve
-from engine.session import Capture
 
 
 class Client:

@@ -14,10 +14,10 @@ from engine.events import (
     ResidualNorms,
     TokenSampled,
 )
-from engine.kv_cache import KVCache
-from engine.refunnel import refunnel
-from engine.sampling import SamplingParams
-from engine.session import Capture, Session
+from engine.model.kv_cache import KVCache
+from engine.run.refunnel import refunnel
+from engine.run.sampling import SamplingParams
+from engine.run.session import Capture, Session
 
 GREEDY = SamplingParams.greedy_params()
 
@@ -209,7 +209,7 @@ def test_non_finite_logits_end_the_generation_with_one_clear_message(tiny_lm):
     the sampled and the greedy path (argmax would otherwise pick a token from NaN), and leave no cache behind."""
     import dataclasses
 
-    from engine.model import build_model
+    from engine.model.transformer import build_model
 
     sd = {k: v.clone() for k, v in tiny_lm.model.state_dict().items()}
     sd["norm.weight"][0] = float("nan")

@@ -9,9 +9,16 @@ import numpy as np
 import pytest
 
 from engine.events import LensCaptured, ModelInfo, TokenSampled
-from engine.sampling import SamplingParams
-from engine.session import Capture, Session
-from engine.session_file import SavedSession, SessionFileError, load_session, model_identity, same_model, save_session
+from engine.formats.session_file import (
+    SavedSession,
+    SessionFileError,
+    load_session,
+    model_identity,
+    same_model,
+    save_session,
+)
+from engine.run.sampling import SamplingParams
+from engine.run.session import Capture, Session
 
 
 def assert_same(a, b, where="event"):

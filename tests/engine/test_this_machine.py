@@ -1,12 +1,12 @@
-"""One policy for "this machine" (engine.hardware.this_machine), which the roofline, capacity and batching panels
+"""One policy for "this machine" (engine.costs.hardware.this_machine), which the roofline, capacity and batching panels
 all follow: the dtype's own measurement when it can be timed, else the float32 one, else nothing; never measures."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine import hardware
-from engine.catalog import Hardware
+from engine.costs import hardware
+from engine.costs.catalog import Hardware
 
 
 def hw(name: str, peak: float) -> Hardware:

@@ -3,7 +3,7 @@
 Exactness is checked against `_Reference`, a deliberately slow pure-Python re-implementation of what llama.cpp
 does for a `smollm` vocabulary (its regexes, read from llama-vocab.cpp: split every \\p{N} character off, apply
 the GPT-2 split to the rest, then rank-ordered BPE merges; bytes without a token are dropped). It shares no
-code with engine/tokenizer.py, which runs the BPE in Hugging Face `tokenizers`.
+code with engine/tokenizer/core.py, which runs the BPE in Hugging Face `tokenizers`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jinja2.exceptions import SecurityError
 
-from engine.tokenizer import CACHE_FORMAT, StreamDecoder, Tokenization, Tokenizer, bytes_to_unicode
+from engine.tokenizer.core import CACHE_FORMAT, StreamDecoder, Tokenization, Tokenizer, bytes_to_unicode
 from tests.tiny_tokenizer import (
     CHAT_TEMPLATE,
     IM_END_ID,

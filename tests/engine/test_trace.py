@@ -5,9 +5,9 @@ import json
 import pytest
 
 from engine.events import PrefillDone, TokenSampled
-from engine.sampling import SamplingParams
-from engine.session import Session
-from engine.trace import TraceRecorder, check_writable, trace_events
+from engine.run.sampling import SamplingParams
+from engine.run.session import Session
+from engine.run.trace import TraceRecorder, check_writable, trace_events
 from tests.engine.test_cli import cli
 
 PHASES = {"X": {"ts", "dur"}, "C": {"ts", "args"}, "M": {"args"}, "i": {"ts", "s"}}

@@ -13,7 +13,7 @@ import pytest
 
 from engine.remote.backend import RemoteBackend
 from engine.remote.client import Client, RemoteError
-from engine.sampling import SamplingParams
+from engine.run.sampling import SamplingParams
 
 MODELS = json.dumps({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "someone"}]}).encode()
 

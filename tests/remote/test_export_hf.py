@@ -34,7 +34,7 @@ def test_files_and_config(exported_hf):
 def test_same_logits_as_gguf(exported_hf, real_lm):
     """Our HF loader on the exported directory gives the GGUF's logits (same float32 values, RoPE layout undone)."""
     from engine.loaders import load
-    from engine.session import Session
+    from engine.run.session import Session
 
     hf = load(exported_hf, device="cpu", dtype="float32")
     ids = real_lm.tokenizer.encode(real_lm.tokenizer.chat_prompt("Explain what a KV cache is.")).ids

@@ -89,8 +89,8 @@ def test_vllm_logprobs_equal_server_and_local_model(vllm_server, real_lm):
     """Streamed top-N equals the server's non-streamed logprobs; the first step also equals our own model's."""
     import torch
 
-    from engine.sampling import SamplingParams
-    from engine.session import Session
+    from engine.run.sampling import SamplingParams
+    from engine.run.session import Session
 
     b = backend(vllm_server)
     toks = [ev for ev in b.generate(PROMPT, SamplingParams(temperature=0.0), 4, top_logprobs=5)
@@ -194,7 +194,7 @@ def test_llamacpp_greedy_chat_equals_nonstreamed_and_logprobs(llama_server):
 def test_llamacpp_killed_mid_stream(server_logs):
     """A server that dies mid-stream gives one clear message, and the tokens that arrived are kept."""
     from engine.loaders import default_model_path
-    from engine.sampling import SamplingParams
+    from engine.run.sampling import SamplingParams
     from tests.remote import servers
 
     if not servers.LLAMA_PY.exists():

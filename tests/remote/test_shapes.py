@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine import costs
+from engine.costs import formulas as costs
 from engine.remote.shapes import measured_decode, server_model_config
 
 # SmolLM2-135M's published config.json (huggingface.co/HuggingFaceTB/SmolLM2-135M), 134,515,008 parameters

@@ -19,9 +19,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from engine import costs
-from engine.branching import check_forced, tokenization_of
-from engine.constrain import Constraint
+from engine.costs import formulas as costs
 from engine.events import (
     AttentionCaptured,
     Event,
@@ -35,14 +33,16 @@ from engine.events import (
     ResidualNorms,
     TokenSampled,
 )
-from engine.kv_cache import KVCache
-from engine.lens import lens_event
 from engine.loaders import LoadedModel
-from engine.messages import ATTENTION_MAX_BYTES, FUNNEL_TOP, Capture  # noqa: F401 — constants re-exported
-from engine.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
-from engine.sampling import FunnelStages, SamplingParams, choose, make_generator, sample
-from engine.threads import AdaptiveThreads
-from engine.tokenizer import StreamDecoder, Tokenization
+from engine.model.kv_cache import KVCache
+from engine.model.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
+from engine.protocol import ATTENTION_MAX_BYTES, FUNNEL_TOP, Capture  # noqa: F401 — constants re-exported
+from engine.run.branching import check_forced, tokenization_of
+from engine.run.constrain import Constraint
+from engine.run.lens import lens_event
+from engine.run.sampling import FunnelStages, SamplingParams, choose, make_generator, sample
+from engine.run.threads import AdaptiveThreads
+from engine.tokenizer.core import StreamDecoder, Tokenization
 
 CACHE_GRANULE = 256  # the cache grows in steps of this many positions, so it is rarely reallocated
 
@@ -228,7 +228,7 @@ class Generation:
         self.params, self.capture = params, capture
         self.max_new_tokens, self.ignore_eos = max_new_tokens, ignore_eos
         self.forced: dict[int, int] = dict(forced or {})  # step → token id that replaces the sampled one
-        self.constraint = constraint  # a regex / JSON schema the output must match (engine.constrain)
+        self.constraint = constraint  # a regex / JSON schema the output must match (engine.run.constrain)
         self._stop = False
         self._events = self._run()
 
@@ -251,7 +251,7 @@ class Generation:
         for layer in sorted(self.capture.attention_layers):
             w = probe.values.get(attn_point(layer))
             if w is not None:
-                skipped = n_queries - w.shape[2]  # a long prefill keeps its last rows only (engine.probe)
+                skipped = n_queries - w.shape[2]  # a long prefill keeps its last rows only (engine.model.probe)
                 yield AttentionCaptured(
                     step=step, phase=phase, layer=layer, query_start=query_start + skipped, weights=w[0],
                     group_size=g, rows_skipped=skipped,

@@ -1,4 +1,4 @@
-"""Decode speed under load: `python -m engine bench-load` prints TPOT with 1 thread, all threads and `auto`, on a
+"""Decode speed under load: `python -m benchmarks bench-load` prints TPOT with 1 thread, all threads and `auto`, on a
 quiet machine, next to one busy loop, and next to a niced multi-threaded Python process — ratios from one run.
 
 The model is loaded once in this process; each configuration is a fresh Session (so `auto` starts from nothing,
@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from engine.bench import PROMPT, _machine, prompt_ids
+from benchmarks.bench import PROMPT, _machine, prompt_ids
 
 COMPETITOR_MT = """
 import sys, time, torch
@@ -40,7 +40,7 @@ class Competitor:
         if kind == "busy":
             self.proc = subprocess.Popen(["timeout", str(int(limit)), "yes"], stdout=subprocess.DEVNULL)
         elif kind == "multithreaded":
-            from engine.threads import available_cores
+            from engine.run.threads import available_cores
 
             code = COMPETITOR_MT.format(threads=available_cores(), limit=limit)
             self.proc = subprocess.Popen(["nice", "-n", "5", sys.executable, "-c", code], stdout=subprocess.PIPE,
@@ -76,7 +76,7 @@ class Competitor:
 def measure(session, threads: str, new_tokens: int, time_limit: float) -> dict:
     """One greedy generation; TPOT over the decode steps (stopped early past `time_limit` seconds)."""
     from engine.events import Finished
-    from engine.sampling import SamplingParams
+    from engine.run.sampling import SamplingParams
 
     session.forget_cache()
     chat = prompt_ids(session.tokenizer)[1]  # a base model (Gemma 3 270M) has no chat template: plain text
@@ -97,8 +97,8 @@ def measure(session, threads: str, new_tokens: int, time_limit: float) -> dict:
 def run(conditions: list[str], new_tokens: int, rounds: int, limit: float, dtype: str, also: str | None = None,
         model: str | None = None) -> dict:
     from engine.loaders import load
-    from engine.session import Session
-    from engine.threads import CpuMeter, available_cores  # torch: imported when a bench runs, not for every command
+    from engine.run.session import Session
+    from engine.run.threads import CpuMeter, available_cores  # torch: imported when a bench runs, not for every command
 
     lms = {None: load(model, device="cpu", dtype=dtype)}
     n_max = available_cores()

@@ -1,8 +1,8 @@
-"""Where a decode step's time goes: `python -m engine bench-profile` runs decode steps of the default model and
+"""Where a decode step's time goes: `python -m benchmarks bench-profile` runs decode steps of the default model and
 splits the wall time of a step into the matrix products, attention, and the rest (norms, RoPE, cache writes,
 activations, residual adds, sampling, and the Python and dispatch between all of them), per dtype and thread count.
 
-The products and attention are timed where the model calls them (engine.model.linear, explicit_attention,
+The products and attention are timed where the model calls them (engine.model.transformer.linear, explicit_attention,
 sdpa_attention), with a clock read before and after each call (~0.1 µs; torch's profiler was tried and adds tens
 of µs per operator, more than many operators take). torch's profiler only counts the operators a step runs.
 """
@@ -18,7 +18,7 @@ from contextlib import contextmanager
 @contextmanager
 def _timed(spent: dict[str, float]):
     """Accumulate the seconds spent in the model's products and attention calls while the block runs."""
-    from engine import model as m
+    from engine.model import transformer as m
 
     originals = {"linear": m.linear, "explicit_attention": m.explicit_attention, "sdpa_attention": m.sdpa_attention}
 
@@ -46,8 +46,8 @@ def profile(dtype: str, threads: int, steps: int, prompt: str) -> dict:
 
     from engine.events import Finished, TokenSampled
     from engine.loaders import load
-    from engine.sampling import SamplingParams
-    from engine.session import Capture, Session
+    from engine.run.sampling import SamplingParams
+    from engine.run.session import Capture, Session
 
     lm = load(None, device="cpu", dtype=dtype)
     session = Session(lm, threads=threads)
@@ -95,7 +95,7 @@ def decode_attention(threads: int = 1, keys: tuple[int, ...] = (50, 1000, 4000),
 def _time_attention(keys: tuple[int, ...], repeats: int) -> dict:
     import torch
 
-    from engine.model import explicit_attention, sdpa_attention
+    from engine.model.transformer import explicit_attention, sdpa_attention
 
     H, KV, hd = 9, 3, 64  # SmolLM2-135M: 9 query heads share 3 KV heads of width 64
     g = torch.Generator().manual_seed(0)
@@ -122,7 +122,7 @@ def _time_attention(keys: tuple[int, ...], repeats: int) -> dict:
 
 
 def cmd_bench_profile(a: argparse.Namespace) -> int:
-    from engine.bench import PROMPT
+    from benchmarks.bench import PROMPT
 
     out = []
     for dtype in a.dtypes.split(","):

@@ -1,6 +1,6 @@
 """GUI start-up cost: import the app, build the window (no model load), print JSON.
 
-    python -m app.bench_startup
+    python -m benchmarks.startup
 
 Prints the seconds to import the app, to build and show the window, and the GUI process's peak RSS (MB), and
 whether torch got loaded into it (it must not: torch lives in the engine process, which this does not start

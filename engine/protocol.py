@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.probe import Probe
+    from engine.model.probe import Probe
 
 FUNNEL_TOP = 20  # candidates kept in each step's sampling funnel by the app and the benchmark
 ATTENTION_MAX_BYTES = 16 * 2**20  # float32 attention weights kept per layer and step
@@ -64,7 +64,7 @@ class Capture:
         return cls(attention_layers=frozenset(range(n_layers)), residual_norms=True, funnel_top=funnel_top, logits=True)
 
     def probe(self) -> Probe | None:
-        from engine.probe import Probe  # torch: only the engine process builds probes
+        from engine.model.probe import Probe  # torch: only the engine process builds probes
 
         if not self.attention_layers and not self.residual_norms and not self.lens_top:
             return None

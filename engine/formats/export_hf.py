@@ -7,7 +7,7 @@ writes config.json, model.safetensors (float32: the dequantized GGUF values exac
 bytes the vocabulary lacks survive), tokenizer_config.json with the chat template, and generation_config.json
 (BOS/EOS only: no sampling defaults, so a server's defaults stay the server's).
 
-The engine keeps q/k rows in the adjacent-pair RoPE layout (engine.rope); Hugging Face checkpoints use rotate-halves,
+The engine keeps q/k rows in the adjacent-pair RoPE layout (engine.model.rope); HF checkpoints use rotate-halves,
 so those rows are reordered back here — the exact inverse of `halves_to_pairs`, which the HF loader applies.
 """
 
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch and the tokenizer load only when exporting: `python -m engine` starts fast
     import torch
 
-    from engine.config import ModelConfig
-    from engine.tokenizer import Tokenizer
+    from engine.model.config import ModelConfig
+    from engine.tokenizer.core import Tokenizer
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -52,7 +52,7 @@ class ExportError(Exception):
 
 
 def pairs_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Reorder q/k rows from adjacent pairs back to rotate-halves: the inverse of engine.rope.halves_to_pairs."""
+    """Reorder q/k rows from adjacent pairs back to rotate-halves: the inverse of engine.model.rope.halves_to_pairs."""
     hd = w.shape[0] // n_heads
     return w.reshape(n_heads, hd // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
@@ -116,7 +116,7 @@ def hf_backend(tok: Tokenizer):
     and a BPE post-processor adds BOS when the model asks for it."""
     from tokenizers import AddedToken, processors
 
-    from engine.tokenizer import _TYPE_CONTROL, _TYPE_UNKNOWN, _TYPE_USER_DEFINED
+    from engine.tokenizer.core import _TYPE_CONTROL, _TYPE_UNKNOWN, _TYPE_USER_DEFINED
 
     rules = getattr(tok, "_rules", None)
     if rules is not None and rules.kind != "bpe":

@@ -2,7 +2,7 @@
 
 Memory: weights (parameters × bytes per value) plus the KV cache (context × batch × KV bytes per token) must
 fit in the chip's memory; activations and framework overhead are left out, so treat "fits" as an upper
-bound. Speed: each step is timed with the roofline of engine.costs, max(FLOPs / peak, bytes / bandwidth).
+bound. Speed: each step is timed with the roofline of engine.costs.formulas, max(FLOPs / peak, bytes / bandwidth).
 Decode: one step yields one token for each of the `batch` sequences, so per-stream speed is 1 / step time
 and the system's is batch / step time; the TPOT floor is the memory side alone (bytes per step / bandwidth).
 TTFT: the prefill of one prompt of `prompt_tokens` tokens with the chip to itself (no queueing, no
@@ -18,9 +18,10 @@ import json
 import sys
 from typing import Any
 
-from engine import costs, dtypes
-from engine.catalog import Hardware, UnknownNameError, canonical_dtype, hardware_preset, model_preset
-from engine.config import ModelConfig
+from engine.costs import formulas as costs
+from engine.costs.catalog import Hardware, UnknownNameError, canonical_dtype, hardware_preset, model_preset
+from engine.model import dtypes
+from engine.model.config import ModelConfig
 
 THIS_MACHINE = "this-machine"
 DTYPE_CHOICES = dtypes.ACCEPTED
@@ -34,7 +35,7 @@ def _resolve_hardware(hardware: Hardware | str, dtype: str) -> Hardware:
     if not isinstance(hardware, str):
         return hardware
     if hardware.strip().lower() == THIS_MACHINE:
-        from engine.hardware import cached_this_machine  # imports torch; only needed for this choice
+        from engine.costs.hardware import cached_this_machine  # imports torch; only needed for this choice
 
         measurable = canonical_dtype(dtype) in dtypes.MEASURABLE
         return cached_this_machine("cpu", dtype if measurable else "float32")

@@ -50,7 +50,7 @@ Its own new keys and values are used while they are fresh, like the other activa
 again as a read. One decode step at context c is such a step with n = 1 and s = c − 1. A local layer reads at
 most W − 1 cached positions and needs to keep only the last W, so at context c the cache holds
     2 · n_kv_heads · head_dim · bytes per value · (n_global · c + n_local · min(c, W))   (kv_bytes).
-The engine's cache (engine.kv_cache) keeps at most 2·W positions in a local layer.
+The engine's cache (engine.model.kv_cache) keeps at most 2·W positions in a local layer.
 
 Time
 ----
@@ -65,13 +65,13 @@ helps.
 
 from __future__ import annotations
 
-from engine import dtypes
-from engine.config import ModelConfig
 from engine.events import StepCost
+from engine.model import dtypes
+from engine.model.config import ModelConfig
 
 
 def bytes_per_value(dtype: str) -> float:
-    """Storage of one value in `dtype`, in bytes (fractions for packed 4-bit formats); see engine.dtypes."""
+    """Storage of one value in `dtype`, in bytes (fractions for packed 4-bit formats); see engine.model.dtypes."""
     return dtypes.bytes_per_value(dtype)
 
 

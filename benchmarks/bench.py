@@ -1,4 +1,4 @@
-"""Benchmarks as scripts that print ratios: `python -m engine bench` and `python -m engine bench-batch`.
+"""Benchmarks as scripts that print ratios: `python -m benchmarks bench` (and `bench-one`, one configuration).
 
 Each configuration runs in its own subprocess (`bench-one`), so load time and peak RSS are those of a fresh
 process. The parent measures the machine (memory bandwidth, matmul FLOP/s), watches how busy the machine is
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.threads import threads_arg
+from engine.run.threads import threads_arg
 
 PROMPT = "Explain what a KV cache is in two sentences."
 
@@ -48,8 +48,8 @@ def run_ours(dtype: str, capture: str, new_tokens: int, repeats: int, generation
 
     from engine.events import Finished
     from engine.loaders import load
-    from engine.sampling import SamplingParams
-    from engine.session import Capture, Session
+    from engine.run.sampling import SamplingParams
+    from engine.run.session import Capture, Session
 
     t0 = time.perf_counter()
     lm = load(model, device="cpu", dtype=dtype)
@@ -92,7 +92,7 @@ def tokenizer_timings(tok, repeats: int = 15) -> dict:
     import tempfile
     from pathlib import Path
 
-    from engine.tokenizer import Tokenizer
+    from engine.tokenizer.core import Tokenizer
 
     words = ["the", "quick", "brown", "fox", "2024", "über", "😀", "\n", "世界", "x=1;", "  ", "<|im_end|>"]
     text = " ".join(words[(k * 7) % len(words)] for k in range(3000))
@@ -117,7 +117,7 @@ def tokenizer_timings(tok, repeats: int = 15) -> dict:
 def gemma3_tokenizer_timings() -> dict | None:
     """tokenizer_timings of Gemma 3 270M's 262,144-token SentencePiece vocabulary, when it is installed (the
     speed a unit test used to assert; a test checks only that its tokenizations are right)."""
-    from engine.locate import gemma3_path, load_tokenizer
+    from engine.formats.locate import gemma3_path, load_tokenizer
 
     path = gemma3_path(assemble=False)
     return None if path is None else tokenizer_timings(load_tokenizer(path))
@@ -135,7 +135,7 @@ def run_hf(dtype: str, new_tokens: int, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from engine.loaders import default_model_path
-    from engine.tokenizer import Tokenizer
+    from engine.tokenizer.core import Tokenizer
 
     path = default_model_path()
     t0 = time.perf_counter()
@@ -210,8 +210,8 @@ def run_llama_cpp(new_tokens: int, repeats: int, threads: int, model: str | None
 
     Runs in the interpreter that has llama_cpp (possibly another virtual environment), so the script is plain text.
     """
-    from engine.locate import resolve_model_path
-    from engine.tokenizer import Tokenizer
+    from engine.formats.locate import resolve_model_path
+    from engine.tokenizer.core import Tokenizer
 
     python = llama_cpp_python()
     if python is None:
@@ -240,13 +240,13 @@ EXPORT_KEY = "export-hf-1"
 def exported_default_model() -> Path:
     """The default model as a Hugging Face directory (what vLLM loads), exported once into the cache.
 
-    Keyed by the GGUF file (path, size, mtime) and by engine/export_hf.py's source, so a changed exporter re-exports.
+    Keyed by the GGUF file (path, size, mtime) and by the exporter's source, so a changed exporter re-exports.
     """
     import hashlib
 
-    from engine import export_hf
+    from engine.formats import export_hf
+    from engine.formats.locate import cache_root
     from engine.loaders import default_model_path
-    from engine.locate import cache_root
 
     path = default_model_path()
     st = path.stat()
@@ -307,7 +307,7 @@ def run_vllm(new_tokens: int, repeats: int, threads: int, dtype: str = "auto",
     from engine.remote.backend import RemoteBackend
     from engine.remote.bench import one_request
     from engine.remote.launch import start_vllm, vllm_log_facts, vllm_python
-    from engine.tokenizer import Tokenizer
+    from engine.tokenizer.core import Tokenizer
 
     python = vllm_python()
     if python is None:
@@ -343,7 +343,7 @@ def run_vllm(new_tokens: int, repeats: int, threads: int, dtype: str = "auto",
 def cmd_bench_one(a: argparse.Namespace) -> int:
     import torch
 
-    from engine.threads import available_cores
+    from engine.run.threads import available_cores
 
     fixed = a.threads if a.threads != "auto" else available_cores()
     dtype = a.dtype or ("auto" if a.impl == "vllm" else "float32")
@@ -384,7 +384,7 @@ def run_json(args: list[str], timeout: float = 900) -> dict:
 
 def _child(args: list[str], timeout: float = 900) -> dict | None:
     try:
-        return run_json(["-m", "engine", "bench-one", *args], timeout)
+        return run_json(["-m", "benchmarks", "bench-one", *args], timeout)
     except RuntimeError as e:
         print(f"  {' '.join(args)}: failed: {e}", file=sys.stderr)
         return None
@@ -435,8 +435,8 @@ def _machine() -> dict:
 
 def cmd_bench(a: argparse.Namespace) -> int:
 
-    from engine import costs
-    from engine.hardware import measure_this_machine
+    from engine.costs import formulas as costs
+    from engine.costs.hardware import measure_this_machine
     from engine.loaders import load
 
     threads = str(a.threads)
@@ -482,7 +482,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         else:
             print("measuring vLLM (CPU build, a server on 127.0.0.1) on the exported model …", file=sys.stderr)
             results["vllm"] = _child(["--impl", "vllm", *base], timeout=1500)
-        from engine.locate import gemma3_path
+        from engine.formats.locate import gemma3_path
 
         if gemma3_path() is None:
             print("Gemma 3 270M is not installed (make setup installs it): no Gemma 3 figures", file=sys.stderr)
@@ -568,7 +568,7 @@ def _ratios(r: dict) -> dict:
 
 def _gui_bench() -> dict | None:
     try:
-        return run_json(["-m", "app.bench_gui"], timeout=600)
+        return run_json(["-m", "benchmarks.gui"], timeout=600)
     except RuntimeError as e:
         print(f"  GUI benchmark failed: {e}", file=sys.stderr)
         return None
@@ -613,41 +613,6 @@ def _print_report(r: dict) -> None:
           + ("" if r["trustworthy"] else " — NOT a quiet machine: do not trust these timings"))
 
 
-def cmd_bench_batch(a: argparse.Namespace) -> int:
-    import psutil
-
-    from engine.batching import bench_batch
-    from engine.loaders import ModelLoadError, load
-
-    try:
-        batches = [int(x) for x in a.batches.split(",") if x.strip()]
-        if not batches or min(batches) < 1:
-            raise ValueError
-    except ValueError:
-        print(f"error: --batches must be positive integers separated by commas, got {a.batches!r}", file=sys.stderr)
-        return 2
-    if a.threads != "auto":  # a batch's products are large: no per-step adaptation here, a fixed count if asked
-        import torch
-
-        torch.set_num_threads(a.threads)
-    try:
-        lm = load(a.model, device=a.device, dtype=a.dtype)
-    except ModelLoadError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    rows = bench_batch(lm, batches, a.prompt_tokens, a.new_tokens,
-                       progress=None if a.json else lambda f, m: print(f"  {m}", file=sys.stderr),
-                       memory_limit_bytes=psutil.virtual_memory().available * 0.5)
-    if a.json:
-        print(json.dumps([r.to_dict() for r in rows], indent=2))
-        return 0
-    print(f"{'batch':>5}{'TPOT':>11}{'tok/s/stream':>14}{'tok/s system':>14}{'FLOP/B':>8}{'GFLOP/s':>9}{'GB/s':>7}")
-    for r in rows:
-        print(f"{r.batch:>5}{_ms(r.tpot_s):>11}{r.tokens_per_s_per_stream:>14.1f}{r.tokens_per_s_system:>14.1f}"
-              f"{r.intensity:>8.1f}{r.achieved_flops / 1e9:>9.1f}{r.achieved_bandwidth / 1e9:>7.1f}")
-    return 0
-
-
 def add_subcommands(sub) -> None:
     p = sub.add_parser("bench", help="benchmark load, TTFT, TPOT, memory and capture overhead (prints ratios)")
     p.add_argument("--json", action="store_true")
@@ -673,14 +638,3 @@ def add_subcommands(sub) -> None:
     p.add_argument("--threads", type=threads_arg, default="auto")
     p.add_argument("--model", default=None, help="ours and llama.cpp: another model (default: SmolLM2-135M)")
     p.set_defaults(func=cmd_bench_one)
-
-    p = sub.add_parser("bench-batch", help="measure batched decode: TPOT and tokens/s per stream and system")
-    p.add_argument("--model", default=None)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--batches", default="1,2,4,8,16,32")
-    p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--threads", type=threads_arg, default="auto", help="auto (torch's count) or a fixed count")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_bench_batch)

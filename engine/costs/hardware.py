@@ -24,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine import dtypes
-from engine.catalog import Hardware, canonical_dtype
+from engine.costs.catalog import Hardware, canonical_dtype
+from engine.model import dtypes
 
 MAX_AGE_S = 7 * 24 * 3600.0
 CACHE_FILE = "hardware.json"

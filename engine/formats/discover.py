@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.gguf_meta import read_metadata
+from engine.formats.gguf_meta import read_metadata
 
 __all__ = ["ModelEntry", "discover", "memory_available", "read_model_facts", "remember", "recent_files"]
 
@@ -277,7 +277,7 @@ def _ollama(root: Path) -> Iterator[tuple[Path, str]]:
 
 
 def _recent_file() -> Path:
-    from engine.locate import cache_root
+    from engine.formats.locate import cache_root
 
     return cache_root() / "recent_models.json"
 
@@ -309,7 +309,7 @@ def remember(path: str | os.PathLike[str]) -> None:
 
 
 def _known() -> Iterator[tuple[Path, str, str]]:
-    from engine.locate import GEMMA3_DIST, ModelLoadError, default_model_path, gemma3_path
+    from engine.formats.locate import GEMMA3_DIST, ModelLoadError, default_model_path, gemma3_path
 
     try:
         yield default_model_path(), "SmolLM2-135M-Instruct (default)", "default"

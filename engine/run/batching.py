@@ -3,7 +3,7 @@
 One decode step reads every weight once whatever the batch, so running B sequences together costs little more per
 step than running one, while producing B tokens. `bench_batch` measures that on the loaded model: the time per step
 (TPOT, felt by each stream), tokens per second per stream (1 / TPOT) and for the system (B / TPOT), next to the
-analytic FLOPs and bytes of each step from engine.costs.
+analytic FLOPs and bytes of each step from engine.costs.formulas.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from engine import costs
-from engine.kv_cache import KVCache
+from engine.costs import formulas as costs
 from engine.loaders import LoadedModel
-from engine.messages import BatchRow
+from engine.model.kv_cache import KVCache
+from engine.protocol import BatchRow
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32)
 

@@ -1,4 +1,4 @@
-"""GUI responsiveness, measured: `python -m app.bench_gui [--smoke]` prints one JSON line (run by `make bench`).
+"""GUI responsiveness, measured: `python -m benchmarks.gui [--smoke]` prints one JSON line (run by `make bench`).
 
 - main-thread stalls during a 128-token generation with every panel on screen: the default layout tabs some docks
   behind others (Capacity and Batching lab behind Roofline), and a tabbed-away panel never paints, so the benchmark
@@ -13,7 +13,7 @@
 - the generation's own TPOT with the GUI running, and the CPU time the GUI process and the engine process spent
   per token.
 
-`python -m app.bench_gui --compare [--rounds N] [--output F] [--model M]` is the app-against-the-CLI benchmark:
+`python -m benchmarks.gui --compare [--rounds N] [--output F] [--model M]` is the app-against-the-CLI benchmark:
 on a quiet machine and next to one `yes` busy loop, each round runs the CLI, the app (this module, in a fresh
 process) and the CLI again on the same prompt, dtype and thread setting, and prints the app's TPOT over the CLI's
 mean of the same round, with the app's stalls.
@@ -265,21 +265,21 @@ def _cpu_s() -> float:
 
 def compare(argv: list[str]) -> int:
     """The app against the CLI, in one run: quiet and next to one busy loop (see the module's docstring)."""
-    from engine.bench import BusyMeter, run_json
-    from engine.bench_load import Competitor
+    from benchmarks.bench import BusyMeter, run_json
+    from benchmarks.load import Competitor
 
     rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 2
     output = argv[argv.index("--output") + 1] if "--output" in argv else None
     model = ["--model", argv[argv.index("--model") + 1]] if "--model" in argv else []
-    from engine.bench import prompt_ids
+    from benchmarks.bench import prompt_ids
+    from engine.formats.locate import load_tokenizer
     from engine.loaders import preferred_dtype
-    from engine.locate import load_tokenizer
 
     dtype = preferred_dtype("cpu")  # what the app loads; the CLI's own "auto" is float32 on a CPU
     chat = ["--chat"] if prompt_ids(load_tokenizer(model[1] if model else None))[1] else []  # as the app decides
     cli = ["-m", "engine", "generate", *chat, *model, "--greedy", "--ignore-eos", "--max-new-tokens", "128",
            "--prompt", PROMPT, "--json", "--dtype", dtype]  # threads "auto", as the app's default
-    out: dict = {"command": "python -m app.bench_gui --compare " + " ".join(model), "rounds": rounds,
+    out: dict = {"command": "python -m benchmarks.gui --compare " + " ".join(model), "rounds": rounds,
                  "dtype": dtype, "conditions": {}}
     for condition in ("quiet", "busy"):
         rows = []
@@ -288,7 +288,7 @@ def compare(argv: list[str]) -> int:
             meter = BusyMeter()
             try:
                 before = run_json(cli)["tpot_s"] * 1e3
-                gui = run_json(["-m", "app.bench_gui", *model])
+                gui = run_json(["-m", "benchmarks.gui", *model])
                 after = run_json(cli)["tpot_s"] * 1e3
                 others = meter.cores_used()  # every other process, the competitor included
             finally:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.messages import SamplingParams
+from engine.protocol import SamplingParams
 
 __all__ = ["SamplingParams", "FunnelStages", "funnel", "sample", "choose", "make_generator"]
 

@@ -2,7 +2,7 @@
 
 Model entries use ModelConfig's field names and carry the Hugging Face config.json they were copied from.
 Hardware entries give each chip's dense peak throughput per dtype, memory bandwidth and memory size with the
-vendor document they come from; `engine.hardware` produces the same `Hardware` record by measuring this
+vendor document they come from; `engine.costs.hardware` produces the same `Hardware` record by measuring this
 machine.
 """
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from engine import dtypes
-from engine.config import ModelConfig
+from engine.model import dtypes
+from engine.model.config import ModelConfig
 
 
 class UnknownNameError(KeyError, ValueError):
@@ -27,7 +27,7 @@ class UnknownNameError(KeyError, ValueError):
 
 
 def canonical_dtype(dtype: str) -> str:
-    """The short name ("fp16", "bf16", "int8", …) for any accepted spelling of a dtype (see engine.dtypes)."""
+    """The short name ("fp16", "bf16", "int8", …) for any accepted spelling of a dtype (see engine.model.dtypes)."""
     return dtypes.canonical(dtype)
 
 

@@ -1,8 +1,8 @@
 """The transformer, read top to bottom: Transformer → Block → Attention → MLP → RMSNorm.
 
 One decoder for the Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/3, Phi-3) and Gemma 3: pre-norm blocks,
-grouped-query attention with RoPE (adjacent-pair convention, see engine.rope), gated MLP, RMSNorm, optional tied
-LM head. The families differ only where engine.config's fields say so, each a small branch here:
+grouped-query attention with RoPE (adjacent-pair convention, see engine.model.rope), gated MLP, RMSNorm, optional tied
+LM head. The families differ only where engine.model.config's fields say so, each a small branch here:
 embedding × embedding_scale, q/k RMSNorm per head (qk_norm), norms on the attention and MLP outputs (post_norms),
 GELU-tanh instead of SiLU (mlp_activation), the softmax scale (attn_scale), and sliding-window local layers with
 their own RoPE base (layer_types, sliding_window, rope_base_local).
@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
-from engine.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
-from engine.rope import apply_rope, rope_table
+from engine.model.config import ModelConfig
+from engine.model.kv_cache import KVCache
+from engine.model.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
+from engine.model.rope import apply_rope, rope_table
 
 
 def _split_count(out_features: int) -> int:
@@ -227,7 +227,7 @@ class Attention(nn.Module):
         capture = probe is not None and probe.wants(self.point)
         n = probe.attention_rows(cfg.n_heads, T, S) if capture else 0
         # One query row in bfloat16 on a CPU: torch's fused kernel slows with the context (per layer at 1 thread
-        # 40 µs at 50 keys, 0.79 ms at 1,000, 3.3 ms at 4,000: `python -m engine bench-profile`). Two float32
+        # 40 µs at 50 keys, 0.79 ms at 1,000, 3.3 ms at 4,000: `python -m benchmarks bench-profile`). Two float32
         # products on upcast copies are fastest up to ~3,000 keys (25, 112, 298 µs at 50, 1,000, 3,000), where two
         # bf16 products (49, 193, 468 µs) switch to a faster kernel (154 µs at 4,000).
         low_precision_decode = T == 1 and x.device.type == "cpu" and q.dtype != torch.float32

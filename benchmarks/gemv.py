@@ -1,4 +1,4 @@
-"""The decode step's matrix–vector products alone: `python -m engine bench-gemv` times every way this engine (or
+"""The decode step's matrix–vector products alone: `python -m benchmarks bench-gemv` times every way this engine (or
 torch) can multiply one row by the default model's weights, at one thread and at all, and prints GB/s of weights.
 
 The chain is one decode step's projections (wqkv, wo, w_gate_up, w_down × layers, then the LM head) with random
@@ -19,7 +19,7 @@ def variants(cfg) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from engine.model import linear, pack_for_decode
+    from engine.model.transformer import linear, pack_for_decode
 
     g = torch.Generator().manual_seed(0)
     shapes = [(cfg.q_dim + 2 * cfg.kv_dim, cfg.d_model), (cfg.d_model, cfg.q_dim),
@@ -75,8 +75,8 @@ def run(threads: list[int], repeats: int) -> dict:
 
 
 def cmd_bench_gemv(a: argparse.Namespace) -> int:
-    from engine.bench import BusyMeter
-    from engine.threads import available_cores
+    from benchmarks.bench import BusyMeter
+    from engine.run.threads import available_cores
 
     threads = sorted({1, available_cores()})
     busy = BusyMeter()

@@ -1,7 +1,7 @@
 """Model configuration: the handful of shapes that determine everything else, and the few per-family differences.
 
 A config completes itself: `head_dim`, the GQA group size and the layer types are derived in `__post_init__`.
-Families differ in a few explicit places, each a field below and one small branch in engine/model.py:
+Families differ in a few explicit places, each a field below and one small branch in engine/model/transformer.py:
 
 | field | Llama/SmolLM2 | Qwen2 | Qwen3 | Phi-3 | Mistral | Gemma 3 |
 |---|---|---|---|---|---|---|

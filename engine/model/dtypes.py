@@ -1,7 +1,7 @@
 """Number formats, stated once: each dtype's short name, its accepted spellings, its bytes per value and where the
 roofline looks for its peak FLOP/s when a chip lists none for it.
 
-engine.costs (bytes), engine.catalog (names and peaks), engine.hardware (what can be timed), the estimator and the
+engine.costs: formulas (bytes), catalog (names and peaks), hardware (what can be timed), the estimator; and the
 app's panels all read this one table, so a dtype cannot be known to one of them and unknown to another.
 """
 

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from engine import events as ev_mod
-from engine.config import ModelConfig
-from engine.messages import Capture, SamplingParams  # plain data: the GUI process reads session files, torch-free
+from engine.model.config import ModelConfig
+from engine.protocol import Capture, SamplingParams  # plain data: the GUI process reads session files, torch-free
 
 FORMAT = "inference-lab-session"
 VERSION = 1
@@ -54,7 +54,7 @@ class SavedSession:
     model: dict = field(default_factory=dict)  # identity: name, path, sha256, architecture
     info: ev_mod.ModelInfo | None = None
     cfg: ModelConfig | None = None
-    tokenizer: Any = None  # engine.tokenizer.Tokenizer, or None
+    tokenizer: Any = None  # engine.tokenizer.core.Tokenizer, or None
     branches: list = field(default_factory=list)  # [{"name", "parent", "step", "token", "events": [...]}, …]
     created: str = ""
 
@@ -244,7 +244,7 @@ def load_session(path: str | os.PathLike[str], with_tokenizer: bool = True) -> S
         tokenizer = None
         tok_files = [n for n in names if n.startswith("tokenizer/") and not n.endswith("/")]
         if with_tokenizer and tok_files:
-            from engine.tokenizer import Tokenizer
+            from engine.tokenizer.core import Tokenizer
 
             with tempfile.TemporaryDirectory() as td:
                 for n in tok_files:

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from engine.messages import ATTENTION_MAX_BYTES
+from engine.protocol import ATTENTION_MAX_BYTES
 
 
 def attn_point(layer: int) -> str:

@@ -784,9 +784,9 @@ class Tokenizer:
     def from_gguf(cls, source: Any) -> Tokenizer:
         """Build from the tokenizer metadata of a GGUF file: a path, a `gguf.GGUFReader`, or read_metadata()'s dict.
 
-        A path is read with engine.gguf_meta (the metadata only: fast, and it works on vocabulary-only files).
+        A path is read with engine.formats.gguf_meta (the metadata only: fast, and it works on vocabulary-only files).
         """
-        from engine.gguf_meta import GGUFMetadata, read_metadata
+        from engine.formats.gguf_meta import GGUFMetadata, read_metadata
 
         if isinstance(source, GGUFMetadata):
             meta: Any = source

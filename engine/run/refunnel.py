@@ -1,8 +1,8 @@
 """Re-run a step's sampling funnel with other settings from the logits it captured: numpy only, no model run.
 
 The app's sampling panel redraws the funnel whenever a knob moves, in the GUI process, which never loads torch.
-These are engine.sampling's stages, stage for stage, in numpy (a test holds the two equal over a grid of
-settings); engine.sampling stays the one the generation samples with.
+These are engine.run.sampling's stages, stage for stage, in numpy (a test holds the two equal over a grid of
+settings); engine.run.sampling stays the one the generation samples with.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.events import Funnel, TokenSampled
-from engine.messages import SamplingParams
+from engine.protocol import SamplingParams
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -26,7 +26,7 @@ def _renormalize(p: np.ndarray, mask: np.ndarray) -> np.ndarray:
 def funnel_stages(
     logits: np.ndarray, params: SamplingParams, context_ids: np.ndarray | None = None
 ) -> dict[str, np.ndarray | int]:
-    """Every stage of engine.sampling.funnel over the whole vocabulary (V,), computed in float64."""
+    """Every stage of engine.run.sampling.funnel over the whole vocabulary (V,), computed in float64."""
     raw = np.asarray(logits, dtype=np.float32).astype(np.float64)
     v = raw.shape[-1]
     x = raw.copy()

@@ -1,0 +1,32 @@
+"""Benchmarks, outside the shipped packages: `python -m benchmarks bench|bench-load|bench-gemv|bench-profile`
+(the GUI ones run as `python -m benchmarks.gui` and `python -m benchmarks.startup`). Each prints ratios in one run."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from engine.__main__ import CliError, Parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from benchmarks import bench, gemv, load, profile
+
+    p = Parser(prog="python -m benchmarks", description="Inference Lab's benchmarks (ratios in one run).")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    bench.add_subcommands(sub)
+    load.add_subcommand(sub)
+    gemv.add_subcommand(sub)
+    profile.add_subcommand(sub)
+    args = p.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
