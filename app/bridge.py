@@ -30,6 +30,7 @@ from engine.events import (
     PromptScored,
     PromptTokenized,
     ResidualNorms,
+    RunStarted,
     TokenSampled,
 )
 from engine.protocol import SamplingParams
@@ -94,6 +95,8 @@ class Bridge(QtCore.QObject):
     """The model could not be loaded: one sentence for the user."""
     sig_state = QtCore.Signal(str)
     """Generation state: "idle", "generating" or "paused"."""
+    sig_run_started = QtCore.Signal(object)
+    """A generation began: RunStarted (where it runs and what that source cannot report)."""
     sig_prompt = QtCore.Signal(object)
     """A generation began: PromptTokenized."""
     sig_attention = QtCore.Signal(object)
@@ -153,7 +156,8 @@ class Bridge(QtCore.QObject):
     PromptTokenized or None, chat error), from the engine process."""
 
     _ROUTES = (
-        (PromptTokenized, "sig_prompt"), (AttentionCaptured, "sig_attention"), (ResidualNorms, "sig_norms"),
+        (RunStarted, "sig_run_started"), (PromptTokenized, "sig_prompt"), (AttentionCaptured, "sig_attention"),
+        (ResidualNorms, "sig_norms"),
         (PromptScored, "sig_prompt_scores"), (LensCaptured, "sig_lens"), (KVCacheGrew, "sig_kv"),
         (PrefillDone, "sig_prefill"), (TokenSampled, "sig_token"),
         (Finished, "sig_finished"), (PreviewResult, "sig_preview"),

@@ -18,12 +18,12 @@ from PySide6 import QtCore
 
 from app.bridge import Bridge
 from app.settings import ENV_FILE
-from engine.events import Finished, PromptTokenized
+from engine.events import Finished, PromptTokenized, RunStarted
 from engine.formats.session_file import SavedSession, load_session, model_identity, same_model, save_session
 
 AUTOSAVE_NAME = "autosave.ilab"
-SIGNALS = ("sig_prompt", "sig_prompt_scores", "sig_attention", "sig_norms", "sig_lens", "sig_kv", "sig_prefill",
-           "sig_token", "sig_finished")
+SIGNALS = ("sig_run_started", "sig_prompt", "sig_prompt_scores", "sig_attention", "sig_norms", "sig_lens", "sig_kv",
+           "sig_prefill", "sig_token", "sig_finished")
 
 
 def autosave_path() -> Path:
@@ -53,7 +53,8 @@ class SessionRecorder(QtCore.QObject):
 
     @QtCore.Slot(object)
     def _on_event(self, ev: object) -> None:
-        if isinstance(ev, PromptTokenized):
+        if isinstance(ev, RunStarted) or (isinstance(ev, PromptTokenized) and self.events
+                                          and not isinstance(self.events[-1], RunStarted)):
             self.events = []
         self.events.append(ev)
         if isinstance(ev, Finished) and not self.replaying:

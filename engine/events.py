@@ -3,7 +3,8 @@
 Every event is a frozen dataclass that carries plain numbers and numpy arrays (never live tensors), so a consumer
 in another thread can keep it as long as it likes. A generation yields, in order:
 
-    PromptTokenized → [AttentionCaptured…, ResidualNorms, LensCaptured] → KVCacheGrew → PrefillDone → TokenSampled
+    RunStarted → PromptTokenized → [AttentionCaptured…, ResidualNorms, LensCaptured] → KVCacheGrew → PrefillDone
+        → TokenSampled
     then per decode step: [AttentionCaptured…, ResidualNorms, LensCaptured] → KVCacheGrew → TokenSampled
     and finally Finished (or Failed).
 """
@@ -60,12 +61,30 @@ class ModelInfo:
     decode_weight_bytes: int = 0
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelLoadProgress:
-    """Loading a model takes a while on a first start: fraction done in [0, 1] and what is happening."""
+# What a backend may be unable to report about a run; panels that draw one of these say so instead of drawing.
+Capability = Literal["attention", "residual_norms", "costs", "full_logits", "lens", "forced_tokens", "prompt_scores"]
+CAPABILITIES: tuple[Capability, ...] = ("attention", "residual_norms", "costs", "full_logits", "lens", "forced_tokens",
+                                        "prompt_scores")
 
-    fraction: float
-    message: str
+
+@dataclass(frozen=True, kw_only=True)
+class RunSource:
+    """Where a run came from: the local model or a server, named as the user would recognise it (a URL is shown
+    without credentials), and what that source could not report."""
+
+    kind: Literal["local", "server"]
+    name: str  # the model's name; for a server "model @ host:port"
+    cannot: tuple[Capability, ...] = ()
+
+    def can(self, what: Capability) -> bool:
+        return what not in self.cannot
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunStarted:
+    """The first event of every generation: where it runs. A replayed run carries the source it was recorded from."""
+
+    source: RunSource
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,6 +269,6 @@ class Failed:
 
 
 Event = (
-    PromptTokenized | PromptScored | AttentionCaptured | ResidualNorms | LensCaptured | KVCacheGrew | PrefillDone
-    | TokenSampled | Finished | Failed
+    RunStarted | PromptTokenized | PromptScored | AttentionCaptured | ResidualNorms | LensCaptured | KVCacheGrew
+    | PrefillDone | TokenSampled | Finished | Failed
 )

@@ -31,6 +31,8 @@ from engine.events import (
     PromptScored,
     PromptTokenized,
     ResidualNorms,
+    RunSource,
+    RunStarted,
     TokenSampled,
 )
 from engine.loaders import LoadedModel
@@ -265,6 +267,7 @@ class Generation:
         lm, cfg, tok = s.lm, s.cfg, s.tokenizer
         ids = list(self.prompt.ids)
         n_prompt = len(ids)
+        yield RunStarted(source=RunSource(kind="local", name=lm.info.name))
         yield PromptTokenized(
             text=self.prompt.text, ids=np.asarray(ids, dtype=np.int64), pieces=tuple(self.prompt.pieces),
             offsets=np.asarray(self.prompt.offsets, dtype=np.int64).reshape(-1, 2),

@@ -35,12 +35,13 @@ def test_event_order_and_counts(session):
     cap = Capture(attention_layers=frozenset({0, 1}), residual_norms=True, funnel_top=5, logits=True)
     events = run(session.generate("the cat sat on the mat", GREEDY, 6, cap, ignore_eos=True))
     kinds = [type(e).__name__ for e in events]
-    assert kinds[0] == "PromptTokenized" and kinds[-1] == "Finished"
+    assert kinds[:2] == ["RunStarted", "PromptTokenized"] and kinds[-1] == "Finished"
+    assert events[0].source.kind == "local" and events[0].source.cannot == ()
     tokens = [e for e in events if isinstance(e, TokenSampled)]
     assert [t.step for t in tokens] == list(range(6))
     assert [t.phase for t in tokens] == ["prefill"] + ["decode"] * 5
     assert sum(isinstance(e, PrefillDone) for e in events) == 1
-    prompt = events[0]
+    prompt = events[1]  # after RunStarted
     assert isinstance(prompt, PromptTokenized)
     n = len(prompt.ids)
     # KV cache: the prefill holds the whole prompt at once, then one more position per decode step
@@ -111,7 +112,7 @@ def test_prefix_caching_reuses_the_shared_prompt(session):
     first = run(session.generate("the cat sat on the mat", GREEDY, 2, ignore_eos=True))[-1]
     events = run(session.generate("the cat sat on the mat and then", GREEDY, 2, ignore_eos=True))
     pre = next(e for e in events if isinstance(e, PrefillDone))
-    old, new = session.tokenize("the cat sat on the mat").ids, list(events[0].ids)
+    old, new = session.tokenize("the cat sat on the mat").ids, list(events[1].ids)
     assert new[: len(old)] == old  # the new prompt extends the old one, token for token
     # the cache holds what the first run fed through the model: its prompt and every generated token but the last
     cached = old + first.ids.tolist()[:-1]
