@@ -137,9 +137,9 @@ def export_data_to(window, kind: str, path: str) -> bool:
     try:
         write_rows(path, data_rows(window, kind))
     except (OSError, ValueError) as e:
-        window._show_error(str(e), title="Export failed", box=window.interactive)
+        window.show_error(str(e), title="Export failed", box=window.interactive)
         return False
-    window._set_message(f"{DATA_KINDS[kind]} saved to {path}")
+    window.set_message(f"{DATA_KINDS[kind]} saved to {path}")
     return True
 
 
@@ -147,9 +147,9 @@ def export_panel_to(window, name: str, path: str) -> bool:
     try:
         export_panel(window.panels[name], path)
     except (OSError, ValueError) as e:
-        window._show_error(str(e), title="Export failed", box=window.interactive)
+        window.show_error(str(e), title="Export failed", box=window.interactive)
         return False
-    window._set_message(f"{window.panels[name].title} saved to {path}")
+    window.set_message(f"{window.panels[name].title} saved to {path}")
     return True
 
 

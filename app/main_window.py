@@ -266,7 +266,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.progress.setValue(0)
         self.progress.show()
         name = Path(path).name if path else "the default model"
-        self._set_message(f"Loading {name}…")
+        self.set_message(f"Loading {name}…")
         self.bridge.set_threads(self.threads_setting())
         self.bridge.load_model(self._model_request, device=self.device, dtype=self.dtype)
 
@@ -295,14 +295,14 @@ class MainWindow(QtWidgets.QMainWindow):
     # ---- remote server ----
     def connect_server(self, url: str, api_key: str | None = None) -> None:
         """Generate on an OpenAI-compatible server from now on (the key is kept in memory only)."""
-        self._set_message(f"Connecting to {url}…")
+        self.set_message(f"Connecting to {url}…")
         self.bridge.connect_server(url, api_key)
 
     def disconnect_server(self) -> None:
         self.bridge.disconnect_server()
         self.disconnect_action.setEnabled(False)
         self.server_label.hide()
-        self._set_message("Disconnected: generations run on the local model again.")
+        self.set_message("Disconnected: generations run on the local model again.")
 
     def _connect_dialog(self) -> None:
         from app.connect_dialog import ConnectDialog
@@ -320,12 +320,12 @@ class MainWindow(QtWidgets.QMainWindow):
         self.server_label.setToolTip("A server gives no attention maps, residual norms or per-step costs; "
                                      "those panels keep the local model's or stay empty.")
         self.server_label.show()
-        self._set_message(f"Connected to {info.kind} at {info.url} ({info.model}). Generations run there; "
+        self.set_message(f"Connected to {info.kind} at {info.url} ({info.model}). Generations run there; "
                           "attention and residuals are not available from a server.")
 
     @QtCore.Slot(str)
     def _on_server_failed(self, message: str) -> None:
-        self._show_error(message, title="Could not connect to the server", box=True)
+        self.show_error(message, title="Could not connect to the server", box=True)
 
     def _dialog_dir(self) -> str:
         return str(Path(self._model_request).parent) if self._model_request else str(Path.home())
@@ -334,7 +334,7 @@ class MainWindow(QtWidgets.QMainWindow):
     def _on_load_progress(self, fraction: float, message: str) -> None:
         self.progress.show()
         self.progress.setValue(int(round(100 * fraction)))
-        self._set_message(f"Loading model: {message}")
+        self.set_message(f"Loading model: {message}")
 
     @QtCore.Slot(object)
     def _on_model_loaded(self, info) -> None:
@@ -345,43 +345,43 @@ class MainWindow(QtWidgets.QMainWindow):
             f"{info.name} · {params} params · {info.n_layers} layers · {info.dtype} on {info.device}")
         self.model_label.setToolTip(info.path)
         cached = " (from the weight cache)" if info.from_cache else ""
-        self._set_message(f"Loaded {info.name} in {info.load_s:.1f} s{cached}. Type a prompt and press Ctrl+Enter.")
+        self.set_message(f"Loaded {info.name} in {info.load_s:.1f} s{cached}. Type a prompt and press Ctrl+Enter.")
         if self.settings is not None:
             self.settings.save_model_path(self._model_request or "")
 
     @QtCore.Slot(str)
     def _on_load_failed(self, message: str) -> None:
         self.progress.hide()
-        self._show_error(f"{message}. Use File → Open model… to pick another .gguf file or model folder.",
+        self.show_error(f"{message}. Use File → Open model… to pick another .gguf file or model folder.",
                          title="The model could not be loaded", box=True)
 
     @QtCore.Slot(str)
     def _on_failed(self, message: str) -> None:
-        self._show_error(message, title="Generation failed", box=False)
+        self.show_error(message, title="Generation failed", box=False)
 
     @QtCore.Slot(str)
     def _on_callback_error(self, message: str) -> None:
         """A Qt callback raised (caught at its boundary, logged): say so, and carry on."""
         self.last_error = message
-        self._set_message(f"⚠ internal error, logged; the app carries on: {message}", error=True)
+        self.set_message(f"⚠ internal error, logged; the app carries on: {message}", error=True)
 
     @QtCore.Slot(str)
     def _on_state(self, state: str) -> None:
         if state == "generating":  # a new run: the previous one's error no longer describes the app
             self.last_error = ""
-            self._set_message("Generating…")
+            self.set_message("Generating…")
         elif state == "paused":
-            self._set_message("Paused between two tokens: Step (F10) runs one more, Resume goes on.")
+            self.set_message("Paused between two tokens: Step (F10) runs one more, Resume goes on.")
         elif state == "idle" and not self.last_error:
-            self._set_message("Ready.")
+            self.set_message("Ready.")
 
-    def _set_message(self, text: str, error: bool = False) -> None:
+    def set_message(self, text: str, error: bool = False) -> None:
         self.message.setStyleSheet(f"color: {theme.ERROR_COLOR};" if error else "")
         self.message.setText(text)
 
-    def _show_error(self, message: str, title: str, box: bool) -> None:
+    def show_error(self, message: str, title: str, box: bool) -> None:
         self.last_error = message
-        self._set_message(f"⚠ {message}", error=True)
+        self.set_message(f"⚠ {message}", error=True)
         if box and self.interactive:
             mb = QtWidgets.QMessageBox(QtWidgets.QMessageBox.Icon.Warning, title, message,
                                        QtWidgets.QMessageBox.StandardButton.Ok, self)
@@ -421,15 +421,15 @@ class MainWindow(QtWidgets.QMainWindow):
         """Save the timeline panel as PNG or SVG (by extension); a failure shows its message and returns False."""
         panel = self.panels.get("timeline")
         if panel is None or not hasattr(panel, "export"):
-            self._show_error("there is no timeline panel to export", title="Export failed", box=self.interactive)
+            self.show_error("there is no timeline panel to export", title="Export failed", box=self.interactive)
             return False
         try:
             panel.export(str(path))
         except (OSError, ValueError) as e:
-            self._show_error(f"could not export the timeline to {path}: {e}", title="Export failed",
+            self.show_error(f"could not export the timeline to {path}: {e}", title="Export failed",
                              box=self.interactive)
             return False
-        self._set_message(f"Timeline saved to {path}")
+        self.set_message(f"Timeline saved to {path}")
         return True
 
     def _export_timeline_dialog(self) -> None:

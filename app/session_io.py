@@ -184,9 +184,9 @@ def save_session_to(window, path: str | os.PathLike[str]) -> bool:
     try:
         save(path, current_session(window))
     except (OSError, TypeError) as e:
-        window._show_error(str(e), title="Save failed", box=window.interactive)
+        window.show_error(str(e), title="Save failed", box=window.interactive)
         return False
-    window._set_message(f"Session saved to {path}")
+    window.set_message(f"Session saved to {path}")
     return True
 
 
@@ -195,16 +195,16 @@ def open_session_from(window, path: str | os.PathLike[str]) -> bool:
     try:
         saved = open_session(path)
     except (OSError, ValueError) as e:
-        window._show_error(str(e), title="Open failed", box=window.interactive)
+        window.show_error(str(e), title="Open failed", box=window.interactive)
         return False
     warning = replay(window, saved)
     window.tick_panels(flush=True)
     if warning:
-        window._show_error(f"{Path(path).name}: {warning}", title="A session from another model",
+        window.show_error(f"{Path(path).name}: {warning}", title="A session from another model",
                            box=window.interactive)
     else:
         window.last_error = ""
-        window._set_message(f"Opened {Path(path).name} ({describe(saved)})")
+        window.set_message(f"Opened {Path(path).name} ({describe(saved)})")
     return True
 
 
@@ -217,7 +217,7 @@ def autosave(window) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         save(path, current_session(window))
     except (OSError, TypeError) as e:
-        window._set_message(f"Autosave failed: {e}", error=True)
+        window.set_message(f"Autosave failed: {e}", error=True)
 
 
 def clean_exit(window) -> None:
