@@ -13,11 +13,12 @@ import contextlib
 import multiprocessing
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from PySide6 import QtCore
 
 from app.guard import guarded
+from engine import protocol as P
 from engine.costs.catalog import canonical_dtype
 from engine.events import (
     AttentionCaptured,
@@ -30,14 +31,42 @@ from engine.events import (
     PromptScored,
     PromptTokenized,
     ResidualNorms,
+    RunSource,
     RunStarted,
     TokenSampled,
 )
-from engine.protocol import SamplingParams
-from engine.remote.backend import ServerConnected, ServerMetricsSampled
-from engine.server import GenerateRequest, PreviewResult, serve
+from engine.protocol import GenerateRequest, PreviewResult, SamplingParams
+from engine.remote.backend import ServerMetricsSampled
+from engine.server import serve
 
-__all__ = ["Bridge", "GenerateRequest", "PreviewResult"]
+__all__ = ["Bridge", "GenerateRequest", "PreviewResult", "RequestOptions"]
+
+
+class RequestOptions:
+    """What the next generation captures and how it is constrained, set by the panels that own each knob (Attention,
+    Logit lens, Branches, Constrain output) and read by the Generation panel when it builds the request."""
+
+    def __init__(self, bridge: Bridge) -> None:
+        self._bridge = bridge
+        self.attention_layers: frozenset[int] = frozenset()  # layers a panel asked for
+        self.lens_top = 0  # top tokens per layer of the logit lens (0 = none)
+        self.score_prompt = False  # score every prompt token (PromptScored)
+        self.grammar: dict[str, str] = {}  # {"regex": R} or {"json_schema": S}, or {} for none
+
+    def capture_attention(self, layers: Iterable[int]) -> None:
+        """Capture these layers' attention in every later generation, and in a running one from its next token."""
+        self.attention_layers = frozenset(int(x) for x in layers)
+        self._bridge._post(P.CaptureAttention(self.attention_layers))
+
+    def set_lens(self, top: int) -> None:
+        self.lens_top = max(0, int(top))
+
+    def set_score_prompt(self, on: bool) -> None:
+        self.score_prompt = bool(on)
+
+    def set_grammar(self, *, regex: str | None = None, json_schema: str | None = None) -> None:
+        """At most one of the two; neither clears the grammar."""
+        self.grammar = {"regex": regex} if regex is not None else {"json_schema": json_schema} if json_schema else {}
 
 
 @contextlib.contextmanager
@@ -75,12 +104,14 @@ class EventRelay(QtCore.QObject):
                         break
                     continue
                 msg = self.events.recv()
-            except (EOFError, OSError):
+            except Exception as e:  # noqa: BLE001 — a closed pipe or an unreadable message: the engine is lost
                 if not self.stopping.is_set():
-                    self.sig_raw.emit(Failed(message="the engine process stopped unexpectedly; restart the app"))
+                    why = "stopped unexpectedly" if isinstance(e, (EOFError, OSError)) else (
+                        f"sent a message that could not be read ({type(e).__name__})")
+                    self.sig_raw.emit(Failed(message=f"the engine process {why}; restart the app"))
                 break
             self.sig_raw.emit(msg)
-            if msg == ("stopped", None):
+            if isinstance(msg, P.Stopped):
                 break
 
 
@@ -142,27 +173,21 @@ class Bridge(QtCore.QObject):
     sig_server_failed = QtCore.Signal(str)
     """Connecting to a server failed: one sentence for the user."""
     sig_server_metrics = QtCore.Signal(object)
-    """ServerMetricsSampled during a remote generation, or (t, ServerMetrics) during a load-lab run."""
+    """ServerMetricsSampled: the server's /metrics scraped during a generation on it."""
+    sig_serve_metrics = QtCore.Signal(object)
+    """Load lab: engine.protocol.ServeMetrics, the server's /metrics scraped during a load run."""
+    sig_pong = QtCore.Signal(int)
+    """The engine handled every command sent before the Ping with this token (ping())."""
     sig_serve_progress = QtCore.Signal(float, str)
     """Load lab: fraction of the requests done and a word on it."""
     sig_serve_request = QtCore.Signal(object)
-    """Load lab: one finished request (engine.remote.bench.RequestResult)."""
+    """Load lab: one finished request (engine.remote.loadlab.RequestResult)."""
     sig_serve_run = QtCore.Signal(object)
     """Load lab: the figures of one concurrency level (a dict with `vllm bench serve`'s keys)."""
     sig_serve_done = QtCore.Signal(str)
     """Load lab ended: "" when complete, else why it stopped."""
     sig_server_tokens = QtCore.Signal(object)
-    """The server's tokenization of a prompt: (request_id, text, PromptTokenized or None, error, chat
-    PromptTokenized or None, chat error), from the engine process."""
-
-    _ROUTES = (
-        (RunStarted, "sig_run_started"), (PromptTokenized, "sig_prompt"), (AttentionCaptured, "sig_attention"),
-        (ResidualNorms, "sig_norms"),
-        (PromptScored, "sig_prompt_scores"), (LensCaptured, "sig_lens"), (KVCacheGrew, "sig_kv"),
-        (PrefillDone, "sig_prefill"), (TokenSampled, "sig_token"),
-        (Finished, "sig_finished"), (PreviewResult, "sig_preview"),
-        (ServerMetricsSampled, "sig_server_metrics"),
-    )
+    """engine.protocol.Tokenized: the connected server's own tokenization of a prompt (and of its chat form)."""
 
     def __init__(self, parent: QtCore.QObject | None = None) -> None:
         super().__init__(parent)
@@ -170,14 +195,37 @@ class Bridge(QtCore.QObject):
         self.tokenizer = None  # the loaded model's tokenizer: fast and thread-safe, used by the GUI for typing
         self.cfg = None
         self.state = "idle"
-        self.server = None  # the ServerInfo of the connected server, None while generating locally
+        self.server = None  # the ServerInfo of the connected server (where the next run goes), None: local
+        self.run_source: RunSource | None = None  # where the run on display came from (live or replayed)
+        self.run_server = None  # the ServerInfo of the server that run came from, when it ran live on one
         self.params = SamplingParams()
-        self.attention_layers: frozenset[int] = frozenset()  # layers a panel asked for (capture_attention)
-        self.score_prompt = False  # the next generation scores every prompt token (PromptScored)
-        self.lens_top = 0  # top tokens per layer of the logit lens the next generation captures (0 = none)
-        self.grammar: dict[str, str] | None = None  # {"regex": R} or {"json_schema": S} for the next generation
+        self.options = RequestOptions(self)
         self._preview_id = 0
+        self._tokenize_id = 0
+        self._ping = 0
         self._machine: dict[tuple[str, str], object] = {}  # (device, dtype) → the engine's answer (None: none)
+        self._answered: set[tuple[str, str]] = set()  # keys the engine has answered for
+        # One table routes every message: its type → the method that takes it (events of a server run are
+        # subclasses: the first base found in the table routes them).
+        self._routes: dict[type, Callable[[object], None]] = {
+            RunStarted: self._on_run_started, PromptTokenized: self.sig_prompt.emit,
+            AttentionCaptured: self.sig_attention.emit, ResidualNorms: self.sig_norms.emit,
+            PromptScored: self.sig_prompt_scores.emit, LensCaptured: self.sig_lens.emit, KVCacheGrew: self.sig_kv.emit,
+            PrefillDone: self.sig_prefill.emit, TokenSampled: self.sig_token.emit, Finished: self.sig_finished.emit,
+            ServerMetricsSampled: self.sig_server_metrics.emit, Failed: lambda m: self.sig_failed.emit(m.message),
+            PreviewResult: self.sig_preview.emit, P.Progress: self._on_progress, P.Done: self._on_done,
+            P.Loaded: self._on_loaded, P.LoadFailed: lambda m: self.sig_load_failed.emit(m.message),
+            P.State: self._on_state, P.BatchMeasured: lambda m: self.sig_batch_row.emit(m.row),
+            P.ThisMachine: self._on_this_machine, P.Connected: self._on_connected,
+            P.ConnectFailed: lambda m: self.sig_server_failed.emit(m.message), P.Disconnected: self._on_disconnected,
+            P.ServeRequestDone: lambda m: self.sig_serve_request.emit(m.result),
+            P.ServeMetrics: self.sig_serve_metrics.emit, P.ServeLevelDone: lambda m: self.sig_serve_run.emit(m.figures),
+            P.Tokenized: self.sig_server_tokens.emit, P.Pong: lambda m: self.sig_pong.emit(m.token),
+            P.Stopped: lambda m: None,
+        }
+        self._progress = {"load": self.sig_load_progress, "batch": self.sig_batch_progress,
+                          "measure": self.sig_measure_progress, "serve": self.sig_serve_progress}
+        self._done = {"batch": self.sig_batch_done, "measure": self.sig_measure_done, "serve": self.sig_serve_done}
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs Qt threads
         cmd_recv, self._commands = ctx.Pipe(duplex=False)
         events_recv, events_send = ctx.Pipe(duplex=False)
@@ -194,60 +242,64 @@ class Bridge(QtCore.QObject):
         self.relay.sig_raw.connect(self._on_raw, QtCore.Qt.ConnectionType.QueuedConnection)
         self.worker_thread.start()
 
-    def _post(self, kind: str, arg: object = None) -> None:
+    def _post(self, cmd: P.Command) -> None:
         if self._commands.closed:  # after shutdown: nobody is listening any more
             return
         try:
-            self._commands.send((kind, arg))
+            self._commands.send(cmd)
         except (BrokenPipeError, OSError):
             self.sig_failed.emit("the engine process is not running; restart the app")
 
     # ---- commands (GUI thread; never block) ----
     def load_model(self, model: str | None = None, device: str = "auto", dtype: str = "auto") -> None:
-        self._post("load", (model, device, dtype))
+        self._post(P.Load(model, device, dtype))
 
     def set_threads(self, setting: int | str) -> None:
         """Decode threads: "auto" (the engine adapts to the machine's load) or a fixed count."""
-        self._post("threads", setting)
+        self._post(P.SetThreads(setting))
 
     def generate(self, req: GenerateRequest) -> None:
         self.params = req.params
-        self._post("generate", req)
+        self._post(P.Generate(req))
 
     def preview(self, text: str, chat: bool, top: int = 10) -> int:
         self._preview_id += 1
-        self._post("preview", (self._preview_id, text, chat, top))
+        self._post(P.Preview(self._preview_id, text, chat, top))
         return self._preview_id
 
     def pause(self) -> None:
-        self._post("pause")
+        self._post(P.Pause())
 
     def resume(self) -> None:
-        self._post("resume")
+        self._post(P.Resume())
 
     def step(self) -> None:
-        self._post("step")
+        self._post(P.Step())
 
     def stop(self) -> None:
-        self._post("stop")
+        self._post(P.Stop())
+
+    def ping(self) -> int:
+        """Ask the engine to answer (sig_pong) once it has handled everything sent before; returns the token."""
+        self._ping += 1
+        self._post(P.Ping(self._ping))
+        return self._ping
 
     def set_params(self, params: SamplingParams) -> None:
         self.params = params
-        self._post("params", params)
+        self._post(P.SetParams(params))
         self.sig_params.emit(params)
 
     def run_batch_bench(self, batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32), prompt_tokens: int = 32,
                         new_tokens: int = 16) -> None:
-        self._post("batch_bench", (tuple(batches), prompt_tokens, new_tokens))
+        self._post(P.BatchBench(tuple(batches), prompt_tokens, new_tokens))
 
     def cancel_batch_bench(self) -> None:
-        self._post("cancel_bench")
+        self._post(P.Cancel())
 
     def capture_attention(self, layers: Iterable[int]) -> None:
-        """Ask for the attention weights of these layers: every later Generate captures them, and a running
-        generation adds them from its next token on."""
-        self.attention_layers = frozenset(int(x) for x in layers)
-        self._post("attention_layers", self.attention_layers)
+        """Ask for the attention weights of these layers (RequestOptions.capture_attention)."""
+        self.options.capture_attention(layers)
 
     def this_machine(self, device: str, dtype: str):
         """This machine's cached measurement (engine.costs.catalog.Hardware) for (device, dtype), or None: not
@@ -255,47 +307,66 @@ class Bridge(QtCore.QObject):
         key = (str(device), canonical_dtype(dtype))
         if key not in self._machine:
             self._machine[key] = None
-            self._post("this_machine", key)
+            self._post(P.AskThisMachine(*key))
         return self._machine[key]
+
+    def this_machine_answered(self, device: str, dtype: str) -> bool:
+        """Whether the engine has answered for (device, dtype) yet (this_machine() is then its answer)."""
+        key = (str(device), canonical_dtype(dtype))
+        return key in self._machine and self._machine[key] is not None or key in self._answered
 
     def measure_machine(self, device: str, dtype: str, **measure_kwargs) -> None:
         """Measure this machine in the engine process (after any generation); progress and the result come as
         sig_measure_progress, sig_this_machine and sig_measure_done."""
-        self._post("measure", (str(device), canonical_dtype(dtype), measure_kwargs))
+        self._post(P.Measure(str(device), canonical_dtype(dtype), dict(measure_kwargs)))
 
     def cancel_measure(self) -> None:
-        self._post("cancel_measure")
+        self._post(P.Cancel())
 
     def connect_server(self, url: str, api_key: str | None = None) -> None:
         """Generate on a server from now on; the key goes to the engine process's memory only, never to disk."""
-        self._post("connect", (url, api_key))
+        self._post(P.Connect(url, api_key))
 
     def disconnect_server(self) -> None:
-        self._post("disconnect")
+        self._post(P.Disconnect())
 
     def run_serve_bench(self, config: dict) -> None:
         """Load lab: `config` holds concurrency (list), num_prompts, max_new_tokens, request_rate, time_limit_s."""
-        self._post("serve_bench", dict(config))
+        self._post(P.ServeBench(dict(config)))
 
     def cancel_serve_bench(self) -> None:
-        self._post("cancel_serve_bench")
+        self._post(P.Cancel())
 
     def server_tokenize(self, text: str, chat: bool = False) -> int:
         """Ask the engine process for the connected server's tokenization of `text` (sig_server_tokens answers;
         only the newest request queued is served)."""
-        self._tokenize_id = getattr(self, "_tokenize_id", 0) + 1
-        self._post("server_tokenize", (self._tokenize_id, text, bool(chat)))
+        self._tokenize_id += 1
+        self._post(P.Tokenize(self._tokenize_id, text, bool(chat)))
         return self._tokenize_id
 
     def select_step(self, step: int) -> None:
         self.sig_step_selected.emit(int(step))
+
+    def show_model(self, info: ModelInfo, cfg, tokenizer) -> None:
+        """Stand a model's facts in for the loaded one (a session opened without its model), and tell the panels."""
+        self.info, self.cfg = info, cfg
+        if tokenizer is not None:
+            self.tokenizer = tokenizer
+        self.sig_model_loaded.emit(info)
+
+    def replay(self, message: object) -> None:
+        """Route a recorded event (or a step's list of them) exactly as a live one (a session being opened): a
+        replayed server run keeps its source, but no connection stands behind it."""
+        self._on_raw(message)
+        if isinstance(message, RunStarted):
+            self.run_server = None
 
     def shutdown(self, timeout_ms: int = 10_000) -> bool:
         """Stop the engine between tokens, end its process and the relay thread, and wait for both."""
         if not self.worker_thread.isRunning() and not self.process.is_alive():
             return True
         self.relay.stopping.set()  # from here on, the pipe closing is expected, not an error
-        self._post("quit")
+        self._post(P.Quit())
         self.process.join(timeout_ms / 1000)
         if self.process.is_alive():  # busy in a long load: it holds nothing worth saving
             self.process.terminate()
@@ -307,69 +378,54 @@ class Bridge(QtCore.QObject):
             self.relay.events.close()
         return ok and not self.process.is_alive()
 
-    # ---- events (GUI thread) ----
+    # ---- messages (GUI thread) ----
     @QtCore.Slot(object)
     @guarded
-    def _on_raw(self, ev: object) -> None:
-        if isinstance(ev, list):  # a generation step's events arrive together (engine.server)
-            for one in ev:
+    def _on_raw(self, msg: object) -> None:
+        if isinstance(msg, list):  # a generation step's events arrive together (engine.server)
+            for one in msg:
                 self._on_raw(one)
             return
-        if isinstance(ev, tuple):
-            kind, arg = ev
-            if kind == "load_progress":
-                self.sig_load_progress.emit(float(arg[0]), str(arg[1]))
-            elif kind == "loaded":
-                self.info, self.tokenizer, self.cfg = arg
-                self.sig_model_loaded.emit(self.info)
-            elif kind == "load_failed":
-                self.sig_load_failed.emit(arg)
-            elif kind == "batch_progress":
-                self.sig_batch_progress.emit(float(arg[0]), str(arg[1]))
-            elif kind == "batch_row":
-                self.sig_batch_row.emit(arg)
-            elif kind == "batch_done":
-                self.sig_batch_done.emit(arg)
-            elif kind == "this_machine":
-                device, dtype, hw = arg
-                if hw is not None:  # a measurement exists now: "none" answers (the float32 fallback) may change
-                    self._machine = {k: v for k, v in self._machine.items() if v is not None or k[0] != device}
-                self._machine[(device, canonical_dtype(dtype))] = hw
-                self.sig_this_machine.emit(arg)
-            elif kind == "measure_progress":
-                self.sig_measure_progress.emit(float(arg[0]), str(arg[1]))
-            elif kind == "measure_done":
-                self.sig_measure_done.emit(arg)
-            elif kind == "connected":
-                self.server = arg
-                self.sig_server_connected.emit(arg)
-            elif kind == "connect_failed":
-                self.sig_server_failed.emit(arg)
-            elif kind == "disconnected":
-                self.server = None
-                self.sig_server_disconnected.emit()
-            elif kind == "serve_progress":
-                self.sig_serve_progress.emit(float(arg[0]), str(arg[1]))
-            elif kind == "serve_request":
-                self.sig_serve_request.emit(arg)
-            elif kind == "serve_metrics":
-                self.sig_server_metrics.emit(arg)
-            elif kind == "serve_run":
-                self.sig_serve_run.emit(arg)
-            elif kind == "serve_done":
-                self.sig_serve_done.emit(arg)
-            elif kind == "server_tokens":
-                self.sig_server_tokens.emit(arg)
-            elif kind == "state":
-                self.state = arg
-                self.sig_state.emit(arg)
-            return
-        if isinstance(ev, ServerConnected):
-            return  # the probe's result already came as the "connected" notice
-        if isinstance(ev, Failed):
-            self.sig_failed.emit(ev.message)
-            return
-        for cls, name in self._ROUTES:
-            if isinstance(ev, cls):
-                getattr(self, name).emit(ev)
+        for cls in type(msg).__mro__:
+            route = self._routes.get(cls)
+            if route is not None:
+                route(msg)
                 return
+
+    def _on_run_started(self, ev: RunStarted) -> None:
+        self.run_source = ev.source
+        self.run_server = self.server if ev.source.kind == "server" else None
+        self.sig_run_started.emit(ev)
+
+    def _on_progress(self, m: P.Progress) -> None:
+        sig = self._progress.get(m.job)
+        if sig is not None:
+            sig.emit(float(m.fraction), str(m.message))
+
+    def _on_done(self, m: P.Done) -> None:
+        sig = self._done.get(m.job)
+        if sig is not None:
+            sig.emit(m.message)
+
+    def _on_loaded(self, m: P.Loaded) -> None:
+        self.info, self.tokenizer, self.cfg = m.info, m.tokenizer, m.cfg
+        self.sig_model_loaded.emit(self.info)
+
+    def _on_state(self, m: P.State) -> None:
+        self.state = m.state
+        self.sig_state.emit(m.state)
+
+    def _on_this_machine(self, m: P.ThisMachine) -> None:
+        if m.hardware is not None:  # a measurement exists now: "none" answers (the float32 fallback) may change
+            self._machine = {k: v for k, v in self._machine.items() if v is not None or k[0] != m.device}
+        self._machine[(m.device, canonical_dtype(m.dtype))] = m.hardware
+        self._answered.add((m.device, canonical_dtype(m.dtype)))
+        self.sig_this_machine.emit((m.device, m.dtype, m.hardware))
+
+    def _on_connected(self, m: P.Connected) -> None:
+        self.server = m.info
+        self.sig_server_connected.emit(m.info)
+
+    def _on_disconnected(self, _m: P.Disconnected) -> None:
+        self.server = None
+        self.sig_server_disconnected.emit()

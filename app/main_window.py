@@ -18,7 +18,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app import exports, session_io, theme
 from app.bridge import Bridge
 from app.guard import guarded, report, reporter
-from app.panels import PANEL_MODULES
+from app.panels import GROUP_OF, GROUPS, PANEL_MODULES
 from app.panels.base import Panel
 from app.settings import Settings
 
@@ -28,13 +28,16 @@ DRAW_INTERVAL_MS = 33  # the shared draw timer: about 30 Hz (each panel also has
 DRAWS_PER_TICK = 1
 DEFAULT_SIZE = (1600, 1000)
 _Area = QtCore.Qt.DockWidgetArea
-# Default layout: three rows; the top and bottom areas own the corners, so they span the whole width.
+# Default layout: the live run in three rows (the top and bottom areas own the corners, so they span the whole
+# width); its closer looks as tabs beside the panel they belong with; the labs and the server as one tab stack in a
+# column of their own on the right, tabs on top, so each lab's name is in sight.
 PLACEMENT = {
     "prompt": _Area.TopDockWidgetArea, "preview": _Area.TopDockWidgetArea, "sampling": _Area.TopDockWidgetArea,
     "generation": _Area.LeftDockWidgetArea, "attention": _Area.RightDockWidgetArea,
     "kv_cache": _Area.BottomDockWidgetArea, "timeline": _Area.BottomDockWidgetArea,
     "roofline": _Area.BottomDockWidgetArea,
 }
+TAB_WITH = {"lens": "attention", "branches": "generation", "constrain": "sampling"}
 
 
 def _cores() -> int:
@@ -85,7 +88,7 @@ class MainWindow(QtWidgets.QMainWindow):
 
         self.bridge = Bridge(self)
         if self.settings is not None:
-            self.bridge.params = self.settings.sampling_params()
+            self.bridge.set_params(self.settings.sampling_params())
 
         self.panels: dict[str, Panel] = {}
         self.docks: dict[str, QtWidgets.QDockWidget] = {}
@@ -100,6 +103,8 @@ class MainWindow(QtWidgets.QMainWindow):
             self.docks[name] = dock
         self._layout_version = zlib.crc32(",".join(d.objectName() for d in self.docks.values()).encode())
         self._build_default_layout()
+        if "roofline" in self.panels:
+            self.panels["roofline"].auto_measure = self.settings is not None  # as a user runs it, not in tests
         self._wire_panels()
         self._build_menus()
         self._build_status_bar()
@@ -130,27 +135,35 @@ class MainWindow(QtWidgets.QMainWindow):
     # ---- construction ----
     def _build_default_layout(self) -> None:
         last: dict[QtCore.Qt.DockWidgetArea, QtWidgets.QDockWidget] = {}
-        extra = []
         for name, dock in self.docks.items():
             area = PLACEMENT.get(name)
             if area is None:
-                extra.append(dock)
-            elif area in last:
+                continue
+            if area in last:
                 self.splitDockWidget(last[area], dock, QtCore.Qt.Orientation.Horizontal)
             else:
                 self.addDockWidget(area, dock)
-            if area is not None:
-                last[area] = dock
-        # Panels without a place of their own become tabs beside the last dock, which stays in front.
-        host = next(reversed(last.values()), None)
-        for dock in extra:
-            if host is None:
-                self.addDockWidget(_Area.RightDockWidgetArea, dock)
-                host = dock
-            else:
+            last[area] = dock
+        labs: QtWidgets.QDockWidget | None = None  # the first dock of the labs' column
+        right = last.get(_Area.RightDockWidgetArea)
+        self.setTabPosition(_Area.RightDockWidgetArea, QtWidgets.QTabWidget.TabPosition.North)
+        for name, dock in self.docks.items():
+            if name in PLACEMENT:
+                continue
+            host = self.docks.get(TAB_WITH.get(name, ""))
+            if host is not None:
                 self.tabifyDockWidget(host, dock)
-        if extra and host is not None:
-            host.raise_()
+            elif labs is not None:
+                self.tabifyDockWidget(labs, dock)
+            else:
+                labs = dock
+                if right is not None:
+                    self.splitDockWidget(right, dock, QtCore.Qt.Orientation.Horizontal)
+                else:
+                    self.addDockWidget(_Area.RightDockWidgetArea, dock)
+        for name in (*TAB_WITH.values(), next((n for n in self.docks if GROUP_OF.get(n) != GROUPS[0][0]), "")):
+            if name in self.docks:
+                self.docks[name].raise_()  # the group's first panel in front of its tabs
 
     def _apply_default_sizes(self) -> None:
         rows = [[d for n, d in self.docks.items() if PLACEMENT.get(n) == a]
@@ -196,13 +209,18 @@ class MainWindow(QtWidgets.QMainWindow):
         quit_action.setShortcut(QtGui.QKeySequence("Ctrl+Q"))
 
         view = self.view_menu = bar.addMenu("&View")
-        for i, (name, dock) in enumerate(self.docks.items()):
-            action = dock.toggleViewAction()
-            action.setText(self.panels[name].title)
-            keys = self.panels[name].shortcut or (f"Alt+{i + 1}" if i < 9 else "")
-            if keys:
-                action.setShortcut(QtGui.QKeySequence(keys))
-            view.addAction(action)
+        self.view_actions: dict[str, QtGui.QAction] = {}
+        for group, names in GROUPS:
+            sub = view.addMenu(group)
+            for name in names:
+                if name not in self.docks:
+                    continue
+                action = self.docks[name].toggleViewAction()
+                action.setText(self.panels[name].title)
+                if self.panels[name].shortcut:
+                    action.setShortcut(QtGui.QKeySequence(self.panels[name].shortcut))
+                sub.addAction(action)
+                self.view_actions[name] = action
         view.addSeparator()
         view.addAction("&Reset layout", self.reset_layout)
 
@@ -450,11 +468,15 @@ class MainWindow(QtWidgets.QMainWindow):
 
     def show_panel_help(self) -> None:
         parts = ["<h2>The panels</h2>"]
-        view_keys = {a.text(): a.shortcut().toString() for a in self.view_menu.actions()}
-        for panel in self.panels.values():
-            keys = view_keys.get(panel.title, "")
-            keys = f" <span style='color:{theme.MUTED}'>({keys})</span>" if keys else ""
-            parts.append(f"<h3>{html.escape(panel.title)}{keys}</h3><p>{html.escape(panel.help_text)}</p>")
+        for group, names in GROUPS:
+            parts.append(f"<h2>{html.escape(group)}</h2>")
+            for name in names:
+                panel, action = self.panels.get(name), self.view_actions.get(name)
+                if panel is None:
+                    continue
+                keys = action.shortcut().toString() if action is not None else ""
+                keys = f" <span style='color:{theme.MUTED}'>({keys})</span>" if keys else ""
+                parts.append(f"<h3>{html.escape(panel.title)}{keys}</h3><p>{html.escape(panel.help_text)}</p>")
         dialog = QtWidgets.QDialog(self)
         dialog.setWindowTitle("Inference Lab — panels")
         dialog.setAttribute(QtCore.Qt.WidgetAttribute.WA_DeleteOnClose)

@@ -1,6 +1,6 @@
 """Sessions in the app: record the current run's events, save them as .ilab, open one and replay it into the panels.
 
-Replaying goes through the bridge's own routing (`Bridge._on_raw`), so every panel receives exactly the signals it
+Replaying goes through the bridge's own routing (`Bridge.replay`), so every panel receives exactly the signals it
 received live, in the same order; no panel needs to know about files. The model is not needed: the session carries
 the model's facts, config and tokenizer.
 
@@ -112,7 +112,7 @@ def replay(window, saved: SavedSession) -> str | None:
             bridge.params = params
             bridge.sig_params.emit(params)
         for ev in saved.events:
-            bridge._on_raw(ev)
+            bridge.replay(ev)
         branches = window.panels.get("branches")
         if branches is not None and saved.branches:
             branches.restore(saved.branches)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from engine.__main__ import CliError, Parser
+from engine.cliargs import CliError, Parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -260,7 +260,7 @@ def exported_default_model() -> Path:
 
 def vllm_result(runs: list, version: str | None, dtype: str, load_s: float, prompt_ids_sent: int,
                 threads: int, cpus: list[int] | None = None, rss_bytes: int | None = None) -> dict:
-    """run_llama_cpp's fields from vLLM's timed requests (engine.remote.bench.RequestResult): TTFT the best run's
+    """run_llama_cpp's fields from vLLM's timed requests (engine.remote.loadlab.RequestResult): TTFT the best run's
     first-token time over all runs, TPOT the statistics of the fastest run's gaps between streamed chunks."""
     if not runs:
         raise ValueError("no timed vLLM requests")
@@ -305,8 +305,8 @@ def run_vllm(new_tokens: int, repeats: int, threads: int, dtype: str = "auto",
 
     from engine.loaders import default_model_path
     from engine.remote.backend import RemoteBackend
-    from engine.remote.bench import one_request
     from engine.remote.launch import start_vllm, vllm_log_facts, vllm_python
+    from engine.remote.loadlab import one_request
     from engine.tokenizer.core import Tokenizer
 
     python = vllm_python()

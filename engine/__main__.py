@@ -10,68 +10,9 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
+from engine.cliargs import CliError, Parser, add_model_args, add_sampling_args, add_threads_arg, sampling_params
 from engine.run.threads import threads_arg
-
-if TYPE_CHECKING:
-    from engine.run.sampling import SamplingParams
-
-
-class CliError(Exception):
-    """Something the user can fix; printed as one line."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not usage + error
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a .gguf file, a Hugging Face model directory or a known model "
-                   "(smollm2, gemma3-270m); default: SmolLM2")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    from engine.remote.cli import add_url_args
-
-    add_url_args(p)
-
-
-def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=threads_arg, default="auto",
-                   help="CPU threads: auto (default; fewer when other programs hold the cores) or a fixed count")
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
-    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
-                   help="add BIAS to token ID's logit before sampling (repeatable), e.g. --logit-bias 7042=-100")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--greedy", action="store_true", help="same as --temperature 0")
-
-
-def _params(a: argparse.Namespace) -> SamplingParams:
-    from engine.run.sampling import SamplingParams
-
-    try:
-        bias = []
-        for item in a.logit_bias:
-            token, sep, value = item.partition("=")
-            if not sep:
-                raise ValueError(f"--logit-bias takes ID=BIAS, got {item!r}")
-            bias.append((int(token), float(value)))
-        return SamplingParams(
-            temperature=0.0 if a.greedy else a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-            repetition_penalty=a.repetition_penalty, logit_bias=tuple(bias), seed=a.seed,
-        )
-    except ValueError as e:
-        raise CliError(str(e)) from None
 
 
 def _session(a: argparse.Namespace):
@@ -104,10 +45,6 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(a: argparse.Namespace) -> int:
-    if getattr(a, "url", None):
-        from engine.remote import cli
-
-        return cli.cmd_tokenize(a)
     from engine.formats.locate import ModelLoadError, load_tokenizer  # no torch: starts in a fraction of a second
 
     try:
@@ -136,15 +73,11 @@ def cmd_tokenize(a: argparse.Namespace) -> int:
 
 
 def cmd_logits(a: argparse.Namespace) -> int:
-    if getattr(a, "url", None):
-        from engine.remote import cli
-
-        return cli.cmd_logits(a)
     import torch
 
     from engine.run.sampling import funnel
 
-    params = _params(a)
+    params = sampling_params(a)
     s = _session(a)
     try:
         t = s.tokenize(a.prompt, a.chat)
@@ -170,14 +103,10 @@ def cmd_logits(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    if getattr(a, "url", None):
-        from engine.remote import cli
-
-        return cli.cmd_generate(a)
     from engine.events import Failed, Finished, TokenSampled
     from engine.run.branching import parse_force
 
-    params = _params(a)
+    params = sampling_params(a)
     try:
         forced = parse_force(a.force)
     except ValueError as e:
@@ -253,7 +182,7 @@ def cmd_lens(a: argparse.Namespace) -> int:
         raise CliError(f"--top must be at least 1, got {a.top}")
     if a.step < 0:
         raise CliError(f"--step must be 0 (the prefill) or a decode step, got {a.step}")
-    params = _params(a)
+    params = sampling_params(a)
     s = _session(a)
     try:
         gen = s.generate(a.prompt, params, a.step + 1, Capture(lens_top=a.top), chat=a.chat)
@@ -348,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     q = sub.add_parser("info", help="facts about the model")
-    _add_model_args(q)
+    add_model_args(q)
     q.set_defaults(func=cmd_info)
 
     q = sub.add_parser("models", help="the models on this machine (headers only), as the model picker lists them")
@@ -358,14 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_models)
 
     q = sub.add_parser("tokenize", help="ids, pieces and spans of a text")
-    _add_model_args(q)
+    add_model_args(q)
     q.add_argument("--text", required=True)
     q.add_argument("--chat", action="store_true", help="wrap the text in the chat template first")
     q.set_defaults(func=cmd_tokenize)
 
     q = sub.add_parser("logits", help="next-token candidates for a prompt")
-    _add_model_args(q)
-    _add_sampling_args(q)
+    add_model_args(q)
+    add_sampling_args(q)
     q.add_argument("--prompt", required=True)
     q.add_argument("--chat", action="store_true")
     q.add_argument("--top", type=int, default=10)
@@ -373,8 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_logits)
 
     q = sub.add_parser("generate", help="generate text, streaming it")
-    _add_model_args(q)
-    _add_sampling_args(q)
+    add_model_args(q)
+    add_sampling_args(q)
     q.add_argument("--prompt", required=True)
     q.add_argument("--chat", action="store_true")
     q.add_argument("--max-new-tokens", type=int, default=128)
@@ -391,8 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_generate)
 
     q = sub.add_parser("lens", help="logit lens: the next-token guess after every layer")
-    _add_model_args(q)
-    _add_sampling_args(q)
+    add_model_args(q)
+    add_sampling_args(q)
     q.add_argument("--prompt", required=True)
     q.add_argument("--chat", action="store_true")
     q.add_argument("--step", type=int, default=0,
@@ -423,10 +352,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The commands that also run on a server (--url); the others say in one line that they need the local model.
+ON_SERVER = {"tokenize": "cmd_tokenize", "logits": "cmd_logits", "generate": "cmd_generate"}
+LOCAL_ONLY = {"info": "reads the model file itself", "lens": "needs every layer's residual stream"}
+
+
+def resolve(args: argparse.Namespace):
+    """The function that runs `args`: the local command, or its server version when --url is given (once, here)."""
+    if args.command in LOCAL_ONLY and getattr(args, "url", None):
+        raise CliError(f"`{args.command}` {LOCAL_ONLY[args.command]}, which a server does not report: "
+                       "drop --url to run it on the local model")
+    if args.command in ON_SERVER and getattr(args, "url", None):
+        from engine.remote import cli
+
+        return getattr(cli, ON_SERVER[args.command])
+    return args.func
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        return int(resolve(args)(args) or 0)
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -255,6 +255,8 @@ class Finished:
     tpot_s: float  # mean time per output token over the decode steps (0 when only one token)
     step_seconds: np.ndarray = field(default_factory=lambda: np.zeros(0))  # decode step times
     total_s: float = 0.0
+    # of total_s, the time outside the timed steps: prompt scoring, captures, the logit lens (its L + 1 LM heads)
+    outside_steps_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:

@@ -1,15 +1,12 @@
-"""Plain data that crosses between the app and the engine process besides the events: what the app asks for
-(sampling settings, what to capture) and the batching lab's rows. Imports neither torch nor Qt, so the GUI
-process can use it without loading torch (a test holds it).
+"""The written protocol between the app and the engine process: what the app asks for (sampling settings, what to
+capture, a generation), the commands it sends and the notices it receives besides the engine events, all plain
+frozen dataclasses. Imports neither torch nor Qt, so the GUI process can use it without loading torch (a test holds
+it).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from engine.model.probe import Probe
 
 FUNNEL_TOP = 20  # candidates kept in each step's sampling funnel by the app and the benchmark
 ATTENTION_MAX_BYTES = 16 * 2**20  # float32 attention weights kept per layer and step
@@ -63,14 +60,6 @@ class Capture:
     def everything(cls, n_layers: int, funnel_top: int = FUNNEL_TOP) -> Capture:
         return cls(attention_layers=frozenset(range(n_layers)), residual_norms=True, funnel_top=funnel_top, logits=True)
 
-    def probe(self) -> Probe | None:
-        from engine.model.probe import Probe  # torch: only the engine process builds probes
-
-        if not self.attention_layers and not self.residual_norms and not self.lens_top:
-            return None
-        return Probe.for_capture(self.attention_layers, self.residual_norms, residual_stream=self.lens_top > 0,
-                                 max_attention_bytes=self.attention_max_bytes)
-
 
 @dataclass(frozen=True)
 class BatchRow:
@@ -88,3 +77,271 @@ class BatchRow:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# ---- the pipe between the app and the engine process ---------------------------------------------------------
+# Both ends are this program's own processes; every message is one of the frozen dataclasses below (commands in,
+# notices out) or an engine event (engine.events; a generation step's events come as one list). The bridge routes
+# notices by type through one table (app/bridge.py).
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    text: str
+    chat: bool = True
+    max_new_tokens: int = 64
+    params: SamplingParams = field(default_factory=SamplingParams)
+    capture: Capture = field(default_factory=Capture)
+    ignore_eos: bool = False
+    start_paused: bool = False  # prefill, then wait for step or resume
+    prompt_ids: tuple[int, ...] = ()  # when given, the prompt as token ids (a fork's prefix); `text` is then a label
+    forced: tuple[tuple[int, int], ...] = ()  # (step, token id) pairs put in place of sampling (a fork: ((0, id),))
+    regex: str | None = None  # the output must match this regular expression (engine.run.constrain)
+    json_schema: str | None = None  # … or be JSON valid under this schema (JSON text)
+
+
+class Command:
+    """Base of everything the app sends to the engine process."""
+
+
+class Notice:
+    """Base of everything the engine process sends besides the engine events."""
+
+
+# -- commands
+@dataclass(frozen=True)
+class Load(Command):
+    model: str | None
+    device: str = "auto"
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class Generate(Command):
+    request: GenerateRequest
+
+
+@dataclass(frozen=True)
+class Preview(Command):
+    """Next-token candidates for the text being typed; superseded by a newer Preview."""
+
+    request_id: int
+    text: str
+    chat: bool
+    top: int = 10
+
+
+@dataclass(frozen=True)
+class Pause(Command):
+    pass
+
+
+@dataclass(frozen=True)
+class Resume(Command):
+    pass
+
+
+@dataclass(frozen=True)
+class Step(Command):
+    """While paused: one more token."""
+
+
+@dataclass(frozen=True)
+class Stop(Command):
+    """End the running generation (a server's stalled stream included) and any long job."""
+
+
+@dataclass(frozen=True)
+class Quit(Command):
+    pass
+
+
+@dataclass(frozen=True)
+class SetParams(Command):
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class CaptureAttention(Command):
+    """Capture these layers' attention from the next token on (and in every later generation)."""
+
+    layers: frozenset[int]
+
+
+@dataclass(frozen=True)
+class SetThreads(Command):
+    setting: int | str  # "auto" (engine.run.threads) or a fixed count
+
+
+@dataclass(frozen=True)
+class BatchBench(Command):
+    batches: tuple[int, ...]
+    prompt_tokens: int
+    new_tokens: int
+
+
+@dataclass(frozen=True)
+class Cancel(Command):
+    """Cancel the running long job (batching lab, measurement, load lab); a generation is stopped with Stop."""
+
+
+@dataclass(frozen=True)
+class AskThisMachine(Command):
+    """This machine's cached measurement for (device, dtype); never measures."""
+
+    device: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Measure(Command):
+    device: str
+    dtype: str
+    options: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Connect(Command):
+    url: str
+    api_key: str | None = None  # lives in the engine process's memory only
+
+
+@dataclass(frozen=True)
+class Disconnect(Command):
+    pass
+
+
+@dataclass(frozen=True)
+class ServeBench(Command):
+    """Load lab: concurrency (list), num_prompts, max_new_tokens, request_rate, burstiness, time_limit_s, slo_ms."""
+
+    config: dict
+
+
+@dataclass(frozen=True)
+class Tokenize(Command):
+    """The running backend's own tokenization of `text` (a server's, when connected); the newest one wins."""
+
+    request_id: int
+    text: str
+    chat: bool = False
+
+
+@dataclass(frozen=True)
+class Ping(Command):
+    """Answered by Pong once every command sent before it has been handled: a test's way to know the engine is idle."""
+
+    token: int
+
+
+# -- notices
+@dataclass(frozen=True)
+class Progress(Notice):
+    """A long job's progress: job is "load", "batch", "measure" or "serve"; fraction in [0, 1]."""
+
+    job: str
+    fraction: float
+    message: str
+
+
+@dataclass(frozen=True)
+class Done(Notice):
+    """A long job ended: message "" when complete, else why it stopped ("cancelled", an error sentence)."""
+
+    job: str
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Loaded(Notice):
+    info: object  # engine.events.ModelInfo
+    tokenizer: object  # engine.tokenizer Tokenizer
+    cfg: object  # engine.model.config.ModelConfig
+
+
+@dataclass(frozen=True)
+class LoadFailed(Notice):
+    message: str
+
+
+@dataclass(frozen=True)
+class State(Notice):
+    state: str  # "idle", "generating" or "paused"
+
+
+@dataclass(frozen=True)
+class BatchMeasured(Notice):
+    row: BatchRow
+
+
+@dataclass(frozen=True)
+class ThisMachine(Notice):
+    device: str
+    dtype: str
+    hardware: object  # engine.costs.catalog.Hardware, or None: not measured
+
+
+@dataclass(frozen=True)
+class Connected(Notice):
+    info: object  # engine.remote.client.ServerInfo
+
+
+@dataclass(frozen=True)
+class ConnectFailed(Notice):
+    message: str
+
+
+@dataclass(frozen=True)
+class Disconnected(Notice):
+    pass
+
+
+@dataclass(frozen=True)
+class ServeRequestDone(Notice):
+    result: object  # engine.remote.loadlab.RequestResult
+
+
+@dataclass(frozen=True)
+class ServeMetrics(Notice):
+    t: float
+    metrics: object  # engine.remote.metrics.ServerMetrics
+
+
+@dataclass(frozen=True)
+class ServeLevelDone(Notice):
+    figures: dict  # one concurrency level, with `vllm bench serve`'s keys
+
+
+@dataclass(frozen=True)
+class Tokenized(Notice):
+    """The backend's tokenization of a prompt (and of its chat form); errors are one sentence, "" when none."""
+
+    request_id: int
+    text: str
+    prompt: object = None  # engine.events.PromptTokenized
+    error: str = ""
+    chat_prompt: object = None
+    chat_error: str = ""
+
+
+@dataclass(frozen=True)
+class PreviewResult(Notice):
+    """Next-token candidates for the text being typed (no generation)."""
+
+    request_id: int
+    text: str
+    n_tokens: int
+    n_reused: int  # prompt tokens whose K/V came from the previous run (prefix caching)
+    n_computed: int
+    seconds: float
+    funnel: object  # engine.events.Funnel
+
+
+@dataclass(frozen=True)
+class Pong(Notice):
+    token: int
+
+
+@dataclass(frozen=True)
+class Stopped(Notice):
+    """The engine process is ending (the answer to Quit)."""

@@ -1,107 +1,153 @@
-"""The engine in its own process: commands come in over one pipe, events go out over another.
+"""The engine in its own process: commands come in over one pipe, events and notices go out over another.
 
 Why a process and not only a thread: the model loop and a Python GUI (pyqtgraph paints in Python) both need the
-interpreter lock. Measured here with all panels live, decode in a GUI-process thread ran at 50–110 ms per token
-against 15 ms alone, and the GUI stalled for up to 0.2 s. In its own process the engine keeps its speed and the GUI
-thread only waits for the CPU, never for the lock.
+interpreter lock; in its own process the engine keeps its speed and the GUI thread only waits for the CPU, never
+for the lock (BENCHMARKS.md, "The app against the CLI").
 
-Commands are (kind, argument) tuples:
-    load (model, device, dtype) · generate GenerateRequest · preview (request_id, text, chat, top)
-    pause · resume · step · stop · params SamplingParams · attention_layers frozenset · threads ("auto" or a count)
-    batch_bench (batches, prompt_tokens, new_tokens) · cancel_bench · this_machine (device, dtype)
-    measure (device, dtype, measure_kwargs) · cancel_measure · quit
-    connect (url, api_key) · disconnect · serve_bench dict · cancel_serve_bench (engine.remote.worker)
-Out go engine events (engine.events; a generation's come as one list per step), PreviewResult, and notices as
-(kind, argument) tuples: load_progress, loaded (ModelInfo, Tokenizer, ModelConfig), load_failed, state,
-batch_progress, batch_row, batch_done, this_machine (device, dtype, Hardware or None), measure_progress,
-measure_done, stopped. This machine's roofs are measured here, not in the GUI: torch lives in this process, and a
-measurement must not run beside a decode.
-Both ends are this program's own processes, so pickling over the pipes is safe (no file is ever unpickled).
+The messages are written down in engine.protocol: commands in, notices out, plus the engine events (a generation
+step's events come as one list). The server holds one backend (engine.backend) and never asks which kind it is.
+A reader thread takes commands off the pipe as they come, so Stop reaches a running generation at once — a
+server's stalled stream included — and Cancel a long job; everything else waits its turn in order. This machine's
+roofs are measured here, not in the GUI: torch lives in this process, and a measurement must not run beside a
+decode. Both ends are this program's own processes, so pickling over the pipes is safe (no file is ever unpickled).
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import threading
-import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
-from engine.events import Failed, Funnel, TokenSampled
-from engine.protocol import Capture, SamplingParams
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    text: str
-    chat: bool = True
-    max_new_tokens: int = 64
-    params: SamplingParams = field(default_factory=SamplingParams)
-    capture: Capture = field(default_factory=Capture)
-    ignore_eos: bool = False
-    start_paused: bool = False  # prefill, then wait for step or resume
-    prompt_ids: tuple[int, ...] = ()  # when given, the prompt as token ids (a fork's prefix); `text` is then a label
-    forced: tuple[tuple[int, int], ...] = ()  # (step, token id) pairs put in place of sampling (a fork: ((0, id),))
-    regex: str | None = None  # the output must match this regular expression (engine.run.constrain)
-    json_schema: str | None = None  # … or be JSON valid under this schema (JSON text)
-
-
-@dataclass(frozen=True)
-class PreviewResult:
-    """Next-token candidates for the text being typed (no generation)."""
-
-    request_id: int
-    text: str
-    n_tokens: int
-    n_reused: int  # prompt tokens whose K/V came from the previous run (prefix caching)
-    n_computed: int
-    seconds: float
-    funnel: Funnel
+from engine.backend import Backend, Run, Unsupported
+from engine.events import Failed, TokenSampled
+from engine.protocol import (
+    AskThisMachine,
+    BatchBench,
+    BatchMeasured,
+    Cancel,
+    CaptureAttention,
+    Command,
+    Connect,
+    Connected,
+    ConnectFailed,
+    Disconnect,
+    Disconnected,
+    Done,
+    Generate,
+    Load,
+    Loaded,
+    LoadFailed,
+    Measure,
+    Pause,
+    Ping,
+    Pong,
+    Preview,
+    Progress,
+    Quit,
+    Resume,
+    SamplingParams,
+    ServeBench,
+    SetParams,
+    SetThreads,
+    State,
+    Step,
+    Stop,
+    Stopped,
+    ThisMachine,
+    Tokenize,
+    Tokenized,
+)
 
 
 class EngineServer:
     def __init__(self, commands: Connection, events: Connection) -> None:
         self.commands, self.events = commands, events
-        self.pending: deque[tuple[str, object]] = deque()  # read early, handled later
-        self.session = None
+        self.inbox: queue.Queue[tuple[int, Command]] = queue.Queue()  # (arrival number, command), from the reader
+        self.pending: deque[tuple[int, Command]] = deque()  # taken early, handled later
+        self.local: Backend | None = None  # the loaded model
+        self.backend: Backend | None = None  # where generations run now: the local model or a server
         self.params = SamplingParams()
         self.threads: int | str = "auto"  # decode threads: "auto" (engine.run.threads) or a fixed count
         self.quit = False
+        self.running: Run | None = None  # the generation in progress, for the reader's Stop
+        # Stop, Cancel and Quit end the long job in progress, or one queued before them: a job started by command
+        # number n is cancelled once a cancelling command numbered above n has arrived.
+        self._arrived = 0  # commands read so far (the reader's count)
+        self._cancelled_at = 0  # number of the latest cancelling command
+        self.current = 0  # number of the command being handled
+        self._send_lock = threading.Lock()  # the load lab sends from its own thread
+        self._handlers = {
+            Load: self.load, Generate: self.generate, Preview: self.preview, BatchBench: self.batch_bench,
+            AskThisMachine: self.this_machine, Measure: self.measure, SetParams: self.set_params,
+            SetThreads: self.set_threads, Connect: self.connect, Disconnect: self.disconnect,
+            ServeBench: self.serve_bench, Tokenize: self.tokenize, Ping: self.ping,
+        }
+        # Pause, Resume, Step, Stop, CaptureAttention and Cancel act inside a generation or a job; outside one there
+        # is nothing to act on.
+        threading.Thread(target=self._read, daemon=True, name="engine-commands").start()
 
     # ---- plumbing ----
     def send(self, msg: object) -> None:
-        self.events.send(msg)
+        with self._send_lock:
+            self.events.send(msg)
 
-    def next_command(self, timeout: float | None) -> tuple[str, object] | None:
+    def _read(self) -> None:
+        """The reader thread: every command into the inbox; Stop, Cancel and Quit also act at once."""
+        while True:
+            try:
+                cmd = self.commands.recv()
+            except (EOFError, OSError):  # the app went away
+                cmd = Quit()
+            except Exception:  # noqa: BLE001 — a message that cannot be read: the pipe is no longer trustworthy
+                cmd = Quit()
+            self._arrived += 1
+            if isinstance(cmd, (Stop, Cancel, Quit)):
+                self._cancelled_at = self._arrived
+                run = self.running
+                if run is not None and not isinstance(cmd, Cancel):
+                    run.stop()
+            self.inbox.put((self._arrived, cmd))
+            if isinstance(cmd, Quit):
+                return
+
+    def next_command(self, timeout: float | None) -> Command | None:
         """The next command (pending ones first), waiting up to `timeout` seconds (None = forever)."""
         if self.pending:
-            return self.pending.popleft()
+            self.current, cmd = self.pending.popleft()
+            return cmd
         try:
-            if timeout is not None and not self.commands.poll(timeout):
-                return None
-            cmd = self.commands.recv()
-        except (EOFError, OSError):  # the app went away
-            self.quit = True
-            return ("quit", None)
-        if cmd[0] == "quit":
+            self.current, cmd = self.inbox.get(timeout=timeout) if timeout != 0 else self.inbox.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(cmd, Quit):
             self.quit = True
         return cmd
 
-    def latest_preview(self, cmd: tuple[str, object]) -> tuple[str, object]:
-        """Previews are superseded by newer ones: drop the stale requests queued behind this one."""
-        later = []
+    def later(self, cmd: Command) -> None:
+        """Handle `cmd` (just taken) after the current work, keeping its place."""
+        self.pending.append((self.current, cmd))
+
+    def cancelled(self, number: int) -> bool:
+        return self._cancelled_at > number
+
+    def latest(self, cmd: Command) -> Command:
+        """Previews and tokenizations are superseded by newer ones of their kind: drop the stale ones queued."""
+        number, later = self.current, []
         while (nxt := self.next_command(0)) is not None:
-            if nxt[0] == "preview":
-                cmd = nxt
-            elif nxt[0] == "params":
-                self.params = nxt[1]  # settings sent before the newest preview apply to it
+            if type(nxt) is type(cmd):
+                number, cmd = self.current, nxt
+            elif isinstance(nxt, SetParams):
+                self.params = nxt.params  # settings sent before the newest preview apply to it
             else:
-                later.append(nxt)
-            if nxt[0] == "quit":
+                later.append((self.current, nxt))
+            if isinstance(nxt, Quit):
                 break
         self.pending.extend(later)
+        self.current = number
         return cmd
 
     def serve(self) -> None:
@@ -109,255 +155,241 @@ class EngineServer:
             cmd = self.next_command(None)
             if cmd is None:
                 continue
-            if cmd[0] == "preview":
-                cmd = self.latest_preview(cmd)
+            if isinstance(cmd, (Preview, Tokenize)):
+                cmd = self.latest(cmd)
+            handler = self._handlers.get(type(cmd))
+            if handler is None:
+                continue
             try:
-                self.dispatch(cmd)
+                handler(cmd)
             except Exception as e:  # noqa: BLE001 — the engine must survive anything one command does
                 self.send(Failed(message=f"{type(e).__name__}: {e}"))
-        self.send(("stopped", None))
-
-    def dispatch(self, cmd: tuple[str, object]) -> None:
-        kind, arg = cmd
-        if kind == "load":
-            self.load(*arg)
-        elif kind == "generate":
-            self.generate(arg)
-        elif kind == "preview":
-            self.preview(*arg)
-        elif kind == "batch_bench":
-            self.batch_bench(*arg)
-        elif kind == "this_machine":
-            self.this_machine(*arg)
-        elif kind == "measure":
-            self.measure(*arg)
-        elif kind == "params":
-            self.params = arg
-        elif kind == "threads":
-            self.set_threads(arg)
-        else:
-            from engine.remote import worker
-
-            worker.handle(self, kind, arg)  # connect / disconnect / serve_bench (engine.remote.worker)
-        # pause/resume/step/stop/attention_layers/cancel_* outside a generation or a bench: nothing to act on
+        self.send(Stopped())
 
     # ---- commands ----
-    def load(self, model, device: str, dtype: str) -> None:
+    def load(self, cmd: Load) -> None:
         from engine.loaders import ModelLoadError, load, preferred_dtype
+        from engine.run.local import LocalBackend
         from engine.run.session import Session
 
-        self.send(("load_progress", (0.0, "loading model")))
+        self.send(Progress("load", 0.0, "loading model"))
+        dtype = cmd.dtype
         try:
             if dtype == "auto":  # the app's default: the fastest dtype that keeps float32's greedy outputs
-                dtype = preferred_dtype(device)
-            lm = load(model, device=device, dtype=dtype, progress=lambda f, m: self.send(("load_progress", (f, m))))
+                dtype = preferred_dtype(cmd.device)
+            lm = load(cmd.model, device=cmd.device, dtype=dtype,
+                      progress=lambda f, m: self.send(Progress("load", f, m)))
         except ModelLoadError as e:
-            self.send(("load_failed", str(e)))
+            self.send(LoadFailed(str(e)))
             return
         except Exception as e:  # noqa: BLE001
-            self.send(("load_failed", f"cannot load the model: {type(e).__name__}: {e}"))
+            self.send(LoadFailed(f"cannot load the model: {type(e).__name__}: {e}"))
             return
-        self.session = Session(lm, threads=self.threads)
-        self.send(("load_progress", (0.97, "warming up (first-call costs are not the model's)")))
-        self.session.warm_up()
-        self.send(("loaded", (lm.info, lm.tokenizer, lm.cfg)))
+        session = Session(lm, threads=self.threads)
+        self.send(Progress("load", 0.97, "warming up (first-call costs are not the model's)"))
+        session.warm_up()
+        was_server = self.backend is not None and self.backend is not self.local
+        if was_server:
+            self.backend.close()
+        self.local = self.backend = LocalBackend(session)
+        self.send(Loaded(lm.info, lm.tokenizer, lm.cfg))
+        if was_server:
+            self.send(Disconnected())
 
-    def set_threads(self, setting: int | str) -> None:
-        """Use `setting` from the next step on (also in a running generation)."""
+    def set_params(self, cmd: SetParams) -> None:
+        self.params = cmd.params
+
+    def set_threads(self, cmd: SetThreads) -> None:
+        """Use `cmd.setting` from the next step on (also in a running generation)."""
         from engine.run.threads import AdaptiveThreads
 
         try:
-            controller = AdaptiveThreads(setting)
+            controller = AdaptiveThreads(cmd.setting)
         except ValueError as e:
             self.send(Failed(message=str(e)))
             return
-        self.threads = setting
-        if self.session is not None and self.session.threads is not None:
-            self.session.threads = controller
+        self.threads = cmd.setting
+        if self.local is not None:
+            self.local.set_threads(controller)
 
-    def preview(self, request_id: int, text: str, chat: bool, top: int) -> None:
-        import torch
-
-        from engine.run.sampling import funnel
-
-        if self.session is None or not text:
+    def preview(self, cmd: Preview) -> None:
+        if self.backend is None or not cmd.text:
             return
-        if getattr(self.session, "is_remote", False):
-            self.session.preview(self, request_id, text, chat, top)
-            return
-        t0 = time.perf_counter()
-        tok = self.session.tokenize(text, chat)
-        if not tok.ids or len(tok.ids) >= self.session.cfg.context_length:
-            return
-        logits, reused, _ = self.session.next_token_logits(tok.ids)
-        # The prompt is the context of the first token: penalties apply to it exactly as in Generate's step 0.
-        context = torch.tensor(tok.ids, dtype=torch.long)
-        f = self.session.make_funnel(funnel(logits, self.params, context), self.params, top)
-        self.send(PreviewResult(request_id, text, len(tok.ids), reused, len(tok.ids) - reused,
-                                time.perf_counter() - t0, f))
+        result = self.backend.preview(cmd.request_id, cmd.text, cmd.chat, cmd.top, self.params)
+        if result is not None:
+            self.send(result)
 
-    def generate(self, req: GenerateRequest) -> None:
-        if self.session is None:
+    def ping(self, cmd: Ping) -> None:
+        self.send(Pong(cmd.token))
+
+    def generate(self, cmd: Generate) -> None:
+        req = cmd.request
+        if self.backend is None:
             self.send(Failed(message="the model is not loaded yet"))
-            self.send(("state", "idle"))
+            self.send(State("idle"))
             return
         try:
-            prompt = list(req.prompt_ids) if req.prompt_ids else req.text
-            constraint = None
-            if req.regex is not None or req.json_schema is not None:
-                from engine.run.constrain import Constraint
-
-                s = self.session
-                eos = [*s.tokenizer.eos_ids, *sorted(set(s.stop_ids) - set(s.tokenizer.eos_ids))]
-                constraint = Constraint.build(s.tokenizer, s.cfg.vocab_size, eos, regex=req.regex,
-                                              json_schema=req.json_schema)
-            gen = self.session.generate(prompt, req.params, req.max_new_tokens, req.capture, chat=req.chat,
-                                        ignore_eos=req.ignore_eos, forced=dict(req.forced), constraint=constraint)
+            gen = self.backend.generate(req)
         except ValueError as e:
             self.send(Failed(message=str(e)))
-            self.send(("state", "idle"))
+            self.send(State("idle"))
             return
         self.params = req.params
         paused, steps = req.start_paused, 0
-        deferred_preview = None  # the newest preview asked for during the generation, run once it has ended
-        deferred_tokenize = None  # the newest server tokenization asked for meanwhile (one HTTP call at a time)
-        self.send(("state", "paused" if paused else "generating"))
+        deferred: dict[type, tuple[int, Command]] = {}  # the newest preview / tokenization asked for meanwhile
+        self.running = gen
+        if self.cancelled(self.current):  # a Stop sent after this Generate came before the run was registered
+            gen.stop()
+        self.send(State("paused" if paused else "generating"))
         step_events: list[object] = []
-        for ev in gen:
-            # One message per step, not one per event: a step with every capture on is ~33 events (30 layers of
-            # attention), and each message costs a pickle, a pipe write and a wake-up of the app's relay thread,
-            # which takes a core from the decode (measured: 15.5 → 18–21 ms per token with the app's captures).
-            step_events.append(ev)
-            if not isinstance(ev, TokenSampled):
-                continue
-            self.send(step_events)
-            step_events = []
-            # Between two tokens: act on every command that came in; while paused, wait for one.
-            while True:
-                waiting = paused and steps == 0
-                cmd = self.next_command(0.1 if waiting else 0)
-                if cmd is None:
-                    if waiting:
-                        continue
-                    break
-                kind, arg = cmd
-                if kind == "pause":
-                    paused, steps = True, 0
-                    self.send(("state", "paused"))
-                elif kind == "resume":
-                    paused, steps = False, 0
-                    self.send(("state", "generating"))
-                elif kind == "step":
-                    if not paused:
-                        self.send(("state", "paused"))
-                    paused, steps = True, steps + 1
-                elif kind in ("stop", "quit"):
-                    gen.stop()
-                    break
-                elif kind == "attention_layers":  # the app asks for more layers: captured from the next token
-                    gen.capture = replace(gen.capture, attention_layers=gen.capture.attention_layers | frozenset(arg))
-                elif kind == "threads":
-                    self.set_threads(arg)
-                elif kind == "params":
-                    self.params = arg
-                    gen.params = arg if arg.seed != gen.params.seed else replace(arg, seed=gen.params.seed)
-                elif kind in ("this_machine", "measure"):
-                    self.pending.append(cmd)  # answered once this generation has ended (a measurement beside a
-                    # decode would time both wrong)
-                elif kind in ("generate", "load", "batch_bench"):
-                    gen.stop()
-                    self.pending.append(cmd)  # run it once this generation has ended
-                    break
-                elif kind == "preview":
-                    deferred_preview = cmd  # the KV cache belongs to the generation until it ends
-                elif kind == "server_tokenize":
-                    deferred_tokenize = cmd
-            if steps:
-                steps -= 1
-        if step_events:
-            self.send(step_events)
-        self.send(("state", "idle"))
-        if deferred_preview is not None:
-            self.pending.append(deferred_preview)
-        if deferred_tokenize is not None:
-            self.pending.append(deferred_tokenize)
-
-    def batch_bench(self, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int) -> None:
-        import psutil
-
-        from engine.run.batching import Cancelled, bench_batch
-
-        if self.session is None:
-            self.send(("batch_done", "the model is not loaded yet"))
-            return
-        if getattr(self.session, "is_remote", False):
-            self.send(("batch_done", "the batching lab runs the local model: use the Load lab for a server"))
-            return
-
-        later: list[tuple[str, object]] = []  # commands that arrive during the bench, run after it
-        should_stop = self._stop_check("cancel_bench", later)
         try:
-            bench_batch(
-                self.session.lm, batches, prompt_tokens, new_tokens,
-                progress=lambda f, m: self.send(("batch_progress", (f, m))), should_stop=should_stop,
-                memory_limit_bytes=psutil.virtual_memory().available * 0.5,
-                on_row=lambda row: self.send(("batch_row", row)),
-            )
-        except Cancelled:
-            self.send(("batch_done", "cancelled"))
-        except Exception as e:  # noqa: BLE001 — the panel must learn that the run ended
-            self.send(("batch_done", f"failed: {type(e).__name__}: {e}"))
-        else:
-            self.send(("batch_done", ""))
+            for ev in gen:
+                # One message per step, not one per event: a step with every capture on is ~33 events (30 layers
+                # of attention), and each message costs a pickle, a pipe write and a wake-up of the app's relay
+                # thread, which takes a core from the decode.
+                step_events.append(ev)
+                if not isinstance(ev, TokenSampled):
+                    continue
+                self.send(step_events)
+                step_events = []
+                # Between two tokens: act on every command that came in; while paused, wait for one.
+                stop = False
+                while True:
+                    waiting = paused and steps == 0
+                    c = self.next_command(0.1 if waiting else 0)
+                    if c is None:
+                        if waiting:
+                            continue
+                        break
+                    if isinstance(c, Pause):
+                        paused, steps = True, 0
+                        self.send(State("paused"))
+                    elif isinstance(c, Resume):
+                        paused, steps = False, 0
+                        self.send(State("generating"))
+                    elif isinstance(c, Step):
+                        if not paused:
+                            self.send(State("paused"))
+                        paused, steps = True, steps + 1
+                    elif isinstance(c, (Stop, Quit)):
+                        gen.stop()
+                        stop = True
+                        break
+                    elif isinstance(c, CaptureAttention):  # captured from the next token on
+                        gen.capture = replace(gen.capture, attention_layers=gen.capture.attention_layers | c.layers)
+                    elif isinstance(c, SetThreads):
+                        self.set_threads(c)
+                    elif isinstance(c, SetParams):
+                        self.params = c.params
+                        p = c.params
+                        gen.params = p if p.seed != gen.params.seed else replace(p, seed=gen.params.seed)
+                    elif isinstance(c, Ping):
+                        self.ping(c)
+                    elif isinstance(c, (Preview, Tokenize)):
+                        deferred[type(c)] = (self.current, c)  # the KV cache (or connection) is the run's until it ends
+                    elif isinstance(c, (Generate, Load, BatchBench)):
+                        gen.stop()
+                        self.later(c)  # run once this generation has ended
+                        stop = True
+                        break
+                    else:
+                        self.later(c)  # a measurement or a connection waits for the generation to end
+                if steps and not stop:
+                    steps -= 1
+            if step_events:
+                self.send(step_events)
         finally:
-            self.pending.extend(later)
+            self.running = None
+        self.send(State("idle"))
+        self.pending.extend(deferred.values())
 
-    def _stop_check(self, cancel: str, later: list[tuple[str, object]]):
-        """A should_stop() for a long job: True on `cancel` or quit; other commands wait in `later`."""
+    def _job(self, job: str, run) -> None:
+        """Run a long job that reports Progress; Cancel, Stop or Quit end it; its Done says how it ended."""
+        number = self.current
 
         def should_stop() -> bool:
-            try:
-                while self.commands.poll(0):
-                    cmd = self.commands.recv()
-                    if cmd[0] in (cancel, "quit"):
-                        self.quit = self.quit or cmd[0] == "quit"
-                        return True
-                    later.append(cmd)
-            except (EOFError, OSError):
-                self.quit = True
-                return True
-            return False
+            return self.cancelled(number)
 
-        return should_stop
+        try:
+            run(lambda f, m: self.send(Progress(job, f, m)), should_stop)
+        except Unsupported as e:
+            self.send(Done(job, str(e)))
+        except Exception as e:  # noqa: BLE001 — the panel must learn that the run ended
+            cancelled = should_stop() or type(e).__name__ in ("Cancelled", "MeasurementCancelled")
+            self.send(Done(job, "cancelled" if cancelled else f"failed: {type(e).__name__}: {e}"))
+        else:
+            self.send(Done(job, "cancelled" if should_stop() else ""))
 
-    def this_machine(self, device: str, dtype: str) -> None:
+    def batch_bench(self, cmd: BatchBench) -> None:
+        if self.backend is None:
+            self.send(Done("batch", "the model is not loaded yet"))
+            return
+        self._job("batch", lambda progress, should_stop: self.backend.batch_bench(
+            cmd.batches, cmd.prompt_tokens, cmd.new_tokens, progress, should_stop,
+            lambda row: self.send(BatchMeasured(row))))
+
+    def serve_bench(self, cmd: ServeBench) -> None:
+        if self.backend is None:
+            self.send(Done("serve", "connect to a server first (File → Connect to server…)"))
+            return
+        self._job("serve", lambda progress, should_stop: self.backend.serve_bench(cmd.config, self.send,
+                                                                                    should_stop))
+
+    def this_machine(self, cmd: AskThisMachine) -> None:
         """Answer with this machine's cached measurement for (device, dtype), or None; never measures."""
         from engine.costs.hardware import this_machine
 
         try:
-            hw = this_machine(device, dtype)  # the one policy: the dtype's own run, else float32's
+            hw = this_machine(cmd.device, cmd.dtype)  # the one policy: the dtype's own run, else float32's
         except Exception:  # noqa: BLE001 — a broken cache only means "not measured"
             hw = None
-        self.send(("this_machine", (device, dtype, hw)))
+        self.send(ThisMachine(cmd.device, cmd.dtype, hw))
 
-    def measure(self, device: str, dtype: str, measure_kwargs: dict) -> None:
-        """Measure this machine's bandwidth and FLOP/s (cached), with progress; cancel_measure or quit stops it."""
-        from engine.costs.hardware import MeasurementCancelled, cached_this_machine
+    def measure(self, cmd: Measure) -> None:
+        """Measure this machine's bandwidth and FLOP/s (cached), with progress; Cancel or Quit stops it."""
+        from engine.costs.hardware import cached_this_machine
 
-        later: list[tuple[str, object]] = []
+        def run(progress, should_stop) -> None:
+            hw = cached_this_machine(cmd.device, cmd.dtype, refresh=True, progress=progress, should_stop=should_stop,
+                                     **cmd.options)
+            self.send(ThisMachine(cmd.device, cmd.dtype, hw))
+
+        self._job("measure", run)
+
+    def connect(self, cmd: Connect) -> None:
+        from engine.remote.client import RemoteError
+        from engine.remote.served import connect
+
         try:
-            hw = cached_this_machine(device, dtype, refresh=True, progress=lambda f, m: self.send(
-                ("measure_progress", (f, m))), should_stop=self._stop_check("cancel_measure", later),
-                **measure_kwargs)
-        except MeasurementCancelled:
-            self.send(("measure_done", "measurement cancelled"))
-        except Exception as e:  # noqa: BLE001 — the panel must learn that the run ended
-            self.send(("measure_done", f"measuring failed: {type(e).__name__}: {e}"))
-        else:
-            self.send(("this_machine", (device, dtype, hw)))
-            self.send(("measure_done", ""))
-        finally:
-            self.pending.extend(later)
+            backend = connect(cmd.url, cmd.api_key)
+        except RemoteError as e:
+            self.send(ConnectFailed(str(e)))
+            return
+        if self.backend is not None and self.backend is not self.local:
+            self.backend.close()
+        self.backend = backend
+        self.send(Connected(backend.info))
+
+    def disconnect(self, _cmd: Disconnect) -> None:
+        if self.backend is not None and self.backend is not self.local:
+            self.backend.close()
+        self.backend = self.local
+        self.send(Disconnected())
+
+    def tokenize(self, cmd: Tokenize) -> None:
+        """The backend's own tokenization of the prompt (and of its chat form), for the Prompt panel."""
+        if self.backend is None:
+            self.send(Tokenized(cmd.request_id, cmd.text, error="no model is loaded"))
+            return
+        out: dict = {}
+        for key, chat in (("prompt", False), ("chat_prompt", True)):
+            if chat and (not cmd.chat or out.get("prompt") is None):
+                break
+            try:
+                out[key] = self.backend.tokenize(cmd.text, chat)
+            except Exception as e:  # noqa: BLE001 — a backend's refusal or a server's error: one sentence
+                out[key.replace("prompt", "error")] = str(e)
+        self.send(Tokenized(cmd.request_id, cmd.text, **out))
 
 
 def serve(commands: Connection, events: Connection, threads: int = 0) -> None:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-# Order = the order of the View menu and of the default layout.
-PANEL_MODULES = (
-    "prompt", "preview", "generation", "sampling", "attention", "kv_cache", "timeline", "roofline", "capacity",
-    "batching", "lens", "branches", "load_lab", "constrain",
+# Panels in the groups a person looks for them by; the order is the View menu's and the default layout's.
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("The live run", ("prompt", "preview", "generation", "sampling", "attention", "kv_cache", "timeline", "roofline",
+                      "lens", "branches", "constrain")),
+    ("What-if labs", ("capacity", "batching")),
+    ("The server", ("load_lab",)),
 )
+PANEL_MODULES = tuple(name for _, names in GROUPS for name in names)
+GROUP_OF = {name: group for group, names in GROUPS for name in names}

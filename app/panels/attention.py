@@ -406,9 +406,11 @@ class AttentionPanel(Panel):
         m = self.matrix()
         if m is None:
             captured = sorted(self._matrices)
+            src = self.bridge.run_source
             self.status.setText(
-                "Generating on a server: a server gives no attention weights or residual norms (File → Disconnect "
-                "to see them on the local model)." if self.bridge.server is not None and not captured else
+                f"This run came from a server ({src.name}): a server gives no attention weights or residual norms "
+                "(File → Disconnect to see them on the local model)." if src is not None and not src.can("attention")
+                and not captured else
                 "Generate to see attention." if not captured else
                 f"Layer {self.layer()} is captured from the next token on (captured so far: "
                 f"{', '.join(map(str, captured))})." if self.bridge.state != "idle" else

@@ -30,8 +30,8 @@ class Panel(QtWidgets.QWidget):
     help_text: ClassVar[str] = ""  # shown by the dock's help button and the Help menu, in our own words
     # (an instance's help_text adds model_help() once a model is loaded)
     shortcut: ClassVar[str] = ""  # e.g. "Alt+3": show and focus this panel
-    # A plot repaint costs milliseconds of GUI thread (axes, text) and the GUI shares two cores with the engine:
-    # measured here, repainting every panel at 30 Hz doubled the engine's TPOT. Plots redraw at most this often.
+    # A plot repaint costs milliseconds of GUI thread (axes, text) and the GUI shares the cores with the engine:
+    # repainting every panel at the timer's rate slows the engine's decode. Plots redraw at most this often.
     max_fps: ClassVar[float] = 8.0
     # …and each panel's drawing (its draw() and the repaint it causes, measured every time) may take at most this
     # fraction of one core: a panel that costs 13 ms a frame redraws about 3 times a second, a 2-ms one 8 times.

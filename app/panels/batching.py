@@ -83,7 +83,7 @@ def summarize(rows: list[BatchRow], roofs: tuple[float, float] | None = None) ->
 class BatchingPanel(Panel):
     title = "Batching lab"
     object_name = "panel_batching"
-    shortcut = "Alt+0"
+    shortcut = "Ctrl+Alt+2"
     subscriptions = {
         "sig_model_loaded": "_on_model_loaded",
         "sig_this_machine": "_on_this_machine",

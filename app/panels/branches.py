@@ -156,6 +156,7 @@ def alternatives_text(ev: TokenSampled, n: int = ALTERNATIVES) -> str:
 class BranchesPanel(Panel):
     title = "Branches"
     object_name = "panel_branches"
+    shortcut = "Alt+0"
     subscriptions = {
         "sig_prompt": "_on_prompt", "sig_prefill": "_on_event", "sig_token": "_on_event", "sig_finished": "_on_event",
         "sig_kv": "_on_event", "sig_attention": "_on_event", "sig_norms": "_on_event", "sig_lens": "_on_event",
@@ -232,7 +233,7 @@ class BranchesPanel(Panel):
 
     @QtCore.Slot(bool)
     def _on_score_toggled(self, on: bool) -> None:
-        self.bridge.score_prompt = bool(on)
+        self.bridge.options.set_score_prompt(on)
 
     # ---- recording ----
     @QtCore.Slot(object)
@@ -320,7 +321,7 @@ class BranchesPanel(Panel):
         self._replaying = True
         try:
             for ev in self.branches[index].events:
-                self.bridge._on_raw(ev)
+                self.bridge.replay(ev)
         finally:
             self._replaying = False
         self.shown = index

@@ -50,7 +50,7 @@ def sweep_batches(max_batch: int = SWEEP_MAX_BATCH, points: int = 48) -> np.ndar
 class CapacityPanel(Panel):
     title = "Capacity"
     object_name = "panel_capacity"
-    shortcut = "Alt+9"
+    shortcut = "Ctrl+Alt+1"
     subscriptions = {
         "sig_model_loaded": "_on_model_loaded",
         "sig_this_machine": "_on_this_machine",
@@ -466,7 +466,7 @@ class CapacityPanel(Panel):
         v["per_stream"].setText(fmt_rate(r["tokens_per_s_per_stream"]))
         v["system"].setText(fmt_rate(r["tokens_per_s_system"]))
         v["ttft"].setText(f"{fmt_seconds(r['ttft_estimate_s'])}  ({r['prompt_tokens']:,} tokens, {pbound})")
-        server, tpot = self.bridge.server, self.measured_tpot_s()
+        server, tpot = self.bridge.run_server, self.measured_tpot_s()
         if server is None:
             v["measured"].setText("– (connect to a server: File → Connect to server…)")
         elif tpot is None:

@@ -21,6 +21,7 @@ EXAMPLES = {
 class ConstrainPanel(Panel):
     title = "Constrain output"
     object_name = "panel_constrain"
+    shortcut = "Alt+-"
     help_text = (
         "Constrained decoding: before the sampling funnel, a grammar removes every token that could not continue "
         "a text matching a regular expression or a JSON schema (the engine uses llguidance). The model still "
@@ -69,7 +70,7 @@ class ConstrainPanel(Panel):
         kind, text = self.mode.currentData(), self.text.toPlainText()
         self.text.setEnabled(kind is not None)
         if kind is None or not text.strip():
-            self.bridge.grammar = None
+            self.bridge.options.set_grammar()
             self.status.setText(f"<span style='color:{theme.MUTED}'>Off: the model samples freely.</span>")
             return
         if kind == "json_schema":
@@ -77,11 +78,11 @@ class ConstrainPanel(Panel):
                 if not isinstance(json.loads(text), dict):
                     raise ValueError("a JSON schema is a JSON object")
             except ValueError as e:
-                self.bridge.grammar = None
+                self.bridge.options.set_grammar()
                 self.status.setText(f"<span style='color:{theme.ERROR_COLOR}'>Not a JSON schema: "
                                     f"{_escape(str(e))}</span>")
                 return
-        self.bridge.grammar = {kind: text}
+        self.bridge.options.set_grammar(**{kind: text})
         what = "match this regular expression" if kind == "regex" else "be JSON valid under this schema"
         self.status.setText(f"The next generation's output must {what}.")
 

@@ -53,6 +53,7 @@ def _formats() -> list[QtGui.QTextCharFormat]:
 class GenerationPanel(Panel):
     title = "Generation"
     object_name = "dock_generation"
+    shortcut = "Alt+3"
     subscriptions = {
         "sig_model_loaded": "_on_model_loaded",
         "sig_load_progress": "_on_loading",
@@ -177,7 +178,7 @@ class GenerationPanel(Panel):
         """What to record: the attention layers a panel asked for, and every layer when the prompt is short (so
         switching layers afterwards shows the whole run). The engine bounds each layer's capture of a long prefill
         to its last query rows (Capture.attention_max_bytes); the attention panel says when rows were left out."""
-        layers = set(self.bridge.attention_layers)
+        layers = set(self.bridge.options.attention_layers)
         cfg = self.bridge.cfg
         if cfg is not None:
             try:
@@ -190,8 +191,7 @@ class GenerationPanel(Panel):
             elif not layers:
                 layers = {cfg.n_layers - 1}
         return Capture(attention_layers=frozenset(layers), residual_norms=True, funnel_top=FUNNEL_TOP, logits=True,
-                       lens_top=int(getattr(self.bridge, "lens_top", 0)),
-                       prompt_scores=bool(getattr(self.bridge, "score_prompt", False)))
+                       lens_top=self.bridge.options.lens_top, prompt_scores=self.bridge.options.score_prompt)
 
     def generate(self, start_paused: bool = False) -> bool:
         """Start a generation of the current prompt; returns False when one cannot start now."""
@@ -205,7 +205,7 @@ class GenerationPanel(Panel):
         req = GenerateRequest(
             text=text, chat=chat, max_new_tokens=self.max_tokens.value(), params=self.bridge.params,
             capture=self.capture_for(text, chat), ignore_eos=self.ignore_eos, start_paused=start_paused,
-            **dict(getattr(self.bridge, "grammar", None) or {}),  # regex= / json_schema= from the Constrain panel
+            **self.bridge.options.grammar,  # regex= / json_schema= from the Constrain panel
         )
         self.last_request = req
         self._state = "starting"
@@ -349,7 +349,8 @@ class GenerationPanel(Panel):
     def _is_special(self, token_id: int) -> bool:
         """Per the local tokenizer; a server's ids (-1 when it names none) belong to its vocabulary, not ours."""
         tok = self.bridge.tokenizer
-        if tok is None or getattr(self.bridge, "server", None) is not None or not 0 <= token_id < tok.vocab_size:
+        source = self.bridge.run_source
+        if tok is None or (source is not None and source.kind == "server") or not 0 <= token_id < tok.vocab_size:
             return False
         return tok.is_special(token_id)
 

@@ -51,7 +51,7 @@ class KVCachePanel(Panel):
         "sig_model_loaded": "_on_model_loaded",
         "sig_prompt": "_on_prompt",
         "sig_kv": "_on_kv",
-        "sig_server_metrics": "_on_server_metrics",
+        "sig_server_metrics": "_on_server_metrics", "sig_serve_metrics": "_on_server_metrics",
     }
     help_text = (
         "The KV cache keeps the key and value vectors of every token already processed, so each new token needs "
@@ -145,19 +145,20 @@ class KVCachePanel(Panel):
 
     @QtCore.Slot(object)
     def _on_server_metrics(self, item) -> None:
-        self.server_metrics = item[1] if isinstance(item, tuple) else item.metrics
+        self.server_metrics = item.metrics  # a generation's scrape or a load run's
         self.mark_dirty()
 
     def server_text(self) -> str:
         """The server's own KV figures (vLLM /metrics), or what it cannot say."""
-        if self.bridge.server is None:
+        src, server = self.bridge.run_source, self.bridge.run_server
+        if src is None or src.kind != "server":
             return ""
-        m = self.server_metrics
+        m = self.server_metrics if server is not None else None
+        kind = server.kind if server is not None else src.name
         if m is None or m.kv_usage is None:
-            return (f"<br><i>{self.bridge.server.kind} reports no KV-cache figures; the curve shows nothing from "
-                    "a server</i>")
+            return f"<br><i>{kind} reports no KV-cache figures; the curve shows nothing from a server</i>"
         hit = "" if m.prefix_hit_rate is None else f" · prefix-cache hits {m.prefix_hit_rate:.0%}"
-        return (f"<br>server ({self.bridge.server.kind}, /metrics): KV cache <b>{m.kv_usage:.1%}</b> used · "
+        return (f"<br>server ({kind}, /metrics): KV cache <b>{m.kv_usage:.1%}</b> used · "
                 f"{m.running or 0:.0f} running · {m.waiting or 0:.0f} waiting{hit}")
 
     @QtCore.Slot(object)

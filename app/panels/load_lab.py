@@ -1,10 +1,10 @@
-"""Load lab: a bounded load benchmark against the connected server (engine.remote.bench, in the engine process).
+"""Load lab: a bounded load benchmark against the connected server (engine.remote.loadlab, in the engine process).
 
 For each concurrency level it sends a fixed number of streamed requests (at most that many in flight, all at once
 or at a request rate with gamma arrivals) and measures, per request, TTFT, TPOT, ITL and end-to-end latency with
 `vllm bench serve`'s definitions. Rows arrive through sig_serve_run and are only stored here, then drawn on the tick.
 While a level runs, its point is drawn live from the requests finished so far (sig_serve_request), summarised with
-the same code as the finished row (engine.remote.bench.summarize), so the plots move with every request.
+the same code as the finished row (engine.remote.loadlab.summarize), so the plots move with every request.
 """
 
 from __future__ import annotations
@@ -60,10 +60,11 @@ def summarize(runs: list[dict]) -> str:
 class LoadLabPanel(Panel):
     title = "Load lab"
     object_name = "panel_load_lab"
+    shortcut = "Ctrl+Alt+5"
     subscriptions = {
         "sig_server_connected": "_on_connected", "sig_serve_progress": "_on_progress",
         "sig_serve_request": "_on_request", "sig_serve_run": "_on_run", "sig_serve_done": "_on_done",
-        "sig_server_metrics": "_on_metrics",
+        "sig_serve_metrics": "_on_metrics",
     }
     help_text = (
         "A bounded load test of the connected server (File → Connect to server…), measured like `vllm bench "
@@ -243,7 +244,7 @@ class LoadLabPanel(Panel):
 
     def export(self, path: str) -> None:
         """Write the runs as JSON (`vllm bench serve`'s keys) or CSV, by the file's extension."""
-        from engine.remote.bench import to_csv
+        from engine.remote.loadlab import to_csv
 
         server = self.bridge.server
         with open(path, "w", encoding="utf-8") as f:
@@ -291,9 +292,9 @@ class LoadLabPanel(Panel):
 
     @QtCore.Slot(object)
     def _on_metrics(self, item) -> None:
-        if not self.running or not isinstance(item, tuple):
-            return  # a remote generation's ServerMetricsSampled belongs to the KV panel, not to a load run
-        t, m = item
+        if not self.running:
+            return
+        t, m = item.t, item.metrics
         if self.metrics and t + self._t_offset < self.metrics[-1][0]:
             self._t_offset = self.metrics[-1][0]  # each level restarts its clock: keep the time axis running on
         self.metrics.append((t + self._t_offset, m.kv_usage, m.running, m.waiting))
@@ -316,7 +317,7 @@ class LoadLabPanel(Panel):
         ok = [r for r in self.level_requests if getattr(r, "ok", False)]
         if not self.running or not ok or len(self.runs) >= len(self.levels):
             return None
-        from engine.remote.bench import summarize as summarize_requests
+        from engine.remote.loadlab import summarize as summarize_requests
 
         duration = max(r.start_s + r.e2el_s for r in ok)  # the clock of the level, up to its last finished request
         rate = self._cfg.get("request_rate") or math.inf

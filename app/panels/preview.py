@@ -29,6 +29,7 @@ def short_piece(piece: str, limit: int = LABEL_CHARS) -> str:
 class PreviewPanel(Panel):
     title = "Next-token preview"
     object_name = "dock_preview"
+    shortcut = "Alt+2"
     subscriptions = {
         "sig_preview": "_on_preview",
         "sig_model_loaded": "_request_on_load",

@@ -67,6 +67,7 @@ def as_tokenization(ev) -> Tokenization:
 class PromptPanel(Panel):
     title = "Prompt"
     object_name = "dock_prompt"
+    shortcut = "Alt+1"
     subscriptions = {
         "sig_model_loaded": "_on_model_loaded",
         "sig_server_connected": "_on_server_connected",
@@ -202,7 +203,8 @@ class PromptPanel(Panel):
 
     @QtCore.Slot(object)
     def _on_server_tokens(self, answer) -> None:
-        request_id, text, tok, error, chat_tok, chat_error = answer
+        request_id, text, tok, error = answer.request_id, answer.text, answer.prompt, answer.error
+        chat_tok, chat_error = answer.chat_prompt, answer.chat_error
         server = self._server()
         if request_id != self._server_request or text != self._text or server is None:
             return  # superseded by a newer edit (its answer is on the way)

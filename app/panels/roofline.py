@@ -111,6 +111,10 @@ class RooflinePanel(Panel):
         self.measure_kwargs: dict = {}  # e.g. {"quick": True} in tests
         self._measuring: tuple[str, str] | None = None  # (device, dtype) being measured in the engine process
         self._user_chose_hw = False
+        # A local run is drawn against the machine it runs on: with auto_measure (the window sets it when it keeps
+        # settings), a machine not yet measured is measured once in the background (cached by the engine).
+        self.auto_measure = False
+        self._auto: tuple[str, str] | None = None  # (device, dtype) to measure once the engine says it has none
         self._prefill: PrefillDone | None = None
         self._decode: list[tuple[float, float]] = []  # (intensity, achieved FLOP/s)
         self._n_prompt = 0
@@ -339,6 +343,9 @@ class RooflinePanel(Panel):
         device, dtype, hw = answer
         if device != self.device():
             return
+        if self._auto == (device, canonical_dtype(dtype)) and hw is None:
+            self._auto = None
+            self.measure()
         measured = self._measuring == (device, canonical_dtype(dtype)) and hw is not None
         if hw is not None and (measured or (canonical_dtype(dtype) == canonical_dtype(self.dtype())
                                             and not self._user_chose_hw)):
@@ -367,6 +374,13 @@ class RooflinePanel(Panel):
             self.dtype_combo.setCurrentText(dtype)
         if self.this_machine_roofs() is not None:
             self.select_hardware(THIS_MACHINE)
+        elif self.auto_measure and self.bridge.server is None and not self._user_chose_hw:
+            self.select_hardware(THIS_MACHINE)  # the local run's own machine, drawn once measured
+            dtype = self.dtype() if self.dtype() in dtypes.MEASURABLE else "fp32"
+            if self.bridge.this_machine_answered(self.device(), dtype):
+                self.measure()  # the engine already said: not measured
+            else:
+                self._auto = (self.device(), canonical_dtype(dtype))  # measured when the engine says so
         self.model_combo.setItemText(0, f"Loaded: {info.name}")
         self.model_combo.setItemData(0, f"The loaded model, {info.name}", QtCore.Qt.ItemDataRole.ToolTipRole)
         self.select_model(LOADED)
@@ -415,8 +429,8 @@ class RooflinePanel(Panel):
     def server_decode(self) -> tuple[MeasuredDecode | None, str]:
         """The connected server's measured decode costed with its model's shapes (its config.json when the engine
         could read it, else the catalogue model chosen under Model), and one line on it: what it is, or what is
-        missing. (None, "") while not connected."""
-        server = self.bridge.server
+        missing. (None, "") unless the run shown came live from a server."""
+        server = self.bridge.run_server
         if server is None:
             return None, ""
         cfg, source = server.config, server.config_note

@@ -134,9 +134,8 @@ class TimelinePanel(Panel):
 
     @QtCore.Slot(object)
     def _on_server_metrics(self, item) -> None:
-        if not isinstance(item, tuple):  # a remote generation's scrape, not a load-lab run's
-            self.server_metrics = item.metrics
-            self.mark_dirty()
+        self.server_metrics = item.metrics
+        self.mark_dirty()
 
     def clear(self) -> None:
         self._seconds, self._finished, self._selected = {}, None, None
@@ -178,6 +177,10 @@ class TimelinePanel(Panel):
             return "Generate to see the timeline"
         s = self.stats()
         measured = (f"measured {fmt_s(s['measured_total_s'])}" if self._finished is not None else "running…")
+        outside = self._finished.outside_steps_s if self._finished is not None else 0.0
+        # where the rest of the measured total went, never left for the reader to wonder about
+        outside_line = (f"<br>of which {fmt_s(outside)} outside the steps (captures, logit lens)"
+                        if outside >= 0.01 * max(s["measured_total_s"], 1e-9) else "")
         measured = measured.replace(" ", "&nbsp;")  # a narrow dock wraps between phrases, not inside them
         return (  # three short lines, so the title fits a narrow dock (a test holds it to 340 px)
             f"<span style='color:{PREFILL_COLOR}'>■</span> TTFT <b>{fmt_s(s['ttft_s'])}</b> &nbsp; "
@@ -186,18 +189,18 @@ class TimelinePanel(Panel):
             f"TPOT p50 {fmt_s(s['tpot_p50_s'])} · p90 {fmt_s(s['tpot_p90_s'])}"
             + (f" · <span style='color:{ACCENT}'><b>- - -</b></span>&nbsp;mean" if s["tpot_s"] > 0 else "")
             + f"<br>TTFT + {s['n_tokens'] - 1}·TPOT = <b>{fmt_s(s['latency_formula_s'])}</b> · {measured}"
-            + self._server_line()
+            + outside_line + self._server_line()
         )
 
     def _server_line(self) -> str:
         """On a server: bars are chunk arrival gaps (0 for the later tokens of a chunk), beside its own means."""
-        server = self.bridge.server
-        if server is None:
+        src, server = self.bridge.run_source, self.bridge.run_server
+        if src is None or src.kind != "server":
             return ""
-        m = self.server_metrics
+        m = self.server_metrics if server is not None else None
         own = ("" if m is None or m.mean_ttft_s is None else
                f" · its /metrics since start: TTFT {fmt_s(m.mean_ttft_s)}, ITL {fmt_s(m.mean_itl_s or 0.0)}")
-        return f"<br>{server.kind}: times from chunk arrivals{own}"
+        return f"<br>{server.kind if server is not None else src.name}: times from chunk arrivals{own}"
 
     # ---- drawing -----------------------------------------------------------------------------------------------
     def draw(self) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from engine.protocol import ATTENTION_MAX_BYTES
+from engine.protocol import ATTENTION_MAX_BYTES, Capture
 
 
 def attn_point(layer: int) -> str:
@@ -51,6 +51,14 @@ class Probe:
         if residual_stream:
             names.add(RESID_STREAM)
         return cls(names, max_attention_bytes)
+
+    @classmethod
+    def for_request(cls, capture: Capture) -> Probe | None:
+        """The probe a Capture asks for, or None when it asks for nothing a forward pass must record."""
+        if not capture.attention_layers and not capture.residual_norms and not capture.lens_top:
+            return None
+        return cls.for_capture(capture.attention_layers, capture.residual_norms, residual_stream=capture.lens_top > 0,
+                               max_attention_bytes=capture.attention_max_bytes)
 
     def attention_rows(self, n_heads: int, n_queries: int, n_keys: int) -> int:
         """How many of a step's query rows (the last ones) to capture: all that fit in max_attention_bytes, ≥ 1."""

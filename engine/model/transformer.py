@@ -1,4 +1,4 @@
-"""The transformer, read top to bottom: Transformer → Block → Attention → MLP → RMSNorm.
+"""The transformer, defined from its parts up: RMSNorm, MLP, Attention, Block, then Transformer, which runs them.
 
 One decoder for the Llama family (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2/3, Phi-3) and Gemma 3: pre-norm blocks,
 grouped-query attention with RoPE (adjacent-pair convention, see engine.model.rope), gated MLP, RMSNorm, optional tied
@@ -226,10 +226,9 @@ class Attention(nn.Module):
         mask = attention_mask(start, T, key_start, S, self.window, x.device)  # (T, S) or None
         capture = probe is not None and probe.wants(self.point)
         n = probe.attention_rows(cfg.n_heads, T, S) if capture else 0
-        # One query row in bfloat16 on a CPU: torch's fused kernel slows with the context (per layer at 1 thread
-        # 40 µs at 50 keys, 0.79 ms at 1,000, 3.3 ms at 4,000: `python -m benchmarks bench-profile`). Two float32
-        # products on upcast copies are fastest up to ~3,000 keys (25, 112, 298 µs at 50, 1,000, 3,000), where two
-        # bf16 products (49, 193, 468 µs) switch to a faster kernel (154 µs at 4,000).
+        # One query row in bfloat16 on a CPU: torch's fused kernel slows with the context; two float32 products on
+        # upcast copies are fastest up to about UPCAST_MAX_KEYS, where two bf16 products switch to a faster kernel
+        # (BENCHMARKS.md, "bfloat16 against float32": profile.json's decode_attention rows).
         low_precision_decode = T == 1 and x.device.type == "cpu" and q.dtype != torch.float32
         plain = start == key_start and T == S and (not self.window or T <= self.window)  # a square causal mask
         if low_precision_decode or (capture and n == T):  # the weights, when a panel wants them, come for free
@@ -332,7 +331,7 @@ class Transformer(nn.Module):
         want_norms = probe is not None and probe.wants(RESID_NORMS)
         want_stream = probe is not None and probe.wants(RESID_STREAM)
         # the last position after the embedding and after each layer; a view keeps its whole tensor alive, so a
-        # prefill (T rows) keeps a copy of the one row instead (30 views of a 4,096-token prefill: 283 MB)
+        # prefill (T rows) keeps a copy of the one row instead (a view would hold every layer's (T, d) output)
         rows = [x[:, -1] if T == 1 else x[:, -1].clone()] if want_norms or want_stream else None
         for layer in self.layers:
             x = layer(x, start, ropes, cache, probe)

@@ -9,16 +9,11 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from engine.remote.client import API_KEY_ENV, RemoteError
+from engine.cliargs import CliError, add_url_args, sampling_params
+from engine.remote.client import RemoteError
 
 if TYPE_CHECKING:  # the backend imports torch (via engine.run.sampling); argument parsing must not
     from engine.remote.backend import RemoteBackend
-
-
-def add_url_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=None, help="an OpenAI-compatible server (vLLM, llama.cpp) instead of --model")
-    p.add_argument("--api-key-env", default=API_KEY_ENV, metavar="VAR",
-                   help=f"environment variable holding the server's API key (default {API_KEY_ENV})")
 
 
 def _fail(e: Exception | str) -> SystemExit:
@@ -40,14 +35,10 @@ def _backend(a: argparse.Namespace) -> RemoteBackend:
 
 
 def _sampling(a: argparse.Namespace):
-    from engine.__main__ import _params
-
     try:
-        return _params(a)
-    except Exception as e:  # engine.__main__.CliError, a twin of __main__.CliError under `python -m`
-        if type(e).__name__ == "CliError":
-            raise _fail(e) from None
-        raise
+        return sampling_params(a)
+    except CliError as e:
+        raise _fail(e) from None
 
 
 def cmd_tokenize(a: argparse.Namespace) -> int:
@@ -152,7 +143,7 @@ def _int_list(s: str) -> list[int]:
 
 
 def cmd_serve_bench(a: argparse.Namespace) -> int:
-    from engine.remote import bench
+    from engine.remote import loadlab as bench
 
     if a.num_prompts < 1 or a.max_new_tokens < 1:
         raise _fail(ValueError("--num-prompts and --max-new-tokens must be at least 1"))

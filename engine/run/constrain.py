@@ -22,16 +22,16 @@ from typing import Any
 import numpy as np
 import torch
 
-_LL_TOKENIZERS: dict[int, tuple[Any, Any]] = {}  # id(tokenizer) → (tokenizer, llguidance.LLTokenizer)
+# The last tokenizer's llguidance twin (building it reads every token's bytes). One entry only: the twin holds its
+# tokenizer alive, and a large vocabulary (Gemma 3: 262k pieces) must go when its model does.
+_LL_LAST: list[tuple[Any, Any]] = []  # [(tokenizer, llguidance.LLTokenizer)]
 
 
 def _ll_tokenizer(tokenizer, vocab_size: int, eos_ids: list[int]):
     import llguidance
 
-    key = id(tokenizer)
-    hit = _LL_TOKENIZERS.get(key)
-    if hit is not None and hit[0] is tokenizer:
-        return hit[1]
+    if _LL_LAST and _LL_LAST[0][0] is tokenizer:
+        return _LL_LAST[0][1]
 
     class _Wrapped:  # what llguidance.TokenizerWrapper reads: token bytes, EOS/BOS, special ids, an encoder
         eos_token_id = eos_ids[0]
@@ -44,7 +44,7 @@ def _ll_tokenizer(tokenizer, vocab_size: int, eos_ids: list[int]):
             return ids[1:] if ids and tokenizer.add_bos and ids[0] == tokenizer.bos_id else ids
 
     ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Wrapped()), n_vocab=vocab_size, eos_token=eos_ids)
-    _LL_TOKENIZERS[key] = (tokenizer, ll)
+    _LL_LAST[:] = [(tokenizer, ll)]
     return ll
 
 
@@ -109,6 +109,3 @@ class Constraint:
         """The grammar is complete and allows nothing more."""
         return bool(self._matcher.is_stopped())
 
-    @property
-    def accepting(self) -> bool:
-        return bool(self._matcher.is_accepting())

@@ -75,6 +75,17 @@ def condense_funnel(
     )
 
 
+def prompt_event(tok: Tokenization) -> PromptTokenized:
+    """A tokenization as the event the panels draw."""
+    return PromptTokenized(
+        text=tok.text, ids=np.asarray(tok.ids, dtype=np.int64), pieces=tuple(tok.pieces),
+        offsets=np.asarray(tok.offsets, dtype=np.int64).reshape(-1, 2),
+        byte_offsets=np.asarray(tok.byte_offsets, dtype=np.int64).reshape(-1, 2),
+        special=np.asarray(tok.special, dtype=bool),
+        unrepresentable=tuple(tuple(u) for u in tok.unrepresentable),
+    )
+
+
 class NonFiniteLogits(ValueError):
     """A forward pass gave NaN or infinite logits; the message says where."""
 
@@ -268,13 +279,7 @@ class Generation:
         ids = list(self.prompt.ids)
         n_prompt = len(ids)
         yield RunStarted(source=RunSource(kind="local", name=lm.info.name))
-        yield PromptTokenized(
-            text=self.prompt.text, ids=np.asarray(ids, dtype=np.int64), pieces=tuple(self.prompt.pieces),
-            offsets=np.asarray(self.prompt.offsets, dtype=np.int64).reshape(-1, 2),
-            byte_offsets=np.asarray(self.prompt.byte_offsets, dtype=np.int64).reshape(-1, 2),
-            special=np.asarray(self.prompt.special, dtype=bool),
-            unrepresentable=tuple(tuple(u) for u in self.prompt.unrepresentable),
-        )
+        yield prompt_event(self.prompt)
         capacity = min(cfg.context_length, n_prompt + self.max_new_tokens)
         context = torch.zeros(capacity, dtype=torch.long, device=lm.device)  # ids so far, for penalties
         context[:n_prompt] = torch.tensor(ids, dtype=torch.long)
@@ -286,6 +291,7 @@ class Generation:
         step_times: list[float] = []
         ttft = 0.0
         suspended = 0.0  # time spent outside this generator (the consumer's time, a pause)
+        outside = 0.0  # time inside it but outside the timed steps: prompt scores, captures, the logit lens
         t_start = time.perf_counter()
 
         def emit(event: Event) -> Iterator[Event]:
@@ -301,6 +307,7 @@ class Generation:
                 reason=reason, prompt_ids=np.asarray(ids[:n_prompt], dtype=np.int64),
                 ids=np.asarray(out_ids, dtype=np.int64), text="".join(text_parts), ttft_s=ttft, tpot_s=tpot,
                 step_seconds=np.asarray(step_times), total_s=time.perf_counter() - t_start - suspended,
+                outside_steps_s=outside,
             )
 
         try:
@@ -316,7 +323,7 @@ class Generation:
                 params, capture = self.params, self.capture
                 if params.seed != seed_used:  # a new seed restarts the random stream from here
                     generator, seed_used = make_generator(params.seed, lm.device), params.seed
-                probe = capture.probe()
+                probe = Probe.for_request(capture)
                 if s.threads is not None:
                     s.threads.begin_step()
                 t0 = time.perf_counter()
@@ -355,12 +362,14 @@ class Generation:
                 raw = logits.cpu().numpy() if capture.logits else None
                 _sync(lm.device)
                 seconds = time.perf_counter() - t0
+                t_extra, suspended_before = time.perf_counter(), suspended
                 if every:
                     yield from emit(score_prompt(every[0], ids[:n_prompt], start))
                 yield from emit_all(emit, self._captured(probe, step, phase, start, len(feed)))
                 if probe is not None and RESID_STREAM in probe.values and capture.lens_top:
                     yield from emit(lens_event(lm.model, tok, step, pos - 1, probe.values[RESID_STREAM][0], logits,
                                                capture.lens_top, token))
+                outside += time.perf_counter() - t_extra - (suspended - suspended_before)
                 kv = s.cache
                 yield from emit(KVCacheGrew(
                     step=step, n_tokens=kv.pos, bytes_used=kv.bytes_used(), bytes_allocated=kv.bytes_allocated()

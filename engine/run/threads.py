@@ -29,17 +29,17 @@ from collections import deque
 SLOWER_THAN_ONE = 0.9  # many threads must beat this fraction of one thread's time per byte, or one thread wins
 SUDDEN_SLOWDOWN = 1.5  # a many-thread step this much slower than the best recent ones → probe one thread
 CLEAR_LOSS = 1.5  # a many-thread step this much slower than one thread's estimate switches at once; a step between
-# SLOWER_THAN_ONE and this switches only when the next step is slow too (on a quiet machine single steps jitter to
-# ~1.1 × the one-thread time, and each such switch cost four one-thread steps: auto was 1.31 × two threads)
+# SLOWER_THAN_ONE and this switches only when the next step is slow too (on a quiet machine single steps jitter
+# above the one-thread time, and switching on each of them cost more one-thread steps than it saved)
 REFRESH = 256  # steps after which the one-thread estimate is stale and probed again (~0.5 % of quiet time)
 PROBE_STEPS = 2  # one-thread steps per probe
-# /proc/stat and os.times() count 10 ms ticks, sampled at different instants: over a 28-ms decode step the
-# difference was off by one or two ticks (0.4–0.7 cores of phantom load), which kept `auto` at one thread on an idle
-# machine for whole runs; a quarter second bounds that error near 0.08 cores
+# /proc/stat and os.times() count 10 ms ticks, sampled at different instants: over one decode step the difference
+# is off by a tick or two (a phantom load of a large part of a core), which kept `auto` at one thread on an idle
+# machine; a quarter second bounds that error to a small share of a core
 MIN_WINDOW_S = 0.25
 IDLE_SHARE = 0.25  # many threads are tried again only if others used at most this share of the other cores
-# (0.4 let the app's own GUI, ~0.35 of a core while it paints, send the engine back to two threads: in-app TPOT
-# 20.7–20.9 ms against 18.4–20.4 ms on one thread, measured alternating)
+# (a higher share let the app's own GUI, which takes about a third of a core while it paints, send the engine back
+# to two threads, which were slower in the app than one: BENCHMARKS.md, "Decode under load")
 BACKOFF_MIN, BACKOFF_MAX = 4, 256  # steps before one thread tries many again, doubled after each failed try
 
 

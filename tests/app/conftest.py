@@ -65,6 +65,8 @@ def make_window(qtbot, tiny_dir):
     def make(model=None, **kw):
         kw.setdefault("interactive", False)
         w = MainWindow(str(model or tiny_dir.gguf), device="cpu", dtype="float32", **kw)
+        if "roofline" in w.panels:
+            w.panels["roofline"].measure_kwargs = {"quick": True}  # its measurement at load (auto_measure), kept short
         qtbot.addWidget(w)
         windows.append(w)
         w.show()

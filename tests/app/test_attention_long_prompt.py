@@ -12,7 +12,7 @@ import pytest
 
 from engine.events import AttentionCaptured
 from engine.model.probe import Probe
-from engine.protocol import ATTENTION_MAX_BYTES
+from engine.protocol import ATTENTION_MAX_BYTES, Loaded
 
 S = 4054  # prompt tokens
 
@@ -26,7 +26,7 @@ def causal_rows(h: int, q0: int, nq: int, nk: int) -> np.ndarray:
 
 @pytest.fixture
 def loaded(bridge, tiny_lm):
-    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
     return bridge
 
 
@@ -84,7 +84,7 @@ def test_long_prefill_on_a_local_layer_draws_the_window_edge_over_the_kept_rows(
     w = 512
     cfg = dataclasses.replace(tiny_lm.cfg, sliding_window=w, layer_types=("local", "global"))
     info = dataclasses.replace(tiny_lm.info, sliding_window=w, layer_types=("local", "global"))
-    bridge._on_raw(("loaded", (info, tiny_lm.tokenizer, cfg)))
+    bridge.replay(Loaded(info, tiny_lm.tokenizer, cfg))
     panel = attention.PANEL(bridge)
     qtbot.addWidget(panel)
     panel.layer_spin.setValue(0)

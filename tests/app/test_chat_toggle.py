@@ -3,6 +3,7 @@ the reason as tooltip; a model with a template gets them back as the user left t
 
 from __future__ import annotations
 
+from engine.protocol import Loaded
 from engine.tokenizer.core import Tokenizer
 from tests.tiny_tokenizer import tiny_vocab
 
@@ -19,14 +20,14 @@ def test_chat_toggles_follow_the_model(qtbot, bridge, tiny_lm):
     panels = [prompt.PANEL(bridge), generation.PANEL(bridge)]
     for p in panels:
         qtbot.addWidget(p)
-    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
     for p in panels:
         p.set_chat(True)
         assert p.chat_box.isEnabled() and p.chat()
 
     base = base_tokenizer()
     assert base.chat_unavailable is not None
-    bridge._on_raw(("loaded", (tiny_lm.info, base, tiny_lm.cfg)))
+    bridge.replay(Loaded(tiny_lm.info, base, tiny_lm.cfg))
     for p in panels:
         assert not p.chat_box.isEnabled() and not p.chat()
         assert "no chat template" in p.chat_box.toolTip()
@@ -34,6 +35,6 @@ def test_chat_toggles_follow_the_model(qtbot, bridge, tiny_lm):
         assert not p.chat()
     assert "<|im_start|>" not in panels[0].chat_view.toPlainText() or panels[0].chat_pane.isHidden()
 
-    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))  # a model with a template again
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))  # a model with a template again
     for p in panels:
         assert p.chat_box.isEnabled() and p.chat() and "no chat template" not in p.chat_box.toolTip()

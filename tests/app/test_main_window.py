@@ -35,9 +35,18 @@ def test_every_registered_panel_module_exists():
 
 def test_view_menu_toggles_docks_and_reset_layout(qtbot, window):
     view = window.view_menu
-    actions = [a for a in view.actions() if a.isCheckable()]
+    groups = [a.menu() for a in view.actions() if a.menu() is not None]
+    assert [g.title() for g in groups] == ["The live run", "What-if labs", "The server"]
+    actions = [a for g in groups for a in g.actions() if a.isCheckable()]
     assert len(actions) == len(window.docks)
-    assert actions[0].shortcut().toString() == "Alt+1"
+    keys = [a.shortcut().toString() for a in actions]
+    assert keys[0] == "Alt+1" and all(keys) and len(set(keys)) == len(keys)  # every panel has its own
+    # no panel hides: every dock is in sight, or a tab whose name shows beside the panel in front
+    for name, dock in window.docks.items():
+        assert dock.isVisible() or any(d.isVisible() for d in window.tabifiedDockWidgets(dock)), name
+    labs = {window.docks[n] for n in ("capacity", "batching", "load_lab")}
+    assert labs <= {window.docks["capacity"], *window.tabifiedDockWidgets(window.docks["capacity"])}
+    assert window.docks["roofline"] not in window.tabifiedDockWidgets(window.docks["capacity"])  # not behind it
     dock = window.docks["preview"]
     action = next(a for a in actions if a.text() == window.panels["preview"].title)
     action.trigger()
@@ -210,3 +219,14 @@ def test_threads_setting_is_sent_and_remembered(qtbot, make_window):
     assert sent == [1] and w.threads_setting() == 1
     w2 = make_window(load=False)
     assert w2.threads_setting() == 1
+
+
+def test_a_local_run_is_drawn_against_this_machine(qtbot, window):
+    """The Roofline of a local run opens on the machine the model runs on, measured once in the background."""
+    from app.panels.roofline import THIS_MACHINE
+
+    roof = window.panels["roofline"]
+    qtbot.waitUntil(lambda: roof.this_machine_roofs() is not None, timeout=60_000)
+    assert roof.hw_combo.currentData() == THIS_MACHINE
+    hw = roof.hardware()
+    assert hw is not None and hw.bandwidth_bytes_per_s > 0 and hw.peak_for(roof.dtype()) > 0

@@ -12,6 +12,7 @@ import importlib
 import pytest
 
 from engine.events import KVCacheGrew, TokenSampled
+from engine.protocol import Loaded
 from engine.run.sampling import SamplingParams
 from engine.run.session import Capture, Session
 
@@ -25,7 +26,7 @@ def tiny_run(tiny_lm):
 
 @pytest.fixture
 def loaded(bridge, tiny_lm):
-    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
     return bridge
 
 
@@ -56,7 +57,7 @@ def test_kv_cache_empty_axes_span_the_models_context(qtbot, loaded, tiny_run):
     assert "512 B per token" in panel.empty_note.textItem.toPlainText()
 
     for ev in tiny_run:
-        loaded._on_raw(ev)
+        loaded.replay(ev)
     panel.flush()
     qtbot.wait(50)  # pyqtgraph fits an auto range before the next paint
     assert not panel.empty_note.isVisible()
@@ -84,7 +85,7 @@ def test_timeline_empty_axes_in_milliseconds(qtbot, loaded, tiny_run):
     no_scale_nonsense(pi)
     assert panel.empty_note.isVisible() and "TTFT" in panel.empty_note.textItem.toPlainText()
     for ev in tiny_run:
-        loaded._on_raw(ev)
+        loaded.replay(ev)
     panel.flush()
     assert not panel.empty_note.isVisible()
     n_steps = len([e for e in tiny_run if isinstance(e, TokenSampled)])
@@ -101,7 +102,7 @@ def test_sampling_empty_axes_are_probabilities(qtbot, loaded, tiny_run):
     assert not panel.sampled_marker.isVisible() and not any(b.isVisible() for b in panel.bars)
     assert panel.empty_note.isVisible() and "candidates" in panel.empty_note.textItem.toPlainText()
     for ev in tiny_run:
-        loaded._on_raw(ev)
+        loaded.replay(ev)
     panel.flush()
     assert not panel.empty_note.isVisible() and panel.sampled_marker.isVisible()
 
@@ -120,15 +121,15 @@ def test_attention_empty_axes_and_notes(qtbot, loaded, tiny_run):
     assert "2 layers" in panel.norm_note.textItem.toPlainText()
     no_scale_nonsense(norms)
 
-    prompt = tiny_run[0]
-    loaded._on_raw(prompt)  # the prompt alone: its tokens label the empty axes
+    prompt = tiny_run[1]  # after RunStarted
+    loaded.replay(prompt)  # the prompt alone: its tokens label the empty axes
     panel.flush()
     (x0, x1), _ = heat.getViewBox().viewRange()
     assert x1 >= len(prompt.ids)
     assert len(heat.getAxis("bottom")._tickLevels[0]) > 0
 
     for ev in tiny_run[1:]:
-        loaded._on_raw(ev)
+        loaded.replay(ev)
     panel.flush()
     assert not panel.heat_note.isVisible() and not panel.norm_note.isVisible()
 

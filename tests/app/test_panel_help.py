@@ -12,13 +12,15 @@ import importlib
 import pytest
 from PySide6 import QtWidgets
 
+from engine.protocol import Loaded
+
 PANELS = ("sampling", "attention", "kv_cache", "timeline", "roofline", "capacity", "batching")
 SMOLLM2_FIGURES = ("SmolLM", "49,152", "46,080", "538 MB", "30 layers", "9 query heads", "d_head = 64")
 
 
 @pytest.fixture
 def loaded(bridge, tiny_lm):
-    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
     return bridge
 
 
@@ -84,7 +86,7 @@ def test_help_follows_the_model_and_reaches_the_dock(qtbot, bridge, tiny_lm):
     general = type(panel).help_text
     assert panel.help_text == general  # nothing loaded: no model's numbers at all
     assert "512 bytes" not in general
-    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
     assert panel.help_text.startswith(general) and "512 bytes" in panel.help_text
     assert dock.whatsThis() == panel.help_text
 
@@ -93,6 +95,6 @@ def test_attention_help_states_a_models_own_scale(qtbot, bridge, tiny_lm):
     import dataclasses
 
     cfg = dataclasses.replace(tiny_lm.cfg, attn_scale=0.1)  # as Gemma's query_pre_attn_scalar sets it
-    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, cfg)))
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, cfg))
     text = make(qtbot, "attention", bridge).help_text
     assert "scales its scores by 0.1 instead of 1/√16" in text and "divided by √16" not in text

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from engine.costs.catalog import Hardware, canonical_dtype
+from engine.protocol import Loaded
 
 FP32 = Hardware("this-machine", "this machine, fp32 run", {"fp32": 1e11}, 2e10, 8e9, "test", measured=True)
 BF16 = Hardware("this-machine", "this machine, bf16 run", {"bf16": 3e11}, 2e10, 8e9, "test", measured=True)
@@ -41,7 +42,7 @@ def cache(monkeypatch, bridge):
 
 @pytest.fixture
 def loaded(bridge, tiny_lm):
-    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
     return bridge
 
 

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from engine.events import AttentionCaptured
+from engine.protocol import Loaded
 
 
 @pytest.fixture
 def windowed(bridge, tiny_lm):
     cfg = dataclasses.replace(tiny_lm.cfg, sliding_window=4, layer_types=("local", "global"))
     info = dataclasses.replace(tiny_lm.info, sliding_window=4, layer_types=("local", "global"))
-    bridge._on_raw(("loaded", (info, tiny_lm.tokenizer, cfg)))
+    bridge.replay(Loaded(info, tiny_lm.tokenizer, cfg))
     return bridge
 
 

@@ -16,6 +16,7 @@ from PySide6 import QtCore, QtGui
 
 from engine.costs import formulas as costs
 from engine.events import AttentionCaptured, Finished, KVCacheGrew, PrefillDone, PromptTokenized, TokenSampled
+from engine.protocol import Loaded
 from engine.run.sampling import SamplingParams
 from engine.run.session import Capture, Session
 
@@ -35,7 +36,7 @@ def tiny_run(tiny_lm):
 @pytest.fixture
 def loaded(bridge, tiny_lm):
     """The bare bridge, told that the tiny model is loaded (as its worker would)."""
-    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
     return bridge
 
 
@@ -49,7 +50,7 @@ def make_panel(qtbot, module, bridge):
 
 def feed(bridge, events, until=None):
     for ev in events:
-        bridge._on_raw(ev)
+        bridge.replay(ev)
         if until is not None and until(ev):
             return
 
@@ -101,7 +102,7 @@ def test_panels_draw_empty_and_after_clear(qtbot, loaded, tiny_run, name):
     panel.clear()
     panel.flush()  # a new generation starts from nothing
     assert held(panel) == 0 and panel.draw_count == drawn + 2
-    loaded._on_raw(tiny_run[0])  # PromptTokenized alone
+    loaded.replay(tiny_run[1])  # PromptTokenized alone (after RunStarted)
     panel.flush()
     assert held(panel) == 0
 
@@ -192,7 +193,7 @@ def test_attention_matrix_grows_with_causal_mask(qtbot, loaded, tiny_run, tiny_l
     rest = tiny_run[tiny_run.index(of(tiny_run, PrefillDone)[0]) + 1:]
     size = n_prompt
     for ev in rest:
-        loaded._on_raw(ev)
+        loaded.replay(ev)
         if isinstance(ev, AttentionCaptured) and ev.layer == panel.layer():
             size += 1
             panel.flush()
@@ -475,7 +476,7 @@ def test_closing_stops_a_measurement(qtbot):
 def test_render_panels_on_the_real_model(qtbot, bridge, real_lm, tmp_path):
     from app.panels import attention, kv_cache, roofline, sampling, timeline
 
-    bridge._on_raw(("loaded", (real_lm.info, real_lm.tokenizer, real_lm.cfg)))
+    bridge.replay(Loaded(real_lm.info, real_lm.tokenizer, real_lm.cfg))
     last = real_lm.cfg.n_layers - 1
     mods = {"sampling": sampling, "attention": attention, "kv_cache": kv_cache, "timeline": timeline,
             "roofline": roofline}

@@ -15,6 +15,7 @@ import pytest
 from app.panels import batching, capacity
 from engine.costs import formulas as costs
 from engine.costs.catalog import Hardware
+from engine.protocol import Loaded, ThisMachine
 from engine.run.batching import BatchRow
 
 PANEL_SIZE = (700, 450)
@@ -91,7 +92,7 @@ def test_prompt_is_clamped_to_context(cap):
 
 def test_loaded_model_entry(cap, bridge, tiny_lm):
     assert cap.model_combo.findData(capacity.LOADED) < 0
-    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))  # emits sig_model_loaded
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))  # emits sig_model_loaded
     i = cap.model_combo.findData(capacity.LOADED)
     assert i >= 0 and tiny_lm.cfg.name in cap.model_combo.itemText(i)
     cap.select(model=capacity.LOADED, dtype="fp32", context=128, batch=2)
@@ -106,7 +107,7 @@ def test_this_machine_only_when_cached(qtbot, bridge):
         pass
     assert panel.hw_combo.findData(capacity.THIS_MACHINE) < 0
     hw = Hardware("this-machine", "This machine (test)", {"fp32": 1e11}, 2e10, 8e9, "test", measured=True)
-    bridge._on_raw(("this_machine", ("cpu", panel.dtype(), hw)))  # as the engine answers once measured
+    bridge.replay(ThisMachine("cpu", panel.dtype(), hw))  # as the engine answers once measured
     panel.select(hardware=capacity.THIS_MACHINE, model="smollm2-135m", dtype="fp32", context=1024)
     r = panel.result
     assert r["hardware_measured"] and r["ridge_point"] == pytest.approx(5.0)

@@ -8,6 +8,8 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6 import QtCore
 
+from engine.protocol import Loaded
+
 
 def test_no_text_inside_the_plot_overlaps_a_bar(qtbot, bridge):
     from app.panels import timeline
@@ -62,7 +64,7 @@ def test_kv_cache_key_fits_a_narrow_dock(qtbot, bridge, tiny_lm):
     from app.panels import kv_cache
     from engine.events import KVCacheGrew
 
-    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
     panel = kv_cache.PANEL(bridge)
     qtbot.addWidget(panel)
     panel.resize(220, 420)

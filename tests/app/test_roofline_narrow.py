@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 
+from engine.protocol import Loaded
+
 
 def test_narrow_roofline_axis_stays_readable(qtbot, bridge, tiny_lm):
     from app.panels import roofline
 
-    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
     panel = roofline.PANEL(bridge)
     qtbot.addWidget(panel)
     panel.resize(260, 330)

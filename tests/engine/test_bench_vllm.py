@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from benchmarks.bench import _print_report, _ratios, vllm_result
-from engine.remote.bench import RequestResult
+from engine.remote.loadlab import RequestResult
 
 
 def _req(ttft: float, gaps: list[float], prompt_tokens: int = 41) -> RequestResult:

@@ -1,9 +1,9 @@
 """Capture is an explicit request: a layer asked for during a generation is captured from the next token on."""
 
 from engine.events import AttentionCaptured, Finished, TokenSampled
+from engine.protocol import GenerateRequest
 from engine.run.sampling import SamplingParams
 from engine.run.session import Capture
-from engine.server import GenerateRequest
 from tests.engine.test_server import client  # noqa: F401 — the fixture
 
 

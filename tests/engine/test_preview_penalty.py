@@ -3,9 +3,9 @@
 import numpy as np
 
 from engine.events import TokenSampled
+from engine.protocol import GenerateRequest, PreviewResult
 from engine.run.sampling import SamplingParams
 from engine.run.session import Capture
-from engine.server import GenerateRequest, PreviewResult
 from tests.engine.test_server import client  # noqa: F401 — the fixture
 
 

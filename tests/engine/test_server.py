@@ -5,10 +5,10 @@ import threading
 
 import pytest
 
-from engine.events import Failed, Finished, TokenSampled
-from engine.run.sampling import SamplingParams
-from engine.run.session import Capture
-from engine.server import GenerateRequest, PreviewResult, serve
+from engine import protocol as P
+from engine.events import Failed, Finished, RunStarted, TokenSampled
+from engine.protocol import Capture, GenerateRequest, PreviewResult, SamplingParams
+from engine.server import serve
 
 
 class Client:
@@ -19,8 +19,13 @@ class Client:
         self.thread.start()
         self.queued = []
 
-    def send(self, kind, arg=None):
-        self.commands.send((kind, arg))
+    def send(self, cmd: P.Command) -> None:
+        self.commands.send(cmd)
+
+    def quiet(self):
+        """Everything the engine sent until it answered a Ping: what it did with the commands before it."""
+        self.send(P.Ping(id(self)))
+        return self.until(lambda m: isinstance(m, P.Pong))[:-1]
 
     def until(self, pred, timeout=60):
         seen = []
@@ -38,11 +43,11 @@ class Client:
 @pytest.fixture
 def client(tiny_dir):
     c = Client()
-    c.send("load", (str(tiny_dir.gguf), "cpu", "float32"))
-    loaded = c.until(lambda m: isinstance(m, tuple) and m[0] in ("loaded", "load_failed"))[-1]
-    assert loaded[0] == "loaded", loaded  # every test below needs the model
+    c.send(P.Load(str(tiny_dir.gguf), "cpu", "float32"))
+    loaded = c.until(lambda m: isinstance(m, (P.Loaded, P.LoadFailed)))[-1]
+    assert isinstance(loaded, P.Loaded), loaded  # every test below needs the model
     yield c
-    c.send("quit")
+    c.send(P.Quit())
     c.thread.join(10)
     assert not c.thread.is_alive()
 
@@ -50,41 +55,43 @@ def client(tiny_dir):
 def test_generate_pause_step_resume(client):
     req = GenerateRequest("the cat sat", chat=False, max_new_tokens=8, params=SamplingParams.greedy_params(),
                           capture=Capture(funnel_top=5), ignore_eos=True, start_paused=True)
-    client.send("generate", req)
+    client.send(P.Generate(req))
     first = client.until(lambda m: isinstance(m, TokenSampled))
-    assert ("state", "paused") in first and first[-1].step == 0 and first[-1].funnel.greedy
-    assert not client.events.poll(0.3)  # paused: nothing more comes
-    client.send("step")
+    assert P.State("paused") in first and first[-1].step == 0 and first[-1].funnel.greedy
+    assert isinstance(first[1], RunStarted) and first[1].source.kind == "local"  # after State
+    assert not any(isinstance(m, TokenSampled) for m in client.quiet())  # paused: nothing more comes
+    client.send(P.Step())
     step = client.until(lambda m: isinstance(m, TokenSampled))
-    assert step[-1].step == 1 and step[-1].funnel.greedy and not client.events.poll(0.3)
+    assert step[-1].step == 1 and step[-1].funnel.greedy
+    assert not any(isinstance(m, TokenSampled) for m in client.quiet())  # one step, then paused again
     new = SamplingParams(temperature=1.0, top_k=1)
-    client.send("params", new)
-    client.send("resume")
+    client.send(P.SetParams(new))
+    client.send(P.Resume())
     rest = client.until(lambda m: isinstance(m, Finished))
     assert rest[-1].reason == "length" and len(rest[-1].ids) == 8
     later = [m for m in rest if isinstance(m, TokenSampled)]
     assert [t.step for t in later] == list(range(2, 8))
     # the new settings applied from the next token on: sampled (not greedy), top-k 1 keeps one token
     assert all(t.params == new and not t.funnel.greedy and t.funnel.kept_top_k == 1 for t in later)
-    assert client.until(lambda m: isinstance(m, tuple))[-1] == ("state", "idle")
+    assert client.until(lambda m: isinstance(m, P.State))[-1] == P.State("idle")
 
 
 def test_stop_ends_early_and_bad_prompt_fails_cleanly(client):
-    client.send("generate", GenerateRequest("the cat", chat=False, max_new_tokens=200, ignore_eos=True,
-                                            params=SamplingParams(temperature=1.0, seed=1)))
+    client.send(P.Generate(GenerateRequest("the cat", chat=False, max_new_tokens=200, ignore_eos=True,
+                                            params=SamplingParams(temperature=1.0, seed=1))))
     client.until(lambda m: isinstance(m, TokenSampled) and m.step == 2)
-    client.send("stop")
+    client.send(P.Stop())
     fin = client.until(lambda m: isinstance(m, Finished))[-1]
     assert fin.reason == "stopped" and len(fin.ids) < 200
-    client.until(lambda m: m == ("state", "idle"))
-    client.send("generate", GenerateRequest("", chat=False))
-    msgs = client.until(lambda m: m == ("state", "idle"))
+    client.until(lambda m: m == P.State("idle"))
+    client.send(P.Generate(GenerateRequest("", chat=False)))
+    msgs = client.until(lambda m: m == P.State("idle"))
     assert any(isinstance(m, Failed) and "empty" in m.message for m in msgs)
 
 
 def test_stale_previews_are_dropped(client):
     for i, text in enumerate(["the", "the cat", "the cat sat"], start=1):
-        client.send("preview", (i, text, False, 5))
+        client.send(P.Preview(i, text, False, 5))
     res = client.until(lambda m: isinstance(m, PreviewResult) and m.request_id == 3)
     previews = [m for m in res if isinstance(m, PreviewResult)]
     assert previews[-1].text == "the cat sat" and len(previews[-1].funnel.ids) == 5
@@ -93,41 +100,41 @@ def test_stale_previews_are_dropped(client):
 
 
 def test_batch_bench_rows_and_cancel(client):
-    client.send("batch_bench", ((1, 2), 6, 3))
-    msgs = client.until(lambda m: isinstance(m, tuple) and m[0] == "batch_done")
-    assert [m[1].batch for m in msgs if m[0] == "batch_row"] == [1, 2] and msgs[-1] == ("batch_done", "")
-    client.send("batch_bench", ((1, 2, 4, 8, 16), 6, 40))
-    client.send("cancel_bench")
-    assert client.until(lambda m: isinstance(m, tuple) and m[0] == "batch_done")[-1] == ("batch_done", "cancelled")
+    client.send(P.BatchBench((1, 2), 6, 3))
+    msgs = client.until(lambda m: isinstance(m, P.Done))
+    assert [m.row.batch for m in msgs if isinstance(m, P.BatchMeasured)] == [1, 2] and msgs[-1] == P.Done("batch")
+    client.send(P.BatchBench((1, 2, 4, 8, 16), 6, 40))
+    client.send(P.Cancel())
+    assert client.until(lambda m: isinstance(m, P.Done))[-1] == P.Done("batch", "cancelled")
 
 
 def test_commands_during_a_bench_wait_for_it(client):
     """A slider moved while the batching lab runs must neither hang the bench nor be lost."""
-    client.send("batch_bench", ((1, 2, 4), 6, 4))
-    client.send("params", SamplingParams(temperature=0.5))
-    client.send("preview", (7, "the cat", False, 5))
+    client.send(P.BatchBench((1, 2, 4), 6, 4))
+    client.send(P.SetParams(SamplingParams(temperature=0.5)))
+    client.send(P.Preview(7, "the cat", False, 5))
     msgs = client.until(lambda m: isinstance(m, PreviewResult), timeout=60)
-    assert ("batch_done", "") in msgs and msgs.index(("batch_done", "")) < len(msgs) - 1
+    assert P.Done("batch") in msgs and msgs.index(P.Done("batch")) < len(msgs) - 1
     assert msgs[-1].request_id == 7
 
 
 def test_step_while_generating_pauses_and_says_so(client):
-    client.send("generate", GenerateRequest("the cat", chat=False, max_new_tokens=50, ignore_eos=True,
-                                            params=SamplingParams.greedy_params()))
+    client.send(P.Generate(GenerateRequest("the cat", chat=False, max_new_tokens=50, ignore_eos=True,
+                                            params=SamplingParams.greedy_params())))
     client.until(lambda m: isinstance(m, TokenSampled))
-    client.send("step")
-    msgs = client.until(lambda m: m == ("state", "paused"))
+    client.send(P.Step())
+    msgs = client.until(lambda m: m == P.State("paused"))
     assert not any(isinstance(m, Finished) for m in msgs)
-    client.send("stop")
+    client.send(P.Stop())
     assert client.until(lambda m: isinstance(m, Finished))[-1].reason == "stopped"
 
 
 def test_a_preview_asked_for_during_a_generation_runs_after_it(client):
-    client.send("generate", GenerateRequest("the cat", chat=False, max_new_tokens=20, ignore_eos=True,
-                                            params=SamplingParams.greedy_params(), start_paused=True))
+    client.send(P.Generate(GenerateRequest("the cat", chat=False, max_new_tokens=20, ignore_eos=True,
+                                            params=SamplingParams.greedy_params(), start_paused=True)))
     client.until(lambda m: isinstance(m, TokenSampled))
-    client.send("preview", (11, "the cat sat", False, 5))
-    client.send("resume")
+    client.send(P.Preview(11, "the cat sat", False, 5))
+    client.send(P.Resume())
     msgs = client.until(lambda m: isinstance(m, PreviewResult))
     assert any(isinstance(m, Finished) for m in msgs) and msgs[-1].request_id == 11
 
@@ -147,27 +154,27 @@ def test_threads_setting_applies_from_the_next_step(client, monkeypatch):
     monkeypatch.setattr(torch, "set_num_threads", lambda n: (counts.append(n), real(n)))
     req = GenerateRequest("the cat sat", chat=False, max_new_tokens=4, params=SamplingParams.greedy_params(),
                           ignore_eos=True, start_paused=True)
-    client.send("generate", req)
+    client.send(P.Generate(req))
     client.until(lambda m: isinstance(m, TokenSampled))
-    client.send("threads", 1)  # while paused inside a generation
-    client.send("step")
+    client.send(P.SetThreads(1))  # while paused inside a generation
+    client.send(P.Step())
     client.until(lambda m: isinstance(m, TokenSampled))
     assert counts and counts[-1] == 1
-    client.send("threads", 0)
+    client.send(P.SetThreads(0))
     assert "threads" in client.until(lambda m: isinstance(m, Failed))[-1].message  # refused, with the reason
-    client.send("resume")
+    client.send(P.Resume())
     assert client.until(lambda m: isinstance(m, Finished))[-1].reason == "length"
 
 
 def test_a_fork_request_continues_from_its_prefix(client):
     greedy = SamplingParams.greedy_params()
-    client.send("generate", GenerateRequest("the cat sat", chat=False, max_new_tokens=6, params=greedy,
-                                            ignore_eos=True))
+    client.send(P.Generate(GenerateRequest("the cat sat", chat=False, max_new_tokens=6, params=greedy,
+                                            ignore_eos=True)))
     base = client.until(lambda m: isinstance(m, Finished))[-1]
     prefix = tuple(base.prompt_ids.tolist() + base.ids[:2].tolist())
     alt = (int(base.ids[2]) + 1) % 300
-    client.send("generate", GenerateRequest("fork", chat=False, max_new_tokens=4, params=greedy, ignore_eos=True,
-                                            prompt_ids=prefix, forced=((0, alt),)))
+    client.send(P.Generate(GenerateRequest("fork", chat=False, max_new_tokens=4, params=greedy, ignore_eos=True,
+                                            prompt_ids=prefix, forced=((0, alt),))))
     seen = client.until(lambda m: isinstance(m, Finished))
     fork = seen[-1]
     assert fork.prompt_ids.tolist() == list(prefix) and fork.ids[0] == alt
@@ -180,12 +187,13 @@ def test_a_damaged_model_fails_to_load_and_the_server_goes_on(tiny_dir, tmp_path
     bad.write_bytes(tiny_dir.gguf.read_bytes()[:5000])
     c = Client()
     try:
-        c.send("load", (str(bad), "cpu", "float32"))
-        failed = c.until(lambda m: isinstance(m, tuple) and m[0] in ("loaded", "load_failed"))[-1]
-        assert failed[0] == "load_failed" and "cut.gguf is damaged" in failed[1] and "\n" not in failed[1]
-        c.send("load", (str(tiny_dir.gguf), "cpu", "float32"))
-        assert c.until(lambda m: isinstance(m, tuple) and m[0] in ("loaded", "load_failed"))[-1][0] == "loaded"
+        c.send(P.Load(str(bad), "cpu", "float32"))
+        failed = c.until(lambda m: isinstance(m, (P.Loaded, P.LoadFailed)))[-1]
+        assert isinstance(failed, P.LoadFailed) and "cut.gguf is damaged" in failed.message
+        assert "\n" not in failed.message
+        c.send(P.Load(str(tiny_dir.gguf), "cpu", "float32"))
+        assert isinstance(c.until(lambda m: isinstance(m, (P.Loaded, P.LoadFailed)))[-1], P.Loaded)
     finally:
-        c.send("quit")
+        c.send(P.Quit())
         c.thread.join(10)
     assert not c.thread.is_alive()

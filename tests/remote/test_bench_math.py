@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from engine.remote.bench import RequestResult, arrival_gaps, summarize, to_csv
+from engine.remote.loadlab import RequestResult, arrival_gaps, summarize, to_csv
 
 
 def test_summarize_matches_the_definitions():

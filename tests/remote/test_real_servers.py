@@ -141,7 +141,7 @@ def test_vllm_serve_bench(vllm_server, tmp_path):
 
 
 def test_vllm_poisson_arrivals_bounded(vllm_server):
-    from engine.remote import bench
+    from engine.remote import loadlab as bench
 
     b = backend(vllm_server)
     done = []

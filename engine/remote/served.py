@@ -1,0 +1,152 @@
+"""A server as a backend (engine.backend): generations, previews and tokenization run on an OpenAI-compatible
+server (vLLM, llama.cpp), and the load lab measures it. The API key lives in the engine process's memory only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
+
+from engine.backend import Backend, Run, ShouldStop
+from engine.events import CAPABILITIES, Event, PromptTokenized, RunSource, RunStarted
+from engine.protocol import (
+    GenerateRequest,
+    PreviewResult,
+    Progress,
+    SamplingParams,
+    ServeLevelDone,
+    ServeMetrics,
+    ServeRequestDone,
+)
+from engine.remote.backend import RemoteBackend, RemoteGeneration, RemoteTokenSampled, ServerConnected
+from engine.remote.client import RemoteError, ServerInfo
+from engine.remote.shapes import server_model_config
+
+SERVER_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs is 20; llama.cpp has no such cap
+# A server streams tokens and their top-N log-probabilities: nothing of its forward pass.
+SERVER_CANNOT = tuple(c for c in CAPABILITIES)
+
+
+def connect(url: str, api_key: str | None) -> ServerBackend:
+    """Probe the server (RemoteError with one sentence when it cannot be used) and read its model's shapes."""
+    client = RemoteBackend(url, api_key=api_key or None)
+    info = client.probe()
+    cfg, note = server_model_config(info.model, info.root)
+    return ServerBackend(client, dataclasses.replace(info, config=cfg, config_note=note))
+
+
+class ServerRun:
+    """A server's generation as a Run: RunStarted first, then the server's events."""
+
+    def __init__(self, gen: RemoteGeneration, source: RunSource, capture: object) -> None:
+        self.gen, self.source, self.capture = gen, source, capture
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.gen.params
+
+    @params.setter
+    def params(self, value: SamplingParams) -> None:
+        self.gen.params = value  # the request is already sent: the server keeps its settings; the funnel follows
+
+    def stop(self) -> None:
+        self.gen.stop()
+
+    def __iter__(self) -> Iterator[Event]:
+        yield RunStarted(source=self.source)
+        for ev in self.gen:
+            if not isinstance(ev, ServerConnected):  # the probe's result came with Connected already
+                yield ev
+
+
+class ServerBackend(Backend):
+    def __init__(self, client: RemoteBackend, info: ServerInfo) -> None:
+        self.client, self.info = client, info
+
+    @property
+    def source(self) -> RunSource:
+        u = urlsplit(self.info.url)
+        host = f"{u.hostname}:{u.port}" if u.port else (u.hostname or self.info.url)
+        return RunSource(kind="server", name=f"{self.info.model} @ {host}", cannot=SERVER_CANNOT)
+
+    def generate(self, req: GenerateRequest) -> Run:
+        if req.forced:
+            raise ValueError("a server samples its own tokens: forcing a token (branching) works on the local model")
+        if req.prompt_ids:
+            raise ValueError("a server takes the prompt as text: branching from token ids works on the local model")
+        if req.regex is not None or req.json_schema is not None:
+            raise ValueError("constrained output runs on the local model: disconnect from the server to use it")
+        top = getattr(req.capture, "funnel_top", 0) or 10
+        gen = self.client.generate(req.text, req.params, req.max_new_tokens, chat=req.chat,
+                                   top_logprobs=min(top, SERVER_TOP_LOGPROBS), ignore_eos=req.ignore_eos)
+        return ServerRun(gen, self.source, req.capture)
+
+    def preview(self, request_id: int, text: str, chat: bool, top: int, params: SamplingParams) -> PreviewResult | None:
+        t0 = time.perf_counter()
+        n, f = 0, None
+        for ev in self.client.generate(text, params, 1, chat=chat, top_logprobs=min(top, SERVER_TOP_LOGPROBS)):
+            if type(ev).__name__ == "Finished":
+                n = len(ev.prompt_ids)
+            if isinstance(ev, RemoteTokenSampled) and ev.funnel is not None:
+                f = ev.funnel
+        if f is None:
+            return None
+        return PreviewResult(request_id=request_id, text=text, n_tokens=n, n_reused=0, n_computed=n,
+                             seconds=time.perf_counter() - t0, funnel=f)
+
+    def tokenize(self, text: str, chat: bool = False) -> PromptTokenized:
+        try:
+            return self.client.tokenize(text, chat)
+        except RemoteError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise RemoteError(f"the server's tokenize answer was not understood ({e})") from None
+
+    def serve_bench(self, config: dict, send: Callable[[object], None], should_stop: ShouldStop) -> None:
+        """Run the load benchmark in a thread while this one watches for Cancel, so Cancel acts at once."""
+        from engine.remote import loadlab
+
+        cancel = threading.Event()
+        levels = list(config.get("concurrency") or [1, 2, 4])
+        n = int(config.get("num_prompts", 8))
+        total = len(levels) * n
+        done = [0]
+        error: list[str] = []
+
+        def on_request(r) -> None:
+            done[0] += 1
+            send(ServeRequestDone(r))
+            send(Progress("serve", min(1.0, done[0] / total), f"{done[0]} of {total} requests"))
+
+        def work() -> None:
+            try:
+                for c in levels:
+                    if cancel.is_set():
+                        break
+                    rate = config.get("request_rate") or math.inf
+                    run = loadlab.run_once(
+                        self.client, c, n, int(config.get("max_new_tokens", 32)), request_rate=rate,
+                        burstiness=float(config.get("burstiness", 1.0)), seed=int(config.get("seed", 0)),
+                        time_limit_s=float(config.get("time_limit_s", 60.0)), slo_ms=config.get("slo_ms"),
+                        cancel=cancel, on_request=on_request, on_metrics=lambda t, m: send(ServeMetrics(t, m)))
+                    d = run.to_dict()
+                    d["request_rate"] = None if math.isinf(rate) else rate
+                    if not cancel.is_set():
+                        send(ServeLevelDone(d))
+            except Exception as e:  # noqa: BLE001 — the panel must learn that the run ended
+                error.append(f"failed: {type(e).__name__}: {e}")
+
+        t = threading.Thread(target=work, daemon=True, name="serve-bench")
+        t.start()
+        while t.is_alive():
+            t.join(0.1)
+            if should_stop():
+                cancel.set()
+        if cancel.is_set():
+            raise InterruptedError("cancelled")
+        if error:
+            raise RuntimeError(error[0])

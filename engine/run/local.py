@@ -1,0 +1,66 @@
+"""The local model as a backend (engine.backend): a Session, its KV cache kept between runs, and the labs that run
+on the model itself (batched decode)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.backend import Backend, Progress, Run, ShouldStop
+from engine.events import PromptTokenized, RunSource
+from engine.protocol import BatchRow, GenerateRequest, PreviewResult, SamplingParams
+from engine.run.sampling import funnel
+from engine.run.session import Session, prompt_event
+
+
+class LocalBackend(Backend):
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    @property
+    def source(self) -> RunSource:
+        return RunSource(kind="local", name=self.session.lm.info.name)
+
+    def generate(self, req: GenerateRequest) -> Run:
+        s = self.session
+        constraint = None
+        if req.regex is not None or req.json_schema is not None:
+            from engine.run.constrain import Constraint
+
+            eos = [*s.tokenizer.eos_ids, *sorted(set(s.stop_ids) - set(s.tokenizer.eos_ids))]
+            constraint = Constraint.build(s.tokenizer, s.cfg.vocab_size, eos, regex=req.regex,
+                                          json_schema=req.json_schema)
+        prompt = list(req.prompt_ids) if req.prompt_ids else req.text
+        return s.generate(prompt, req.params, req.max_new_tokens, req.capture, chat=req.chat,
+                          ignore_eos=req.ignore_eos, forced=dict(req.forced), constraint=constraint)
+
+    def preview(self, request_id: int, text: str, chat: bool, top: int, params: SamplingParams) -> PreviewResult | None:
+        s = self.session
+        t0 = time.perf_counter()
+        tok = s.tokenize(text, chat)
+        if not tok.ids or len(tok.ids) >= s.cfg.context_length:
+            return None
+        logits, reused, _ = s.next_token_logits(tok.ids)
+        # The prompt is the context of the first token: penalties apply to it exactly as in Generate's step 0.
+        context = torch.tensor(tok.ids, dtype=torch.long)
+        f = s.make_funnel(funnel(logits, params, context), params, top)
+        return PreviewResult(request_id, text, len(tok.ids), reused, len(tok.ids) - reused, time.perf_counter() - t0,
+                             f)
+
+    def tokenize(self, text: str, chat: bool = False) -> PromptTokenized:
+        return prompt_event(self.session.tokenize(text, chat))
+
+    def set_threads(self, controller: object) -> None:
+        if self.session.threads is not None:  # None on a GPU: torch's own threads only feed it
+            self.session.threads = controller
+
+    def batch_bench(self, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int, progress: Progress,
+                    should_stop: ShouldStop, on_row: Callable[[BatchRow], None]) -> None:
+        import psutil
+
+        from engine.run.batching import bench_batch
+
+        bench_batch(self.session.lm, batches, prompt_tokens, new_tokens, progress=progress, should_stop=should_stop,
+                    memory_limit_bytes=psutil.virtual_memory().available * 0.5, on_row=on_row)

@@ -1,0 +1,110 @@
+"""The house's seams hold: no import circles, no switches on which kind of backend runs, no bridge attributes used
+as channels between panels, and the benchmarks stay out of the shipped packages."""
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = [p for d in ("engine", "app") for p in (ROOT / d).rglob("*.py")]
+
+
+def _imports(path: Path) -> set[str]:
+    """The project modules `path` imports (at any depth: a lazy import inside a function still ties two modules)."""
+    mod = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module if node.level == 0 else ".".join(mod.split(".")[:-node.level] + [node.module])
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names}
+    return {m for m in out if m.split(".")[0] in ("engine", "app")}
+
+
+def test_no_import_circles():
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p for p in SOURCES}
+    graph = {m: {i for i in _imports(p) if i in modules and i != m} for m, p in modules.items()}
+    # an import of a package runs its __init__, which is the package module itself: edges go to real modules only
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                raise AssertionError("import circle: " + " → ".join(stack[stack.index(n):] + [n]))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    sys.setrecursionlimit(10_000)
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_no_switch_on_the_kind_of_backend():
+    """The engine server asks its backend; nobody asks "is this remote?"."""
+    for path in SOURCES:
+        text = path.read_text(encoding="utf-8")
+        assert "is_remote" not in text, f"{path.relative_to(ROOT)} switches on is_remote"
+
+
+def test_panels_use_no_bridge_attribute_as_a_channel():
+    """Request knobs go through bridge.options' methods; nothing outside the bridge writes a bridge attribute or
+    reads one by name with getattr (signals excepted: panels connect to them by name)."""
+    offenders = []
+    for path in SOURCES:
+        if path.name == "bridge.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(el, ast.Attribute) and _is_bridge(el.value):
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} writes bridge.{el.attr}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                    and node.args and _is_bridge(node.args[0])):
+                name = node.args[1]
+                if not (isinstance(name, ast.Name) and name.id in ("signal", "name")):  # a signal by name
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} reads the bridge with getattr")
+    assert not offenders, offenders
+
+
+def _is_bridge(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "bridge") or (
+        isinstance(node, ast.Attribute) and node.attr == "bridge")
+
+
+def test_benchmarks_are_not_shipped():
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    include = cfg["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert not any(p.startswith("benchmarks") for p in include)
+    assert not list((ROOT / "engine").rglob("bench*.py")) and not list((ROOT / "app").rglob("bench*.py"))
+
+
+def test_the_readme_map_matches_the_tree():
+    """Every engine folder and top-level engine module is on the README's map, and everything on it exists."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text[text.index("## How it is built"):]
+    block = block[block.index("```\n") + 4:]
+    block = block[:block.index("```")]
+    engine_lines, inside = [], False
+    for line in block.splitlines():  # the indented lines under engine/
+        inside = line.startswith("engine/") or (inside and line.startswith("  "))
+        engine_lines += [line] if inside and line.startswith("  ") else []
+    named = {w.rstrip("/") for line in engine_lines for w in line.split()[:1] if w.endswith(("/", ".py"))}
+    engine = ROOT / "engine"
+    actual = {p.name for p in engine.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    actual |= {p.name for p in engine.glob("*.py") if p.name != "__init__.py" and p.name != "cliargs.py"}
+    missing = actual - named
+    assert not missing, f"on disk but not on the README's map: {sorted(missing)}"
+    for name in named:
+        assert (engine / name).exists(), f"the README's map names engine/{name}, which does not exist"
