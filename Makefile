@@ -11,7 +11,7 @@ SERVERS      := .venv-servers
 VLLM_STAMP   := $(SERVERS)/vllm/.installed
 LLAMA_STAMP  := $(SERVERS)/llamacpp/.installed
 
-.PHONY: run test bench bench-load bench-smoke lint setup clean servers
+.PHONY: run test bench bench-load bench-smoke lint setup clean servers screenshot
 
 setup: $(STAMP)
 
@@ -67,6 +67,11 @@ bench-load: $(STAMP)
 
 bench-smoke: $(STAMP)
 	$(PY) -m benchmarks bench --smoke
+
+screenshot: $(STAMP)
+	# the README's picture, made by the app itself: a chat generation on the default model, every panel on screen
+	QT_QPA_PLATFORM=offscreen $(PY) -m app --prompt "Explain what a KV cache is in two sentences." --chat \
+		--max-new-tokens 32 --greedy --screenshot docs/window.png
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

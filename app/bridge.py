@@ -176,6 +176,10 @@ class Bridge(QtCore.QObject):
     """ServerMetricsSampled: the server's /metrics scraped during a generation on it."""
     sig_serve_metrics = QtCore.Signal(object)
     """Load lab: engine.protocol.ServeMetrics, the server's /metrics scraped during a load run."""
+    sig_serving_progress = QtCore.Signal(float, str)
+    """Serve this model: llama.cpp's server starting for the loaded model (fraction, a word on it)."""
+    sig_serving_done = QtCore.Signal(str)
+    """Serve this model ended: "" when the server answers and the app is connected to it, else why not."""
     sig_pong = QtCore.Signal(int)
     """The engine handled every command sent before the Ping with this token (ping())."""
     sig_serve_progress = QtCore.Signal(float, str)
@@ -224,8 +228,10 @@ class Bridge(QtCore.QObject):
             P.Stopped: lambda m: None,
         }
         self._progress = {"load": self.sig_load_progress, "batch": self.sig_batch_progress,
-                          "measure": self.sig_measure_progress, "serve": self.sig_serve_progress}
-        self._done = {"batch": self.sig_batch_done, "measure": self.sig_measure_done, "serve": self.sig_serve_done}
+                          "measure": self.sig_measure_progress, "serve": self.sig_serve_progress,
+                          "serve_model": self.sig_serving_progress}
+        self._done = {"batch": self.sig_batch_done, "measure": self.sig_measure_done, "serve": self.sig_serve_done,
+                      "serve_model": self.sig_serving_done}
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs Qt threads
         cmd_recv, self._commands = ctx.Pipe(duplex=False)
         events_recv, events_send = ctx.Pipe(duplex=False)
@@ -329,6 +335,13 @@ class Bridge(QtCore.QObject):
 
     def disconnect_server(self) -> None:
         self._post(P.Disconnect())
+
+    def serve_model(self) -> None:
+        """Start llama.cpp's server for the loaded model on 127.0.0.1 and connect to it (stops with the app)."""
+        self._post(P.ServeModel())
+
+    def cancel_serving(self) -> None:
+        self._post(P.Cancel())
 
     def run_serve_bench(self, config: dict) -> None:
         """Load lab: `config` holds concurrency (list), num_prompts, max_new_tokens, request_rate, time_limit_s."""

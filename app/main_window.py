@@ -119,6 +119,9 @@ class MainWindow(QtWidgets.QMainWindow):
         reporter().sig_error.connect(self._on_callback_error)
         self.bridge.sig_server_connected.connect(self._on_server_connected)
         self.bridge.sig_server_failed.connect(self._on_server_failed)
+        self.bridge.sig_serving_progress.connect(self._on_serving_progress)
+        self.bridge.sig_server_disconnected.connect(self._on_server_disconnected)
+        self.bridge.sig_serving_done.connect(self._on_serving_done)
 
         self.draw_timer = QtCore.QTimer(self)
         self.draw_timer.setInterval(DRAW_INTERVAL_MS)
@@ -199,6 +202,9 @@ class MainWindow(QtWidgets.QMainWindow):
         self.pick_action = file_menu.addAction("Open model from &list…", self._open_model_picker)
         self.pick_action.setShortcut(QtGui.QKeySequence("Ctrl+M"))
         self.connect_action = file_menu.addAction("&Connect to server…", self._connect_dialog)
+        self.serve_action = file_menu.addAction("Ser&ve this model (llama.cpp, on this machine)", self.serve_model)
+        self.serve_action.setToolTip("Start llama.cpp's server for the loaded model on 127.0.0.1 and connect to it; "
+                                     "it stops when you disconnect or close the app")
         self.disconnect_action = file_menu.addAction("&Disconnect from server", self.disconnect_server)
         self.disconnect_action.setEnabled(False)
         self.export_action = file_menu.addAction("&Export timeline…", self._export_timeline_dialog)
@@ -316,6 +322,25 @@ class MainWindow(QtWidgets.QMainWindow):
         self.set_message(f"Connecting to {url}…")
         self.bridge.connect_server(url, api_key)
 
+    def serve_model(self) -> None:
+        """Serve the loaded model from this machine and connect to it: the Load lab then works without a terminal."""
+        self.progress.setValue(0)
+        self.progress.show()
+        self.set_message("Starting llama.cpp's server for the loaded model…")
+        self.bridge.serve_model()
+
+    @QtCore.Slot(float, str)
+    def _on_serving_progress(self, fraction: float, message: str) -> None:
+        self.progress.show()
+        self.progress.setValue(int(round(100 * fraction)))
+        self.set_message(message)
+
+    @QtCore.Slot(str)
+    def _on_serving_done(self, message: str) -> None:
+        self.progress.hide()
+        if message:
+            self.show_error(f"Could not serve the model: {message}", title="Serve this model", box=self.interactive)
+
     def disconnect_server(self) -> None:
         self.bridge.disconnect_server()
         self.disconnect_action.setEnabled(False)
@@ -340,6 +365,11 @@ class MainWindow(QtWidgets.QMainWindow):
         self.server_label.show()
         self.set_message(f"Connected to {info.kind} at {info.url} ({info.model}). Generations run there; "
                           "attention and residuals are not available from a server.")
+
+    @QtCore.Slot()
+    def _on_server_disconnected(self) -> None:
+        self.disconnect_action.setEnabled(False)
+        self.server_label.hide()
 
     @QtCore.Slot(str)
     def _on_server_failed(self, message: str) -> None:

@@ -219,6 +219,17 @@ class ServeBench(Command):
 
 
 @dataclass(frozen=True)
+class ServeModel(Command):
+    """Start llama.cpp's server on 127.0.0.1 for the loaded model and connect to it (Progress and Done "serve_model");
+    it stops on Disconnect, on StopServing and when the engine process ends."""
+
+
+@dataclass(frozen=True)
+class StopServing(Command):
+    pass
+
+
+@dataclass(frozen=True)
 class Tokenize(Command):
     """The running backend's own tokenization of `text` (a server's, when connected); the newest one wins."""
 

@@ -51,12 +51,14 @@ from engine.protocol import (
     Resume,
     SamplingParams,
     ServeBench,
+    ServeModel,
     SetParams,
     SetThreads,
     State,
     Step,
     Stop,
     Stopped,
+    StopServing,
     ThisMachine,
     Tokenize,
     Tokenized,
@@ -84,8 +86,11 @@ class EngineServer:
             Load: self.load, Generate: self.generate, Preview: self.preview, BatchBench: self.batch_bench,
             AskThisMachine: self.this_machine, Measure: self.measure, SetParams: self.set_params,
             SetThreads: self.set_threads, Connect: self.connect, Disconnect: self.disconnect,
-            ServeBench: self.serve_bench, Tokenize: self.tokenize, Ping: self.ping,
+            ServeBench: self.serve_bench, Tokenize: self.tokenize, Ping: self.ping, ServeModel: self.serve_model,
+            StopServing: self.stop_serving,
         }
+        self.served = None  # the server this process started for the loaded model (engine.remote.launch)
+        self.served_backend: Backend | None = None  # the connection to it
         # Pause, Resume, Step, Stop, CaptureAttention and Cancel act inside a generation or a job; outside one there
         # is nothing to act on.
         threading.Thread(target=self._read, daemon=True, name="engine-commands").start()
@@ -164,6 +169,7 @@ class EngineServer:
                 handler(cmd)
             except Exception as e:  # noqa: BLE001 — the engine must survive anything one command does
                 self.send(Failed(message=f"{type(e).__name__}: {e}"))
+        self.stop_serving(None)
         self.send(Stopped())
 
     # ---- commands ----
@@ -374,7 +380,58 @@ class EngineServer:
         if self.backend is not None and self.backend is not self.local:
             self.backend.close()
         self.backend = self.local
+        self.stop_serving(None)  # a server this process started lives as long as the connection to it
         self.send(Disconnected())
+
+    def serve_model(self, _cmd: ServeModel) -> None:
+        """llama.cpp's server on 127.0.0.1 for the loaded model, then connected to: the Load lab and every server view
+        work without a terminal. Progress while it starts; Cancel stops it."""
+        import tempfile
+        import time
+
+        from engine.remote.launch import is_ready, serve_local_model
+
+        if self.local is None:
+            self.send(Done("serve_model", "load a model first"))
+            return
+        self.stop_serving(None)
+        info = self.local.session.lm.info
+        number = self.current
+        try:
+            server = serve_local_model(info.path, tempfile.gettempdir(), info.name)
+        except (RuntimeError, OSError) as e:
+            self.send(Done("serve_model", str(e).splitlines()[0]))
+            return
+        self.served = server
+        t0, budget = time.monotonic(), 180.0
+        try:
+            while not is_ready(server):
+                waited = time.monotonic() - t0
+                if self.cancelled(number) or waited > budget:
+                    self.stop_serving(None)
+                    self.send(Done("serve_model", "cancelled" if waited <= budget else
+                                   f"llama.cpp's server did not answer within {budget:.0f} s"))
+                    return
+                self.send(Progress("serve_model", min(0.95, waited / 30),
+                                   f"starting llama.cpp's server ({waited:.0f} s)"))
+                time.sleep(0.5)
+        except RuntimeError as e:  # it exited while starting
+            self.served = None
+            self.send(Done("serve_model", str(e).splitlines()[0]))
+            return
+        self.connect(Connect(server.url))
+        connected = self.backend is not self.local
+        self.served_backend = self.backend if connected else None
+        self.send(Done("serve_model", "" if connected else "the server started but did not accept the connection"))
+
+    def stop_serving(self, _cmd: StopServing | None) -> None:
+        if self.served is not None:
+            server, self.served = self.served, None
+            if self.backend is not None and self.backend is self.served_backend:
+                self.backend.close()
+                self.backend = self.local
+                self.send(Disconnected())
+            server.stop(grace_s=5.0)
 
     def tokenize(self, cmd: Tokenize) -> None:
         """The backend's own tokenization of the prompt (and of its chat form), for the Prompt panel."""

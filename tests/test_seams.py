@@ -108,3 +108,14 @@ def test_the_readme_map_matches_the_tree():
     assert not missing, f"on disk but not on the README's map: {sorted(missing)}"
     for name in named:
         assert (engine / name).exists(), f"the README's map names engine/{name}, which does not exist"
+
+
+def test_the_readme_lists_every_panel_by_its_title():
+    from app.panels import PANEL_MODULES
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = text[:text.index("## Setting up")]
+    for name in PANEL_MODULES:
+        module = __import__(f"app.panels.{name}", fromlist=["PANEL"])
+        panel = module.PANEL
+        assert f"| {panel.title} ({panel.shortcut}) |" in table, f"README's panel table lacks {panel.title}"

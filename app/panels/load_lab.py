@@ -64,7 +64,9 @@ class LoadLabPanel(Panel):
     subscriptions = {
         "sig_server_connected": "_on_connected", "sig_serve_progress": "_on_progress",
         "sig_serve_request": "_on_request", "sig_serve_run": "_on_run", "sig_serve_done": "_on_done",
-        "sig_serve_metrics": "_on_metrics",
+        "sig_serve_metrics": "_on_metrics", "sig_server_disconnected": "_on_disconnected",
+        "sig_serving_progress": "_on_serving_progress", "sig_serving_done": "_on_serving_done",
+        "sig_model_loaded": "_on_model_ready",
     }
     help_text = (
         "A bounded load test of the connected server (File → Connect to server…), measured like `vllm bench "
@@ -89,9 +91,10 @@ class LoadLabPanel(Panel):
         self._cfg: dict = {}
         self.metrics: list[tuple[float, float | None, float | None, float | None]] = []  # t, kv, running, waiting
         self.running = False
-        self.status = "Connect to a server (File → Connect to server…), then Run."
+        self.status = "Connect to a server (File → Connect to server…) or press Serve this model, then Run."
         self.progress_value = 0.0
         self._t_offset = 0.0
+        self._starting = False  # Serve this model: a server is starting
         self._build()
         self._update_buttons()
         self.mark_dirty()
@@ -142,7 +145,11 @@ class LoadLabPanel(Panel):
         self.cancel_button.clicked.connect(self.cancel)
         self.export_button = QtWidgets.QPushButton("Export…")
         self.export_button.clicked.connect(self._export_dialog)
-        for b in (self.run_button, self.cancel_button, self.export_button):
+        self.serve_button = QtWidgets.QPushButton("Serve this model")
+        self.serve_button.setToolTip("No server yet? Start llama.cpp's server for the loaded model on 127.0.0.1 and "
+                                     "connect to it (it stops when you disconnect or close the app)")
+        self.serve_button.clicked.connect(self.serve_model)
+        for b in (self.serve_button, self.run_button, self.cancel_button, self.export_button):
             row2.addWidget(b)
 
         self.progress = QtWidgets.QProgressBar()
@@ -203,6 +210,8 @@ class LoadLabPanel(Panel):
     def _update_buttons(self) -> None:
         connected = self.bridge.server is not None
         self.run_button.setEnabled(connected and not self.running)
+        self.serve_button.setVisible(not connected)
+        self.serve_button.setEnabled(not self._starting and self.bridge.info is not None)
         self.cancel_button.setEnabled(self.running)
         self.export_button.setEnabled(bool(self.runs))
 
@@ -269,6 +278,37 @@ class LoadLabPanel(Panel):
     @QtCore.Slot(object)
     def _on_connected(self, info) -> None:
         self.status = f"Connected to {info.kind} ({info.model}). Pick levels and Run."
+        self._update_buttons()
+        self.mark_dirty()
+
+    def serve_model(self) -> None:
+        """Start a server for the loaded model (the engine process starts it and connects)."""
+        self._starting = True
+        self.status = "Starting llama.cpp's server for the loaded model…"
+        self.bridge.serve_model()
+        self._update_buttons()
+        self.mark_dirty()
+
+    @QtCore.Slot(float, str)
+    def _on_serving_progress(self, fraction: float, message: str) -> None:
+        self.status = f"{message}…"
+        self.mark_dirty()
+
+    @QtCore.Slot(str)
+    def _on_serving_done(self, message: str) -> None:
+        self._starting = False
+        if message:
+            self.status = f"⚠ Could not serve the model: {message}"
+        self._update_buttons()
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_model_ready(self, _info: object) -> None:
+        self._update_buttons()
+
+    @QtCore.Slot()
+    def _on_disconnected(self) -> None:
+        self.status = "Not connected: connect to a server (File → Connect to server…) or serve this model."
         self._update_buttons()
         self.mark_dirty()
 

@@ -94,36 +94,58 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def is_ready(server: RunningServer, api_key: str | None = None) -> bool:
+    """One look at /v1/models: True once it lists a model; RuntimeError (and the server stopped) if it exited."""
+    if server.proc.poll() is not None:
+        server.stop()  # the leader is gone; the rest of its group may not be
+        raise RuntimeError(f"{server.kind} exited with {server.proc.returncode} while starting:\n{server.log_tail()}")
+    req = urllib.request.Request(server.url + "/v1/models")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=2) as r:
+            return r.status == 200 and bool(json.loads(r.read(1 << 20)).get("data"))
+    except (OSError, ValueError):
+        return False
+
+
 def _wait_ready(server: RunningServer, timeout_s: float, api_key: str | None = None) -> None:
     """Poll /v1/models until it lists a model; on exit or timeout stop the server and raise RuntimeError."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            server.stop()  # the leader is gone; the rest of its group may not be
-            raise RuntimeError(f"{server.kind} exited with {server.proc.returncode} while starting:\n"
-                               f"{server.log_tail()}")
-        req = urllib.request.Request(server.url + "/v1/models")
-        if api_key:
-            req.add_header("Authorization", f"Bearer {api_key}")
-        try:
-            with urllib.request.urlopen(req, timeout=2) as r:
-                if r.status == 200 and json.loads(r.read()).get("data"):
-                    return
-        except (OSError, ValueError):
-            pass
+        if is_ready(server, api_key):
+            return
         time.sleep(1.0)
     server.stop()
     raise RuntimeError(f"{server.kind} was not ready within {timeout_s:.0f} s:\n{server.log_tail()}")
 
 
+def _die_with_parent():
+    """A pre-exec hook: SIGTERM to the child when the thread that started it ends (Linux's PR_SET_PDEATHSIG), so a
+    crashed app leaves no server behind; None where there is no prctl. Resolved here, in the parent: the child of a
+    threaded process must not load libraries before exec."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)
+
+
+def spawn(kind: str, cmd: list[str], env: dict, log: Path, port: int, tied: bool = False) -> RunningServer:
+    """Start a server without waiting for it; `tied`: it ends when the thread that started it ends."""
+    fh = open(log, "wb")  # noqa: SIM115 - kept open for the server's life
+    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            cwd=str(log.parent), preexec_fn=_die_with_parent() if tied else None)
+    fh.close()
+    return RunningServer(kind=kind, url=f"http://127.0.0.1:{port}", proc=proc, log=log)
+
+
 def _start(kind: str, cmd: list[str], env: dict, log: Path, port: int, timeout_s: float,
            api_key: str | None = None) -> RunningServer:
     t0 = time.perf_counter()
-    fh = open(log, "wb")  # noqa: SIM115 - kept open for the server's life
-    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                            cwd=str(log.parent))
-    fh.close()
-    server = RunningServer(kind=kind, url=f"http://127.0.0.1:{port}", proc=proc, log=log)
+    server = spawn(kind, cmd, env, log, port)
     try:
         _wait_ready(server, timeout_s, api_key)
     except BaseException:  # also Ctrl-C while waiting: never leave a server behind
@@ -171,14 +193,32 @@ def start_vllm(hf_dir: Path, log_dir: Path, api_key: str | None = None, timeout_
     return _start("vllm", cmd, env, Path(log_dir) / f"vllm-{port}.log", port, timeout_s, api_key)
 
 
-def start_llamacpp(gguf: Path, log_dir: Path, timeout_s: float = 120.0) -> RunningServer:
-    port = free_port()
+def llamacpp_command(gguf: Path, port: int, alias: str = SERVED_NAME) -> tuple[list[str], dict]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("PYTHONPATH", None)
     cmd = [str(LLAMA_PY), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
            "--port", str(port), "--n_ctx", "2048", "--n_threads", str(min(2, os.cpu_count() or 1)),
-           "--model_alias", SERVED_NAME, "--logits_all", "true"]
+           "--model_alias", alias, "--logits_all", "true"]
+    return cmd, env
+
+
+def start_llamacpp(gguf: Path, log_dir: Path, timeout_s: float = 120.0) -> RunningServer:
+    port = free_port()
+    cmd, env = llamacpp_command(gguf, port)
     return _start("llama-cpp-python", cmd, env, Path(log_dir) / f"llamacpp-{port}.log", port, timeout_s)
+
+
+def serve_local_model(path: Path, log_dir: Path, alias: str) -> RunningServer:
+    """llama.cpp's server for a GGUF file, started without waiting (is_ready tells when it answers), tied to this
+    process. RuntimeError with one sentence when it cannot be started here."""
+    path = Path(path)
+    if path.suffix.lower() != ".gguf" or not path.is_file():
+        raise RuntimeError("serving from the app takes a GGUF file (llama.cpp's server); this model is not one")
+    if not LLAMA_PY.exists():
+        raise RuntimeError("llama.cpp's server is not installed: `make servers` sets it up in .venv-servers/")
+    port = free_port()
+    cmd, env = llamacpp_command(path, port, alias)
+    return spawn("llama-cpp-python", cmd, env, Path(log_dir) / f"llamacpp-{port}.log", port, tied=True)
 
 
 def vllm_log_facts(log: str) -> dict:
