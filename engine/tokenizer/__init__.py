@@ -18,12 +18,12 @@ Special tokens are found in the text the way llama.cpp's tokenizer_st_partition 
 lstrip/rstrip rules); the merging then runs on the text between them.
 
 Modules: core (the Tokenizer: encode/align/decode), build (its constructors), cache (its disk cache), chat (chat
-templates in a sandbox), pretokenize (llama.cpp's pre-tokenizer regexes), spm (SentencePiece merges), vocab (GGUF
-token types, special-token rules, GPT-2's byte table).
+templates in a sandbox, within a time and size budget), pretokenize (llama.cpp's pre-tokenizer regexes), spm
+(SentencePiece merges), vocab (GGUF token types, special-token rules, GPT-2's byte table).
 """
 
 from engine.tokenizer.cache import CACHE_FORMAT
-from engine.tokenizer.chat import CHATML_TEMPLATE
+from engine.tokenizer.chat import CHATML_TEMPLATE, ChatTemplateRefused
 from engine.tokenizer.core import StreamDecoder, Tokenization, Tokenizer, char_spans
 from engine.tokenizer.pretokenize import SUPPORTED_PRE, llama_cpp_pre_type
 from engine.tokenizer.vocab import bytes_to_unicode
@@ -31,6 +31,7 @@ from engine.tokenizer.vocab import bytes_to_unicode
 __all__ = [
     "CACHE_FORMAT",
     "CHATML_TEMPLATE",
+    "ChatTemplateRefused",
     "SUPPORTED_PRE",
     "StreamDecoder",
     "Tokenization",

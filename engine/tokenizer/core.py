@@ -95,6 +95,7 @@ class Tokenizer:
         self.warnings = list(warnings)
         self._extra_tokens = dict(extra_tokens or {})
         self._rules = rules
+        self._chat_refused: str | None = None  # why the chat template was refused, once it has been
 
         added = backend.get_added_tokens_decoder()
         size = max(backend.get_vocab_size(with_added_tokens=True), *(i + 1 for i in self._extra_tokens), 0)
@@ -510,7 +511,9 @@ class Tokenizer:
 
         A model with no template of its own falls back to ChatML only if its vocabulary has ChatML's special tokens;
         otherwise (a base model such as Gemma 3 270M) ChatML's markers would be split into ordinary text pieces the
-        model never saw in training."""
+        model never saw in training. A template refused once (see apply_chat_template) stays refused."""
+        if self._chat_refused is not None:
+            return self._chat_refused
         if self.chat_template or all(self.token_id(t) is not None for t in CHATML_TOKENS):
             return None
         return ("this model has no chat template (a base model, not an instruction-tuned one) and its vocabulary has "
@@ -518,18 +521,26 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """Render the model's chat template (ChatML when it has none and its vocabulary has ChatML's tokens) in a
-        Jinja sandbox; ValueError when it has neither (chat_unavailable says why)."""
+        Jinja sandbox, within a time and size budget (engine.tokenizer.chat); ValueError when it has neither
+        (chat_unavailable says why) or the template fails.
+
+        A template that breaks the sandbox or the budget or does not compile is remembered as refused: later calls
+        (the GUI renders on every keystroke) raise at once instead of running it again."""
         if (why := self.chat_unavailable) is not None:
             raise ValueError(why)
-        return chat.render(
-            self.chat_template or CHATML_TEMPLATE,
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._token_text(self.bos_id),
-            eos_token=self._token_text(self.eos_ids[0] if self.eos_ids else None),
-            tools=None,
-            documents=None,
-        )
+        try:
+            return chat.render(
+                self.chat_template or CHATML_TEMPLATE,
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._token_text(self.bos_id),
+                eos_token=self._token_text(self.eos_ids[0] if self.eos_ids else None),
+                tools=None,
+                documents=None,
+            )
+        except chat.ChatTemplateRefused as exc:
+            self._chat_refused = str(exc)
+            raise
 
     def chat_prompt(self, user_text: str) -> str:
         """The prompt for one user message, ready for the assistant's reply."""
