@@ -92,7 +92,7 @@ def tokenizer_timings(tok, repeats: int = 15) -> dict:
     import tempfile
     from pathlib import Path
 
-    from engine.tokenizer.core import Tokenizer
+    from engine.tokenizer import Tokenizer
 
     words = ["the", "quick", "brown", "fox", "2024", "über", "😀", "\n", "世界", "x=1;", "  ", "<|im_end|>"]
     text = " ".join(words[(k * 7) % len(words)] for k in range(3000))
@@ -135,7 +135,7 @@ def run_hf(dtype: str, new_tokens: int, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from engine.loaders import default_model_path
-    from engine.tokenizer.core import Tokenizer
+    from engine.tokenizer import Tokenizer
 
     path = default_model_path()
     t0 = time.perf_counter()
@@ -211,7 +211,7 @@ def run_llama_cpp(new_tokens: int, repeats: int, threads: int, model: str | None
     Runs in the interpreter that has llama_cpp (possibly another virtual environment), so the script is plain text.
     """
     from engine.formats.locate import resolve_model_path
-    from engine.tokenizer.core import Tokenizer
+    from engine.tokenizer import Tokenizer
 
     python = llama_cpp_python()
     if python is None:
@@ -307,7 +307,7 @@ def run_vllm(new_tokens: int, repeats: int, threads: int, dtype: str = "auto",
     from engine.remote.backend import RemoteBackend
     from engine.remote.launch import start_vllm, vllm_log_facts, vllm_python
     from engine.remote.loadlab import one_request
-    from engine.tokenizer.core import Tokenizer
+    from engine.tokenizer import Tokenizer
 
     python = vllm_python()
     if python is None:

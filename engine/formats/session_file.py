@@ -244,7 +244,7 @@ def load_session(path: str | os.PathLike[str], with_tokenizer: bool = True) -> S
         tokenizer = None
         tok_files = [n for n in names if n.startswith("tokenizer/") and not n.endswith("/")]
         if with_tokenizer and tok_files:
-            from engine.tokenizer.core import Tokenizer
+            from engine.tokenizer import Tokenizer
 
             with tempfile.TemporaryDirectory() as td:
                 for n in tok_files:

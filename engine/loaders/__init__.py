@@ -38,7 +38,7 @@ from engine.formats.locate import (  # noqa: F401 — re-exported: where callers
 )
 from engine.model.config import ModelConfig
 from engine.model.transformer import Transformer, build_model, fuse_state_dict
-from engine.tokenizer.core import Tokenizer
+from engine.tokenizer import Tokenizer
 
 CACHE_VERSION = "4"  # bump when the converted weights or the tokenizer change (4: file tensor stats in meta)
 

@@ -64,7 +64,7 @@ class ServerMetricsSampled:
 
 def _bytes_of_vocab_string(s: str) -> bytes:
     """A byte-level BPE vocabulary string (`Ġthe`) as bytes; other strings (added tokens) as their UTF-8."""
-    from engine.tokenizer.core import _byte_level_tables
+    from engine.tokenizer.vocab import _byte_level_tables
 
     translate, outside = _byte_level_tables()
     if outside.search(s):
@@ -73,7 +73,7 @@ def _bytes_of_vocab_string(s: str) -> bytes:
 
 
 def _readable(b: bytes) -> str:
-    from engine.tokenizer.core import _readable as r
+    from engine.tokenizer.vocab import _readable as r
 
     return r(b)
 

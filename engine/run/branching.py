@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from engine.tokenizer.core import Tokenization, Tokenizer, char_spans
+from engine.tokenizer import Tokenization, Tokenizer, char_spans
 
 
 def parse_force(items: Sequence[str]) -> dict[int, int]:

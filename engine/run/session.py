@@ -44,7 +44,7 @@ from engine.run.constrain import Constraint
 from engine.run.lens import lens_event
 from engine.run.sampling import FunnelStages, SamplingParams, choose, make_generator, sample
 from engine.run.threads import AdaptiveThreads
-from engine.tokenizer.core import StreamDecoder, Tokenization
+from engine.tokenizer import StreamDecoder, Tokenization
 
 CACHE_GRANULE = 256  # the cache grows in steps of this many positions, so it is rarely reallocated
 

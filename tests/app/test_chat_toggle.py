@@ -4,7 +4,7 @@ the reason as tooltip; a model with a template gets them back as the user left t
 from __future__ import annotations
 
 from engine.protocol import Loaded
-from engine.tokenizer.core import Tokenizer
+from engine.tokenizer import Tokenizer
 from tests.tiny_tokenizer import tiny_vocab
 
 

@@ -15,7 +15,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.panels.prompt import PromptPanel
 from app.token_view import segments
-from engine.tokenizer.core import Tokenizer, bytes_to_unicode
+from engine.tokenizer import Tokenizer, bytes_to_unicode
 from tests.tiny_tokenizer import tiny_vocab
 
 HOSTILE = [

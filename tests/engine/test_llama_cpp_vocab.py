@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.formats.gguf_meta import read_metadata
-from engine.tokenizer.core import _PRE_GROUP, SUPPORTED_PRE, Tokenization, Tokenizer, llama_cpp_pre_type
+from engine.tokenizer import SUPPORTED_PRE, Tokenization, Tokenizer, llama_cpp_pre_type
+from engine.tokenizer.pretokenize import _PRE_GROUP
 from tests.tiny_tokenizer import tiny_vocab
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "llama_cpp_vocab"

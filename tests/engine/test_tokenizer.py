@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jinja2.exceptions import SecurityError
 
-from engine.tokenizer.core import CACHE_FORMAT, StreamDecoder, Tokenization, Tokenizer, bytes_to_unicode
+from engine.tokenizer import CACHE_FORMAT, StreamDecoder, Tokenization, Tokenizer, bytes_to_unicode
 from tests.tiny_tokenizer import (
     CHAT_TEMPLATE,
     IM_END_ID,
