@@ -119,7 +119,8 @@ class SavedSession:
     info: ev_mod.ModelInfo | None = None
     cfg: ModelConfig | None = None
     tokenizer: Any = None  # engine.tokenizer.core.Tokenizer, or None
-    branches: list = field(default_factory=list)  # [{"name", "parent", "step", "token", "events": [...]}, …]
+    # [{"name", "parent" (index of an earlier branch or None), "step", "token", "shown", "events": [...]}, …]
+    branches: list = field(default_factory=list)
     created: str = ""
 
 
@@ -523,12 +524,17 @@ def _check_session(s: SavedSession) -> None:
         v = s.settings.get(key)
         if v is not None and (not isinstance(v, kind) or isinstance(v, bool)):
             raise SessionFileError(f"session.json's settings have a {type(v).__name__} for {key}")
-    for b in s.branches:
-        ok = (isinstance(b.get("name"), str) and isinstance(b.get("parent"), (str, type(None)))
-              and all(isinstance(b.get(k, 0), int) and not isinstance(b.get(k, 0), bool) for k in ("step", "token"))
-              and all(record(e) for e in b["events"]))
+    def whole(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    for i, b in enumerate(s.branches):
+        parent = b.get("parent")
+        ok = (isinstance(b.get("name"), str) and all(whole(b.get(k, 0)) for k in ("step", "token"))
+              and isinstance(b.get("shown", False), bool) and all(record(e) for e in b["events"]))
         if not ok:
-            raise SessionFileError("session.json holds a branch without a name, a parent, a step and a token")
+            raise SessionFileError("session.json holds a branch without a name, a step and a token")
+        if parent is not None and not (whole(parent) and 0 <= parent < i):  # a fork comes after what it forks
+            raise SessionFileError(f"session.json holds a branch whose parent {_short(parent)} is not an earlier one")
 
 
 # ---- bounded reading ---------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def recorded(tiny_lm):
                         settings={"params": params, "max_new_tokens": 5, "capture": cap},
                         model=model_identity(tiny_lm.info), info=tiny_lm.info, cfg=tiny_lm.cfg,
                         tokenizer=tiny_lm.tokenizer,
-                        branches=[{"name": "b1", "parent": "main", "step": 2, "token": 9, "events": events[-3:]}])
+                        branches=[{"name": "b1", "parent": None, "step": 2, "token": 9, "events": events[-3:]}])
 
 
 def test_round_trip_keeps_every_event(recorded, tmp_path):

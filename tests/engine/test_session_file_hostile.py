@@ -79,7 +79,7 @@ def test_a_server_run_saves_and_reopens_equal(tmp_path):
     events = server_run()
     params = events[3].params
     s = SavedSession(events=events, prompt="ab", settings={"params": params, "max_new_tokens": 3},
-                     branches=[{"name": "b", "parent": "main", "step": 1, "token": 8, "events": events[-3:]}])
+                     branches=[{"name": "b", "parent": None, "step": 1, "token": 8, "events": events[-3:]}])
     save_session(tmp_path / "server.ilab", s)
     back = load_session(tmp_path / "server.ilab")
     assert [type(e).__name__ for e in back.events] == [type(e).__name__ for e in events]
@@ -337,6 +337,7 @@ CASES = [
     edit(_set(lambda d: d, "version", "1")),
     edit(_set(lambda d: d["model"], "sha256", {"a": 1})), edit(_set(lambda d: d, "settings", {"max_new_tokens": "9"})),
     edit(_set(lambda d: d, "branches", [{"name": 1, "events": []}])),
+    edit(_set(lambda d: d, "branches", [{"name": "a", "events": []}, {"name": "b", "parent": 1, "events": []}])),
     edit(_set(lambda d: d["events"][1], "fields", 5)), edit(_set(lambda d: d["events"][1], "$type", "Popen")),
     edit(_set(lambda d: d["events"][1], "$type", ["TokenSampled"])), edit(_set(lambda d: d["events"], 0, {"$foo": 1})),
     edit(_set(lambda d: d["events"], 0, {"$tuple": 5})), edit(_set(lambda d: d["events"], 0, {"$array": 7})),
