@@ -302,7 +302,12 @@ def _run_headless(app, args: argparse.Namespace) -> int:
     watchdog.start(500)
     if replay_only:
         def open_and_save() -> None:
-            if session_io.open_session_from(window, str(Path(args.open_session).expanduser())):
+            try:
+                opened = session_io.open_session_from(window, str(Path(args.open_session).expanduser()))
+            except Exception as e:  # noqa: BLE001 — a slot's exception is only logged: say it and exit, never wait
+                finish(1, " ".join(f"{args.open_session} cannot be shown ({type(e).__name__}: {e})".split()))
+                return
+            if opened:
                 save()
             else:
                 finish(1, window.last_error)

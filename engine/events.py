@@ -59,6 +59,9 @@ class ModelInfo:
     # weights one decode step streams: at the file's format (as llama.cpp would) and at the running dtype
     decode_weight_bytes_file: int = 0
     decode_weight_bytes: int = 0
+    # SHA-256 of the weights file (a folder: its config.json and *.safetensors), hashed once by the engine at load;
+    # a saved session names its model by it
+    sha256: str = ""
 
 
 # What a backend may be unable to report about a run; panels that draw one of these say so instead of drawing.

@@ -4,10 +4,18 @@ The format is open and holds no pickle: a zip archive with
     session.json     format version, model identity (name, path, SHA-256 of the weights file), prompt, settings,
                      the model's config and facts, and every event in order, as JSON
     arrays.npz       every numpy array the events carry, named a0, a1, … and referenced from session.json as
-                     {"$array": "a0"}; read back with np.load(allow_pickle=False)
+                     {"$array": "a0"}: an ordinary .npz whose members are each compressed once, stored in the
+                     archive as it is (so it is read in place, never inflated twice)
     tokenizer/       the model's tokenizer (tokenizer.json and its metadata), so pieces can be drawn
-Objects in session.json are tagged: {"$type": "TokenSampled", "fields": {...}} for the engine's dataclasses (only
-the ones listed in TYPES can be read back), {"$tuple": [...]}, {"$frozenset": [...]}.
+Objects in session.json are tagged: {"$type": "TokenSampled", "fields": {...}} for the dataclasses listed in
+`readable_types()` (the engine's events, a server run's events, settings and configs), {"$tuple": [...]},
+{"$frozenset": [...]}.
+
+A session file may come from anyone, so reading one is bounded before anything is inflated: how many members,
+how large each says it is and how far it is compressed (checked in the zip directory and again while reading, in
+chunks, so a lying header gains nothing), each array's .npy header (shape × item size, no object dtypes), the JSON's
+size and nesting depth; then every record's fields are checked against its annotations and the per-step arrays
+against each other. Whatever is wrong, the reader raises SessionFileError with one sentence.
 """
 
 from __future__ import annotations
@@ -16,10 +24,16 @@ import dataclasses
 import hashlib
 import io
 import json
+import math
 import os
+import re
+import struct
 import tempfile
 import time
+import types
+import typing
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,14 +47,64 @@ from engine.protocol import Capture, SamplingParams  # plain data: the GUI proce
 FORMAT = "inference-lab-session"
 VERSION = 1
 SUFFIX = ".ilab"
-TYPES: dict[str, type] = {
-    c.__name__: c for c in vars(ev_mod).values() if dataclasses.is_dataclass(c) and c.__module__ == ev_mod.__name__
-}
-TYPES.update(SamplingParams=SamplingParams, ModelConfig=ModelConfig, Capture=Capture)
+
+# ---- what a file may make the reader hold -------------------------------------------------------------------
+# Sized from a long real run: SmolLM2-135M with the app's captures (funnel, full logits, logit lens, and attention
+# for one layer once the prompt is past the every-layer threshold) stores per step its logits (vocab × 4 bytes,
+# about 0.2 MB) and one attention row (heads × position × 4 bytes), about 15 arrays and a few KB of JSON: at 8,192
+# tokens some 3 GB of arrays, 120,000 arrays and 30 MB of JSON. Each limit leaves room above that.
+MAX_MEMBERS = 64  # session.json, arrays.npz and the tokenizer's few files
+MAX_JSON_BYTES = 256 << 20
+MAX_DEPTH = 64  # nesting of session.json; real documents go about 10 deep
+MAX_TOKENIZER_BYTES = 128 << 20  # each tokenizer file (a 262k-token vocabulary's tokenizer.json is ~33 MB)
+MAX_ARRAYS = 1 << 18
+MAX_ARRAY_BYTES = 6 << 30  # all arrays together
+# Real members compress at most ~10-fold (JSON; the arrays far less); deflate reaches ~1000-fold on filler, which
+# is what a zip bomb is. Members below RATIO_FLOOR may compress as they like.
+MAX_RATIO = 100
+RATIO_FLOOR = 1 << 20
+CHUNK = 1 << 20  # bytes inflated per read
 
 
 class SessionFileError(ValueError):
     """A file that is not a session this version can read; the message says why in one sentence."""
+
+
+# ---- the records a file may hold ----------------------------------------------------------------------------
+_TYPES: dict[str, type] | None = None
+
+
+def readable_types() -> dict[str, type]:
+    """Every dataclass a session file may hold, by name: the engine's events, a server run's events (their own
+    subclasses), and the settings and configs saved beside them. Nothing else is ever built from a file."""
+    global _TYPES
+    if _TYPES is None:
+        # torch-free at import (torch is imported inside the functions that need it): the GUI process reads files
+        from engine.remote import backend, client, metrics
+
+        classes = [c for c in vars(ev_mod).values()
+                   if dataclasses.is_dataclass(c) and c.__module__ == ev_mod.__name__]
+        classes += [SamplingParams, Capture, ModelConfig, backend.TopNFunnel, backend.RemoteTokenSampled,
+                    backend.ServerConnected, backend.ServerMetricsSampled, client.ServerInfo, metrics.ServerMetrics]
+        by_name = {c.__name__: c for c in classes}
+        if len(by_name) != len(classes):
+            raise RuntimeError("two session record types share a name")
+        _TYPES = by_name
+    return _TYPES
+
+
+_CHECKS: dict[type, dict[str, tuple[Callable[[Any], bool], str]]] = {}
+
+
+def _checks(cls: type) -> dict[str, tuple[Callable[[Any], bool], str]]:
+    """For each field of a record type, a test of whether a decoded value fits its annotation, and its name."""
+    if cls not in _CHECKS:
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # noqa: BLE001 — annotations that cannot be resolved are not checked
+            hints = {}
+        _CHECKS[cls] = {name: (_checker(h), _label(h)) for name, h in hints.items()}
+    return _CHECKS[cls]
 
 
 @dataclass
@@ -54,8 +118,9 @@ class SavedSession:
     model: dict = field(default_factory=dict)  # identity: name, path, sha256, architecture
     info: ev_mod.ModelInfo | None = None
     cfg: ModelConfig | None = None
-    tokenizer: Any = None  # engine.tokenizer.core.Tokenizer, or None
-    branches: list = field(default_factory=list)  # [{"name", "parent", "step", "token", "events": [...]}, …]
+    tokenizer: Any = None  # engine.tokenizer.Tokenizer, or None
+    # [{"name", "parent" (index of an earlier branch or None), "step", "token", "shown", "events": [...]}, …]
+    branches: list = field(default_factory=list)
     created: str = ""
 
 
@@ -63,10 +128,11 @@ class SavedSession:
 _HASHES: dict[tuple[str, int, int], str] = {}
 
 
-def file_sha256(path: str | os.PathLike[str]) -> str:
+def file_sha256(path: str | os.PathLike[str], memo: Path | None = None) -> str:
     """SHA-256 of a weights file, or of a model folder's config.json and *.safetensors in name order ("" if none).
 
-    Remembered per (path, size, mtime), so saving twice does not hash 300 MB twice.
+    Remembered per (path, size, mtime) in this process, and in the folder `memo` when given (the engine's cache:
+    a model is hashed once, not at every start).
     """
     p = Path(path)
     files = [p] if p.is_file() else sorted([*p.glob("config.json"), *p.glob("*.safetensors")]) if p.is_dir() else []
@@ -74,6 +140,11 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
         return ""
     st = [f.stat() for f in files]
     key = (str(p.resolve()), sum(s.st_size for s in st), max(s.st_mtime_ns for s in st))
+    note = memo / (hashlib.sha256(repr(key).encode()).hexdigest()[:20] + ".sha256") if memo is not None else None
+    if key not in _HASHES and note is not None and note.is_file():
+        text = note.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{64}", text):
+            _HASHES[key] = text
     if key not in _HASHES:
         h = hashlib.sha256()
         for f in files:
@@ -81,14 +152,23 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
                 for block in iter(lambda: fh.read(1 << 20), b""):
                     h.update(block)
         _HASHES[key] = h.hexdigest()
+        if note is not None:
+            try:
+                note.parent.mkdir(parents=True, exist_ok=True)
+                note.write_text(_HASHES[key])
+            except OSError:
+                pass  # a read-only cache only costs hashing again next time
     return _HASHES[key]
 
 
 def model_identity(info: ev_mod.ModelInfo | None) -> dict:
+    """The model a session was recorded with. Its SHA-256 comes from the engine (ModelInfo.sha256, hashed once at
+    load); a ModelInfo from before that field existed is hashed here."""
     if info is None:
         return {}
+    sha = getattr(info, "sha256", "") or (file_sha256(info.path) if info.path else "")
     return {"name": info.name, "path": info.path, "architecture": info.architecture, "file_type": info.file_type,
-            "n_params": info.n_params, "sha256": file_sha256(info.path) if info.path else ""}
+            "n_params": info.n_params, "sha256": sha}
 
 
 def same_model(saved: dict, info: ev_mod.ModelInfo | None) -> str | None:
@@ -101,7 +181,7 @@ def same_model(saved: dict, info: ev_mod.ModelInfo | None) -> str | None:
             return None
     elif (saved.get("name"), saved.get("n_params")) == (here["name"], here["n_params"]):
         return None
-    return (f"this session was recorded with {saved.get('name', '?')} (SHA-256 {saved.get('sha256', '?')[:12]}…); "
+    return (f"this session was recorded with {saved.get('name', '?')} (SHA-256 {str(saved.get('sha256', '?'))[:12]}…); "
             f"the loaded model is {here['name']} (SHA-256 {here['sha256'][:12]}…)")
 
 
@@ -109,6 +189,7 @@ def same_model(saved: dict, info: ev_mod.ModelInfo | None) -> str | None:
 class _Encoder:
     def __init__(self) -> None:
         self.arrays: dict[str, np.ndarray] = {}
+        self.types = readable_types()
 
     def __call__(self, x: Any) -> Any:
         if x is None or isinstance(x, (bool, int, float, str)):
@@ -128,52 +209,192 @@ class _Encoder:
         if isinstance(x, (set, frozenset)):
             return {"$frozenset": [self(v) for v in sorted(x)]}
         if isinstance(x, dict):
-            if not all(isinstance(k, str) for k in x):
-                raise TypeError("only dicts with string keys can be stored")
+            if not all(isinstance(k, str) and not k.startswith("$") for k in x):
+                raise TypeError("only dicts with string keys (not starting with $) can be stored")
             return {k: self(v) for k, v in x.items()}
         name = type(x).__name__
-        if dataclasses.is_dataclass(x) and TYPES.get(name) is type(x):
+        if dataclasses.is_dataclass(x) and self.types.get(name) is type(x):
             return {"$type": name,
                     "fields": {f.name: self(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}}
         raise TypeError(f"cannot store a {type(x).__module__}.{name} in a session file")
 
 
+# ---- decoding: every value checked against what the record declares ------------------------------------------
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def _label(hint: Any) -> str:
+    text = hint.__name__ if isinstance(hint, type) else str(hint)
+    return re.sub(r"\b(typing|numpy|engine\.[a-z_.]+)\.", "", text)
+
+
+def _checker(hint: Any) -> Callable[[Any], bool]:
+    """A test of whether a decoded value fits a field annotation (the kinds of annotation the engine's dataclasses
+    use; any other is not checked)."""
+    if hint is Any or hint is object:
+        return lambda v: True
+    if hint is None or hint is type(None):
+        return lambda v: v is None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        alts = [_checker(a) for a in args]
+        return lambda v: any(c(v) for c in alts)
+    if origin is typing.Literal:
+        return lambda v: any(v == a and type(v) is type(a) for a in args)
+    simple = {bool: (bool, ()), int: (int, bool), float: ((int, float), bool), str: (str, ()),
+              np.ndarray: (np.ndarray, ())}
+    if hint in simple:
+        kinds, never = simple[hint]
+        return lambda v: isinstance(v, kinds) and not isinstance(v, never)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            each = _checker(args[0])
+            return lambda v: isinstance(v, tuple) and all(each(x) for x in v)
+        parts = [_checker(a) for a in args]
+        return lambda v: (isinstance(v, tuple) and len(v) == len(parts)
+                          and all(c(x) for c, x in zip(parts, v, strict=True)))
+    if origin in (frozenset, set, list):
+        each, kinds = _checker(args[0]), (list if origin is list else (frozenset, set))
+        return lambda v: isinstance(v, kinds) and all(each(x) for x in v)
+    if origin is dict:
+        key, value = _checker(args[0]), _checker(args[1])
+        return lambda v: isinstance(v, dict) and all(key(k) and value(x) for k, x in v.items())
+    if isinstance(hint, type):
+        return lambda v: isinstance(v, hint)
+    return lambda v: True
+
+
+_TAGS = ("$array", "$tuple", "$frozenset", "$type", "fields")
+
+
 class _Decoder:
     def __init__(self, arrays: dict[str, np.ndarray]) -> None:
         self.arrays = arrays
+        self.types = readable_types()
 
-    def __call__(self, x: Any) -> Any:
+    def __call__(self, x: Any, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise SessionFileError(f"session.json is nested more than {MAX_DEPTH} deep, as no session is")
         if isinstance(x, list):
-            return [self(v) for v in x]
+            return [self(v, depth + 1) for v in x]
         if not isinstance(x, dict):
             return x
-        if "$array" in x:
-            key = x["$array"]
-            if key not in self.arrays:
-                raise SessionFileError(f"the session names an array {key!r} that arrays.npz lacks")
-            return self.arrays[key]
-        if "$tuple" in x:
-            return tuple(self(v) for v in x["$tuple"])
-        if "$frozenset" in x:
-            return frozenset(self(v) for v in x["$frozenset"])
-        if "$type" in x:
-            cls = TYPES.get(x["$type"])
-            if cls is None:
-                raise SessionFileError(f"the session holds an unknown kind of record, {x['$type']!r}")
-            known = {f.name for f in dataclasses.fields(cls) if f.init}
-            kw = {k: self(v) for k, v in x["fields"].items() if k in known}  # fields of a newer version: skipped
+        tags = [k for k in x if k.startswith("$")]
+        if not tags:
+            return {k: self(v, depth + 1) for k, v in x.items()}
+        if len(tags) > 1 or any(k not in _TAGS for k in x):
+            raise SessionFileError(f"session.json holds a malformed tagged value with keys {_short(sorted(x))}")
+        tag, value = tags[0], x[tags[0]]
+        if tag == "$array":
+            if not isinstance(value, str) or value not in self.arrays:
+                raise SessionFileError(f"session.json names an array {_short(value)} that arrays.npz lacks")
+            return self.arrays[value]
+        if tag in ("$tuple", "$frozenset"):
+            if not isinstance(value, list) or "fields" in x:
+                raise SessionFileError(f"session.json holds a {tag[1:]} that is not a list")
+            items = [self(v, depth + 1) for v in value]
+            if tag == "$tuple":
+                return tuple(items)
             try:
-                return cls(**kw)
-            except TypeError as e:
-                raise SessionFileError(f"a saved {x['$type']} does not fit this version: {e}") from None
-        return {k: self(v) for k, v in x.items()}
+                return frozenset(items)
+            except TypeError:
+                raise SessionFileError("session.json holds a set of unhashable values") from None
+        return self._record(value, x.get("fields"), depth + 1)
+
+    def _record(self, name: Any, fields: Any, depth: int) -> Any:
+        cls = self.types.get(name) if isinstance(name, str) else None
+        if cls is None:
+            raise SessionFileError(f"session.json holds an unknown kind of record, {_short(name)}")
+        if not isinstance(fields, dict):
+            raise SessionFileError(f"a saved {name} has no fields object")
+        checks = _checks(cls)
+        kw = {}
+        for f in dataclasses.fields(cls):
+            if not f.init or f.name not in fields:  # fields of a newer version are skipped; missing ones said below
+                continue
+            v = self(fields[f.name], depth + 1)
+            fits, label = checks.get(f.name, (None, ""))
+            if fits is not None and not fits(v):
+                raise SessionFileError(f"a saved {name}'s {f.name} is {_short(v)}, not {label}")
+            kw[f.name] = v
+        try:
+            obj = cls(**kw)
+        except Exception as e:  # noqa: BLE001 — a missing field (TypeError) or a value __post_init__ refuses
+            raise SessionFileError(f"a saved {name} does not fit this version ({type(e).__name__}: {e})") from None
+        problem = _inconsistent(obj)
+        if problem:
+            raise SessionFileError(f"a saved {name} is inconsistent: {problem}")
+        return obj
+
+
+def _shape_problem(obj: Any, spec: dict[str, tuple[tuple[Any, ...], str]]) -> str | None:
+    """Check arrays against shapes like ("T", 2): the same letter must be the same length in every array."""
+    sizes: dict[str, int] = {}
+    for name, (shape, kinds) in spec.items():
+        a = getattr(obj, name)
+        if a is None and name in ("token_probs", "logits", "context_ids"):
+            continue
+        if not isinstance(a, np.ndarray) or a.ndim != len(shape):
+            return f"{name} should be a {len(shape)}-D array"
+        if a.size and a.dtype.kind not in kinds:
+            return f"{name} holds {a.dtype} values"
+        for want, got in zip(shape, a.shape, strict=True):
+            if isinstance(want, int):
+                if got != want:
+                    return f"{name} has shape {a.shape}"
+            elif sizes.setdefault(want, got) != got:
+                return f"{name} has {got} entries where the record's other arrays have {sizes[want]}"
+    return None
+
+
+_INT, _FLOAT, _BOOL = "iu", "fiu", "biu"
+_SHAPES: tuple[tuple[type, dict[str, tuple[tuple[Any, ...], str]]], ...] = (
+    (ev_mod.PromptTokenized, {"ids": (("T",), _INT), "offsets": (("T", 2), _INT),
+                              "byte_offsets": (("T", 2), _INT), "special": (("T",), _BOOL)}),
+    (ev_mod.PromptScored, {"ids": (("n",), _INT), "probs": (("n",), _FLOAT), "surprise_bits": (("n",), _FLOAT),
+                           "entropy_bits": (("n",), _FLOAT), "top_ids": (("n",), _INT)}),
+    (ev_mod.AttentionCaptured, {"weights": (("h", "q", "k"), _FLOAT)}),
+    (ev_mod.ResidualNorms, {"norms": (("L",), _FLOAT)}),
+    (ev_mod.LensCaptured, {"ids": (("R", "N"), _INT), "probs": (("R", "N"), _FLOAT), "entropy_bits": (("R",), _FLOAT),
+                           "token_probs": (("R",), _FLOAT)}),
+    (ev_mod.Funnel, {k: (("N",), _INT if k == "ids" else _FLOAT) for k in (
+        "ids", "logits", "p_raw", "p_temperature", "p_top_k", "p_top_p", "p_final")}),
+    (ev_mod.TokenSampled, {"logits": (("V",), _FLOAT), "context_ids": (("C",), _INT)}),
+    (ev_mod.Finished, {"prompt_ids": (("P",), _INT), "ids": (("G",), _INT), "step_seconds": (("S",), _FLOAT)}),
+)
+
+
+def _inconsistent(obj: Any) -> str | None:
+    """What a panel would trip over in a record whose fields each have the right type, or None."""
+    for cls, spec in _SHAPES:
+        if isinstance(obj, cls):
+            problem = _shape_problem(obj, spec)
+            if problem:
+                return problem
+    if isinstance(obj, ev_mod.PromptTokenized) and len(obj.pieces) != len(obj.ids):
+        return f"{len(obj.pieces)} pieces for {len(obj.ids)} tokens"
+    if isinstance(obj, ev_mod.Funnel) and len(obj.pieces) != len(obj.ids):
+        return f"{len(obj.pieces)} pieces for {len(obj.ids)} candidates"
+    if isinstance(obj, ev_mod.LensCaptured) and obj.pieces and (
+            len(obj.pieces) != obj.ids.shape[0] or any(len(row) != obj.ids.shape[1] for row in obj.pieces)):
+        return "its pieces do not match its ids row for row"
+    if isinstance(obj, ev_mod.AttentionCaptured) and (obj.layer < 0 or obj.step < 0 or obj.group_size < 1):
+        return "a negative layer or step, or a group size below 1"
+    if isinstance(obj, ev_mod.TokenSampled) and not (obj.params is None or isinstance(obj.params, SamplingParams)):
+        return "its sampling settings are not sampling settings"
+    if type(obj).__name__ == "ServerInfo" and not (obj.config is None or isinstance(obj.config, ModelConfig)):
+        return "its model config is not a model config"
+    return None
 
 
 # ---- files ---------------------------------------------------------------------------------------------------
 def save_session(path: str | os.PathLike[str], s: SavedSession) -> None:
     """Write `s` to `path` (write to a temporary file, then rename: an existing file is never left half-written).
 
-    OSError with one sentence naming the path when it cannot be written.
+    Nothing is written outside the folder of `path`. OSError with one sentence naming the path when it cannot be
+    written; TypeError when `s` holds something a session file cannot.
     """
     path = Path(path)
     enc = _Encoder()
@@ -183,8 +404,7 @@ def save_session(path: str | os.PathLike[str], s: SavedSession) -> None:
         "info": enc(s.info), "cfg": enc(s.cfg), "events": [enc(e) for e in s.events],
         "branches": [dict(b, events=[enc(e) for e in b.get("events", [])]) for b in s.branches],
     }
-    npz = io.BytesIO()
-    np.savez_compressed(npz, **enc.arrays)
+    text = json.dumps(doc, ensure_ascii=False)
     folder = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise OSError(f"cannot save the session to {path}: it is a folder")
@@ -194,10 +414,13 @@ def save_session(path: str | os.PathLike[str], s: SavedSession) -> None:
         raise OSError(f"cannot save the session to {path}: {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "wb") as fh, zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED) as z:
-            z.writestr("session.json", json.dumps(doc, ensure_ascii=False))
-            z.writestr("arrays.npz", npz.getvalue())
+            z.writestr("session.json", text)
+            member = zipfile.ZipInfo("arrays.npz", time.localtime()[:6])
+            member.compress_type = zipfile.ZIP_STORED  # its members are compressed already: once is enough
+            with z.open(member, "w", force_zip64=True) as npz:
+                np.savez_compressed(npz, **enc.arrays)
             if s.tokenizer is not None:
-                with tempfile.TemporaryDirectory() as td:
+                with tempfile.TemporaryDirectory(prefix=".ilab-", dir=folder) as td:  # beside the file, not in /tmp
                     s.tokenizer.save(td)
                     for f in sorted(Path(td).iterdir()):
                         z.write(f, f"tokenizer/{f.name}")
@@ -217,47 +440,276 @@ def load_session(path: str | os.PathLike[str], with_tokenizer: bool = True) -> S
     """Read a .ilab file. SessionFileError (a ValueError) or OSError with one sentence when it cannot."""
     path = Path(path)
     try:
-        z = zipfile.ZipFile(path)
-    except zipfile.BadZipFile:
-        raise SessionFileError(f"{path} is not an Inference Lab session (not a zip archive)") from None
+        fh = open(path, "rb")  # noqa: SIM115 — closed below, after the archive that reads it
     except OSError as e:
-        raise OSError(f"cannot open {path}: {e.strerror or e}") from None
-    with z:
-        names = set(z.namelist())
-        if "session.json" not in names:
-            raise SessionFileError(f"{path} is not an Inference Lab session (no session.json inside)")
-        try:
-            doc = json.loads(z.read("session.json"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise SessionFileError(f"{path}: session.json is damaged ({e})") from None
-        if doc.get("format") != FORMAT:
-            raise SessionFileError(f"{path} is not an Inference Lab session")
-        if int(doc.get("version", 0)) > VERSION:
-            raise SessionFileError(f"{path} was written by a newer Inference Lab (format {doc['version']})")
-        arrays: dict[str, np.ndarray] = {}
-        if "arrays.npz" in names:
-            try:
-                with np.load(io.BytesIO(z.read("arrays.npz")), allow_pickle=False) as npz:
-                    arrays = {k: npz[k] for k in npz.files}
-            except (ValueError, OSError, zipfile.BadZipFile) as e:
-                raise SessionFileError(f"{path}: arrays.npz is damaged ({e})") from None
-        tokenizer = None
-        tok_files = [n for n in names if n.startswith("tokenizer/") and not n.endswith("/")]
-        if with_tokenizer and tok_files:
-            from engine.tokenizer import Tokenizer
+        raise OSError(_one_line(f"cannot open {path}: {e.strerror or e}")) from None
+    try:
+        with fh:
+            return _load(fh, with_tokenizer)
+    except SessionFileError as e:
+        raise SessionFileError(_one_line(f"{path.name}: {e}")) from None
+    except MemoryError:
+        raise SessionFileError(_one_line(f"{path.name}: needs more memory than this machine gives")) from None
+    except Exception as e:  # noqa: BLE001 — a session file is untrusted input: one sentence, never a traceback
+        raise SessionFileError(_one_line(f"{path.name} is damaged ({type(e).__name__}: {e})")) from None
 
-            with tempfile.TemporaryDirectory() as td:
-                for n in tok_files:
-                    (Path(td) / Path(n).name).write_bytes(z.read(n))
-                try:
-                    tokenizer = Tokenizer.load(td)
-                except (ValueError, OSError) as e:
-                    raise SessionFileError(f"{path}: the saved tokenizer cannot be read ({e})") from None
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _load(fh: io.BufferedReader, with_tokenizer: bool) -> SavedSession:
+    z = _open_zip(fh, MAX_MEMBERS, "not an Inference Lab session (not a zip archive)")
+    with z:
+        infos = {i.filename: i for i in z.infolist()}
+        if "session.json" not in infos:
+            raise SessionFileError("not an Inference Lab session (no session.json inside)")
+        doc = _parse_json(_read_member(z, infos["session.json"], MAX_JSON_BYTES))
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise SessionFileError("not an Inference Lab session")
+        version = doc.get("version", 0)
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise SessionFileError("session.json has no format version")
+        if version > VERSION:
+            raise SessionFileError(f"written by a newer Inference Lab (format {version})")
+        _check_document(doc)
+        arrays = _read_arrays(z, infos["arrays.npz"], fh) if "arrays.npz" in infos else {}
+        tokenizer = None
+        tok_files = [i for n, i in infos.items() if n.startswith("tokenizer/") and not n.endswith("/")]
+        if with_tokenizer and tok_files:
+            tokenizer = _read_tokenizer(z, tok_files)
     dec = _Decoder(arrays)
-    return SavedSession(
-        events=[dec(e) for e in doc.get("events", [])], prompt=doc.get("prompt", ""), chat=bool(doc.get("chat")),
+    s = SavedSession(
+        events=dec(doc.get("events", [])), prompt=doc.get("prompt", ""), chat=doc.get("chat", False),
         settings=dec(doc.get("settings", {})), model=doc.get("model", {}), info=dec(doc.get("info")),
         cfg=dec(doc.get("cfg")), tokenizer=tokenizer,
-        branches=[dict(b, events=[dec(e) for e in b.get("events", [])]) for b in doc.get("branches", [])],
+        branches=[dict(b, events=dec(b.get("events", []))) for b in doc.get("branches", [])],
         created=doc.get("created", ""),
     )
+    _check_session(s)
+    return s
+
+
+# what each top-level entry of session.json must be, before any of it is decoded
+_DOCUMENT = {"prompt": (str,), "chat": (bool,), "created": (str,), "model": (dict,), "settings": (dict,),
+             "events": (list,), "branches": (list,), "info": (dict, type(None)), "cfg": (dict, type(None))}
+_JSON_NAMES = {str: "text", bool: "true or false", dict: "an object", list: "a list", type(None): "null"}
+
+
+def _check_document(doc: dict) -> None:
+    for key, kinds in _DOCUMENT.items():
+        if key in doc and not isinstance(doc[key], kinds):
+            want = " or ".join(_JSON_NAMES[k] for k in kinds)
+            raise SessionFileError(f"session.json's {key} is {_short(doc[key])}, not {want}")
+    for k, v in doc.get("model", {}).items():
+        if not isinstance(v, (str, int, float, bool, type(None))):
+            raise SessionFileError(f"session.json's model identity has a {type(v).__name__} for {_short(k)}")
+    for b in doc.get("branches", []):
+        if not isinstance(b, dict) or not isinstance(b.get("events", []), list):
+            raise SessionFileError("session.json's branches are not a list of branches")
+
+
+def _check_session(s: SavedSession) -> None:
+    """What the app reads from a decoded session is of the kind it expects."""
+    def record(x: Any) -> bool:
+        return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+    if not isinstance(s.info, (ev_mod.ModelInfo, type(None))) or not isinstance(s.cfg, (ModelConfig, type(None))):
+        raise SessionFileError("session.json's model facts are not model facts")
+    if not all(record(e) for e in s.events):
+        raise SessionFileError("session.json's events hold something that is not an event")
+    want = {"params": SamplingParams, "capture": Capture, "max_new_tokens": int}
+    for key, kind in want.items():
+        v = s.settings.get(key)
+        if v is not None and (not isinstance(v, kind) or isinstance(v, bool)):
+            raise SessionFileError(f"session.json's settings have a {type(v).__name__} for {key}")
+    def whole(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    for i, b in enumerate(s.branches):
+        parent = b.get("parent")
+        ok = (isinstance(b.get("name"), str) and all(whole(b.get(k, 0)) for k in ("step", "token"))
+              and isinstance(b.get("shown", False), bool) and all(record(e) for e in b["events"]))
+        if not ok:
+            raise SessionFileError("session.json holds a branch without a name, a step and a token")
+        if parent is not None and not (whole(parent) and 0 <= parent < i):  # a fork comes after what it forks
+            raise SessionFileError(f"session.json holds a branch whose parent {_short(parent)} is not an earlier one")
+
+
+# ---- bounded reading ---------------------------------------------------------------------------------------
+def _open_zip(fp: Any, max_members: int, not_zip: str, entry_bytes: int = 1024) -> zipfile.ZipFile:
+    """A zip archive whose directory is small enough to parse: its size, read from the end record first, is at most
+    `entry_bytes` per member (zipfile parses the whole directory, whatever count the end record claims)."""
+    try:
+        end = zipfile._EndRecData(fp)  # the end record alone: how large the directory says it is
+    except OSError:
+        end = None
+    if end is None:
+        raise SessionFileError(not_zip)
+    if end[zipfile._ECD_SIZE] > max_members * entry_bytes or end[zipfile._ECD_ENTRIES_TOTAL] > max_members:
+        raise SessionFileError(f"the archive lists more than {max_members:,} members, more than a session holds")
+    try:
+        z = zipfile.ZipFile(fp)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, struct.error) as e:
+        raise SessionFileError(f"{not_zip} ({e})") from None
+    if len(z.infolist()) > max_members:
+        z.close()
+        raise SessionFileError(f"the archive holds more than {max_members:,} members, more than a session holds")
+    return z
+
+
+def _check_entry(info: zipfile.ZipInfo, cap: int) -> None:
+    """Refuse a member by what the directory says before inflating any of it."""
+    if info.flag_bits & 0x1:
+        raise SessionFileError(f"{_short(info.filename)} is encrypted")
+    if info.file_size > cap:
+        raise SessionFileError(f"{_short(info.filename)} would unpack to {info.file_size:,} bytes, more than the "
+                               f"{cap:,} a session may hold")
+    if info.file_size > RATIO_FLOOR and info.file_size > MAX_RATIO * max(info.compress_size, 1):
+        raise SessionFileError(f"{_short(info.filename)} is compressed "
+                               f"{info.file_size // max(info.compress_size, 1):,}-fold, as only a zip bomb is")
+
+
+def _read_member(z: zipfile.ZipFile, info: zipfile.ZipInfo, cap: int) -> bytearray:
+    """A member's bytes, inflated in chunks and never past what the directory declared (nor past `cap`)."""
+    _check_entry(info, cap)
+    out = bytearray()
+    with z.open(info) as m:
+        while chunk := m.read(CHUNK):
+            out += chunk
+            if len(out) > info.file_size:
+                raise SessionFileError(f"{_short(info.filename)} holds more than its header says")
+    return out
+
+
+def _parse_json(raw: bytearray) -> Any:
+    """JSON of bounded size; nesting past the interpreter's recursion limit is refused by the parser itself (and
+    past MAX_DEPTH by the decoder), so a document of brackets cannot overflow the stack."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise SessionFileError(f"session.json is nested more than {MAX_DEPTH} deep, as no session is") from None
+    except ValueError as e:  # UnicodeDecodeError is a ValueError
+        raise SessionFileError(f"session.json is damaged ({e})") from None
+
+
+class _Window(io.RawIOBase):
+    """Bytes [start, start + size) of an open file, as a file: a stored member read in place, never copied."""
+
+    def __init__(self, fh: Any, start: int, size: int) -> None:
+        self.fh, self.start, self.size, self.pos = fh, start, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self.pos, self.size)[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), self.size - self.pos)
+        if n <= 0:
+            return 0
+        self.fh.seek(self.start + self.pos)
+        got = self.fh.readinto(memoryview(b)[:n])
+        self.pos += got
+        return got
+
+
+def _read_arrays(z: zipfile.ZipFile, info: zipfile.ZipInfo, fh: Any) -> dict[str, np.ndarray]:
+    """arrays.npz: read in place when stored (this version writes it so), else inflated under the same caps."""
+    _check_entry(info, MAX_ARRAY_BYTES + MAX_ARRAYS * 4096)  # its arrays plus their headers and directory
+    if info.compress_type == zipfile.ZIP_STORED:
+        fh.seek(info.header_offset)
+        local = fh.read(30)
+        if len(local) != 30 or local[:4] != b"PK\x03\x04":
+            raise SessionFileError("arrays.npz is damaged (no local header)")
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        start = info.header_offset + 30 + name_len + extra_len
+        if start + info.file_size > os.fstat(fh.fileno()).st_size:
+            raise SessionFileError("arrays.npz is cut short")
+        source: Any = _Window(fh, start, info.file_size)
+    else:
+        source = io.BytesIO(_read_member(z, info, MAX_ARRAY_BYTES + MAX_ARRAYS * 4096))
+    # an array's directory entry is ~60 bytes (a 46-byte record and its name)
+    with _open_zip(source, MAX_ARRAYS, "arrays.npz is not an .npz archive", entry_bytes=96) as npz:
+        arrays: dict[str, np.ndarray] = {}
+        budget = MAX_ARRAY_BYTES
+        for member in npz.infolist():
+            if not re.fullmatch(r"a[0-9]{1,7}\.npy", member.filename):
+                raise SessionFileError(f"arrays.npz holds an unexpected member {_short(member.filename)}")
+            a = _read_npy(npz, member, budget)
+            budget -= a.nbytes
+            arrays[member.filename[:-4]] = a
+    return arrays
+
+
+def _read_npy(npz: zipfile.ZipFile, member: zipfile.ZipInfo, budget: int) -> np.ndarray:
+    """One .npy member: its header checked (no objects, no more bytes than the member and the budget hold), then
+    its data read in chunks straight into the array."""
+    _check_entry(member, budget)
+    name = f"arrays.npz's {member.filename}"
+    with npz.open(member) as m:
+        version = np.lib.format.read_magic(m)
+        if version not in ((1, 0), (2, 0)):
+            raise SessionFileError(f"{name} has an .npy header version {version} this version cannot read")
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read_header(m)
+        if dtype.hasobject or dtype.kind not in "biufc":
+            raise SessionFileError(f"{name} holds {dtype} values, not numbers (Python objects are never read)")
+        count = math.prod(shape)
+        nbytes = count * dtype.itemsize
+        if nbytes > member.file_size or nbytes > budget:
+            raise SessionFileError(f"{name} claims {count:,} values, more than the file holds")
+        flat = np.empty(count, dtype)
+        view = memoryview(flat.view(np.uint8)) if count else memoryview(b"")
+        done = 0
+        while done < nbytes:
+            got = m.readinto(view[done:done + CHUNK])
+            if not got:
+                raise SessionFileError(f"{name} is cut short")
+            done += got
+        if m.read(1):  # also lets the zip reader check the CRC at the end
+            raise SessionFileError(f"{name} holds more bytes than its shape")
+    return flat.reshape(shape[::-1]).transpose() if fortran else flat.reshape(shape)
+
+
+_TOKENIZER_NAME = re.compile(r"tokenizer/[A-Za-z0-9_][A-Za-z0-9_.-]{0,100}")
+
+
+def _read_tokenizer(z: zipfile.ZipFile, infos: list[zipfile.ZipInfo]) -> Any:
+    from engine.tokenizer import Tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="ilab-tokenizer-") as td:
+        for info in infos:
+            if not _TOKENIZER_NAME.fullmatch(info.filename):
+                raise SessionFileError(f"the saved tokenizer has an unexpected file {_short(info.filename)}")
+            data = _read_member(z, info, MAX_TOKENIZER_BYTES)
+            if info.filename.endswith(".npy"):
+                _check_npy_stream(bytes(data), info.filename)
+            (Path(td) / info.filename.removeprefix("tokenizer/")).write_bytes(data)
+        try:
+            return Tokenizer.load(td)
+        except Exception as e:  # noqa: BLE001 — the tokenizers library raises a bare Exception on a bad file
+            raise SessionFileError(f"the saved tokenizer cannot be read ({type(e).__name__}: {e})") from None
+
+
+def _check_npy_stream(data: bytes, name: str) -> None:
+    """.npy arrays one after another (the tokenizer's token bytes): each header's size fits in what follows."""
+    f = io.BytesIO(data)
+    while f.tell() < len(data):
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _fortran, dtype = read_header(f)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if dtype.hasobject or nbytes > len(data) - f.tell():
+            raise SessionFileError(f"the saved tokenizer's {_short(name)} claims more than it holds")
+        f.seek(nbytes, 1)

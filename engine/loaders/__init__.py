@@ -149,6 +149,16 @@ def _one_line(text: str, limit: int = 400) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
+def _sha256(path: Path, use_cache: bool) -> str:
+    """The weights' SHA-256, hashed once per file version (remembered in the cache); "" when unreadable."""
+    from engine.formats.session_file import file_sha256
+
+    try:
+        return file_sha256(path, memo=cache_root() / "sha256" if use_cache else None)
+    except OSError:
+        return ""
+
+
 def _write_cache(directory: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor], tok: Tokenizer, meta: dict) -> None:
     from safetensors.torch import save_file
 
@@ -239,6 +249,7 @@ def load(
         decode_weight_bytes_file=round(costs.step_weight_bytes_file(
             cfg, file_bytes, meta.get("file_embedding_bytes", 0), rows=1)) if files else 0,
         decode_weight_bytes=round(costs.step_weight_bytes(cfg, dname, rows=1)),
+        sha256=_sha256(path, use_cache),
     )
     from engine.formats.discover import remember
 

@@ -1,6 +1,7 @@
 """Saved sessions: every event, the model's identity and its tokenizer survive a save and a load; no pickle."""
 
 import dataclasses
+import hashlib
 import json
 import os
 import zipfile
@@ -46,7 +47,7 @@ def recorded(tiny_lm):
                         settings={"params": params, "max_new_tokens": 5, "capture": cap},
                         model=model_identity(tiny_lm.info), info=tiny_lm.info, cfg=tiny_lm.cfg,
                         tokenizer=tiny_lm.tokenizer,
-                        branches=[{"name": "b1", "parent": "main", "step": 2, "token": 9, "events": events[-3:]}])
+                        branches=[{"name": "b1", "parent": None, "step": 2, "token": 9, "events": events[-3:]}])
 
 
 def test_round_trip_keeps_every_event(recorded, tmp_path):
@@ -110,9 +111,13 @@ def test_unwritable_and_unreadable_files_say_so(recorded, tmp_path):
 
 def test_a_session_from_another_model_says_so(recorded, tiny_lm):
     assert same_model(recorded.model, tiny_lm.info) is None
-    other = dataclasses.replace(tiny_lm.info, name="other", path="/nonexistent/other.gguf", n_params=1)
+    with open(tiny_lm.info.path, "rb") as f:  # the engine hashed the weights file once, at load
+        assert tiny_lm.info.sha256 == hashlib.sha256(f.read()).hexdigest() == recorded.model["sha256"]
+    other = dataclasses.replace(tiny_lm.info, name="other", path="/nonexistent/other.gguf", n_params=1, sha256="")
     msg = same_model(recorded.model, other)
     assert msg and "recorded with" in msg and "other" in msg
+    renamed = dataclasses.replace(tiny_lm.info, sha256="0" * 64)  # same name, other weights
+    assert "recorded with" in same_model(recorded.model, renamed)
 
 
 def test_model_info_round_trips_through_json_only(tiny_lm, tmp_path):
