@@ -8,7 +8,6 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -27,7 +26,7 @@ IDS = [5, 77, 140, 3, 250, 99, 12, 200, 41, 7, 66]
 
 @pytest.fixture(scope="module")
 def draft_lm(tmp_path_factory):
-    """A second tiny model of the same vocabulary: the test model's weights plus noise, so it agrees often, not always."""
+    """A second tiny model of the same vocabulary: the test model's weights plus noise (agrees often, not always)."""
     w = gguf_effective_weights(random_hf_weights(0))
     g = torch.Generator().manual_seed(1)
     noisy = {k: v + 0.3 * v.std() * torch.randn(v.shape, generator=g) for k, v in w.items()}
