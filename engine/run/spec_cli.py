@@ -117,6 +117,14 @@ def _machine(s) -> dict:
             "threads": s.threads.describe() if s.threads is not None else None}
 
 
+def _first_difference(ids: list[int], other: list[int] | None) -> int | None:
+    """Index of the first generated token where two runs differ (None: no other run, or the same tokens)."""
+    if other is None:
+        return None
+    i = next((i for i, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b), min(len(ids), len(other)))
+    return None if i == len(ids) == len(other) else i
+
+
 def _pct(x: float) -> str:
     return "  -" if np.isnan(x) else f"{100 * x:3.0f}%"
 
@@ -150,7 +158,7 @@ def _print(ev, doc: dict, as_json: bool, tok) -> None:
                   f"draft {ev.draft_s * 1e3:.1f} ms, verify {ev.verify_s * 1e3:.1f} ms")
     elif isinstance(ev, sp.SpecBaseline):
         doc["baseline"] = {"tokens": len(ev.ids), "tokens_per_s": ev.tokens_per_s, "tpot_s": ev.tpot_s,
-                           "reason": ev.reason}
+                           "reason": ev.reason, "ids": ev.ids.tolist()}
         if not as_json:
             print(f"plain decoding: {len(ev.ids)} tokens, TPOT {ev.tpot_s * 1e3:.1f} ms ({ev.tokens_per_s:.1f} tok/s)")
     elif isinstance(ev, sp.SpecFinished):
@@ -164,6 +172,7 @@ def _print(ev, doc: dict, as_json: bool, tok) -> None:
             "decode_s": ev.decode_s, "draft_s": ev.draft_s, "verify_s": ev.verify_s,
             "tokens_per_s": ev.tokens_per_s, "baseline_tokens_per_s": ev.baseline_tokens_per_s,
             "speedup": ev.speedup, "matches_baseline": ev.matches_baseline,
+            "first_difference": _first_difference(ev.ids.tolist(), doc.get("baseline", {}).get("ids")),
         }
         if not as_json:
             print(f"\n{ev.text}\n")
@@ -176,7 +185,11 @@ def _print(ev, doc: dict, as_json: bool, tok) -> None:
                 line += f", plain {ev.baseline_tokens_per_s:.1f} tok/s: speedup {ev.speedup:.2f}×"
             if ev.matches_baseline is not None:
                 line += ("; the same tokens as plain greedy decoding" if ev.matches_baseline
-                         else "; NOT the same tokens as plain greedy decoding")
+                         else f"; plain greedy decoding differs from generated token "
+                              f"{doc['summary']['first_difference']} on")
+                if not ev.matches_baseline and doc["config"]["dtype"] != "float32":
+                    line += (f" ({doc['config']['dtype']} rounds a pass over k + 1 positions differently from a "
+                             "one-token step, which can flip a near-tie; float32 gives the same tokens)")
             print(line)
     elif isinstance(ev, sp.SweepStarted):
         doc["config"] = {"ks": list(ev.ks), "source": ev.source, "source_label": ev.source_label,

@@ -137,8 +137,6 @@ def _tensor(ids: Sequence[int], device: torch.device) -> torch.Tensor:
 class _Drafter:
     """Guesses up to k tokens after `ids` (its last token is pending: not yet in the main cache)."""
 
-    q_one_hot = True
-
     def prefill(self, ids: Sequence[int]) -> None:
         pass
 
@@ -176,7 +174,6 @@ class _DraftModel(_Drafter):
     def __init__(self, lm: LoadedModel, capacity: int, params: SamplingParams, generator: torch.Generator) -> None:
         self.lm, self.params, self.generator = lm, params, generator
         self.cache = KVCache(lm.cfg, 1, capacity, lm.dtype, lm.device)
-        self.q_one_hot = params.greedy
 
     def prefill(self, ids: Sequence[int]) -> None:
         self.lm.model(_tensor(ids, self.lm.device), 0, self.cache)

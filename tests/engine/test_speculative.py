@@ -229,8 +229,9 @@ def test_chi_square_rejects_a_wrong_rule(tiny_dir, tiny_lm, monkeypatch):
 
 
 # ---- the real model and the CLI -----------------------------------------------------------------------------------
+# no newline at the end: each body line starts with the token "\n   ", which a prompt ending in "\n" would split
 CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n\n"
-        "def div(a, b):\n")
+        "def div(a, b):")
 
 
 @pytest.mark.slow
@@ -250,6 +251,7 @@ def test_cli_json_document(tiny_dir):
     d = json.loads(r.stdout)
     assert d["config"]["k"] == 3 and d["summary"]["n_tokens"] == 12 and d["summary"]["matches_baseline"] is True
     assert len(d["summary"]["acceptance_by_position"]) == 3 and d["baseline"]["tokens_per_s"] > 0
+    assert d["summary"]["first_difference"] is None and d["baseline"]["ids"] == d["summary"]["ids"]
     assert sum(len(s["emitted"]) for s in d["steps"]) == 11 and d["machine"]["dtype"] == "float32"
     assert math.isclose(d["summary"]["speedup"], d["summary"]["tokens_per_s"] / d["baseline"]["tokens_per_s"])
 
