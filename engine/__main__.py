@@ -349,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.remote import cli as remote_cli
 
     remote_cli.add_subcommand(sub)
+    from engine.run import spec_cli
+
+    spec_cli.add_subcommand(sub)
     return p
 
 

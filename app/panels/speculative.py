@@ -1,0 +1,272 @@
+"""Speculative decoding: per full pass the drafted tokens, kept (green) or rejected (red), and the model's own token;
+tokens gained per pass; acceptance by draft position; the speedup over plain decoding, and speedup against k after a
+sweep. Fed by `on_spec_event` with the events of engine.run.speculative (engine.run.spec_events, no torch)."""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6 import QtCore, QtWidgets
+
+from app.bridge import Bridge
+from app.panels.base import Panel
+from app.theme import (
+    ACCENT,
+    BACKGROUND,
+    DECODE_COLOR,
+    ERROR_COLOR,
+    FOREGROUND,
+    MUTED,
+    OK_COLOR,
+    placeholder,
+    show_empty,
+    style_plot,
+    visible_whitespace,
+)
+from app.units import fmt_amount, fmt_bytes
+from engine.costs import formulas as costs
+from engine.events import Failed, ModelInfo
+from engine.model.config import ModelConfig
+from engine.run.spec_events import (
+    SpecBaseline,
+    SpecFinished,
+    SpecPrefilled,
+    SpecStarted,
+    SpecStep,
+    SweepPoint,
+    SweepStarted,
+)
+
+STRIP_PASSES = 40  # passes shown in the token strip (the newest last); the plots keep every pass
+HELP_K, HELP_CONTEXT = 4, 512  # the verify pass the model-specific help sentence prices
+
+
+class SpeculativePanel(Panel):
+    title = "Speculative decoding"
+    object_name = "panel_speculative"
+    subscriptions: dict[str, str] = {}  # fed through on_spec_event by whoever runs the lab
+    help_text = (
+        "Speculative decoding attacks the one-token-per-pass rhythm of decode. A cheap drafter guesses the next k "
+        "tokens: prompt lookup copies what followed the last matching n-gram of the text so far, early exit asks "
+        "the model's own first J layers (the logit lens), a draft model asks a smaller model with the same "
+        "vocabulary. Then the full model runs once over the pending token plus the k guesses, a small prefill of "
+        "k + 1 positions, and so scores every guess at once. The guesses are kept up to the first one the model "
+        "disagrees with, and the model's own token from that position is kept too: 1 to k + 1 tokens per full "
+        "pass. The keys and values of rejected guesses are dropped from the KV cache. Greedy output is exactly "
+        "what plain greedy decoding gives; when sampling, a guess is kept with probability min(1, p/q) and a "
+        "rejection is redrawn from max(0, p − q), which keeps every token distributed as the model's own p. "
+        "Why is checking k + 1 tokens about as costly as generating one? A decode step is memory-bound: almost "
+        "all its time goes into streaming every weight from memory once, and the arithmetic units wait. A pass "
+        "over k + 1 positions streams the same weights once and does k + 1 times the arithmetic, which the step "
+        "had to spare, so it takes about as long, until k + 1 approaches the hardware's ridge point (FLOPs per "
+        "byte). The gain is tokens per pass divided by the cost of a pass plus drafting: the bars on the left "
+        "show tokens per pass (green: accepted guesses, blue: the model's own token), the middle how often the "
+        "guess at each position survives, and the title the measured tokens/s against plain decoding of the "
+        "same prompt."
+    )
+
+    def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
+        n, context = HELP_K + 1, min(HELP_CONTEXT, cfg.context_length - HELP_K)
+        verify = costs.prefill_cost(cfg, n, start=context - 1, weight_dtype=info.dtype, all_logits=True)
+        decode = costs.decode_cost(cfg, context, weight_dtype=info.dtype)
+        return (f"On {info.name} in {info.dtype} at {context} tokens of context, one decode step moves "
+                f"{fmt_bytes(decode.bytes)} for {fmt_amount(decode.flops, 'FLOP')}; a verify pass over {n} positions "
+                f"(k = {HELP_K}) moves {fmt_bytes(verify.bytes)} ({verify.bytes / decode.bytes:.2f}×) for "
+                f"{fmt_amount(verify.flops, 'FLOP')} ({verify.flops / decode.flops:.1f}×).")
+
+    def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(bridge, parent)
+        self._sweep_started: SweepStarted | None = None
+        self._sweep: list[SweepPoint] = []
+        self._build()
+        self.clear()
+
+    def _build(self) -> None:
+        self.summary = QtWidgets.QLabel()
+        self.summary.setWordWrap(True)
+        self.summary.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        self.strip = QtWidgets.QTextBrowser()
+        self.strip.setMinimumHeight(90)
+
+        self.pass_plot = pg.PlotWidget(background=BACKGROUND)
+        pi = self.pass_plot.getPlotItem()
+        style_plot(pi, left=("tokens per full pass", None), bottom=("pass", None), grid=(False, True))
+        self.accepted_bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush=OK_COLOR, pen=None)
+        self.own_bars = pg.BarGraphItem(x=[], y0=[], height=[], width=0.8, brush=DECODE_COLOR, pen=None)
+        pi.addItem(self.accepted_bars)
+        pi.addItem(self.own_bars)
+        self.pass_note = placeholder(pi)
+
+        self.position_plot = pg.PlotWidget(background=BACKGROUND)
+        pi = self.position_plot.getPlotItem()
+        style_plot(pi, left=("accepted / drafted", None), bottom=("draft position", None), grid=(False, True))
+        self.position_bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush=OK_COLOR, pen=None)
+        pi.addItem(self.position_bars)
+        self.position_note = placeholder(pi)
+
+        self.sweep_plot = pg.PlotWidget(background=BACKGROUND)
+        pi = self.sweep_plot.getPlotItem()
+        style_plot(pi, left=("speedup", None), bottom=("k (tokens drafted per pass)", None))
+        self.sweep_curve = pg.PlotDataItem([], [], pen=pg.mkPen(ACCENT, width=2), symbol="o", symbolSize=7,
+                                           symbolBrush=ACCENT, symbolPen=None)
+        pi.addItem(self.sweep_curve)
+        self.parity = pg.InfiniteLine(pos=1.0, angle=0, pen=pg.mkPen(MUTED, style=QtCore.Qt.PenStyle.DashLine))
+        pi.addItem(self.parity)
+        self.sweep_note = placeholder(pi)
+
+        plots = QtWidgets.QHBoxLayout()
+        for w in (self.pass_plot, self.position_plot, self.sweep_plot):
+            plots.addWidget(w, 1)
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.setSpacing(3)
+        layout.addWidget(self.summary)
+        layout.addWidget(self.strip, 1)
+        layout.addLayout(plots, 2)
+
+    # ---- events ------------------------------------------------------------------------------------------------
+    def on_spec_event(self, ev: object) -> None:
+        """Store one event of engine.run.speculative (speculate or sweep); drawing waits for the tick."""
+        if isinstance(ev, SpecStarted):
+            self.clear()
+            self._started = ev
+            self._drafted = np.zeros(ev.k, np.int64)
+            self._accepted = np.zeros(ev.k, np.int64)
+        elif isinstance(ev, SpecPrefilled):
+            self._prefill = ev
+        elif isinstance(ev, SpecStep):
+            self._steps.append(ev)
+            self._drafted[:len(ev.drafted)] += 1
+            self._accepted[:ev.n_accepted] += 1
+        elif isinstance(ev, SpecBaseline):
+            self._baseline = ev
+        elif isinstance(ev, SpecFinished):
+            self._finished = ev
+        elif isinstance(ev, SweepStarted):
+            self._sweep_started, self._sweep = ev, []
+        elif isinstance(ev, SweepPoint):
+            self._sweep.append(ev)
+        elif isinstance(ev, Failed):
+            self._failed = ev.message
+        else:
+            return
+        self.mark_dirty()
+
+    def clear(self) -> None:
+        self._started: SpecStarted | None = None
+        self._prefill: SpecPrefilled | None = None
+        self._steps: list[SpecStep] = []
+        self._drafted = np.zeros(0, np.int64)
+        self._accepted = np.zeros(0, np.int64)
+        self._baseline: SpecBaseline | None = None
+        self._finished: SpecFinished | None = None
+        self._failed = ""
+        super().clear()
+
+    # ---- what is shown -----------------------------------------------------------------------------------------
+    def acceptance_by_position(self) -> np.ndarray:
+        """(k,) accepted / drafted so far at each draft position (NaN where nothing was drafted)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self._accepted / np.where(self._drafted, self._drafted, np.nan)
+
+    def summary_html(self) -> str:
+        if self._failed:
+            return f"<span style='color:{ERROR_COLOR}'>{html.escape(self._failed)}</span>"
+        if self._started is None:
+            if self._sweep_started is not None:
+                return self._sweep_html()
+            return "Run speculative decoding to see each pass's guesses and the speedup."
+        st, steps = self._started, self._steps
+        gained = sum(e.tokens_gained for e in steps)
+        drafted = int(self._drafted.sum())
+        parts = [f"k = {st.k} · {html.escape(st.source_label)} · {'greedy' if st.greedy else 'sampling'}"]
+        if steps:
+            parts.append(f"<b>{gained / len(steps):.2f}</b> tokens per full pass over {len(steps)} passes · "
+                         f"acceptance <b>{100 * self._accepted.sum() / max(drafted, 1):.0f}%</b>")
+        fin = self._finished
+        if fin is not None and fin.baseline_tokens_per_s > 0:
+            parts.append(f"speculative <b>{fin.tokens_per_s:.1f}</b> tok/s, plain {fin.baseline_tokens_per_s:.1f} "
+                         f"tok/s: <b>{fin.speedup:.2f}×</b>")
+            if fin.matches_baseline is not None:
+                parts.append("the same tokens as plain greedy decoding" if fin.matches_baseline else
+                             f"<span style='color:{ERROR_COLOR}'>not the same tokens as plain greedy decoding</span>")
+        elif fin is not None:
+            parts.append(f"speculative {fin.tokens_per_s:.1f} tok/s (no plain run to compare)")
+        elif steps:
+            parts.append("running…")
+        if self._sweep:
+            parts.append(self._sweep_html())
+        return "<br>".join(parts)
+
+    def _sweep_html(self) -> str:
+        if not self._sweep:
+            return f"sweep over k: measuring plain decoding… ({html.escape(self._sweep_started.source_label)})"
+        best = max(self._sweep, key=lambda p: p.speedup)
+        return (f"sweep: best k = {best.k}, <b>{best.speedup:.2f}×</b> ({best.tokens_per_pass:.2f} tokens per pass, "
+                f"{best.tokens_per_s:.1f} against {best.baseline_tokens_per_s:.1f} tok/s)")
+
+    def strip_html(self) -> str:
+        rows = []
+        for e in self._steps[-STRIP_PASSES:]:
+            cells = [f"<span style='color:{MUTED}'>{e.step:4d}</span>&nbsp;"]
+            for i, piece in enumerate(e.drafted_pieces):
+                text = html.escape(visible_whitespace(piece))
+                if i < e.n_accepted:
+                    cells.append(f"<span style='background:{OK_COLOR};color:{BACKGROUND}'>{text}</span>")
+                elif i == e.n_accepted:
+                    cells.append(f"<span style='background:{ERROR_COLOR};color:{BACKGROUND}'><s>{text}</s></span>")
+                else:  # never judged: the pass stopped at the first rejection
+                    cells.append(f"<span style='color:{MUTED}'><s>{text}</s></span>")
+            own = html.escape(visible_whitespace(e.piece))
+            cells.append(f"&nbsp;<span style='color:{DECODE_COLOR}'>+{own}</span>")
+            rows.append(" ".join(cells))
+        return f"<div style='font-family:monospace;color:{FOREGROUND}'>{'<br>'.join(rows)}</div>"
+
+    def draw(self) -> None:
+        self.summary.setText(self.summary_html())
+        self.strip.setHtml(self.strip_html())
+        self.strip.verticalScrollBar().setValue(self.strip.verticalScrollBar().maximum())
+        steps = self._steps
+        x = np.array([e.step for e in steps], dtype=float)
+        kept = np.array([e.tokens_gained - 1 for e in steps], dtype=float)  # a pass cut at end-of-text keeps fewer
+        self.accepted_bars.setOpts(x=x, height=kept, width=0.8)
+        self.own_bars.setOpts(x=x, y0=kept, height=np.ones_like(kept), width=0.8)
+        k = self._started.k if self._started is not None else 4
+        pi = self.pass_plot.getPlotItem()
+        if steps:
+            self.pass_note.setVisible(False)
+            pi.getViewBox().setRange(xRange=(0.4, max(x) + 0.6), yRange=(0, k + 1.2), padding=0)
+        else:
+            show_empty(pi, self.pass_note, "One bar per full pass: accepted guesses\nplus the model's own token",
+                       (0.4, 16.6), (0, k + 1.2))
+        rate = self.acceptance_by_position()
+        pos = np.arange(1, len(rate) + 1, dtype=float)
+        self.position_bars.setOpts(x=pos, height=np.nan_to_num(rate), width=0.7)
+        pi = self.position_plot.getPlotItem()
+        if self._drafted.sum():
+            self.position_note.setVisible(False)
+            pi.getViewBox().setRange(xRange=(0.4, len(rate) + 0.6), yRange=(0, 1.05), padding=0)
+        else:
+            show_empty(pi, self.position_note, "How often the guess at each\nposition is accepted",
+                       (0.4, k + 0.6), (0, 1.05))
+        ks = np.array([p.k for p in self._sweep], dtype=float)
+        speedup = np.array([p.speedup for p in self._sweep], dtype=float)
+        self.sweep_curve.setData(ks, speedup)
+        pi = self.sweep_plot.getPlotItem()
+        if self._sweep:
+            self.sweep_note.setVisible(False)
+            pi.getViewBox().setRange(xRange=(0.5, max(ks.max(), 8) + 0.5),
+                                     yRange=(0, max(1.2, speedup.max() * 1.1)), padding=0)
+        else:
+            show_empty(pi, self.sweep_note, "Sweep k = 1…8: measured speedup\nagainst plain decoding", (0.5, 8.5),
+                       (0, 2))
+
+    def pass_bars(self) -> tuple[np.ndarray, np.ndarray]:
+        """(passes, tokens gained) as drawn: accepted guesses plus the model's own token."""
+        o = self.own_bars.opts
+        return np.asarray(o["x"], dtype=float), np.asarray(o["y0"], dtype=float) + np.asarray(o["height"], float)
+
+
+PANEL = SpeculativePanel

@@ -1,0 +1,210 @@
+"""`python -m engine speculate`: speculative decoding on the local model, pass by pass, with the measured speedup.
+
+    python -m engine speculate --prompt "…" [--k 4] [--source lookup|early-exit[:J]|draft-model] [--greedy]
+        [--max-new-tokens N] [--json] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+
+def add_subcommand(sub: argparse._SubParsersAction) -> None:
+    """Add `speculate` to the engine CLI's subparsers (it sets func=cmd_speculate)."""
+    from engine.__main__ import _add_model_args, _add_sampling_args, add_threads_arg
+
+    q = sub.add_parser("speculate", help="speculative decoding: draft k tokens, verify them in one pass",
+                       description="Draft k tokens cheaply, verify them in one forward pass of the model over k + 1 "
+                       "positions, keep the accepted ones; then decode the same prompt plainly and compare.")
+    _add_model_args(q)
+    _add_sampling_args(q)
+    q.add_argument("--prompt", required=True)
+    q.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template first")
+    q.add_argument("--k", type=int, default=4, help="tokens drafted per full pass (1–16)")
+    q.add_argument("--source", default="lookup", metavar="SOURCE",
+                   help="lookup (n-grams of the context), early-exit[:J] (the model's first J layers; default half) "
+                        "or draft-model (needs --draft-model)")
+    q.add_argument("--draft-model", default=None, metavar="MODEL",
+                   help="a smaller model with the same vocabulary (file, directory or known name)")
+    q.add_argument("--ngram", type=int, default=3, help="lookup: the longest suffix n-gram matched")
+    q.add_argument("--max-new-tokens", type=int, default=64)
+    q.add_argument("--ignore-eos", action="store_true")
+    q.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup is measured)")
+    q.add_argument("--sweep", action="store_true", help="run k = 1…8 against one plain-decoding baseline")
+    add_threads_arg(q)
+    q.set_defaults(func=cmd_speculate)
+
+
+def cmd_speculate(a: argparse.Namespace) -> int:
+    from engine.__main__ import CliError, _params, _session
+
+    try:
+        return _speculate(a, _params, _session)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
+    from engine.events import Failed
+    from engine.loaders import ModelLoadError, load
+    from engine.run import speculative as sp
+
+    def fail(message: str) -> int:
+        print(f"error: {message}", file=sys.stderr)
+        return 1
+
+    if getattr(a, "url", None):
+        return fail("speculate runs on the local model only (a server does not expose its forward pass)")
+    params = params_of(a)
+    try:
+        source, layer = sp.parse_source(a.source)
+    except ValueError as e:
+        return fail(str(e))
+    if (source == "draft-model") != (a.draft_model is not None):
+        return fail("--draft-model goes with --source draft-model, and that source needs it")
+    s = session_of(a)
+    draft = None
+    if a.draft_model is not None:
+        try:
+            draft = load(a.draft_model, device=str(s.lm.device.type), dtype=s.dtype_name)
+        except ModelLoadError as e:
+            return fail(str(e))
+    try:
+        cfg = sp.SpecConfig(k=a.k, source=source, exit_layer=layer, ngram_max=a.ngram, draft=draft,
+                            baseline=not a.no_baseline, ignore_eos=a.ignore_eos)
+        prompt = s.prompt_text(a.prompt, a.chat)
+        s.warm_up()  # first-call costs (thread pools, kernel choice) would land on whichever run goes first
+        if a.sweep:
+            events = sp.sweep(s, prompt, cfg, params, a.max_new_tokens)
+        else:
+            events = sp.speculate(s, prompt, cfg, params, a.max_new_tokens)
+    except ValueError as e:
+        return fail(str(e))
+    doc: dict = {"steps": [], "sweep": []}
+    for ev in events:
+        if isinstance(ev, Failed):
+            return fail(ev.message)
+        _print(ev, doc, a.json, s.tokenizer)
+    if a.json:
+        doc["machine"] = _machine(s)
+        if not a.sweep:
+            del doc["sweep"]
+        else:
+            del doc["steps"]
+        print(json.dumps(doc, ensure_ascii=False))
+    return 0
+
+
+def _machine(s) -> dict:
+    """The CPU's name and whether it has native bf16 dot products (avx512_bf16) or only avx2, from /proc/cpuinfo."""
+    name, words = "", []
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for ln in fh:
+                if ln.startswith("model name") and not name:
+                    name = ln.split(":", 1)[1].strip()
+                elif ln.startswith("flags") and not words:
+                    words = ln.split(":", 1)[1].split()
+    except OSError:
+        pass
+    simd = "avx512_bf16" if "avx512_bf16" in words else "avx2" if "avx2" in words else "neither"
+    return {"cpu": name, "simd": simd, "device": str(s.lm.device), "dtype": s.dtype_name,
+            "threads": s.threads.describe() if s.threads is not None else None}
+
+
+def _first_difference(ids: list[int], other: list[int] | None) -> int | None:
+    """Index of the first generated token where two runs differ (None: no other run, or the same tokens)."""
+    if other is None:
+        return None
+    i = next((i for i, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b), min(len(ids), len(other)))
+    return None if i == len(ids) == len(other) else i
+
+
+def _pct(x: float) -> str:
+    return "  -" if np.isnan(x) else f"{100 * x:3.0f}%"
+
+
+def _print(ev, doc: dict, as_json: bool, tok) -> None:
+    from engine.run import speculative as sp
+
+    if isinstance(ev, sp.SpecStarted):
+        doc["config"] = {"k": ev.k, "source": ev.source, "source_label": ev.source_label, "greedy": ev.greedy,
+                         "max_new_tokens": ev.max_new_tokens, "model": ev.model, "dtype": ev.dtype,
+                         "prompt_tokens": len(ev.prompt_ids)}
+        if not as_json:
+            mode = "greedy" if ev.greedy else "sampling"
+            print(f"{ev.model} ({ev.dtype}); {len(ev.prompt_ids)} prompt tokens; k = {ev.k}, {ev.source_label}; {mode}")
+    elif isinstance(ev, sp.SpecPrefilled):
+        doc["prefill"] = {"n_tokens": ev.n_tokens, "seconds": ev.seconds, "token": ev.token_id}
+        if not as_json:
+            print(f"prefill  {ev.n_tokens} tokens in {ev.seconds * 1e3:.1f} ms → {ev.piece!r}")
+    elif isinstance(ev, sp.SpecStep):
+        doc["steps"].append({
+            "step": ev.step, "position": ev.position, "drafted": ev.drafted.tolist(), "accepted": ev.n_accepted,
+            "token": ev.token_id, "emitted": ev.emitted.tolist(), "text": ev.text, "draft_s": ev.draft_s,
+            "verify_s": ev.verify_s, "seconds": ev.seconds, "verify_flops": ev.verify_cost.flops,
+            "verify_bytes": ev.verify_cost.bytes, "decode_flops": ev.decode_cost.flops,
+            "decode_bytes": ev.decode_cost.bytes,
+        })
+        if not as_json:
+            marks = " ".join(f"{p!r}{'✓' if i < ev.n_accepted else '✗' if i == ev.n_accepted else '·'}"
+                             for i, p in enumerate(ev.drafted_pieces)) or "(no draft)"
+            print(f"pass {ev.step:3d} @{ev.position:<5d} {marks}  + {ev.piece!r}  → {ev.tokens_gained} tokens; "
+                  f"draft {ev.draft_s * 1e3:.1f} ms, verify {ev.verify_s * 1e3:.1f} ms")
+    elif isinstance(ev, sp.SpecBaseline):
+        doc["baseline"] = {"tokens": len(ev.ids), "tokens_per_s": ev.tokens_per_s, "tpot_s": ev.tpot_s,
+                           "reason": ev.reason, "ids": ev.ids.tolist()}
+        if not as_json:
+            print(f"plain decoding: {len(ev.ids)} tokens, TPOT {ev.tpot_s * 1e3:.1f} ms ({ev.tokens_per_s:.1f} tok/s)")
+    elif isinstance(ev, sp.SpecFinished):
+        by_pos = ev.acceptance_by_position
+        doc["summary"] = {
+            "reason": ev.reason, "text": ev.text, "ids": ev.ids.tolist(), "n_tokens": len(ev.ids),
+            "n_passes": ev.n_passes, "tokens_per_pass": ev.tokens_per_pass, "acceptance_rate": ev.acceptance_rate,
+            "acceptance_by_position": [None if np.isnan(x) else float(x) for x in by_pos],
+            "drafted_by_position": ev.drafted_by_position.tolist(),
+            "accepted_by_position": ev.accepted_by_position.tolist(), "ttft_s": ev.ttft_s,
+            "decode_s": ev.decode_s, "draft_s": ev.draft_s, "verify_s": ev.verify_s,
+            "tokens_per_s": ev.tokens_per_s, "baseline_tokens_per_s": ev.baseline_tokens_per_s,
+            "speedup": ev.speedup, "matches_baseline": ev.matches_baseline,
+            "first_difference": _first_difference(ev.ids.tolist(), doc.get("baseline", {}).get("ids")),
+        }
+        if not as_json:
+            print(f"\n{ev.text}\n")
+            print(f"{len(ev.ids)} tokens ({ev.reason}) in 1 prefill + {ev.n_passes} full passes: "
+                  f"{ev.tokens_per_pass:.2f} tokens per pass; acceptance {100 * ev.acceptance_rate:.0f}% "
+                  f"(by position: {' '.join(_pct(x) for x in by_pos)})")
+            print(f"time in passes {ev.decode_s:.3f} s: drafting {ev.draft_s:.3f} s, verifying {ev.verify_s:.3f} s")
+            line = f"speculative {ev.tokens_per_s:.1f} tok/s"
+            if ev.baseline_tokens_per_s > 0:
+                line += f", plain {ev.baseline_tokens_per_s:.1f} tok/s: speedup {ev.speedup:.2f}×"
+            if ev.matches_baseline is not None:
+                line += ("; the same tokens as plain greedy decoding" if ev.matches_baseline
+                         else f"; plain greedy decoding differs from generated token "
+                              f"{doc['summary']['first_difference']} on")
+                if not ev.matches_baseline and doc["config"]["dtype"] != "float32":
+                    line += (f" ({doc['config']['dtype']} rounds a pass over k + 1 positions differently from a "
+                             "one-token step, which can flip a near-tie; float32 gives the same tokens)")
+            print(line)
+    elif isinstance(ev, sp.SweepStarted):
+        doc["config"] = {"ks": list(ev.ks), "source": ev.source, "source_label": ev.source_label,
+                         "max_new_tokens": ev.max_new_tokens}
+        if not as_json:
+            print(f"sweep k = {ev.ks[0]}…{ev.ks[-1]}, {ev.source_label}, {ev.max_new_tokens} new tokens")
+    elif isinstance(ev, sp.SweepPoint):
+        doc["sweep"].append({
+            "k": ev.k, "acceptance_rate": ev.acceptance_rate, "tokens_per_pass": ev.tokens_per_pass,
+            "tokens_per_s": ev.tokens_per_s, "baseline_tokens_per_s": ev.baseline_tokens_per_s,
+            "speedup": ev.speedup, "matches_baseline": ev.matches_baseline,
+            "acceptance_by_position": [None if np.isnan(x) else float(x) for x in ev.acceptance_by_position],
+        })
+        if not as_json:
+            if ev.k == 1 or len(doc["sweep"]) == 1:
+                print(f"{'k':>3} {'accept':>7} {'tok/pass':>9} {'tok/s':>8} {'plain':>8} {'speedup':>8}")
+            print(f"{ev.k:3d} {100 * ev.acceptance_rate:6.0f}% {ev.tokens_per_pass:9.2f} {ev.tokens_per_s:8.1f} "
+                  f"{ev.baseline_tokens_per_s:8.1f} {ev.speedup:7.2f}×")

@@ -1,0 +1,494 @@
+"""Speculative decoding as a lab: draft k tokens cheaply, check them with one forward pass of the full model.
+
+Single-stream decode is memory-bound: a step reads every weight once to produce one token, and the arithmetic
+units wait. A pass over k + 1 positions reads the same weights once and does k + 1 times the arithmetic, which a
+memory-bound step has to spare, so it costs about one decode step. Given k guessed tokens d₁…d_k, one pass over
+[last token, d₁, …, d_k] yields the model's own distribution at each of those k + 1 positions; the longest prefix of
+guesses the model agrees with is kept, plus one token of the model's own from the first position where it disagreed
+(or after the last guess): between 1 and k + 1 tokens per full pass. The KV cache positions of rejected guesses
+are rolled back (KVCache.truncate); the next pass writes over them.
+
+Greedy: a guess is accepted when it is the model's argmax, so the output is plain greedy decoding, token for token.
+Sampling: a guess d drawn with draft probability q(d) is accepted with probability min(1, p(d) / q(d)); on rejection
+the token is drawn from max(0, p − q) renormalised (Leviathan et al., Chen et al., 2023). Every token is then
+distributed exactly as p, the model's own sampling distribution (temperature, top-k, top-p, min-p, penalties).
+A deterministic draft (prompt lookup, early-exit argmax) has a one-hot q: accept with probability p(d), else draw
+from p with d removed.
+
+Draft sources:
+  lookup       the tokens that followed the latest earlier occurrence of the context's last n-gram (n = ngram_max
+               down to 1): no model at all, and good on text that repeats itself (code, lists, edits of a prompt);
+  early-exit   the same model stopped after layer J: its residual through the final norm and the LM head (the logit
+               lens, engine.run.lens) gives the argmax guess. A guess costs J / L of a pass. Layers < J write the
+               guesses' keys and values; the verify pass recomputes all layers for the k + 1 positions, so it
+               overwrites those and fills layers ≥ J;
+  draft-model  a smaller model with the same vocabulary, with its own KV cache, rolled back like the main one.
+
+`speculate` is a generator of frozen events, like Session.generate: SpecStarted → SpecPrefilled → SpecStep per full
+pass → SpecBaseline (plain decoding of the same prompt, for the speedup) → SpecFinished, or Failed.
+`sweep` runs k = 1…8 and yields SweepStarted → SpecBaseline → SweepPoint per k.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from engine.costs import formulas as costs
+from engine.events import Failed, Finished
+from engine.loaders import LoadedModel
+from engine.model.kv_cache import KVCache
+from engine.model.transformer import ROPE_ROWS, Transformer
+from engine.run.sampling import SamplingParams, apply_penalties, choose, funnel, make_generator
+from engine.run.session import Session
+from engine.run.spec_events import (  # noqa: F401 — the events are part of this module's interface
+    SpecBaseline,
+    SpecEvent,
+    SpecFinished,
+    SpecPrefilled,
+    SpecStarted,
+    SpecStep,
+    SweepPoint,
+    SweepStarted,
+)
+from engine.tokenizer.core import StreamDecoder
+
+SOURCES = ("lookup", "early-exit", "draft-model")
+MAX_K = 16
+SWEEP_KS = tuple(range(1, 9))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpecConfig:
+    """How to draft: k guesses per full pass, from `source`."""
+
+    k: int = 4
+    source: str = "lookup"
+    exit_layer: int = 0  # early-exit: layers run for a guess, 1…n_layers (0: half the model)
+    ngram_max: int = 3  # lookup: the longest context suffix matched
+    draft: LoadedModel | None = field(default=None, compare=False)  # draft-model: the smaller model
+    baseline: bool = True  # also decode the prompt plainly, to measure the speedup
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k <= MAX_K:
+            raise ValueError(f"k (tokens drafted per pass) must be between 1 and {MAX_K}, got {self.k}")
+        if self.source not in SOURCES:
+            raise ValueError(f"unknown draft source {self.source!r} (choose {', '.join(SOURCES)})")
+        if self.exit_layer < 0:
+            raise ValueError(f"the early-exit layer must be positive, got {self.exit_layer}")
+        if self.ngram_max < 1:
+            raise ValueError(f"the lookup n-gram must be at least 1 token, got {self.ngram_max}")
+        if self.source == "draft-model" and self.draft is None:
+            raise ValueError("the draft-model source needs a draft model loaded beside the main one")
+
+
+def parse_source(text: str) -> tuple[str, int]:
+    """'lookup', 'early-exit', 'early-exit:J' or 'draft-model' → (source, exit layer; 0 = default)."""
+    name, sep, layer = text.partition(":")
+    if name not in SOURCES or (sep and name != "early-exit"):
+        raise ValueError(f"unknown draft source {text!r} (choose lookup, early-exit[:J] or draft-model)")
+    if not sep:
+        return name, 0
+    try:
+        j = int(layer)
+    except ValueError:
+        raise ValueError(f"early-exit:J takes a layer number, got {layer!r}") from None
+    if j < 1:
+        raise ValueError(f"the early-exit layer must be at least 1, got {j}")
+    return name, j
+
+
+# ---- drafts ------------------------------------------------------------------------------------------------------
+def lookup_draft(ids: Sequence[int], k: int, ngram_max: int = 3) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix n-gram."""
+    arr = np.asarray(ids, dtype=np.int64)
+    for n in range(min(ngram_max, len(arr) - 1), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # (len - n, n): starts before the suffix
+        hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+        if hits.size:
+            s = int(hits[-1]) + n
+            return arr[s:s + k].tolist()
+    return []
+
+
+def forward_layers(model: Transformer, tokens: torch.Tensor, start: int, cache: KVCache, n_layers: int) -> torch.Tensor:
+    """The residual stream (B, T, d) after the first n_layers layers; their K/V are written, cache.pos is not moved."""
+    T = tokens.shape[1]
+    if model.rope is None or model.rope.shape[0] < start + T:  # as Transformer.forward grows it
+        model.init_rope(max(start + T, 2 * (0 if model.rope is None else model.rope.shape[0]), ROPE_ROWS))
+    ropes = (model.rope[start:start + T], model.rope_local[start:start + T])  # (T, hd/2) global, local
+    x = model.tok_embeddings(tokens)  # (B, T, d)
+    if model.cfg.embedding_scale != 1.0:
+        x = x * model.cfg.embedding_scale
+    for layer in model.layers[:n_layers]:
+        x = layer(x, start, ropes, cache, None)
+    return x
+
+
+def _tensor(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([list(ids)], dtype=torch.long, device=device)  # (1, T)
+
+
+class _Drafter:
+    """Guesses up to k tokens after `ids` (its last token is pending: not yet in the main cache)."""
+
+    def prefill(self, ids: Sequence[int]) -> None:
+        pass
+
+    def draft(self, ids: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        """The guesses and, for a sampled draft, their distributions q (n, V) (None: one-hot on the guesses)."""
+        raise NotImplementedError
+
+    def keep(self, n_valid: int) -> None:
+        """The first n_valid tokens of the context are final; forget anything drafted after them."""
+
+
+class _Lookup(_Drafter):
+    def __init__(self, ngram_max: int) -> None:
+        self.ngram_max = ngram_max
+
+    def draft(self, ids: list[int], k: int) -> tuple[list[int], None]:
+        return lookup_draft(ids, k, self.ngram_max), None
+
+
+class _EarlyExit(_Drafter):
+    def __init__(self, model: Transformer, cache: KVCache, layers: int) -> None:
+        self.model, self.cache, self.layers = model, cache, layers
+
+    def draft(self, ids: list[int], k: int) -> tuple[list[int], None]:
+        pos, token, out = self.cache.pos, ids[-1], []
+        device = self.cache.device
+        for i in range(k):
+            x = forward_layers(self.model, _tensor([token], device), pos + i, self.cache, self.layers)  # (1, 1, d)
+            token = int(torch.argmax(self.model.head(x[:, -1])[0]))
+            out.append(token)
+        return out, None
+
+
+class _DraftModel(_Drafter):
+    def __init__(self, lm: LoadedModel, capacity: int, params: SamplingParams, generator: torch.Generator) -> None:
+        self.lm, self.params, self.generator = lm, params, generator
+        self.cache = KVCache(lm.cfg, 1, capacity, lm.dtype, lm.device)
+
+    def prefill(self, ids: Sequence[int]) -> None:
+        self.lm.model(_tensor(ids, self.lm.device), 0, self.cache)
+
+    def draft(self, ids: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        out, qs = [], []
+        feed = ids[self.cache.pos:]  # at least the pending token
+        for _ in range(k):
+            logits = self.lm.model(_tensor(feed, self.lm.device), self.cache.pos, self.cache)[0]  # (V,)
+            context = _context(ids + out, self.params, logits.device)
+            if self.params.greedy:
+                token = choose(logits, self.params, None, context)
+            else:
+                q = funnel(logits, self.params, context).p_final  # (V,)
+                token = int(torch.multinomial(q, 1, generator=self.generator))
+                qs.append(q)
+            out.append(token)
+            feed = [token]
+        return out, (torch.stack(qs) if qs else None)
+
+    def keep(self, n_valid: int) -> None:
+        self.cache.truncate(n_valid)
+
+
+def _context(ids: Sequence[int], params: SamplingParams, device: torch.device) -> torch.Tensor | None:
+    """The ids a repetition penalty looks at (None when there is none: building the tensor costs a copy)."""
+    if params.repetition_penalty == 1.0:
+        return None
+    return torch.tensor(list(ids), dtype=torch.long, device=device)
+
+
+def check_draft_model(main: LoadedModel, draft: LoadedModel) -> None:
+    """Raise ValueError unless the draft model shares the main model's vocabulary (size and the tokens' bytes)."""
+    if draft.cfg.vocab_size != main.cfg.vocab_size:
+        raise ValueError(f"the draft model's vocabulary has {draft.cfg.vocab_size:,} tokens, the model's "
+                         f"{main.cfg.vocab_size:,}: a draft model must share the vocabulary")
+    probe = range(0, main.cfg.vocab_size, max(1, main.cfg.vocab_size // 97))
+    if any(main.tokenizer.token_bytes(i) != draft.tokenizer.token_bytes(i) for i in probe):
+        raise ValueError("the draft model's tokenizer maps ids to other tokens than the model's")
+
+
+# ---- the loop ------------------------------------------------------------------------------------------------------
+def _accept(
+    logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, ids: list[int], params: SamplingParams,
+    generator: torch.Generator,
+) -> tuple[int, int, list[float], list[float]]:
+    """Judge the guesses against the verify pass's logits (n + 1, V); → (n accepted, the model's token, accept
+    probabilities and model probabilities of the judged guesses)."""
+    chances, probs = [], []
+    for i in range(len(drafts) + 1):
+        context = _context(ids + drafts[:i], params, logits.device)
+        if params.greedy:
+            x = logits[i] if context is None and not params.logit_bias else apply_penalties(
+                logits[i], context, params.repetition_penalty, params.logit_bias)
+            best = int(torch.argmax(x))
+            if i == len(drafts) or drafts[i] != best:
+                if i < len(drafts):
+                    chances.append(0.0)
+                    probs.append(float(torch.softmax(x, -1)[drafts[i]]))
+                return i, best, chances, probs
+            chances.append(1.0)
+            probs.append(float(torch.softmax(x, -1)[best]))
+            continue
+        p = funnel(logits[i], params, context).p_final  # (V,): exactly what plain sampling would draw from
+        if i == len(drafts):
+            return i, int(torch.multinomial(p, 1, generator=generator)), chances, probs
+        d = drafts[i]
+        qd = 1.0 if q is None else float(q[i, d])
+        chance = min(1.0, float(p[d]) / qd) if qd > 0 else 1.0
+        chances.append(chance)
+        probs.append(float(p[d]))
+        if float(torch.rand((), generator=generator, device=generator.device)) < chance:
+            continue
+        if q is None:
+            residual = p.clone()
+            residual[d] = 0.0
+        else:
+            residual = torch.clamp(p - q[i], min=0.0)
+        if float(residual.sum()) <= 0.0:  # p ≤ q everywhere means p == q: the guess was accepted surely above
+            residual = p
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator)), chances, probs
+    raise AssertionError("unreachable")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _session(session_or_lm: Session | LoadedModel) -> Session:
+    return session_or_lm if isinstance(session_or_lm, Session) else Session(session_or_lm)
+
+
+def _prompt_ids(s: Session, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
+    ids = s.tokenize(prompt).ids if isinstance(prompt, str) else [int(i) for i in prompt]
+    s.check_prompt(ids, max_new_tokens)
+    if len(ids) + 1 >= s.cfg.context_length:
+        raise ValueError(f"the prompt is {len(ids)} tokens; this model's context holds {s.cfg.context_length}, "
+                         "which leaves no room to generate")
+    return list(ids)
+
+
+def describe_source(cfg: SpecConfig, n_layers: int) -> str:
+    if cfg.source == "lookup":
+        return f"prompt lookup (n-grams of up to {cfg.ngram_max} tokens)"
+    if cfg.source == "early-exit":
+        return f"early exit after layer {_exit_layer(cfg, n_layers)} of {n_layers}"
+    return f"draft model {cfg.draft.info.name}"
+
+
+def _exit_layer(cfg: SpecConfig, n_layers: int) -> int:
+    return cfg.exit_layer or max(1, n_layers // 2)
+
+
+def speculate(
+    session_or_lm: Session | LoadedModel, prompt: str | Sequence[int], cfg: SpecConfig | None = None,
+    params: SamplingParams | None = None, max_new_tokens: int = 64, should_stop: Callable[[], bool] | None = None,
+) -> Iterator[SpecEvent]:
+    """Start a speculative generation; iterate it to run. Bad settings raise ValueError now, with the reason.
+
+    The prompt is a text or token ids. `should_stop` is polled between passes. With cfg.baseline the same prompt is
+    then decoded plainly (Session.generate) to measure the speedup; greedy runs also report whether the tokens agree.
+    """
+    s = _session(session_or_lm)
+    cfg = cfg or SpecConfig()
+    params = params or SamplingParams.greedy_params()
+    ids = _prompt_ids(s, prompt, max_new_tokens)
+    if cfg.source == "early-exit" and not 1 <= _exit_layer(cfg, s.cfg.n_layers) <= s.cfg.n_layers:
+        raise ValueError(f"the early-exit layer must be between 1 and {s.cfg.n_layers}, got {cfg.exit_layer}")
+    if cfg.source == "draft-model":
+        check_draft_model(s.lm, cfg.draft)
+    return _run(s, ids, cfg, params, max_new_tokens, should_stop or (lambda: False))
+
+
+@torch.inference_mode()
+def _run(
+    s: Session, ids: list[int], cfg: SpecConfig, params: SamplingParams, max_new_tokens: int,
+    should_stop: Callable[[], bool],
+) -> Iterator[SpecEvent]:
+    lm, mcfg, tok = s.lm, s.cfg, s.tokenizer
+    model, device = lm.model, lm.device
+    n_prompt, k, label = len(ids), cfg.k, describe_source(cfg, mcfg.n_layers)
+    prompt_ids = np.asarray(ids, dtype=np.int64)
+    yield SpecStarted(prompt_ids=prompt_ids, k=k, source=cfg.source, source_label=label, greedy=params.greedy,
+                      max_new_tokens=max_new_tokens, model=lm.info.name, dtype=s.dtype_name)
+    capacity = min(mcfg.context_length, n_prompt + max_new_tokens)
+    generator = make_generator(params.seed, device)
+    try:
+        cache = KVCache(mcfg, 1, capacity, lm.dtype, device)
+        if cfg.source == "lookup":
+            drafter: _Drafter = _Lookup(cfg.ngram_max)
+        elif cfg.source == "early-exit":
+            drafter = _EarlyExit(model, cache, _exit_layer(cfg, mcfg.n_layers))
+        else:
+            drafter = _DraftModel(cfg.draft, capacity, params, generator)
+        t0 = time.perf_counter()
+        logits = model(_tensor(ids, device), 0, cache)[0]  # (V,)
+        _check_finite(logits, n_prompt - 1, s.dtype_name)
+        token = choose(logits, params, generator, _context(ids, params, device))
+        drafter.prefill(ids)
+        _sync(device)
+        ttft = time.perf_counter() - t0
+        decoder = StreamDecoder(tok)
+        text = [] if token in s.stop_ids and not cfg.ignore_eos else [decoder.push(token)]
+        yield SpecPrefilled(n_tokens=n_prompt, seconds=ttft, cost=costs.prefill_cost(
+            mcfg, n_prompt, weight_dtype=s.dtype_name), token_id=token, piece=tok.piece(token))
+        ids.append(token)
+        out = [token]
+        drafted_at, accepted_at = np.zeros(k, np.int64), np.zeros(k, np.int64)
+        times = {"decode": 0.0, "draft": 0.0, "verify": 0.0}
+        n_passes = 0
+        reason = "eos" if token in s.stop_ids and not cfg.ignore_eos else ""
+        while not reason:
+            if len(out) >= max_new_tokens:
+                reason = "length"
+            elif len(ids) >= mcfg.context_length:
+                reason = "context"
+            elif should_stop():
+                reason = "stopped"
+            if reason:
+                break
+            pos = len(ids) - 1  # the pending token's position; the cache holds 0…pos−1
+            room = min(k, max_new_tokens - len(out) - 1, mcfg.context_length - 2 - pos)
+            if s.threads is not None:
+                s.threads.begin_step()
+            t0 = time.perf_counter()
+            drafts, q = drafter.draft(ids, room) if room > 0 else ([], None)
+            _sync(device)
+            t1 = time.perf_counter()
+            every = model(_tensor([ids[-1], *drafts], device), pos, cache, all_logits=True)[0]  # (n + 1, V)
+            _check_finite(every, pos, s.dtype_name)
+            _sync(device)
+            t2 = time.perf_counter()
+            n, token, chances, probs = _accept(every, drafts, q, ids, params, generator)
+            cache.truncate(pos + 1 + n)  # the pending token and the accepted guesses stay; the rest is rolled back
+            drafter.keep(pos + 1 + n)
+            emitted = [*drafts[:n], token]
+            stop = next((i for i, t in enumerate(emitted) if t in s.stop_ids), None)
+            if stop is not None and not cfg.ignore_eos:
+                emitted, reason = emitted[:stop + 1], "eos"
+            _sync(device)
+            seconds = time.perf_counter() - t0
+            verify_cost = costs.prefill_cost(mcfg, len(drafts) + 1, start=pos, weight_dtype=s.dtype_name,
+                                              all_logits=True)
+            if s.threads is not None:
+                s.threads.end_step(seconds, verify_cost.bytes)
+            n_passes += 1
+            times["decode"] += seconds
+            times["draft"] += t1 - t0
+            times["verify"] += t2 - t1
+            drafted_at[:len(drafts)] += 1
+            accepted_at[:n] += 1
+            delta = "".join(decoder.push(t) for t in emitted if t not in s.stop_ids or cfg.ignore_eos)
+            text.append(delta)
+            ids.extend(emitted)
+            out.extend(emitted)
+            judged = np.full(len(drafts), np.nan, np.float32)
+            judged[:len(probs)] = probs
+            yield SpecStep(
+                step=n_passes, position=pos, drafted=np.asarray(drafts, np.int64),
+                drafted_pieces=tuple(tok.piece(d) for d in drafts), n_accepted=n,
+                accept_probs=np.asarray(chances, np.float32), p_model=judged, token_id=token, piece=tok.piece(token),
+                emitted=np.asarray(emitted, np.int64), text=delta, draft_s=t1 - t0, verify_s=t2 - t1,
+                seconds=seconds, verify_cost=verify_cost,
+                decode_cost=costs.decode_cost(mcfg, pos + 1, weight_dtype=s.dtype_name),
+            )
+        text.append(decoder.flush())
+    except Exception as e:  # noqa: BLE001 — the consumer gets one clear message instead of a dead thread
+        message = str(e) if isinstance(e, ValueError) else f"speculative decoding failed: {type(e).__name__}: {e}"
+        yield Failed(message=message)
+        return
+    baseline, matches = 0.0, None
+    if cfg.baseline and reason != "stopped":
+        fin = None
+        for ev in plain_decode(s, prompt_ids.tolist(), params, max_new_tokens, cfg.ignore_eos, should_stop):
+            if isinstance(ev, Failed):
+                yield ev
+                return
+            fin = ev
+        if fin is not None:
+            yield fin
+            baseline = fin.tokens_per_s
+            if params.greedy and fin.reason != "stopped":
+                matches = fin.ids.tolist() == out
+    yield SpecFinished(
+        reason=reason, source=cfg.source, source_label=label, k=k, prompt_ids=prompt_ids,
+        ids=np.asarray(out, np.int64), text="".join(text), ttft_s=ttft, n_passes=n_passes,
+        decode_s=times["decode"], draft_s=times["draft"], verify_s=times["verify"],
+        drafted_by_position=drafted_at, accepted_by_position=accepted_at, baseline_tokens_per_s=baseline,
+        matches_baseline=matches,
+    )
+
+
+def _check_finite(logits: torch.Tensor, position: int, dtype: str) -> None:
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(f"the model produced NaN or infinite logits at position {position} "
+                         f"(damaged weights, or values beyond {dtype}'s range)")
+
+
+def plain_decode(
+    s: Session, ids: list[int], params: SamplingParams, max_new_tokens: int, ignore_eos: bool,
+    should_stop: Callable[[], bool],
+) -> Iterator[SpecBaseline | Failed]:
+    """Decode the prompt one token per pass (Session.generate, the independent path); yields one SpecBaseline."""
+    gen = s.generate(ids, params, max_new_tokens, ignore_eos=ignore_eos)
+    for ev in gen:
+        if should_stop():
+            gen.stop()
+        if isinstance(ev, Failed):
+            yield ev
+        elif isinstance(ev, Finished):
+            yield SpecBaseline(ids=ev.ids, tokens_per_s=ev.tokens_per_s, tpot_s=ev.tpot_s, reason=ev.reason)
+
+
+def sweep(
+    session_or_lm: Session | LoadedModel, prompt: str | Sequence[int], cfg: SpecConfig | None = None,
+    params: SamplingParams | None = None, max_new_tokens: int = 64, ks: Sequence[int] = SWEEP_KS,
+    should_stop: Callable[[], bool] | None = None,
+) -> Iterator[SpecEvent]:
+    """Speculate with each k in `ks` against one plain-decoding baseline; yields SweepStarted, SpecBaseline, then
+    one SweepPoint per k (or Failed). Settings are checked now (ValueError)."""
+    s = _session(session_or_lm)
+    cfg = cfg or SpecConfig()
+    params = params or SamplingParams.greedy_params()
+    stop = should_stop or (lambda: False)
+    runs = [speculate(s, prompt, replace(cfg, k=k, baseline=False), params, max_new_tokens, stop) for k in ks]
+    ids = _prompt_ids(s, prompt, max_new_tokens)
+
+    def run() -> Iterator[SpecEvent]:
+        yield SweepStarted(ks=tuple(ks), source=cfg.source, source_label=describe_source(cfg, s.cfg.n_layers),
+                           max_new_tokens=max_new_tokens)
+        base = None
+        for ev in plain_decode(s, ids, params, max_new_tokens, cfg.ignore_eos, stop):
+            yield ev
+            if isinstance(ev, Failed):
+                return
+            base = ev
+        for k, events in zip(ks, runs, strict=True):
+            if stop():
+                return
+            fin = None
+            for ev in events:
+                if isinstance(ev, Failed):
+                    yield ev
+                    return
+                if isinstance(ev, SpecFinished):
+                    fin = ev
+            if fin is None or fin.reason == "stopped":
+                return
+            rate = base.tokens_per_s if base is not None else 0.0
+            yield SweepPoint(
+                k=k, acceptance_rate=fin.acceptance_rate, acceptance_by_position=fin.acceptance_by_position,
+                tokens_per_pass=fin.tokens_per_pass, tokens_per_s=fin.tokens_per_s, baseline_tokens_per_s=rate,
+                speedup=fin.tokens_per_s / rate if rate > 0 else 0.0,
+                matches_baseline=(base.ids.tolist() == fin.ids.tolist()) if params.greedy and base else None,
+            )
+
+    return run()

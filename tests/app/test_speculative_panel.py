@@ -1,0 +1,91 @@
+"""The speculative decoding panel draws what a real run on the tiny model yielded: each pass's guesses kept or
+rejected, tokens per pass, acceptance by position, the speedup, and a k sweep; its help prices a verify pass."""
+
+from __future__ import annotations
+
+import html
+
+import numpy as np
+import pytest
+
+from app.panels.speculative import SpeculativePanel
+from app.theme import BACKGROUND, ERROR_COLOR, OK_COLOR, visible_whitespace
+from engine.events import Failed
+from engine.run import speculative as sp
+from engine.run.sampling import SamplingParams
+from tests.engine.test_speculative import REPEATS
+
+GREEDY = SamplingParams.greedy_params()
+
+
+def cell(piece: str) -> str:
+    return html.escape(visible_whitespace(piece))
+
+
+@pytest.fixture(scope="module")
+def spec_run(tiny_lm):
+    # the random model's first layer guesses right now and then: passes with kept and with rejected guesses
+    return list(sp.speculate(tiny_lm, REPEATS, sp.SpecConfig(k=4, source="early-exit", exit_layer=1, ignore_eos=True),
+                             GREEDY, 40))
+
+
+@pytest.fixture
+def panel(qtbot, bridge, tiny_lm):
+    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))
+    p = SpeculativePanel(bridge)
+    qtbot.addWidget(p)
+    p.resize(900, 500)
+    p.show()
+    return p
+
+
+def test_a_run_is_drawn_pass_by_pass(panel, spec_run):
+    panel.flush()
+    assert panel.pass_note.isVisible() and panel.sweep_note.isVisible()
+    for ev in spec_run:
+        panel.on_spec_event(ev)
+    panel.flush()
+    steps = [e for e in spec_run if isinstance(e, sp.SpecStep)]
+    fin = spec_run[-1]
+    x, gained = panel.pass_bars()
+    assert x.tolist() == [e.step for e in steps] and gained.tolist() == [e.tokens_gained for e in steps]
+    np.testing.assert_array_equal(np.nan_to_num(panel.position_bars.opts["height"]),
+                                  np.nan_to_num(fin.acceptance_by_position))
+    assert not panel.pass_note.isVisible()
+    strip = panel.strip_html()
+    kept = next(e for e in reversed(steps) if e.n_accepted)
+    rejected = next(e for e in reversed(steps) if e.n_accepted < len(e.drafted))
+    assert f"background:{OK_COLOR};color:{BACKGROUND}'>{cell(kept.drafted_pieces[0])}</span>" in strip
+    first_wrong = rejected.drafted_pieces[rejected.n_accepted]
+    assert f"background:{ERROR_COLOR};color:{BACKGROUND}'><s>{cell(first_wrong)}</s></span>" in strip
+    assert f"+{cell(rejected.piece)}</span>" in strip
+    text = panel.summary.text()
+    assert f"{fin.tokens_per_pass:.2f}</b> tokens per full pass" in text and f"{fin.speedup:.2f}×" in text
+    assert "the same tokens as plain greedy decoding" in text
+
+
+def test_a_new_run_clears_the_last_and_a_failure_is_said(panel, spec_run):
+    for ev in spec_run:
+        panel.on_spec_event(ev)
+    panel.on_spec_event(spec_run[0])  # the next run starts
+    panel.flush()
+    assert panel.pass_bars()[0].size == 0 and panel.pass_note.isVisible()
+    panel.on_spec_event(Failed(message="the prompt is empty: type something first"))
+    panel.flush()
+    assert "the prompt is empty" in panel.summary.text()
+
+
+def test_a_sweep_plots_speedup_against_k(panel, tiny_lm):
+    for ev in sp.sweep(tiny_lm, REPEATS, sp.SpecConfig(ignore_eos=True), GREEDY, 8, ks=(1, 2, 3)):
+        panel.on_spec_event(ev)
+        last = ev
+    panel.flush()
+    xs, ys = panel.sweep_curve.getData()
+    assert xs.tolist() == [1, 2, 3] and ys[-1] == pytest.approx(last.speedup)
+    assert not panel.sweep_note.isVisible() and "best k =" in panel.summary.text()
+
+
+def test_help_says_why_verifying_costs_about_one_step(panel):
+    assert "memory-bound" in panel.help_text and "k + 1" in panel.help_text
+    # the tiny model: a verify pass over 5 positions reads nearly the bytes of one decode step, 5 × the FLOPs
+    assert "verify pass over 5 positions" in panel.help_text and "(5.0×)" in panel.help_text
