@@ -37,8 +37,18 @@ from engine.events import (
 )
 from engine.protocol import GenerateRequest, PreviewResult, SamplingParams
 from engine.remote.backend import ServerMetricsSampled
+from engine.run.spec_events import (
+    SpecBaseline,
+    SpecFinished,
+    SpecPrefilled,
+    SpecStarted,
+    SpecStep,
+    SweepPoint,
+    SweepStarted,
+)
 from engine.server import serve
 
+SPEC_EVENTS = (SpecStarted, SpecPrefilled, SpecStep, SpecBaseline, SpecFinished, SweepStarted, SweepPoint)
 __all__ = ["Bridge", "GenerateRequest", "PreviewResult", "RequestOptions"]
 
 
@@ -180,6 +190,10 @@ class Bridge(QtCore.QObject):
     """Serve this model: llama.cpp's server starting for the loaded model (fraction, a word on it)."""
     sig_serving_done = QtCore.Signal(str)
     """Serve this model ended: "" when the server answers and the app is connected to it, else why not."""
+    sig_spec = QtCore.Signal(object)
+    """Speculative-decoding lab: one event of engine.run.spec_events (a pass, the baseline, a sweep point)."""
+    sig_spec_done = QtCore.Signal(str)
+    """Speculative-decoding lab ended: "" when complete, else why it stopped."""
     sig_pong = QtCore.Signal(int)
     """The engine handled every command sent before the Ping with this token (ping())."""
     sig_serve_progress = QtCore.Signal(float, str)
@@ -227,11 +241,13 @@ class Bridge(QtCore.QObject):
             P.Tokenized: self.sig_server_tokens.emit, P.Pong: lambda m: self.sig_pong.emit(m.token),
             P.Stopped: lambda m: None,
         }
+        for cls in SPEC_EVENTS:
+            self._routes[cls] = self.sig_spec.emit
         self._progress = {"load": self.sig_load_progress, "batch": self.sig_batch_progress,
                           "measure": self.sig_measure_progress, "serve": self.sig_serve_progress,
                           "serve_model": self.sig_serving_progress}
         self._done = {"batch": self.sig_batch_done, "measure": self.sig_measure_done, "serve": self.sig_serve_done,
-                      "serve_model": self.sig_serving_done}
+                      "serve_model": self.sig_serving_done, "spec": self.sig_spec_done}
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs Qt threads
         cmd_recv, self._commands = ctx.Pipe(duplex=False)
         events_recv, events_send = ctx.Pipe(duplex=False)
@@ -341,6 +357,13 @@ class Bridge(QtCore.QObject):
         self._post(P.ServeModel())
 
     def cancel_serving(self) -> None:
+        self._post(P.Cancel())
+
+    def speculate(self, cmd: P.Speculate) -> None:
+        """Run the speculative-decoding lab (sig_spec for each event, sig_spec_done at the end)."""
+        self._post(cmd)
+
+    def cancel_lab(self) -> None:
         self._post(P.Cancel())
 
     def run_serve_bench(self, config: dict) -> None:

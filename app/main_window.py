@@ -216,8 +216,11 @@ class MainWindow(QtWidgets.QMainWindow):
 
         view = self.view_menu = bar.addMenu("&View")
         self.view_actions: dict[str, QtGui.QAction] = {}
+        self.view_groups: list[QtWidgets.QMenu] = []
         for group, names in GROUPS:
-            sub = view.addMenu(group)
+            sub = QtWidgets.QMenu(group, view)
+            view.addMenu(sub)
+            self.view_groups.append(sub)
             for name in names:
                 if name not in self.docks:
                     continue

@@ -219,6 +219,21 @@ class ServeBench(Command):
 
 
 @dataclass(frozen=True)
+class Speculate(Command):
+    """The speculative-decoding lab on the local model (engine.run.speculative): one run, or a sweep of k; its
+    events go out as they come, then Done("spec")."""
+
+    text: str
+    chat: bool = False
+    k: int = 4
+    source: str = "lookup"  # "lookup", "early-exit" (exit_layer: 0 = half the model) or "draft-model"
+    exit_layer: int = 0
+    max_new_tokens: int = 64
+    params: SamplingParams = field(default_factory=SamplingParams.greedy_params)
+    sweep: bool = False
+
+
+@dataclass(frozen=True)
 class ServeModel(Command):
     """Start llama.cpp's server on 127.0.0.1 for the loaded model and connect to it (Progress and Done "serve_model");
     it stops on Disconnect, on StopServing and when the engine process ends."""

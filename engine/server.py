@@ -54,6 +54,7 @@ from engine.protocol import (
     ServeModel,
     SetParams,
     SetThreads,
+    Speculate,
     State,
     Step,
     Stop,
@@ -81,13 +82,15 @@ class EngineServer:
         self._arrived = 0  # commands read so far (the reader's count)
         self._cancelled_at = 0  # number of the latest cancelling command
         self.current = 0  # number of the command being handled
+        self._generations_waiting = 0  # Generate commands read but not yet started (a measurement yields to them)
+        self._after_generation: list[tuple[int, Command]] = []  # work that yielded to a generation, resumed after
         self._send_lock = threading.Lock()  # the load lab sends from its own thread
         self._handlers = {
             Load: self.load, Generate: self.generate, Preview: self.preview, BatchBench: self.batch_bench,
             AskThisMachine: self.this_machine, Measure: self.measure, SetParams: self.set_params,
             SetThreads: self.set_threads, Connect: self.connect, Disconnect: self.disconnect,
             ServeBench: self.serve_bench, Tokenize: self.tokenize, Ping: self.ping, ServeModel: self.serve_model,
-            StopServing: self.stop_serving,
+            StopServing: self.stop_serving, Speculate: self.speculate,
         }
         self.served = None  # the server this process started for the loaded model (engine.remote.launch)
         self.served_backend: Backend | None = None  # the connection to it
@@ -110,6 +113,8 @@ class EngineServer:
             except Exception:  # noqa: BLE001 — a message that cannot be read: the pipe is no longer trustworthy
                 cmd = Quit()
             self._arrived += 1
+            if isinstance(cmd, Generate):
+                self._generations_waiting += 1
             if isinstance(cmd, (Stop, Cancel, Quit)):
                 self._cancelled_at = self._arrived
                 run = self.running
@@ -229,6 +234,14 @@ class EngineServer:
         self.send(Pong(cmd.token))
 
     def generate(self, cmd: Generate) -> None:
+        self._generations_waiting -= 1
+        try:
+            self._generate(cmd)
+        finally:
+            self.pending.extend(self._after_generation)
+            self._after_generation = []
+
+    def _generate(self, cmd: Generate) -> None:
         req = cmd.request
         if self.backend is None:
             self.send(Failed(message="the model is not loaded yet"))
@@ -309,8 +322,9 @@ class EngineServer:
         self.send(State("idle"))
         self.pending.extend(deferred.values())
 
-    def _job(self, job: str, run) -> None:
-        """Run a long job that reports Progress; Cancel, Stop or Quit end it; its Done says how it ended."""
+    def _job(self, job: str, run, quiet=lambda: False) -> None:
+        """Run a long job that reports Progress; Cancel, Stop or Quit end it; its Done says how it ended (unless
+        quiet() says the job will go on later)."""
         number = self.current
 
         def should_stop() -> bool:
@@ -324,7 +338,8 @@ class EngineServer:
             cancelled = should_stop() or type(e).__name__ in ("Cancelled", "MeasurementCancelled")
             self.send(Done(job, "cancelled" if cancelled else f"failed: {type(e).__name__}: {e}"))
         else:
-            self.send(Done(job, "cancelled" if should_stop() else ""))
+            if not quiet():
+                self.send(Done(job, "cancelled" if should_stop() else ""))
 
     def batch_bench(self, cmd: BatchBench) -> None:
         if self.backend is None:
@@ -333,6 +348,12 @@ class EngineServer:
         self._job("batch", lambda progress, should_stop: self.backend.batch_bench(
             cmd.batches, cmd.prompt_tokens, cmd.new_tokens, progress, should_stop,
             lambda row: self.send(BatchMeasured(row))))
+
+    def speculate(self, cmd: Speculate) -> None:
+        if self.backend is None:
+            self.send(Done("spec", "load a model first"))
+            return
+        self._job("spec", lambda progress, should_stop: self.backend.speculate(cmd, self.send, should_stop))
 
     def serve_bench(self, cmd: ServeBench) -> None:
         if self.backend is None:
@@ -352,15 +373,36 @@ class EngineServer:
         self.send(ThisMachine(cmd.device, cmd.dtype, hw))
 
     def measure(self, cmd: Measure) -> None:
-        """Measure this machine's bandwidth and FLOP/s (cached), with progress; Cancel or Quit stops it."""
-        from engine.costs.hardware import cached_this_machine
+        """Measure this machine's bandwidth and FLOP/s (cached), with progress; Cancel or Quit stops it. A
+        generation asked for meanwhile goes first: the measurement starts again once it has ended (a measurement
+        must not run beside a decode, and the user's Generate must not wait for one)."""
+        from engine.costs.hardware import MeasurementCancelled, cached_this_machine
+
+        number = self.current
+        yielded = []
 
         def run(progress, should_stop) -> None:
-            hw = cached_this_machine(cmd.device, cmd.dtype, refresh=True, progress=progress, should_stop=should_stop,
-                                     **cmd.options)
+            def stop() -> bool:
+                if self._generations_waiting > 0 and not should_stop():
+                    yielded.append(True)
+                    return True
+                return should_stop()
+
+            try:
+                hw = cached_this_machine(cmd.device, cmd.dtype, refresh=True, progress=progress, should_stop=stop,
+                                         **cmd.options)
+            except MeasurementCancelled:
+                if yielded:
+                    return
+                raise
             self.send(ThisMachine(cmd.device, cmd.dtype, hw))
 
-        self._job("measure", run)
+        if self._generations_waiting > 0:
+            yielded.append(True)
+        else:
+            self._job("measure", run, quiet=lambda: bool(yielded))
+        if yielded:
+            self._after_generation.append((number, cmd))
 
     def connect(self, cmd: Connect) -> None:
         from engine.remote.client import RemoteError

@@ -120,13 +120,17 @@ class LoadLabPanel(Panel):
         self.rate_spin = self._spin(0, 1000, 0, "Request rate, requests/s (0 = all at once)", decimals=1)
         self.burst_spin = self._spin(0.1, 10, 1.0, "Burstiness: gamma shape of the gaps (1 = Poisson)", decimals=1)
         self.limit_spin = self._spin(1, 3600, 60, "Time limit per level, seconds")
-        for label, w in (("C", self.levels_edit), ("N", self.prompts_spin), ("new", self.tokens_spin),
-                         ("rate", self.rate_spin), ("burst", self.burst_spin), ("limit s", self.limit_spin)):
-            row.addWidget(QtWidgets.QLabel(label))
-            row.addWidget(w)
+        # the knobs on a grid of two rows: the panel shares a column with the other labs
+        grid = QtWidgets.QGridLayout()
+        grid.setContentsMargins(0, 0, 0, 0)
+        for i, (label, w) in enumerate((("C", self.levels_edit), ("N", self.prompts_spin), ("new", self.tokens_spin),
+                                        ("rate", self.rate_spin), ("burst", self.burst_spin),
+                                        ("limit s", self.limit_spin))):
+            grid.addWidget(QtWidgets.QLabel(label), i // 3, 2 * (i % 3))
+            grid.addWidget(w, i // 3, 2 * (i % 3) + 1)
+        row.addLayout(grid)
         row.addStretch(1)
-        # SLOs and the buttons on a second row: one row of every control made the dock (and so the window's
-        # default layout) wider than 1600 px
+        # SLOs and the buttons on a further row
         row2 = QtWidgets.QHBoxLayout()
         row2.setContentsMargins(0, 0, 0, 0)
         row2.addWidget(QtWidgets.QLabel("SLO ms"))
@@ -149,8 +153,11 @@ class LoadLabPanel(Panel):
         self.serve_button.setToolTip("No server yet? Start llama.cpp's server for the loaded model on 127.0.0.1 and "
                                      "connect to it (it stops when you disconnect or close the app)")
         self.serve_button.clicked.connect(self.serve_model)
+        row3 = QtWidgets.QHBoxLayout()
+        row3.setContentsMargins(0, 0, 0, 0)
         for b in (self.serve_button, self.run_button, self.cancel_button, self.export_button):
-            row2.addWidget(b)
+            row3.addWidget(b)
+        row3.addStretch(1)
 
         self.progress = QtWidgets.QProgressBar()
         self.progress.setRange(0, 1000)
@@ -203,6 +210,7 @@ class LoadLabPanel(Panel):
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addLayout(row)
         lay.addLayout(row2)
+        lay.addLayout(row3)
         lay.addWidget(self.progress)
         lay.addWidget(self.status_label)
         lay.addWidget(self.tabs, 1)

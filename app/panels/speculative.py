@@ -29,6 +29,7 @@ from app.units import fmt_amount, fmt_bytes
 from engine.costs import formulas as costs
 from engine.events import Failed, ModelInfo
 from engine.model.config import ModelConfig
+from engine.protocol import Speculate
 from engine.run.spec_events import (
     SpecBaseline,
     SpecFinished,
@@ -39,6 +40,8 @@ from engine.run.spec_events import (
     SweepStarted,
 )
 
+DEFAULT_PROMPT = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+                  "    return a * b\n\ndef div(a, b):\n")
 STRIP_PASSES = 40  # passes shown in the token strip (the newest last); the plots keep every pass
 HELP_K, HELP_CONTEXT = 4, 512  # the verify pass the model-specific help sentence prices
 
@@ -46,7 +49,8 @@ HELP_K, HELP_CONTEXT = 4, 512  # the verify pass the model-specific help sentenc
 class SpeculativePanel(Panel):
     title = "Speculative decoding"
     object_name = "panel_speculative"
-    subscriptions: dict[str, str] = {}  # fed through on_spec_event by whoever runs the lab
+    shortcut = "Ctrl+Alt+3"
+    subscriptions = {"sig_spec": "on_spec_event", "sig_spec_done": "_on_done", "sig_failed": "_on_failed"}
     help_text = (
         "Speculative decoding attacks the one-token-per-pass rhythm of decode. A cheap drafter guesses the next k "
         "tokens: prompt lookup copies what followed the last matching n-gram of the text so far, early exit asks "
@@ -78,12 +82,47 @@ class SpeculativePanel(Panel):
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)
+        self.running = False
         self._sweep_started: SweepStarted | None = None
         self._sweep: list[SweepPoint] = []
         self._build()
         self.clear()
 
     def _build(self) -> None:
+        self.prompt_edit = QtWidgets.QPlainTextEdit(DEFAULT_PROMPT)
+        self.prompt_edit.setMaximumHeight(64)
+        self.prompt_edit.setToolTip("The prompt to continue (text that repeats itself suits prompt lookup)")
+        self.k_spin = QtWidgets.QSpinBox()
+        self.k_spin.setRange(1, 8)
+        self.k_spin.setValue(4)
+        self.k_spin.setPrefix("k ")
+        self.k_spin.setToolTip("Tokens drafted per full pass")
+        self.source_combo = QtWidgets.QComboBox()
+        for label, key in (("prompt lookup", "lookup"), ("early exit (half the layers)", "early-exit")):
+            self.source_combo.addItem(label, key)
+        self.source_combo.setToolTip("Where the guesses come from")
+        self.tokens_spin = QtWidgets.QSpinBox()
+        self.tokens_spin.setRange(1, 1024)
+        self.tokens_spin.setValue(64)
+        self.tokens_spin.setPrefix("new ")
+        self.sweep_box = QtWidgets.QCheckBox("sweep k = 1…8")
+        self.run_button = QtWidgets.QPushButton("Run")
+        self.run_button.setToolTip("Speculate on the loaded model, then decode the same prompt plainly to compare")
+        self.run_button.clicked.connect(lambda: self.run())
+        self.cancel_button = QtWidgets.QPushButton("Cancel")
+        self.cancel_button.clicked.connect(self.bridge.cancel_lab)
+        self.cancel_button.setEnabled(False)
+        self.source_combo.setSizeAdjustPolicy(QtWidgets.QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.source_combo.setMinimumContentsLength(10)
+        controls = QtWidgets.QGridLayout()  # two rows: the panel shares a column with the other labs
+        controls.setContentsMargins(0, 0, 0, 0)
+        controls.addWidget(self.prompt_edit, 0, 0, 1, 4)
+        for i, w in enumerate((self.k_spin, self.source_combo, self.tokens_spin, self.sweep_box)):
+            controls.addWidget(w, 1, i)
+        buttons = QtWidgets.QVBoxLayout()
+        buttons.addWidget(self.run_button)
+        buttons.addWidget(self.cancel_button)
+        controls.addLayout(buttons, 0, 4, 2, 1)
         self.summary = QtWidgets.QLabel()
         self.summary.setWordWrap(True)
         self.summary.setTextFormat(QtCore.Qt.TextFormat.RichText)
@@ -122,9 +161,42 @@ class SpeculativePanel(Panel):
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.setSpacing(3)
+        layout.addLayout(controls)
         layout.addWidget(self.summary)
         layout.addWidget(self.strip, 1)
         layout.addLayout(plots, 2)
+
+    # ---- running -------------------------------------------------------------------------------------------------
+    def run(self) -> bool:
+        """Ask the engine for a run (or a sweep) with the settings shown; greedy, so its tokens can be compared."""
+        text = self.prompt_edit.toPlainText()
+        if not text.strip() or self.bridge.info is None:
+            self._failed = "Load a model and type a prompt first."
+            self.mark_dirty()
+            return False
+        self.clear()
+        self._sweep_started, self._sweep = None, []
+        self.running = True
+        self.run_button.setEnabled(False)
+        self.cancel_button.setEnabled(True)
+        self.bridge.speculate(Speculate(text=text, k=self.k_spin.value(), source=self.source_combo.currentData(),
+                                        max_new_tokens=self.tokens_spin.value(), sweep=self.sweep_box.isChecked()))
+        return True
+
+    @QtCore.Slot(str)
+    def _on_done(self, message: str) -> None:
+        self.running = False
+        self.run_button.setEnabled(True)
+        self.cancel_button.setEnabled(False)
+        if message:
+            self._failed = message
+        self.mark_dirty()
+
+    @QtCore.Slot(str)
+    def _on_failed(self, message: str) -> None:
+        if self.running:  # the lab's own failure, not a generation's
+            self._failed = message
+            self.mark_dirty()
 
     # ---- events ------------------------------------------------------------------------------------------------
     def on_spec_event(self, ev: object) -> None:

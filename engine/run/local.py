@@ -56,6 +56,16 @@ class LocalBackend(Backend):
         if self.session.threads is not None:  # None on a GPU: torch's own threads only feed it
             self.session.threads = controller
 
+    def speculate(self, cmd, send: Callable[[object], None], should_stop: ShouldStop) -> None:
+        from engine.run.speculative import SpecConfig, speculate, sweep
+
+        s = self.session
+        prompt = s.prompt_text(cmd.text, cmd.chat)
+        cfg = SpecConfig(k=cmd.k, source=cmd.source, exit_layer=cmd.exit_layer)
+        run = sweep if cmd.sweep else speculate
+        for ev in run(s, prompt, cfg, cmd.params, cmd.max_new_tokens, should_stop=should_stop):
+            send(ev)
+
     def batch_bench(self, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int, progress: Progress,
                     should_stop: ShouldStop, on_row: Callable[[BatchRow], None]) -> None:
         import psutil

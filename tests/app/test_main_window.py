@@ -35,8 +35,9 @@ def test_every_registered_panel_module_exists():
 
 def test_view_menu_toggles_docks_and_reset_layout(qtbot, window):
     view = window.view_menu
-    groups = [a.menu() for a in view.actions() if a.menu() is not None]
+    groups = window.view_groups
     assert [g.title() for g in groups] == ["The live run", "What-if labs", "The server"]
+    assert [a.text() for a in view.actions()[:3]] == [g.title() for g in groups]
     actions = [a for g in groups for a in g.actions() if a.isCheckable()]
     assert len(actions) == len(window.docks)
     keys = [a.shortcut().toString() for a in actions]

@@ -11,6 +11,7 @@ import pytest
 from app.panels.speculative import SpeculativePanel
 from app.theme import BACKGROUND, ERROR_COLOR, OK_COLOR, visible_whitespace
 from engine.events import Failed
+from engine.protocol import Loaded
 from engine.run import speculative as sp
 from engine.run.sampling import SamplingParams
 from tests.engine.test_speculative import REPEATS
@@ -31,7 +32,7 @@ def spec_run(tiny_lm):
 
 @pytest.fixture
 def panel(qtbot, bridge, tiny_lm):
-    bridge._on_raw(("loaded", (tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg)))
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
     p = SpeculativePanel(bridge)
     qtbot.addWidget(p)
     p.resize(900, 500)
@@ -89,3 +90,18 @@ def test_help_says_why_verifying_costs_about_one_step(panel):
     assert "memory-bound" in panel.help_text and "k + 1" in panel.help_text
     # the tiny model: a verify pass over 5 positions reads nearly the bytes of one decode step, 5 × the FLOPs
     assert "verify pass over 5 positions" in panel.help_text and "(5.0×)" in panel.help_text
+
+
+def test_run_goes_through_the_engine_process(qtbot, window):
+    """Run in the panel: the engine process speculates on the loaded model and the panel shows the passes and the
+    comparison with plain greedy decoding of the same prompt."""
+    panel = window.panels["speculative"]
+    panel.tokens_spin.setValue(12)
+    panel.source_combo.setCurrentIndex(panel.source_combo.findData("early-exit"))
+    with qtbot.waitSignal(window.bridge.sig_spec_done, timeout=120_000) as done:
+        assert panel.run()
+    assert done.args == [""]
+    panel.flush()
+    assert panel._finished is not None and panel._steps
+    assert panel._finished.matches_baseline  # greedy speculation gives plain greedy decoding's tokens (float32)
+    assert "tokens per full pass" in panel.summary.text() and panel.run_button.isEnabled()

@@ -197,3 +197,17 @@ def test_a_damaged_model_fails_to_load_and_the_server_goes_on(tiny_dir, tmp_path
         c.send(P.Quit())
         c.thread.join(10)
     assert not c.thread.is_alive()
+
+
+def test_a_measurement_yields_to_a_generation_and_resumes_after_it(client, monkeypatch, tmp_path):
+    """The user's Generate never waits behind a background measurement: the measurement stops, the generation runs,
+    then the measurement runs again and ends with the machine's roofs."""
+    monkeypatch.setenv("INFERENCE_LAB_CACHE", str(tmp_path))  # the measurement is this test's alone
+    client.send(P.Measure("cpu", "fp32"))
+    client.send(P.Generate(GenerateRequest("the cat", chat=False, max_new_tokens=3, ignore_eos=True,
+                                           params=SamplingParams.greedy_params())))
+    msgs = client.until(lambda m: isinstance(m, P.Done) and m.job == "measure", timeout=120)
+    finished = next(i for i, m in enumerate(msgs) if isinstance(m, Finished))
+    answer = next(i for i, m in enumerate(msgs) if isinstance(m, P.ThisMachine))
+    assert finished < answer  # the generation came first, the measurement's result after it
+    assert msgs[answer].hardware is not None and msgs[-1] == P.Done("measure")
