@@ -420,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.remote import cli as remote_cli
 
     remote_cli.add_subcommand(sub)
+    from engine.run import schedule_cli
+
+    schedule_cli.add_subcommand(sub)
     return p
 
 
