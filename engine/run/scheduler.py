@@ -259,8 +259,9 @@ def warm_up(lm: LoadedModel, prompt_lens: Sequence[int], max_batch: int, should_
 
 def schedule(lm: LoadedModel, cfg: SchedConfig, should_stop: Callable[[], bool] | None = None,
              memory_limit_bytes: float | None = None) -> Iterator[SchedEvent]:
-    """Serve the same requests under each policy of cfg: SchedPlan, then per policy its SchedSteps and
-    SchedRequestDones, then its SchedSummary. Stops quietly (no summary) when should_stop() turns true.
+    """Serve the same requests under each policy of cfg: SchedPlan, then each policy's SchedSteps and
+    SchedRequestDones (the policies' steps alternate), and its SchedSummary when its last request is done.
+    Stops quietly (no further summary) when should_stop() turns true.
 
     Bad settings raise ValueError with one sentence, before any step runs.
     """
@@ -284,14 +285,25 @@ def schedule(lm: LoadedModel, cfg: SchedConfig, should_stop: Callable[[], bool] 
                     reserve_len=reserve_len, pool_pages=n_pages, dtype=dtype, device=str(lm.device))
     if not warm_up(lm, sorted({r.prompt_len for r in requests}), min(cfg.max_batch, len(requests)), stop):
         return
+    # The policies take turns, a step each: on a machine whose speed drifts (other programs, clocks, heat) both
+    # see the same conditions, where one policy after the other could each meet a different machine.
+    runs = {}
     for policy in cfg.policies():
         with torch.inference_mode():
             cache = PagedKVCache(lm.cfg, n_pages, cfg.page_size, lm.dtype, lm.device)
-        done: list[SchedRequestDone] = []
-        steps: list[SchedStep] = []
-        for ev in _serve(lm, cfg, policy, requests, prompts, cache, bpp, reserve_len, stop):
-            (steps if isinstance(ev, SchedStep) else done).append(ev)
-            yield ev
-        if len(done) < len(requests):
-            return  # stopped
-        yield summarize(policy, done, steps, reserve_len * bpp, budget)
+        runs[policy] = _serve(lm, cfg, policy, requests, prompts, cache, bpp, reserve_len, stop)
+    steps: dict[str, list[SchedStep]] = {p: [] for p in runs}
+    done: dict[str, list[SchedRequestDone]] = {p: [] for p in runs}
+    while runs:
+        for policy in list(runs):
+            for ev in runs[policy]:
+                yield ev
+                if isinstance(ev, SchedStep):
+                    steps[policy].append(ev)
+                    break  # the other policy's turn
+                done[policy].append(ev)
+            else:
+                del runs[policy]
+                if len(done[policy]) < len(requests):
+                    return  # stopped
+                yield summarize(policy, done[policy], steps[policy], reserve_len * bpp, budget)
