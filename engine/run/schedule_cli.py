@@ -11,7 +11,7 @@ import math
 import sys
 from dataclasses import asdict
 
-from engine.run.schedule_events import SchedConfig, SchedPlan, SchedRequestDone, SchedSummary
+from engine.run.schedule_events import POLICIES, SchedConfig, SchedPlan, SchedRequestDone, SchedSummary
 
 
 def _table(plan: SchedPlan, summaries: list[SchedSummary]) -> str:
@@ -88,6 +88,7 @@ def _cmd(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    summaries.sort(key=lambda s: POLICIES.index(s.policy))  # they end in either order; columns keep one
     if a.json:
         print(json.dumps({"plan": asdict(plan), "summaries": [asdict(s) for s in summaries],
                           "requests": [{k: v for k, v in asdict(d).items() if k != "tokens"} for d in done]},
