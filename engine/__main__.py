@@ -349,9 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.remote import cli as remote_cli
 
     remote_cli.add_subcommand(sub)
-    from engine.run import spec_cli
+    from engine.run import schedule_cli, spec_cli
 
     spec_cli.add_subcommand(sub)
+    schedule_cli.add_subcommand(sub)
     return p
 
 

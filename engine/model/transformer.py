@@ -145,17 +145,22 @@ class MLP(nn.Module):
 
 
 def attention_mask(
-    start: int, n_queries: int, key_start: int, n_keys: int, window: int, device: torch.device
+    start: int | torch.Tensor, n_queries: int, key_start: int, n_keys: int, window: int, device: torch.device
 ) -> torch.Tensor | None:
     """(T, S) bool, True where query i (absolute position start + i) may read key j (position key_start + j).
 
     Causal: key ≤ query. With a sliding window W (local layers) also query - key < W, so a query reads at most W
     keys, itself included (Hugging Face's and llama.cpp's convention). None when every query reads every key.
+    A tensor `start` (B,) gives every row its own positions (a ragged batch): the mask is then (B, 1, T, S), and a
+    row's keys past its own last query (another row's longer history, unwritten slots) are masked out.
     """
-    if start >= key_start + n_keys - 1 and (not window or start + n_queries - 1 - key_start < window):
+    if isinstance(start, torch.Tensor):
+        q_pos = (start[:, None] + torch.arange(n_queries, device=device))[:, None, :, None]  # (B, 1, T, 1)
+    elif start >= key_start + n_keys - 1 and (not window or start + n_queries - 1 - key_start < window):
         return None  # decided from the numbers alone: a decode step builds no tensors here (2 per layer before)
-    q_pos = torch.arange(start, start + n_queries, device=device)[:, None]  # (T, 1)
-    k_pos = torch.arange(key_start, key_start + n_keys, device=device)[None, :]  # (1, S)
+    else:
+        q_pos = torch.arange(start, start + n_queries, device=device)[:, None]  # (T, 1)
+    k_pos = torch.arange(key_start, key_start + n_keys, device=device)  # (S,)
     mask = k_pos <= q_pos
     if window:
         mask &= q_pos - k_pos < window
@@ -168,15 +173,15 @@ def explicit_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q·kᵀ·scale + mask)·v with GQA, returning the output and the weights.
 
-    q (B, H, T, hd); k, v (B, KV, S, hd); mask (T, S) bool or None. Query head h reads KV head h // G, so the
-    G heads of one group are stacked as rows of one matrix product instead of repeating k and v.
+    q (B, H, T, hd); k, v (B, KV, S, hd); mask (T, S) or (B, 1, T, S) bool, or None. Query head h reads KV head
+    h // G, so the G heads of one group are stacked as rows of one matrix product instead of repeating k and v.
     """
     B, H, T, hd = q.shape
     KV, S = k.shape[1], k.shape[2]
     qg = q.reshape(B, KV, group_size * T, hd)  # (B, KV, G·T, hd): rows g·T + t
     scores = (qg @ k.transpose(-1, -2)) * scale  # (B, KV, G·T, S)
     if mask is not None:
-        scores = scores.masked_fill(~mask.repeat(group_size, 1), float("-inf"))  # mask (G·T, S)
+        scores = scores.masked_fill(~mask.repeat(*(1,) * (mask.dim() - 2), group_size, 1), float("-inf"))  # (…, G·T, S)
     weights = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # (B, KV, G·T, S)
     out = weights @ v  # (B, KV, G·T, hd)
     return out.reshape(B, H, T, hd), weights.reshape(B, H, T, S)
@@ -209,7 +214,7 @@ class Attention(nn.Module):
         self.point = attn_point(layer)
 
     def forward(
-        self, x: torch.Tensor, start: int, rope: torch.Tensor, cache: KVCache, probe: Probe | None
+        self, x: torch.Tensor, start: int | torch.Tensor, rope: torch.Tensor, cache: KVCache, probe: Probe | None
     ) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
@@ -230,7 +235,8 @@ class Attention(nn.Module):
         # upcast copies are fastest up to about UPCAST_MAX_KEYS, where two bf16 products switch to a faster kernel
         # (BENCHMARKS.md, "bfloat16 against float32": profile.json's decode_attention rows).
         low_precision_decode = T == 1 and x.device.type == "cpu" and q.dtype != torch.float32
-        plain = start == key_start and T == S and (not self.window or T <= self.window)  # a square causal mask
+        plain = (not isinstance(start, torch.Tensor) and start == key_start and T == S
+                 and (not self.window or T <= self.window))  # a square causal mask
         if low_precision_decode or (capture and n == T):  # the weights, when a panel wants them, come for free
             upcast = low_precision_decode and S <= UPCAST_MAX_KEYS
             y, weights = explicit_attention(*(t.float() if upcast else t for t in (q, k_all, v_all)),
@@ -262,7 +268,7 @@ class Block(nn.Module):
         self.local = cfg.is_local(layer)
 
     def forward(
-        self, x: torch.Tensor, start: int, ropes: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+        self, x: torch.Tensor, start: int | torch.Tensor, ropes: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
         probe: Probe | None,
     ) -> torch.Tensor:
         a = self.attn(self.attn_norm(x), start, ropes[self.local], cache, probe)
@@ -312,19 +318,30 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def forward(
-        self, tokens: torch.Tensor, start: int, cache: KVCache, probe: Probe | None = None,
+        self, tokens: torch.Tensor, start: int | torch.Tensor, cache: KVCache, probe: Probe | None = None,
         all_logits: bool = False,
     ) -> torch.Tensor:
         """Run T new tokens (B, T) at positions start..start+T-1 and append their K/V to the cache.
 
+        `start` may be a tensor (B,) on the model's device: row b's tokens then sit at start[b]..start[b]+T-1 (rows
+        of a continuous batch, each at its own length); the cache must then write and return each row's own keys
+        (engine.run.scheduler.PagedKVCache) and no probe listens.
         Returns float32 logits of the last position (B, V), or of every position (B, T, V) if all_logits.
         """
         B, T = tokens.shape
-        if start + T > self.cfg.context_length:
-            raise ValueError(f"position {start + T - 1} is beyond the context length {self.cfg.context_length}")
-        if self.rope is None or self.rope.shape[0] < start + T:  # grow geometrically: amortised O(1) per token
-            self.init_rope(max(start + T, 2 * (0 if self.rope is None else self.rope.shape[0]), ROPE_ROWS))
-        ropes = (self.rope[start : start + T], self.rope_local[start : start + T])  # (T, hd/2) global, local
+        ragged = isinstance(start, torch.Tensor)
+        end = (int(start.max()) if ragged else start) + T
+        if end > self.cfg.context_length:
+            raise ValueError(f"position {end - 1} is beyond the context length {self.cfg.context_length}")
+        if ragged and probe is not None:
+            raise ValueError("captures need one position for the whole batch, not a start per row")
+        if self.rope is None or self.rope.shape[0] < end:  # grow geometrically: amortised O(1) per token
+            self.init_rope(max(end, 2 * (0 if self.rope is None else self.rope.shape[0]), ROPE_ROWS))
+        if ragged:
+            pos = start[:, None] + torch.arange(T, device=start.device)  # (B, T)
+            ropes = (self.rope[pos][:, None], self.rope_local[pos][:, None])  # (B, 1, T, hd/2) global, local
+        else:
+            ropes = (self.rope[start : start + T], self.rope_local[start : start + T])  # (T, hd/2) global, local
         x = self.tok_embeddings(tokens)  # (B, T, d): a row lookup, no matmul
         if self.cfg.embedding_scale != 1.0:
             x = x * self.cfg.embedding_scale  # Gemma: × √d_model

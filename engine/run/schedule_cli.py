@@ -1,0 +1,132 @@
+"""`python -m engine schedule`: the scheduling lab on the command line, a table per policy (or JSON).
+
+Kept apart from engine.run.scheduler so that building the CLI's parser does not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict
+
+from engine.run.schedule_events import POLICIES, SchedConfig, SchedPlan, SchedRequestDone, SchedSummary
+
+
+def _table(plan: SchedPlan, summaries: list[SchedSummary]) -> str:
+    c = plan.config
+    mib = 2**20
+    p_lo, p_hi = c.length_range(c.prompt_len)
+    o_lo, o_hi = c.length_range(c.output_len)
+    rate = "all at t=0" if math.isinf(c.rate) else f"{c.rate:g}/s, burstiness {c.burstiness:g}"
+    lines = [
+        f"{c.n_requests} requests ({rate}), prompt {p_lo}–{p_hi} and output {o_lo}–{o_hi} tokens, max batch "
+        f"{c.max_batch}, {plan.dtype} on {plan.device}",
+        f"prefill: {plan.prefill_mode}",
+        f"KV: {plan.kv_bytes_per_position:,.0f} B per position, pages of {c.page_size}; contiguous reserves "
+        f"{plan.reserve_len} positions per request",
+        "",
+        f"{'':<28}" + "".join(f"{s.policy:>14}" for s in summaries),
+    ]
+
+    def row(label: str, values: list[str]) -> None:
+        lines.append(f"{label:<28}" + "".join(f"{v:>14}" for v in values))
+
+    for name, unit, scale in (("ttft", "ms", 1e3), ("tpot", "ms", 1e3), ("e2e", "s", 1.0)):
+        for p in ("p50", "p90", "p99"):
+            row(f"{name.upper()} {p} ({unit})", [f"{getattr(getattr(s, name), p) * scale:.1f}" for s in summaries])
+    row("system tokens/s", [f"{s.system_tokens_per_s:.1f}" for s in summaries])
+    row("per-stream tokens/s (1/TPOT)", [f"{s.stream_tokens_per_s:.1f}" for s in summaries])
+    row("duration (s)", [f"{s.duration_s:.2f}" for s in summaries])
+    row("prefill / decode steps", [f"{s.prefill_steps} / {s.decode_steps}" for s in summaries])
+    row("mean decode batch", [f"{s.mean_decode_batch:.2f}" for s in summaries])
+    row("peak KV used (MiB)", [f"{s.peak_used_bytes / mib:.2f}" for s in summaries])
+    row("peak KV paged (MiB)", [f"{s.peak_paged_bytes / mib:.2f}" for s in summaries])
+    row("peak KV contiguous (MiB)", [f"{s.peak_contiguous_bytes / mib:.2f}" for s in summaries])
+    if summaries:
+        b = summaries[0].kv_budget_bytes
+        row(f"fit in {b / mib:.1f} MiB: paged", [f"{s.fits_paged}" for s in summaries])
+        row(f"fit in {b / mib:.1f} MiB: contiguous", [f"{s.fits_contiguous}" for s in summaries])
+    return "\n".join(lines)
+
+
+def _cmd(a: argparse.Namespace) -> int:
+    import psutil
+    import torch
+
+    from engine.loaders import ModelLoadError, load
+    from engine.run.scheduler import schedule
+
+    cfg = SchedConfig(policy=a.policy, n_requests=a.requests, rate=a.rate, burstiness=a.burstiness,
+                      prompt_len=a.prompt_len, output_len=a.output_len, range_ratio=a.range_ratio,
+                      max_batch=a.max_batch, page_size=a.page_size, seed=a.seed,
+                      kv_budget_bytes=a.kv_budget_mib * 2**20 if a.kv_budget_mib else None)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.threads != "auto":
+        torch.set_num_threads(a.threads)
+    try:
+        lm = load(a.model, device=a.device, dtype=a.dtype)
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    plan, summaries, done = None, [], []
+    try:
+        for ev in schedule(lm, cfg, memory_limit_bytes=psutil.virtual_memory().available * 0.5):
+            if isinstance(ev, SchedPlan):
+                plan = ev
+            elif isinstance(ev, SchedSummary):
+                summaries.append(ev)
+                if not a.json:
+                    print(f"  {ev.policy}: done in {ev.busy_s:.1f} s of steps", file=sys.stderr)
+            elif isinstance(ev, SchedRequestDone):
+                done.append(ev)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summaries.sort(key=lambda s: POLICIES.index(s.policy))  # they end in either order; columns keep one
+    if a.json:
+        print(json.dumps({"plan": asdict(plan), "summaries": [asdict(s) for s in summaries],
+                          "requests": [{k: v for k, v in asdict(d).items() if k != "tokens"} for d in done]},
+                         indent=2, default=str))
+    else:
+        print(f"{lm.info.name}: " + _table(plan, summaries))
+    return 0
+
+
+def _rate(text: str) -> float:
+    value = float(text)  # "inf" is accepted: every request at t = 0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of requests per second, got {text!r}")
+    return value
+
+
+def add_subcommand(sub: argparse._SubParsersAction) -> None:
+    """Add `schedule` to the engine's CLI."""
+    from engine.run.threads import threads_arg
+
+    d = SchedConfig()
+    q = sub.add_parser("schedule", help="static vs continuous batching and a paged KV cache, on the loaded model")
+    q.add_argument("--model", default=None, help="a .gguf file, a Hugging Face directory or a known model")
+    q.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    q.add_argument("--policy", default=d.policy, choices=["static", "continuous", "both"])
+    q.add_argument("--rate", type=_rate, default=d.rate, help="requests per second (inf: all at once)")
+    q.add_argument("--burstiness", type=float, default=d.burstiness, help="gamma shape of arrival gaps; 1 = Poisson")
+    q.add_argument("--requests", type=int, default=d.n_requests)
+    q.add_argument("--prompt-len", type=int, default=d.prompt_len, help="mean prompt tokens")
+    q.add_argument("--output-len", type=int, default=d.output_len, help="mean output tokens")
+    q.add_argument("--range-ratio", type=float, default=d.range_ratio,
+                   help="lengths uniform in [L·(1-r), L·(1+r)] (as vllm bench serve's --random-range-ratio)")
+    q.add_argument("--max-batch", type=int, default=d.max_batch)
+    q.add_argument("--page-size", type=int, default=d.page_size, help="positions per KV page")
+    q.add_argument("--kv-budget-mib", type=float, default=None,
+                   help="KV memory for 'how many requests fit' (default: the contiguous reservation of max batch)")
+    q.add_argument("--seed", type=int, default=d.seed)
+    q.add_argument("--threads", type=threads_arg, default="auto", help="auto (torch's count) or a fixed count")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=_cmd)
