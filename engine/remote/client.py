@@ -335,6 +335,8 @@ class Client:
                     watch.attach(sock)  # before connecting: a deadline or a stop ends the connect too
                     sock.settimeout(timeout)
                     sock.connect(addr)
+                    if watch.fired:  # it fired before the connect began, when there was nothing to shut down
+                        raise ConnectionAbortedError
                     return sock
                 except OSError as e:
                     sock.close()
@@ -375,6 +377,9 @@ class Client:
 
     def _open(self, method: str, path: str, payload: dict | None, seconds: float, cancel: Cancel | None):
         watch = _Watch(seconds, cancel)
+        if watch.fired:  # stopped already: nothing goes out
+            watch.close()
+            raise self._failure(EOFError(), watch, seconds)
         conn = self._conn(seconds, watch)
         body = None if payload is None else json.dumps(payload).encode()
         try:
