@@ -11,18 +11,16 @@ import json
 import sys
 from collections.abc import Sequence
 
-from engine.cliargs import CliError, Parser, add_model_args, add_sampling_args, add_threads_arg, sampling_params
+from engine.cliargs import (
+    CliError,
+    Parser,
+    add_model_args,
+    add_sampling_args,
+    add_threads_arg,
+    sampling_params,
+    session_from_args,
+)
 from engine.run.threads import threads_arg
-
-
-def _session(a: argparse.Namespace):
-    from engine.loaders import ModelLoadError, load
-    from engine.run.session import Session
-
-    try:
-        return Session(load(a.model, device=a.device, dtype=a.dtype), threads=a.threads)
-    except ModelLoadError as e:
-        raise CliError(str(e)) from None
 
 
 def cmd_info(a: argparse.Namespace) -> int:
@@ -78,7 +76,7 @@ def cmd_logits(a: argparse.Namespace) -> int:
     from engine.run.sampling import funnel
 
     params = sampling_params(a)
-    s = _session(a)
+    s = session_from_args(a)
     try:
         t = s.tokenize(a.prompt, a.chat)
         logits, _, _ = s.next_token_logits(t.ids)
@@ -120,7 +118,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 schema = fh.read()
         except OSError as e:
             raise CliError(f"cannot read the JSON schema {a.json_schema}: {e.strerror or e}") from None
-    s = _session(a)
+    s = session_from_args(a)
     try:
         constraint = None
         if a.regex is not None or schema is not None:
@@ -183,7 +181,7 @@ def cmd_lens(a: argparse.Namespace) -> int:
     if a.step < 0:
         raise CliError(f"--step must be 0 (the prefill) or a decode step, got {a.step}")
     params = sampling_params(a)
-    s = _session(a)
+    s = session_from_args(a)
     try:
         gen = s.generate(a.prompt, params, a.step + 1, Capture(lens_top=a.top), chat=a.chat)
     except ValueError as e:

@@ -67,3 +67,16 @@ def add_url_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="an OpenAI-compatible server (vLLM, llama.cpp) instead of --model")
     p.add_argument("--api-key-env", default=API_KEY_ENV, metavar="VAR",
                    help=f"environment variable holding the server's API key (default {API_KEY_ENV})")
+    p.add_argument("--allow-insecure-key", action="store_true",
+                   help="send the API key even over plain http:// to another machine (refused otherwise)")
+
+
+def session_from_args(a: argparse.Namespace):
+    """A Session on the model the arguments name (CliError with one sentence when it cannot load)."""
+    from engine.loaders import ModelLoadError, load
+    from engine.run.session import Session
+
+    try:
+        return Session(load(a.model, device=a.device, dtype=a.dtype), threads=a.threads)
+    except ModelLoadError as e:
+        raise CliError(str(e)) from None

@@ -19,9 +19,9 @@ import numpy as np
 
 from engine.events import Event, Failed, Finished, Funnel, PromptTokenized, StepCost, TokenSampled
 from engine.protocol import SamplingParams
-from engine.remote.client import Client, RemoteError, ServerInfo
+from engine.remote.client import Cancel, Client, RemoteError, ServerInfo, clean_text
 from engine.remote.metrics import ServerMetrics, parse_prometheus, server_metrics
-from engine.remote.sse import Candidate, Chunk, StreamToken
+from engine.remote.sse import MAX_TOKEN_ID, Candidate, Chunk, StreamToken
 
 NO_COST = StepCost(flops=0.0, weight_bytes=0.0, kv_read_bytes=0.0, kv_write_bytes=0.0)
 CANNOT = "A server gives no attention maps, residual norms or per-step costs; those panels stay empty."
@@ -113,12 +113,12 @@ def _is_special(piece: str) -> bool:
 def funnel_from_top(top: tuple[Candidate, ...], params: SamplingParams, sampled_id: int | None,
                     sampled_piece: str, vocab_size: int | None = None) -> TopNFunnel | None:
     """The sampling stages re-run over the server's top-N candidates (log-probabilities used as logits)."""
+    if not top:
+        return None
     import torch
 
     from engine.run.sampling import funnel
 
-    if not top:
-        return None
     cands = sorted(top, key=lambda c: -c.logprob)
     lp = torch.tensor([c.logprob if math.isfinite(c.logprob) else -1e9 for c in cands], dtype=torch.float32)
     st = funnel(lp, params)
@@ -136,6 +136,31 @@ def funnel_from_top(top: tuple[Candidate, ...], params: SamplingParams, sampled_
     )
 
 
+def _malformed(c: Client, path: str, what: str) -> RemoteError:
+    return RemoteError(f"{c.url}{path} answered with {what}: not what an OpenAI-compatible server sends")
+
+
+def _ids_in(c: Client, path: str, r, key: str) -> list:
+    """r[key] as a list (RemoteError when the answer is not an object holding a list there)."""
+    v = r.get(key) if isinstance(r, dict) else None
+    if not isinstance(v, list):
+        raise _malformed(c, path, f"no '{key}' list")
+    return v
+
+
+def _token_id_of(c: Client, path: str, v) -> int:
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_TOKEN_ID:
+        return v
+    raise _malformed(c, path, f"a token id that is {clean_text(repr(v), 40)}")
+
+
+def _text_in(c: Client, path: str, r, key: str) -> str:
+    v = r.get(key, "") if isinstance(r, dict) else None
+    if not isinstance(v, str):
+        raise _malformed(c, path, f"no '{key}' text")
+    return v
+
+
 # ---------------------------------------------------------------------------------------------------- backend
 
 class RemoteBackend:
@@ -146,21 +171,21 @@ class RemoteBackend:
         self.info: ServerInfo | None = None
         self._token_bytes: dict[int, bytes] = {}
 
-    def token_bytes(self, token_id: int) -> bytes | None:
+    def token_bytes(self, token_id: int, cancel: Cancel | None = None) -> bytes | None:
         """A token's text as the server detokenizes it alone (cached; None when the server cannot say)."""
         if token_id not in self._token_bytes:
             try:
-                self._token_bytes[token_id] = self._detok_bytes(token_id)
-            except (RemoteError, KeyError, TypeError):
+                self._token_bytes[token_id] = self._detok_bytes(token_id, cancel)
+            except RemoteError:
                 return None
         return self._token_bytes[token_id]
 
-    def with_pieces(self, top: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
+    def with_pieces(self, top: tuple[Candidate, ...], cancel: Cancel | None = None) -> tuple[Candidate, ...]:
         """Candidates named only by id (vLLM's return_tokens_as_token_ids) get their bytes from the server."""
         out = []
         for c in top:
             if c.raw is None and c.id is not None and (not c.token or c.token.startswith("token_id:")):
-                c = Candidate(token=c.token, logprob=c.logprob, id=c.id, raw=self.token_bytes(c.id))
+                c = Candidate(token=c.token, logprob=c.logprob, id=c.id, raw=self.token_bytes(c.id, cancel))
             out.append(c)
         return tuple(out)
 
@@ -173,12 +198,15 @@ class RemoteBackend:
         if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
             raise RemoteError(f"{c.url} answered /v1/models without a model list: not an OpenAI-compatible server")
         m = data[0]
-        model = str(m["id"])
-        owned = str(m.get("owned_by", ""))
+        model = m["id"]
+        if not isinstance(model, str) or not model or len(model) > 1000 or clean_text(model, 1000) != model:
+            raise RemoteError(f"{c.url} answered /v1/models with a model id that is not one line of text: "
+                              "not an OpenAI-compatible server")
+        owned = m.get("owned_by") if isinstance(m.get("owned_by"), str) else ""
         max_len = m.get("max_model_len")
         version = c.try_request("GET", "/version")
         metrics_text = c.try_request("GET", "/metrics", expect_json=False)
-        has_metrics = bool(metrics_text) and ("vllm:" in metrics_text or "llamacpp:" in metrics_text)
+        has_metrics = isinstance(metrics_text, str) and ("vllm:" in metrics_text or "llamacpp:" in metrics_text)
         kind, tokenize, slots = "openai-compatible", None, False
         if owned == "vllm" or (isinstance(version, dict) and "version" in version and
                                metrics_text and "vllm:" in metrics_text):
@@ -190,11 +218,14 @@ class RemoteBackend:
             if isinstance(props, dict) and ("default_generation_settings" in props or "n_ctx" in props):
                 kind, tokenize = "llama.cpp", "/tokenize"
                 slots = isinstance(c.try_request("GET", "/slots"), list)
-                max_len = max_len or (props.get("default_generation_settings") or {}).get("n_ctx")
+                dgs = props.get("default_generation_settings")
+                max_len = max_len or (dgs.get("n_ctx") if isinstance(dgs, dict) else None)
+        version = version.get("version") if isinstance(version, dict) else None
         self.info = ServerInfo(
             url=c.url, kind=kind, model=model,
-            version=version.get("version") if isinstance(version, dict) else None,
-            max_model_len=int(max_len) if isinstance(max_len, int) else None,
+            version=clean_text(version, 80) if isinstance(version, str) else None,
+            max_model_len=max_len if isinstance(max_len, int) and not isinstance(max_len, bool) and max_len > 0
+            else None,
             tokenize=tokenize, metrics=has_metrics, slots=slots,
             root=str(m["root"]) if isinstance(m.get("root"), str) else None,
         )
@@ -203,51 +234,63 @@ class RemoteBackend:
     def _info(self) -> ServerInfo:
         return self.info or self.probe()
 
-    def metrics(self) -> ServerMetrics | None:
+    def metrics(self, cancel: Cancel | None = None) -> ServerMetrics | None:
         if not self._info().metrics:
             return None
-        text = self.client.try_request("GET", "/metrics", expect_json=False)
+        text = self.client.try_request("GET", "/metrics", expect_json=False, cancel=cancel)
         return server_metrics(parse_prometheus(text)) if text else None
 
     # ---- tokenization ---------------------------------------------------------------------------------------
     def tokenize(self, text: str, chat: bool = False) -> PromptTokenized:
         """The server's own tokenization of `text` (chat: of the prompt its chat template makes; vLLM only)."""
+        return self._tokenize(text, chat)
+
+    def _tokenize(self, text: str, chat: bool, cancel: Cancel | None = None) -> PromptTokenized:
         info = self._info()
         c = self.client
         if info.tokenize is None:
             raise RemoteError(f"this {info.kind} server offers no tokenize endpoint")
+        path = info.tokenize
         if info.kind == "vllm":
             payload: dict = {"model": info.model, "return_token_strs": True}
             if chat:
                 payload |= {"messages": [{"role": "user", "content": text}], "add_generation_prompt": True}
             else:
                 payload |= {"prompt": text, "add_special_tokens": True}
-            r = c.request("POST", "/tokenize", payload)
-            ids = [int(i) for i in r["tokens"]]
+            r = c.request("POST", path, payload, cancel=cancel)
+            ids = [_token_id_of(c, path, i) for i in _ids_in(c, path, r, "tokens")]
             strs = r.get("token_strs")
             if strs:
-                pieces_b = [_bytes_of_vocab_string(s) for s in strs]
+                if not isinstance(strs, list) or len(strs) != len(ids) or not all(isinstance(x, str) for x in strs):
+                    raise _malformed(c, path, "token strings that do not match its tokens")
+                pieces_b = [_bytes_of_vocab_string(x) for x in strs]
             else:
-                pieces_b = [self._detok_bytes(i) for i in ids]
+                pieces_b = [self._detok_bytes(i, cancel) for i in ids]
             if chat:
                 text = b"".join(pieces_b).decode("utf-8", "replace")
         elif chat:
             raise RemoteError(f"a {info.kind} server cannot show how it tokenizes a chat prompt (its template is "
                               "applied inside the chat endpoint); untick Chat to see a plain prompt's tokens")
         elif info.kind == "llama-cpp-python":
-            ids = [int(i) for i in c.request("POST", "/extras/tokenize", {"input": text})["tokens"]]
-            pieces_b = [self._detok_bytes(i) for i in ids]
+            r = c.request("POST", path, {"input": text}, cancel=cancel)
+            ids = [_token_id_of(c, path, i) for i in _ids_in(c, path, r, "tokens")]
+            pieces_b = [self._detok_bytes(i, cancel) for i in ids]
         else:  # llama-server
-            r = c.request("POST", "/tokenize", {"content": text, "with_pieces": True, "add_special": True})
+            r = c.request("POST", path, {"content": text, "with_pieces": True, "add_special": True}, cancel=cancel)
             ids, pieces_b = [], []
-            for t in r["tokens"]:
+            for t in _ids_in(c, path, r, "tokens"):
                 if isinstance(t, dict):
-                    ids.append(int(t["id"]))
+                    ids.append(_token_id_of(c, path, t.get("id")))
                     p = t.get("piece", "")
-                    pieces_b.append(bytes(p) if isinstance(p, list) else str(p).encode("utf-8"))
+                    if isinstance(p, list) and all(isinstance(x, int) and 0 <= x < 256 for x in p):
+                        pieces_b.append(bytes(p))
+                    elif isinstance(p, str):
+                        pieces_b.append(p.encode("utf-8"))
+                    else:
+                        raise _malformed(c, path, "a token piece that is neither text nor bytes")
                 else:
-                    ids.append(int(t))
-                    pieces_b.append(self._detok_bytes(int(t)))
+                    ids.append(_token_id_of(c, path, t))
+                    pieces_b.append(self._detok_bytes(ids[-1], cancel))
         pieces = tuple(_readable(b) for b in pieces_b)
         bo, co = spans(text, pieces_b)
         return PromptTokenized(
@@ -255,16 +298,17 @@ class RemoteBackend:
             special=np.array([_is_special(p) for p in pieces], dtype=bool),
         )
 
-    def _detok_bytes(self, token_id: int) -> bytes:
+    def _detok_bytes(self, token_id: int, cancel: Cancel | None = None) -> bytes:
         info = self._info()
+        c = self.client
         if info.kind == "vllm":
-            r = self.client.request("POST", "/detokenize", {"model": info.model, "tokens": [token_id]})
-            return str(r.get("prompt", "")).encode("utf-8")
+            r = c.request("POST", "/detokenize", {"model": info.model, "tokens": [token_id]}, cancel=cancel)
+            return _text_in(c, "/detokenize", r, "prompt").encode("utf-8")
         if info.kind == "llama-cpp-python":
-            r = self.client.request("POST", "/extras/detokenize", {"tokens": [token_id]})
-            return str(r.get("text", "")).encode("utf-8")
-        r = self.client.request("POST", "/detokenize", {"tokens": [token_id]})
-        return str(r.get("content", "")).encode("utf-8")
+            r = c.request("POST", "/extras/detokenize", {"tokens": [token_id]}, cancel=cancel)
+            return _text_in(c, "/extras/detokenize", r, "text").encode("utf-8")
+        r = c.request("POST", "/detokenize", {"tokens": [token_id]}, cancel=cancel)
+        return _text_in(c, "/detokenize", r, "content").encode("utf-8")
 
     # ---- generation ---------------------------------------------------------------------------------------
     def request_payload(self, prompt: str | Sequence[int], params: SamplingParams, max_new_tokens: int, chat: bool,
@@ -324,7 +368,8 @@ class RemoteBackend:
 
 
 class RemoteGeneration:
-    """Iterate for events; `stop()` between tokens closes the connection, which cancels the request."""
+    """Iterate for events; `stop()`, from any thread, ends it within moments whatever the server does: it shuts
+    down the connection in flight (which also cancels the request: servers abort one whose client went away)."""
 
     def __init__(self, backend: RemoteBackend, prompt: str, params: SamplingParams, max_new_tokens: int,
                  chat: bool, top_logprobs: int, ignore_eos: bool) -> None:
@@ -332,6 +377,7 @@ class RemoteGeneration:
         self.prompt, self.params, self.max_new_tokens = prompt, params, max_new_tokens
         self.chat, self.top_logprobs, self.ignore_eos = chat, top_logprobs, ignore_eos
         self._stop = False
+        self._cancel = Cancel()
         self._gen = self._run()
         self.usage: dict | None = None
         self.timings: dict | None = None
@@ -339,7 +385,9 @@ class RemoteGeneration:
         self.metrics_every_s = 0.5  # scrape the server's /metrics this often while streaming (0 = never)
 
     def stop(self) -> None:
+        """Safe from any thread: the iterator then ends with Finished(reason="stopped")."""
         self._stop = True
+        self._cancel.set()
 
     def __iter__(self) -> Iterator[Event | ServerConnected]:
         return self._gen
@@ -349,6 +397,7 @@ class RemoteGeneration:
 
     def _run(self) -> Iterator:
         b = self.backend
+        cancel = self._cancel
         try:
             info = b._info()
         except RemoteError as e:
@@ -356,9 +405,9 @@ class RemoteGeneration:
             return
         yield ServerConnected(info=info)
         prompt_ev: PromptTokenized | None = None
-        if info.tokenize is not None and (not self.chat or info.kind == "vllm"):
+        if info.tokenize is not None and (not self.chat or info.kind == "vllm") and not self._stop:
             try:
-                prompt_ev = b.tokenize(self.prompt, self.chat)
+                prompt_ev = b._tokenize(self.prompt, self.chat, cancel)
                 yield prompt_ev
             except RemoteError:
                 prompt_ev = None  # the generation itself may still work
@@ -373,14 +422,14 @@ class RemoteGeneration:
         ttft = 0.0
         finish = None
         n = 0
-        stream = b.client.stream(path, payload)
+        stream = b.client.stream(path, payload, cancel=cancel)
         scrape = info.metrics and self.metrics_every_s > 0
         last_scrape = t0
         try:
-            for ci, (t, chunk) in enumerate(stream):
+            for ci, (t, chunk) in enumerate(() if self._stop else stream):
                 if scrape and t - last_scrape >= self.metrics_every_s:
                     last_scrape = t
-                    m = b.metrics()
+                    m = b.metrics(cancel)
                     if m is not None:
                         yield ServerMetricsSampled(t=t - t0, metrics=m)
                 if chunk.prompt_token_ids and not prompt_ids:
@@ -398,13 +447,13 @@ class RemoteGeneration:
                         gaps.append(gap)
                     text = tok.text
                     raw = tok.raw if tok.raw is not None else (
-                        b.token_bytes(tok.id) if tok.id is not None and info.kind == "vllm" else None)
+                        b.token_bytes(tok.id, cancel) if tok.id is not None and info.kind == "vllm" else None)
                     piece = _readable(raw) if raw is not None else text
                     ev = RemoteTokenSampled(
                         step=n, phase="prefill" if n == 0 else "decode", position=len(prompt_ids) + n,
                         token_id=tok.id if tok.id is not None else -1, piece=piece, text=text, seconds=gap,
                         cost=NO_COST,
-                        funnel=funnel_from_top(b.with_pieces(tok.top), self.params, tok.id, piece),
+                        funnel=funnel_from_top(b.with_pieces(tok.top, cancel), self.params, tok.id, piece),
                         params=self.params, arrival_s=t - t0, chunk=ci, logprob=tok.logprob,
                     )
                     ids.append(ev.token_id)
@@ -415,19 +464,19 @@ class RemoteGeneration:
                 if self._stop:
                     break
         except RemoteError as e:
-            yield Failed(message=str(e) + (f" ({n} tokens had arrived)" if n else ""))
-            return
+            if not self._stop:
+                yield Failed(message=str(e) + (f" ({n} token{'s' if n > 1 else ''} had arrived)" if n else ""))
+                return
         finally:
             stream.close()
         total = last - t0
-        if scrape:
-            m = b.metrics()
+        if scrape and not self._stop:
+            m = b.metrics(cancel)
             if m is not None:
                 yield ServerMetricsSampled(t=time.perf_counter() - t0, metrics=m)
-        if self.usage and not self._stop:
-            n_out = int(self.usage.get("completion_tokens") or n)
-        else:
-            n_out = n
+        # The server's count (usage) when it is plausible: chunks without per-token detail count as one token here
+        u = (self.usage or {}).get("completion_tokens")
+        n_out = u if isinstance(u, int) and not self._stop and n <= u <= 2 * self.max_new_tokens + 16 else n
         tpot = (total - ttft) / (n_out - 1) if n_out > 1 else 0.0
         reason = "stopped" if self._stop else {"stop": "eos", "length": "length"}.get(str(finish), "eos")
         yield Finished(

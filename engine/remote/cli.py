@@ -1,4 +1,8 @@
-"""`--url` versions of tokenize / logits / generate, and `serve-bench`, with the same JSON keys as the local ones."""
+"""`--url` versions of tokenize / logits / generate, and `serve-bench`, with the same JSON keys as the local ones.
+
+An API key is not sent unencrypted (http://) to another machine unless `--allow-insecure-key` says so: a command
+line has no one to ask, and the key may come from the environment (OPENAI_API_KEY) without the user thinking of it.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from engine.cliargs import CliError, add_url_args, sampling_params
-from engine.remote.client import RemoteError
+from engine.remote.client import RemoteError, clean_text
 
 if TYPE_CHECKING:  # the backend imports torch (via engine.run.sampling); argument parsing must not
     from engine.remote.backend import RemoteBackend
@@ -18,8 +22,31 @@ if TYPE_CHECKING:  # the backend imports torch (via engine.run.sampling); argume
 
 def _fail(e: Exception | str) -> SystemExit:
     """One line on stderr and exit status 1 (as the local commands' CliError; `python -m` makes that class twice)."""
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {clean_text(str(e), 600)}", file=sys.stderr)
     return SystemExit(1)
+
+
+def _finite(x):
+    """`x` for json.dumps(allow_nan=False): non-finite floats (a server's NaN or -inf log-probability) become null."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _print_json(obj, **kw) -> None:
+    print(json.dumps(_finite(obj), allow_nan=False, **kw))
+
+
+_UNPRINTABLE = dict.fromkeys(i for i in (*range(32), 127, *range(0x80, 0xA0)) if chr(i) not in "\n\t")
+
+
+def _printable(text: str) -> str:
+    """Generated text for a terminal: control characters (escape sequences' ESC among them) left out."""
+    return text.translate(_UNPRINTABLE)
 
 
 def _backend(a: argparse.Namespace) -> RemoteBackend:
@@ -28,6 +55,11 @@ def _backend(a: argparse.Namespace) -> RemoteBackend:
     key = os.environ.get(a.api_key_env) if a.api_key_env else None
     try:
         b = RemoteBackend(a.url, api_key=key, timeout=getattr(a, "timeout", 60.0))
+        warning = b.client.insecure_key_warning()
+        if warning and not getattr(a, "allow_insecure_key", False):
+            raise _fail(f"not connecting: {warning}; pass --allow-insecure-key to send it anyway")
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
         b.probe()
     except RemoteError as e:
         raise _fail(e) from None
@@ -48,11 +80,11 @@ def cmd_tokenize(a: argparse.Namespace) -> int:
     except RemoteError as e:
         raise _fail(e) from None
     if a.json:
-        print(json.dumps({
+        _print_json({
             "ids": t.ids.tolist(), "pieces": list(t.pieces), "offsets": t.offsets.tolist(),
             "byte_offsets": t.byte_offsets.tolist(), "unrepresentable": [],
             "server": b.info.to_dict(),
-        }, ensure_ascii=False))
+        }, ensure_ascii=False)
     else:
         for i, (tid, piece, (s, e)) in enumerate(zip(t.ids.tolist(), t.pieces, t.offsets.tolist(), strict=True)):
             print(f"{i:5d} {tid:7d}  [{s:4d},{e:4d})  {piece!r}")
@@ -81,18 +113,19 @@ def cmd_logits(a: argparse.Namespace) -> int:
     f = tok.funnel
     cands = [
         {"id": int(f.ids[i]) if f.ids[i] >= 0 else None, "token": f.pieces[i], "logit": None,
-         "logprob": float(f.logits[i]), "prob_raw": float(f.p_raw[i]), "prob": None}
+         "logprob": float(f.logits[i]) if f.logits[i] > -1e9 else None, "prob_raw": float(f.p_raw[i]),
+         "prob": None}
         for i in range(len(f.ids))
     ]
     if a.json:
-        print(json.dumps({"prompt_ids": prompt_ids, "candidates": cands, "kept": None, "source": f.source,
-                          "server": b.info.to_dict()}, ensure_ascii=False))
+        _print_json({"prompt_ids": prompt_ids, "candidates": cands, "kept": None, "source": f.source,
+                     "server": b.info.to_dict()}, ensure_ascii=False)
     else:
         print(f"{len(prompt_ids)} prompt tokens; top {len(cands)} candidates from {b.info.kind} ({f.source})")
         print(f"{'id':>7} {'token':<20} {'logprob':>9} {'p raw':>8}")
         for c in cands:
-            print(f"{c['id'] if c['id'] is not None else '?':>7} {c['token']!r:<20} {c['logprob']:9.3f} "
-                  f"{c['prob_raw']:8.4f}")
+            lp = f"{c['logprob']:9.3f}" if c["logprob"] is not None else f"{'-inf':>9}"
+            print(f"{c['id'] if c['id'] is not None else '?':>7} {c['token']!r:<20} {lp} {c['prob_raw']:8.4f}")
     return 0
 
 
@@ -111,20 +144,20 @@ def cmd_generate(a: argparse.Namespace) -> int:
         if type(ev).__name__ == "RemoteTokenSampled":
             logprobs.append(ev.logprob)
             if not a.json:
-                print(ev.text, end="", flush=True)
+                print(_printable(ev.text), end="", flush=True)
         elif isinstance(ev, Failed):
             if not a.json:
                 print(file=sys.stderr)
             raise _fail(RemoteError(ev.message))
         elif isinstance(ev, Finished):
             if a.json:
-                print(json.dumps({
+                _print_json({
                     "prompt_ids": ev.prompt_ids.tolist(), "ids": ev.ids.tolist(), "text": ev.text,
                     "ttft_s": ev.ttft_s, "tpot_s": ev.tpot_s, "tokens_per_s": ev.tokens_per_s,
                     "total_s": ev.total_s, "finish_reason": ev.reason, "logprobs": logprobs,
                     "itl_s": ev.step_seconds.tolist(), "usage": gen.usage,
                     "server": b.info.to_dict(),
-                }, ensure_ascii=False))
+                }, ensure_ascii=False)
             else:
                 print()
                 print(f"[{len(ev.ids)} tokens from {b.info.kind}, {ev.reason}; TTFT {ev.ttft_s * 1e3:.1f} ms, "
@@ -173,11 +206,12 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
         path = a.out
         try:
             with open(path, "w", encoding="utf-8") as f:
-                f.write(bench.to_csv(runs) if path.endswith(".csv") else json.dumps(out, indent=2))
+                f.write(bench.to_csv(runs) if path.endswith(".csv")
+                        else json.dumps(_finite(out), indent=2, allow_nan=False))
         except OSError as e:
             raise _fail(e) from None
     if a.json:
-        print(json.dumps(out))
+        _print_json(out)
     return 0
 
 

@@ -17,7 +17,8 @@ _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Sum of every sample of each metric name (labels summed over: one model per server here)."""
+    """Sum of every sample of each metric name (labels summed over: one model per server here); non-finite values
+    are left out."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
@@ -29,9 +30,11 @@ def parse_prometheus(text: str) -> dict[str, float]:
             v = float(m.group(3))
         except ValueError:
             continue
-        if math.isnan(v):
+        if not math.isfinite(v):  # NaN, or an infinity no panel can show
             continue
-        out[m.group(1)] = out.get(m.group(1), 0.0) + v
+        total = out.get(m.group(1), 0.0) + v
+        if math.isfinite(total):
+            out[m.group(1)] = total
     return out
 
 
@@ -53,9 +56,13 @@ class ServerMetrics:
         return dict(self.__dict__)
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    r = a / b if a is not None and b else None
+    return r if r is not None and math.isfinite(r) else None
+
+
 def _mean(m: dict[str, float], base: str) -> float | None:
-    s, c = m.get(base + "_sum"), m.get(base + "_count")
-    return s / c if s is not None and c else None
+    return _ratio(m.get(base + "_sum"), m.get(base + "_count"))
 
 
 def server_metrics(m: dict[str, float]) -> ServerMetrics:
@@ -64,7 +71,7 @@ def server_metrics(m: dict[str, float]) -> ServerMetrics:
         return ServerMetrics(
             kv_usage=m.get("vllm:kv_cache_usage_perc", m.get("vllm:gpu_cache_usage_perc")),
             running=m.get("vllm:num_requests_running"), waiting=m.get("vllm:num_requests_waiting"),
-            prefix_hit_rate=(h / q) if q and h is not None else None,
+            prefix_hit_rate=_ratio(h, q),
             mean_ttft_s=_mean(m, "vllm:time_to_first_token_seconds"),
             mean_itl_s=_mean(m, "vllm:inter_token_latency_seconds")
             or _mean(m, "vllm:time_per_output_token_seconds"),

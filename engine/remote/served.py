@@ -35,7 +35,7 @@ def connect(url: str, api_key: str | None) -> ServerBackend:
     """Probe the server (RemoteError with one sentence when it cannot be used) and read its model's shapes."""
     client = RemoteBackend(url, api_key=api_key or None)
     info = client.probe()
-    cfg, note = server_model_config(info.model, info.root)
+    cfg, note = server_model_config(info.model, info.root, loopback=info.loopback)
     return ServerBackend(client, dataclasses.replace(info, config=cfg, config_note=note))
 
 

@@ -15,13 +15,13 @@ import numpy as np
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
     """Add `speculate` to the engine CLI's subparsers (it sets func=cmd_speculate)."""
-    from engine.__main__ import _add_model_args, _add_sampling_args, add_threads_arg
+    from engine.cliargs import add_model_args, add_sampling_args, add_threads_arg
 
     q = sub.add_parser("speculate", help="speculative decoding: draft k tokens, verify them in one pass",
                        description="Draft k tokens cheaply, verify them in one forward pass of the model over k + 1 "
                        "positions, keep the accepted ones; then decode the same prompt plainly and compare.")
-    _add_model_args(q)
-    _add_sampling_args(q)
+    add_model_args(q)
+    add_sampling_args(q)
     q.add_argument("--prompt", required=True)
     q.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template first")
     q.add_argument("--k", type=int, default=4, help="tokens drafted per full pass (1–16)")
@@ -40,10 +40,10 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_speculate(a: argparse.Namespace) -> int:
-    from engine.__main__ import CliError, _params, _session
+    from engine.cliargs import CliError, sampling_params, session_from_args
 
     try:
-        return _speculate(a, _params, _session)
+        return _speculate(a, sampling_params, session_from_args)
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
