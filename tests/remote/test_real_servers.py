@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.remote.conftest import API_KEY
+from tests.requires import missing
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -198,7 +199,7 @@ def test_llamacpp_killed_mid_stream(server_logs):
     from tests.remote import servers
 
     if not servers.LLAMA_PY.exists():
-        pytest.skip(f"llama-cpp-python's virtual environment is missing ({servers.LLAMA_PY}): run `make servers`")
+        missing("servers", f"llama-cpp-python's virtual environment is missing ({servers.LLAMA_PY})")
     s = servers.start_llamacpp(default_model_path(), server_logs)
     try:
         b = backend(s, key=None)
