@@ -43,10 +43,14 @@ servers: $(VLLM_STAMP) $(LLAMA_STAMP)
 run: $(STAMP)
 	$(PY) -m app
 
+# What every test needs here (tests/requires.py): with INFERENCE_LAB_REQUIRE set, a missing one fails the run with
+# one line saying how to get it, and so does any other skip. pytest run by hand (variable unset) skips instead.
+REQUIRE ?= servers,gemma,transformers,default-model
+
 test:
 	# the three set-ups run side by side: the llama.cpp build (minutes) overlaps the others
 	$(MAKE) -j3 $(STAMP) $(VLLM_STAMP) $(LLAMA_STAMP)
-	$(PY) -m pytest -q
+	INFERENCE_LAB_REQUIRE=$(REQUIRE) $(PY) -m pytest -q
 
 bench: $(STAMP)
 	# the comparison with Hugging Face transformers needs the optional bench extra; llama.cpp and vLLM join when

@@ -11,6 +11,41 @@ import torch  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    from tests.requires import required
+
+    required()  # an unknown name in INFERENCE_LAB_REQUIRE stops the run before any test
+
+
+def _fail_undeclared_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """Where the run declares its dependencies (`make test`), only a skip for a dependency it does not require may
+    pass (tests/requires.py): any other skip is a test that did not run, and must not leave the run green."""
+    from tests.requires import ENV, SKIP_PREFIX, required
+
+    if not report.skipped or hasattr(report, "wasxfail") or not os.environ.get(ENV):
+        return
+    r = report.longrepr
+    reason = (r[2] if isinstance(r, tuple) else str(r)).removeprefix("Skipped: ")
+    if reason.startswith(SKIP_PREFIX) and reason.split(":")[0].split()[-1] not in required():
+        return
+    report.outcome = "failed"
+    report.longrepr = f"skipped where {ENV} is set (every test must run there): {reason}"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    _fail_undeclared_skip(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    report = yield
+    _fail_undeclared_skip(report)
+    return report
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory):
     """Tests never write into the user's cache: each test session converts the real model once, privately."""
@@ -37,5 +72,6 @@ def tiny_lm(tiny_dir):
 def real_lm():
     """The real default model (SmolLM2-135M-Instruct), loaded once per test session."""
     from engine.loaders import load
+    from tests.requires import default_model
 
-    return load(None, device="cpu", dtype="float32")
+    return load(default_model(), device="cpu", dtype="float32")

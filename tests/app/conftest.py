@@ -74,8 +74,15 @@ def make_window(qtbot, tiny_dir):
 
     yield make
     for w in windows:
-        w.close()
+        w.close()  # MainWindow.shutdown: the engine gets 10 s, then is terminated; the relay thread is waited for
         assert not w.bridge.worker_thread.isRunning()
+        process = w.bridge.process
+        process.join(SHUTDOWN_BUDGET_S)  # terminated above when it was slow to quit: gone at once, or wedged
+        if process.is_alive():
+            process.kill()
+            process.join(30)
+            pytest.fail(f"the engine process (pid {process.pid}) outlived the window's shutdown and a SIGTERM by "
+                        f"{SHUTDOWN_BUDGET_S} s: killed", pytrace=False)
 
 
 def wait_loaded(qtbot, w, timeout=30_000):
@@ -90,6 +97,35 @@ def window(qtbot, make_window):
     return w
 
 
+# Stopping the engine waits for it to read "quit": on a busy machine a process still importing torch, or finishing
+# a step, can take tens of seconds. Only a process that outlives this budget was left wedged by its test.
+SHUTDOWN_BUDGET_S = 180
+
+
+def stop_bridge(b) -> None:
+    """Stop the bridge's engine process and relay thread. One that does not stop on `quit` within the budget (the
+    bridge then terminates it) was left wedged by its test: kill what is left and fail that test, never leaving a
+    process behind for the next one."""
+    stopped = b.shutdown(timeout_ms=SHUTDOWN_BUDGET_S * 1000)
+    if stopped and b.process.exitcode == 0:
+        return
+    problems = []
+    if b.process.is_alive():
+        b.process.kill()
+        b.process.join(30)
+        problems.append(f"the engine process (pid {b.process.pid}) outlived {SHUTDOWN_BUDGET_S} s after `quit` and "
+                        "a SIGTERM: killed")
+    elif b.process.exitcode != 0:
+        problems.append(f"the engine process did not stop on `quit` within {SHUTDOWN_BUDGET_S} s (exit code "
+                        f"{b.process.exitcode}: stopped by the bridge's SIGTERM)")
+    if b.worker_thread.isRunning():
+        b.relay.stopping.set()
+        if not b.worker_thread.wait(30_000):
+            problems.append("the relay thread is still running")
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)
+
+
 @pytest.fixture
 def bridge(qtbot):
     """A bare Bridge (its engine process runs but no model is loaded); shut down after the test."""
@@ -97,7 +133,7 @@ def bridge(qtbot):
 
     b = Bridge()
     yield b
-    assert b.shutdown()
+    stop_bridge(b)
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,11 @@ def test_chat_toggles_follow_the_model(qtbot, bridge, tiny_lm):
     for p in panels:
         p.set_chat(True)
         assert p.chat_box.isEnabled() and p.chat()
+    prompt_panel = panels[0]
+    prompt_panel.set_text("hello there")
+    assert prompt_panel.chat_pane.isVisibleTo(prompt_panel)  # the ChatML-wrapped prompt, shown and counted
+    assert "<|im_start|>user\nhello there" in prompt_panel.chat_view.toPlainText()
+    assert "with the chat template" in prompt_panel.counters.text()
 
     base = base_tokenizer()
     assert base.chat_unavailable is not None
@@ -33,7 +38,10 @@ def test_chat_toggles_follow_the_model(qtbot, bridge, tiny_lm):
         assert "no chat template" in p.chat_box.toolTip()
         p.set_chat(True)  # settings or --chat cannot turn it on
         assert not p.chat()
-    assert "<|im_start|>" not in panels[0].chat_view.toPlainText() or panels[0].chat_pane.isHidden()
+    # what the user sees of the template now: nothing (the pane is hidden and the counters leave it out)
+    assert not prompt_panel.chat_pane.isVisibleTo(prompt_panel)
+    counters = prompt_panel.counters.text()
+    assert "chat template" not in counters and f"<b>{len(base.encode('hello there').ids)} tokens</b>" in counters
 
     bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))  # a model with a template again
     for p in panels:

@@ -1,42 +1,76 @@
-"""The shared draw timer's rate limit: a panel's redraws follow what its drawing costs (Panel.paint_budget)."""
+"""The shared draw timer's rate limit: a panel's redraws follow what its drawing costs (Panel.paint_budget).
 
-import time
+The panel reads its clock through base.time.monotonic; the tests give it a clock that advances only when a frame
+costs time or the test lets time pass, so the counts are the rule's own and no busy machine can change them.
+"""
+
+import types
+
+import pytest
 
 from app.panels import base
 from app.panels.base import Panel
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(base, "time", types.SimpleNamespace(monotonic=c.monotonic))
+    return c
+
+
 class Costly(Panel):
     cost_s = 0.0
+    clock: Clock
 
     def draw(self) -> None:
-        time.sleep(self.cost_s)
+        self.clock.now += self.cost_s  # drawing takes this long on the panel's clock
 
 
-def _draws_in(panel, seconds: float) -> int:
-    end = time.monotonic() + seconds
-    before = panel.draw_count
-    while time.monotonic() < end:
-        panel.mark_dirty()  # new data arrives all the time, as during a generation
-        panel.tick()
-        time.sleep(0.005)
-    return panel.draw_count - before
-
-
-def test_costly_panel_redraws_less_often_but_at_least_once_a_second(qtbot, bridge):
-    cheap, costly = Costly(bridge), Costly(bridge)
-    qtbot.addWidget(cheap)
-    qtbot.addWidget(costly)
-    costly.cost_s = 0.06  # 60 ms a frame: 2 % of a core allows one every 3 s, the floor makes it 1 s
-    n_cheap, n_costly = _draws_in(cheap, 1.2), _draws_in(costly, 2.6)
-    assert 5 <= n_cheap <= 11  # capped by max_fps (8 a second)
-    assert 2 <= n_costly <= 3  # about once a second (the first draw comes at once); without the floor: 1
-    assert costly.paint_budget == base.Panel.paint_budget and base.MAX_DRAW_INTERVAL_S == 1.0
-
-
-def test_flush_draws_at_once_whatever_the_limit(qtbot, bridge):
+def panel(qtbot, bridge, clock, cost_s: float) -> Costly:
     p = Costly(bridge)
+    p.clock, p.cost_s = clock, cost_s
     qtbot.addWidget(p)
+    return p
+
+
+def draws_in(p: Costly, seconds: float, tick_s: float = 0.001) -> int:
+    """Ticks every `tick_s` for `seconds` of the panel's clock, with new data before each (as during a generation).
+    A draw comes at the first tick after its interval, so the tests end their windows mid-interval."""
+    end = p.clock.now + seconds
+    before = p.draw_count
+    while p.clock.now < end:
+        p.mark_dirty()
+        p.tick()
+        p.clock.now += tick_s
+    return p.draw_count - before
+
+
+def test_cheap_panel_is_capped_by_max_fps(qtbot, bridge, clock):
+    cheap = panel(qtbot, bridge, clock, 0.001)
+    assert Panel.max_fps == 8.0
+    # a 1 ms frame would allow 20 a second by the budget (2 % of a core); max_fps caps it at one per 0.125 s
+    assert draws_in(cheap, 15.5 * 0.125) == 16
+
+
+def test_costly_panel_redraws_less_often_but_at_least_once_a_second(qtbot, bridge, clock):
+    assert Panel.paint_budget == 0.02 and base.MAX_DRAW_INTERVAL_S == 1.0
+    medium = panel(qtbot, bridge, clock, 0.005)  # 5 ms / 2 % = one frame per 0.25 s
+    assert draws_in(medium, 7.5 * 0.25) == 8
+    costly = panel(qtbot, bridge, clock, 0.06)  # 60 ms: 2 % of a core allows one every 3 s, the floor makes it 1 s
+    assert draws_in(costly, 5.5) == 6  # without the floor: 2
+
+
+def test_flush_draws_at_once_whatever_the_limit(qtbot, bridge, clock):
+    p = panel(qtbot, bridge, clock, 0.06)
     p.mark_dirty()
     p.tick()
     p.mark_dirty()

@@ -259,7 +259,10 @@ def test_pause_step_resume(qtbot, window):
     with qtbot.waitSignal(bridge.sig_token, timeout=10_000) as blocker:
         gen.step()
     assert blocker.args[0].step == 1
-    qtbot.wait(150)  # no further token arrives while paused
+    # no further token while paused: the engine answers a pause (it is paused already) between two tokens only, so
+    # any token it made after step 1 would arrive before this answer (the bridge relays events in order)
+    with qtbot.waitSignal(bridge.sig_state, timeout=10_000, check_params_cb=lambda state: state == "paused"):
+        bridge.pause()
     assert len(gen.tokens) == 2 and gen.state == "paused"
 
     fin = finish_generation(qtbot, window, gen.toggle_pause)  # Resume

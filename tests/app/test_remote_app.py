@@ -64,12 +64,17 @@ def test_load_lab_cancel(qtbot, window, stub):
     window.connect_server(stub)
     qtbot.waitUntil(lambda: window.bridge.server is not None, timeout=30_000)
     lab = window.panels["load_lab"]
-    with qtbot.waitSignal(window.bridge.sig_serve_done, timeout=60_000) as blocker:
-        lab.run({"concurrency": [1], "num_prompts": 400, "max_new_tokens": 4, "request_rate": 5.0,
-                 "burstiness": 1.0, "time_limit_s": 60.0})
-        qtbot.wait(300)
+    done = []
+    window.bridge.sig_serve_request.connect(done.append)
+    # 400 requests at 5 a second: 80 s unless cancelled (the time limit is further still)
+    with qtbot.waitSignal(window.bridge.sig_serve_done, timeout=300_000) as blocker:
+        with qtbot.waitSignal(window.bridge.sig_serve_request, timeout=60_000):  # the run is under way
+            assert lab.run({"concurrency": [1], "num_prompts": 400, "max_new_tokens": 4, "request_rate": 5.0,
+                            "burstiness": 1.0, "time_limit_s": 240.0})
         lab.cancel()
+    window.bridge.sig_serve_request.disconnect(done.append)
     assert blocker.args[0] == "cancelled" and not lab.running
+    assert 1 <= len(done) < 400
 
 
 def test_load_lab_plots_live_per_request_and_sends_slos(qtbot, window, stub):
@@ -119,10 +124,9 @@ def test_load_lab_plots_live_per_request_and_sends_slos(qtbot, window, stub):
 
 def test_roofline_places_the_servers_measured_decode(qtbot, window, stub):
     """The stub's model has no readable config: one line says so; with a catalogue model chosen the measured decode
-    is placed at that model's decode intensity and the rate the chunks arrived at (reference: the tokens' arrival
-    times, not the gaps the panel sums). The chip picked for a server is remembered for its URL."""
-    from engine.costs import formulas as costs
-
+    is placed at that model's decode intensity and the rate the chunks arrived at (references: the model's FLOPs and
+    bytes counted here by hand from its shapes, the tokens' arrival times rather than the gaps the panel sums, and
+    the chip's datasheet roofs). The chip picked for a server is remembered for its URL."""
     roof = window.panels["roofline"]
     window.connect_server(stub)
     qtbot.waitUntil(lambda: window.bridge.server is not None, timeout=30_000)
@@ -143,12 +147,22 @@ def test_roofline_places_the_servers_measured_decode(qtbot, window, stub):
     decode = [t for t in tokens if t.phase == "decode"]
     assert len(decode) == 2
     tpot = (decode[-1].arrival_s - tokens[0].arrival_s) / len(decode)
-    cost = costs.decode_cost(roof.models["llama-2-70b"], decode[-1].position + 1, weight_dtype=roof.dtype())
+    # Llama-2-70B's last decode step by hand (config.json: 80 layers, d_model 8192, 64 query and 8 KV heads of 128,
+    # FFN 28672, vocabulary 32000, untied head; 68,976,648,192 parameters as Hugging Face counts them), weights and
+    # KV cache in the panel's dtype
+    layers, d, heads, kv_heads, hd, ffn, vocab = 80, 8192, 64, 8, 128, 28672, 32000
+    context = decode[-1].position + 1  # the token attends to every position up to its own
+    bpv = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}[roof.dtype()]
+    matrices = 2 * d * heads * hd + 2 * d * kv_heads * hd + 3 * d * ffn  # q and o, k and v, SwiGLU's three
+    flops = 2 * layers * matrices + 4 * layers * heads * hd * context + 2 * vocab * d  # + QK and AV + LM head
+    weights = (68_976_648_192 - vocab * d + d) * bpv  # every matrix once; of the input embedding one row
+    kv = context * 2 * layers * kv_heads * hd * bpv  # K and V of context - 1 cached positions read, its own written
     x, y = roof.server_point.xData, roof.server_point.yData
-    np.testing.assert_allclose(x, [cost.intensity], rtol=1e-12)
-    np.testing.assert_allclose(y, [cost.flops / tpot], rtol=1e-6)
-    peak, bw, _ridge = roof.roofs()
-    share = cost.flops / tpot / min(peak, cost.intensity * bw)
+    np.testing.assert_allclose(x, [flops / (weights + kv)], rtol=1e-9)
+    np.testing.assert_allclose(y, [flops / tpot], rtol=1e-6)
+    # NVIDIA's H100 SXM datasheet (dense): peak FLOP/s per dtype, 3.35 TB/s
+    peak = {"fp32": 67e12, "fp16": 989.5e12, "bf16": 989.5e12, "int8": 1979e12}[roof.dtype()]
+    share = flops / tpot / min(peak, flops / (weights + kv) * 3.35e12)
     label = roof.server_text.toPlainText()
     assert label.startswith("server decode") and (f"{share:.3g}× the roof: wrong chip or model?" in label
                                                    if share > 1 else "of roof" in label), label
@@ -212,7 +226,8 @@ def gpt2_byte_string(b: bytes) -> str:
 
 class TokenizingHandler(Handler):
     """A vLLM-like stub: /v1/models says vLLM, /tokenize splits on spaces and returns vocabulary strings (Ġ for
-    a leading space, as byte-level BPE writes it) with their ids; it counts the tokenize calls."""
+    a leading space, as byte-level BPE writes it) with their ids; it records the texts asked for, and holds its
+    answer for the text in `server.hold` until `server.release` is set."""
 
     def do_GET(self):  # noqa: N802
         if self.path == "/v1/models":
@@ -227,6 +242,8 @@ class TokenizingHandler(Handler):
         if "prompt" not in body:  # a chat prompt's tokens: not offered by this stub
             return self._send(400, b'{"error": {"message": "no chat template"}}')
         self.server.tokenize_calls.append(body["prompt"])
+        if body["prompt"] == self.server.hold:
+            self.server.release.wait(120)
         words = body["prompt"].split(" ")
         strs = [gpt2_byte_string((" " if i else "").encode() + w.encode()) for i, w in enumerate(words)]
         self._send(200, json.dumps({"tokens": [100 + i for i in range(len(strs))], "token_strs": strs,
@@ -236,27 +253,51 @@ class TokenizingHandler(Handler):
 @pytest.fixture
 def tokenizing_stub():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), TokenizingHandler)
-    srv.mode, srv.tokenize_calls = "ok", []
+    srv.mode, srv.tokenize_calls, srv.hold, srv.release = "ok", [], None, threading.Event()
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     yield srv
+    srv.release.set()
     srv.shutdown()
     srv.server_close()
 
 
-def test_prompt_shows_the_servers_tokens(qtbot, window, tokenizing_stub):
+def test_prompt_shows_the_servers_tokens(qtbot, window, tokenizing_stub, monkeypatch):
     """Connected, the Prompt panel's boundaries are the server's /tokenize answer (reference: the stub's own split),
-    asked once after a burst of edits, labelled as the server's."""
+    asked once for a burst of edits, labelled as the server's; an answer for an older text never replaces a newer
+    one's. Nothing here depends on how fast the machine is: the burst runs without the event loop (the debounce
+    timer cannot fire inside it) and the stub holds the older answer until the newer text has been asked for."""
     srv = tokenizing_stub
     prompt = window.panels["prompt"]
+    asked = []  # the texts the panel sent to the engine process, in order
+    send = window.bridge.server_tokenize
+
+    def server_tokenize(text: str, chat: bool = False) -> int:
+        asked.append(text)
+        return send(text, chat)
+
+    monkeypatch.setattr(window.bridge, "server_tokenize", server_tokenize)
     window.connect_server(f"http://127.0.0.1:{srv.server_address[1]}")
     qtbot.waitUntil(lambda: window.bridge.server is not None, timeout=30_000)
     assert window.bridge.server.tokenize == "/tokenize"
+    qtbot.waitUntil(lambda: prompt.tok is not None, timeout=30_000)  # the text already there, now the server's
+    assert asked == srv.tokenize_calls == [prompt.text()]
+    asked.clear()
     srv.tokenize_calls.clear()
-    for text in ("the", "the cat", "the cat sat", "héllo the cat sat"):
+
+    srv.hold = "the cat"
+    prompt.set_text("the cat")
+    qtbot.waitUntil(lambda: srv.tokenize_calls == ["the cat"], timeout=30_000)  # its answer is held back
+    answers = []  # (text answered, the panel's ids right after that answer): connected after the panel's slot
+    window.bridge.sig_server_tokens.connect(lambda a: answers.append((a[1], prompt.tok and prompt.tok.ids)))
+    for text in ("the cat sat", "héllo the cat sat"):
         prompt.set_text(text)  # a burst of edits within the debounce
     assert prompt.tok is None and "asking the server" in prompt.counters.text()
-    qtbot.waitUntil(lambda: prompt.tok is not None, timeout=30_000)
-    assert srv.tokenize_calls == ["héllo the cat sat"]  # debounced: only the last text was asked for
+    qtbot.waitUntil(lambda: len(asked) == 2, timeout=30_000)
+    assert asked == ["the cat", "héllo the cat sat"]  # debounced: the burst's last text only
+    srv.release.set()  # the stale answer arrives first, then the newest
+    qtbot.waitUntil(lambda: len(answers) == 2, timeout=30_000)
+    assert answers == [("the cat", None), ("héllo the cat sat", [100, 101, 102, 103])]
+    assert srv.tokenize_calls == ["the cat", "héllo the cat sat"]
     assert prompt.tok.ids == [100, 101, 102, 103]
     assert prompt.tok.pieces == ["héllo", " the", " cat", " sat"]  # Ġ read back as a space
     assert prompt.tok.offsets == [(0, 5), (5, 9), (9, 13), (13, 17)]

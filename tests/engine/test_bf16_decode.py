@@ -1,6 +1,12 @@
-"""bfloat16 decode through oneDNN's pre-reordered weights (transformer.pack_for_decode), held to float64 and to
-the float32 model: the packed product against F.linear in float64 on the same bf16 inputs, decode logits of the
-tiny model against its float32 decode, and the real model's greedy continuations against float32's."""
+"""bfloat16 decode held to float64 and to the float32 model, on every CPU: the product against F.linear in float64 on
+the same bf16 inputs, decode logits of the tiny model against its float32 decode, and the real model's greedy
+continuations against float32's.
+
+Where the CPU has native bf16 dot products the engine multiplies decode rows by oneDNN's pre-reordered weights
+(transformer.pack_for_decode, "packed"); elsewhere it runs F.linear on the plain bf16 weights ("plain", emulated and
+slower, but no less exact). Both paths are tested where both exist: "plain" by making the engine believe the CPU has
+no native bf16 (transformer._bf16_packing); the packed path exists only where the hardware does.
+"""
 
 from __future__ import annotations
 
@@ -14,20 +20,29 @@ from engine.model import transformer as model
 from engine.model.kv_cache import KVCache
 from engine.model.transformer import SPLIT_MAX_ROWS, linear, pack_for_decode
 
-needs_bf16 = pytest.mark.skipif(not model._bf16_packing(), reason="this CPU has no native bf16 dot products")
+NATIVE_BF16 = model._bf16_packing()
+PATHS = ["packed", "plain"] if NATIVE_BF16 else ["plain"]
+THIS_CPUS_PATH = "packed" if NATIVE_BF16 else "plain"  # what the engine runs here when asked for bfloat16
 
 
-@needs_bf16
+@pytest.fixture(params=PATHS)
+def bf16_path(request, monkeypatch) -> str:
+    """The decode path under test; "plain" is what a CPU without native bf16 dot products gets."""
+    if request.param == "plain":
+        monkeypatch.setattr(model, "_bf16_packing", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize(("rows", "n_in", "n_out"),
                          [(1, 576, 960), (1, 64, 96), (SPLIT_MAX_ROWS, 33, 7), (2, 1536, 576)])
-def test_packed_product_matches_float64(rows, n_in, n_out, bias):
+def test_bf16_product_matches_float64(bf16_path, rows, n_in, n_out, bias):
     g = torch.Generator().manual_seed(rows * 1000 + n_in)
     w = torch.randn(n_out, n_in, generator=g).bfloat16()
     x = torch.randn(rows, n_in, generator=g).bfloat16()
     b = torch.randn(n_out, generator=g).bfloat16() if bias else None
     packed = pack_for_decode(w)
-    assert packed is not None
+    assert (packed is not None) == (bf16_path == "packed")
     y = linear(x, w, b, packed)
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())  # the same bf16 inputs, exact sums
     assert y.dtype == torch.bfloat16 and y.shape == (rows, n_out)
@@ -41,7 +56,7 @@ def test_nothing_is_packed_where_it_cannot_help():
 
 
 def decode_logits(lm, ids: list[int]) -> torch.Tensor:
-    """Prefill the first token, then decode the rest one at a time (the packed path): logits of every step."""
+    """Prefill the first token, then decode the rest one at a time (the decode path): logits of every step."""
     cache = KVCache(lm.cfg, 1, len(ids), lm.dtype)
     out = [lm.model(torch.tensor([ids[:1]]), 0, cache)[0]]
     for i, t in enumerate(ids[1:], start=1):
@@ -49,14 +64,15 @@ def decode_logits(lm, ids: list[int]) -> torch.Tensor:
     return torch.stack(out)  # (T, V) float32
 
 
-@needs_bf16
-def test_tiny_model_bf16_decode_stays_within_bf16_tolerance_of_float32(tiny_dir, tiny_lm):
+def test_tiny_model_bf16_decode_stays_within_bf16_tolerance_of_float32(bf16_path, tiny_dir, tiny_lm):
     ids = [1, 17, 42, 99, 3, 250, 7, 64, 128, 5, 33, 200]
     bf = load(tiny_dir.gguf, device="cpu", dtype="bfloat16", use_cache=False)
-    assert bf.model.head_packed is not None  # decode takes the packed path
+    assert (bf.model.head_packed is not None) == (bf16_path == "packed")  # decode takes the path under test
     lf, lb = decode_logits(tiny_lm, ids), decode_logits(bf, ids)
     assert (lf.argmax(-1) == lb.argmax(-1)).float().mean() > 0.8
     assert_close(lb, lf, atol=0.3, rtol=0.1)  # the same bound the bf16 prefill is held to (test_model.py)
+    if bf16_path == "plain":
+        return
     plain = load(tiny_dir.gguf, device="cpu", dtype="bfloat16", use_cache=False)
     for m in plain.model.modules():
         if isinstance(m, model.Linear):
@@ -70,8 +86,7 @@ TEST_PROMPTS = ["Explain what a KV cache is in two sentences.", "What is the cap
                 "Tell me a fun fact about octopuses.", "Give three tips for staying focused."]
 
 
-@needs_bf16
-def test_bf16_head_gives_its_best_candidates_float32_logits(tiny_dir):
+def test_bf16_head_gives_its_best_candidates_float32_logits(bf16_path, tiny_dir):
     bf = load(tiny_dir.gguf, device="cpu", dtype="bfloat16", use_cache=False)
     x = torch.randn(1, bf.cfg.d_model, generator=torch.Generator().manual_seed(3)).bfloat16()
     logits = bf.model.head(x)[0]  # (V,) float32
@@ -83,15 +98,17 @@ def test_bf16_head_gives_its_best_candidates_float32_logits(tiny_dir):
 
 
 @pytest.mark.slow
-@needs_bf16
 def test_real_model_bf16_greedy_continuations_equal_float32(real_lm):
-    """Why the app defaults to bfloat16 on this kind of CPU (engine.loaders.preferred_dtype)."""
+    """On the path this CPU runs (the real model is too slow to run twice): why the app defaults to bfloat16 where
+    the CPU has native bf16 dot products (engine.loaders.preferred_dtype), and that bfloat16 chosen by hand elsewhere
+    gives float32's tokens too."""
     from engine.loaders import preferred_dtype
     from engine.run.sampling import SamplingParams
     from engine.run.session import Session
 
-    assert preferred_dtype("cpu") == "bfloat16"
+    assert preferred_dtype("cpu") == ("bfloat16" if NATIVE_BF16 else "float32")
     bf = load(None, device="cpu", dtype="bfloat16")
+    assert (bf.model.head_packed is not None) == (THIS_CPUS_PATH == "packed")
     for prompt in TEST_PROMPTS:
         runs = []
         for lm in (real_lm, bf):

@@ -11,6 +11,7 @@ import torch
 from engine.costs import formulas as costs
 from engine.model.config import ModelConfig
 from engine.model.kv_cache import KVCache
+from tests.requires import import_required
 
 GEMMA_270M = ModelConfig(
     name="gemma-3-270m", architecture="gemma3", n_layers=18, d_model=640, n_heads=4, n_kv_heads=1, head_dim=256,
@@ -22,7 +23,7 @@ GEMMA_270M = ModelConfig(
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3", "phi3", "mistral", "llama3"])
 def test_n_params_equals_transformers(family, tmp_path):
-    pytest.importorskip("transformers")
+    import_required("transformers")
     from engine.loaders import load
     from tests.tiny_families import write_checkpoint
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-pytest.importorskip("transformers")
+from tests.requires import import_required
+
+import_required("transformers")
 
 from engine.loaders import load  # noqa: E402
 from engine.model.kv_cache import KVCache  # noqa: E402

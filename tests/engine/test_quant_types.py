@@ -7,12 +7,12 @@ gguf can also quantize get real quantized data, and a model built from them runs
 
 from __future__ import annotations
 
+import gguf  # a dependency of the app itself: never skipped
 import numpy as np
 import pytest
 import torch
 from torch.testing import assert_close
 
-gguf = pytest.importorskip("gguf")
 # random blocks hold random fp16 scales: some are inf or NaN, and numpy says so while dequantizing them
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
                                         "ignore:overflow encountered:RuntimeWarning")

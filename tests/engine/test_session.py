@@ -183,8 +183,9 @@ def test_real_model_greedy_chat_is_deterministic_english(real_lm):
 @pytest.mark.slow
 def test_real_model_greedy_tokens_match_transformers(real_lm):
     """The first greedy tokens equal those of Hugging Face transformers' own model on the same GGUF weights."""
-    pytest.importorskip("transformers")
-    from transformers import AutoModelForCausalLM
+    from tests.requires import import_required
+
+    AutoModelForCausalLM = import_required("transformers").AutoModelForCausalLM  # noqa: N806
 
     from engine.loaders import default_model_path
 

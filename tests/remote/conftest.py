@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.requires import missing
+
 
 @pytest.fixture(scope="session")
 def exported_hf(tmp_path_factory):
@@ -27,7 +29,7 @@ def vllm_server(exported_hf, server_logs):
     from tests.remote import servers
 
     if not servers.VLLM_PY.exists():
-        pytest.skip(f"vLLM's virtual environment is missing ({servers.VLLM_PY}): run `make servers`")
+        missing("servers", f"vLLM's virtual environment is missing ({servers.VLLM_PY})")
     s = servers.start_vllm(exported_hf, server_logs, api_key=API_KEY)
     yield s
     s.stop()
@@ -40,7 +42,7 @@ def llama_server(server_logs):
     from tests.remote import servers
 
     if not servers.LLAMA_PY.exists():
-        pytest.skip(f"llama-cpp-python's virtual environment is missing ({servers.LLAMA_PY}): run `make servers`")
+        missing("servers", f"llama-cpp-python's virtual environment is missing ({servers.LLAMA_PY})")
     s = servers.start_llamacpp(default_model_path(), server_logs)
     yield s
     s.stop()

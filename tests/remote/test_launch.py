@@ -39,25 +39,28 @@ def test_vllm_log_facts_reads_dtype_and_bound_cpus():
     assert vllm_log_facts("nothing useful") == {"dtype": None, "cpus": None}
 
 
-def _tree(tmp_path) -> subprocess.Popen:
-    """A leader that starts a child ignoring SIGTERM in the same new session, as vLLM's engine core is started."""
-    code = ("import signal, subprocess, sys, time\n"
-            "subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, "
-            "signal.SIG_IGN); time.sleep(60)'])\n"
-            "time.sleep(60)\n")
-    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+def _tree() -> subprocess.Popen:
+    """A leader that starts a child ignoring SIGTERM in the same new session, as vLLM's engine core is started; the
+    leader prints a line once the child ignores SIGTERM. Both would sleep for ten minutes."""
+    child = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ignoring', flush=True); "
+             "time.sleep(600)")
+    code = ("import subprocess, sys, time\n"
+            f"c = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE, text=True)\n"
+            "print(c.stdout.readline().strip(), flush=True)\n"
+            "time.sleep(600)\n")
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE, text=True)
 
 
 def test_stop_ends_the_whole_group_even_a_child_ignoring_sigterm(tmp_path):
-    proc = _tree(tmp_path)
-    time.sleep(0.5)
+    proc = _tree()
+    assert proc.stdout.readline().strip() == "ignoring"  # the child is up and deaf to SIGTERM
     s = RunningServer(kind="fake", url="http://127.0.0.1:1", proc=proc, log=tmp_path / "log")
     assert _group_alive(proc.pid)
-    t = time.monotonic()
     s.stop(grace_s=0.5)
-    assert time.monotonic() - t < 5
     assert proc.poll() is not None
-    deadline = time.monotonic() + 5
+    # the killed child, reparented, is reaped by init: wait for that (a child that stop() left alive would sleep out
+    # its ten minutes, so this wait cannot pass by waiting)
+    deadline = time.monotonic() + 60
     while _group_alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _group_alive(proc.pid)

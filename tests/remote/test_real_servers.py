@@ -11,13 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import numpy as np
 import pytest
 
 from tests.remote.conftest import API_KEY
+from tests.requires import missing
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]
 
@@ -79,7 +79,9 @@ def test_vllm_greedy_stream_equals_nonstreamed(vllm_server):
     choice = ref["choices"][0]
     assert got["text"] == choice["text"]
     assert got["ids"] == choice["token_ids"]
-    assert got["prompt_ids"] == ref["choices"][0].get("prompt_token_ids", got["prompt_ids"])
+    # the prompt's ids as the server reported them with its answer, and as its own /tokenize gives them
+    tokenized = raw(vllm_server.url, "/tokenize", {"model": "smollm2-135m-instruct", "prompt": PROMPT})["tokens"]
+    assert got["prompt_ids"] == choice["prompt_token_ids"] == tokenized
     assert got["server"]["kind"] == "vllm" and got["finish_reason"] in ("length", "eos")
     assert got["ttft_s"] > 0 and got["tpot_s"] > 0 and got["tokens_per_s"] > 0
     assert len(got["ids"]) == ref["usage"]["completion_tokens"]
@@ -198,7 +200,7 @@ def test_llamacpp_killed_mid_stream(server_logs):
     from tests.remote import servers
 
     if not servers.LLAMA_PY.exists():
-        pytest.skip(f"llama-cpp-python's virtual environment is missing ({servers.LLAMA_PY}): run `make servers`")
+        missing("servers", f"llama-cpp-python's virtual environment is missing ({servers.LLAMA_PY})")
     s = servers.start_llamacpp(default_model_path(), server_logs)
     try:
         b = backend(s, key=None)
@@ -214,9 +216,8 @@ def test_llamacpp_killed_mid_stream(server_logs):
         assert sum(type(e).__name__ == "RemoteTokenSampled" for e in events) >= 4
     finally:
         s.stop()
-    t0 = time.monotonic()
-    r = cli("generate", "--url", s.url, "--prompt", "hi")
-    assert r.returncode != 0 and "connection refused" in r.stderr and time.monotonic() - t0 < 60
+    r = cli("generate", "--url", s.url, "--prompt", "hi")  # a hang would end at cli()'s timeout
+    assert r.returncode != 0 and "connection refused" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
