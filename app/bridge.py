@@ -37,6 +37,7 @@ from engine.events import (
 )
 from engine.protocol import GenerateRequest, PreviewResult, SamplingParams
 from engine.remote.backend import ServerMetricsSampled
+from engine.run.schedule_events import SchedPlan, SchedRequestDone, SchedStep, SchedSummary
 from engine.run.spec_events import (
     SpecBaseline,
     SpecFinished,
@@ -48,6 +49,7 @@ from engine.run.spec_events import (
 )
 from engine.server import serve
 
+SCHED_EVENTS = (SchedPlan, SchedStep, SchedRequestDone, SchedSummary)
 SPEC_EVENTS = (SpecStarted, SpecPrefilled, SpecStep, SpecBaseline, SpecFinished, SweepStarted, SweepPoint)
 __all__ = ["Bridge", "GenerateRequest", "PreviewResult", "RequestOptions"]
 
@@ -194,6 +196,10 @@ class Bridge(QtCore.QObject):
     """Speculative-decoding lab: one event of engine.run.spec_events (a pass, the baseline, a sweep point)."""
     sig_spec_done = QtCore.Signal(str)
     """Speculative-decoding lab ended: "" when complete, else why it stopped."""
+    sig_sched = QtCore.Signal(object)
+    """Scheduling lab: one event of engine.run.schedule_events (the plan, a step, a finished request, a summary)."""
+    sig_sched_done = QtCore.Signal(str)
+    """Scheduling lab ended: "" when complete, else why it stopped."""
     sig_pong = QtCore.Signal(int)
     """The engine handled every command sent before the Ping with this token (ping())."""
     sig_serve_progress = QtCore.Signal(float, str)
@@ -243,11 +249,14 @@ class Bridge(QtCore.QObject):
         }
         for cls in SPEC_EVENTS:
             self._routes[cls] = self.sig_spec.emit
+        for cls in SCHED_EVENTS:
+            self._routes[cls] = self.sig_sched.emit
         self._progress = {"load": self.sig_load_progress, "batch": self.sig_batch_progress,
                           "measure": self.sig_measure_progress, "serve": self.sig_serve_progress,
                           "serve_model": self.sig_serving_progress}
         self._done = {"batch": self.sig_batch_done, "measure": self.sig_measure_done, "serve": self.sig_serve_done,
-                      "serve_model": self.sig_serving_done, "spec": self.sig_spec_done}
+                      "serve_model": self.sig_serving_done, "spec": self.sig_spec_done,
+                      "sched": self.sig_sched_done}
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs Qt threads
         cmd_recv, self._commands = ctx.Pipe(duplex=False)
         events_recv, events_send = ctx.Pipe(duplex=False)
@@ -362,6 +371,10 @@ class Bridge(QtCore.QObject):
     def speculate(self, cmd: P.Speculate) -> None:
         """Run the speculative-decoding lab (sig_spec for each event, sig_spec_done at the end)."""
         self._post(cmd)
+
+    def schedule(self, config: object) -> None:
+        """Run the scheduling lab (sig_sched for each event, sig_sched_done at the end)."""
+        self._post(P.Schedule(config))
 
     def cancel_lab(self) -> None:
         self._post(P.Cancel())

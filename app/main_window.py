@@ -37,7 +37,7 @@ PLACEMENT = {
     "kv_cache": _Area.BottomDockWidgetArea, "timeline": _Area.BottomDockWidgetArea,
     "roofline": _Area.BottomDockWidgetArea,
 }
-TAB_WITH = {"lens": "attention", "branches": "generation", "constrain": "sampling"}
+TAB_WITH = {"lens": "attention", "branches": "timeline", "constrain": "sampling"}
 
 
 def _cores() -> int:

@@ -70,6 +70,10 @@ class Backend(ABC):
         """The speculative-decoding lab (engine.protocol.Speculate): drafts verified by the model's own passes."""
         raise Unsupported("the speculative-decoding lab runs on the local model: disconnect from the server to use it")
 
+    def schedule(self, config: object, send: Callable[[object], None], should_stop: ShouldStop) -> None:
+        """The scheduling lab (engine.run.scheduler): static and continuous batching with real batched steps."""
+        raise Unsupported("the scheduling lab runs on the local model: disconnect from the server to use it")
+
     def serve_bench(self, config: dict, send: Callable[[object], None], should_stop: ShouldStop) -> None:
         """The load lab: concurrent requests against a server, with its metrics."""
         raise Unsupported("the load lab measures a server: connect to one first (File → Connect to server…)")

@@ -234,6 +234,14 @@ class Speculate(Command):
 
 
 @dataclass(frozen=True)
+class Schedule(Command):
+    """The scheduling lab on the local model (engine.run.scheduler): static against continuous batching on the same
+    arrivals, with a paged KV cache; its events go out as they come, then Done("sched")."""
+
+    config: object  # engine.run.schedule_events.SchedConfig
+
+
+@dataclass(frozen=True)
 class ServeModel(Command):
     """Start llama.cpp's server on 127.0.0.1 for the loaded model and connect to it (Progress and Done "serve_model");
     it stops on Disconnect, on StopServing and when the engine process ends."""

@@ -50,6 +50,7 @@ from engine.protocol import (
     Quit,
     Resume,
     SamplingParams,
+    Schedule,
     ServeBench,
     ServeModel,
     SetParams,
@@ -90,7 +91,7 @@ class EngineServer:
             AskThisMachine: self.this_machine, Measure: self.measure, SetParams: self.set_params,
             SetThreads: self.set_threads, Connect: self.connect, Disconnect: self.disconnect,
             ServeBench: self.serve_bench, Tokenize: self.tokenize, Ping: self.ping, ServeModel: self.serve_model,
-            StopServing: self.stop_serving, Speculate: self.speculate,
+            StopServing: self.stop_serving, Speculate: self.speculate, Schedule: self.schedule,
         }
         self.served = None  # the server this process started for the loaded model (engine.remote.launch)
         self.served_backend: Backend | None = None  # the connection to it
@@ -354,6 +355,12 @@ class EngineServer:
             self.send(Done("spec", "load a model first"))
             return
         self._job("spec", lambda progress, should_stop: self.backend.speculate(cmd, self.send, should_stop))
+
+    def schedule(self, cmd: Schedule) -> None:
+        if self.backend is None:
+            self.send(Done("sched", "load a model first"))
+            return
+        self._job("sched", lambda progress, should_stop: self.backend.schedule(cmd.config, self.send, should_stop))
 
     def serve_bench(self, cmd: ServeBench) -> None:
         if self.backend is None:

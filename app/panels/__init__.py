@@ -6,7 +6,7 @@ from __future__ import annotations
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("The live run", ("prompt", "preview", "generation", "sampling", "attention", "kv_cache", "timeline", "roofline",
                       "lens", "branches", "constrain")),
-    ("What-if labs", ("capacity", "batching", "speculative")),
+    ("What-if labs", ("capacity", "batching", "speculative", "scheduling")),
     ("The server", ("load_lab",)),
 )
 PANEL_MODULES = tuple(name for _, names in GROUPS for name in names)

@@ -104,7 +104,8 @@ class _Gantt:
 class SchedulingPanel(Panel):
     title = "Scheduling lab"
     object_name = "panel_scheduling"
-    subscriptions = {"sig_model_loaded": "_on_model_loaded"}
+    shortcut = "Ctrl+Alt+4"
+    subscriptions = {"sig_model_loaded": "_on_model_loaded", "sig_sched": "on_event", "sig_sched_done": "finish"}
     help_text = (
         "Serving many users at once, measured on the loaded model. Requests arrive at random (a rate in requests "
         "per second; burstiness 1 is a Poisson process, smaller values bunch arrivals together), each with its own "
@@ -136,6 +137,8 @@ class SchedulingPanel(Panel):
         self.status = ""
         self._reset()
         self._build()
+        self.sig_run_requested.connect(bridge.schedule)  # the engine process runs it on the loaded model
+        self.sig_cancel_requested.connect(bridge.cancel_lab)
         self._update_buttons()
         self.mark_dirty()
 
@@ -169,24 +172,28 @@ class SchedulingPanel(Panel):
         self.policy_combo = QtWidgets.QComboBox()
         for key, label in (("both", "both policies"), ("static", "static only"), ("continuous", "continuous only")):
             self.policy_combo.addItem(label, key)
-        controls = QtWidgets.QHBoxLayout()
+        # the knobs on a grid of rows: the panel shares a column with the other labs
+        controls = QtWidgets.QGridLayout()
         controls.setContentsMargins(0, 0, 0, 0)
-        controls.setSpacing(4)
-        for label, w in (("requests", self.requests_spin), ("rate/s", self.rate_spin),
-                         ("burstiness", self.burst_spin), ("prompt", self.prompt_spin), ("output", self.output_spin),
-                         ("max batch", self.batch_spin), ("page", self.page_spin)):
-            controls.addWidget(QtWidgets.QLabel(label))
-            controls.addWidget(w)
-        controls.addWidget(self.policy_combo)
-        controls.addStretch(1)
+        controls.setHorizontalSpacing(4)
+        controls.setVerticalSpacing(2)
+        knobs = (("requests", self.requests_spin), ("rate/s", self.rate_spin), ("burstiness", self.burst_spin),
+                 ("prompt", self.prompt_spin), ("output", self.output_spin), ("max batch", self.batch_spin),
+                 ("page", self.page_spin))
+        for i, (label, w) in enumerate(knobs):
+            controls.addWidget(QtWidgets.QLabel(label), i // 4, 2 * (i % 4))
+            controls.addWidget(w, i // 4, 2 * (i % 4) + 1)
         self.run_button = QtWidgets.QPushButton("Run")
         self.run_button.setToolTip("Serve these requests on the loaded model under each policy")
         self.run_button.clicked.connect(lambda: self.run())
         self.cancel_button = QtWidgets.QPushButton("Cancel")
         self.cancel_button.setToolTip("Stop after the current step")
         self.cancel_button.clicked.connect(self.cancel)
-        controls.addWidget(self.run_button)
-        controls.addWidget(self.cancel_button)
+        buttons = QtWidgets.QHBoxLayout()
+        for w in (self.policy_combo, self.run_button, self.cancel_button):
+            buttons.addWidget(w)
+        controls.addLayout(buttons, 1, 6, 1, 2)
+        controls.setColumnStretch(8, 1)
 
         self.gantts: dict[str, _Gantt] = {}
         gantt_box = QtWidgets.QSplitter(QtCore.Qt.Orientation.Vertical)

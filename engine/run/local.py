@@ -66,6 +66,15 @@ class LocalBackend(Backend):
         for ev in run(s, prompt, cfg, cmd.params, cmd.max_new_tokens, should_stop=should_stop):
             send(ev)
 
+    def schedule(self, config, send: Callable[[object], None], should_stop: ShouldStop) -> None:
+        import psutil
+
+        from engine.run.scheduler import schedule
+
+        for ev in schedule(self.session.lm, config, should_stop,
+                           memory_limit_bytes=psutil.virtual_memory().available * 0.5):
+            send(ev)
+
     def batch_bench(self, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int, progress: Progress,
                     should_stop: ShouldStop, on_row: Callable[[BatchRow], None]) -> None:
         import psutil

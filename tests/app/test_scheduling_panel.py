@@ -128,3 +128,19 @@ def test_settings_the_model_cannot_serve_are_refused_in_one_line(qtbot, panel, t
         panel.run()
     panel.flush()
     assert not panel.running and panel.summary.text().startswith("failed: the longest request")
+
+
+def test_run_goes_through_the_engine_process(qtbot, window):
+    """Run in the panel: the engine process serves the requests on the loaded model under both policies, and the
+    panel gets both summaries."""
+    panel = window.panels["scheduling"]
+    panel.requests_spin.setValue(4)
+    panel.prompt_spin.setValue(6)
+    panel.output_spin.setValue(4)
+    panel.batch_spin.setValue(2)
+    with qtbot.waitSignal(window.bridge.sig_sched_done, timeout=180_000) as done:
+        panel.run()
+    assert done.args == [""]
+    qtbot.waitUntil(lambda: set(panel.summaries) == {"static", "continuous"}, timeout=10_000)
+    assert all(s.n_requests == 4 for s in panel.summaries.values())
+    assert not panel.running and panel.run_button.isEnabled()
