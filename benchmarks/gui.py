@@ -128,9 +128,12 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
     gaps: list[float] = []
     last = [time.perf_counter()]
 
+    ticks: list[float] = []
+
     def probe() -> None:
         now = time.perf_counter()
         gaps.append((now - last[0]) * 1e3)
+        ticks.append(now)
         last[0] = now
 
     timer = QtCore.QTimer()
@@ -141,6 +144,8 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
     done = QtCore.QEventLoop()
     win.bridge.sig_finished.connect(lambda ev: (finished.setdefault("ev", ev), done.quit()))
     win.bridge.sig_failed.connect(lambda m: (finished.setdefault("error", m), done.quit()))
+    last_token = [0.0]  # when the last token reached the window: what comes after is the run's end
+    win.bridge.sig_token.connect(lambda _ev: last_token.__setitem__(0, time.perf_counter()))
     draws0 = {k: p.draw_count for k, p in win.panels.items()}
     visible = {k: on_screen(p) for k, p in win.panels.items()}
     bridge = win.bridge
@@ -160,7 +165,7 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
     if not gen.generate():
         return 1
     done.exec()
-    n_during = len(gaps)  # the probe goes on: the end of the run is part of what the user waits through
+    # The probe goes on: the end of the run (the Finished event's handlers, the autosave) is what users wait through.
     autosave = session_io.autosave_path()
     t_end = time.perf_counter()
     saved_after = {}
@@ -191,6 +196,7 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
         return 1
     fin = finished["ev"]
     stalls = np.maximum(np.asarray(gaps) - 10.0, 0.0)
+    n_during = int(np.searchsorted(np.asarray(ticks), last_token[0], side="right"))  # gaps ended by the last token
     draws = {k: p.draw_count - draws0[k] for k, p in win.panels.items()}
     result = {
         "tokens": int(len(fin.ids)), "tpot_ms_with_gui": fin.tpot_s * 1e3, "ttft_ms_with_gui": fin.ttft_s * 1e3,
@@ -201,7 +207,7 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
         "stall_p50_ms": float(np.percentile(stalls, 50)), "stall_p99_ms": float(np.percentile(stalls, 99)),
         "stall_max_ms": float(stalls.max()),
         "stall_max_ms_during_generation": float(stalls[:n_during].max(initial=0.0)),
-        "stall_max_ms_after_finished": float(stalls[n_during:].max(initial=0.0)),
+        "stall_max_ms_after_last_token": float(stalls[n_during:].max(initial=0.0)),
         "stall_p99_ms_during_generation": float(np.percentile(stalls[:n_during], 99)) if n_during else 0.0,
         "after_finished_s": END_S,
         "autosave_done_after_finished_s": saved_after.get("s"),  # None: not written within END_S
