@@ -81,16 +81,17 @@ def measure(model: str, cycles: int) -> dict:
         wait(lambda: writer is None or not writer.busy())  # the autosave of this run is written
         win.tick_panels(flush=True)
         done += 1
-        if done in (10, cycles):
+        if done % 10 == 0 or done == cycles:
             gc.collect()
             rss.append(proc.memory_info().rss / 2**20)
+            print(f"cycle {done}: {rss[-1]:.1f} MiB, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - t0
     store = getattr(win, "run_store", None)
     win.close()
     if len(rss) < 2:
         return {"cycles": done, "error": "the cycles did not complete"}
-    return {"cycles": done, "rss_mib_after_10": rss[0], "rss_mib_after_all": rss[1],
-            "growth_after_10": rss[1] / rss[0] - 1.0, "seconds_per_cycle": seconds / done,
+    return {"cycles": done, "rss_mib_after_10": rss[0], "rss_mib_after_all": rss[-1],
+            "growth_after_10": rss[-1] / rss[0] - 1.0, "rss_mib_every_10": rss, "seconds_per_cycle": seconds / done,
             "runs_kept": len(store.runs) if store is not None else None}
 
 
