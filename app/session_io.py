@@ -72,17 +72,35 @@ _tok_lock = threading.Lock()
 _tok_cache: list = [None, None]  # [the tokenizer, its TokenizerFiles]: one loaded model at a time
 
 
-def tokenizer_files(tokenizer) -> TokenizerFiles | None:
-    """The tokenizer's files, serialised the first time they are asked for (the writer thread asks)."""
+def tokenizer_files(tokenizer, model_path: str = "") -> TokenizerFiles | None:
+    """The tokenizer's files, the first time they are asked for (the writer thread asks): read from the engine's
+    tokenizer cache of the model file when it has one, else serialised. Serialising holds the GIL throughout (a
+    large vocabulary such as Gemma's takes about a second): the GUI thread would freeze that long."""
     if tokenizer is None or isinstance(tokenizer, TokenizerFiles):
         return tokenizer
     with _tok_lock:
         if _tok_cache[0] is not tokenizer:
-            with tempfile.TemporaryDirectory() as td:
-                tokenizer.save(td)
-                files = {f.name: f.read_bytes() for f in sorted(Path(td).iterdir()) if f.is_file()}
+            files = _cached_tokenizer_files(model_path)
+            if files is None:
+                with tempfile.TemporaryDirectory() as td:
+                    tokenizer.save(td)
+                    files = {f.name: f.read_bytes() for f in sorted(Path(td).iterdir()) if f.is_file()}
             _tok_cache[:] = [tokenizer, TokenizerFiles(files)]
         return _tok_cache[1]
+
+
+def _cached_tokenizer_files(model_path: str) -> dict[str, bytes] | None:
+    from engine.formats.locate import tokenizer_cache_dir
+    from engine.tokenizer.core import CACHE_META
+
+    try:
+        path = Path(model_path)
+        cdir = tokenizer_cache_dir(path) if model_path and path.is_file() else None
+        if cdir is None or not (cdir / CACHE_META).is_file():  # the metadata is written last: complete
+            return None
+        return {f.name: f.read_bytes() for f in sorted(cdir.iterdir()) if f.is_file() and not f.name.endswith(".tmp")}
+    except OSError:
+        return None
 
 
 # ---- the snapshot (GUI thread) ----------------------------------------------------------------------------------
@@ -116,7 +134,7 @@ def write(path: str | os.PathLike[str], session: SavedSession) -> None:
     """Write a snapshot (any thread): OSError or TypeError with one sentence when it cannot."""
     if not session.model and session.info is not None:
         session.model = model_identity(session.info)
-    session.tokenizer = tokenizer_files(session.tokenizer)
+    session.tokenizer = tokenizer_files(session.tokenizer, session.info.path if session.info is not None else "")
     save_session(path, session)
 
 

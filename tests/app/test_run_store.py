@@ -272,10 +272,22 @@ def test_the_tokenizer_is_serialised_once_per_model(qtbot, window, tmp_path, mon
     real = type(tok).save
     monkeypatch.setattr(type(tok), "save", lambda self, d: (calls.append(d), real(self, d))[1])
     monkeypatch.setattr(session_io, "_tok_cache", [None, None])
+    cached = session_io._cached_tokenizer_files
+    monkeypatch.setattr(session_io, "_cached_tokenizer_files", lambda _p: None)  # no engine cache: serialised
     for name in ("a.ilab", "b.ilab"):
         assert session_io.save_session_to(window, tmp_path / name), window.last_error
     assert len(calls) == 1
-    for name in ("a.ilab", "b.ilab"):
+    # with the engine's tokenizer cache of the model file, its files are read, never serialised (which holds the GIL)
+    from pathlib import Path
+
+    from engine.formats.locate import tokenizer_cache_dir
+
+    real(tok, tokenizer_cache_dir(Path(window.bridge.info.path)))
+    monkeypatch.setattr(session_io, "_cached_tokenizer_files", cached)
+    monkeypatch.setattr(session_io, "_tok_cache", [None, None])
+    assert session_io.save_session_to(window, tmp_path / "c.ilab"), window.last_error
+    assert len(calls) == 1
+    for name in ("a.ilab", "b.ilab", "c.ilab"):
         back = load_session(tmp_path / name).tokenizer
         assert back.encode("the cat sat").ids == tok.encode("the cat sat").ids
 
