@@ -396,12 +396,14 @@ class Bridge(QtCore.QObject):
     def select_step(self, step: int) -> None:
         self.sig_step_selected.emit(int(step))
 
-    def show_model(self, info: ModelInfo, cfg, tokenizer) -> None:
-        """Stand a model's facts in for the loaded one (a session opened without its model), and tell the panels."""
+    def show_model(self, info: ModelInfo | None, cfg, tokenizer, announce: bool = True) -> None:
+        """Stand a model's facts in for the loaded one (a session opened without its model) and tell the panels;
+        announce=False puts the loaded model's facts back quietly after a replay."""
         self.info, self.cfg = info, cfg
         if tokenizer is not None:
             self.tokenizer = tokenizer
-        self.sig_model_loaded.emit(info)
+        if announce and info is not None:
+            self.sig_model_loaded.emit(info)
 
     def replay(self, message: object) -> None:
         """Route a recorded event (or a step's list of them) exactly as a live one (a session being opened): a

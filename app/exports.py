@@ -1,6 +1,6 @@
 """Exports: any panel as PNG or SVG, and the run's data (timeline, funnels, attention, KV growth) as CSV or JSON.
 
-The data come from the events the session recorder kept (app.session_io), so an opened session exports the same
+The data come from the shown run of the window's run store (app.run_store), so an opened session exports the same
 files as the live run it was saved from. Everything a user picks a path for says so when it cannot be written.
 """
 
@@ -119,7 +119,7 @@ DATA_KINDS = {"timeline": "Timeline", "funnels": "Sampling funnels", "attention"
 
 
 def data_rows(window, kind: str) -> list[dict]:
-    events = window.recorder.events
+    events = window.run_store.events()
     if kind == "timeline":
         return timeline_rows(events)
     if kind == "funnels":

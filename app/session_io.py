@@ -1,29 +1,37 @@
-"""Sessions in the app: record the current run's events, save them as .ilab, open one and replay it into the panels.
+"""Sessions in the app: save the window's runs as .ilab, open one and replay it into the panels, the autosave.
 
-Replaying goes through the bridge's own routing (`Bridge.replay`), so every panel receives exactly the signals it
-received live, in the same order; no panel needs to know about files. The model is not needed: the session carries
-the model's facts, config and tokenizer.
+The runs are the window's run store (app.run_store): the recorder, the Branches panel and the exports all read it.
+Saving takes a cheap snapshot on the GUI thread (references to the frozen events and their arrays, shared
+read-only) and writes the file in one writer thread; opening reads the file in that thread, then replays it on the
+GUI thread. The writer runs one job at a time, in order; a newer autosave replaces one still waiting. The
+tokenizer is serialised once per loaded tokenizer, not per save.
 
-Autosave: after every finished generation the current session is written to `autosave_path()`; a clean exit
-removes it, so a file there at start means the app did not close normally, and the window offers to open it.
+Replaying goes through the bridge's own routing (`replay_events`: Bridge.replay), so every panel receives exactly
+the signals it received live, in the same order; no panel needs to know about files. The model is not needed: the
+session carries the model's facts, config and tokenizer.
+
+Autosave: after every finished generation the session is written to `autosave_path()`; a clean exit waits for the
+writer and removes the file, so a file there at start means the app did not close normally, and the window offers
+to open it.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from PySide6 import QtCore
 
-from app.bridge import Bridge
+from app.run_store import RunStore
 from app.settings import ENV_FILE
-from engine.events import Finished, PromptTokenized, RunStarted
+from engine.events import Finished
 from engine.formats.session_file import SavedSession, load_session, model_identity, same_model, save_session
 
 AUTOSAVE_NAME = "autosave.ilab"
-SIGNALS = ("sig_run_started", "sig_prompt", "sig_prompt_scores", "sig_attention", "sig_norms", "sig_lens", "sig_kv",
-           "sig_prefill", "sig_token", "sig_finished")
 
 
 def autosave_path() -> Path:
@@ -35,110 +43,207 @@ def autosave_path() -> Path:
     return Path(base or Path.home() / ".inference-lab") / AUTOSAVE_NAME
 
 
-class SessionRecorder(QtCore.QObject):
-    """Keeps every event of the current generation, in arrival order (a new prompt starts a new record)."""
-
-    sig_finished = QtCore.Signal()
-    """A generation finished and its events are complete."""
-
-    def __init__(self, bridge: Bridge, parent: QtCore.QObject | None = None) -> None:
-        super().__init__(parent)
-        self.bridge = bridge
-        self.events: list = []
-        self.replaying = False
-        for name in SIGNALS:
-            sig = getattr(bridge, name, None)
-            if sig is not None:
-                sig.connect(self._on_event)
-
-    @QtCore.Slot(object)
-    def _on_event(self, ev: object) -> None:
-        if isinstance(ev, RunStarted) or (isinstance(ev, PromptTokenized) and self.events
-                                          and not isinstance(self.events[-1], RunStarted)):
-            self.events = []
-        self.events.append(ev)
-        if isinstance(ev, Finished) and not self.replaying:
-            self.sig_finished.emit()
-
-    def snapshot(self, prompt: str, chat: bool, max_new_tokens: int) -> SavedSession:
-        b = self.bridge
-        return SavedSession(
-            events=list(self.events), prompt=prompt, chat=chat,
-            settings={"params": b.params, "max_new_tokens": int(max_new_tokens)},
-            model=model_identity(b.info), info=b.info, cfg=b.cfg, tokenizer=b.tokenizer,
-        )
+def replay_events(bridge, events: list, store: RunStore | None = None) -> None:
+    """Send saved events through the bridge's routing, as if they had just arrived (the store does not record
+    them again)."""
+    if store is None:
+        for ev in events:
+            bridge.replay(ev)
+        return
+    with store.replay():
+        for ev in events:
+            bridge.replay(ev)
 
 
-def save(path: str | os.PathLike[str], session: SavedSession) -> None:
-    """Write a session (OSError with one sentence when the place is not writable)."""
+# ---- the tokenizer, serialised once ---------------------------------------------------------------------------
+class TokenizerFiles:
+    """A tokenizer's saved files, in memory: session_file writes them with `.save(folder)` as it would the
+    tokenizer's own."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        for name, data in self.files.items():
+            (Path(directory) / name).write_bytes(data)
+
+
+_tok_lock = threading.Lock()
+_tok_cache: list = [None, None]  # [the tokenizer, its TokenizerFiles]: one loaded model at a time
+
+
+def tokenizer_files(tokenizer, model_path: str = "") -> TokenizerFiles | None:
+    """The tokenizer's files, the first time they are asked for (the writer thread asks): read from the engine's
+    tokenizer cache of the model file when it has one, else serialised. Serialising holds the GIL throughout (a
+    large vocabulary such as Gemma's takes about a second): the GUI thread would freeze that long."""
+    if tokenizer is None or isinstance(tokenizer, TokenizerFiles):
+        return tokenizer
+    with _tok_lock:
+        if _tok_cache[0] is not tokenizer:
+            files = _cached_tokenizer_files(model_path)
+            if files is None:
+                with tempfile.TemporaryDirectory() as td:
+                    tokenizer.save(td)
+                    files = {f.name: f.read_bytes() for f in sorted(Path(td).iterdir()) if f.is_file()}
+            _tok_cache[:] = [tokenizer, TokenizerFiles(files)]
+        return _tok_cache[1]
+
+
+def _cached_tokenizer_files(model_path: str) -> dict[str, bytes] | None:
+    from engine.formats.locate import tokenizer_cache_dir
+    from engine.tokenizer.core import CACHE_META
+
+    try:
+        path = Path(model_path)
+        cdir = tokenizer_cache_dir(path) if model_path and path.is_file() else None
+        if cdir is None or not (cdir / CACHE_META).is_file():  # the metadata is written last: complete
+            return None
+        return {f.name: f.read_bytes() for f in sorted(cdir.iterdir()) if f.is_file() and not f.name.endswith(".tmp")}
+    except OSError:
+        return None
+
+
+# ---- the snapshot (GUI thread) ----------------------------------------------------------------------------------
+def snapshot(window) -> SavedSession:
+    """The window's session as references to its runs' events (cheap: no array is copied, no file is read).
+
+    `model` is left for the writer to fill in (hashing the weights file the first time takes a while).
+    """
+    store: RunStore = window.run_store
+    bridge = window.bridge
+    prompt, gen = window.panels.get("prompt"), window.panels.get("generation")
+    text = prompt.text() if prompt is not None else (gen.text() if gen is not None else "")
+    chat = prompt.chat() if prompt is not None else (gen.chat() if gen is not None else False)
+    max_new = gen.max_tokens.value() if gen is not None else 0
+    return SavedSession(
+        events=store.events(), prompt=text, chat=chat,
+        settings={"params": bridge.params, "max_new_tokens": int(max_new)},
+        info=bridge.info, cfg=bridge.cfg, tokenizer=bridge.tokenizer,
+        branches=store.records() if len(store.runs) > 1 else [],
+    )
+
+
+def current_session(window) -> SavedSession:
+    """The window's session, complete (the model's identity included): for callers that write it themselves."""
+    s = snapshot(window)
+    s.model = model_identity(s.info)
+    return s
+
+
+def write(path: str | os.PathLike[str], session: SavedSession) -> None:
+    """Write a snapshot (any thread): OSError or TypeError with one sentence when it cannot."""
+    if not session.model and session.info is not None:
+        session.model = model_identity(session.info)
+    session.tokenizer = tokenizer_files(session.tokenizer, session.info.path if session.info is not None else "")
     save_session(path, session)
 
 
-def open_session(path: str | os.PathLike[str]) -> SavedSession:
-    """Read a session (SessionFileError or OSError with one sentence when it cannot)."""
-    return load_session(path)
+# ---- the writer thread ------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Job:
+    """One file to write or read in the writer thread; `done` runs on the GUI thread with (result, error)."""
+
+    kind: str  # "save", "autosave" or "open"
+    path: Path
+    session: SavedSession | None = None
+    info: object = None  # open: the loaded model's facts, to compare with the session's
+    done: Callable[[object, str | None], None] | None = None
+    result: object = None
+    error: str | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+    handled: bool = False
+
+    def run(self) -> None:
+        if self.kind == "open":
+            saved = load_session(self.path)
+            self.result = (saved, same_model(saved.model, self.info))
+        else:
+            if self.kind == "autosave":
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            write(self.path, self.session)
 
 
-def replay(window, saved: SavedSession) -> str | None:
-    """Show a saved session in every panel of `window`; returns a warning sentence (another model) or None.
+class SessionWriter(QtCore.QObject):
+    """One worker thread that writes and reads session files, one job at a time, in order of request."""
 
-    Without a loaded model the session's model facts, config and tokenizer stand in for it; with another model
-    loaded the panels show the session and the loaded model stays for the next generation.
-    """
-    bridge: Bridge = window.bridge
-    warning = same_model(saved.model, bridge.info)
-    loaded = (bridge.info, bridge.cfg, bridge.tokenizer)
-    prompt, gen = window.panels.get("prompt"), window.panels.get("generation")
-    recorder = getattr(window, "recorder", None)
-    if recorder is not None:
-        recorder.replaying = True
-    try:
-        if bridge.info is None or warning:
-            if saved.info is not None:
-                bridge.info, bridge.cfg = saved.info, saved.cfg
-                bridge.tokenizer = saved.tokenizer if saved.tokenizer is not None else bridge.tokenizer
-                bridge.sig_model_loaded.emit(saved.info)
-        for panel in (prompt, gen):
-            if panel is not None:
-                panel.set_chat(saved.chat)
-        if prompt is not None:
-            prompt.set_text(saved.prompt)
-        elif gen is not None:
-            gen.set_text(saved.prompt)
-        if gen is not None and "max_new_tokens" in saved.settings:
-            gen.set_max_new_tokens(int(saved.settings["max_new_tokens"]))
-        params = saved.settings.get("params")
-        if params is not None:
-            bridge.params = params
-            bridge.sig_params.emit(params)
-        for ev in saved.events:
-            bridge.replay(ev)
-        branches = window.panels.get("branches")
-        if branches is not None and saved.branches:
-            branches.restore(saved.branches)
-    finally:
-        if recorder is not None:
-            recorder.replaying = False
-        if warning and loaded[0] is not None:
-            bridge.info, bridge.cfg, bridge.tokenizer = loaded
-    return warning
+    sig_done = QtCore.Signal(object)  # a Job, emitted from the worker thread; received in the GUI thread
+
+    def __init__(self, parent: QtCore.QObject | None = None) -> None:
+        super().__init__(parent)
+        self._lock = threading.Lock()
+        self._pending: list[Job] = []
+        self._thread: threading.Thread | None = None
+        self.closed = False  # the window exited cleanly: no more autosaves
+        self.sig_done.connect(self._on_done, QtCore.Qt.ConnectionType.QueuedConnection)
+
+    def submit(self, job: Job) -> Job:
+        """Queue a job (GUI thread); a new autosave replaces one still waiting."""
+        with self._lock:
+            if job.kind == "autosave":
+                self._pending = [j for j in self._pending if j.kind != "autosave"]
+            self._pending.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="inference-lab-sessions", daemon=True)
+                self._thread.start()
+        return job
+
+    def busy(self) -> bool:
+        with self._lock:
+            return self._thread is not None
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._pending:
+                    self._thread = None
+                    return
+                job = self._pending.pop(0)
+            try:
+                job.run()
+            except (OSError, ValueError, TypeError) as e:  # one sentence from session_file
+                job.error = str(e)
+            except Exception as e:  # noqa: BLE001 — a writer that dies would leave every later save waiting
+                job.error = f"{type(e).__name__}: {e}"
+            job.finished.set()
+            self.sig_done.emit(job)
+
+    def wait(self, job: Job | None = None, cancel_autosave: bool = False) -> None:
+        """Block until `job` (None: every job) is done; cancel_autosave drops an autosave not yet started."""
+        with self._lock:
+            if cancel_autosave:
+                self._pending = [j for j in self._pending if j.kind != "autosave"]
+            thread = self._thread
+        if job is not None:
+            job.finished.wait()
+        elif thread is not None:
+            thread.join()
+
+    @QtCore.Slot(object)
+    def _on_done(self, job: Job) -> None:
+        self.finish(job)
+
+    @staticmethod
+    def finish(job: Job) -> None:
+        """Report a done job on the GUI thread, once."""
+        if job.handled:
+            return
+        job.handled = True
+        if job.done is not None:
+            job.done(job.result, job.error)
 
 
-def describe(saved: SavedSession) -> str:
-    """One line about a session: model, prompt length, tokens generated."""
-    fin = next((e for e in reversed(saved.events) if isinstance(e, Finished)), None)
-    n = len(fin.ids) if fin is not None else 0
-    name = saved.model.get("name") or (asdict(saved.info)["name"] if saved.info is not None else "?")
-    return f"{name}: {n} tokens generated from a {len(saved.prompt)}-character prompt"
-
-
-# ---- the window's side: menu actions, save/open with messages, autosave ---------------------------------------
+# ---- the window's side: menu actions, save/open with messages, autosave -----------------------------------------
 def install(window) -> None:
-    """Give a MainWindow its recorder, File → Save session… / Open session…, and the autosave."""
+    """Give a MainWindow its run store, the session writer, File → Save session… / Open session…, the autosave."""
     from PySide6 import QtGui
 
-    window.recorder = SessionRecorder(window.bridge, window)
-    window.recorder.sig_finished.connect(lambda: autosave(window))
+    window.run_store = RunStore(window.bridge, window)
+    window.session_writer = SessionWriter(window)
+    window.run_store.sig_finished.connect(lambda _id: autosave(window))
+    for panel in window.panels.values():
+        attach = getattr(panel, "attach_store", None)
+        if attach is not None:
+            attach(window.run_store)
     menu = window.file_menu
     anchor = next((a for a in reversed(menu.actions()) if a.isSeparator()), None)
     save_action = QtGui.QAction("&Save session…", window)
@@ -167,61 +272,121 @@ def install(window) -> None:
         window.bridge.sig_load_failed.connect(offer)
 
 
-def current_session(window) -> SavedSession:
+def replay(window, saved: SavedSession, warning: str | None = None) -> None:
+    """Show a saved session in every panel of `window` (GUI thread); `warning`: it is from another model.
+
+    Without a loaded model the session's model facts, config and tokenizer stand in for it; with another model
+    loaded the panels show the session and the loaded model stays for the next generation.
+    """
+    bridge = window.bridge
+    store: RunStore = window.run_store
+    loaded = (bridge.info, bridge.cfg, bridge.tokenizer)
     prompt, gen = window.panels.get("prompt"), window.panels.get("generation")
-    text = prompt.text() if prompt is not None else (gen.text() if gen is not None else "")
-    chat = prompt.chat() if prompt is not None else (gen.chat() if gen is not None else False)
-    max_new = gen.max_tokens.value() if gen is not None else 0
-    saved = window.recorder.snapshot(text, chat, max_new)
-    branches = window.panels.get("branches")
-    if branches is not None and len(branches.branches) > 1:
-        saved.branches = branches.export()
-    return saved
-
-
-def save_session_to(window, path: str | os.PathLike[str]) -> bool:
-    """Save the current session; a failure shows its sentence and keeps everything as it was."""
     try:
-        save(path, current_session(window))
-    except (OSError, TypeError) as e:
-        window.show_error(str(e), title="Save failed", box=window.interactive)
-        return False
-    window.set_message(f"Session saved to {path}")
-    return True
+        if bridge.info is None or warning:
+            if saved.info is not None:
+                bridge.show_model(saved.info, saved.cfg, saved.tokenizer)
+        for panel in (prompt, gen):
+            if panel is not None:
+                panel.set_chat(saved.chat)
+        if prompt is not None:
+            prompt.set_text(saved.prompt)
+        elif gen is not None:
+            gen.set_text(saved.prompt)
+        if gen is not None and "max_new_tokens" in saved.settings:
+            gen.set_max_new_tokens(int(saved.settings["max_new_tokens"]))
+        params = saved.settings.get("params")
+        if params is not None:
+            bridge.set_params(params)
+        if saved.branches:
+            shown = next((i for i, r in enumerate(saved.branches) if r.get("shown")), None)
+            store.load(saved.branches, shown)
+        else:
+            store.load([{"name": "run 1", "events": saved.events}])
+        replay_events(bridge, store.events(), store)
+    finally:
+        if warning and loaded[0] is not None:
+            bridge.show_model(*loaded, announce=False)
 
 
-def open_session_from(window, path: str | os.PathLike[str]) -> bool:
-    """Open a .ilab file into every panel; a file that cannot be read shows why and changes nothing."""
-    try:
-        saved = open_session(path)
-    except (OSError, ValueError) as e:
-        window.show_error(str(e), title="Open failed", box=window.interactive)
-        return False
-    warning = replay(window, saved)
+def describe(saved: SavedSession) -> str:
+    """One line about a session: model, prompt length, tokens generated."""
+    fin = next((e for e in reversed(saved.events) if isinstance(e, Finished)), None)
+    n = len(fin.ids) if fin is not None else 0
+    name = saved.model.get("name") or (asdict(saved.info)["name"] if saved.info is not None else "?")
+    return f"{name}: {n} tokens generated from a {len(saved.prompt)}-character prompt"
+
+
+def save_session_to(window, path: str | os.PathLike[str], wait: bool = True) -> bool:
+    """Save the window's session in the writer thread; `wait`: block until written (the headless CLI, tests) and
+    return whether it was, else return at once (True) and report when done. A failure shows its sentence and
+    keeps everything as it was."""
+    path = Path(path)
+
+    def done(_result, error: str | None) -> None:
+        if error:
+            window.show_error(error, title="Save failed", box=window.interactive)
+        else:
+            window.set_message(f"Session saved to {path}")
+
+    job = window.session_writer.submit(Job("save", path, snapshot(window), done=done))
+    if not wait:
+        window.set_message(f"Saving the session to {path}…")
+        return True
+    window.session_writer.wait(job)
+    SessionWriter.finish(job)
+    return job.error is None
+
+
+def open_session_from(window, path: str | os.PathLike[str], wait: bool = True) -> bool:
+    """Open a .ilab file into every panel: read in the writer thread, replayed on the GUI thread. A file that
+    cannot be read shows why and changes nothing. `wait`: block until shown and return whether it was, else
+    return at once (True)."""
+    path = Path(path)
+    job = Job("open", path, info=window.bridge.info, done=lambda result, error: _opened(window, path, result, error))
+    window.session_writer.submit(job)
+    if not wait:
+        window.set_message(f"Opening {path.name}…")
+        return True
+    window.session_writer.wait(job)
+    SessionWriter.finish(job)
+    return job.error is None
+
+
+def _opened(window, path: Path, result, error: str | None) -> None:
+    if error:
+        window.show_error(error, title="Open failed", box=window.interactive)
+        return
+    saved, warning = result
+    replay(window, saved, warning)
     window.tick_panels(flush=True)
     if warning:
-        window.show_error(f"{Path(path).name}: {warning}", title="A session from another model",
-                           box=window.interactive)
+        window.show_error(f"{path.name}: {warning}", title="A session from another model", box=window.interactive)
     else:
         window.last_error = ""
-        window.set_message(f"Opened {Path(path).name} ({describe(saved)})")
-    return True
+        window.set_message(f"Opened {path.name} ({describe(saved)})")
 
 
 def autosave(window) -> None:
-    """Write the current session where the next start looks for it (only for windows that keep settings)."""
-    if window.settings is None:
+    """Write the session where the next start looks for it (only for windows that keep settings), in the writer
+    thread; a newer autosave replaces one still waiting."""
+    if window.settings is None or window.session_writer.closed:
         return
-    path = autosave_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save(path, current_session(window))
-    except (OSError, TypeError) as e:
-        window.set_message(f"Autosave failed: {e}", error=True)
+
+    def done(_result, error: str | None) -> None:
+        if error:
+            window.set_message(f"Autosave failed: {error}", error=True)
+
+    window.session_writer.submit(Job("autosave", autosave_path(), snapshot(window), done=done))
 
 
 def clean_exit(window) -> None:
-    """A normal close: the autosave is no longer needed (it exists to survive crashes)."""
+    """A normal close: wait for the writer (an autosave not yet started is dropped), then remove the autosave,
+    which exists to survive crashes."""
+    writer = getattr(window, "session_writer", None)
+    if writer is not None:
+        writer.closed = True  # a run's end that still arrives while the engine stops writes no new autosave
+        writer.wait(cancel_autosave=True)
     if window.settings is not None:
         autosave_path().unlink(missing_ok=True)
 
@@ -235,7 +400,7 @@ def _offer_autosave(window, path: Path) -> None:
         window, "Restore the last session?",
         "Inference Lab did not close normally last time. Open the session it saved automatically?")
     if answer == QtWidgets.QMessageBox.StandardButton.Yes:
-        open_session_from(window, path)
+        open_session_from(window, path, wait=False)
 
 
 def _save_dialog(window) -> None:
@@ -246,7 +411,7 @@ def _save_dialog(window) -> None:
     if path:
         if not path.endswith(".ilab"):
             path += ".ilab"
-        save_session_to(window, path)
+        save_session_to(window, path, wait=False)
 
 
 def _open_dialog(window) -> None:
@@ -255,4 +420,4 @@ def _open_dialog(window) -> None:
     path, _ = QtWidgets.QFileDialog.getOpenFileName(
         window, "Open session", str(Path.home()), "Inference Lab sessions (*.ilab);;All files (*)")
     if path:
-        open_session_from(window, path)
+        open_session_from(window, path, wait=False)

@@ -1,10 +1,15 @@
 """GUI responsiveness, measured: `python -m benchmarks.gui [--smoke]` prints one JSON line (run by `make bench`).
 
-- main-thread stalls during a 128-token generation with every panel on screen: the default layout tabs some docks
+The window runs as users run it: with settings (a temporary settings file named by INFERENCE_LAB_SETTINGS, so the
+user's own are never touched), hence with the autosave after every generation.
+
+- main-thread stalls during a 128-token generation and the END_S seconds after it finished (where the autosave
+  runs), with every panel on screen: the default layout tabs some docks
   behind others (Capacity and Batching lab behind Roofline), and a tabbed-away panel never paints, so the benchmark
   lays every dock out side by side (no tabs, 2400×1400) and reports which panels were on screen and painted;
   a 10 ms QTimer probe records the gaps between its ticks; a stall is a gap minus the 10 ms interval (p50, p99,
-  worst);
+  worst, over the generation and its end together; the worst of each part apart too), and how long after the
+  end the autosave file was complete;
 - the panels' redraw rate during that generation (draws per second, all panels together and the busiest one), and
   per panel the draws and the paint events its widgets received (a panel whose data does not change during a
   generation, such as the capacity estimator, draws and paints once when laid out, not during it);
@@ -29,6 +34,7 @@ import time
 import numpy as np
 
 WINDOW = (2400, 1400)
+END_S = 2.0  # the probe keeps running this long after Finished: the end of a run (the autosave) is what users feel
 # Every dock in its own place, no tabs, in a grid whose minimum sizes fit the window (a layout that does not fit
 # makes the window grow, and a window resize repaints all of it): top and bottom rows side by side, left and right
 # columns stacked. A panel not named here joins the shortest group.
@@ -51,13 +57,22 @@ def main(argv: list[str] | None = None) -> int:
     model = argv[argv.index("--model") + 1] if "--model" in argv else None  # default: SmolLM2-135M
     n_new, sizes, presses = (8, (50, 200), 3) if smoke else (128, (200, 2000), 30)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="ilab-bench-gui-") as settings_dir:
+        os.environ["INFERENCE_LAB_SETTINGS"] = os.path.join(settings_dir, "inference-lab.ini")
+        return _measure(model, n_new, sizes, presses)
+
+
+def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int) -> int:
     from PySide6 import QtCore, QtWidgets
     from PySide6.QtTest import QTest
 
+    from app import session_io
     from app.main_window import MainWindow
 
     app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(sys.argv[:1])
-    win = MainWindow(model, persist=False, interactive=False)
+    win = MainWindow(model, persist=True, interactive=False)
     win.resize(*WINDOW)
     win.show()
     loop = QtCore.QEventLoop()
@@ -113,9 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     gaps: list[float] = []
     last = [time.perf_counter()]
 
+    ticks: list[float] = []
+
     def probe() -> None:
         now = time.perf_counter()
         gaps.append((now - last[0]) * 1e3)
+        ticks.append(now)
         last[0] = now
 
     timer = QtCore.QTimer()
@@ -126,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     done = QtCore.QEventLoop()
     win.bridge.sig_finished.connect(lambda ev: (finished.setdefault("ev", ev), done.quit()))
     win.bridge.sig_failed.connect(lambda m: (finished.setdefault("error", m), done.quit()))
+    last_token = [0.0]  # when the last token reached the window: what comes after is the run's end
+    win.bridge.sig_token.connect(lambda _ev: last_token.__setitem__(0, time.perf_counter()))
     draws0 = {k: p.draw_count for k, p in win.panels.items()}
     visible = {k: on_screen(p) for k, p in win.panels.items()}
     bridge = win.bridge
@@ -138,12 +158,30 @@ def main(argv: list[str] | None = None) -> int:
     engine_proc = psutil.Process(bridge.process.pid)
     cpu0 = (_cpu_s(), sum(engine_proc.cpu_times()[:2]))
     t_start = time.perf_counter()
+    t_start_wall = time.time()
     last[0] = t_start
     timer.start()
     paints.start(app)
     if not gen.generate():
         return 1
     done.exec()
+    # The probe goes on: the end of the run (the Finished event's handlers, the autosave) is what users wait through.
+    autosave = session_io.autosave_path()
+    t_end = time.perf_counter()
+    saved_after = {}
+
+    def watch_autosave() -> None:
+        if "s" not in saved_after and autosave.is_file() and autosave.stat().st_mtime >= t_start_wall:
+            saved_after["s"] = time.perf_counter() - t_end
+
+    watcher = QtCore.QTimer()
+    watcher.setInterval(20)
+    watcher.timeout.connect(watch_autosave)
+    watcher.start()
+    end_loop = QtCore.QEventLoop()
+    QtCore.QTimer.singleShot(int(END_S * 1e3), end_loop.quit)
+    end_loop.exec()
+    watcher.stop()
     timer.stop()
     # What arrived with the last tokens is drawn now (a short run can end between two ticks of the shared timer,
     # and a panel's last update would otherwise go uncounted: the smoke test then saw a panel with no draw).
@@ -151,13 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(3):
         app.processEvents()
     painted = paints.stop(app)
-    elapsed = time.perf_counter() - t_start
+    elapsed = t_end - t_start  # the generation: the redraw rates are per second of it
     cpu = (_cpu_s() - cpu0[0], sum(engine_proc.cpu_times()[:2]) - cpu0[1])
     if "ev" not in finished:
         print(finished.get("error", "generation failed"), file=sys.stderr)
         return 1
     fin = finished["ev"]
     stalls = np.maximum(np.asarray(gaps) - 10.0, 0.0)
+    n_during = int(np.searchsorted(np.asarray(ticks), last_token[0], side="right"))  # gaps ended by the last token
     draws = {k: p.draw_count - draws0[k] for k, p in win.panels.items()}
     result = {
         "tokens": int(len(fin.ids)), "tpot_ms_with_gui": fin.tpot_s * 1e3, "ttft_ms_with_gui": fin.ttft_s * 1e3,
@@ -166,7 +205,13 @@ def main(argv: list[str] | None = None) -> int:
         "gui_cpu_ms_per_token": cpu[0] / max(len(fin.ids), 1) * 1e3,
         "engine_cpu_ms_per_token": cpu[1] / max(len(fin.ids), 1) * 1e3,
         "stall_p50_ms": float(np.percentile(stalls, 50)), "stall_p99_ms": float(np.percentile(stalls, 99)),
-        "stall_max_ms": float(stalls.max()), "redraws_per_s_all_panels": sum(draws.values()) / elapsed,
+        "stall_max_ms": float(stalls.max()),
+        "stall_max_ms_during_generation": float(stalls[:n_during].max(initial=0.0)),
+        "stall_max_ms_after_last_token": float(stalls[n_during:].max(initial=0.0)),
+        "stall_p99_ms_during_generation": float(np.percentile(stalls[:n_during], 99)) if n_during else 0.0,
+        "after_finished_s": END_S,
+        "autosave_done_after_finished_s": saved_after.get("s"),  # None: not written within END_S
+        "redraws_per_s_all_panels": sum(draws.values()) / elapsed,
         "redraws_per_s_busiest_panel": max(draws.values()) / elapsed,
         **{f"keystroke_{n}_tokens_ms": typing[n]["p50_ms"] for n in sizes},
         **{f"keystroke_{n}_tokens_max_ms": typing[n]["max_ms"] for n in sizes},

@@ -240,8 +240,9 @@ class TokenSampled:
     seconds: float  # forward pass + sampling time of this step
     cost: StepCost
     funnel: Funnel | None = None
-    logits: np.ndarray | None = None  # (vocab,) float32 raw logits, when captured: lets a UI re-run the funnel
-    context_ids: np.ndarray | None = None  # ids before this token (for the repetition penalty when re-running)
+    # (vocab,) float32 raw logits, when captured: lets a UI re-run the funnel (with the ids before this token, which
+    # the consumer builds from its record of the run: prompt ids + the tokens of the earlier steps)
+    logits: np.ndarray | None = None
     params: object = None  # the engine.run.sampling.SamplingParams this token was sampled with
     forced: bool = False  # the token was put here by the caller (a fork, --force), not sampled
 

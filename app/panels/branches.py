@@ -5,13 +5,14 @@ Hovering a token lists the step's top alternatives with their raw and final prob
 the same list as a menu, and choosing an alternative forks the generation at that step with that token
 (engine: GenerateRequest.prompt_ids + forced, which reuses the KV cache of the shared prefix). Every run and fork
 is kept in a tree; selecting a branch shows it in every panel again, and two branches can be compared side by side.
+
+The branches are the runs of the window's run store (app.run_store): this panel keeps no events of its own.
 """
 
 from __future__ import annotations
 
 import html
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 from PySide6 import QtCore, QtGui, QtWidgets
@@ -19,7 +20,8 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app import theme
 from app.bridge import Bridge, GenerateRequest
 from app.panels.base import Panel
-from engine.events import Finished, PromptScored, PromptTokenized, TokenSampled
+from app.run_store import Run, RunStore
+from engine.events import PromptScored, PromptTokenized, TokenSampled
 
 ALTERNATIVES = 5
 BINS = 10  # colour steps of the legend
@@ -55,46 +57,21 @@ def token_prob(ev: TokenSampled) -> tuple[float | None, float | None]:
     return float(f.p_raw[hit[0]]), float(f.p_final[hit[0]])
 
 
-@dataclass
-class Branch:
-    """One run: its events, and where it forked from (parent branch, step, token)."""
-
-    name: str
-    events: list = field(default_factory=list)
-    parent: int | None = None  # index of the parent branch
-    step: int = 0  # the parent's step it forked at (its step 0 is the forced token)
-    token: int = -1
-
-    @property
-    def prompt(self) -> PromptTokenized | None:
-        return next((e for e in self.events if isinstance(e, PromptTokenized)), None)
-
-    @property
-    def tokens(self) -> list[TokenSampled]:
-        return [e for e in self.events if isinstance(e, TokenSampled)]
-
-    @property
-    def scores(self) -> PromptScored | None:
-        return next((e for e in self.events if isinstance(e, PromptScored)), None)
-
-    @property
-    def finished(self) -> Finished | None:
-        return next((e for e in reversed(self.events) if isinstance(e, Finished)), None)
-
-    def summary(self) -> str:
-        toks = self.tokens
-        probs = [p for p in (token_prob(t)[0] for t in toks) if p is not None]
-        fin = self.finished
-        parts = [f"{len(toks)} tokens"]
-        if probs:
-            parts.append(f"mean p {np.mean(probs):.2f}")
-            parts.append(f"perplexity {math.exp(-np.mean(np.log(np.maximum(probs, 1e-12)))):.2f}")
-        if fin is not None:
-            parts.append(f"TTFT {1e3 * fin.ttft_s:.0f} ms · TPOT {1e3 * fin.tpot_s:.1f} ms")
-        return " · ".join(parts)
+def run_summary(run: Run) -> str:
+    """Tokens, mean probability, perplexity and timing of a run, in one line."""
+    toks = run.tokens
+    probs = [p for p in (token_prob(t)[0] for t in toks) if p is not None]
+    fin = run.finished
+    parts = [f"{len(toks)} tokens"]
+    if probs:
+        parts.append(f"mean p {np.mean(probs):.2f}")
+        parts.append(f"perplexity {math.exp(-np.mean(np.log(np.maximum(probs, 1e-12)))):.2f}")
+    if fin is not None:
+        parts.append(f"TTFT {1e3 * fin.ttft_s:.0f} ms · TPOT {1e3 * fin.tpot_s:.1f} ms")
+    return " · ".join(parts)
 
 
-def branch_html(branch: Branch, mode: str, tokenizer=None) -> str:
+def branch_html(branch: Run, mode: str, tokenizer=None) -> str:
     """The branch's prompt (muted) and its tokens, each an anchor coloured by confidence."""
     out = ["<div style='white-space: pre-wrap; font-family: monospace;'>"]
     p = branch.prompt
@@ -157,11 +134,7 @@ class BranchesPanel(Panel):
     title = "Branches"
     object_name = "panel_branches"
     shortcut = "Alt+0"
-    subscriptions = {
-        "sig_prompt": "_on_prompt", "sig_prefill": "_on_event", "sig_token": "_on_event", "sig_finished": "_on_event",
-        "sig_kv": "_on_event", "sig_attention": "_on_event", "sig_norms": "_on_event", "sig_lens": "_on_event",
-        "sig_prompt_scores": "_on_event",
-    }
+    subscriptions = {}  # its data come from the run store (attach_store)
     help_text = (
         "How sure the model was of each token, and what else it could have said. Each generated token is "
         "coloured by its probability under the model (raw softmax, before the sampling settings) or by the "
@@ -180,11 +153,7 @@ class BranchesPanel(Panel):
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)
-        self.branches: list[Branch] = []
-        self.shown: int | None = None
-        self._recording: int | None = None  # the branch the incoming events belong to
-        self._pending_fork: tuple[int, int, int] | None = None  # (parent, step, token) of a fork sent to the engine
-        self._replaying = False
+        self.store: RunStore | None = None
         self._build()
         self.mark_dirty()
 
@@ -235,60 +204,38 @@ class BranchesPanel(Panel):
     def _on_score_toggled(self, on: bool) -> None:
         self.bridge.options.set_score_prompt(on)
 
-    # ---- recording ----
-    @QtCore.Slot(object)
-    def _on_prompt(self, ev: PromptTokenized) -> None:
-        if self._replaying:
-            return
-        if self._pending_fork is not None:
-            parent, step, token = self._pending_fork
-            self._pending_fork = None
-            piece = self.bridge.tokenizer.piece(token) if self.bridge.tokenizer is not None else str(token)
-            b = Branch(f"fork @ {step}: {piece!r}", [ev], parent, step, token)
-        else:
-            b = Branch(f"run {sum(x.parent is None for x in self.branches) + 1}", [ev])
-        self.branches.append(b)
-        self._recording = self.shown = len(self.branches) - 1
+    # ---- the runs ----
+    def attach_store(self, store: RunStore) -> None:
+        """Show the runs of `store` (the window's, app.session_io.install)."""
+        self.store = store
+        store.sig_runs_changed.connect(self._on_runs_changed)
+        store.sig_run_updated.connect(self._on_run_updated)
+        self._on_runs_changed()
+
+    @property
+    def branches(self) -> list[Run]:
+        return self.store.runs if self.store is not None else []
+
+    @property
+    def shown(self) -> int | None:
+        """Index of the shown branch in `branches`."""
+        return self.store.index(self.store.shown) if self.store is not None else None
+
+    @QtCore.Slot()
+    def _on_runs_changed(self) -> None:
         self._rebuild_tree()
         self.mark_dirty()
 
-    @QtCore.Slot(object)
-    def _on_event(self, ev: object) -> None:
-        if self._replaying or self._recording is None:
-            return
-        self.branches[self._recording].events.append(ev)
-        if isinstance(ev, (TokenSampled, Finished)) and self._recording == self.shown:
+    @QtCore.Slot(int)
+    def _on_run_updated(self, run_id: int) -> None:
+        if self.store is not None and run_id == self.store.shown:
             self.mark_dirty()
-        if isinstance(ev, Finished):
-            self._rebuild_tree()
-
-    def clear(self) -> None:
-        self.branches, self.shown, self._recording, self._pending_fork = [], None, None, None
-        self.tree.clear()
-        super().clear()
-
-    # ---- sessions ----
-    def export(self) -> list[dict]:
-        """The branches as plain records for a session file."""
-        return [{"name": b.name, "parent": b.parent, "step": b.step, "token": b.token, "shown": i == self.shown,
-                 "events": list(b.events)} for i, b in enumerate(self.branches)]
-
-    def restore(self, records: list[dict]) -> None:
-        """Take the branches of an opened session (the shown one was replayed through the bridge already)."""
-        if not records:
-            return
-        self.branches = [Branch(r["name"], list(r["events"]), r.get("parent"), int(r.get("step", 0)),
-                                int(r.get("token", -1))) for r in records]
-        self.shown = next((i for i, r in enumerate(records) if r.get("shown")), len(records) - 1)
-        self._recording = None
-        self._rebuild_tree()
-        self.mark_dirty()
 
     # ---- forking ----
     def fork(self, step: int, token: int) -> bool:
         """Fork the shown branch at `step` with `token`; False when it cannot start now."""
         gen = self._generation_panel()
-        if self.shown is None or self.bridge.state != "idle" or self.bridge.info is None:
+        if self.store is None or self.shown is None or self.bridge.state != "idle" or self.bridge.info is None:
             return False
         b = self.branches[self.shown]
         p = b.prompt
@@ -302,8 +249,8 @@ class BranchesPanel(Panel):
             ignore_eos=bool(getattr(gen, "ignore_eos", False)), prompt_ids=prefix, forced=((0, int(token)),),
             **({"capture": capture} if capture is not None else {}),
         )
-        self._pending_fork = (self.shown, step, int(token))
-        self._recording = None
+        piece = self.bridge.tokenizer.piece(int(token)) if self.bridge.tokenizer is not None else str(token)
+        self.store.expect_fork(b.id, step, int(token), f"fork @ {step}: {piece!r}")
         self.bridge.generate(req)
         self.sig_fork_requested.emit(step, int(token))
         return True
@@ -318,15 +265,11 @@ class BranchesPanel(Panel):
         """Show branch `index` in every panel (its events go through the bridge again)."""
         if not 0 <= index < len(self.branches) or self.bridge.state != "idle":
             return
-        self._replaying = True
-        try:
-            for ev in self.branches[index].events:
-                self.bridge.replay(ev)
-        finally:
-            self._replaying = False
-        self.shown = index
-        self._rebuild_tree()
-        self.mark_dirty()
+        from app.session_io import replay_events
+
+        run = self.branches[index]
+        self.store.show(run.id)
+        replay_events(self.bridge, list(run.events), self.store)
 
     def compare_ticked(self) -> QtWidgets.QDialog | None:
         ticked = [int(self._item(i).data(0, QtCore.Qt.ItemDataRole.UserRole))
@@ -345,7 +288,7 @@ class BranchesPanel(Panel):
         mode = self.mode.currentData()
         for col, i in enumerate((a, b)):
             br = self.branches[i]
-            title = QtWidgets.QLabel(f"<b>{html.escape(br.name)}</b><br>{html.escape(br.summary())}")
+            title = QtWidgets.QLabel(f"<b>{html.escape(br.name)}</b><br>{html.escape(run_summary(br))}")
             title.setTextFormat(QtCore.Qt.TextFormat.RichText)
             view = QtWidgets.QTextBrowser()
             view.setHtml(branch_html(br, mode, self.bridge.tokenizer))
@@ -363,14 +306,15 @@ class BranchesPanel(Panel):
         ticked = {i for i in range(self.tree.topLevelItemCount())
                   if self._item(i).checkState(0) == QtCore.Qt.CheckState.Checked}
         self.tree.clear()
+        shown = self.shown
         for i, b in enumerate(self.branches):
-            depth, p = 0, b.parent
+            depth, p = 0, self.store.run(b.parent)
             while p is not None:
-                depth, p = depth + 1, self.branches[p].parent
-            item = QtWidgets.QTreeWidgetItem([("  " * depth) + ("└ " if depth else "") + b.name, b.summary()])
+                depth, p = depth + 1, self.store.run(p.parent)
+            item = QtWidgets.QTreeWidgetItem([("  " * depth) + ("└ " if depth else "") + b.name, run_summary(b)])
             item.setData(0, QtCore.Qt.ItemDataRole.UserRole, i)
             item.setCheckState(0, QtCore.Qt.CheckState.Checked if i in ticked else QtCore.Qt.CheckState.Unchecked)
-            if i == self.shown:
+            if i == shown:
                 f = item.font(0)
                 f.setBold(True)
                 item.setFont(0, f)

@@ -19,6 +19,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from app.panels.base import Panel
+from app.run_store import logits_steps, store_for
 from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, ERROR_COLOR, PREFILL_COLOR, placeholder, show_empty, style_plot
 from engine.events import Funnel, ModelInfo, PromptTokenized, TokenSampled
 from engine.model.config import ModelConfig
@@ -33,7 +34,6 @@ STAGES = (  # (label, Funnel attribute, colour)
     ("top-k", "p_top_k", "#b48ead"),
     ("top-p · min-p", "p_final", PREFILL_COLOR),
 )
-KEEP_LOGITS_STEPS = 512  # full logits (vocabulary × 4 bytes a step) are kept for this many recent steps
 
 
 def _readable(piece: str) -> str:
@@ -287,9 +287,10 @@ class SamplingPanel(Panel):
     def _on_token(self, ev: TokenSampled) -> None:
         self._tokens[ev.step] = ev
         self._latest = ev.step
-        old = ev.step - KEEP_LOGITS_STEPS
-        if old in self._tokens and self._tokens[old].logits is not None:
-            self._tokens[old] = dataclasses.replace(self._tokens[old], logits=None, context_ids=None)
+        if ev.logits is not None:  # full logits for as many recent steps as the run store keeps (app.run_store)
+            old = ev.step - logits_steps(ev.logits.shape[-1])
+            if old in self._tokens and self._tokens[old].logits is not None:
+                self._tokens[old] = dataclasses.replace(self._tokens[old], logits=None)
         if self._selected is None:
             self.mark_dirty()
 
@@ -321,7 +322,9 @@ class SamplingPanel(Panel):
             return ev.funnel  # as sampled: no need to re-run (and no torch work on the GUI thread)
         if ev.funnel is not None and getattr(ev.funnel, "kept_grammar", -1) >= 0:
             return ev.funnel  # a grammar shaped this step: re-running the knobs without it would mislead
-        return refunnel(ev, self._params, self.bridge.tokenizer, top=FUNNEL_TOP)
+        store = store_for(self.bridge)  # the repetition penalty needs the ids before this step: the run store's
+        context = store.context_ids(step) if store is not None and self._params.repetition_penalty != 1.0 else None
+        return refunnel(ev, self._params, self.bridge.tokenizer, top=FUNNEL_TOP, context_ids=context)
 
     def kept_counts(self) -> tuple[int, int, int] | None:
         f = self._shown_funnel

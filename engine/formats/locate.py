@@ -141,6 +141,13 @@ def _from_hub(repo_id: str) -> Path:
         raise ModelLoadError(f"could not get {repo_id} from the Hugging Face hub ({type(e).__name__})") from None
 
 
+def tokenizer_cache_dir(path: Path) -> Path:
+    """Where load_tokenizer caches the tokenizer of the GGUF file `path` (Tokenizer.save's files)."""
+    st = path.stat()
+    key = f"{TOKENIZER_CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
 def load_tokenizer(model: str | os.PathLike | None = None, use_cache: bool = True) -> Tokenizer:
     """Only the tokenizer of a model: a GGUF file's metadata is read, its weights never (vocabulary-only files work).
 
@@ -150,9 +157,7 @@ def load_tokenizer(model: str | os.PathLike | None = None, use_cache: bool = Tru
     try:
         if path.is_dir():
             return Tokenizer.from_dir(path)
-        st = path.stat()
-        key = f"{TOKENIZER_CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-        cdir = cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
+        cdir = tokenizer_cache_dir(path)
         if use_cache:
             try:
                 return Tokenizer.load(cdir)

@@ -82,9 +82,15 @@ def condense(stages: dict, params: SamplingParams, top: int, tokenizer, sampled:
     )
 
 
-def refunnel(ev: TokenSampled, params: SamplingParams, tokenizer, top: int = 20) -> Funnel | None:
-    """Re-run a step's sampling funnel with other settings from the logits it captured (no model run)."""
+def refunnel(
+    ev: TokenSampled, params: SamplingParams, tokenizer, top: int = 20, context_ids: np.ndarray | None = None
+) -> Funnel | None:
+    """Re-run a step's sampling funnel with other settings from the logits it captured (no model run).
+
+    context_ids: the ids before this token (prompt + generated), for the repetition penalty; the event does not
+    carry them (that would be every previous id at every step), the caller's record of the run does.
+    """
     if ev.logits is None:
         return ev.funnel
-    stages = funnel_stages(ev.logits, params, ev.context_ids)
+    stages = funnel_stages(ev.logits, params, context_ids)
     return condense(stages, params, top, tokenizer, ev.token_id)

@@ -387,9 +387,7 @@ class Generation:
                 out_ids.append(token)
                 yield from emit(TokenSampled(
                     step=step, phase=phase, position=pos, token_id=token, piece=tok.piece(token), text=delta,
-                    seconds=seconds, cost=cost, funnel=condensed, logits=raw,
-                    context_ids=context[:pos].cpu().numpy() if capture.logits else None, params=params,
-                    forced=force is not None,
+                    seconds=seconds, cost=cost, funnel=condensed, logits=raw, params=params, forced=force is not None,
                 ))
                 ids.append(token)
                 if pos < capacity:

@@ -108,7 +108,7 @@ def test_the_lens_is_captured_only_when_asked(qtbot, window):
     lens = window.panels["lens"]
     assert window.bridge.lens_top == 0 and not lens.capture_box.isChecked()
     generate(qtbot, window, n=2)
-    assert not any(isinstance(e, LensCaptured) for e in window.recorder.events) and not lens.lens
+    assert not any(isinstance(e, LensCaptured) for e in window.run_store.events()) and not lens.lens
     lens.set_capture(True)
     assert window.bridge.lens_top > 0 and lens.capture_box.isChecked()
     generate(qtbot, window, n=2)

@@ -32,7 +32,7 @@ def test_every_panel_exports_png_and_svg(qtbot, window, tmp_path):
 
 def test_data_exports_hold_the_run(qtbot, window, tmp_path):
     generate(qtbot, window, n=5)
-    events = window.recorder.events
+    events = window.run_store.events()
     steps = [e for e in events if isinstance(e, TokenSampled)]
     for kind in exports.DATA_KINDS:
         for ext in (".csv", ".json"):

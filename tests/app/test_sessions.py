@@ -52,7 +52,7 @@ def test_save_then_open_without_the_model_shows_the_same_panels(qtbot, make_wind
     saved = load_session(path)
     assert sum(isinstance(e, LensCaptured) for e in saved.events) == 6  # the lens panel's capture was ticked
     assert [e.token_id for e in saved.events if isinstance(e, TokenSampled)] == [
-        e.token_id for e in live.recorder.events if isinstance(e, TokenSampled)]
+        e.token_id for e in live.run_store.events() if isinstance(e, TokenSampled)]
 
     shown = make_window(persist=False, load=False)  # no model in this window, ever
     shown.resize(1600, 1000)
@@ -85,10 +85,10 @@ def test_save_then_open_without_the_model_shows_the_same_panels(qtbot, make_wind
 
 def test_unwritable_place_says_so_and_keeps_the_session(qtbot, window, tmp_path):
     generate(qtbot, window, n=3)
-    n_events = len(window.recorder.events)
+    n_events = len(window.run_store.events())
     assert not session_io.save_session_to(window, tmp_path / "no" / "such" / "dir" / "x.ilab")
     assert "cannot save the session" in window.last_error and "x.ilab" in window.last_error
-    assert len(window.recorder.events) == n_events
+    assert len(window.run_store.events()) == n_events
     assert session_io.save_session_to(window, tmp_path / "x.ilab")  # the same session, somewhere writable
 
 
@@ -118,7 +118,7 @@ def test_autosave_survives_a_crash_and_is_offered(qtbot, make_window, settings_f
     generate(qtbot, w, n=3)
     auto = session_io.autosave_path()
     assert auto.parent == settings_file.parent and auto.is_file()
-    assert len(load_session(auto).events) == len(w.recorder.events)
+    assert len(load_session(auto).events) == len(w.run_store.events())
     # a crash leaves the file; the next start offers it
     second = make_window()
     assert second.autosave_offer == auto

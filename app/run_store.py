@@ -1,0 +1,276 @@
+"""The app's one record of its runs: every generation and every fork, as the engine sent them, within a memory bound.
+
+The session recorder, the Branches panel, the exports and replay all read this store; nothing else keeps a second
+copy of a run's events. Each run is one generation (a fork is a run whose parent is another run).
+
+Memory policy, so that a long session or many runs cannot grow the GUI process without bound:
+- a run keeps every event in arrival order; events are frozen and their arrays are shared read-only with the
+  panels, never copied;
+- full-vocabulary logits (TokenSampled.logits, vocab × 4 bytes a step) are kept for the newest steps only,
+  LOGITS_BYTES across the whole store (`logits_steps(vocab)` steps: 341 at SmolLM2's 49,152, 64 at Gemma 3's
+  262,144); an older step keeps its Funnel (the top candidates at every stage of sampling), which is what the
+  Branches panel, the exports and a replay draw;
+- the context ids are kept once per run (the prompt's ids and the generated ids): `Run.context_ids(step)` gives
+  what the engine sampled step `step` against, for re-running a funnel with a repetition penalty;
+- attention weights are kept as captured (the engine bounds each step's capture: engine.model.probe);
+- at most MAX_RUNS runs; a new run makes the oldest one that is neither shown nor being recorded go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+from PySide6 import QtCore
+
+from engine.events import Finished, PromptScored, PromptTokenized, RunStarted, TokenSampled
+
+LOGITS_BYTES = 64 << 20  # full-vocabulary logits kept, newest steps first, across all runs
+MAX_RUNS = 16  # runs and forks kept
+SIGNALS = ("sig_run_started", "sig_prompt", "sig_prompt_scores", "sig_attention", "sig_norms", "sig_lens", "sig_kv",
+           "sig_prefill", "sig_token", "sig_finished")
+
+_STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # bridge → its window's store
+
+
+def store_for(bridge: QtCore.QObject) -> RunStore | None:
+    """The run store recording `bridge`'s runs (None in a window without one, e.g. a bare panel in a test)."""
+    return _STORES.get(bridge)
+
+
+def logits_steps(vocab_size: int) -> int:
+    """How many steps' full-vocabulary logits the store keeps at this vocabulary size (at least one)."""
+    return max(1, LOGITS_BYTES // (4 * max(1, int(vocab_size))))
+
+
+def nbytes(x: object) -> int:
+    """Bytes of the numpy arrays `x` holds: an array, an event (with its funnel), or a list or tuple of them."""
+    if isinstance(x, np.ndarray):
+        return x.nbytes
+    if isinstance(x, (list, tuple)):
+        return sum(nbytes(v) for v in x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return sum(nbytes(getattr(x, f.name)) for f in dataclasses.fields(x))
+    return 0
+
+
+@dataclass(eq=False)
+class Run:
+    """One generation: its events in arrival order, and where it forked from (parent run id, step, token)."""
+
+    id: int
+    name: str
+    parent: int | None = None  # id of the run it forked from (None: a run of its own, or its parent is gone)
+    step: int = 0  # the parent's step it forked at (its step 0 is the forced token)
+    token: int = -1
+    events: list = field(default_factory=list)
+    _tokens: list[int] = field(default_factory=list)  # index in `events` of each TokenSampled
+    _ids: list[int] = field(default_factory=list)  # the generated ids, in step order
+    logit_bytes: int = 0
+
+    @property
+    def source(self) -> RunStarted | None:
+        return next((e for e in self.events[:1] if isinstance(e, RunStarted)), None)
+
+    @property
+    def prompt(self) -> PromptTokenized | None:
+        return next((e for e in self.events[:2] if isinstance(e, PromptTokenized)), None)
+
+    @property
+    def tokens(self) -> list[TokenSampled]:
+        return [self.events[i] for i in self._tokens]
+
+    @property
+    def scores(self) -> PromptScored | None:
+        return next((e for e in self.events if isinstance(e, PromptScored)), None)
+
+    @property
+    def finished(self) -> Finished | None:
+        last = self.events[-1] if self.events else None
+        return last if isinstance(last, Finished) else None
+
+    def context_ids(self, step: int) -> np.ndarray:
+        """The ids step `step` was sampled against: the prompt's and the generated ones before it. (n,) int64"""
+        p = self.prompt
+        prompt = np.asarray(p.ids, dtype=np.int64) if p is not None else np.zeros(0, np.int64)
+        return np.concatenate([prompt, np.asarray(self._ids[:max(0, step)], dtype=np.int64)])
+
+    def nbytes(self) -> int:
+        return nbytes(self.events)
+
+
+class RunStore(QtCore.QObject):
+    """The window's runs (see the module's memory policy); records what the bridge sends, unless replaying."""
+
+    sig_runs_changed = QtCore.Signal()
+    """A run was added, removed or the shown run changed (the Branches tree redraws)."""
+    sig_run_updated = QtCore.Signal(int)
+    """A token or the end of run `id` arrived."""
+    sig_finished = QtCore.Signal(int)
+    """A live run (not a replay) finished: run id (the autosave listens)."""
+
+    def __init__(self, bridge: QtCore.QObject | None = None, parent: QtCore.QObject | None = None) -> None:
+        super().__init__(parent)
+        self.runs: list[Run] = []
+        self.shown: int | None = None  # id of the run the panels show
+        self.recording: int | None = None  # id of the run the incoming events belong to
+        self.replaying = False
+        self._next_id = 0
+        self._roots = 0  # runs started from a prompt so far (names "run 1", "run 2", …)
+        self._fork: tuple[int, int, int, str] | None = None  # (parent id, step, token, name) of the next run
+        self._logits: deque[tuple[int, int]] = deque()  # (run id, event index) holding logits, oldest first
+        self._logit_bytes = 0
+        if bridge is not None:
+            _STORES[bridge] = self
+            for name in SIGNALS:
+                sig = getattr(bridge, name, None)
+                if sig is not None:
+                    sig.connect(self.record)
+
+    # ---- reading ----
+    def run(self, run_id: int | None) -> Run | None:
+        return next((r for r in self.runs if r.id == run_id), None) if run_id is not None else None
+
+    def index(self, run_id: int | None) -> int | None:
+        return next((i for i, r in enumerate(self.runs) if r.id == run_id), None)
+
+    def shown_run(self) -> Run | None:
+        return self.run(self.shown)
+
+    def events(self) -> list:
+        """The shown run's events (what the panels show), in arrival order."""
+        r = self.shown_run()
+        return list(r.events) if r is not None else []
+
+    def context_ids(self, step: int) -> np.ndarray | None:
+        """The shown run's context for step `step` (prompt ids + generated ids before it); None without a run."""
+        r = self.shown_run()
+        return r.context_ids(step) if r is not None else None
+
+    def nbytes(self) -> int:
+        """Bytes of every array the store holds."""
+        return sum(r.nbytes() for r in self.runs)
+
+    # ---- recording ----
+    def expect_fork(self, parent: int, step: int, token: int, name: str) -> None:
+        """The next run that starts is a fork of run `parent` at `step` with `token`."""
+        self._fork = (parent, int(step), int(token), name)
+
+    @QtCore.Slot(object)
+    def record(self, ev: object) -> None:
+        """Keep one event of the live run (ignored while replaying)."""
+        if self.replaying:
+            return
+        cur = self.run(self.recording)
+        if isinstance(ev, RunStarted) or (isinstance(ev, PromptTokenized) and not (
+                cur is not None and len(cur.events) == 1 and isinstance(cur.events[0], RunStarted))):
+            cur = self._start()
+        if cur is None:
+            return
+        self._append(cur, ev)
+        if isinstance(ev, (TokenSampled, Finished)):
+            self.sig_run_updated.emit(cur.id)
+        if isinstance(ev, Finished):
+            self.sig_runs_changed.emit()
+            self.sig_finished.emit(cur.id)
+
+    def _start(self) -> Run:
+        if self._fork is not None:
+            parent, step, token, name = self._fork
+            self._fork = None
+            r = Run(self._next_id, name, parent if self.run(parent) is not None else None, step, token)
+        else:
+            self._roots += 1
+            r = Run(self._next_id, f"run {self._roots}")
+        self._next_id += 1
+        self.runs.append(r)
+        self.recording = self.shown = r.id
+        self._evict()
+        self.sig_runs_changed.emit()
+        return r
+
+    def _append(self, r: Run, ev: object) -> None:
+        r.events.append(ev)
+        if isinstance(ev, TokenSampled):
+            r._tokens.append(len(r.events) - 1)
+            r._ids.append(int(ev.token_id))
+            if ev.logits is not None:
+                self._logits.append((r.id, len(r.events) - 1))
+                r.logit_bytes += ev.logits.nbytes
+                self._logit_bytes += ev.logits.nbytes
+                self._trim_logits()
+
+    def _trim_logits(self) -> None:
+        while self._logit_bytes > LOGITS_BYTES and len(self._logits) > 1:
+            run_id, i = self._logits.popleft()
+            r = self.run(run_id)
+            if r is None:  # gone with its run (its bytes left then)
+                continue
+            ev = r.events[i]
+            r.events[i] = dataclasses.replace(ev, logits=None)
+            r.logit_bytes -= ev.logits.nbytes
+            self._logit_bytes -= ev.logits.nbytes
+
+    def _evict(self) -> None:
+        while len(self.runs) > MAX_RUNS:
+            victim = next((r for r in self.runs if r.id not in (self.shown, self.recording)), None)
+            if victim is None:
+                return
+            self.runs.remove(victim)
+            self._logit_bytes -= victim.logit_bytes
+            for r in self.runs:
+                if r.parent == victim.id:
+                    r.parent = None
+
+    # ---- showing, sessions ----
+    def show(self, run_id: int) -> None:
+        if self.run(run_id) is not None and run_id != self.shown:
+            self.shown = run_id
+            self.sig_runs_changed.emit()
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """Events sent through the bridge in here are a replay of stored ones: not recorded again."""
+        before, self.replaying = self.replaying, True
+        try:
+            yield
+        finally:
+            self.replaying = before
+
+    def load(self, records: list[dict], shown: int | None = None) -> None:
+        """Replace every run with those of an opened session: [{"name", "parent" (index), "step", "token",
+        "events"}, …]; `shown` is the index of the run the panels show (default: the last)."""
+        self.clear(notify=False)
+        for i, rec in enumerate(records):
+            parent = rec.get("parent")
+            parent = int(parent) if isinstance(parent, int) and 0 <= parent < i else None
+            r = Run(i, str(rec.get("name") or f"run {i + 1}"), parent, int(rec.get("step", 0)),
+                    int(rec.get("token", -1)))
+            for ev in rec.get("events", []):
+                self._append(r, ev)
+            self.runs.append(r)
+            self._roots += parent is None
+        self._next_id = len(records)
+        if self.runs:
+            self.shown = self.runs[shown if shown is not None and 0 <= shown < len(self.runs) else -1].id
+        self._evict()
+        self.sig_runs_changed.emit()
+
+    def records(self) -> list[dict]:
+        """Every run as a plain record for a session file (parent as an index; references, not copies)."""
+        where = {r.id: i for i, r in enumerate(self.runs)}
+        return [{"name": r.name, "parent": where.get(r.parent), "step": r.step, "token": r.token,
+                 "shown": r.id == self.shown, "events": list(r.events)} for r in self.runs]
+
+    def clear(self, notify: bool = True) -> None:
+        self.runs, self.shown, self.recording, self._fork = [], None, None, None
+        self._logits.clear()
+        self._logit_bytes = 0
+        self._roots = 0
+        if notify:
+            self.sig_runs_changed.emit()
