@@ -13,7 +13,7 @@ _WANTED = "chat_toggle_wanted"  # whether the user had it checked when a model w
 
 
 def chat_unavailable(tokenizer: Any) -> str | None:
-    """Why the loaded model cannot chat (engine.tokenizer.core.Tokenizer.chat_unavailable), or None."""
+    """Why the loaded model cannot chat (engine.tokenizer.Tokenizer.chat_unavailable), or None."""
     return None if tokenizer is None else getattr(tokenizer, "chat_unavailable", None)
 
 

@@ -91,7 +91,7 @@ def tokenizer_files(tokenizer, model_path: str = "") -> TokenizerFiles | None:
 
 def _cached_tokenizer_files(model_path: str) -> dict[str, bytes] | None:
     from engine.formats.locate import tokenizer_cache_dir
-    from engine.tokenizer.core import CACHE_META
+    from engine.tokenizer.cache import CACHE_META
 
     try:
         path = Path(model_path)

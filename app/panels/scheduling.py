@@ -181,8 +181,8 @@ class SchedulingPanel(Panel):
                  ("prompt", self.prompt_spin), ("output", self.output_spin), ("max batch", self.batch_spin),
                  ("page", self.page_spin))
         for i, (label, w) in enumerate(knobs):
-            controls.addWidget(QtWidgets.QLabel(label), i // 4, 2 * (i % 4))
-            controls.addWidget(w, i // 4, 2 * (i % 4) + 1)
+            controls.addWidget(QtWidgets.QLabel(label), i // 3, 2 * (i % 3))
+            controls.addWidget(w, i // 3, 2 * (i % 3) + 1)
         self.run_button = QtWidgets.QPushButton("Run")
         self.run_button.setToolTip("Serve these requests on the loaded model under each policy")
         self.run_button.clicked.connect(lambda: self.run())
@@ -192,8 +192,8 @@ class SchedulingPanel(Panel):
         buttons = QtWidgets.QHBoxLayout()
         for w in (self.policy_combo, self.run_button, self.cancel_button):
             buttons.addWidget(w)
-        controls.addLayout(buttons, 1, 6, 1, 2)
-        controls.setColumnStretch(8, 1)
+        controls.addLayout(buttons, 2, 2, 1, 4)
+        controls.setColumnStretch(6, 1)
 
         self.gantts: dict[str, _Gantt] = {}
         gantt_box = QtWidgets.QSplitter(QtCore.Qt.Orientation.Vertical)

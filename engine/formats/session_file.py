@@ -334,7 +334,7 @@ def _shape_problem(obj: Any, spec: dict[str, tuple[tuple[Any, ...], str]]) -> st
     sizes: dict[str, int] = {}
     for name, (shape, kinds) in spec.items():
         a = getattr(obj, name)
-        if a is None and name in ("token_probs", "logits", "context_ids"):
+        if a is None and name in ("token_probs", "logits"):
             continue
         if not isinstance(a, np.ndarray) or a.ndim != len(shape):
             return f"{name} should be a {len(shape)}-D array"
@@ -361,7 +361,7 @@ _SHAPES: tuple[tuple[type, dict[str, tuple[tuple[Any, ...], str]]], ...] = (
                            "token_probs": (("R",), _FLOAT)}),
     (ev_mod.Funnel, {k: (("N",), _INT if k == "ids" else _FLOAT) for k in (
         "ids", "logits", "p_raw", "p_temperature", "p_top_k", "p_top_p", "p_final")}),
-    (ev_mod.TokenSampled, {"logits": (("V",), _FLOAT), "context_ids": (("C",), _INT)}),
+    (ev_mod.TokenSampled, {"logits": (("V",), _FLOAT)}),
     (ev_mod.Finished, {"prompt_ids": (("P",), _INT), "ids": (("G",), _INT), "step_seconds": (("S",), _FLOAT)}),
 )
 

@@ -24,7 +24,6 @@ from engine.remote.metrics import ServerMetrics, parse_prometheus, server_metric
 from engine.remote.sse import MAX_TOKEN_ID, Candidate, Chunk, StreamToken
 
 NO_COST = StepCost(flops=0.0, weight_bytes=0.0, kv_read_bytes=0.0, kv_write_bytes=0.0)
-CANNOT = "A server gives no attention maps, residual norms or per-step costs; those panels stay empty."
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,7 +41,6 @@ class RemoteTokenSampled(TokenSampled):
     arrival_s: float = 0.0  # since the request was sent
     chunk: int = 0  # index of the SSE chunk it came in
     logprob: float | None = None  # the server's log-probability of this token
-    cannot: str = CANNOT
 
 
 @dataclass(frozen=True, kw_only=True)

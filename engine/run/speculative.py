@@ -55,7 +55,7 @@ from engine.run.spec_events import (  # noqa: F401 — the events are part of th
     SweepPoint,
     SweepStarted,
 )
-from engine.tokenizer.core import StreamDecoder
+from engine.tokenizer import StreamDecoder
 
 SOURCES = ("lookup", "early-exit", "draft-model")
 MAX_K = 16

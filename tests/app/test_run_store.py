@@ -25,7 +25,7 @@ from engine.events import (
     StepCost,
     TokenSampled,
 )
-from engine.formats.session_file import TYPES, load_session, save_session
+from engine.formats.session_file import load_session, save_session
 from engine.protocol import FUNNEL_TOP, SamplingParams
 from engine.remote.backend import RemoteTokenSampled, TopNFunnel
 from engine.run.refunnel import funnel_stages
@@ -159,7 +159,6 @@ def test_a_server_run_is_held_and_exported(qapp):
     assert len(exports.timeline_rows(store.events())) == 3
 
 
-@pytest.mark.skipif("RemoteTokenSampled" not in TYPES, reason="the session file does not register server events yet")
 def test_a_server_run_is_saved_and_read_back(qapp, tmp_path):
     store = RunStore()
     for ev in server_run():
