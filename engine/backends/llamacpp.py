@@ -66,7 +66,8 @@ from engine.tokenizer.core import StreamDecoder, Tokenization
 
 DEFAULT_CONTEXT = 4096  # positions the KV cache holds when the caller names none (capped by the model's own)
 UBATCH = 512  # tokens per graph evaluation during a prefill (llama.cpp splits a longer batch itself)
-KV_DTYPE = "float16"  # llama.cpp's default K and V cache type
+KV_DTYPE = "float16"
+LENS_ROWS = 4096  # rows of the output matrix dequantized at a time  # llama.cpp's default K and V cache type
 GGML_F32, GGML_F16 = 0, 1
 
 
@@ -417,9 +418,13 @@ class LlamaCppSession:
             tensors = {t.name: t for t in reader.tensors}
             out = tensors.get("output.weight") or tensors["token_embd.weight"]
 
-            def load(t) -> torch.Tensor:
-                arr = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-                return torch.from_numpy(arr.reshape(tuple(int(x) for x in reversed(t.shape))).copy())
+            def load(t) -> torch.Tensor:  # in row blocks: the temporaries stay small next to a (V, d) matrix
+                shape = tuple(int(x) for x in reversed(t.shape))
+                out = np.empty(shape, dtype=np.float32).reshape(-1, shape[-1])
+                data = t.data.reshape(out.shape[0], -1)  # (rows, values or bytes per row)
+                for i in range(0, out.shape[0], LENS_ROWS):
+                    out[i:i + LENS_ROWS] = gguf.quants.dequantize(data[i:i + LENS_ROWS], t.tensor_type)
+                return torch.from_numpy(out.reshape(shape))
 
             self._lens = _LensHead(load(tensors["output_norm.weight"]), load(out), self.cfg.norm_eps)
         return self._lens
