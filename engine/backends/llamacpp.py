@@ -332,6 +332,13 @@ class LlamaCppSession:
     def __del__(self) -> None:
         self.close()
 
+    def set_threads(self, n: int) -> None:
+        """Use `n` threads from the next step on (llama.cpp has no adaptive setting: see engine.run.threads)."""
+        if int(n) < 1:
+            raise ValueError(f"threads must be at least 1, got {n}")
+        self.n_threads = int(n)
+        self.llama.llama_set_n_threads(self._ctx, self.n_threads, self.n_threads)
+
     # ---- prompts ---------------------------------------------------------------------------------------------
     def prompt_text(self, text: str, chat: bool = False) -> str:
         return self.tokenizer.chat_prompt(text) if chat else text
