@@ -146,6 +146,7 @@ def run_one(config: str, model: str, tokens: int, n_ctx: int, threads: int) -> d
         load_s, rss_loaded = time.perf_counter() - t0, _rss()
 
         def generate(n: int) -> tuple[float, list[float]]:
+            llm.reset()  # no prefix reuse: every configuration prefills the whole prompt
             stamps = [time.perf_counter()]
             for i, _ in enumerate(llm.generate(ids, top_k=1, temp=0.0, reset=True)):
                 stamps.append(time.perf_counter())
