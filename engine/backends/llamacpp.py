@@ -1,0 +1,680 @@
+"""llama.cpp as a second local backend, instrumented: a GGUF file runs in about its own memory at llama.cpp's speed,
+and every panel still gets the events this engine's own Session yields.
+
+How each event is obtained:
+- the prompt is tokenized by this engine's tokenizer (pieces and spans match the app's) and fed to llama.cpp as
+  token ids (llama_decode with a batch);
+- logits: llama.cpp's full-vocabulary logits of the last position; the token is chosen by this engine's sampling
+  funnel (engine.run.sampling), so the Logits panel's funnel is exact and settings mean the same as in Session;
+- attention and the residual stream: llama.cpp's graph evaluation callback (`cb_eval` in llama_context_params) is
+  asked, for every node of the graph, whether we want its value; we say yes only for `kq_soft_max-N` (attention
+  weights of layer N, ggml shape (n_kv, n_tokens, n_head), i.e. numpy (heads, queries, keys)), `l_out-N` (the
+  residual stream after layer N) and the embedding (`embd`, or `inp_scaled` where the model scales it), and only
+  while the step's Capture asks for them. The scheduler then computes the graph up to that node and calls back
+  with its value, which is copied out before the buffer is reused;
+- the logit lens: the captured residual vectors through the model's final norm and output matrix, the only two
+  tensors read (and dequantized) from the file here, and only once a lens is first asked for;
+- costs: engine.costs.formulas with the config read from the GGUF header and the file's own bytes per weight.
+
+llama.cpp's attention must not be fused (flash attention never forms the softmax), so contexts are made without it
+unless asked (then attention is reported as unavailable). Sliding-window models get a full-size cache (`swa_full`),
+so a cache cell is always the position of the same number and prefix reuse can truncate anywhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.costs import formulas as costs
+from engine.events import (
+    AttentionCaptured,
+    Capability,
+    Event,
+    Failed,
+    Finished,
+    Funnel,
+    KVCacheGrew,
+    ModelInfo,
+    PrefillDone,
+    PromptTokenized,
+    ResidualNorms,
+    RunSource,
+    RunStarted,
+    StepCost,
+    TokenSampled,
+)
+from engine.formats.locate import ModelLoadError, load_tokenizer, resolve_model_path
+from engine.model.config import ModelConfig
+from engine.model.dtypes import lookup as dtype_lookup
+from engine.model.probe import Probe
+from engine.protocol import Capture
+from engine.run.branching import check_forced, tokenization_of
+from engine.run.constrain import Constraint
+from engine.run.lens import lens_event
+from engine.run.sampling import FunnelStages, SamplingParams, choose, make_generator, sample
+from engine.run.session import NonFiniteLogits, condense_funnel, emit_all, score_prompt
+from engine.run.threads import available_cores
+from engine.tokenizer.core import StreamDecoder, Tokenization
+
+DEFAULT_CONTEXT = 4096  # positions the KV cache holds when the caller names none (capped by the model's own)
+UBATCH = 512  # tokens per graph evaluation during a prefill (llama.cpp splits a longer batch itself)
+KV_DTYPE = "float16"
+LENS_ROWS = 4096  # rows of the output matrix dequantized at a time  # llama.cpp's default K and V cache type
+GGML_F32, GGML_F16 = 0, 1
+
+
+class _GGMLTensor(ctypes.Structure):
+    """struct ggml_tensor of ggml.h (the version vendored by llama-cpp-python 0.3.x): only read, never written."""
+
+    _fields_ = [
+        ("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16), ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p), ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64), ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+_NAME_OFFSET = _GGMLTensor.name.offset
+_ATTN, _LOUT = b"kq_soft_max-", b"l_out-"
+_EMBEDDING = (b"embd", b"inp_embd", b"inp_scaled")  # the last of these a graph evaluates is the residual's start
+
+
+def _llama():
+    """The llama_cpp module, with ggml's tensor accessors bound once; ModelLoadError when it is not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ModelLoadError(
+            "the llama.cpp backend needs llama-cpp-python: run `pip install llama-cpp-python==0.3.36`") from None
+    if not hasattr(llama_cpp, "_lab_ggml"):
+        from llama_cpp._ctypes_extensions import load_shared_library
+
+        base = load_shared_library("ggml-base", Path(llama_cpp.__file__).parent / "lib")
+        base.ggml_backend_buffer_is_host.argtypes, base.ggml_backend_buffer_is_host.restype = [ctypes.c_void_p], \
+            ctypes.c_bool
+        base.ggml_nbytes.argtypes, base.ggml_nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
+        base.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        base.ggml_backend_tensor_get.restype = None
+        llama_cpp._lab_ggml = base
+        silent = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(lambda level, text, data: None)
+        llama_cpp._lab_log = silent  # kept alive: llama.cpp holds the pointer
+        llama_cpp.llama_log_set(silent, None)
+        llama_cpp.llama_backend_init()
+    return llama_cpp
+
+
+def _tensor_array(ggml, t: int) -> np.ndarray:
+    """A ggml tensor's values as numpy (ne3, ne2, ne1, ne0): a view of host memory, or a copy from a device."""
+    tt = _GGMLTensor.from_address(t)
+    if tt.type not in (GGML_F32, GGML_F16):
+        raise ValueError(f"tensor {tt.name!r} has ggml type {tt.type}, not F32 or F16")
+    dtype = np.float32 if tt.type == GGML_F32 else np.float16
+    shape = tuple(int(n) for n in reversed(tt.ne))
+    strides = tuple(int(s) for s in reversed(tt.nb))
+    extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + np.dtype(dtype).itemsize
+    if tt.buffer and ggml.ggml_backend_buffer_is_host(tt.buffer):
+        raw = (ctypes.c_char * extent).from_address(tt.data)
+    else:  # a GPU build: the bytes come over first
+        n = int(ggml.ggml_nbytes(t))
+        raw = np.empty(max(n, extent), dtype=np.uint8)
+        ggml.ggml_backend_tensor_get(t, raw.ctypes.data, 0, n)
+    return np.ndarray(shape, dtype=dtype, buffer=raw, strides=strides)
+
+
+class _Tap:
+    """The evaluation callback: which graph nodes one step wants, and their values once computed.
+
+    Attention rows are kept per layer as they arrive (a prefill longer than UBATCH arrives in pieces, each with the
+    keys cached so far); only the last `keep_rows` query rows of the step are copied (engine.model.probe's bound).
+    """
+
+    def __init__(self, ggml) -> None:
+        self.ggml = ggml
+        self.active = False
+        self.error: str | None = None
+        self.layers: frozenset[int] = frozenset()
+        self.residual = False
+        self.n_rows = self.keep_rows = 0
+        self.attn: dict[int, list[np.ndarray]] = {}
+        self.rows_seen: dict[int, int] = {}
+        self.resid: dict[int, np.ndarray] = {}
+        self.callback = None  # the ctypes function object, built by the owner (it must outlive the context)
+
+    def begin(self, layers: frozenset[int], residual: bool, n_rows: int, keep_rows: int) -> None:
+        self.layers, self.residual = layers, residual
+        self.n_rows, self.keep_rows = n_rows, keep_rows
+        self.attn, self.rows_seen, self.resid = {}, {}, {}
+        self.error = None
+        self.active = bool(layers) or residual
+
+    def end(self) -> None:
+        self.active = False
+
+    def __call__(self, t: int, ask: bool, _user_data: int) -> bool:
+        if not self.active:  # the fast path: one attribute read per graph node
+            return False
+        name = ctypes.string_at(t + _NAME_OFFSET)
+        if ask:
+            return self._wants(name)
+        try:
+            self._record(t, name)
+        except Exception as e:  # noqa: BLE001 — an exception must not cross into C; the step reports it
+            self.error = f"{name.decode(errors='replace')}: {type(e).__name__}: {e}"
+        return True  # False would abort the graph
+
+    def _wants(self, name: bytes) -> bool:
+        if name.startswith(_ATTN):
+            return name[len(_ATTN):].isdigit() and int(name[len(_ATTN):]) in self.layers
+        if self.residual:
+            return (name.startswith(_LOUT) and name[len(_LOUT):].isdigit()) or name in _EMBEDDING
+        return False
+
+    def _record(self, t: int, name: bytes) -> None:
+        a = _tensor_array(self.ggml, t)  # attention (1, H, q, n_kv); residual (1, 1, rows, d)
+        if name.startswith(_ATTN):
+            layer = int(name[len(_ATTN):])
+            first = self.rows_seen.get(layer, 0)
+            n = a.shape[2]
+            self.rows_seen[layer] = first + n
+            lo = max(0, self.n_rows - self.keep_rows - first)  # rows of this piece among the step's last keep_rows
+            if lo < n:
+                self.attn.setdefault(layer, []).append(np.array(a[0, :, lo:, :], dtype=np.float32))
+        elif a.shape[2]:  # the last layer keeps only the rows whose logits are wanted: none in a prompt's early pieces
+            index = 0 if name in _EMBEDDING else int(name[len(_LOUT):]) + 1
+            self.resid[index] = np.array(a[0, 0, -1, :], dtype=np.float32)  # the newest position
+
+
+class _LensHead(torch.nn.Module):
+    """The final norm and the LM head read from the file, float32: what engine.run.lens projects through."""
+
+    def __init__(self, norm: torch.Tensor, output: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.norm_weight = torch.nn.Parameter(norm, requires_grad=False)  # (d,)
+        self.output = torch.nn.Parameter(output, requires_grad=False)  # (V, d)
+        self.eps = eps
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.rms_norm(x, (x.shape[-1],), self.norm_weight, self.eps)
+        return (h @ self.output.T).float()
+
+
+def _info_dtype(file_type: str, bits_per_weight: float) -> str:
+    """A dtype name the cost panels accept for the file's weights (the exact type stays in ModelInfo.file_type)."""
+    name = {"ALL_F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(file_type, file_type.lower())
+    try:
+        dtype_lookup(name)
+        return name
+    except ValueError:
+        return "int4" if bits_per_weight <= 5 else "int8" if bits_per_weight <= 9 else "float16"
+
+
+class LlamaCppSession:
+    """A GGUF model run by llama.cpp, with the interface of engine.run.session.Session.
+
+    `threads`: "auto" (every core this process may use) or a count; `n_ctx`: positions the KV cache holds (it is
+    allocated whole, at load); `flash_attn`: llama.cpp's fused attention (faster on some machines; attention
+    weights are then not available); `ubatch`: tokens per graph evaluation in a prefill.
+    """
+
+    threads = None  # Session's adaptive thread controller; llama.cpp keeps a fixed count (n_threads)
+
+    def __init__(self, model: str | os.PathLike | None = None, threads: int | str = "auto",
+                 n_ctx: int | None = None, flash_attn: bool = False, ubatch: int = UBATCH) -> None:
+        t0 = time.perf_counter()
+        self.path = resolve_model_path(model)
+        if self.path.is_dir():
+            raise ModelLoadError(f"{self.path.name} is a folder: the llama.cpp backend runs GGUF files")
+        self.llama = _llama()
+        self.cfg, stats, file_type = self._read_header(self.path)
+        self.tokenizer = load_tokenizer(self.path)
+        L = self.llama
+        self.n_threads = available_cores() if threads == "auto" else int(threads)
+        if self.n_threads < 1:
+            raise ValueError(f"threads must be at least 1, got {threads}")
+        self.flash_attn = flash_attn
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = 0  # this engine's device is the CPU; a GPU build would otherwise take every layer
+        self._model = L.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not self._model:
+            raise ModelLoadError(f"llama.cpp could not load {self.path.name} (its log says why; it was silenced)")
+        n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self._model))
+        if n_vocab != self.cfg.vocab_size:
+            self.close()
+            raise ModelLoadError(
+                f"{self.path.name}: llama.cpp sees {n_vocab} tokens, the file's header says {self.cfg.vocab_size}")
+        want = min(self.cfg.context_length, n_ctx or DEFAULT_CONTEXT)
+        self.tap = _Tap(L._lab_ggml)
+        self.tap.callback = L.ggml_backend_sched_eval_callback(self.tap)
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = want, want, max(1, min(ubatch, want))
+        cp.n_outputs_max_per_seq = 0  # every position's logits when a prefill scores the prompt
+        cp.n_threads = cp.n_threads_batch = self.n_threads
+        cp.flash_attn_type = 1 if flash_attn else 0  # llama_flash_attn_type: ENABLED, DISABLED
+        cp.swa_full = True
+        cp.no_perf = True
+        cp.cb_eval = self.tap.callback
+        self._ctx = L.llama_init_from_model(self._model, cp)
+        if not self._ctx:
+            self.close()
+            raise ModelLoadError(f"llama.cpp could not make a context of {want} positions for {self.path.name}")
+        self.n_ctx = int(L.llama_n_ctx(self._ctx))
+        self.cfg = replace(self.cfg, context_length=min(self.n_ctx, self.cfg.context_length))
+        self._mem = L.llama_get_memory(self._ctx)
+        self._batch = L.llama_batch_init(cp.n_batch, 0, 1)
+        self._batch_size = cp.n_batch
+        for i in range(cp.n_batch):  # every token belongs to sequence 0
+            self._batch.seq_id[i][0] = 0
+        self.cached_ids: list[int] = []
+        self.stop_ids = frozenset(self.tokenizer.eos_ids) | frozenset(self.cfg.eos_token_ids)
+        self._lens: _LensHead | None = None
+        self.cannot: tuple[Capability, ...] = ("attention",) if flash_attn else ()
+        files = stats["file_tensors"]
+        self.file_bytes = sum(b for b, _ in files.values())
+        self.embedding_file_bytes = stats["file_embedding_bytes"]
+        n_params = costs.n_params(self.cfg)
+        bits = 8 * self.file_bytes / max(1, sum(n for _, n in files.values()))
+        per_position = costs.kv_bytes_per_token(self.cfg, KV_DTYPE) / self.cfg.n_layers
+        decode_file = round(costs.step_weight_bytes_file(self.cfg, self.file_bytes, self.embedding_file_bytes, 1))
+        cfg = self.cfg
+        self.info = ModelInfo(
+            name=cfg.name, path=str(self.path), architecture=cfg.architecture, n_layers=cfg.n_layers,
+            d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+            ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, context_length=cfg.context_length,
+            rope_base=cfg.rope_base, n_params=n_params, dtype=_info_dtype(file_type, bits), device="cpu",
+            weight_bytes=self.file_bytes, kv_bytes_per_token=round(costs.kv_bytes_per_token(cfg, KV_DTYPE)),
+            file_type=file_type, load_s=time.perf_counter() - t0, from_cache=False,
+            sliding_window=cfg.sliding_window, layer_types=cfg.layer_types, rope_base_local=cfg.rope_base_local,
+            kv_bytes_per_token_global=round(per_position * cfg.n_global_layers),
+            kv_bytes_per_token_local=round(per_position * cfg.n_local_layers),
+            file_bytes_by_type={k: b for k, (b, _) in files.items()},
+            file_params_by_type={k: n for k, (_, n) in files.items()},
+            file_bits_per_weight={k: round(8 * b / n, 4) for k, (b, n) in files.items() if n},
+            decode_weight_bytes_file=decode_file, decode_weight_bytes=decode_file,
+        )
+
+    @staticmethod
+    def _read_header(path: Path) -> tuple[ModelConfig, dict, str]:
+        """Config, storage by tensor type and file type from the header; the weights are left to llama.cpp."""
+        from engine.loaders import gguf as gg
+
+        try:
+            reader = gg.open_reader(path)
+            cfg = gg.read_config(reader, path.stem)
+            return cfg, gg.tensor_stats(reader), gg.file_type_name(reader)
+        except (ValueError, OSError) as e:
+            text = str(e) if str(e).startswith(path.name) else f"cannot load {path.name}: {e}"
+            raise ModelLoadError(text) from None
+
+    def close(self) -> None:
+        """Free llama.cpp's context and model (also done when the object is collected)."""
+        L = getattr(self, "llama", None)
+        if L is None:
+            return
+        if getattr(self, "_batch", None) is not None:
+            L.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            L.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            L.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def set_threads(self, n: int) -> None:
+        """Use `n` threads from the next step on (llama.cpp has no adaptive setting: see engine.run.threads)."""
+        if int(n) < 1:
+            raise ValueError(f"threads must be at least 1, got {n}")
+        self.n_threads = int(n)
+        self.llama.llama_set_n_threads(self._ctx, self.n_threads, self.n_threads)
+
+    # ---- prompts ---------------------------------------------------------------------------------------------
+    def prompt_text(self, text: str, chat: bool = False) -> str:
+        return self.tokenizer.chat_prompt(text) if chat else text
+
+    def tokenize(self, text: str, chat: bool = False) -> Tokenization:
+        return self.tokenizer.encode(self.prompt_text(text, chat))
+
+    def check_prompt(self, ids: Sequence[int], max_new_tokens: int = 1) -> None:
+        if len(ids) == 0:
+            raise ValueError("the prompt is empty: type something first")
+        if len(ids) >= self.cfg.context_length:
+            raise ValueError(f"the prompt is {len(ids)} tokens; this context holds {self.cfg.context_length}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max new tokens must be at least 1, got {max_new_tokens}")
+        outside = next((int(i) for i in ids if not 0 <= int(i) < self.cfg.vocab_size), None)
+        if outside is not None:
+            raise ValueError(
+                f"the prompt holds token id {outside}, outside this model's vocabulary (0…{self.cfg.vocab_size - 1})")
+
+    # ---- the cache and one forward step ------------------------------------------------------------------------
+    def forget_cache(self) -> None:
+        self.llama.llama_memory_clear(self._mem, True)
+        self.cached_ids = []
+
+    def _reuse(self, ids: Sequence[int]) -> int:
+        """Keep the cached positions that start `ids` (never its last token: it gives the logits); drop the rest."""
+        reuse, limit = 0, min(len(self.cached_ids), len(ids) - 1)
+        while reuse < limit and self.cached_ids[reuse] == ids[reuse]:
+            reuse += 1
+        if reuse < len(self.cached_ids):
+            if not self.llama.llama_memory_seq_rm(self._mem, 0, reuse, -1):
+                self.llama.llama_memory_clear(self._mem, True)
+                reuse = 0
+            del self.cached_ids[reuse:]
+        return reuse
+
+    def _forward(self, new_ids: Sequence[int], start: int, every: bool = False) -> np.ndarray:
+        """Logits (V,) of the last new token, or (T, V) of every one with `every`, as float32 copies."""
+        L, b = self.llama, self._batch
+        n, V = len(new_ids), self.cfg.vocab_size
+        if n > self._batch_size or start + n > self.n_ctx:
+            raise ValueError(f"{start + n} positions do not fit this context of {self.n_ctx}")
+        b.n_tokens = n
+        np.ctypeslib.as_array(b.token, shape=(n,))[:] = new_ids
+        np.ctypeslib.as_array(b.pos, shape=(n,))[:] = np.arange(start, start + n)
+        np.ctypeslib.as_array(b.n_seq_id, shape=(n,))[:] = 1
+        outputs = np.ctypeslib.as_array(b.logits, shape=(n,))
+        outputs[:] = 1 if every else 0
+        outputs[-1] = 1
+        rc = L.llama_decode(self._ctx, b)
+        if rc != 0:
+            self.forget_cache()
+            raise RuntimeError(f"llama_decode returned {rc} at positions {start}…{start + n - 1}")
+        self.cached_ids.extend(int(i) for i in new_ids)
+        if every:
+            logits = np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(n, V)).copy()
+        else:
+            logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, -1), shape=(V,)).copy()
+        if not np.isfinite(logits[-1]).all():
+            self.forget_cache()
+            raise NonFiniteLogits(f"the model produced NaN or infinite logits at position {start + n - 1}")
+        return logits
+
+    def step_cost(self, n_tokens: int, start: int, all_logits: bool = False) -> StepCost:
+        """engine.costs.formulas' step, with the weights at the file's own bytes (what llama.cpp streams)."""
+        c = costs.prefill_cost(self.cfg, n_tokens, start=start, kv_dtype=KV_DTYPE, all_logits=all_logits)
+        return replace(c, weight_bytes=costs.step_weight_bytes_file(
+            self.cfg, self.file_bytes, self.embedding_file_bytes, rows=n_tokens))
+
+    def kv_event(self, step: int) -> KVCacheGrew:
+        per_position = costs.kv_bytes_per_token(self.cfg, KV_DTYPE)
+        n = len(self.cached_ids)
+        return KVCacheGrew(step=step, n_tokens=n, bytes_used=round(per_position * n),
+                           bytes_allocated=round(per_position * self.n_ctx))
+
+    def lens_head(self) -> _LensHead:
+        """The final norm and the output matrix, dequantized from the file to float32 on first use."""
+        if self._lens is None:
+            import gguf
+
+            from engine.loaders import gguf as gg
+
+            reader = gg.open_reader(self.path)
+            tensors = {t.name: t for t in reader.tensors}
+            out = tensors.get("output.weight") or tensors["token_embd.weight"]
+
+            def load(t) -> torch.Tensor:  # in row blocks: the temporaries stay small next to a (V, d) matrix
+                shape = tuple(int(x) for x in reversed(t.shape))
+                out = np.empty(shape, dtype=np.float32).reshape(-1, shape[-1])
+                data = t.data.reshape(out.shape[0], -1)  # (rows, values or bytes per row)
+                for i in range(0, out.shape[0], LENS_ROWS):
+                    out[i:i + LENS_ROWS] = gguf.quants.dequantize(data[i:i + LENS_ROWS], t.tensor_type)
+                return torch.from_numpy(out.reshape(shape))
+
+            self._lens = _LensHead(load(tensors["output_norm.weight"]), load(out), self.cfg.norm_eps)
+        return self._lens
+
+    # ---- one-off next-token preview ----------------------------------------------------------------------------
+    def next_token_logits(self, ids: Sequence[int]) -> tuple[torch.Tensor, int, float]:
+        """Logits for the token after `ids`, reusing the cached prefix; returns (logits, tokens reused, seconds)."""
+        self.check_prompt(ids)
+        t0 = time.perf_counter()
+        reuse = self._reuse(ids)
+        logits = self._forward(ids[reuse:], reuse)
+        return torch.from_numpy(logits), reuse, time.perf_counter() - t0
+
+    def make_funnel(self, stages: FunnelStages, params: SamplingParams, top: int, sampled: int | None = None) -> Funnel:
+        return condense_funnel(stages, params, top, self.tokenizer, sampled)
+
+    def warm_up(self) -> float:
+        """Pay the first-call costs once (llama.cpp's graph allocation, thread start), then forget the cache."""
+        t0 = time.perf_counter()
+        prompt = self.tokenizer.encode("Hello, world. The quick brown fox")
+        for capture in (Capture(), Capture.everything(self.cfg.n_layers, funnel_top=5)):
+            for _ in self.generate(prompt, SamplingParams(temperature=1.0, top_p=0.9, seed=0), 3, capture,
+                                   ignore_eos=True):
+                pass
+        self.forget_cache()
+        return time.perf_counter() - t0
+
+    def generate(
+        self, prompt: str | Tokenization | Sequence[int], params: SamplingParams | None = None,
+        max_new_tokens: int = 64, capture: Capture | None = None, chat: bool = False, ignore_eos: bool = False,
+        forced: Mapping[int, int] | None = None, constraint: Constraint | None = None,
+    ) -> LlamaCppGeneration:
+        """Start a generation; iterate it to run. The prompt is checked now (ValueError on bad input)."""
+        if isinstance(prompt, Tokenization):
+            tok = prompt
+        elif isinstance(prompt, str):
+            tok = self.tokenize(prompt, chat)
+        else:
+            tok = tokenization_of(self.tokenizer, prompt)
+        self.check_prompt(tok.ids, max_new_tokens)
+        force = check_forced(forced or {}, self.cfg.vocab_size, max_new_tokens)
+        return LlamaCppGeneration(self, tok, params or SamplingParams(), max_new_tokens, capture or Capture(),
+                                  ignore_eos, force, constraint)
+
+    def fork(
+        self, prompt_ids: Sequence[int], generated_ids: Sequence[int], step: int, token: int,
+        params: SamplingParams | None = None, max_new_tokens: int = 64, capture: Capture | None = None,
+        ignore_eos: bool = False,
+    ) -> LlamaCppGeneration:
+        """Branch a generation at `step` with `token` (see Session.fork): the cached prefix is kept."""
+        if not 0 <= step <= len(generated_ids):
+            raise ValueError(f"cannot fork at step {step}: the generation has steps 0..{len(generated_ids) - 1}")
+        prefix = [int(i) for i in prompt_ids] + [int(i) for i in generated_ids[:step]]
+        return self.generate(prefix, params, max_new_tokens, capture, ignore_eos=ignore_eos, forced={0: token})
+
+
+class LlamaCppGeneration:
+    """One running generation (the same knobs as engine.run.session.Generation: params and capture may change
+    between tokens, stop() ends it before the next token)."""
+
+    def __init__(
+        self, session: LlamaCppSession, prompt: Tokenization, params: SamplingParams, max_new_tokens: int,
+        capture: Capture, ignore_eos: bool, forced: Mapping[int, int] | None = None,
+        constraint: Constraint | None = None,
+    ) -> None:
+        self.session, self.prompt = session, prompt
+        self.params, self.capture = params, capture
+        self.max_new_tokens, self.ignore_eos = max_new_tokens, ignore_eos
+        self.forced: dict[int, int] = dict(forced or {})
+        self.constraint = constraint
+        self._stop = False
+        self._events = self._run()
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def __iter__(self) -> Iterator[Event]:
+        return self
+
+    def __next__(self) -> Event:
+        return next(self._events)
+
+    def _captured(self, step: int, phase: str, query_start: int, n_queries: int,
+                  stream: np.ndarray | None) -> Iterator[Event]:
+        s, tap = self.session, self.session.tap
+        if tap.error is not None:
+            raise RuntimeError(f"reading llama.cpp's tensor {tap.error}")
+        n_keys = query_start + n_queries
+        for layer in sorted(self.capture.attention_layers):
+            parts = tap.attn.get(layer)
+            if not parts:
+                continue
+            rows = sum(p.shape[1] for p in parts)
+            w = np.zeros((s.cfg.n_heads, rows, n_keys), dtype=np.float32)  # (H, n, S)
+            r = 0
+            for p in parts:  # a piece holds the keys cached when it ran: a real prefix of n_keys, padded beyond
+                k = min(n_keys, p.shape[2])
+                w[:, r:r + p.shape[1], :k] = p[:, :, :k]
+                r += p.shape[1]
+            skipped = n_queries - rows
+            yield AttentionCaptured(step=step, phase=phase, layer=layer, query_start=query_start + skipped,
+                                    weights=w, group_size=s.cfg.group_size, rows_skipped=skipped)
+        if self.capture.residual_norms and stream is not None:
+            yield ResidualNorms(step=step, norms=np.linalg.norm(stream, axis=-1).astype(np.float32))
+
+    def _run(self) -> Iterator[Event]:
+        s = self.session
+        cfg, tok, tap = s.cfg, s.tokenizer, s.tap
+        ids = list(self.prompt.ids)
+        n_prompt = len(ids)
+        yield RunStarted(source=RunSource(kind="local", name=f"{s.info.name} (llama.cpp)", cannot=s.cannot))
+        yield PromptTokenized(
+            text=self.prompt.text, ids=np.asarray(ids, dtype=np.int64), pieces=tuple(self.prompt.pieces),
+            offsets=np.asarray(self.prompt.offsets, dtype=np.int64).reshape(-1, 2),
+            byte_offsets=np.asarray(self.prompt.byte_offsets, dtype=np.int64).reshape(-1, 2),
+            special=np.asarray(self.prompt.special, dtype=bool),
+            unrepresentable=tuple(tuple(u) for u in self.prompt.unrepresentable),
+        )
+        capacity = min(cfg.context_length, n_prompt + self.max_new_tokens)
+        context = torch.zeros(capacity, dtype=torch.long)  # ids so far, for penalties
+        context[:n_prompt] = torch.tensor(ids, dtype=torch.long)
+        generator = make_generator(self.params.seed)
+        seed_used = self.params.seed
+        decoder = StreamDecoder(tok)
+        out_ids: list[int] = []
+        text_parts: list[str] = []
+        step_times: list[float] = []
+        ttft = 0.0
+        suspended = 0.0
+        t_start = time.perf_counter()
+
+        def emit(event: Event) -> Iterator[Event]:
+            nonlocal suspended
+            t = time.perf_counter()
+            yield event
+            suspended += time.perf_counter() - t
+
+        def finished(reason: str) -> Finished:
+            text_parts.append(decoder.flush())
+            return Finished(
+                reason=reason, prompt_ids=np.asarray(ids[:n_prompt], dtype=np.int64),
+                ids=np.asarray(out_ids, dtype=np.int64), text="".join(text_parts),
+                ttft_s=ttft, tpot_s=float(np.mean(step_times)) if step_times else 0.0,
+                step_seconds=np.asarray(step_times), total_s=time.perf_counter() - t_start - suspended,
+            )
+
+        try:
+            reuse = s._reuse(ids)
+            if self.capture.prompt_scores and reuse:  # scoring needs every prompt position's logits
+                s.forget_cache()
+                reuse = 0
+            pos = n_prompt
+            step = 0
+            while True:
+                phase = "prefill" if step == 0 else "decode"
+                params, capture = self.params, self.capture
+                if params.seed != seed_used:
+                    generator, seed_used = make_generator(params.seed), params.seed
+                if step == 0:
+                    feed, start = ids[reuse:], reuse
+                else:
+                    feed, start = ids[-1:], pos - 1
+                every = step == 0 and capture.prompt_scores
+                cost = s.step_cost(len(feed), start, all_logits=every)
+                layers = frozenset() if "attention" in s.cannot else frozenset(capture.attention_layers)
+                residual = capture.residual_norms or capture.lens_top > 0
+                keep = Probe(max_attention_bytes=capture.attention_max_bytes).attention_rows(
+                    cfg.n_heads, len(feed), start + len(feed))
+                tap.begin(layers, residual, len(feed), keep)
+                t0 = time.perf_counter()
+                try:
+                    out = s._forward(feed, start, every)
+                finally:
+                    tap.end()
+                logits = torch.from_numpy(out[-1] if every else out)
+                force = self.forced.get(step)
+                allowed_logits, kept_grammar = logits, -1
+                if self.constraint is not None:
+                    allowed_logits, kept_grammar = self.constraint.mask_logits(logits)
+                if capture.funnel_top:
+                    token, stages = sample(allowed_logits, params, generator, context[:pos])
+                    token = token if force is None else force
+                    if self.constraint is not None:
+                        stages = replace(
+                            stages, logits=logits.float(), p_raw=torch.softmax(logits.float(), dim=-1),
+                            kept_top_k=min(stages.kept_top_k, kept_grammar),
+                            kept_top_p=min(stages.kept_top_p, kept_grammar),
+                            kept_final=min(stages.kept_final, kept_grammar))
+                    condensed = s.make_funnel(stages, params, capture.funnel_top, token)
+                    if self.constraint is not None:
+                        condensed = replace(condensed, kept_grammar=kept_grammar)
+                else:
+                    token, condensed = choose(allowed_logits, params, generator, context[:pos]), None
+                    token = token if force is None else force
+                grammar_done = False
+                if self.constraint is not None:
+                    self.constraint.advance(token)
+                    grammar_done = self.constraint.stopped
+                raw = logits.numpy() if capture.logits else None
+                seconds = time.perf_counter() - t0
+                stream = None
+                if residual and len(tap.resid) == cfg.n_layers + 1:
+                    stream = np.stack([tap.resid[i] for i in range(cfg.n_layers + 1)])  # (L + 1, d)
+                if every:
+                    yield from emit(score_prompt(torch.from_numpy(out), ids[:n_prompt], start))
+                yield from emit_all(emit, self._captured(step, phase, start, len(feed), stream))
+                if stream is not None and capture.lens_top:
+                    yield from emit(lens_event(s.lens_head(), tok, step, pos - 1, stream, logits, capture.lens_top,
+                                               token))
+                yield from emit(s.kv_event(step))
+                if step == 0:
+                    ttft = seconds
+                    yield from emit(PrefillDone(n_tokens=len(feed), n_reused=reuse, seconds=seconds, cost=cost))
+                else:
+                    step_times.append(seconds)
+                is_stop = token in s.stop_ids and (not self.ignore_eos or grammar_done)
+                delta = "" if is_stop else decoder.push(token)
+                text_parts.append(delta)
+                out_ids.append(token)
+                yield from emit(TokenSampled(
+                    step=step, phase=phase, position=pos, token_id=token, piece=tok.piece(token), text=delta,
+                    seconds=seconds, cost=cost, funnel=condensed, logits=raw,
+                    context_ids=context[:pos].numpy().copy() if capture.logits else None, params=params,
+                    forced=force is not None,
+                ))
+                ids.append(token)
+                if pos < capacity:
+                    context[pos] = token
+                pos += 1
+                step += 1
+                if is_stop or grammar_done:
+                    reason = "eos"
+                elif len(out_ids) >= self.max_new_tokens:
+                    reason = "length"
+                elif pos >= cfg.context_length:
+                    reason = "context"
+                elif self._stop:
+                    reason = "stopped"
+                else:
+                    continue
+                yield finished(reason)
+                return
+        except Exception as e:  # noqa: BLE001 — the consumer gets one clear message instead of a dead thread
+            s.forget_cache()
+            text = str(e) if isinstance(e, NonFiniteLogits) else f"generation failed: {type(e).__name__}: {e}"
+            yield Failed(message=text)
