@@ -40,16 +40,24 @@ $(LLAMA_STAMP):
 
 servers: $(VLLM_STAMP) $(LLAMA_STAMP)
 
+$(LLAMA_IN_APP): $(STAMP) $(LLAMA_STAMP)
+	$(PY) -m pip install --quiet 'llama-cpp-python==0.3.36'
+	touch $@
+
 run: $(STAMP)
 	$(PY) -m app
 
 # What every test needs here (tests/requires.py): with INFERENCE_LAB_REQUIRE set, a missing one fails the run with
 # one line saying how to get it, and so does any other skip. pytest run by hand (variable unset) skips instead.
-REQUIRE ?= servers,gemma,transformers,default-model
+REQUIRE ?= servers,gemma,transformers,default-model,llamacpp
+# llama.cpp inside the app's own environment too (the engine's llama.cpp backend): pip reuses the wheel that the
+# servers' build left in its cache, so llama.cpp is compiled once.
+LLAMA_IN_APP := $(VENV)/.llamacpp
 
 test:
 	# the three set-ups run side by side: the llama.cpp build (minutes) overlaps the others
 	$(MAKE) -j3 $(STAMP) $(VLLM_STAMP) $(LLAMA_STAMP)
+	$(MAKE) $(LLAMA_IN_APP)
 	INFERENCE_LAB_REQUIRE=$(REQUIRE) $(PY) -m pytest -q
 
 bench: $(STAMP)

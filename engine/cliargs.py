@@ -26,6 +26,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"],
+                   help="the local runtime: torch (the readable engine), llama.cpp (a GGUF as it is, instrumented), "
+                        "or auto: llama.cpp for GGUF models of 1B parameters or more when it is installed")
     add_url_args(p)
 
 
@@ -72,11 +75,17 @@ def add_url_args(p: argparse.ArgumentParser) -> None:
 
 
 def session_from_args(a: argparse.Namespace):
-    """A Session on the model the arguments name (CliError with one sentence when it cannot load)."""
+    """A Session on the model the arguments name, run by the backend they choose (CliError with one sentence when
+    it cannot load)."""
+    from engine.backends import choose
     from engine.loaders import ModelLoadError, load
     from engine.run.session import Session
 
     try:
+        if choose(a.model, getattr(a, "backend", "auto")) == "llama.cpp":
+            from engine.backends.llamacpp import LlamaCppSession
+
+            return LlamaCppSession(a.model, threads=a.threads)
         return Session(load(a.model, device=a.device, dtype=a.dtype), threads=a.threads)
-    except ModelLoadError as e:
+    except (ModelLoadError, ValueError) as e:
         raise CliError(str(e)) from None

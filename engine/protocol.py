@@ -114,6 +114,7 @@ class Load(Command):
     model: str | None
     device: str = "auto"
     dtype: str = "auto"
+    backend: str = "auto"  # "torch", "llama.cpp" or "auto" (engine.backends.choose)
 
 
 @dataclass(frozen=True)

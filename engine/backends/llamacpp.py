@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.backend import Unsupported
 from engine.costs import formulas as costs
 from engine.events import (
     AttentionCaptured,
@@ -59,10 +60,11 @@ from engine.protocol import Capture
 from engine.run.branching import check_forced, tokenization_of
 from engine.run.constrain import Constraint
 from engine.run.lens import lens_event
+from engine.run.local import LocalBackend
 from engine.run.sampling import FunnelStages, SamplingParams, choose, make_generator, sample
 from engine.run.session import NonFiniteLogits, condense_funnel, emit_all, score_prompt
 from engine.run.threads import available_cores
-from engine.tokenizer.core import StreamDecoder, Tokenization
+from engine.tokenizer import StreamDecoder, Tokenization
 
 DEFAULT_CONTEXT = 4096  # positions the KV cache holds when the caller names none (capped by the model's own)
 UBATCH = 512  # tokens per graph evaluation during a prefill (llama.cpp splits a longer batch itself)
@@ -653,9 +655,7 @@ class LlamaCppGeneration:
                 out_ids.append(token)
                 yield from emit(TokenSampled(
                     step=step, phase=phase, position=pos, token_id=token, piece=tok.piece(token), text=delta,
-                    seconds=seconds, cost=cost, funnel=condensed, logits=raw,
-                    context_ids=context[:pos].numpy().copy() if capture.logits else None, params=params,
-                    forced=force is not None,
+                    seconds=seconds, cost=cost, funnel=condensed, logits=raw, params=params, forced=force is not None,
                 ))
                 ids.append(token)
                 if pos < capacity:
@@ -678,3 +678,34 @@ class LlamaCppGeneration:
             s.forget_cache()
             text = str(e) if isinstance(e, NonFiniteLogits) else f"generation failed: {type(e).__name__}: {e}"
             yield Failed(message=text)
+
+
+class LlamaCppBackend(LocalBackend):
+    """llama.cpp behind the backend seam: generations, previews and tokenization as the torch engine's, the labs
+    that need the torch model itself (batched decode, scheduling, speculative decoding) refused in one sentence."""
+
+    def __init__(self, session: LlamaCppSession) -> None:
+        super().__init__(session)
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.session.info
+
+    @property
+    def source(self) -> RunSource:
+        return RunSource(kind="local", name=self.info.name, cannot=self.session.cannot)
+
+    def set_threads(self, controller: object) -> None:
+        return None  # llama.cpp keeps the fixed count it was loaded with
+
+    def _torch_only(self, what: str) -> None:
+        raise Unsupported(f"the {what} runs on the torch engine: load this model with the torch backend to use it")
+
+    def batch_bench(self, *args, **kwargs) -> None:
+        self._torch_only("batching lab")
+
+    def schedule(self, *args, **kwargs) -> None:
+        self._torch_only("scheduling lab")
+
+    def speculate(self, *args, **kwargs) -> None:
+        self._torch_only("speculative-decoding lab")

@@ -9,19 +9,25 @@ from collections.abc import Callable
 import torch
 
 from engine.backend import Backend, Progress, Run, ShouldStop
-from engine.events import PromptTokenized, RunSource
+from engine.events import ModelInfo, PromptTokenized, RunSource
 from engine.protocol import BatchRow, GenerateRequest, PreviewResult, SamplingParams
 from engine.run.sampling import funnel
 from engine.run.session import Session, prompt_event
 
 
 class LocalBackend(Backend):
+    """A model on this machine: the torch engine's Session, or a runtime with its interface (engine.backends)."""
+
     def __init__(self, session: Session) -> None:
         self.session = session
 
     @property
+    def info(self) -> ModelInfo:
+        return self.session.lm.info
+
+    @property
     def source(self) -> RunSource:
-        return RunSource(kind="local", name=self.session.lm.info.name)
+        return RunSource(kind="local", name=self.info.name)
 
     def generate(self, req: GenerateRequest) -> Run:
         s = self.session

@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("llama_cpp")
+from tests.requires import import_required  # noqa: E402
+
+import_required("llama_cpp", name="llamacpp", dist="llama-cpp-python")
 
 from engine.backends.llamacpp import LlamaCppSession  # noqa: E402
 from engine.costs import formulas as costs  # noqa: E402
@@ -218,3 +220,41 @@ def test_other_families_match_the_session(tmp_path, family):
         s = r.weights.shape[-1]  # a local layer's decode row: the Session shows only the keys its cache still holds
         np.testing.assert_allclose(g.weights[..., -s:], r.weights, atol=ATTN_ATOL)
         assert not g.weights[..., :-s].any()  # llama.cpp's row: keys outside the window weigh exactly zero
+
+
+def test_the_engine_process_runs_a_model_on_llamacpp_behind_the_backend_seam(tiny_dir, tiny_lm):
+    """Load with backend llama.cpp: generations come from llama.cpp (RunStarted says so) with the torch engine's
+    greedy tokens; the labs that need the torch model say so in one sentence."""
+    from engine import protocol as P
+    from tests.engine.test_server import Client
+
+    c = Client()
+    try:
+        c.send(P.Load(str(tiny_dir.gguf), "cpu", "float32", backend="llama.cpp"))
+        loaded = c.until(lambda m: isinstance(m, (P.Loaded, P.LoadFailed)))[-1]
+        assert isinstance(loaded, P.Loaded), loaded
+        c.send(P.Generate(P.GenerateRequest("the cat sat", chat=False, max_new_tokens=5, ignore_eos=True,
+                                            params=SamplingParams.greedy_params())))
+        seen = c.until(lambda m: isinstance(m, Finished))
+        started = next(m for m in seen if type(m).__name__ == "RunStarted")
+        assert started.source.kind == "local" and "llama.cpp" in started.source.name
+        ref = [e for e in Session(tiny_lm).generate("the cat sat", SamplingParams.greedy_params(), 5,
+                                                     ignore_eos=True)][-1]
+        assert seen[-1].ids.tolist() == ref.ids.tolist()
+        c.send(P.BatchBench((1, 2), 4, 2))
+        done = c.until(lambda m: isinstance(m, P.Done))[-1]
+        assert done.job == "batch" and "torch engine" in done.message and "\n" not in done.message
+    finally:
+        c.send(P.Quit())
+        c.thread.join(30)
+
+
+def test_auto_sends_large_gguf_files_to_llamacpp(tiny_dir, monkeypatch):
+    import engine.backends as backends
+
+    assert backends.choose(tiny_dir.gguf) == "torch"  # a small model stays on the readable engine
+    monkeypatch.setattr(backends, "LLAMACPP_ABOVE_PARAMS", 1)
+    assert backends.choose(tiny_dir.gguf) == "llama.cpp"
+    assert backends.choose(tiny_dir.gguf, "torch") == "torch"
+    with pytest.raises(ValueError, match="unknown backend"):
+        backends.choose(tiny_dir.gguf, "cuda")
