@@ -18,7 +18,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app import exports, session_io, theme
 from app.bridge import Bridge
 from app.guard import guarded, report, reporter
-from app.panels import GROUP_OF, GROUPS, PANEL_MODULES
+from app.panels import GROUPS, PANEL_MODULES
 from app.panels.base import Panel
 from app.settings import Settings
 
@@ -37,7 +37,7 @@ PLACEMENT = {
     "kv_cache": _Area.BottomDockWidgetArea, "timeline": _Area.BottomDockWidgetArea,
     "roofline": _Area.BottomDockWidgetArea,
 }
-TAB_WITH = {"lens": "attention", "branches": "timeline", "constrain": "sampling"}
+TAB_WITH = {"lens": "attention", "branches": "timeline", "constrain": "sampling"}  # panel → the one it sits behind
 
 
 def _cores() -> int:
@@ -147,24 +147,22 @@ class MainWindow(QtWidgets.QMainWindow):
             else:
                 self.addDockWidget(area, dock)
             last[area] = dock
-        labs: QtWidgets.QDockWidget | None = None  # the first dock of the labs' column
         right = last.get(_Area.RightDockWidgetArea)
         self.setTabPosition(_Area.RightDockWidgetArea, QtWidgets.QTabWidget.TabPosition.North)
-        for name, dock in self.docks.items():
-            if name in PLACEMENT:
-                continue
-            host = self.docks.get(TAB_WITH.get(name, ""))
-            if host is not None:
-                self.tabifyDockWidget(host, dock)
-            elif labs is not None:
-                self.tabifyDockWidget(labs, dock)
+        # the labs' column first (splitting a dock that is already a tab would pull it out of its tabs), then the tabs
+        rest = [n for n in self.docks if n not in PLACEMENT and n not in TAB_WITH]
+        labs = self.docks[rest[0]] if rest else None
+        if labs is not None:
+            if right is not None:
+                self.splitDockWidget(right, labs, QtCore.Qt.Orientation.Horizontal)
             else:
-                labs = dock
-                if right is not None:
-                    self.splitDockWidget(right, dock, QtCore.Qt.Orientation.Horizontal)
-                else:
-                    self.addDockWidget(_Area.RightDockWidgetArea, dock)
-        for name in (*TAB_WITH.values(), next((n for n in self.docks if GROUP_OF.get(n) != GROUPS[0][0]), "")):
+                self.addDockWidget(_Area.RightDockWidgetArea, labs)
+            for name in rest[1:]:
+                self.tabifyDockWidget(labs, self.docks[name])
+        for name, host in TAB_WITH.items():
+            if name in self.docks and host in self.docks:
+                self.tabifyDockWidget(self.docks[host], self.docks[name])
+        for name in (*TAB_WITH.values(), *rest[:1]):
             if name in self.docks:
                 self.docks[name].raise_()  # the group's first panel in front of its tabs
 

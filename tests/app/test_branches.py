@@ -88,7 +88,7 @@ def test_fork_from_an_alternative_then_switch_and_compare(qtbot, window, tmp_pat
 def test_score_the_prompt_colours_each_prompt_token(qtbot, window):
     panel = window.panels["branches"]
     panel.score_box.setChecked(True)
-    assert window.bridge.score_prompt
+    assert window.bridge.options.score_prompt
     generate(qtbot, window, text="the cat sat on the mat", n=2)
     b = panel.branches[-1]
     sc = b.scores
@@ -106,10 +106,10 @@ def test_the_lens_is_captured_only_when_asked(qtbot, window):
     from engine.events import LensCaptured
 
     lens = window.panels["lens"]
-    assert window.bridge.lens_top == 0 and not lens.capture_box.isChecked()
+    assert window.bridge.options.lens_top == 0 and not lens.capture_box.isChecked()
     generate(qtbot, window, n=2)
     assert not any(isinstance(e, LensCaptured) for e in window.run_store.events()) and not lens.lens
     lens.set_capture(True)
-    assert window.bridge.lens_top > 0 and lens.capture_box.isChecked()
+    assert window.bridge.options.lens_top > 0 and lens.capture_box.isChecked()
     generate(qtbot, window, n=2)
     assert sorted(lens.lens) == [0, 1]
