@@ -82,7 +82,9 @@ bench-smoke: $(STAMP)
 
 screenshot: $(STAMP)
 	# the README's picture, made by the app itself: a chat generation on the default model, every panel on screen
-	QT_QPA_PLATFORM=offscreen $(PY) -m app --prompt "Explain what a KV cache is in two sentences." --chat \
+	# (a settings file of its own, so the picture shows the default layout, not this machine's)
+	rm -f .venv/screenshot-settings.ini
+	INFERENCE_LAB_SETTINGS=.venv/screenshot-settings.ini QT_QPA_PLATFORM=offscreen $(PY) -m app --prompt "Explain what a KV cache is in two sentences." --chat \
 		--max-new-tokens 32 --greedy --screenshot docs/window.png
 
 lint: $(STAMP)

@@ -138,10 +138,6 @@ class EngineServer:
             self.quit = True
         return cmd
 
-    def later(self, cmd: Command) -> None:
-        """Handle `cmd` (just taken) after the current work, keeping its place."""
-        self.pending.append((self.current, cmd))
-
     def cancelled(self, number: int) -> bool:
         return self._cancelled_at > number
 
@@ -268,6 +264,7 @@ class EngineServer:
         self.params = req.params
         paused, steps = req.start_paused, 0
         deferred: dict[type, tuple[int, Command]] = {}  # the newest preview / tokenization asked for meanwhile
+        held: list[tuple[int, Command]] = []  # other commands that wait for the generation to end, in order
         self.running = gen
         if self.cancelled(self.current):  # a Stop sent after this Generate came before the run was registered
             gen.stop()
@@ -320,11 +317,11 @@ class EngineServer:
                         deferred[type(c)] = (self.current, c)  # the KV cache (or connection) is the run's until it ends
                     elif isinstance(c, (Generate, Load, BatchBench)):
                         gen.stop()
-                        self.later(c)  # run once this generation has ended
+                        held.append((self.current, c))  # run once this generation has ended
                         stop = True
                         break
                     else:
-                        self.later(c)  # a measurement or a connection waits for the generation to end
+                        held.append((self.current, c))  # a measurement or a connection waits for the generation
                 if steps and not stop:
                     steps -= 1
             if step_events:
@@ -332,6 +329,7 @@ class EngineServer:
         finally:
             self.running = None
         self.send(State("idle"))
+        self.pending.extend(held)  # not into pending during the run: next_command takes pending first
         self.pending.extend(deferred.values())
 
     def _job(self, job: str, run, quiet=lambda: False) -> None:

@@ -326,6 +326,11 @@ class RooflinePanel(Panel):
         self.hw_label.setText(f"Measuring this machine ({device}, {dtype}){waiting}…")
         self.bridge.measure_machine(device, dtype, **self.measure_kwargs)
 
+    @property
+    def measuring(self) -> bool:
+        """A measurement of this machine was asked for and has not ended."""
+        return self._measuring is not None
+
     def cancel_measure(self) -> None:
         """Stop a running measurement (the engine checks between its timed runs)."""
         if self._measuring is not None:

@@ -211,3 +211,15 @@ def test_a_measurement_yields_to_a_generation_and_resumes_after_it(client, monke
     answer = next(i for i, m in enumerate(msgs) if isinstance(m, P.ThisMachine))
     assert finished < answer  # the generation came first, the measurement's result after it
     assert msgs[answer].hardware is not None and msgs[-1] == P.Done("measure")
+
+
+def test_a_measurement_asked_for_during_a_generation_runs_after_it(client, monkeypatch, tmp_path):
+    monkeypatch.setenv("INFERENCE_LAB_CACHE", str(tmp_path))  # the measurement is this test's alone
+    client.send(P.Generate(GenerateRequest("the cat", chat=False, max_new_tokens=3, ignore_eos=True,
+                                           params=SamplingParams.greedy_params(), start_paused=True)))
+    client.until(lambda m: isinstance(m, TokenSampled))
+    client.send(P.Measure("cpu", "fp32", {"quick": True}))
+    client.send(P.Resume())
+    msgs = client.until(lambda m: isinstance(m, P.Done) and m.job == "measure", timeout=120)
+    kinds = [type(m).__name__ for m in msgs]
+    assert kinds.index("Finished") < kinds.index("ThisMachine") and msgs[-1] == P.Done("measure")
