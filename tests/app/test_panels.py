@@ -178,7 +178,7 @@ def test_attention_matrix_grows_with_causal_mask(qtbot, loaded, tiny_run, tiny_l
 
     cfg = tiny_lm.cfg
     panel = make_panel(qtbot, attention, loaded)
-    assert loaded.attention_layers == {cfg.n_layers - 1}  # the generation panel captures what we show
+    assert loaded.options.attention_layers == {cfg.n_layers - 1}  # the generation panel captures what we show
     n_prompt = len(of(tiny_run, PromptTokenized)[0].ids)
     feed(loaded, tiny_run, until=lambda e: isinstance(e, PrefillDone))
     panel.flush()
@@ -224,7 +224,7 @@ def test_attention_matrix_grows_with_causal_mask(qtbot, loaded, tiny_run, tiny_l
         click(qtbot, panel.heat, vb, QtCore.QPointF(1.5, n_prompt + 1.5))
     assert sel.args == [2]
     panel.layer_spin.setValue(0)
-    assert loaded.attention_layers == {0}
+    assert loaded.options.attention_layers == {0}
     norms = panel.norm_curve.getData()[1]
     assert len(norms) == cfg.n_layers + 1 and (norms > 0).all()
 

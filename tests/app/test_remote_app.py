@@ -288,7 +288,7 @@ def test_prompt_shows_the_servers_tokens(qtbot, window, tokenizing_stub, monkeyp
     prompt.set_text("the cat")
     qtbot.waitUntil(lambda: srv.tokenize_calls == ["the cat"], timeout=30_000)  # its answer is held back
     answers = []  # (text answered, the panel's ids right after that answer): connected after the panel's slot
-    window.bridge.sig_server_tokens.connect(lambda a: answers.append((a[1], prompt.tok and prompt.tok.ids)))
+    window.bridge.sig_server_tokens.connect(lambda a: answers.append((a.text, prompt.tok and prompt.tok.ids)))
     for text in ("the cat sat", "héllo the cat sat"):
         prompt.set_text(text)  # a burst of edits within the debounce
     assert prompt.tok is None and "asking the server" in prompt.counters.text()

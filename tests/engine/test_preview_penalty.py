@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from engine import protocol as P
 from engine.events import PromptTokenized, TokenSampled
 from engine.protocol import GenerateRequest, PreviewResult
 from engine.run.sampling import SamplingParams
@@ -12,11 +13,11 @@ from tests.engine.test_server import client  # noqa: F401 — the fixture
 def test_preview_funnel_equals_the_first_generated_step_with_a_penalty(client) -> None:  # noqa: F811
     text = "the the the cat the the"
     params = SamplingParams(temperature=1.0, repetition_penalty=3.0, seed=0)
-    client.send("params", params)
-    client.send("preview", (1, text, False, 10))
+    client.send(P.SetParams(params))
+    client.send(P.Preview(1, text, False, 10))
     preview = client.until(lambda m: isinstance(m, PreviewResult))[-1].funnel
-    client.send("generate", GenerateRequest(text=text, chat=False, max_new_tokens=1, params=params,
-                                            capture=Capture(funnel_top=10, logits=True), ignore_eos=True))
+    client.send(P.Generate(GenerateRequest(text=text, chat=False, max_new_tokens=1, params=params,
+                                           capture=Capture(funnel_top=10, logits=True), ignore_eos=True)))
     run = client.until(lambda m: isinstance(m, TokenSampled))
     first = next(m for m in run if isinstance(m, TokenSampled))
     context = next(m for m in run if isinstance(m, PromptTokenized)).ids  # step 0 is sampled against the prompt
