@@ -164,6 +164,7 @@ class BranchesPanel(Panel):
         self.mode.currentIndexChanged.connect(lambda _i: self.mark_dirty())
         self.legend = QtWidgets.QLabel()
         self.legend.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        self.legend.setWordWrap(True)  # the panel shares a row of the window: its legend wraps, not widens it
         self.score_box = QtWidgets.QCheckBox("Score the prompt")
         self.score_box.setToolTip("Next generation: colour each prompt token by its probability under the model")
         self.score_box.toggled.connect(self._on_score_toggled)

@@ -129,7 +129,7 @@ class CapacityPanel(Panel):
         self.hw_combo.setToolTip("Catalogue chip (vendor datasheet), or this machine as measured")
         for combo in (self.model_combo, self.hw_combo):
             combo.setSizeAdjustPolicy(QtWidgets.QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-            combo.setMinimumContentsLength(12)
+            combo.setMinimumContentsLength(9)  # the panel shares the labs' column: keep it narrow
         self.dtype_combo = QtWidgets.QComboBox()
         for text, key in DTYPES:
             self.dtype_combo.addItem(text, key)
