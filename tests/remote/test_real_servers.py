@@ -235,3 +235,26 @@ def test_app_renders_a_vllm_run_and_the_load_lab(vllm_server, tmp_path):
     assert image.width() > 800 and image.height() > 600
     colours = {image.pixel(x, y) for x in range(0, image.width(), 7) for y in range(0, image.height(), 7)}
     assert len(colours) > 200
+
+
+def test_a_vllm_run_saves_and_reopens_with_its_source(vllm_server, tmp_path):
+    """A generation on a real vLLM saved as a session (--save-session) reopens without the model or the server,
+    and says where it came from: a server, which gave no attention."""
+    from engine.events import RunStarted, TokenSampled
+    from engine.formats.session_file import load_session
+
+    ilab = tmp_path / "vllm.ilab"
+    env = dict(ENV, QT_QPA_PLATFORM="offscreen")
+    r = subprocess.run([sys.executable, "-m", "app", "--url", vllm_server.url, "--prompt", PROMPT, "--greedy",
+                        "--max-new-tokens", "6", "--save-session", str(ilab)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    saved = load_session(ilab)
+    started = next(e for e in saved.events if isinstance(e, RunStarted))
+    assert started.source.kind == "server" and not started.source.can("attention")
+    assert len([e for e in saved.events if isinstance(e, TokenSampled)]) == 6
+    shot = tmp_path / "reopened.png"
+    r = subprocess.run([sys.executable, "-m", "app", "--open-session", str(ilab), "--screenshot", str(shot)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert shot.stat().st_size > 10_000
