@@ -188,6 +188,7 @@ class MainWindow(QtWidgets.QMainWindow):
                     prompt.sig_chat_changed.connect(target.set_chat)
             if gen is not None:
                 gen.sig_chat_changed.connect(prompt.set_chat)
+                gen.chat_box.hide()  # one Chat toggle in the window: the Prompt panel's; Generation follows it
         elif gen is not None and preview is not None:
             gen.sig_chat_changed.connect(preview.set_chat)
 

@@ -231,3 +231,14 @@ def test_a_local_run_is_drawn_against_this_machine(qtbot, window):
     assert roof.hw_combo.currentData() == THIS_MACHINE
     hw = roof.hardware()
     assert hw is not None and hw.bandwidth_bytes_per_s > 0 and hw.peak_for(roof.dtype()) > 0
+
+
+def test_one_chat_toggle_in_the_window(qtbot, window):
+    """The Prompt panel holds the only Chat toggle on screen; the generation follows it."""
+    toggles = [b for b in window.findChildren(QtWidgets.QCheckBox) if b.text() in ("Chat", "Chat template")
+               and b.isVisibleTo(window)]
+    assert toggles == [window.panels["prompt"].chat_box]
+    gen = window.panels["generation"]
+    for on in (True, False, True):
+        window.panels["prompt"].chat_box.setChecked(on)
+        assert gen.chat() is on
