@@ -61,8 +61,8 @@ from engine.run.branching import check_forced, tokenization_of
 from engine.run.constrain import Constraint
 from engine.run.lens import lens_event
 from engine.run.local import LocalBackend
-from engine.run.sampling import FunnelStages, SamplingParams, choose, make_generator, sample
-from engine.run.session import NonFiniteLogits, condense_funnel, emit_all, score_prompt
+from engine.run.sampling import FunnelStages, SamplingParams, make_generator
+from engine.run.session import NonFiniteLogits, condense_funnel, emit_all, pick_token, score_prompt
 from engine.run.threads import available_cores
 from engine.tokenizer import StreamDecoder, Tokenization
 
@@ -610,28 +610,8 @@ class LlamaCppGeneration:
                     tap.end()
                 logits = torch.from_numpy(out[-1] if every else out)
                 force = self.forced.get(step)
-                allowed_logits, kept_grammar = logits, -1
-                if self.constraint is not None:
-                    allowed_logits, kept_grammar = self.constraint.mask_logits(logits)
-                if capture.funnel_top:
-                    token, stages = sample(allowed_logits, params, generator, context[:pos])
-                    token = token if force is None else force
-                    if self.constraint is not None:
-                        stages = replace(
-                            stages, logits=logits.float(), p_raw=torch.softmax(logits.float(), dim=-1),
-                            kept_top_k=min(stages.kept_top_k, kept_grammar),
-                            kept_top_p=min(stages.kept_top_p, kept_grammar),
-                            kept_final=min(stages.kept_final, kept_grammar))
-                    condensed = s.make_funnel(stages, params, capture.funnel_top, token)
-                    if self.constraint is not None:
-                        condensed = replace(condensed, kept_grammar=kept_grammar)
-                else:
-                    token, condensed = choose(allowed_logits, params, generator, context[:pos]), None
-                    token = token if force is None else force
-                grammar_done = False
-                if self.constraint is not None:
-                    self.constraint.advance(token)
-                    grammar_done = self.constraint.stopped
+                token, condensed, grammar_done = pick_token(logits, params, generator, context[:pos], force,
+                                                            self.constraint, capture.funnel_top, s.make_funnel)
                 raw = logits.numpy() if capture.logits else None
                 seconds = time.perf_counter() - t0
                 stream = None

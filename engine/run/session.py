@@ -75,6 +75,37 @@ def condense_funnel(
     )
 
 
+def pick_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, context: torch.Tensor,
+    force: int | None, constraint: Constraint | None, funnel_top: int, make_funnel,
+) -> tuple[int, Funnel | None, bool]:
+    """One step's token from the model's logits (V,): sampled (or `force`d), under the grammar when there is one.
+    Returns (token, the condensed funnel when funnel_top asks for one, whether the grammar is complete)."""
+    allowed_logits, kept_grammar = logits, -1
+    if constraint is not None:  # the grammar's stage comes first: −∞ for what it forbids
+        allowed_logits, kept_grammar = constraint.mask_logits(logits)
+    if funnel_top:
+        token, stages = sample(allowed_logits, params, generator, context)
+        token = token if force is None else force
+        if constraint is not None:  # the funnel still starts from the model's own logits
+            # a stage that is off keeps "everything", which under a grammar means what the grammar kept
+            stages = replace(
+                stages, logits=logits.float(), p_raw=torch.softmax(logits.float(), dim=-1),
+                kept_top_k=min(stages.kept_top_k, kept_grammar), kept_top_p=min(stages.kept_top_p, kept_grammar),
+                kept_final=min(stages.kept_final, kept_grammar))
+        condensed = make_funnel(stages, params, funnel_top, token)
+        if constraint is not None:
+            condensed = replace(condensed, kept_grammar=kept_grammar)
+    else:
+        token, condensed = choose(allowed_logits, params, generator, context), None
+        token = token if force is None else force
+    grammar_done = False
+    if constraint is not None:
+        constraint.advance(token)
+        grammar_done = constraint.stopped
+    return token, condensed, grammar_done
+
+
 def prompt_event(tok: Tokenization) -> PromptTokenized:
     """A tokenization as the event the panels draw."""
     return PromptTokenized(
@@ -336,29 +367,8 @@ class Generation:
                 every: list | None = [] if step == 0 and capture.prompt_scores else None
                 logits = s._forward(feed, start, probe, every)
                 force = self.forced.get(step)
-                allowed_logits, kept_grammar = logits, -1
-                if self.constraint is not None:  # the grammar's stage comes first: −∞ for what it forbids
-                    allowed_logits, kept_grammar = self.constraint.mask_logits(logits)
-                if capture.funnel_top:
-                    token, stages = sample(allowed_logits, params, generator, context[:pos])
-                    token = token if force is None else force
-                    if self.constraint is not None:  # the funnel still starts from the model's own logits
-                        # a stage that is off keeps "everything", which under a grammar means what the grammar kept
-                        stages = replace(
-                            stages, logits=logits.float(), p_raw=torch.softmax(logits.float(), dim=-1),
-                            kept_top_k=min(stages.kept_top_k, kept_grammar),
-                            kept_top_p=min(stages.kept_top_p, kept_grammar),
-                            kept_final=min(stages.kept_final, kept_grammar))
-                    condensed = s.make_funnel(stages, params, capture.funnel_top, token)
-                    if self.constraint is not None:
-                        condensed = replace(condensed, kept_grammar=kept_grammar)
-                else:
-                    token, condensed = choose(allowed_logits, params, generator, context[:pos]), None
-                    token = token if force is None else force
-                grammar_done = False
-                if self.constraint is not None:
-                    self.constraint.advance(token)
-                    grammar_done = self.constraint.stopped
+                token, condensed, grammar_done = pick_token(logits, params, generator, context[:pos], force,
+                                                            self.constraint, capture.funnel_top, s.make_funnel)
                 raw = logits.cpu().numpy() if capture.logits else None
                 _sync(lm.device)
                 seconds = time.perf_counter() - t0
