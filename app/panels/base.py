@@ -95,3 +95,14 @@ class Panel(QtWidgets.QWidget):
     def clear(self) -> None:
         """Forget the data of the previous generation."""
         self.mark_dirty()
+
+
+def spin_box(lo: float, hi: float, value: float, tip: str, decimals: int = 0) -> QtWidgets.QAbstractSpinBox:
+    """A labs' knob: an integer spin box, or a decimal one with `decimals` places."""
+    s = QtWidgets.QDoubleSpinBox() if decimals else QtWidgets.QSpinBox()
+    if decimals:
+        s.setDecimals(decimals)
+    s.setRange(lo, hi)
+    s.setValue(value)
+    s.setToolTip(tip)
+    return s

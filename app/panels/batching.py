@@ -16,7 +16,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from app.guard import guarded
-from app.panels.base import Panel
+from app.panels.base import Panel, spin_box
 from app.theme import (
     BACKGROUND,
     DECODE_COLOR,
@@ -145,8 +145,8 @@ class BatchingPanel(Panel):
             box.setToolTip(f"Measure decode with {b} sequence{'s' if b > 1 else ''} at once")
             self.batch_boxes[b] = box
             controls.addWidget(box)
-        self.prompt_spin = self._spin(1, 4096, 32, "Prompt tokens per sequence (one prefill before decoding)")
-        self.new_spin = self._spin(2, 1024, 16, "Tokens decoded per sequence; TPOT is the median of their steps")
+        self.prompt_spin = spin_box(1, 4096, 32, "Prompt tokens per sequence (one prefill before decoding)")
+        self.new_spin = spin_box(2, 1024, 16, "Tokens decoded per sequence; TPOT is the median of their steps")
         controls.addSpacing(6)
         controls.addWidget(QtWidgets.QLabel("prompt"))
         controls.addWidget(self.prompt_spin)
@@ -254,13 +254,6 @@ class BatchingPanel(Panel):
         layout.addLayout(row2)
         layout.addWidget(split, 1)
         layout.addWidget(self.summary)
-
-    def _spin(self, lo: int, hi: int, value: int, tip: str) -> QtWidgets.QSpinBox:
-        s = QtWidgets.QSpinBox()
-        s.setRange(lo, hi)
-        s.setValue(value)
-        s.setToolTip(tip)
-        return s
 
     def _plot(self, x_label: str, y_label: str, log: bool) -> pg.PlotWidget:
         w = pg.PlotWidget(background=BACKGROUND)

@@ -18,7 +18,7 @@ from PySide6 import QtCore, QtWidgets
 
 from app import theme
 from app.bridge import Bridge
-from app.panels.base import Panel
+from app.panels.base import Panel, spin_box
 
 COLUMNS = ("conc.", "ok", "fail", "tok/s system", "tok/s stream", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
            "ITL p99", "E2EL p99", "req/s", "goodput")
@@ -100,26 +100,17 @@ class LoadLabPanel(Panel):
         self.mark_dirty()
 
     # ---- widgets ---------------------------------------------------------------------------------------------------
-    def _spin(self, lo: float, hi: float, value: float, tip: str, decimals: int = 0) -> QtWidgets.QAbstractSpinBox:
-        s = QtWidgets.QDoubleSpinBox() if decimals else QtWidgets.QSpinBox()
-        if decimals:
-            s.setDecimals(decimals)
-        s.setRange(lo, hi)
-        s.setValue(value)
-        s.setToolTip(tip)
-        return s
-
     def _build(self) -> None:
         row = QtWidgets.QHBoxLayout()
         row.setContentsMargins(0, 0, 0, 0)
         self.levels_edit = QtWidgets.QLineEdit("1,2,4,8")
         self.levels_edit.setMaximumWidth(110)
         self.levels_edit.setToolTip("Concurrency levels: requests in flight at once, one run per level")
-        self.prompts_spin = self._spin(1, 1000, 8, "Requests sent per level")
-        self.tokens_spin = self._spin(1, 4096, 32, "Tokens generated per request (the server ignores EOS)")
-        self.rate_spin = self._spin(0, 1000, 0, "Request rate, requests/s (0 = all at once)", decimals=1)
-        self.burst_spin = self._spin(0.1, 10, 1.0, "Burstiness: gamma shape of the gaps (1 = Poisson)", decimals=1)
-        self.limit_spin = self._spin(1, 3600, 60, "Time limit per level, seconds")
+        self.prompts_spin = spin_box(1, 1000, 8, "Requests sent per level")
+        self.tokens_spin = spin_box(1, 4096, 32, "Tokens generated per request (the server ignores EOS)")
+        self.rate_spin = spin_box(0, 1000, 0, "Request rate, requests/s (0 = all at once)", decimals=1)
+        self.burst_spin = spin_box(0.1, 10, 1.0, "Burstiness: gamma shape of the gaps (1 = Poisson)", decimals=1)
+        self.limit_spin = spin_box(1, 3600, 60, "Time limit per level, seconds")
         # the knobs on a grid of two rows: the panel shares a column with the other labs
         grid = QtWidgets.QGridLayout()
         grid.setContentsMargins(0, 0, 0, 0)
@@ -136,7 +127,7 @@ class LoadLabPanel(Panel):
         row2.addWidget(QtWidgets.QLabel("SLO ms"))
         self.slo_spins = {}
         for key, name in (("ttft", "TTFT"), ("tpot", "TPOT"), ("e2el", "E2EL")):
-            spin = self._spin(0, 1e6, 0, f"{name} SLO in ms for goodput (0 = no SLO on {name})", decimals=3)
+            spin = spin_box(0, 1e6, 0, f"{name} SLO in ms for goodput (0 = no SLO on {name})", decimals=3)
             spin.setPrefix(f"{name} ")
             spin.setSpecialValueText(f"{name} off")
             spin.setMinimumWidth(105)

@@ -18,7 +18,7 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtWidgets
 
 from app.bridge import Bridge
-from app.panels.base import Panel
+from app.panels.base import Panel, spin_box
 from app.theme import (
     BACKGROUND,
     DECODE_COLOR,
@@ -153,7 +153,7 @@ class SchedulingPanel(Panel):
     # ---- widgets -------------------------------------------------------------------------------------------------
     def _build(self) -> None:
         d = SchedConfig()
-        self.requests_spin = self._spin(1, 256, d.n_requests, "Requests in the run")
+        self.requests_spin = spin_box(1, 256, d.n_requests, "Requests in the run")
         self.rate_spin = QtWidgets.QDoubleSpinBox()
         self.rate_spin.setRange(0.0, 1000.0)
         self.rate_spin.setDecimals(1)
@@ -165,10 +165,10 @@ class SchedulingPanel(Panel):
         self.burst_spin.setSingleStep(0.1)
         self.burst_spin.setValue(d.burstiness)
         self.burst_spin.setToolTip("Gamma shape of the gaps between arrivals: 1 = Poisson, < 1 burstier, > 1 evener")
-        self.prompt_spin = self._spin(1, 2048, d.prompt_len, "Mean prompt tokens (each request ±50%)")
-        self.output_spin = self._spin(1, 1024, d.output_len, "Mean output tokens (each request ±50%, no EOS)")
-        self.batch_spin = self._spin(1, 64, d.max_batch, "Most requests decoded together")
-        self.page_spin = self._spin(1, 256, d.page_size, "Positions per KV page")
+        self.prompt_spin = spin_box(1, 2048, d.prompt_len, "Mean prompt tokens (each request ±50%)")
+        self.output_spin = spin_box(1, 1024, d.output_len, "Mean output tokens (each request ±50%, no EOS)")
+        self.batch_spin = spin_box(1, 64, d.max_batch, "Most requests decoded together")
+        self.page_spin = spin_box(1, 256, d.page_size, "Positions per KV page")
         self.policy_combo = QtWidgets.QComboBox()
         for key, label in (("both", "both policies"), ("static", "static only"), ("continuous", "continuous only")):
             self.policy_combo.addItem(label, key)
@@ -251,13 +251,6 @@ class SchedulingPanel(Panel):
         layout.addWidget(self.progress)
         layout.addWidget(split, 1)
         layout.addWidget(self.summary)
-
-    def _spin(self, lo: int, hi: int, value: int, tip: str) -> QtWidgets.QSpinBox:
-        s = QtWidgets.QSpinBox()
-        s.setRange(lo, hi)
-        s.setValue(value)
-        s.setToolTip(tip)
-        return s
 
     def _plot(self, title: str, y_label: str, x_label: str) -> pg.PlotWidget:
         w = pg.PlotWidget(background=BACKGROUND)
