@@ -18,6 +18,7 @@ class Client:
         self.thread = threading.Thread(target=serve, args=(cmd_recv, events_send), daemon=True)
         self.thread.start()
         self.queued = []
+        self.seen = []  # every message so far, in order
 
     def send(self, cmd: P.Command) -> None:
         self.commands.send(cmd)
@@ -35,6 +36,7 @@ class Client:
                 self.queued.extend(got if isinstance(got, list) else [got])  # a step's events come as one list
             msg = self.queued.pop(0)
             seen.append(msg)
+            self.seen.append(msg)
             if pred(msg):
                 return seen
         raise AssertionError(f"timed out; last messages: {seen[-3:]}")

@@ -4,14 +4,13 @@ second and stays usable (a stub server on loopback stalls after two tokens and n
 from __future__ import annotations
 
 import json
-import multiprocessing
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from engine import protocol as P
 from engine.events import Finished, RunStarted, TokenSampled
 from engine.protocol import GenerateRequest, SamplingParams
-from engine.server import serve
+from tests.engine.test_server import Client
 
 MODELS = json.dumps({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "someone"}]}).encode()
 
@@ -53,41 +52,26 @@ def test_stop_ends_a_run_on_a_stalled_server():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Stalling)
     httpd.release = threading.Event()
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    cmd_recv, commands = multiprocessing.Pipe(duplex=False)
-    events, events_send = multiprocessing.Pipe(duplex=False)
-    engine = threading.Thread(target=serve, args=(cmd_recv, events_send), daemon=True)
-    engine.start()
-    seen: list = []
-
-    def until(pred, timeout: float) -> list:
-        while events.poll(timeout):
-            got = events.recv()
-            for m in got if isinstance(got, list) else [got]:
-                seen.append(m)
-                if pred(m):
-                    return seen
-        raise AssertionError(f"no answer; last messages: {seen[-3:]}")
-
+    c = Client()  # the engine server in a thread, as the app drives it
     try:
-        commands.send(P.Connect(f"http://127.0.0.1:{httpd.server_address[1]}"))
-        until(lambda m: isinstance(m, (P.Connected, P.ConnectFailed)), 30)
-        assert isinstance(seen[-1], P.Connected), seen[-1]
-        commands.send(P.Generate(GenerateRequest("hi", chat=False, max_new_tokens=50,
-                                                 params=SamplingParams.greedy_params())))
-        until(lambda m: isinstance(m, TokenSampled) and m.step == 1, 30)  # both tokens came, then the stall
-        commands.send(P.Stop())
+        c.send(P.Connect(f"http://127.0.0.1:{httpd.server_address[1]}"))
+        connected = c.until(lambda m: isinstance(m, (P.Connected, P.ConnectFailed)), 30)[-1]
+        assert isinstance(connected, P.Connected), connected
+        c.send(P.Generate(GenerateRequest("hi", chat=False, max_new_tokens=50,
+                                          params=SamplingParams.greedy_params())))
+        seen = c.until(lambda m: isinstance(m, TokenSampled) and m.step == 1, 30)  # both tokens, then the stall
+        c.send(P.Stop())
         # The contract is about a second; 10 s is only a hang guard on a busy machine (no timing is asserted).
-        until(lambda m: isinstance(m, Finished), 10)
-        fin = seen[-1]
+        fin = c.until(lambda m: isinstance(m, Finished), 10)[-1]
         assert fin.reason == "stopped" and len(fin.ids) == 2
-        until(lambda m: m == P.State("idle"), 10)
+        c.until(lambda m: m == P.State("idle"), 10)
         source = next(m for m in seen if isinstance(m, RunStarted)).source
         assert source.kind == "server" and not source.can("attention")
-        commands.send(P.Ping(1))  # the engine is free again
-        until(lambda m: isinstance(m, P.Pong), 10)
+        c.send(P.Ping(1))  # the engine is free again
+        c.until(lambda m: isinstance(m, P.Pong), 10)
     finally:
         httpd.release.set()
-        commands.send(P.Quit())
-        engine.join(10)
+        c.send(P.Quit())
+        c.thread.join(10)
         httpd.shutdown()
-    assert not engine.is_alive()
+    assert not c.thread.is_alive()
