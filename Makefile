@@ -10,6 +10,10 @@ STAMP  := $(VENV)/.installed
 SERVERS      := .venv-servers
 VLLM_STAMP   := $(SERVERS)/vllm/.installed
 LLAMA_STAMP  := $(SERVERS)/llamacpp/.installed
+# (defined before the rules that name it: make expands a rule's target when it reads it)
+# llama.cpp inside the app's own environment too (the engine's llama.cpp backend): pip reuses the wheel that the
+# servers' build left in its cache, so llama.cpp is compiled once.
+LLAMA_IN_APP := $(VENV)/.llamacpp
 
 .PHONY: run test bench bench-load bench-smoke lint setup clean servers screenshot
 
@@ -50,9 +54,6 @@ run: $(STAMP)
 # What every test needs here (tests/requires.py): with INFERENCE_LAB_REQUIRE set, a missing one fails the run with
 # one line saying how to get it, and so does any other skip. pytest run by hand (variable unset) skips instead.
 REQUIRE ?= servers,gemma,transformers,default-model,llamacpp
-# llama.cpp inside the app's own environment too (the engine's llama.cpp backend): pip reuses the wheel that the
-# servers' build left in its cache, so llama.cpp is compiled once.
-LLAMA_IN_APP := $(VENV)/.llamacpp
 
 test:
 	# the three set-ups run side by side: the llama.cpp build (minutes) overlaps the others
