@@ -20,6 +20,7 @@ from app.panels.base import Panel
 from app.theme import (
     BACKGROUND,
     DECODE_COLOR,
+    OK_COLOR,
     PREFILL_COLOR,
     RIDGE_COLOR,
     ROOF_COLOR,
@@ -35,6 +36,7 @@ from engine.model import dtypes
 from engine.model.config import ModelConfig
 from engine.remote.backend import RemoteTokenSampled
 from engine.remote.shapes import MeasuredDecode, measured_decode
+from engine.run.spec_events import SpecStarted, SpecStep
 
 FONT_PT = 9
 THIS_MACHINE = "this-machine"
@@ -72,6 +74,7 @@ class RooflinePanel(Panel):
         "sig_token": "_on_token",
         "sig_server_connected": "_on_server_connected",
         "sig_server_disconnected": "mark_dirty",
+        "sig_spec": "_on_spec",
     }
     help_text = (
         "The roofline model. A step does F floating-point operations and moves B bytes to or from memory; its "
@@ -92,7 +95,10 @@ class RooflinePanel(Panel):
         "Connected to a server, pick its hardware above (remembered for its URL this session): the star is its "
         "measured decode — mean TPOT from the chunks' arrival times, costed with the model's shapes (its "
         "config.json when vLLM's model directory is readable here, else the catalogue model chosen under Model) "
-        "— as achieved bytes/s and FLOP/s; a line below says when the shapes are unknown."
+        "— as achieved bytes/s and FLOP/s; a line below says when the shapes are unknown. A speculative-decoding "
+        "run (the Speculative lab) adds its verify passes as green diamonds: one pass of the full model over the "
+        "pending token and k guesses reads the weights once for k + 1 positions, so it sits right of a decode "
+        "step, about k + 1 times the intensity, for about the time of one step while it is memory-bound."
     )
 
     def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
@@ -121,6 +127,9 @@ class RooflinePanel(Panel):
         self._context = 0
         self._server_hw: dict[str, str] = {}  # server URL -> the chip the user picked for it (this session)
         self._server_gaps: list[float] = []  # arrival gaps (s) of the server's decode tokens, this generation
+        self._verify: list[tuple[float, float]] = []  # speculative verify passes: (intensity, achieved FLOP/s)
+        self._verify_k = 0
+        self._verify_decode = 0.0  # intensity of one plain decode step at the last pass's position
         self._font = QtGui.QFont()
         self._font.setPointSize(FONT_PT)
         self._build()
@@ -216,6 +225,9 @@ class RooflinePanel(Panel):
         self.server_point = pi.plot([], [], pen=None, symbol="star", symbolSize=16, symbolBrush=DECODE_COLOR,
                                     symbolPen=pg.mkPen("#ffffff", width=1))
         self.server_text = self._text(DECODE_COLOR, anchor=(0, 1))
+        self.verify_points = pi.plot([], [], pen=None, symbol="d", symbolSize=9, symbolBrush=OK_COLOR,
+                                     symbolPen=pg.mkPen(BACKGROUND))
+        self.verify_text = self._text(OK_COLOR, anchor=(0, 0))
         self.analytic_prefill_text = self._text(PREFILL_COLOR, anchor=(1, 1))  # above the roof, placed in draw()
         self.analytic_decode_text = self._text(DECODE_COLOR, anchor=(1, 1))
 
@@ -426,9 +438,21 @@ class RooflinePanel(Panel):
             self._decode.append((ev.cost.intensity, ev.cost.flops / ev.seconds))
             self.mark_dirty()
 
+    @QtCore.Slot(object)
+    def _on_spec(self, ev: object) -> None:
+        """A speculative-decoding lab run on the loaded model: each verify pass is a measured step of k + 1
+        positions (a sweep's runs arrive the same way)."""
+        if isinstance(ev, SpecStarted):
+            self._verify, self._verify_k = [], ev.k
+        elif isinstance(ev, SpecStep) and ev.verify_s > 0 and ev.verify_cost.flops > 0:
+            self._verify.append((ev.verify_cost.intensity, ev.verify_cost.flops / ev.verify_s))
+            self._verify_decode = ev.decode_cost.intensity
+            self.mark_dirty()
+
     def clear(self) -> None:
         self._prefill, self._decode = None, []
         self._server_gaps = []
+        self._verify = []
         super().clear()
 
     def server_decode(self) -> tuple[MeasuredDecode | None, str]:
@@ -498,18 +522,22 @@ class RooflinePanel(Panel):
             self.ridge_line.setVisible(False)
             self._draw_measured(measured, trail, None, 0.0)
             self._draw_server(None, None, 0.0)
+            self._draw_verify(self._verify if show_measured else [], None, 0.0)
             self.takeaway.setText(html.escape(server_line, quote=False))
             return
         peak, bw, ridge = r
         src = "measured" if hw.measured else "datasheet"
         self.hw_label.setText(f"{hw.label}: peak {fmt_flops(peak)} ({self.dtype()}), memory {fmt_bandwidth(bw)} "
                               f"— {src}")
-        xs = [i for _p, (i, _f) in measured.items()] + [c.intensity for c in analytic.values()]
+        verify = self._verify if show_measured else []
+        xs = ([i for _p, (i, _f) in measured.items()] + [c.intensity for c in analytic.values()]
+              + [i for i, _f in verify])
         if server is not None:
             xs.append(server.cost.intensity)
         lo = min([0.1] + [x / 3 for x in xs if x > 0])
         hi = max([ridge * 20, 100.0] + [x * 5 for x in xs])
-        ys = [f for _i, f in measured.values()] + [peak] + ([server.flops_per_s] if server is not None else [])
+        ys = ([f for _i, f in measured.values()] + [peak] + [f for _i, f in verify]
+              + ([server.flops_per_s] if server is not None else []))
         # at least 2.5 decades (readable ticks), and room under the lowest point for its label
         y_lo = min(math.log10(min(ys) / 10), math.log10(peak) - 2.5)
         y_hi = math.log10(peak * 10)  # a decade of headroom for the ridge label
@@ -530,6 +558,7 @@ class RooflinePanel(Panel):
         self._draw_analytic(labels, peak, bw)
         self._draw_measured(measured, trail, (peak, bw), (math.log10(lo) + math.log10(hi)) / 2)
         self._draw_server(server, (peak, bw), (math.log10(lo) + math.log10(hi)) / 2)
+        self._draw_verify(verify, (peak, bw), (math.log10(lo) + math.log10(hi)) / 2)
         pi = self.plot.getPlotItem()
         x_lo, x_hi = math.log10(lo), math.log10(hi)
         pi.getViewBox().setRange(xRange=(x_lo, x_hi), yRange=(y_lo, y_hi), padding=0)
@@ -586,6 +615,9 @@ class RooflinePanel(Panel):
         # stays readable (it once ran from 1e-35 to 1e14 FLOP/byte in a 260-pixel-wide panel).
         x_lo = max(x_lo, math.log10(lo) - MAX_WIDEN)
         x_hi = min(x_hi, math.log10(hi) + MAX_WIDEN)
+        # a left label that still does not fit goes below-right of its point, where the plot has room
+        out = [(key, i, text, 0 if side == 1 and math.log10(i) - shares[key] * (x_hi - x_lo) < x_lo else side)
+               for key, i, text, side in out]
         return out, 10.0**x_lo, 10.0**x_hi
 
     def _draw_analytic(self, labels: list[tuple[str, float, str, int]], peak: float, bw: float) -> None:
@@ -651,6 +683,31 @@ class RooflinePanel(Panel):
         self.server_text.setAnchor((0 if right else 1, 1))
         self.server_text.setPos(math.log10(i) + (0.08 if right else -0.08), math.log10(f) + 0.05)
 
+    def _draw_verify(self, verify: list[tuple[float, float]], roofs: tuple[float, float] | None,
+                     mid: float) -> None:
+        if not verify:
+            self.verify_points.setData([], [])
+            self.verify_text.setText("")
+            return
+        pts = np.array(verify)
+        self.verify_points.setData(pts[:, 0], pts[:, 1])
+        i, f = verify[-1]
+        frac = "" if roofs is None else f", {fmt_fraction(f / costs.attainable_flops(i, *roofs))} of roof"
+        self.verify_text.setText(f"verify k+1={self._verify_k + 1} {fmt_intensity(i)} FLOP/B{frac}")
+        right = math.log10(i) <= mid
+        self.verify_text.setAnchor((0 if right else 1, 0))
+        self.verify_text.setPos(math.log10(i) + (0.08 if right else -0.08), math.log10(f))
+
+    def verify_note(self) -> str:
+        """One line on the last speculative run's verify passes ("" when none is shown)."""
+        if not self._verify or not self.shows_measured():
+            return ""
+        i = float(np.median([v[0] for v in self._verify]))
+        ratio = f" ({i / self._verify_decode:.1f}× a decode step's {fmt_intensity(self._verify_decode)})" \
+            if self._verify_decode > 0 else ""
+        return (f"Speculative verify passes (k + 1 = {self._verify_k + 1} positions, {len(self._verify)} passes): "
+                f"≈ {fmt_intensity(i)} FLOP/byte{ratio}.")
+
     def _set_takeaway(self, ridge: float, analytic: dict[str, StepCost]) -> None:
         name = html.escape(self.model_name())
         if "decode" not in analytic:
@@ -672,6 +729,8 @@ class RooflinePanel(Panel):
         text += "."
         if not self.shows_measured():
             text += " Measured points hidden: they belong to the loaded model."
+        if self.verify_note():
+            text += "<br>" + html.escape(self.verify_note(), quote=False)
         self.takeaway.setText(text)
 
 PANEL = RooflinePanel
