@@ -105,7 +105,8 @@ class SchedulingPanel(Panel):
     title = "Scheduling lab"
     object_name = "panel_scheduling"
     shortcut = "Ctrl+Alt+4"
-    subscriptions = {"sig_model_loaded": "_on_model_loaded", "sig_sched": "on_event", "sig_sched_done": "finish"}
+    subscriptions = {"sig_model_loaded": "_on_model_loaded", "sig_sched": "on_event", "sig_sched_done": "finish",
+                     "sig_serve_metrics": "_on_served_metrics", "sig_serve_done": "_on_served_done"}
     help_text = (
         "Serving many users at once, measured on the loaded model. Requests arrive at random (a rate in requests "
         "per second; burstiness 1 is a Poisson process, smaller values bunch arrivals together), each with its own "
@@ -121,7 +122,9 @@ class SchedulingPanel(Panel):
         "contiguous cache must reserve the longest possible request for every running request, because it "
         "cannot know when one will stop; a paged cache hands out pages of a few positions as a request grows "
         "and takes them back when it ends, so it wastes less than one page per request and the same memory "
-        "holds more requests, which is why vLLM pages its cache."
+        "holds more requests, which is why vLLM pages its cache. When the Load lab has driven a real server, the "
+        "line at the bottom puts the KV cache use that server reported (its /metrics, scraped during the run) "
+        "beside this lab's: a paging server's use follows the requests running, as the paged curve here does."
     )
 
     sig_run_requested = QtCore.Signal(object)
@@ -135,6 +138,10 @@ class SchedulingPanel(Panel):
         self._base = SchedConfig()
         self.running = False
         self.status = ""
+        # the Load lab's last run against a real server: (server, peak KV use 0–1, running at that peak, peak
+        # use per running request), None until one reports its KV cache use
+        self.served: tuple[str, float, float, float] | None = None
+        self._served_over = True  # the last load run ended: the next scrape starts a new one
         self._reset()
         self._build()
         self.sig_run_requested.connect(bridge.schedule)  # the engine process runs it on the loaded model
@@ -251,6 +258,11 @@ class SchedulingPanel(Panel):
         layout.addWidget(self.progress)
         layout.addWidget(split, 1)
         layout.addWidget(self.summary)
+        self.served_note = QtWidgets.QLabel("")
+        self.served_note.setWordWrap(True)
+        self.served_note.setStyleSheet(f"color: {MUTED};")
+        self.served_note.setVisible(False)
+        layout.addWidget(self.served_note)
 
     def _plot(self, title: str, y_label: str, x_label: str) -> pg.PlotWidget:
         w = pg.PlotWidget(background=BACKGROUND)
@@ -350,6 +362,46 @@ class SchedulingPanel(Panel):
             return
         self.mark_dirty()
 
+    @QtCore.Slot(object)
+    def _on_served_metrics(self, item: object) -> None:
+        """The Load lab scraped its server's /metrics: keep the peak KV cache use it reported."""
+        m = item.metrics
+        if m.kv_usage is None:
+            return
+        if self._served_over:
+            self.served, self._served_over = None, False
+        server = self.bridge.server
+        name = f"{server.kind} ({server.model})" if server is not None else "the server"
+        running = m.running or 0.0
+        per = m.kv_usage / running if running > 0 else 0.0
+        if self.served is None:
+            self.served = (name, m.kv_usage, running, per)
+        else:
+            _n, peak, at, best = self.served
+            if m.kv_usage >= peak:
+                peak, at = m.kv_usage, running
+            self.served = (name, peak, at, max(best, per))
+        self.mark_dirty()
+
+    @QtCore.Slot(str)
+    def _on_served_done(self, _message: str) -> None:
+        self._served_over = True
+
+    def served_text(self) -> str:
+        """The server's reported KV cache use beside this lab's (plain text; "" before the Load lab ran)."""
+        if self.served is None:
+            return ""
+        name, peak, at, per = self.served
+        text = (f"A real server beside it: {name} reported its KV cache at most {peak:.1%} in use during the Load "
+                f"lab's last run, with {at:.0f} requests running then ({per:.2%} of its cache per running request "
+                f"at most).")
+        co = self.summaries.get("continuous")
+        if co is not None and co.kv_budget_bytes > 0:
+            text += (f" Here, continuous batching's paged cache peaked at {co.peak_paged_bytes / MIB:.2f} MiB, "
+                     f"{co.peak_paged_bytes / co.kv_budget_bytes:.1%} of the lab's {co.kv_budget_bytes / MIB:.1f} MiB "
+                     f"budget, against {co.peak_contiguous_bytes / co.kv_budget_bytes:.1%} reserved contiguously.")
+        return text
+
     def clear(self) -> None:
         if not self.running:
             self.plan, self.status = None, ""
@@ -374,6 +426,9 @@ class SchedulingPanel(Panel):
                                   f"{plan.kv_bytes_per_position:,.0f} B per position")
         else:
             self.progress.setText("" if self.bridge.info is not None else "Load a model to run the lab")
+        served = self.served_text()
+        self.served_note.setText(served)
+        self.served_note.setVisible(bool(served))
         failed = self.status.startswith("failed")
         self.summary.setStyleSheet(f"color: {ERROR_COLOR if failed else FOREGROUND};")
         if failed or self.status in ("cancelled", "cancelling…"):

@@ -144,3 +144,35 @@ def test_run_goes_through_the_engine_process(qtbot, window):
     qtbot.waitUntil(lambda: set(panel.summaries) == {"static", "continuous"}, timeout=10_000)
     assert all(s.n_requests == 4 for s in panel.summaries.values())
     assert not panel.running and panel.run_button.isEnabled()
+
+
+def vllm_scrape(t: float, usage: float, running: int):
+    """A vLLM /metrics scrape as the Load lab relays it: the recorded page with its KV use and running count set."""
+    import re
+    from pathlib import Path
+
+    from engine.protocol import ServeMetrics
+    from engine.remote.metrics import parse_prometheus, server_metrics
+
+    text = (Path(__file__).parents[1] / "remote" / "streams" / "vllm-metrics.txt").read_text()
+    text = re.sub(r"^(vllm:kv_cache_usage_perc\{.*\}) \S+$", rf"\g<1> {usage}", text, flags=re.M)
+    text = re.sub(r"^(vllm:num_requests_running\{.*\}) \S+$", rf"\g<1> {running}.0", text, flags=re.M)
+    return ServeMetrics(t=t, metrics=server_metrics(parse_prometheus(text)))
+
+
+def test_a_real_servers_kv_use_sits_beside_the_labs(panel, bridge, events):
+    assert not panel.served_note.isVisible()  # nothing from a server yet: no line
+    for ev in events:
+        panel.on_event(ev)
+    for t, usage, running in ((0.5, 0.04, 2), (1.0, 0.125, 5), (1.5, 0.06, 1)):
+        bridge.sig_serve_metrics.emit(vllm_scrape(t, usage, running))
+    panel.flush()
+    text = panel.served_note.text()
+    assert panel.served_note.isVisible()
+    assert "at most 12.5% in use" in text and "with 5 requests running" in text and "6.00% of its cache" in text
+    co = panel.summaries["continuous"]
+    assert f"peaked at {co.peak_paged_bytes / scheduling.MIB:.2f} MiB" in text
+    bridge.sig_serve_done.emit("")  # the Load lab's next run replaces the figures
+    bridge.sig_serve_metrics.emit(vllm_scrape(0.5, 0.01, 1))
+    panel.flush()
+    assert "at most 1.0% in use" in panel.served_note.text()
