@@ -90,12 +90,36 @@ def _cmd(a: argparse.Namespace) -> int:
         return 2
     summaries.sort(key=lambda s: POLICIES.index(s.policy))  # they end in either order; columns keep one
     if a.json:
-        print(json.dumps({"plan": asdict(plan), "summaries": [asdict(s) for s in summaries],
-                          "requests": [{k: v for k, v in asdict(d).items() if k != "tokens"} for d in done]},
-                         indent=2, default=str))
+        print(json.dumps(_document(plan, summaries, done), indent=2, default=str))
     else:
         print(f"{lm.info.name}: " + _table(plan, summaries))
     return 0
+
+
+def _request(d: SchedRequestDone) -> dict:
+    out = {k: v for k, v in asdict(d).items() if k != "tokens"}
+    out["e2el_s"] = d.e2e_s  # `vllm bench serve`'s name for end-to-end latency
+    return out
+
+
+def _policy(s: SchedSummary, done: list[SchedRequestDone]) -> dict:
+    """One policy's run under the names other tools read: its requests, system tokens/s and the KV figures."""
+    return {"requests": [_request(d) for d in done if d.policy == s.policy],
+            "system_tokens_per_s": s.system_tokens_per_s,
+            "kv": {"paged_peak_bytes": s.peak_paged_bytes, "contiguous_reserved_bytes": s.peak_contiguous_bytes,
+                   "used_peak_bytes": s.peak_used_bytes, "budget_bytes": s.kv_budget_bytes,
+                   "fits_paged": s.fits_paged, "fits_contiguous": s.fits_contiguous}}
+
+
+def _document(plan: SchedPlan | None, summaries: list[SchedSummary], done: list[SchedRequestDone]) -> dict:
+    """The --json document: the plan, each policy's summary and figures, and every finished request; with one
+    policy its figures also stand at the top level (`requests`, `system_tokens_per_s`, `kv`)."""
+    doc = {"plan": asdict(plan) if plan is not None else None, "summaries": [asdict(s) for s in summaries],
+           "policies": {s.policy: _policy(s, done) for s in summaries},
+           "requests": [_request(d) for d in done]}
+    if len(summaries) == 1:
+        doc.update(doc["policies"][summaries[0].policy])
+    return doc
 
 
 def _rate(text: str) -> float:
@@ -117,7 +141,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--policy", default=d.policy, choices=["static", "continuous", "both"])
     q.add_argument("--rate", type=_rate, default=d.rate, help="requests per second (inf: all at once)")
     q.add_argument("--burstiness", type=float, default=d.burstiness, help="gamma shape of arrival gaps; 1 = Poisson")
-    q.add_argument("--requests", type=int, default=d.n_requests)
+    q.add_argument("--requests", "--num-requests", dest="requests", type=int, default=d.n_requests,
+                   help="requests in the run")
     q.add_argument("--prompt-len", type=int, default=d.prompt_len, help="mean prompt tokens")
     q.add_argument("--output-len", type=int, default=d.output_len, help="mean output tokens")
     q.add_argument("--range-ratio", type=float, default=d.range_ratio,

@@ -28,6 +28,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--source", default="lookup", metavar="SOURCE",
                    help="lookup (n-grams of the context), early-exit[:J] (the model's first J layers; default half) "
                         "or draft-model (needs --draft-model)")
+    q.add_argument("--draft", default=None, metavar="DRAFT",
+                   help="the same choice in short: ngram (lookup), exit:J (early exit after layer J) or model")
     q.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="a smaller model with the same vocabulary (file, directory or known name)")
     q.add_argument("--ngram", type=int, default=3, help="lookup: the longest suffix n-gram matched")
@@ -62,7 +64,7 @@ def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
         return fail("speculate runs on the local model only (a server does not expose its forward pass)")
     params = params_of(a)
     try:
-        source, layer = sp.parse_source(a.source)
+        source, layer = sp.parse_source(a.source if a.draft is None else _draft_source(a.draft))
     except ValueError as e:
         return fail(str(e))
     if (source == "draft-model") != (a.draft_model is not None):
@@ -94,10 +96,18 @@ def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
         doc["machine"] = _machine(s)
         if not a.sweep:
             del doc["sweep"]
+            _summary_on_top(doc)
         else:
             del doc["steps"]
         print(json.dumps(doc, ensure_ascii=False))
     return 0
+
+
+def _draft_source(text: str) -> str:
+    """--draft's short names (ngram, exit:J, model) as --source's (lookup, early-exit:J, draft-model)."""
+    name, sep, layer = text.partition(":")
+    long = {"ngram": "lookup", "exit": "early-exit", "model": "draft-model"}.get(name, name)
+    return long + sep + layer
 
 
 def _machine(s) -> dict:
@@ -115,6 +125,17 @@ def _machine(s) -> dict:
     simd = "avx512_bf16" if "avx512_bf16" in words else "avx2" if "avx2" in words else "neither"
     return {"cpu": name, "simd": simd, "device": str(s.lm.device), "dtype": s.dtype_name,
             "threads": s.threads.describe() if s.threads is not None else None}
+
+
+def _summary_on_top(doc: dict) -> None:
+    """The figures other tools read, at the top level: ids, acceptance_rate, tokens_per_pass, tpot_s (speculative),
+    plain_tpot_s (plain decoding of the same prompt in the same run) and their ratio, speedup."""
+    s = doc.get("summary")
+    if s is None:
+        return
+    doc.update(ids=s["ids"], acceptance_rate=s["acceptance_rate"], tokens_per_pass=s["tokens_per_pass"],
+               tpot_s=1 / s["tokens_per_s"] if s["tokens_per_s"] > 0 else None,
+               plain_tpot_s=doc.get("baseline", {}).get("tpot_s"), speedup=s["speedup"])
 
 
 def _first_difference(ids: list[int], other: list[int] | None) -> int | None:

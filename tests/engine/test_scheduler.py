@@ -279,6 +279,16 @@ def test_schedule_cli(tiny_dir):
     assert text.returncode == 0, text.stderr
     header = next(line for line in text.stdout.splitlines() if line.strip() in ("continuous", "static  continuous"))
     assert header.split() == ["continuous"] and "TTFT p99 (ms)" in text.stdout
+    one = subprocess.run(  # the names: --num-requests; one policy's figures at the top level
+        [sys.executable, "-m", "engine", "schedule", "--model", str(tiny_dir.gguf), "--device", "cpu",
+         "--num-requests", "4", "--rate", "50", "--prompt-len", "8", "--output-len", "4", "--max-batch", "2",
+         "--policy", "static", "--seed", "1", "--json"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert one.returncode == 0, one.stderr
+    d = json.loads(one.stdout)
+    (s,) = d["summaries"]
+    assert len(d["requests"]) == 4 and all(q["e2el_s"] >= q["ttft_s"] > 0 for q in d["requests"])
+    assert d["system_tokens_per_s"] == s["system_tokens_per_s"] > 0
+    assert d["kv"]["paged_peak_bytes"] == s["peak_paged_bytes"] <= d["kv"]["contiguous_reserved_bytes"]
     for args in (["--rate", "0"], ["--max-batch", "0"], ["--burstiness", "x"]):
         bad = subprocess.run([sys.executable, "-m", "engine", "schedule", *args], capture_output=True, text=True,
                              cwd=ROOT, env=env, timeout=60)

@@ -254,6 +254,16 @@ def test_cli_json_document(tiny_dir):
     assert d["summary"]["first_difference"] is None and d["baseline"]["ids"] == d["summary"]["ids"]
     assert sum(len(s["emitted"]) for s in d["steps"]) == 11 and d["machine"]["dtype"] == "float32"
     assert math.isclose(d["summary"]["speedup"], d["summary"]["tokens_per_s"] / d["baseline"]["tokens_per_s"])
+    # the names the issue gives other tools, at the top level, and --draft's short names
+    assert d["ids"] == d["summary"]["ids"] and d["acceptance_rate"] == d["summary"]["acceptance_rate"]
+    assert all({"drafted", "accepted"} <= set(step) for step in d["steps"])
+    assert math.isclose(d["speedup"], d["plain_tpot_s"] / d["tpot_s"]) and d["tokens_per_pass"] > 0
+    r = cli("speculate", "--model", str(tiny_dir.gguf), "--dtype", "float32", "--device", "cpu", "--prompt",
+            REPEATS, "--draft", "exit:1", "--k", "2", "--greedy", "--max-new-tokens", "4", "--ignore-eos", "--json",
+            "--no-baseline", "--threads", "1")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert "after layer 1" in d["config"]["source_label"] and d["plain_tpot_s"] is None and len(d["ids"]) == 4
 
 
 def test_cli_text_sweep_and_bad_input(tiny_dir):
