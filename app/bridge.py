@@ -422,6 +422,9 @@ class Bridge(QtCore.QObject):
         if self.process.is_alive():  # busy in a long load: it holds nothing worth saving
             self.process.terminate()
             self.process.join(2)
+        if self.process.is_alive():  # SIGTERM not heeded (stuck in native code): the window must still close
+            self.process.kill()
+            self.process.join(2)
         self.worker_thread.quit()
         ok = self.worker_thread.wait(timeout_ms)
         self._commands.close()
