@@ -468,7 +468,7 @@ class CapacityPanel(Panel):
         v["ttft"].setText(f"{fmt_seconds(r['ttft_estimate_s'])}  ({r['prompt_tokens']:,} tokens, {pbound})")
         server, tpot = self.bridge.run_server, self.measured_tpot_s()
         if server is None:
-            v["measured"].setText("– (connect to a server: File → Connect to server…)")
+            v["measured"].setText("– (File → Connect to server…)")
         elif tpot is None:
             v["measured"].setText(f"– (generate on {server.model} to measure it)")
         else:

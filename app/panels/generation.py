@@ -116,6 +116,7 @@ class GenerationPanel(Panel):
         self.prefill_label.setWordWrap(True)
         self.prefill_label.setTextFormat(QtCore.Qt.TextFormat.RichText)
         self.status = QtWidgets.QLabel("")
+        self.status.setWordWrap(True)  # a long run summary wraps instead of widening the window
         self.status.setTextFormat(QtCore.Qt.TextFormat.RichText)
         self.output = TokenTextEdit(self, read_only=True)
         self.output.setPlaceholderText("Generated tokens appear here, one by one.")

@@ -46,6 +46,8 @@ MAX_BATCH = 1024
 MAX_PROMPT = 131_072
 MAX_WIDEN = 1.5  # decades the x axis may grow on each side to fit the labels
 DTYPES = ("fp32", "fp16", "bf16", "int8")
+ROOMY_PLOT = 150  # px: a plot this tall labels its analytic points too
+SHORT_PANEL = 380  # px: below this height the chip's summary line gives its room to the plot
 
 
 def decades(lo: float, hi: float, most: int = 10) -> list[tuple[float, str]]:
@@ -239,6 +241,16 @@ class RooflinePanel(Panel):
         layout.addWidget(self.hw_label)
         layout.addWidget(self.plot, 1)
         layout.addWidget(self.takeaway)
+
+    def resizeEvent(self, event: QtGui.QResizeEvent) -> None:  # noqa: N802 — Qt's name
+        super().resizeEvent(event)
+        self._fit_height()
+
+    def _fit_height(self) -> None:
+        """A short panel (the default window's bottom row) gives the plot the chip's line: the plot's own labels
+        name its roofs, and the line stays on the chip menu's tooltip. A message (not measured, cancelled) stays."""
+        self.hw_label.setVisible(self.roofs() is None or self.height() >= SHORT_PANEL)
+        self.hw_combo.setToolTip(self.hw_label.text())
 
     def _text(self, colour: str, anchor: tuple[float, float]) -> pg.TextItem:
         item = pg.TextItem("", color=colour, anchor=anchor, fill=pg.mkBrush(27, 27, 27, 190))
@@ -524,6 +536,7 @@ class RooflinePanel(Panel):
             self._draw_server(None, None, 0.0)
             self._draw_verify(self._verify if show_measured else [], None, 0.0)
             self.takeaway.setText(html.escape(server_line, quote=False))
+            self._fit_height()
             return
         peak, bw, ridge = r
         src = "measured" if hw.measured else "datasheet"
@@ -568,6 +581,7 @@ class RooflinePanel(Panel):
         self._set_takeaway(ridge, analytic)
         if server_line:
             self.takeaway.setText(self.takeaway.text() + "<br>" + html.escape(server_line, quote=False))
+        self._fit_height()
 
     def _analytic_labels(self, analytic: dict[str, StepCost], ridge: float) -> list[tuple[str, float, str, int]]:
         """(key, intensity, text, side) of each analytic point, side 1 for now (left of the point, above the
@@ -615,9 +629,11 @@ class RooflinePanel(Panel):
         # stays readable (it once ran from 1e-35 to 1e14 FLOP/byte in a 260-pixel-wide panel).
         x_lo = max(x_lo, math.log10(lo) - MAX_WIDEN)
         x_hi = min(x_hi, math.log10(hi) + MAX_WIDEN)
-        # a left label that still does not fit goes below-right of its point, where the plot has room
-        out = [(key, i, text, 0 if side == 1 and math.log10(i) - shares[key] * (x_hi - x_lo) < x_lo else side)
-               for key, i, text, side in out]
+        # a left label that still does not fit goes below-right of its point, where the plot has room, unless the
+        # other label is there already (two labels below-right of two close points would cover each other)
+        for n, (key, i, text, side) in enumerate(out):
+            if side == 1 and math.log10(i) - shares[key] * (x_hi - x_lo) < x_lo and all(o[3] for o in out):
+                out[n] = (key, i, text, 0)
         return out, 10.0**x_lo, 10.0**x_hi
 
     def _draw_analytic(self, labels: list[tuple[str, float, str, int]], peak: float, bw: float) -> None:
@@ -630,11 +646,13 @@ class RooflinePanel(Panel):
                 text.setText("")
         items = {"prefill": (self.analytic_prefill, self.analytic_prefill_text),
                  "decode": (self.analytic_decode, self.analytic_decode_text)}
+        # a short plot has no room for these beside the measured points' labels: the takeaway line below states them
+        roomy = self.plot.getPlotItem().getViewBox().height() >= ROOMY_PLOT
         for key, i, label, side in labels:
             item, text = items[key]
             y = costs.attainable_flops(i, peak, bw)
             item.setData([i], [y])
-            text.setText(label)
+            text.setText(label if roomy else "")
             x = math.log10(i)
             if side == 0:
                 text.setAnchor((0, 0))
