@@ -1,5 +1,5 @@
 """The llama.cpp backend against this engine's own Session and plain llama-cpp-python, in one run:
-`python -m benchmarks.llamacpp [--models smollm2,1b] [--tokens 32] [--repeats 2]`.
+`python -m benchmarks.llamacpp [--models smollm2,1b,8b] [--tokens 32] [--repeats 2]`.
 
 For each model it prints the decode TPOT (median step), TTFT and peak RSS of
   session      this engine's Session, float32 (every GGUF weight dequantized);
@@ -15,9 +15,12 @@ printed before and after. Every llama.cpp context holds the same --n-ctx positio
 
 Models: `smollm2` is the default model's Q4_1 GGUF; `1b` is a 1B-scale Llama-shaped GGUF of random weights (16
 layers, d_model 2048, FFN 8192, 32 query / 8 KV heads, vocabulary 49,152 with SmolLM2's tokenizer metadata copied
-so the tokenizer works), quantized to Q4_0 (or --quant Q8_0), built once under ~/.cache/inference-lab/bench. The
-Session's first load of it converts the weights into the engine's cache; that happens in a separate process first,
-so the measured loads read the cache as the app would.
+so the tokenizer works), quantized to Q4_0 (or --quant Q8_0 or Q4_K_M), built once under
+~/.cache/inference-lab/bench. `8b` has Llama 3.1 8B's shapes (32 layers, d_model 4096, FFN 14,336, 32 query / 8 KV
+heads, a separate output matrix) with the same 49,152-token vocabulary (Llama 3.1's is 128,256), Q4_K_M (random
+valid Q4_K and Q6_K blocks written directly): about 4.4 GB. The Session is left out on it (its float32 weights need
+32 GB). The Session's first load of a file converts the weights into the engine's cache; that happens in a
+separate process first, so the measured loads read the cache as the app would.
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ import numpy as np
 
 PROMPT = "Explain what a KV cache is in two sentences."
 CONFIGS = ("session", "lcpp-none", "lcpp-all", "lcpp-lens", "Llama")
-BIG = dict(n_layers=16, d_model=2048, ffn=8192, n_heads=32, n_kv_heads=8, context=8192, rope_base=100000.0)
+SHAPES = {  # Llama-shaped random-weight files; the vocabulary is SmolLM2's (49,152), whose tokenizer they carry
+    "1b": dict(n_layers=16, d_model=2048, ffn=8192, n_heads=32, n_kv_heads=8, context=8192, rope_base=100000.0),
+    # Llama 3.1 8B's shapes (its 128,256-token vocabulary excepted)
+    "8b": dict(n_layers=32, d_model=4096, ffn=14336, n_heads=32, n_kv_heads=8, context=8192, rope_base=500000.0),
+}
 
 
 def _peak_rss() -> int:
@@ -60,16 +67,54 @@ def cpu_flags() -> str:
     return ", ".join(f for f in ("avx512f", "avx2", "fma") if f in have) or "no AVX2"
 
 
-# ---- the 1B-scale file ------------------------------------------------------------------------------------------
-def build_big(path: Path, quant: str = "Q4_0", seed: int = 0) -> Path:
-    """A Llama-shaped GGUF of random weights with SmolLM2's tokenizer; written to a temporary name, then renamed."""
+# ---- the 1B- and 8B-scale files -------------------------------------------------------------------------------
+def _blocks_q4_k(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    """Random but valid Q4_K blocks (ggml's block_q4_K: d, dmin as float16, 12 bytes of packed 6-bit sub-block
+    scales and mins, 128 bytes of 4-bit values), (n_blocks, 144) uint8, values of about `std` around zero.
+
+    A value is d·sc·q − dmin·m for q in 0…15; with dmin = 8·d and m = round(15·sc / 16) each sub-block is centred
+    (−dmin·m ≈ −d·sc·7.5), so the weights have no common offset that would grow through the layers.
+    """
+    sc = rng.integers(16, 64, size=(n_blocks, 8), dtype=np.uint8)
+    m = np.rint(sc * (15 / 16)).astype(np.uint8)
+    scales = np.empty((n_blocks, 12), dtype=np.uint8)  # the inverse of ggml's get_scale_min_k4
+    scales[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = (m[:, 0:4] & 63) | ((m[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    d = np.float16(std / (39.5 * 4.6))  # mean scale × the spread of a uniform 0…15 value
+    head = np.array([d, np.float16(8 * d)], dtype=np.float16).view(np.uint8)
+    out = np.empty((n_blocks, 144), dtype=np.uint8)
+    out[:, 0:4] = head
+    out[:, 4:16] = scales
+    out[:, 16:] = rng.integers(0, 256, size=(n_blocks, 128), dtype=np.uint8)
+    return out
+
+
+def _blocks_q6_k(rng: np.random.Generator, n_blocks: int, std: float) -> np.ndarray:
+    """Random valid Q6_K blocks (block_q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d as
+    float16), (n_blocks, 210) uint8: a value is d·sc·(q − 32), centred by construction."""
+    out = np.empty((n_blocks, 210), dtype=np.uint8)
+    out[:, :192] = rng.integers(0, 256, size=(n_blocks, 192), dtype=np.uint8)
+    out[:, 192:208] = rng.integers(1, 9, size=(n_blocks, 16), dtype=np.uint8)  # positive int8 scales
+    out[:, 208:210] = np.array([np.float16(std / (4.5 * 18.5))], dtype=np.float16).view(np.uint8)
+    return out
+
+
+def build_big(path: Path, quant: str = "Q4_0", seed: int = 0, shape: str = "1b") -> Path:
+    """A Llama-shaped GGUF of random weights with SmolLM2's tokenizer; written to a temporary name, then renamed.
+
+    Q4_0 and Q8_0 are quantized by the gguf package from random float32 weights. Q4_K_M (which the gguf package
+    cannot quantize) is written as random valid blocks directly, with llama.cpp's Q4_K_M recipe: Q4_K everywhere
+    but Q6_K for the output matrix and for attn_v and ffn_down in the first and last eighth of the layers and every
+    third layer between. The file is written one tensor at a time, so building it needs little memory.
+    """
     import gguf
 
     from engine.formats.locate import default_model_path
 
-    qtype = gguf.GGMLQuantizationType[quant]
+    k_quants = quant == "Q4_K_M"
     src = gguf.GGUFReader(str(default_model_path()))
-    c = BIG
+    c = SHAPES[shape]
     hd = c["d_model"] // c["n_heads"]
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,37 +141,56 @@ def build_big(path: Path, quant: str = "Q4_0", seed: int = 0) -> Path:
     w.add_vocab_size(vocab)
     rng = np.random.default_rng(seed)
 
-    def add(name: str, rows: int, cols: int, scale: float = 0.02) -> None:
-        a = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(scale)
-        q = gguf.quants.quantize(a, qtype)
-        w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
-
-    add("token_embd.weight", vocab, c["d_model"], 1.0)  # tied: also the output matrix
-    w.add_tensor("output_norm.weight", np.ones(c["d_model"], dtype=np.float32))
+    n = c["n_layers"]
+    more_bits = {i for i in range(n) if i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2}  # llama.cpp's rule
     d, kv = c["d_model"], c["n_kv_heads"] * hd
-    for i in range(c["n_layers"]):
+    plan: list[tuple[str, tuple[int, ...], str, float]] = []  # (name, (rows, cols) or (n,), type, std)
+    plan.append(("token_embd.weight", (vocab, d), "Q4_K" if k_quants else quant, 1.0))
+    if k_quants:  # a separate output matrix, as Llama 3.1 8B has; the 1B file ties it to the embedding
+        plan.append(("output.weight", (vocab, d), "Q6_K", 0.02))
+    plan.append(("output_norm.weight", (d,), "F32", 1.0))
+    for i in range(n):
         p = f"blk.{i}."
-        w.add_tensor(p + "attn_norm.weight", np.ones(d, dtype=np.float32))
-        w.add_tensor(p + "ffn_norm.weight", np.ones(d, dtype=np.float32))
-        add(p + "attn_q.weight", d, d)
-        add(p + "attn_k.weight", kv, d)
-        add(p + "attn_v.weight", kv, d)
-        add(p + "attn_output.weight", d, d)
-        add(p + "ffn_gate.weight", c["ffn"], d)
-        add(p + "ffn_up.weight", c["ffn"], d)
-        add(p + "ffn_down.weight", d, c["ffn"])
+        big = "Q6_K" if k_quants and i in more_bits else ("Q4_K" if k_quants else quant)
+        small = "Q4_K" if k_quants else quant
+        plan += [(p + "attn_norm.weight", (d,), "F32", 1.0), (p + "ffn_norm.weight", (d,), "F32", 1.0),
+                 (p + "attn_q.weight", (d, d), small, 0.02), (p + "attn_k.weight", (kv, d), small, 0.02),
+                 (p + "attn_v.weight", (kv, d), big, 0.02), (p + "attn_output.weight", (d, d), small, 0.02),
+                 (p + "ffn_gate.weight", (c["ffn"], d), small, 0.02), (p + "ffn_up.weight", (c["ffn"], d), small, 0.02),
+                 (p + "ffn_down.weight", (d, c["ffn"]), big, 0.02)]
+
+    def values(shape_: tuple[int, ...], qname: str, std: float) -> np.ndarray:
+        if qname == "F32":
+            return np.ones(shape_, dtype=np.float32)
+        rows, cols = shape_
+        if qname in ("Q4_K", "Q6_K"):
+            blocks = (_blocks_q4_k if qname == "Q4_K" else _blocks_q6_k)(rng, rows * cols // 256, std)
+            return blocks.reshape(rows, -1)
+        a = rng.standard_normal(shape_, dtype=np.float32) * np.float32(std)
+        return gguf.quants.quantize(a, gguf.GGMLQuantizationType[qname])
+
+    for name, shape_, qname, _ in plan:
+        qtype = gguf.GGMLQuantizationType[qname]
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        nbytes = int(np.prod(shape_)) // block * size
+        if qname == "F32":
+            w.add_tensor_info(name, shape_, np.dtype(np.float32), nbytes)
+        else:
+            w.add_tensor_info(name, (*shape_[:-1], shape_[-1] // block * size), np.dtype(np.uint8), nbytes, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for _, shape_, qname, std in plan:  # one tensor in memory at a time
+        w.write_tensor_data(values(shape_, qname, std))
     w.close()
     tmp.rename(path)
     return path
 
 
-def big_path(quant: str) -> Path:
+def big_path(quant: str, shape: str = "1b") -> Path:
     from engine.formats.locate import cache_root
 
-    return cache_root() / "bench" / f"llama-1b-random.{quant}.gguf"
+    return cache_root() / "bench" / f"llama-{shape}-random.{quant}.gguf"
 
 
 # ---- one configuration, in this process --------------------------------------------------------------------------
@@ -200,12 +264,16 @@ def _gb(n: float) -> str:
 
 
 def bench_model(name: str, model: str, args: argparse.Namespace, threads: int) -> None:
-    # the Session's weight cache is written once, outside the measured processes
-    subprocess.run([sys.executable, "-c", f"from engine.loaders import load; load({model!r}, device='cpu', "
-                    "dtype='float32')"], check=True, timeout=3600)
-    runs: dict[str, list[dict]] = {c: [] for c in args.configs}
+    configs = list(args.configs)
+    if name.startswith("8B") and "session" in configs:  # float32 weights: 32 GB, more than these machines have
+        configs.remove("session")
+        print("\n(the session configuration is left out on the 8B file: its float32 weights need 32 GB)")
+    if "session" in configs:  # the Session's weight cache is written once, outside the measured processes
+        subprocess.run([sys.executable, "-c", f"from engine.loaders import load; load({model!r}, device='cpu', "
+                        "dtype='float32')"], check=True, timeout=3600)
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
     for _ in range(args.repeats):
-        for c in args.configs:
+        for c in configs:
             runs[c].append(_worker(c, model, args.tokens, args.n_ctx, threads))
     size = Path(model).stat().st_size
     print(f"\n{name}: {Path(model).name} ({_gb(size)}), {args.tokens} new tokens, n_ctx {args.n_ctx}, "
@@ -237,13 +305,13 @@ def bench_model(name: str, model: str, args: argparse.Namespace, threads: int) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.llamacpp", description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="smollm2,1b", help="comma-separated: smollm2, 1b, or GGUF paths")
+    p.add_argument("--models", default="smollm2,1b", help="comma-separated: smollm2, 1b, 8b, or GGUF paths")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--n-ctx", type=int, default=2048)
     p.add_argument("--threads", default="auto")
-    p.add_argument("--quant", default="Q4_0", choices=("Q4_0", "Q8_0"))
+    p.add_argument("--quant", default="Q4_0", choices=("Q4_0", "Q8_0", "Q4_K_M"), help="the 1B file's (8B: Q4_K_M)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model-path", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -266,13 +334,14 @@ def main(argv: list[str] | None = None) -> int:
             from engine.formats.locate import default_model_path
 
             bench_model("SmolLM2-135M", str(default_model_path()), args, threads)
-        elif m == "1b":
-            path = big_path(args.quant)
+        elif m in SHAPES:
+            quant = "Q4_K_M" if m == "8b" else args.quant  # the 8B file is what LM Studio and Ollama offer
+            path = big_path(quant, m)
             if not path.is_file():
                 t0 = time.perf_counter()
-                build_big(path, args.quant)
-                print(f"built {path} in {time.perf_counter() - t0:.0f} s")
-            bench_model(f"1B-scale Llama ({args.quant}, random weights)", str(path), args, threads)
+                build_big(path, quant, shape=m)
+                print(f"built {path} ({_gb(path.stat().st_size)}) in {time.perf_counter() - t0:.0f} s")
+            bench_model(f"{m.upper()}-scale Llama ({quant}, random weights)", str(path), args, threads)
         else:
             bench_model(Path(m).name, m, args, threads)
     print(f"\nload average after: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from engine.backend import Unsupported
+from engine.backends import DEFAULT_CONTEXT
 from engine.costs import formulas as costs
 from engine.events import (
     AttentionCaptured,
@@ -66,7 +67,6 @@ from engine.run.session import NonFiniteLogits, condense_funnel, emit_all, pick_
 from engine.run.threads import available_cores
 from engine.tokenizer import StreamDecoder, Tokenization
 
-DEFAULT_CONTEXT = 4096  # positions the KV cache holds when the caller names none (capped by the model's own)
 UBATCH = 512  # tokens per graph evaluation during a prefill (llama.cpp splits a longer batch itself)
 KV_DTYPE = "float16"
 LENS_ROWS = 4096  # rows of the output matrix dequantized at a time  # llama.cpp's default K and V cache type

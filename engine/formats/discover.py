@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.backends import auto_backend, llamacpp_bytes
 from engine.formats.gguf_meta import read_metadata
 
 __all__ = ["ModelEntry", "discover", "memory_available", "read_model_facts", "remember", "recent_files"]
@@ -167,13 +168,17 @@ def read_model_facts(path: str | os.PathLike[str], name: str, source: str, memor
             entry.architecture, entry.n_params, entry.quant_types = _safetensors_facts(path)
         else:
             entry.architecture, entry.n_params, entry.quant_types, _ = _gguf_facts(path)
+        # a GGUF that "auto" sends to llama.cpp runs as it is at any dtype: the file plus llama.cpp's KV cache
+        on_llamacpp = auto_backend(not is_dir, entry.n_params) == "llama.cpp"
+        llamacpp_need = llamacpp_bytes(read_metadata(path, skip=_SKIP), size) if on_llamacpp else 0
     except (OSError, ValueError, KeyError, TypeError, struct.error, json.JSONDecodeError) as e:
         entry.error = f"{type(e).__name__}: {e}"
         return entry
     if entry.n_params:
         for dtype, nbytes in DTYPE_BYTES.items():
-            entry.weight_bytes[dtype] = entry.n_params * nbytes
-            entry.fits[dtype] = bool(memory) and entry.n_params * nbytes <= memory
+            need = llamacpp_need or entry.n_params * nbytes  # the torch engine: every weight at the dtype
+            entry.weight_bytes[dtype] = need
+            entry.fits[dtype] = bool(memory) and need <= memory
     return entry
 
 
