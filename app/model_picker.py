@@ -39,6 +39,9 @@ def decide(entry: ModelEntry, dtype: str, memory: int) -> Decision:
     if need is None or memory <= 0 or need <= memory:
         return Decision("load", dtype)
     half = entry.weight_bytes.get("bfloat16")
+    if entry.runtime == "llama.cpp":  # the file as it is, whatever the dtype: no smaller choice to offer
+        return Decision("refuse", run, f"{entry.name} does not fit: on llama.cpp it needs {_gib(need)} (the file "
+                                       f"plus its KV cache); {_gib(memory)} of memory is available.")
     numbers = f"its weights need {_gib(need)} at {run}; {_gib(memory)} of memory is available"
     if run != "bfloat16" and half is not None and half <= memory:
         return Decision("ask", "bfloat16", f"{entry.name} does not fit: {numbers}. Load it in bfloat16 "

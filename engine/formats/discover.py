@@ -65,6 +65,7 @@ class ModelEntry:
     weight_bytes: dict[str, int] = field(default_factory=dict)  # dtype -> bytes of the weights when loaded
     fits: dict[str, bool] = field(default_factory=dict)  # dtype -> weights fit in the memory available now
     error: str | None = None  # why the header could not be read (the entry is still listed)
+    runtime: str = "torch"  # what --backend auto runs it on: "torch" (weights at the dtype) or "llama.cpp" (as it is)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,6 +172,7 @@ def read_model_facts(path: str | os.PathLike[str], name: str, source: str, memor
         # a GGUF that "auto" sends to llama.cpp runs as it is at any dtype: the file plus llama.cpp's KV cache
         on_llamacpp = auto_backend(not is_dir, entry.n_params) == "llama.cpp"
         llamacpp_need = llamacpp_bytes(read_metadata(path, skip=_SKIP), size) if on_llamacpp else 0
+        entry.runtime = "llama.cpp" if on_llamacpp else "torch"
     except (OSError, ValueError, KeyError, TypeError, struct.error, json.JSONDecodeError) as e:
         entry.error = f"{type(e).__name__}: {e}"
         return entry

@@ -31,6 +31,11 @@ def test_decide_loads_offers_bfloat16_or_refuses_with_numbers() -> None:
     assert d.action == "refuse" and "16.00 GiB at float32" in d.message and "1.00 GiB of memory" in d.message
     assert decide(mid, "bfloat16", GIB).action == "load"
     assert decide(_entry("bad", 1, error="ValueError: cut short"), "float32", GIB).action == "refuse"
+    big = _entry("8b", 7 * GIB)  # a GGUF that auto runs on llama.cpp: the file plus its KV cache, at any dtype
+    big.runtime, big.weight_bytes = "llama.cpp", dict.fromkeys(big.weight_bytes, 5 * GIB)
+    d = decide(big, "float32", 4 * GIB)
+    assert d.action == "refuse" and "on llama.cpp it needs 5.00 GiB" in d.message and "bfloat16" not in d.message
+    assert decide(big, "float32", 6 * GIB).action == "load"
 
 
 def test_picker_lists_and_opens(qtbot, tiny_dir, monkeypatch: pytest.MonkeyPatch) -> None:
