@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from engine.backend import Unsupported
-from engine.backends import DEFAULT_CONTEXT
+from engine.backends.rule import DEFAULT_CONTEXT
 from engine.costs import formulas as costs
 from engine.events import (
     AttentionCaptured,

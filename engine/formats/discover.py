@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.backends import auto_backend, llamacpp_bytes
+from engine.backends.rule import auto_backend, llamacpp_bytes
 from engine.formats.gguf_meta import read_metadata
 
 __all__ = ["ModelEntry", "discover", "memory_available", "read_model_facts", "remember", "recent_files"]

@@ -8,7 +8,7 @@ from tests.requires import import_required
 
 import_required("llama_cpp", name="llamacpp", dist="llama-cpp-python")
 
-import engine.backends as backends  # noqa: E402
+from engine.backends import rule  # noqa: E402
 from engine.backends.llamacpp import LlamaCppSession  # noqa: E402
 from engine.formats.discover import read_model_facts  # noqa: E402
 
@@ -18,7 +18,7 @@ def test_fits_counts_the_file_and_kv_cache_on_llamacpp_and_float32_weights_on_to
     torch_entry = read_model_facts(tiny_dir.gguf, "tiny", "file", memory=1 << 40)
     assert torch_entry.weight_bytes["float32"] == 4 * torch_entry.n_params  # small: the torch engine, float32
 
-    monkeypatch.setattr(backends, "LLAMACPP_ABOVE_PARAMS", 1)  # now "auto" sends it to llama.cpp
+    monkeypatch.setattr(rule, "LLAMACPP_ABOVE_PARAMS", 1)  # now "auto" sends it to llama.cpp
     entry = read_model_facts(tiny_dir.gguf, "tiny", "file", memory=1 << 40)
     lcpp = LlamaCppSession(tiny_dir.gguf)  # the context it allocates when the app loads it (no n_ctx given)
     kv = lcpp.kv_event(0).bytes_allocated  # engine.costs' float16 KV cache at that context
