@@ -41,17 +41,13 @@ from engine.events import (
     Capability,
     Event,
     Failed,
-    Finished,
     Funnel,
     KVCacheGrew,
     ModelInfo,
-    PrefillDone,
-    PromptTokenized,
     ResidualNorms,
     RunSource,
     RunStarted,
     StepCost,
-    TokenSampled,
 )
 from engine.formats.locate import ModelLoadError, load_tokenizer, resolve_model_path
 from engine.model.config import ModelConfig
@@ -62,10 +58,10 @@ from engine.run.branching import check_forced, tokenization_of
 from engine.run.constrain import Constraint
 from engine.run.lens import lens_event
 from engine.run.local import LocalBackend
-from engine.run.sampling import FunnelStages, SamplingParams, make_generator
-from engine.run.session import NonFiniteLogits, condense_funnel, emit_all, pick_token, score_prompt
+from engine.run.sampling import FunnelStages, SamplingParams
+from engine.run.session import Generation, NonFiniteLogits, RunLoop, condense_funnel, prompt_event, score_prompt
 from engine.run.threads import available_cores
-from engine.tokenizer import StreamDecoder, Tokenization
+from engine.tokenizer import Tokenization
 
 UBATCH = 512  # tokens per graph evaluation during a prefill (llama.cpp splits a longer batch itself)
 KV_DTYPE = "float16"
@@ -490,31 +486,9 @@ class LlamaCppSession:
         return self.generate(prefix, params, max_new_tokens, capture, ignore_eos=ignore_eos, forced={0: token})
 
 
-class LlamaCppGeneration:
-    """One running generation (the same knobs as engine.run.session.Generation: params and capture may change
-    between tokens, stop() ends it before the next token)."""
-
-    def __init__(
-        self, session: LlamaCppSession, prompt: Tokenization, params: SamplingParams, max_new_tokens: int,
-        capture: Capture, ignore_eos: bool, forced: Mapping[int, int] | None = None,
-        constraint: Constraint | None = None,
-    ) -> None:
-        self.session, self.prompt = session, prompt
-        self.params, self.capture = params, capture
-        self.max_new_tokens, self.ignore_eos = max_new_tokens, ignore_eos
-        self.forced: dict[int, int] = dict(forced or {})
-        self.constraint = constraint
-        self._stop = False
-        self._events = self._run()
-
-    def stop(self) -> None:
-        self._stop = True
-
-    def __iter__(self) -> Iterator[Event]:
-        return self
-
-    def __next__(self) -> Event:
-        return next(self._events)
+class LlamaCppGeneration(Generation):
+    """One running generation on llama.cpp: the torch engine's knobs and step bookkeeping (engine.run.session), with
+    llama.cpp computing each step's logits and the graph callback handing over the captures."""
 
     def _captured(self, step: int, phase: str, query_start: int, n_queries: int,
                   stream: np.ndarray | None) -> Iterator[Event]:
@@ -541,61 +515,20 @@ class LlamaCppGeneration:
 
     def _run(self) -> Iterator[Event]:
         s = self.session
-        cfg, tok, tap = s.cfg, s.tokenizer, s.tap
-        ids = list(self.prompt.ids)
-        n_prompt = len(ids)
+        cfg, tap = s.cfg, s.tap
         yield RunStarted(source=RunSource(kind="local", name=f"{s.info.name} (llama.cpp)", cannot=s.cannot))
-        yield PromptTokenized(
-            text=self.prompt.text, ids=np.asarray(ids, dtype=np.int64), pieces=tuple(self.prompt.pieces),
-            offsets=np.asarray(self.prompt.offsets, dtype=np.int64).reshape(-1, 2),
-            byte_offsets=np.asarray(self.prompt.byte_offsets, dtype=np.int64).reshape(-1, 2),
-            special=np.asarray(self.prompt.special, dtype=bool),
-            unrepresentable=tuple(tuple(u) for u in self.prompt.unrepresentable),
-        )
-        capacity = min(cfg.context_length, n_prompt + self.max_new_tokens)
-        context = torch.zeros(capacity, dtype=torch.long)  # ids so far, for penalties
-        context[:n_prompt] = torch.tensor(ids, dtype=torch.long)
-        generator = make_generator(self.params.seed)
-        seed_used = self.params.seed
-        decoder = StreamDecoder(tok)
-        out_ids: list[int] = []
-        text_parts: list[str] = []
-        step_times: list[float] = []
-        ttft = 0.0
-        suspended = 0.0
-        t_start = time.perf_counter()
-
-        def emit(event: Event) -> Iterator[Event]:
-            nonlocal suspended
-            t = time.perf_counter()
-            yield event
-            suspended += time.perf_counter() - t
-
-        def finished(reason: str) -> Finished:
-            text_parts.append(decoder.flush())
-            return Finished(
-                reason=reason, prompt_ids=np.asarray(ids[:n_prompt], dtype=np.int64),
-                ids=np.asarray(out_ids, dtype=np.int64), text="".join(text_parts),
-                ttft_s=ttft, tpot_s=float(np.mean(step_times)) if step_times else 0.0,
-                step_seconds=np.asarray(step_times), total_s=time.perf_counter() - t_start - suspended,
-            )
-
+        yield prompt_event(self.prompt)
+        loop = RunLoop(self, s.tokenizer, cfg.context_length)
+        ids = loop.ids
         try:
             reuse = s._reuse(ids)
             if self.capture.prompt_scores and reuse:  # scoring needs every prompt position's logits
                 s.forget_cache()
                 reuse = 0
-            pos = n_prompt
-            step = 0
             while True:
-                phase = "prefill" if step == 0 else "decode"
-                params, capture = self.params, self.capture
-                if params.seed != seed_used:
-                    generator, seed_used = make_generator(params.seed), params.seed
-                if step == 0:
-                    feed, start = ids[reuse:], reuse
-                else:
-                    feed, start = ids[-1:], pos - 1
+                phase, params, capture = loop.begin_step()
+                step = loop.step
+                feed, start = loop.feed(reuse)
                 every = step == 0 and capture.prompt_scores
                 cost = s.step_cost(len(feed), start, all_logits=every)
                 layers = frozenset() if "attention" in s.cannot else frozenset(capture.attention_layers)
@@ -609,55 +542,36 @@ class LlamaCppGeneration:
                 finally:
                     tap.end()
                 logits = torch.from_numpy(out[-1] if every else out)
-                force = self.forced.get(step)
-                token, condensed, grammar_done = pick_token(logits, params, generator, context[:pos], force,
-                                                            self.constraint, capture.funnel_top, s.make_funnel)
+                token, condensed, grammar_done, force = loop.pick(logits, params, capture, s.make_funnel)
                 raw = logits.numpy() if capture.logits else None
                 seconds = time.perf_counter() - t0
                 stream = None
                 if residual and len(tap.resid) == cfg.n_layers + 1:
                     stream = np.stack([tap.resid[i] for i in range(cfg.n_layers + 1)])  # (L + 1, d)
-                if every:
-                    yield from emit(score_prompt(torch.from_numpy(out), ids[:n_prompt], start))
-                yield from emit_all(emit, self._captured(step, phase, start, len(feed), stream))
-                if stream is not None and capture.lens_top:
-                    yield from emit(lens_event(s.lens_head(), tok, step, pos - 1, stream, logits, capture.lens_top,
-                                               token))
-                yield from emit(s.kv_event(step))
-                if step == 0:
-                    ttft = seconds
-                    yield from emit(PrefillDone(n_tokens=len(feed), n_reused=reuse, seconds=seconds, cost=cost))
-                else:
-                    step_times.append(seconds)
-                is_stop = token in s.stop_ids and (not self.ignore_eos or grammar_done)
-                delta = "" if is_stop else decoder.push(token)
-                text_parts.append(delta)
-                out_ids.append(token)
-                yield from emit(TokenSampled(
-                    step=step, phase=phase, position=pos, token_id=token, piece=tok.piece(token), text=delta,
-                    seconds=seconds, cost=cost, funnel=condensed, logits=raw, params=params, forced=force is not None,
-                ))
-                ids.append(token)
-                if pos < capacity:
-                    context[pos] = token
-                pos += 1
-                step += 1
-                if is_stop or grammar_done:
-                    reason = "eos"
-                elif len(out_ids) >= self.max_new_tokens:
-                    reason = "length"
-                elif pos >= cfg.context_length:
-                    reason = "context"
-                elif self._stop:
-                    reason = "stopped"
-                else:
-                    continue
-                yield finished(reason)
-                return
+                yield from loop.untimed(self._after(step, phase, start, feed, out if every else None,
+                                                    ids[:loop.n_prompt], stream, logits, token))
+                yield from loop.emit(s.kv_event(step))
+                reason = yield from loop.end_step(
+                    phase=phase, token=token, seconds=seconds, cost=cost, n_fed=len(feed), reuse=reuse,
+                    funnel=condensed, logits=raw, params=params, forced=force is not None, grammar_done=grammar_done)
+                if reason is not None:
+                    yield loop.finished(reason)
+                    return
         except Exception as e:  # noqa: BLE001 — the consumer gets one clear message instead of a dead thread
             s.forget_cache()
             text = str(e) if isinstance(e, NonFiniteLogits) else f"generation failed: {type(e).__name__}: {e}"
             yield Failed(message=text)
+
+    def _after(self, step: int, phase: str, start: int, feed: list[int], every: np.ndarray | None,
+               prompt: list[int], stream: np.ndarray | None, logits: torch.Tensor, token: int) -> Iterator[Event]:
+        """The step's events besides its token: prompt scores, attention and norms, the logit lens."""
+        if every is not None:
+            yield score_prompt(torch.from_numpy(every), prompt, start)
+        yield from self._captured(step, phase, start, len(feed), stream)
+        if stream is not None and self.capture.lens_top:
+            s = self.session
+            yield lens_event(s.lens_head(), s.tokenizer, step, start + len(feed) - 1, stream, logits,
+                             self.capture.lens_top, token)
 
 
 class LlamaCppBackend(LocalBackend):

@@ -33,6 +33,7 @@ from engine.events import (
     ResidualNorms,
     RunSource,
     RunStarted,
+    StepCost,
     TokenSampled,
 )
 from engine.loaders import LoadedModel
@@ -44,7 +45,7 @@ from engine.run.constrain import Constraint
 from engine.run.lens import lens_event
 from engine.run.sampling import FunnelStages, SamplingParams, choose, make_generator, sample
 from engine.run.threads import AdaptiveThreads
-from engine.tokenizer import StreamDecoder, Tokenization
+from engine.tokenizer import StreamDecoder, Tokenization, Tokenizer
 
 CACHE_GRANULE = 256  # the cache grows in steps of this many positions, so it is rarely reallocated
 
@@ -260,6 +261,109 @@ class Session:
         return self.generate(prefix, params, max_new_tokens, capture, ignore_eos=ignore_eos, forced={0: token})
 
 
+class RunLoop:
+    """What a local generation keeps between steps, whichever runtime computes them (this engine or llama.cpp): the
+    ids so far (and as a tensor, for penalties), the random stream, the text decoded so far, each step's time, the
+    time spent outside the generator (the consumer's: a pause) and outside the timed steps (prompt scores, captures,
+    the lens), and why the run ends. The runtime computes a step's logits; this turns them into the step's events."""
+
+    def __init__(self, gen: Generation, tokenizer: Tokenizer, context_length: int,
+                 device: torch.device | None = None) -> None:
+        self.gen, self.tok, self.device = gen, tokenizer, device
+        self.ids = list(gen.prompt.ids)
+        self.n_prompt = len(self.ids)
+        self.context_length = context_length
+        self.capacity = min(context_length, self.n_prompt + gen.max_new_tokens)
+        self.context = torch.zeros(self.capacity, dtype=torch.long, device=device)  # ids so far, for penalties
+        self.context[:self.n_prompt] = torch.tensor(self.ids, dtype=torch.long)
+        self.generator = make_generator(gen.params.seed, device)
+        self.seed_used = gen.params.seed
+        self.decoder = StreamDecoder(tokenizer)
+        self.out_ids: list[int] = []
+        self.text_parts: list[str] = []
+        self.step_times: list[float] = []
+        self.ttft = 0.0
+        self.suspended = 0.0
+        self.outside = 0.0
+        self.t_start = time.perf_counter()
+        self.pos = self.n_prompt  # position of the next token to be produced
+        self.step = 0
+
+    def begin_step(self) -> tuple[str, SamplingParams, Capture]:
+        """(phase, sampling settings, captures) of the step about to run: the knobs as they are now."""
+        params = self.gen.params
+        if params.seed != self.seed_used:  # a new seed restarts the random stream from here
+            self.generator, self.seed_used = make_generator(params.seed, self.device), params.seed
+        return ("prefill" if self.step == 0 else "decode"), params, self.gen.capture
+
+    def feed(self, reuse: int) -> tuple[list[int], int]:
+        """(ids to run, position of the first): the prompt past the reused cache, then the last token."""
+        return (self.ids[reuse:], reuse) if self.step == 0 else (self.ids[-1:], self.pos - 1)
+
+    def pick(self, logits: torch.Tensor, params: SamplingParams, capture: Capture,
+             make_funnel) -> tuple[int, Funnel | None, bool, int | None]:
+        """(token, condensed funnel, grammar complete, the forced token or None) from the step's logits (V,)."""
+        force = self.gen.forced.get(self.step)
+        token, condensed, done = pick_token(logits, params, self.generator, self.context[:self.pos], force,
+                                            self.gen.constraint, capture.funnel_top, make_funnel)
+        return token, condensed, done, force
+
+    def emit(self, event: Event) -> Iterator[Event]:
+        t = time.perf_counter()
+        yield event
+        self.suspended += time.perf_counter() - t
+
+    def untimed(self, events: Iterator[Event]) -> Iterator[Event]:
+        """Emit events whose making is work outside the timed step (prompt scores, captures, the lens)."""
+        t, before = time.perf_counter(), self.suspended
+        for event in events:
+            yield from self.emit(event)
+        self.outside += time.perf_counter() - t - (self.suspended - before)
+
+    def end_step(self, *, phase: str, token: int, seconds: float, cost: StepCost, n_fed: int, reuse: int,
+                 funnel: Funnel | None, logits: np.ndarray | None, params: SamplingParams, forced: bool,
+                 grammar_done: bool) -> Iterator[Event]:
+        """The step's PrefillDone (the first) and TokenSampled; returns why the run ends now, or None."""
+        gen, step, pos = self.gen, self.step, self.pos
+        if step == 0:
+            self.ttft = seconds
+            yield from self.emit(PrefillDone(n_tokens=n_fed, n_reused=reuse, seconds=seconds, cost=cost))
+        else:
+            self.step_times.append(seconds)
+        is_stop = token in gen.session.stop_ids and (not gen.ignore_eos or grammar_done)
+        delta = "" if is_stop else self.decoder.push(token)
+        self.text_parts.append(delta)
+        self.out_ids.append(token)
+        yield from self.emit(TokenSampled(
+            step=step, phase=phase, position=pos, token_id=token, piece=self.tok.piece(token), text=delta,
+            seconds=seconds, cost=cost, funnel=funnel, logits=logits, params=params, forced=forced,
+        ))
+        self.ids.append(token)
+        if pos < self.capacity:
+            self.context[pos] = token
+        self.pos += 1
+        self.step += 1
+        if is_stop or grammar_done:
+            return "eos"
+        if len(self.out_ids) >= gen.max_new_tokens:
+            return "length"
+        if self.pos >= self.context_length:
+            return "context"
+        if gen._stop:
+            return "stopped"
+        return None
+
+    def finished(self, reason: str) -> Finished:
+        self.text_parts.append(self.decoder.flush())
+        return Finished(
+            reason=reason, prompt_ids=np.asarray(self.ids[:self.n_prompt], dtype=np.int64),
+            ids=np.asarray(self.out_ids, dtype=np.int64), text="".join(self.text_parts), ttft_s=self.ttft,
+            tpot_s=float(np.mean(self.step_times)) if self.step_times else 0.0,
+            step_seconds=np.asarray(self.step_times),
+            total_s=time.perf_counter() - self.t_start - self.suspended, outside_steps_s=self.outside,
+        )
+
+
 class Generation:
     """One running generation: an iterator of events with knobs that may change between tokens."""
 
@@ -306,120 +410,63 @@ class Generation:
     @torch.inference_mode()
     def _run(self) -> Iterator[Event]:
         s = self.session
-        lm, cfg, tok = s.lm, s.cfg, s.tokenizer
-        ids = list(self.prompt.ids)
-        n_prompt = len(ids)
+        lm, cfg = s.lm, s.cfg
         yield RunStarted(source=RunSource(kind="local", name=lm.info.name))
         yield prompt_event(self.prompt)
-        capacity = min(cfg.context_length, n_prompt + self.max_new_tokens)
-        context = torch.zeros(capacity, dtype=torch.long, device=lm.device)  # ids so far, for penalties
-        context[:n_prompt] = torch.tensor(ids, dtype=torch.long)
-        generator = make_generator(self.params.seed, lm.device)
-        seed_used = self.params.seed
-        decoder = StreamDecoder(tok)
-        out_ids: list[int] = []
-        text_parts: list[str] = []
-        step_times: list[float] = []
-        ttft = 0.0
-        suspended = 0.0  # time spent outside this generator (the consumer's time, a pause)
-        outside = 0.0  # time inside it but outside the timed steps: prompt scores, captures, the logit lens
-        t_start = time.perf_counter()
-
-        def emit(event: Event) -> Iterator[Event]:
-            nonlocal suspended
-            t = time.perf_counter()
-            yield event
-            suspended += time.perf_counter() - t
-
-        def finished(reason: str) -> Finished:
-            tpot = float(np.mean(step_times)) if step_times else 0.0
-            text_parts.append(decoder.flush())
-            return Finished(
-                reason=reason, prompt_ids=np.asarray(ids[:n_prompt], dtype=np.int64),
-                ids=np.asarray(out_ids, dtype=np.int64), text="".join(text_parts), ttft_s=ttft, tpot_s=tpot,
-                step_seconds=np.asarray(step_times), total_s=time.perf_counter() - t_start - suspended,
-                outside_steps_s=outside,
-            )
-
+        loop = RunLoop(self, s.tokenizer, cfg.context_length, lm.device)
+        ids = loop.ids
         try:
-            reuse = s._prepare_cache(ids, capacity + 1)
+            reuse = s._prepare_cache(ids, loop.capacity + 1)
             if self.capture.prompt_scores and reuse:  # scoring needs every prompt position's logits: run them all
                 s.cache.truncate(0)
                 del s.cached_ids[:]
                 reuse = 0
-            pos = n_prompt  # position of the next token to be produced
-            step = 0
             while True:
-                phase = "prefill" if step == 0 else "decode"
-                params, capture = self.params, self.capture
-                if params.seed != seed_used:  # a new seed restarts the random stream from here
-                    generator, seed_used = make_generator(params.seed, lm.device), params.seed
+                phase, params, capture = loop.begin_step()
+                step, pos = loop.step, loop.pos
                 probe = Probe.for_request(capture)
                 if s.threads is not None:
                     s.threads.begin_step()
                 t0 = time.perf_counter()
+                feed, start = loop.feed(reuse)
                 if step == 0:
-                    feed, start = ids[reuse:], reuse
                     cost = costs.prefill_cost(cfg, len(feed), start=start, weight_dtype=s.dtype_name)
                 else:
-                    feed, start = ids[-1:], pos - 1
                     cost = costs.decode_cost(cfg, pos, weight_dtype=s.dtype_name)
                 every: list | None = [] if step == 0 and capture.prompt_scores else None
                 logits = s._forward(feed, start, probe, every)
-                force = self.forced.get(step)
-                token, condensed, grammar_done = pick_token(logits, params, generator, context[:pos], force,
-                                                            self.constraint, capture.funnel_top, s.make_funnel)
+                token, condensed, grammar_done, force = loop.pick(logits, params, capture, s.make_funnel)
                 raw = logits.cpu().numpy() if capture.logits else None
                 _sync(lm.device)
                 seconds = time.perf_counter() - t0
-                t_extra, suspended_before = time.perf_counter(), suspended
-                if every:
-                    yield from emit(score_prompt(every[0], ids[:n_prompt], start))
-                yield from emit_all(emit, self._captured(probe, step, phase, start, len(feed)))
-                if probe is not None and RESID_STREAM in probe.values and capture.lens_top:
-                    yield from emit(lens_event(lm.model, tok, step, pos - 1, probe.values[RESID_STREAM][0], logits,
-                                               capture.lens_top, token))
-                outside += time.perf_counter() - t_extra - (suspended - suspended_before)
+                yield from loop.untimed(self._after(probe, step, phase, start, feed, every, ids[:loop.n_prompt],
+                                                    logits, token))
                 kv = s.cache
-                yield from emit(KVCacheGrew(
+                yield from loop.emit(KVCacheGrew(
                     step=step, n_tokens=kv.pos, bytes_used=kv.bytes_used(), bytes_allocated=kv.bytes_allocated()
                 ))
-                if step == 0:
-                    ttft = seconds
-                    yield from emit(PrefillDone(n_tokens=len(feed), n_reused=reuse, seconds=seconds, cost=cost))
-                else:
-                    step_times.append(seconds)
-                    if s.threads is not None:
-                        s.threads.end_step(seconds, cost.bytes)
-                is_stop = token in s.stop_ids and (not self.ignore_eos or grammar_done)
-                delta = "" if is_stop else decoder.push(token)
-                text_parts.append(delta)
-                out_ids.append(token)
-                yield from emit(TokenSampled(
-                    step=step, phase=phase, position=pos, token_id=token, piece=tok.piece(token), text=delta,
-                    seconds=seconds, cost=cost, funnel=condensed, logits=raw, params=params, forced=force is not None,
-                ))
-                ids.append(token)
-                if pos < capacity:
-                    context[pos] = token
-                pos += 1
-                step += 1
-                if is_stop or grammar_done:
-                    reason = "eos"
-                elif len(out_ids) >= self.max_new_tokens:
-                    reason = "length"
-                elif pos >= cfg.context_length:
-                    reason = "context"
-                elif self._stop:
-                    reason = "stopped"
-                else:
-                    continue
-                yield finished(reason)
-                return
+                if step > 0 and s.threads is not None:
+                    s.threads.end_step(seconds, cost.bytes)
+                reason = yield from loop.end_step(
+                    phase=phase, token=token, seconds=seconds, cost=cost, n_fed=len(feed), reuse=reuse,
+                    funnel=condensed, logits=raw, params=params, forced=force is not None, grammar_done=grammar_done)
+                if reason is not None:
+                    yield loop.finished(reason)
+                    return
         except Exception as e:  # noqa: BLE001 — the consumer gets one clear message instead of a dead thread
             s.forget_cache()
             text = str(e) if isinstance(e, NonFiniteLogits) else f"generation failed: {type(e).__name__}: {e}"
             yield Failed(message=text)
+
+    def _after(self, probe: Probe | None, step: int, phase: str, start: int, feed: list[int], every: list | None,
+               prompt: list[int], logits: torch.Tensor, token: int) -> Iterator[Event]:
+        """The step's events besides its token: prompt scores, attention and norms, the logit lens."""
+        if every:
+            yield score_prompt(every[0], prompt, start)
+        yield from self._captured(probe, step, phase, start, len(feed))
+        if probe is not None and RESID_STREAM in probe.values and self.capture.lens_top:
+            yield lens_event(self.session.lm.model, self.session.tokenizer, step, start + len(feed) - 1,
+                             probe.values[RESID_STREAM][0], logits, self.capture.lens_top, token)
 
 
 def score_prompt(every: torch.Tensor, prompt: Sequence[int], start: int) -> PromptScored:
@@ -435,9 +482,3 @@ def score_prompt(every: torch.Tensor, prompt: Sequence[int], start: int) -> Prom
         surprise_bits=(-lp / math.log(2.0)).cpu().numpy().astype(np.float32),
         entropy_bits=entropy.cpu().numpy().astype(np.float32), top_ids=logp.argmax(-1).cpu().numpy(),
     )
-
-
-def emit_all(emit, events: Iterator[Event]) -> Iterator[Event]:
-    for e in events:
-        yield from emit(e)
-
