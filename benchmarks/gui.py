@@ -18,10 +18,15 @@ user's own are never touched), hence with the autosave after every generation.
 - the generation's own TPOT with the GUI running, and the CPU time the GUI process and the engine process spent
   per token.
 
-`python -m benchmarks.gui --compare [--rounds N] [--output F] [--model M]` is the app-against-the-CLI benchmark:
+`python -m benchmarks.gui --compare [--rounds N] [--output F] [--model M] [--dtype D]` is the app-against-the-CLI
+benchmark:
 on a quiet machine and next to one `yes` busy loop, each round runs the CLI, the app (this module, in a fresh
 process) and the CLI again on the same prompt, dtype and thread setting, and prints the app's TPOT over the CLI's
-mean of the same round, with the app's stalls.
+mean of the same round, with the app's stalls. --dtype sets both (default: what the app chooses on this CPU). To
+stand in for a CPU with only AVX2 on a machine with AVX-512, run it as
+`ATEN_CPU_CAPABILITY=avx2 python -m benchmarks.gui --compare --dtype float32`: torch then takes its AVX2 kernels in
+every process (the output's `cpu_capability` says which it used), and float32 is what the app loads there; the
+memory system stays this machine's.
 """
 
 from __future__ import annotations
@@ -55,16 +60,17 @@ def main(argv: list[str] | None = None) -> int:
         return compare(argv)
     smoke = "--smoke" in argv  # a short run that only checks it works
     model = argv[argv.index("--model") + 1] if "--model" in argv else None  # default: SmolLM2-135M
+    dtype = argv[argv.index("--dtype") + 1] if "--dtype" in argv else "auto"  # auto: what the app chooses
     n_new, sizes, presses = (8, (50, 200), 3) if smoke else (128, (200, 2000), 30)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="ilab-bench-gui-") as settings_dir:
         os.environ["INFERENCE_LAB_SETTINGS"] = os.path.join(settings_dir, "inference-lab.ini")
-        return _measure(model, n_new, sizes, presses)
+        return _measure(model, n_new, sizes, presses, dtype)
 
 
-def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int) -> int:
+def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int, dtype: str = "auto") -> int:
     from PySide6 import QtCore, QtWidgets
     from PySide6.QtTest import QTest
 
@@ -72,7 +78,7 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
     from app.main_window import MainWindow
 
     app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(sys.argv[:1])
-    win = MainWindow(model, persist=True, interactive=False)
+    win = MainWindow(model, persist=True, interactive=False, dtype=dtype)
     win.resize(*WINDOW)
     win.show()
     loop = QtCore.QEventLoop()
@@ -201,6 +207,7 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
     result = {
         "tokens": int(len(fin.ids)), "tpot_ms_with_gui": fin.tpot_s * 1e3, "ttft_ms_with_gui": fin.ttft_s * 1e3,
         "dtype": win.bridge.info.dtype,
+        "cpu_capability": _cpu_capability(),
         # CPU time per generated token, from Generate to the last draw (GUI: this process, every thread)
         "gui_cpu_ms_per_token": cpu[0] / max(len(fin.ids), 1) * 1e3,
         "engine_cpu_ms_per_token": cpu[1] / max(len(fin.ids), 1) * 1e3,
@@ -320,12 +327,16 @@ def compare(argv: list[str]) -> int:
     from engine.formats.locate import load_tokenizer
     from engine.loaders import preferred_dtype
 
-    dtype = preferred_dtype("cpu")  # what the app loads; the CLI's own "auto" is float32 on a CPU
+    # what the app loads (or --dtype); the CLI's own "auto" is float32 on a CPU
+    dtype = argv[argv.index("--dtype") + 1] if "--dtype" in argv else preferred_dtype("cpu")
     chat = ["--chat"] if prompt_ids(load_tokenizer(model[1] if model else None))[1] else []  # as the app decides
     cli = ["-m", "engine", "generate", *chat, *model, "--greedy", "--ignore-eos", "--max-new-tokens", "128",
            "--prompt", PROMPT, "--json", "--dtype", dtype]  # threads "auto", as the app's default
-    out: dict = {"command": "python -m benchmarks.gui --compare " + " ".join(model), "rounds": rounds,
-                 "dtype": dtype, "conditions": {}}
+    command = " ".join(["python -m benchmarks.gui --compare", *model, "--dtype", dtype])
+    if os.environ.get("ATEN_CPU_CAPABILITY"):
+        command = f"ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']} {command}"
+    out: dict = {"command": command, "rounds": rounds,
+                 "dtype": dtype, "cpu_capability": _cpu_capability(), "conditions": {}}
     for condition in ("quiet", "busy"):
         rows = []
         for r in range(rounds):
@@ -333,7 +344,7 @@ def compare(argv: list[str]) -> int:
             meter = BusyMeter()
             try:
                 before = run_json(cli)["tpot_s"] * 1e3
-                gui = run_json(["-m", "benchmarks.gui", *model])
+                gui = run_json(["-m", "benchmarks.gui", *model, "--dtype", dtype])
                 after = run_json(cli)["tpot_s"] * 1e3
                 others = meter.cores_used()  # every other process, the competitor included
             finally:
@@ -357,6 +368,13 @@ def compare(argv: list[str]) -> int:
         with open(output, "w") as f:
             json.dump(out, f, indent=1)
     return 0
+
+
+def _cpu_capability() -> str:
+    """The vector instructions torch's kernels use in this process (ATEN_CPU_CAPABILITY can lower them)."""
+    import torch
+
+    return str(torch.backends.cpu.get_cpu_capability())
 
 
 def _peak_rss_mb() -> float:
