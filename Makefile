@@ -15,7 +15,7 @@ LLAMA_STAMP  := $(SERVERS)/llamacpp/.installed
 # servers' build left in its cache, so llama.cpp is compiled once.
 LLAMA_IN_APP := $(VENV)/.llamacpp
 
-.PHONY: run test bench bench-load bench-smoke lint setup clean servers screenshot
+.PHONY: run test bench bench-load bench-smoke lint setup clean servers screenshot package
 
 setup: $(STAMP)
 
@@ -87,6 +87,13 @@ screenshot: $(STAMP)
 	rm -f .venv/screenshot-settings.ini
 	INFERENCE_LAB_SETTINGS=.venv/screenshot-settings.ini QT_QPA_PLATFORM=offscreen $(PY) -m app --prompt "Explain what a KV cache is in two sentences." --chat \
 		--max-new-tokens 32 --greedy --screenshot docs/window.png
+
+# Every way of installing the app, built and smoke-tested headless (a screenshot each) under PACKAGE_DIR: the wheel
+# into pipx and into `uv tool`, and a PyInstaller one-folder bundle. Minutes, ~5 GB of disk; see packaging/README.md.
+PACKAGE_DIR ?= build/package
+
+package: $(STAMP)
+	PYTHON=$(PYTHON) WHEEL_PYTHON=$(PY) packaging/package.sh $(PACKAGE_DIR)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
