@@ -6,10 +6,12 @@ Closing the window stops the engine process and the bridge's relay thread before
 
 from __future__ import annotations
 
+import collections
 import html
 import importlib
 import logging
 import os
+import time
 import zlib
 from pathlib import Path
 
@@ -26,6 +28,12 @@ log = logging.getLogger(__name__)
 
 DRAW_INTERVAL_MS = 33  # the shared draw timer: about 30 Hz (each panel also has its own max_fps)
 DRAWS_PER_TICK = 1
+# While the engine generates, the GUI shares the machine's cores with it. Drawing and painting (Qt paints the window
+# after the draw timer, and pyqtgraph's own updates add paints of their own) may then take at most this fraction of
+# one core per core the machine has beyond the engine's first, measured over the last GATE_WINDOW_S; past it the draw
+# timer skips its turn (BENCHMARKS.md, "The app on an AVX2-only CPU"). Idle, only each panel's own budget applies.
+GENERATING_GUI_SHARE = 0.12
+GATE_WINDOW_S = 1.0
 DEFAULT_SIZE = (1600, 1000)
 _Area = QtCore.Qt.DockWidgetArea
 # Default layout: the live run in three rows (the top and bottom areas own the corners, so they span the whole
@@ -82,6 +90,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self.draw_errors: dict[str, str] = {}  # panel module → the last exception its draw() raised
         self._closed = False
         self._next_panel = 0  # round-robin start of the next draw tick
+        self._generating = False  # the engine is decoding: drawing and painting keep within GENERATING_GUI_SHARE
+        self._gui_busy: collections.deque[tuple[float, float]] = collections.deque()  # (start, seconds) of each
         self._model_request: str | None = None
         self._first_show = True
         self._restored_layout = False
@@ -430,6 +440,7 @@ class MainWindow(QtWidgets.QMainWindow):
 
     @QtCore.Slot(str)
     def _on_state(self, state: str) -> None:
+        self._generating = state == "generating"
         if state == "generating":  # a new run: the previous one's error no longer describes the app
             self.last_error = ""
             self.set_message("Generating…")
@@ -463,6 +474,9 @@ class MainWindow(QtWidgets.QMainWindow):
         stays short and the window keeps answering while the engine uses both cores.
         """
         names = list(self.panels)
+        if not flush and self._over_budget():
+            return  # the panels stay dirty: a later tick draws their latest data
+        t = time.perf_counter()
         start = self._next_panel % len(names) if names else 0
         drawn = 0
         for name in names[start:] + names[:start]:
@@ -478,6 +492,28 @@ class MainWindow(QtWidgets.QMainWindow):
             if panel.draw_count != before:
                 drawn += 1
                 self._next_panel = names.index(name) + 1
+        if drawn:
+            self._gui_busy.append((t, time.perf_counter() - t))
+
+    def event(self, event: QtCore.QEvent) -> bool:
+        """Time every paint of the window (Qt paints all dirty widgets in one UpdateRequest): the draw gate's input."""
+        if event.type() != QtCore.QEvent.Type.UpdateRequest:
+            return super().event(event)
+        t = time.perf_counter()
+        try:
+            return super().event(event)
+        finally:
+            self._gui_busy.append((t, time.perf_counter() - t))
+
+    def _over_budget(self) -> bool:
+        """Generating, and drawing plus painting took more than the GUI's share of the last GATE_WINDOW_S."""
+        if not self._generating:
+            return False
+        now = time.perf_counter()
+        while self._gui_busy and self._gui_busy[0][0] < now - GATE_WINDOW_S:
+            self._gui_busy.popleft()
+        busy = sum(d for _t, d in self._gui_busy)
+        return busy > GENERATING_GUI_SHARE * max(1, _cores() - 1) * GATE_WINDOW_S
 
     # ---- timeline export ----
     def export_timeline(self, path: str) -> bool:

@@ -78,3 +78,25 @@ def test_flush_draws_at_once_whatever_the_limit(qtbot, bridge, clock):
     assert p.draw_count == 1
     p.flush()
     assert p.draw_count == 2
+
+
+def test_while_generating_the_window_draws_within_the_guis_share(qtbot, make_window):
+    """During a generation, drawing and painting that already took more than the GUI's share of the last second
+    hold the draw timer back (the engine keeps its cores); idle, or within the share, panels draw."""
+    import time
+
+    from app import main_window
+
+    w = make_window(load=False)
+    timeline = w.panels["timeline"]
+    budget = main_window.GENERATING_GUI_SHARE * max(1, main_window._cores() - 1) * main_window.GATE_WINDOW_S
+    w._gui_busy.append((time.perf_counter(), budget * 1.5))  # a paint that used more than the share
+    w._on_state("generating")
+    timeline.mark_dirty()
+    before = timeline.draw_count
+    w.tick_panels()
+    assert timeline.draw_count == before and timeline._dirty  # held back, the data kept for a later tick
+    w._on_state("idle")  # the run ended: the window draws at once
+    for _ in range(len(w.panels)):
+        w.tick_panels()
+    assert timeline.draw_count == before + 1
