@@ -160,34 +160,21 @@ class MainWindow(QtWidgets.QMainWindow):
         right = last.get(_Area.RightDockWidgetArea)
         self.setTabPosition(_Area.RightDockWidgetArea, QtWidgets.QTabWidget.TabPosition.North)
         # the labs' column first (splitting a dock that is already a tab would pull it out of its tabs), then the tabs
-        rest = self._lab_names()
+        rest = [n for n in self.docks if n not in PLACEMENT and n not in TAB_WITH]
         labs = self.docks[rest[0]] if rest else None
         if labs is not None:
             if right is not None:
                 self.splitDockWidget(right, labs, QtCore.Qt.Orientation.Horizontal)
             else:
                 self.addDockWidget(_Area.RightDockWidgetArea, labs)
-        if self.isVisible():
-            self._group_tabs()
-        # else the first showEvent groups them: Qt 6.10 leaves a second, stale tab bar painted over the panels for
-        # each tab group made in a window not yet shown
-
-    def _lab_names(self) -> list[str]:
-        return [n for n in self.docks if n not in PLACEMENT and n not in TAB_WITH]
-
-    def _group_tabs(self) -> None:
-        rest = self._lab_names()
-        if rest:
             for name in rest[1:]:
-                self.tabifyDockWidget(self.docks[rest[0]], self.docks[name])
+                self.tabifyDockWidget(labs, self.docks[name])
         for name, host in TAB_WITH.items():
             if name in self.docks and host in self.docks:
                 self.tabifyDockWidget(self.docks[host], self.docks[name])
         for name in (*TAB_WITH.values(), *rest[:1]):
             if name in self.docks:
                 self.docks[name].raise_()  # the group's first panel in front of its tabs
-        for bar in self.findChildren(QtWidgets.QTabBar, options=QtCore.Qt.FindChildOption.FindDirectChildrenOnly):
-            bar.setUsesScrollButtons(True)  # a long row of tabs scrolls rather than widening the window
 
     def _apply_default_sizes(self) -> None:
         rows = [[d for n, d in self.docks.items() if PLACEMENT.get(n) == a]
@@ -495,6 +482,7 @@ class MainWindow(QtWidgets.QMainWindow):
         if drawn:
             self._gui_busy.append((t, time.perf_counter() - t))
 
+    @guarded(default=False)
     def event(self, event: QtCore.QEvent) -> bool:
         """Time every paint of the window (Qt paints all dirty widgets in one UpdateRequest): the draw gate's input."""
         if event.type() != QtCore.QEvent.Type.UpdateRequest:
@@ -616,9 +604,6 @@ class MainWindow(QtWidgets.QMainWindow):
         if self._first_show:
             self._first_show = False
             if not self._restored_layout:
-                size = self.size()
-                self._group_tabs()
-                self.resize(size)  # a new tab bar's width must not widen the window the user sized
                 self._apply_default_sizes()
 
     def shutdown(self) -> bool:

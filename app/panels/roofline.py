@@ -16,6 +16,7 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
+from app.guard import guarded
 from app.panels.base import Panel
 from app.theme import (
     BACKGROUND,
@@ -242,6 +243,7 @@ class RooflinePanel(Panel):
         layout.addWidget(self.plot, 1)
         layout.addWidget(self.takeaway)
 
+    @guarded
     def resizeEvent(self, event: QtGui.QResizeEvent) -> None:  # noqa: N802 — Qt's name
         super().resizeEvent(event)
         self._fit_height()

@@ -183,7 +183,7 @@ def test_capacity_shows_the_servers_measured_tpot(qtbot, window, stub):
     batch 1 next to the estimate, and each Load lab level adds its mean TPOT and system tok/s at its concurrency."""
     cap = window.panels["capacity"]
     window.tick_panels(flush=True)
-    assert "connect to a server" in cap.values["measured"].text()
+    assert "Connect to server" in cap.values["measured"].text()
     window.connect_server(stub)
     qtbot.waitUntil(lambda: window.bridge.server is not None, timeout=30_000)
     tokens = []

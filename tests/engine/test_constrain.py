@@ -21,10 +21,12 @@ def constraint_for(s: Session, **kw) -> Constraint:
 
 
 # Simple patterns: literals, bounded classes and repeats, alternations, optional parts (all finite, so a generation
-# of 48 tokens always has room to finish them).
+# of 48 tokens always has room to finish them). No \d: the grammar's \d is every Unicode decimal digit of a newer
+# Unicode than Python 3.11's `re` knows (it emitted U+1CCF9, OUTLINED DIGIT NINE, Unicode 16), so `re` cannot be
+# the reference for it; [0-9] is.
 _piece = st.one_of(
     st.text(alphabet="abcxyz ", min_size=1, max_size=3).map(re.escape),
-    st.sampled_from(["[a-c]", "[0-9]", "[xyz]", r"\d", "[a-z]"]).flatmap(
+    st.sampled_from(["[a-c]", "[0-9]", "[xyz]", "[a-z]"]).flatmap(
         lambda c: st.sampled_from([c, c + "{1,3}", c + "{2}", c + "?"])),
     st.lists(st.text(alphabet="abc", min_size=1, max_size=2), min_size=2, max_size=3).map(
         lambda alts: "(" + "|".join(map(re.escape, alts)) + ")"),
