@@ -24,6 +24,8 @@ so a cache cell is always the position of the same number and prefix reuse can t
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -49,7 +51,7 @@ from engine.events import (
     RunStarted,
     StepCost,
 )
-from engine.formats.locate import ModelLoadError, load_tokenizer, resolve_model_path
+from engine.formats.locate import ModelLoadError, cache_root, load_tokenizer, resolve_model_path
 from engine.model.config import ModelConfig
 from engine.model.dtypes import lookup as dtype_lookup
 from engine.model.probe import Probe
@@ -63,10 +65,18 @@ from engine.run.session import Generation, NonFiniteLogits, RunLoop, condense_fu
 from engine.run.threads import available_cores
 from engine.tokenizer import Tokenization
 
+HEADER_CACHE_VERSION = "1"  # bump when read_config, tensor_stats or file_type_name change what they return
 UBATCH = 512  # tokens per graph evaluation during a prefill (llama.cpp splits a longer batch itself)
 KV_DTYPE = "float16"
 LENS_ROWS = 4096  # rows of the output matrix dequantized at a time  # llama.cpp's default K and V cache type
 GGML_F32, GGML_F16 = 0, 1
+
+
+def _header_cache(path: Path) -> Path:
+    """Where a GGUF file's header facts are kept: by its path, size and modification time."""
+    st = path.stat()
+    key = f"{HEADER_CACHE_VERSION}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return cache_root() / "headers" / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
 
 
 class _GGMLTensor(ctypes.Structure):
@@ -301,16 +311,35 @@ class LlamaCppSession:
 
     @staticmethod
     def _read_header(path: Path) -> tuple[ModelConfig, dict, str]:
-        """Config, storage by tensor type and file type from the header; the weights are left to llama.cpp."""
+        """Config, storage by tensor type and file type from the header; the weights are left to llama.cpp.
+
+        The gguf package parses every metadata array in Python (Gemma's 262,144-token vocabulary: about 20 s here),
+        so the three facts are kept in the cache by file, as the tokenizer is, and later loads read them at once.
+        """
         from engine.loaders import gguf as gg
 
+        cached = _header_cache(path)
+        try:
+            d = json.loads(cached.read_text(encoding="utf-8"))
+            return ModelConfig.from_dict(d["config"]), d["stats"], str(d["file_type"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none yet, or unreadable: read the header
         try:
             reader = gg.open_reader(path)
             cfg = gg.read_config(reader, path.stem)
-            return cfg, gg.tensor_stats(reader), gg.file_type_name(reader)
+            stats, file_type = gg.tensor_stats(reader), gg.file_type_name(reader)
         except (ValueError, OSError) as e:
             text = str(e) if str(e).startswith(path.name) else f"cannot load {path.name}: {e}"
             raise ModelLoadError(text) from None
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cached.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"config": cfg.to_dict(), "stats": stats, "file_type": file_type}),
+                           encoding="utf-8")
+            tmp.replace(cached)
+        except OSError:
+            pass  # a read-only or full disk only costs the next load
+        return cfg, stats, file_type
 
     def close(self) -> None:
         """Free llama.cpp's context and model (also done when the object is collected)."""

@@ -259,3 +259,20 @@ def test_auto_sends_large_gguf_files_to_llamacpp(tiny_dir, monkeypatch):
     assert backends.choose(tiny_dir.gguf, "torch") == "torch"
     with pytest.raises(ValueError, match="unknown backend"):
         backends.choose(tiny_dir.gguf, "cuda")
+
+
+def test_the_header_is_read_once_and_kept_by_file(tiny_dir, tmp_path, monkeypatch):
+    """A second load reads the header's facts from the cache (the gguf package parses a large vocabulary for tens of
+    seconds); they equal the file's own, and a damaged cache entry is read again from the file."""
+    import engine.backends.llamacpp as lc
+    from engine.loaders import gguf as gg
+
+    monkeypatch.setenv("INFERENCE_LAB_CACHE", str(tmp_path))
+    first = lc.LlamaCppSession._read_header(tiny_dir.gguf)
+    assert lc._header_cache(tiny_dir.gguf).is_file()
+    opened = []
+    real_open = gg.open_reader
+    monkeypatch.setattr(gg, "open_reader", lambda path: opened.append(path) or real_open(path))
+    assert lc.LlamaCppSession._read_header(tiny_dir.gguf) == first and opened == []  # from the cache
+    lc._header_cache(tiny_dir.gguf).write_text("{not json")
+    assert lc.LlamaCppSession._read_header(tiny_dir.gguf) == first and len(opened) == 1  # from the file again
