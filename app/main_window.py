@@ -75,6 +75,7 @@ def discover_panels() -> list[tuple[str, type[Panel]]]:
 class MainWindow(QtWidgets.QMainWindow):
     sig_closed = QtCore.Signal()
     """The window closed and the engine process has stopped."""
+    _generating = False  # read by event(), which Qt calls from inside QMainWindow.__init__
 
     def __init__(self, model: str | None = None, *, persist: bool = True, load: bool = True,
                  interactive: bool = True, device: str = "auto", dtype: str = "auto") -> None:
@@ -428,6 +429,7 @@ class MainWindow(QtWidgets.QMainWindow):
     @QtCore.Slot(str)
     def _on_state(self, state: str) -> None:
         self._generating = state == "generating"
+        self._gui_busy.clear()  # each run's share starts from its own paints
         if state == "generating":  # a new run: the previous one's error no longer describes the app
             self.last_error = ""
             self.set_message("Generating…")
@@ -479,14 +481,14 @@ class MainWindow(QtWidgets.QMainWindow):
             if panel.draw_count != before:
                 drawn += 1
                 self._next_panel = names.index(name) + 1
-        if drawn:
+        if drawn and self._generating:
             self._gui_busy.append((t, time.perf_counter() - t))
 
     @guarded(default=False)
     def event(self, event: QtCore.QEvent) -> bool:
         """Time every paint of the window (Qt paints all dirty widgets in one UpdateRequest): the draw gate's input."""
-        if event.type() != QtCore.QEvent.Type.UpdateRequest:
-            return super().event(event)
+        if not self._generating or event.type() != QtCore.QEvent.Type.UpdateRequest:
+            return super().event(event)  # idle, nothing is timed (and nothing piles up)
         t = time.perf_counter()
         try:
             return super().event(event)

@@ -42,7 +42,6 @@ from engine.events import (
     AttentionCaptured,
     Capability,
     Event,
-    Failed,
     Funnel,
     KVCacheGrew,
     ModelInfo,
@@ -587,9 +586,7 @@ class LlamaCppGeneration(Generation):
                     yield loop.finished(reason)
                     return
         except Exception as e:  # noqa: BLE001 — the consumer gets one clear message instead of a dead thread
-            s.forget_cache()
-            text = str(e) if isinstance(e, NonFiniteLogits) else f"generation failed: {type(e).__name__}: {e}"
-            yield Failed(message=text)
+            yield loop.failed(s, e)
 
     def _after(self, step: int, phase: str, start: int, feed: list[int], every: np.ndarray | None,
                prompt: list[int], stream: np.ndarray | None, logits: torch.Tensor, token: int) -> Iterator[Event]:

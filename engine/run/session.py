@@ -353,6 +353,13 @@ class RunLoop:
             return "stopped"
         return None
 
+    def failed(self, session: object, error: Exception) -> Failed:
+        """The run broke: its cache is no longer trusted, and the consumer gets one sentence."""
+        session.forget_cache()
+        if isinstance(error, NonFiniteLogits):
+            return Failed(message=str(error))
+        return Failed(message=f"generation failed: {type(error).__name__}: {error}")
+
     def finished(self, reason: str) -> Finished:
         self.text_parts.append(self.decoder.flush())
         return Finished(
@@ -454,9 +461,7 @@ class Generation:
                     yield loop.finished(reason)
                     return
         except Exception as e:  # noqa: BLE001 — the consumer gets one clear message instead of a dead thread
-            s.forget_cache()
-            text = str(e) if isinstance(e, NonFiniteLogits) else f"generation failed: {type(e).__name__}: {e}"
-            yield Failed(message=text)
+            yield loop.failed(s, e)
 
     def _after(self, probe: Probe | None, step: int, phase: str, start: int, feed: list[int], every: list | None,
                prompt: list[int], logits: torch.Tensor, token: int) -> Iterator[Event]:

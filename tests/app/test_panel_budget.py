@@ -90,8 +90,8 @@ def test_while_generating_the_window_draws_within_the_guis_share(qtbot, make_win
     w = make_window(load=False)
     timeline = w.panels["timeline"]
     budget = main_window.GENERATING_GUI_SHARE * max(1, main_window._cores() - 1) * main_window.GATE_WINDOW_S
-    w._gui_busy.append((time.perf_counter(), budget * 1.5))  # a paint that used more than the share
     w._on_state("generating")
+    w._gui_busy.append((time.perf_counter(), budget * 1.5))  # a paint that used more than the share
     timeline.mark_dirty()
     before = timeline.draw_count
     w.tick_panels()
