@@ -117,6 +117,7 @@ def test_autosave_survives_a_crash_and_is_offered(qtbot, make_window, settings_f
     wait_loaded(qtbot, w)
     generate(qtbot, w, n=3)
     auto = session_io.autosave_path()
+    qtbot.waitUntil(auto.is_file, timeout=10_000)  # written by the writer thread after the run, not at Finished
     assert auto.parent == settings_file.parent and auto.is_file()
     assert len(load_session(auto).events) == len(w.run_store.events())
     # a crash leaves the file; the next start offers it
