@@ -5,7 +5,7 @@ For each model it prints the decode TPOT (median step), TTFT and peak RSS of
   session      this engine's Session, float32 (every GGUF weight dequantized);
   lcpp-none    engine.backends.llamacpp with nothing captured (the callback answers "no" to every node);
   lcpp-all     the same with Capture.everything: attention of every layer, residual norms, funnel, raw logits;
-  lcpp-lens    lcpp-all plus a logit lens (L + 2 LM heads per step, float32 norm and head read from the file);
+  lcpp-lens    lcpp-all plus a logit lens (L + 2 LM heads per step; norm and float16 head read from the file);
   Llama        plain llama_cpp.Llama (greedy, its own sampler), the speed floor of the same library;
 with the ratios between them, the CPU's flags and the thread count.
 

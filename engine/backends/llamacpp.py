@@ -64,10 +64,11 @@ from engine.run.session import Generation, NonFiniteLogits, RunLoop, condense_fu
 from engine.run.threads import available_cores
 from engine.tokenizer import Tokenization
 
-HEADER_CACHE_VERSION = "1"  # bump when read_config, tensor_stats or file_type_name change what they return
+HEADER_CACHE_VERSION = "2"  # bump when read_config, tensor_stats, _lens_places or file_type_name change their answer
 UBATCH = 512  # tokens per graph evaluation during a prefill (llama.cpp splits a longer batch itself)
-KV_DTYPE = "float16"
-LENS_ROWS = 4096  # rows of the output matrix dequantized at a time  # llama.cpp's default K and V cache type
+KV_DTYPE = "float16"  # llama.cpp's default K and V cache type
+LENS_ROWS = 1024  # rows of the output matrix dequantized at a time (the gguf package's temporaries: a few MiB each)
+HEAD_ROWS = 512  # rows of the lens's float16 output matrix widened to float32 at a time (a few MiB, cache-sized)
 GGML_F32, GGML_F16 = 0, 1
 
 
@@ -201,17 +202,63 @@ class _Tap:
 
 
 class _LensHead(torch.nn.Module):
-    """The final norm and the LM head read from the file, float32: what engine.run.lens projects through."""
+    """The final norm and the LM head read from the file: what engine.run.lens projects through.
+
+    The (V, d) output matrix is kept in float16, half the memory of float32 (on a 1B-scale model 0.2 GB of the
+    0.4), and widened to float32 HEAD_ROWS rows at a time as it multiplies; the quantized file's values fit float16's
+    11-bit mantissa closely (a logit moves by about 1e-3). A matrix float16 cannot hold stays float32.
+    """
 
     def __init__(self, norm: torch.Tensor, output: torch.Tensor, eps: float) -> None:
         super().__init__()
-        self.norm_weight = torch.nn.Parameter(norm, requires_grad=False)  # (d,)
+        self.norm_weight = torch.nn.Parameter(norm, requires_grad=False)  # (d,), first: lens_probs reads its dtype
         self.output = torch.nn.Parameter(output, requires_grad=False)  # (V, d)
         self.eps = eps
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.nn.functional.rms_norm(x, (x.shape[-1],), self.norm_weight, self.eps)
-        return (h @ self.output.T).float()
+        h = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), self.norm_weight.float(), self.eps)
+        h2 = h.reshape(-1, h.shape[-1])
+        out = h2.new_empty(h2.shape[0], self.output.shape[0])
+        for i in range(0, self.output.shape[0], HEAD_ROWS):
+            torch.mm(h2, self.output[i:i + HEAD_ROWS].float().T, out=out[:, i:i + HEAD_ROWS])
+        return out.reshape(*h.shape[:-1], -1)
+
+
+def _lens_places(reader) -> dict:
+    """Where the lens's two tensors lie in the file: {"norm"|"output": {offset, n_bytes, type, shape}} (shape as
+    ggml's ne, innermost first), kept in the header cache so that a lens reads only their bytes."""
+    tensors = {t.name: t for t in reader.tensors}
+    out = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    norm = tensors.get("output_norm.weight")
+    if out is None or norm is None:
+        return {}  # an architecture whose head is named otherwise: the lens says it cannot
+    return {k: {"offset": int(t.data_offset), "n_bytes": int(t.n_bytes), "type": int(t.tensor_type),
+                "shape": [int(x) for x in t.shape]} for k, t in (("norm", norm), ("output", out))}
+
+
+def _read_rows(path: Path, place: dict, dtype) -> torch.Tensor:
+    """One tensor of the file, dequantized LENS_ROWS rows at a time into `dtype` (float16 falls back to float32
+    when a value lies beyond its range). Only the tensor's own bytes are mapped, after checking they lie in the
+    file and match its type and shape."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(place["type"])
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    shape = tuple(reversed(place["shape"]))  # torch order: (rows, row length)
+    n = int(np.prod(shape))
+    if n % block or n // block * type_size != place["n_bytes"] or shape[-1] % block:
+        raise ValueError(f"{path.name}: a {qtype.name} tensor of shape {shape} cannot hold {place['n_bytes']} bytes")
+    if place["offset"] < 0 or place["offset"] + place["n_bytes"] > path.stat().st_size:
+        raise ValueError(f"{path.name}: a tensor's bytes lie beyond the end of the file")
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=place["offset"], shape=(place["n_bytes"],))
+    out = np.empty(shape, dtype=dtype).reshape(-1, shape[-1])
+    data = data.reshape(out.shape[0], -1)  # (rows, bytes per row)
+    for i in range(0, out.shape[0], LENS_ROWS):
+        rows = gguf.quants.dequantize(data[i:i + LENS_ROWS], qtype)
+        if dtype == np.float16 and not np.isfinite(rows.astype(np.float16)).all():
+            return _read_rows(path, place, np.float32)  # values beyond float16's range: this one stays float32
+        out[i:i + LENS_ROWS] = rows
+    return torch.from_numpy(out.reshape(shape))
 
 
 def _info_dtype(file_type: str, bits_per_weight: float) -> str:
@@ -242,6 +289,7 @@ class LlamaCppSession:
             raise ModelLoadError(f"{self.path.name} is a folder: the llama.cpp backend runs GGUF files")
         self.llama = _llama()
         self.cfg, stats, file_type = self._read_header(self.path)
+        self._lens_places = stats["lens_tensors"]
         self.tokenizer = load_tokenizer(self.path)
         L = self.llama
         self.n_threads = available_cores() if threads == "auto" else int(threads)
@@ -250,6 +298,10 @@ class LlamaCppSession:
         self.flash_attn = flash_attn
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0  # this engine's device is the CPU; a GPU build would otherwise take every layer
+        # Read, not mapped: llama.cpp repacks most weights into its own interleaved layout on AVX2 and AVX-512 CPUs,
+        # and a mapped file's pages stay resident beside that copy, counting the weights twice (BENCHMARKS.md "The
+        # llama.cpp backend": peak memory). Read into its buffers, the file's bytes are held once either way.
+        mp.load_mode = L.LLAMA_LOAD_MODE_NONE
         self._model = L.llama_model_load_from_file(str(self.path).encode(), mp)
         if not self._model:
             raise ModelLoadError(f"llama.cpp could not load {self.path.name} (its log says why; it was silenced)")
@@ -327,6 +379,7 @@ class LlamaCppSession:
             reader = gg.open_reader(path)
             cfg = gg.read_config(reader, path.stem)
             stats, file_type = gg.tensor_stats(reader), gg.file_type_name(reader)
+            stats["lens_tensors"] = _lens_places(reader)
         except (ValueError, OSError) as e:
             text = str(e) if str(e).startswith(path.name) else f"cannot load {path.name}: {e}"
             raise ModelLoadError(text) from None
@@ -441,25 +494,13 @@ class LlamaCppSession:
                            bytes_allocated=round(per_position * self.n_ctx))
 
     def lens_head(self) -> _LensHead:
-        """The final norm and the output matrix, dequantized from the file to float32 on first use."""
+        """The final norm (float32) and the output matrix (float16), dequantized from the file on first use."""
         if self._lens is None:
-            import gguf
-
-            from engine.loaders import gguf as gg
-
-            reader = gg.open_reader(self.path)
-            tensors = {t.name: t for t in reader.tensors}
-            out = tensors.get("output.weight") or tensors["token_embd.weight"]
-
-            def load(t) -> torch.Tensor:  # in row blocks: the temporaries stay small next to a (V, d) matrix
-                shape = tuple(int(x) for x in reversed(t.shape))
-                out = np.empty(shape, dtype=np.float32).reshape(-1, shape[-1])
-                data = t.data.reshape(out.shape[0], -1)  # (rows, values or bytes per row)
-                for i in range(0, out.shape[0], LENS_ROWS):
-                    out[i:i + LENS_ROWS] = gguf.quants.dequantize(data[i:i + LENS_ROWS], t.tensor_type)
-                return torch.from_numpy(out.reshape(shape))
-
-            self._lens = _LensHead(load(tensors["output_norm.weight"]), load(out), self.cfg.norm_eps)
+            places = self._lens_places
+            if not places:
+                raise Unsupported("the logit lens needs the file's output_norm and output tensors, which it lacks")
+            self._lens = _LensHead(_read_rows(self.path, places["norm"], np.float32),
+                                   _read_rows(self.path, places["output"], np.float16), self.cfg.norm_eps)
         return self._lens
 
     # ---- one-off next-token preview ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tests.requires import import_required  # noqa: E402
 
@@ -276,3 +277,29 @@ def test_the_header_is_read_once_and_kept_by_file(tiny_dir, tmp_path, monkeypatc
     assert lc.LlamaCppSession._read_header(tiny_dir.gguf) == first and opened == []  # from the cache
     lc._header_cache(tiny_dir.gguf).write_text("{not json")
     assert lc.LlamaCppSession._read_header(tiny_dir.gguf) == first and len(opened) == 1  # from the file again
+
+
+def test_the_lens_reads_its_two_tensors_from_their_place_in_the_file(tiny_dir, lcpp, monkeypatch):
+    """The lens maps only the output norm and matrix (their places kept with the header): the values are the gguf
+    package's own reading of the file (the matrix in float16), and a place that lies beyond the file is refused."""
+    import gguf
+
+    from engine.loaders import gguf as gg
+
+    tensors = {t.name: t for t in gg.open_reader(tiny_dir.gguf).tensors}
+    out = tensors.get("output.weight") or tensors["token_embd.weight"]
+    want = gguf.quants.dequantize(out.data, out.tensor_type).reshape(tuple(int(x) for x in reversed(out.shape)))
+    lcpp._lens = None
+    head = lcpp.lens_head()
+    assert head.output.dtype == torch.float16
+    np.testing.assert_allclose(head.output.float().numpy(), want, rtol=1e-3, atol=1e-6)
+    norm = tensors["output_norm.weight"]
+    np.testing.assert_array_equal(head.norm_weight.numpy(), gguf.quants.dequantize(norm.data, norm.tensor_type))
+
+    places = dict(lcpp._lens_places)
+    places["output"] = dict(places["output"], offset=tiny_dir.gguf.stat().st_size - 16)
+    monkeypatch.setattr(lcpp, "_lens_places", places)
+    lcpp._lens = None
+    with pytest.raises(ValueError, match="beyond the end of the file"):
+        lcpp.lens_head()
+    lcpp._lens = None
