@@ -21,6 +21,13 @@ heads, a separate output matrix) with the same 49,152-token vocabulary (Llama 3.
 valid Q4_K and Q6_K blocks written directly): about 4.4 GB. The Session is left out on it (its float32 weights need
 32 GB). The Session's first load of a file converts the weights into the engine's cache; that happens in a
 separate process first, so the measured loads read the cache as the app would.
+
+The header says which instruction sets llama.cpp and torch use. To stand in for a CPU with only AVX2 on one with
+AVX-512, build llama-cpp-python without AVX-512 into a folder of its own and run the benchmark with torch held to its
+AVX2 kernels (the memory system stays this machine's):
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF" \
+    pip install --no-binary llama-cpp-python --no-deps --target /tmp/lcpp-avx2 llama-cpp-python==0.3.36
+  PYTHONPATH=/tmp/lcpp-avx2 ATEN_CPU_CAPABILITY=avx2 python -m benchmarks.llamacpp --models 1b
 """
 
 from __future__ import annotations
@@ -326,9 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown configuration {unknown[0]!r} (choose from {', '.join(CONFIGS)})")
     import llama_cpp
+    import torch
 
+    from engine.backends.llamacpp import _llama
+
+    built = _llama().llama_print_system_info().decode().strip()  # the instruction sets llama.cpp was built with
     print(f"CPU: {cpu_flags()}; {threads} threads (of {os.cpu_count()} CPUs); llama-cpp-python "
           f"{llama_cpp.__version__}; load average before: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"llama.cpp uses: {built}\ntorch uses: {torch.backends.cpu.get_cpu_capability()}")
     for m in [m for m in args.models.split(",") if m]:
         if m == "smollm2":
             from engine.formats.locate import default_model_path
