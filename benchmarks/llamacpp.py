@@ -6,8 +6,6 @@ For each model it prints the decode TPOT (median step), TTFT and peak RSS of
   lcpp-none    engine.backends.llamacpp with nothing captured (the callback answers "no" to every node);
   lcpp-all     the same with Capture.everything: attention of every layer, residual norms, funnel, raw logits;
   lcpp-lens    lcpp-all plus a logit lens (L + 2 LM heads per step; norm and float16 head read from the file);
-  lcpp-all-py  lcpp-all with the graph callback's names matched in Python (INFERENCE_LAB_TAP=python), not by the
-               compiled filter (engine/backends/tap.c): what the filter saves (not run unless named in --configs);
   Llama        plain llama_cpp.Llama (greedy, its own sampler), the speed floor of the same library;
 with the ratios between them, the CPU's flags and the thread count.
 
@@ -48,7 +46,6 @@ import numpy as np
 
 PROMPT = "Explain what a KV cache is in two sentences."
 CONFIGS = ("session", "lcpp-none", "lcpp-all", "lcpp-lens", "Llama")
-EXTRA_CONFIGS = ("lcpp-all-py",)  # run only when named
 SHAPES = {  # Llama-shaped random-weight files; the vocabulary is SmolLM2's (49,152), whose tokenizer they carry
     "1b": dict(n_layers=16, d_model=2048, ffn=8192, n_heads=32, n_kv_heads=8, context=8192, rope_base=100000.0),
     # Llama 3.1 8B's shapes (its 128,256-token vocabulary excepted)
@@ -244,7 +241,6 @@ def run_one(config: str, model: str, tokens: int, n_ctx: int, threads: int) -> d
         load_s, rss_loaded = time.perf_counter() - t0, _rss()
         n_layers = session.cfg.n_layers
         capture = {"session": Capture(), "lcpp-none": Capture(), "lcpp-all": Capture.everything(n_layers),
-                   "lcpp-all-py": Capture.everything(n_layers),
                    "lcpp-lens": replace(Capture.everything(n_layers), lens_top=5)}[config]
 
         def generate(n: int) -> tuple[float, list[float]]:
@@ -264,8 +260,7 @@ def run_one(config: str, model: str, tokens: int, n_ctx: int, threads: int) -> d
 def _worker(config: str, model: str, tokens: int, n_ctx: int, threads: int) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.llamacpp", "--worker", config, "--model-path", model,
            "--tokens", str(tokens), "--n-ctx", str(n_ctx), "--threads", str(threads)]
-    env = dict(os.environ, INFERENCE_LAB_TAP="python") if config.endswith("-py") else None
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"{config} on {Path(model).name} failed: {out.stderr.strip().splitlines()[-1:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -309,8 +304,6 @@ def bench_model(name: str, model: str, args: argparse.Namespace, threads: int) -
     ratio("lcpp-none", "Llama", "tpot_s", "TPOT lcpp-none / Llama (cost of the engine's loop)")
     ratio("lcpp-all", "lcpp-none", "tpot_s", "TPOT lcpp-all / lcpp-none (cost of every capture)")
     ratio("lcpp-lens", "lcpp-none", "tpot_s", "TPOT lcpp-lens / lcpp-none (captures and the lens)")
-    ratio("lcpp-all", "Llama", "tpot_s", "TPOT lcpp-all / Llama (every capture against llama.cpp)")
-    ratio("lcpp-all-py", "lcpp-all", "tpot_s", "TPOT lcpp-all-py / lcpp-all (names matched in Python)")
     ratio("session", "lcpp-none", "peak_rss", "peak RSS session / lcpp-none")
     ratio("lcpp-none", "Llama", "peak_rss", "peak RSS lcpp-none / Llama")
     ratio("lcpp-all", "lcpp-none", "peak_rss", "peak RSS lcpp-all / lcpp-none")
@@ -336,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(args.worker, args.model_path, args.tokens, args.n_ctx, threads)))
         return 0
     args.configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in args.configs if c not in CONFIGS + EXTRA_CONFIGS]
+    unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
-        p.error(f"unknown configuration {unknown[0]!r} (choose from {', '.join(CONFIGS + EXTRA_CONFIGS)})")
+        p.error(f"unknown configuration {unknown[0]!r} (choose from {', '.join(CONFIGS)})")
     import llama_cpp
     import torch
 

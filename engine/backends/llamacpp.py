@@ -27,9 +27,6 @@ import ctypes
 import hashlib
 import json
 import os
-import platform
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -141,53 +138,6 @@ def _tensor_array(ggml, t: int) -> np.ndarray:
     return np.ndarray(shape, dtype=dtype, buffer=raw, strides=strides)
 
 
-class _CTap(ctypes.Structure):
-    """struct lab_tap of tap.c: what the compiled filter answers from."""
-
-    _fields_ = [("active", ctypes.c_int), ("residual", ctypes.c_int), ("name_offset", ctypes.c_long),
-                ("read", ctypes.c_void_p), ("layers", ctypes.c_ubyte * 4096)]
-
-
-_FILTER: list = []  # [the compiled filter's library, or None], decided once per process
-
-
-def compiled_filter() -> ctypes.CDLL | None:
-    """tap.c built with the C compiler into the cache (once per source and platform), or None: no compiler, a build
-    that failed, or INFERENCE_LAB_TAP=python. Without it the evaluation callback matches names in Python, which
-    gives the same captures at about a microsecond more per graph node."""
-    if not _FILTER:
-        lib = None
-        if os.environ.get("INFERENCE_LAB_TAP", "").lower() != "python":
-            try:
-                lib = _build_filter(Path(__file__).with_name("tap.c"))
-            except (OSError, subprocess.SubprocessError):
-                lib = None
-        _FILTER.append(lib)
-    return _FILTER[0]
-
-
-def _build_filter(src: Path) -> ctypes.CDLL | None:
-    code = src.read_bytes()
-    key = hashlib.sha256(code + f"|{platform.machine()}|{platform.system()}".encode()).hexdigest()[:16]
-    so = cache_root() / "tap" / f"tap-{key}.so"
-    if not so.is_file():
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-        if cc is None:
-            return None
-        so.parent.mkdir(parents=True, exist_ok=True)
-        tmp = so.with_name(f"{so.stem}.{os.getpid()}.tmp")
-        try:
-            subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(src)], check=True, capture_output=True,
-                           timeout=120)
-            tmp.replace(so)
-        finally:
-            tmp.unlink(missing_ok=True)
-    lib = ctypes.CDLL(str(so))
-    lib.lab_tap_eval.restype = ctypes.c_bool
-    lib.lab_tap_eval.argtypes = [ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p]
-    return lib
-
-
 class _Tap:
     """The evaluation callback: which graph nodes one step wants, and their values once computed.
 
@@ -205,20 +155,7 @@ class _Tap:
         self.attn: dict[int, list[np.ndarray]] = {}
         self.rows_seen: dict[int, int] = {}
         self.resid: dict[int, np.ndarray] = {}
-        self.callback = None  # the ctypes function object (it must outlive the context)
-        self.compiled: _CTap | None = None  # the compiled filter's state, when it is the one llama.cpp calls
-
-    def install(self, cp, L) -> None:
-        """Make this tap the context's evaluation callback: the compiled filter (tap.c) in front of Python's, when
-        it builds here, or Python's alone, which then answers every node itself."""
-        self.callback = L.ggml_backend_sched_eval_callback(self)
-        lib = compiled_filter()
-        if lib is None:
-            cp.cb_eval = self.callback
-            return
-        self.compiled = _CTap(name_offset=_NAME_OFFSET, read=ctypes.cast(self.callback, ctypes.c_void_p).value)
-        cp.cb_eval = ctypes.cast(lib.lab_tap_eval, L.ggml_backend_sched_eval_callback)
-        cp.cb_eval_user_data = ctypes.addressof(self.compiled)
+        self.callback = None  # the ctypes function object, built by the owner (it must outlive the context)
 
     def begin(self, layers: frozenset[int], residual: bool, n_rows: int, keep_rows: int) -> None:
         self.layers, self.residual = layers, residual
@@ -226,18 +163,9 @@ class _Tap:
         self.attn, self.rows_seen, self.resid = {}, {}, {}
         self.error = None
         self.active = bool(layers) or residual
-        if self.compiled is not None:
-            c = self.compiled
-            ctypes.memset(c.layers, 0, ctypes.sizeof(c.layers))
-            for i in layers:
-                if 0 <= i < len(c.layers):
-                    c.layers[i] = 1
-            c.residual, c.active = int(residual), int(self.active)
 
     def end(self) -> None:
         self.active = False
-        if self.compiled is not None:
-            self.compiled.active = 0
 
     def __call__(self, t: int, ask: bool, _user_data: int) -> bool:
         if not self.active:  # the fast path: one attribute read per graph node
@@ -384,6 +312,7 @@ class LlamaCppSession:
                 f"{self.path.name}: llama.cpp sees {n_vocab} tokens, the file's header says {self.cfg.vocab_size}")
         want = min(self.cfg.context_length, n_ctx or DEFAULT_CONTEXT)
         self.tap = _Tap(L._lab_ggml)
+        self.tap.callback = L.ggml_backend_sched_eval_callback(self.tap)
         cp = L.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch = want, want, max(1, min(ubatch, want))
         cp.n_outputs_max_per_seq = 0  # every position's logits when a prefill scores the prompt
@@ -391,7 +320,7 @@ class LlamaCppSession:
         cp.flash_attn_type = 1 if flash_attn else 0  # llama_flash_attn_type: ENABLED, DISABLED
         cp.swa_full = True
         cp.no_perf = True
-        self.tap.install(cp, L)
+        cp.cb_eval = self.tap.callback
         self._ctx = L.llama_init_from_model(self._model, cp)
         if not self._ctx:
             self.close()

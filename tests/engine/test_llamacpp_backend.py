@@ -303,39 +303,3 @@ def test_the_lens_reads_its_two_tensors_from_their_place_in_the_file(tiny_dir, l
     with pytest.raises(ValueError, match="beyond the end of the file"):
         lcpp.lens_head()
     lcpp._lens = None
-
-
-def test_the_compiled_filter_and_pythons_capture_the_same(tiny_lm, tiny_dir, monkeypatch):
-    """The graph callback's names are matched in C (tap.c, built here with the C compiler `make test` needs anyway)
-    or, without a compiler, in Python: the same nodes are read either way, to the last bit."""
-    import engine.backends.llamacpp as lc
-
-    assert lc.compiled_filter() is not None, "tap.c did not build with this machine's C compiler"
-    cap = everything(tiny_lm.cfg.n_layers)
-    runs = {}
-    for kind, filt in (("compiled", lc._FILTER[:]), ("python", [None])):
-        monkeypatch.setattr(lc, "_FILTER", filt)
-        s = LlamaCppSession(tiny_dir.gguf, n_ctx=256)
-        assert (s.tap.compiled is not None) == (kind == "compiled")
-        runs[kind] = list(s.generate(PROMPT, GREEDY, 4, cap, ignore_eos=True))
-        s.close()
-    c, p = runs["compiled"], runs["python"]
-    assert [type(e) for e in c] == [type(e) for e in p]
-    for kind in (AttentionCaptured, ResidualNorms):
-        got, want = by_type(c, kind), by_type(p, kind)
-        assert got and len(got) == len(want)
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_array_equal(g.weights if kind is AttentionCaptured else g.norms,
-                                          w.weights if kind is AttentionCaptured else w.norms)
-
-
-def test_without_a_c_compiler_the_filter_is_pythons(tmp_path, monkeypatch):
-    """No compiler (and nothing built before): compiled_filter says None and the callback matches names itself."""
-    import engine.backends.llamacpp as lc
-
-    monkeypatch.setenv("INFERENCE_LAB_CACHE", str(tmp_path))
-    monkeypatch.delenv("CC", raising=False)
-    monkeypatch.setattr(lc.shutil, "which", lambda _name: None)
-    monkeypatch.setattr(lc, "_FILTER", [])
-    assert lc.compiled_filter() is None
-    assert not (tmp_path / "tap").exists() or not any((tmp_path / "tap").iterdir())
