@@ -1,5 +1,6 @@
-"""Benchmarks, outside the shipped packages: `python -m benchmarks bench|bench-load|bench-gemv|bench-profile`
-(the GUI ones run as `python -m benchmarks.gui` and `python -m benchmarks.startup`). Each prints ratios in one run."""
+"""Benchmarks, outside the shipped packages: `python -m benchmarks COMMAND` with bench, bench-load, bench-gemv,
+bench-profile or bench-sampling (the GUI ones run as `python -m benchmarks.gui` and `python -m benchmarks.startup`).
+Each prints ratios in one run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from engine.cliargs import CliError, Parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from benchmarks import bench, gemv, load, profile
+    from benchmarks import bench, gemv, load, profile, sampling
 
     p = Parser(prog="python -m benchmarks", description="Inference Lab's benchmarks (ratios in one run).")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -18,6 +19,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load.add_subcommand(sub)
     gemv.add_subcommand(sub)
     profile.add_subcommand(sub)
+    sampling.add_subcommand(sub)
     args = p.parse_args(argv)
     try:
         return int(args.func(args) or 0)

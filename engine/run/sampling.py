@@ -123,6 +123,20 @@ def funnel(logits: torch.Tensor, params: SamplingParams, context_ids: torch.Tens
     )
 
 
+def draw(p: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """One token from the distribution p (V,), which need not sum to 1: the first index whose cumulative mass passes
+    a uniform draw (inverse transform sampling). Exactly the categorical distribution, in one pass over V, where
+    torch.multinomial on the CPU takes several times longer on a large vocabulary (BENCHMARKS.md, "Sampling").
+    A token of zero probability is never drawn: its cumulative mass does not pass the previous token's."""
+    c = torch.cumsum(p.double(), dim=-1)
+    device = generator.device if generator is not None else p.device
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=device).to(c.device) * c[-1]
+    i = int(torch.searchsorted(c, u, right=True))
+    if i >= c.shape[-1]:  # the draw met the total itself (rounding): the last token with any mass
+        i = int(torch.nonzero(p)[-1])
+    return i
+
+
 def sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
     context_ids: torch.Tensor | None = None,
@@ -131,7 +145,7 @@ def sample(
     stages = funnel(logits, params, context_ids)
     if params.greedy:
         return int(torch.argmax(stages.p_final)), stages
-    return int(torch.multinomial(stages.p_final, 1, generator=generator)), stages
+    return draw(stages.p_final, generator), stages
 
 
 def choose(
@@ -151,7 +165,7 @@ def choose(
         p = renormalize(p, top_p_mask(p, params.top_p))
     if params.min_p > 0:
         p = renormalize(p, min_p_mask(p, params.min_p))
-    return int(torch.multinomial(p, 1, generator=generator))
+    return draw(p, generator)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

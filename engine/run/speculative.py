@@ -43,7 +43,7 @@ from engine.events import Failed, Finished
 from engine.loaders import LoadedModel
 from engine.model.kv_cache import KVCache
 from engine.model.transformer import ROPE_ROWS, Transformer
-from engine.run.sampling import SamplingParams, apply_penalties, choose, funnel, make_generator
+from engine.run.sampling import SamplingParams, apply_penalties, choose, draw, funnel, make_generator
 from engine.run.session import Session
 from engine.run.spec_events import (  # noqa: F401 — the events are part of this module's interface
     SpecBaseline,
@@ -188,7 +188,7 @@ class _DraftModel(_Drafter):
                 token = choose(logits, self.params, None, context)
             else:
                 q = funnel(logits, self.params, context).p_final  # (V,)
-                token = int(torch.multinomial(q, 1, generator=self.generator))
+                token = draw(q, self.generator)
                 qs.append(q)
             out.append(token)
             feed = [token]
@@ -239,7 +239,7 @@ def _accept(
             continue
         p = funnel(logits[i], params, context).p_final  # (V,): exactly what plain sampling would draw from
         if i == len(drafts):
-            return i, int(torch.multinomial(p, 1, generator=generator)), chances, probs
+            return i, draw(p, generator), chances, probs
         d = drafts[i]
         qd = 1.0 if q is None else float(q[i, d])
         chance = min(1.0, float(p[d]) / qd) if qd > 0 else 1.0
@@ -254,7 +254,7 @@ def _accept(
             residual = torch.clamp(p - q[i], min=0.0)
         if float(residual.sum()) <= 0.0:  # p ≤ q everywhere means p == q: the guess was accepted surely above
             residual = p
-        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator)), chances, probs
+        return i, draw(residual, generator), chances, probs
     raise AssertionError("unreachable")
 
 

@@ -5,7 +5,16 @@ import math
 import pytest
 import torch
 
-from engine.run.sampling import SamplingParams, choose, funnel, make_generator, sample, top_k_mask, top_p_mask
+from engine.run.sampling import (
+    SamplingParams,
+    choose,
+    draw,
+    funnel,
+    make_generator,
+    sample,
+    top_k_mask,
+    top_p_mask,
+)
 
 
 def probs(*p):
@@ -83,6 +92,21 @@ def test_seeded_draws_repeat_and_follow_the_distribution():
     g = make_generator(1)
     draws = [sample(logits, params, g)[0] for _ in range(2000)]
     assert abs(draws.count(0) / 2000 - 0.7) < 0.05
+
+
+def test_a_draw_follows_the_distribution_as_torch_multinomial_does():
+    """Inverse-CDF draws against torch.multinomial's on the same distribution (zeros, a tiny tail, unnormalized):
+    the frequencies agree with each other and with p, and a token of zero mass is never drawn."""
+    p = torch.tensor([0.30, 0.0, 0.05, 0.0, 0.40, 0.2499, 0.0001, 0.0]) * 7.0
+    n = 40_000
+    g1, g2 = make_generator(3), make_generator(4)
+    ours = torch.bincount(torch.tensor([draw(p, g1) for _ in range(n)]), minlength=len(p)).double() / n
+    ref = torch.bincount(torch.multinomial(p, n, replacement=True, generator=g2), minlength=len(p)).double() / n
+    want = (p / p.sum()).double()
+    assert (ours[want == 0] == 0).all()
+    assert torch.allclose(ours, want, atol=0.01) and torch.allclose(ours, ref, atol=0.012)
+    assert draw(torch.tensor([0.0, 0.0, 1.0, 0.0])) == 2  # one token with all the mass
+    assert draw(torch.tensor([1e-30, 0.0, 0.0])) == 0  # whatever the scale
 
 
 def test_sampling_never_picks_a_removed_token():
