@@ -15,6 +15,7 @@ app's funnel plot shows); `sample` draws one token from the last one with an exp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -129,6 +130,9 @@ def draw(p: torch.Tensor, generator: torch.Generator | None = None) -> int:
     torch.multinomial on the CPU takes several times longer on a large vocabulary (BENCHMARKS.md, "Sampling").
     A token of zero probability is never drawn: its cumulative mass does not pass the previous token's."""
     c = torch.cumsum(p.double(), dim=-1)
+    total = float(c[-1])
+    if not math.isfinite(total) or total <= 0.0:
+        raise ValueError(f"cannot draw a token: the probabilities sum to {total}")
     device = generator.device if generator is not None else p.device
     u = torch.rand(1, generator=generator, dtype=torch.float64, device=device).to(c.device) * c[-1]
     i = int(torch.searchsorted(c, u, right=True))

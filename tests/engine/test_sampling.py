@@ -107,6 +107,9 @@ def test_a_draw_follows_the_distribution_as_torch_multinomial_does():
     assert torch.allclose(ours, want, atol=0.01) and torch.allclose(ours, ref, atol=0.012)
     assert draw(torch.tensor([0.0, 0.0, 1.0, 0.0])) == 2  # one token with all the mass
     assert draw(torch.tensor([1e-30, 0.0, 0.0])) == 0  # whatever the scale
+    for bad in (torch.zeros(4), torch.tensor([0.5, float("nan")])):
+        with pytest.raises(ValueError, match="cannot draw a token"):
+            draw(bad)
 
 
 def test_sampling_never_picks_a_removed_token():
