@@ -23,9 +23,10 @@ def auto_backend(is_gguf: bool, n_params: int | None) -> str:
 
 
 def llamacpp_bytes(meta: Mapping[str, Any], file_bytes: int) -> int:
-    """Memory llama.cpp needs for a GGUF, from its header: the file (mapped as it is: its weights are never copied)
-    plus the float16 KV cache, allocated whole at load for DEFAULT_CONTEXT positions in every layer (sliding-window
-    layers too: the backend keeps their cache full size)."""
+    """Memory llama.cpp needs for a GGUF, from its header: the file (read once into llama.cpp's buffers, repacked or
+    as it is; the backend does not map it, so it is not held twice) plus the float16 KV cache, allocated whole at
+    load for DEFAULT_CONTEXT positions in every layer (sliding-window layers too: the backend keeps their cache full
+    size)."""
     arch = meta.get("general.architecture")
 
     def number(key: str, default: int = 0) -> int:
