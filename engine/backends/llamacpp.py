@@ -206,7 +206,7 @@ class _LensHead(torch.nn.Module):
 
     The (V, d) output matrix is kept in float16, half the memory of float32 (on a 1B-scale model 0.2 GB of the
     0.4), and widened to float32 HEAD_ROWS rows at a time as it multiplies; the quantized file's values fit float16's
-    11-bit mantissa closely (a logit moves by about 1e-3). A matrix float16 cannot hold stays float32.
+    11-bit mantissa closely (BENCHMARKS.md, "The lens's memory"). A matrix float16 cannot hold stays float32.
     """
 
     def __init__(self, norm: torch.Tensor, output: torch.Tensor, eps: float) -> None:

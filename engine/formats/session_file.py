@@ -4,8 +4,8 @@ The format is open and holds no pickle: a zip archive with
     session.json     format version, model identity (name, path, SHA-256 of the weights file), prompt, settings,
                      the model's config and facts, and every event in order, as JSON
     arrays.npz       every numpy array the events carry, named a0, a1, … and referenced from session.json as
-                     {"$array": "a0"}: an ordinary .npz, stored in the archive as it is (so it is read in place,
-                     never inflated twice), whose float arrays are stored as they are and the rest deflated
+                     {"$array": "a0"}: an ordinary uncompressed .npz, stored in the archive as it is (so it is
+                     read in place)
     tokenizer/       the model's tokenizer (tokenizer.json and its metadata), so pieces can be drawn
 Objects in session.json are tagged: {"$type": "TokenSampled", "fields": {...}} for the dataclasses listed in
 `readable_types()` (the engine's events, a server run's events, settings and configs), {"$tuple": [...]},
@@ -416,9 +416,11 @@ def save_session(path: str | os.PathLike[str], s: SavedSession) -> None:
         with os.fdopen(fd, "wb") as fh, zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED) as z:
             z.writestr("session.json", text)
             member = zipfile.ZipInfo("arrays.npz", time.localtime()[:6])
-            member.compress_type = zipfile.ZIP_STORED  # its members are compressed already: once is enough
+            member.compress_type = zipfile.ZIP_STORED  # read in place, never inflated
             with z.open(member, "w", force_zip64=True) as npz:
-                _write_npz(npz, enc.arrays)
+                # Not deflated: a run's float32 logits are most of it and hardly shrink, while deflating them cost
+                # the autosave seconds of a core after every run (BENCHMARKS.md, "The app on an AVX2-only CPU").
+                np.savez(npz, **enc.arrays)
             if s.tokenizer is not None:
                 with tempfile.TemporaryDirectory(prefix=".ilab-", dir=folder) as td:  # beside the file, not in /tmp
                     s.tokenizer.save(td)
@@ -434,19 +436,6 @@ def save_session(path: str | os.PathLike[str], s: SavedSession) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def _write_npz(fh, arrays: dict[str, np.ndarray]) -> None:
-    """An .npz that np.load reads, written for speed: a run's logits are most of it, and deflate shrank them by 9 %
-    at about 27 ms of a core per MB (the autosave after every run spent seconds on it), so float arrays are stored as
-    they are; the others (token ids and the like) are small and deflated."""
-    with zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED) as z:
-        for name, a in arrays.items():
-            a = np.asanyarray(a)
-            info = zipfile.ZipInfo(name + ".npy", (1980, 1, 1, 0, 0, 0))
-            info.compress_type = zipfile.ZIP_STORED if a.dtype.kind in "fc" else zipfile.ZIP_DEFLATED
-            with z.open(info, "w", force_zip64=True) as f:
-                np.lib.format.write_array(f, a, allow_pickle=False)
 
 
 def load_session(path: str | os.PathLike[str], with_tokenizer: bool = True) -> SavedSession:
