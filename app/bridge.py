@@ -5,16 +5,26 @@ pipe (never blocks); a relay thread owned by the bridge receives the engine's ev
 signal; the bridge, living in the GUI thread, receives them there (queued connection) and re-emits them as the
 typed `sig_…` signals the panels connect to. Between two tokens the engine reads its commands, so pause, step, stop
 and new sampling settings act at once.
+
+The engine process can die under the app: the OS kills it for memory (SIGKILL), a native runtime runs an instruction
+the CPU or hypervisor has not enabled (SIGILL), native code crashes or a mapped model file changes (SIGSEGV, SIGBUS).
+The bridge then says why in one sentence (sig_engine_lost), ends the run cut short as an interrupted run (its steps
+stay in the panels, the run store and the autosave), and starts a new engine with the same model and settings; the
+model shown stays shown. A model that kills its engine MAX_RESTARTS + 1 times in a row is not restarted again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 from PySide6 import QtCore
 
 from app.guard import guarded
@@ -51,7 +61,9 @@ from engine.server import serve
 
 SCHED_EVENTS = (SchedPlan, SchedStep, SchedRequestDone, SchedSummary)
 SPEC_EVENTS = (SpecStarted, SpecPrefilled, SpecStep, SpecBaseline, SpecFinished, SweepStarted, SweepPoint)
-__all__ = ["Bridge", "GenerateRequest", "PreviewResult", "RequestOptions"]
+__all__ = ["Bridge", "EngineLost", "GenerateRequest", "PreviewResult", "RequestOptions", "death_cause"]
+
+MAX_RESTARTS = 3  # engine deaths in a row (no generation finished between them) that are followed by a restart
 
 
 class RequestOptions:
@@ -97,6 +109,95 @@ def _spawn_without_main():
             main.__dict__.update(saved)
 
 
+@dataclass(frozen=True)
+class EngineLost:
+    """The engine process ended without being asked to: why, and what the app did about it."""
+
+    cause: str  # one sentence: why it ended (from its exit signal or code)
+    outcome: str  # one sentence: restarted with the same model, or not again
+    exitcode: int | None
+    runtime: str  # "torch" or "llama.cpp": the runtime the engine was running (or loading)
+    restarted: bool
+    kept_steps: int = 0  # steps of the run it cut short, kept as an interrupted run
+    torch_offer: str = ""  # when the llama.cpp runtime crashed: a sentence offering the torch one ("" none)
+
+    @property
+    def message(self) -> str:
+        return f"{self.cause} {self.outcome}"
+
+
+@dataclass(frozen=True)
+class _EngineGone:
+    """The relay's last message when the pipe broke without a Quit: `unreadable` names a message it could not read."""
+
+    unreadable: str = ""
+
+
+@dataclass
+class _LiveRun:
+    """What the bridge keeps of the run in progress, to end it as an interrupted run if the engine dies."""
+
+    prompt_ids: tuple[int, ...] = ()
+    ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # each step's, step 0 (the prefill's) first
+
+
+def _memory_need(info: ModelInfo | None, runtime: str, load: P.Load | None) -> tuple[int, str]:
+    """(bytes, what they are) the model needs in memory on `runtime`, from the loaded model's facts or, while it was
+    still loading, from its file's header (engine.formats.discover); (0, "") when neither can be read."""
+    from engine.backends.rule import DEFAULT_CONTEXT
+
+    if info is not None:
+        if runtime == "llama.cpp":
+            positions = min(info.context_length, DEFAULT_CONTEXT)
+            return (info.weight_bytes + info.kv_bytes_per_token * positions,
+                    f"its file and a KV cache of {positions:,} positions")
+        return info.weight_bytes, f"its weights at {info.dtype}"
+    if load is None:
+        return 0, ""
+    try:
+        from engine.formats.discover import read_model_facts
+        from engine.formats.locate import resolve_model_path
+
+        path = resolve_model_path(load.model)
+        entry = read_model_facts(path, path.name, "file")
+    except Exception:  # noqa: BLE001 — a file that cannot be read only means no figure
+        return 0, ""
+    dtype = "float32" if load.dtype == "auto" else load.dtype
+    need = entry.weight_bytes.get(dtype, 0)
+    return need, ("its file and its KV cache" if entry.runtime == "llama.cpp" or runtime == "llama.cpp"
+                  else f"its weights at {dtype}")
+
+
+def death_cause(exitcode: int | None, runtime: str, name: str, need: tuple[int, str], available: int) -> str:
+    """Why the engine process ended, in one sentence, from its exit code (-N: killed by signal N)."""
+    from app.units import fmt_bytes
+
+    where = "the llama.cpp runtime" if runtime == "llama.cpp" else "the torch runtime"
+    if exitcode == -signal.SIGILL:
+        return (f"The engine process was killed by SIGILL: {where} ran an instruction this CPU (or its hypervisor) "
+                "does not allow.")
+    if exitcode == -signal.SIGKILL:
+        nbytes, what = need
+        figures = (f": {name} needs {fmt_bytes(nbytes)} for {what} on {where}, and {fmt_bytes(available)} of memory "
+                   "is available with the engine gone" if nbytes else "")
+        return f"The engine process was killed (SIGKILL), most likely by the system for lack of memory{figures}."
+    if exitcode in (-signal.SIGSEGV, -signal.SIGBUS):
+        kind = signal.Signals(-exitcode).name
+        return (f"The engine process crashed ({kind}) in native code of {where}, or the model file changed on disk "
+                "while it was mapped.")
+    if exitcode is None:
+        return "The engine process closed its connection to the app and did not exit."
+    if exitcode < 0:
+        try:
+            kind = signal.Signals(-exitcode).name
+        except ValueError:
+            kind = f"signal {-exitcode}"
+        return f"The engine process was killed by {kind}."
+    return f"The engine process exited unexpectedly with code {exitcode}."
+
+
 class EventRelay(QtCore.QObject):
     """Lives in the relay thread: receives the engine process's messages and emits them one by one."""
 
@@ -118,13 +219,22 @@ class EventRelay(QtCore.QObject):
                 msg = self.events.recv()
             except Exception as e:  # noqa: BLE001 — a closed pipe or an unreadable message: the engine is lost
                 if not self.stopping.is_set():
-                    why = "stopped unexpectedly" if isinstance(e, (EOFError, OSError)) else (
-                        f"sent a message that could not be read ({type(e).__name__})")
-                    self.sig_raw.emit(Failed(message=f"the engine process {why}; restart the app"))
+                    self.sig_raw.emit(_EngineGone("" if isinstance(e, (EOFError, OSError)) else type(e).__name__))
                 break
             self.sig_raw.emit(msg)
             if isinstance(msg, P.Stopped):
                 break
+
+
+def _interrupted(live: _LiveRun) -> Finished:
+    """The end of a run the engine's death cut short, from the steps that arrived (reason "engine lost")."""
+    decode = live.seconds[1:]
+    return Finished(
+        reason="engine lost", prompt_ids=np.asarray(live.prompt_ids, dtype=np.int64),
+        ids=np.asarray(live.ids, dtype=np.int64), text="".join(live.text),
+        ttft_s=live.seconds[0] if live.seconds else 0.0, tpot_s=float(np.mean(decode)) if decode else 0.0,
+        step_seconds=np.asarray(decode), total_s=float(sum(live.seconds)),
+    )
 
 
 class Bridge(QtCore.QObject):
@@ -212,6 +322,10 @@ class Bridge(QtCore.QObject):
     """Load lab ended: "" when complete, else why it stopped."""
     sig_server_tokens = QtCore.Signal(object)
     """engine.protocol.Tokenized: the connected server's own tokenization of a prompt (and of its chat form)."""
+    sig_engine_lost = QtCore.Signal(object)
+    """EngineLost: the engine process died (why, whether it is being restarted, an offer of the torch runtime)."""
+    sig_engine_restarted = QtCore.Signal(object)
+    """The engine started again after dying and has the same model loaded: its ModelInfo (panels keep their run)."""
 
     def __init__(self, parent: QtCore.QObject | None = None) -> None:
         super().__init__(parent)
@@ -229,16 +343,29 @@ class Bridge(QtCore.QObject):
         self._ping = 0
         self._machine: dict[tuple[str, str], object] = {}  # (device, dtype) → the engine's answer (None: none)
         self._answered: set[tuple[str, str]] = set()  # keys the engine has answered for
+        # What a new engine process needs to stand in for one that died, and what the app knows of the dead one.
+        self.runtime = ""  # "torch" or "llama.cpp": what runs the loaded model
+        self.deaths = 0  # engine deaths in a row (a finished generation resets the count)
+        self._load: P.Load | None = None  # the newest Load sent
+        self._shown_load: P.Load | None = None  # the Load whose model the panels show
+        self._loads_sent: list[tuple[P.Load, bool]] = []  # each Load not yet answered, oldest first, and whether
+        # its answer is quiet (a new engine loading the model the panels show)
+        self._threads: int | str | None = None  # the newest SetThreads setting sent
+        self._jobs: set[str] = set()  # long jobs started and not yet Done
+        self._live: _LiveRun | None = None  # the run in progress
+        self._replaying = False
+        self._torch_dtype = ""  # the dtype the torch runtime was offered at after a llama.cpp crash
+        self._closing = False
         # One table routes every message: its type → the method that takes it (events of a server run are
         # subclasses: the first base found in the table routes them).
         self._routes: dict[type, Callable[[object], None]] = {
-            RunStarted: self._on_run_started, PromptTokenized: self.sig_prompt.emit,
+            RunStarted: self._on_run_started, PromptTokenized: self._on_prompt,
             AttentionCaptured: self.sig_attention.emit, ResidualNorms: self.sig_norms.emit,
             PromptScored: self.sig_prompt_scores.emit, LensCaptured: self.sig_lens.emit, KVCacheGrew: self.sig_kv.emit,
-            PrefillDone: self.sig_prefill.emit, TokenSampled: self.sig_token.emit, Finished: self.sig_finished.emit,
+            PrefillDone: self.sig_prefill.emit, TokenSampled: self._on_token, Finished: self._on_finished,
             ServerMetricsSampled: self.sig_server_metrics.emit, Failed: lambda m: self.sig_failed.emit(m.message),
             PreviewResult: self.sig_preview.emit, P.Progress: self._on_progress, P.Done: self._on_done,
-            P.Loaded: self._on_loaded, P.LoadFailed: lambda m: self.sig_load_failed.emit(m.message),
+            P.Loaded: self._on_loaded, P.LoadFailed: self._on_load_failed, _EngineGone: self._on_engine_gone,
             P.State: self._on_state, P.BatchMeasured: lambda m: self.sig_batch_row.emit(m.row),
             P.ThisMachine: self._on_this_machine, P.Connected: self._on_connected,
             P.ConnectFailed: lambda m: self.sig_server_failed.emit(m.message), P.Disconnected: self._on_disconnected,
@@ -257,6 +384,10 @@ class Bridge(QtCore.QObject):
         self._done = {"batch": self.sig_batch_done, "measure": self.sig_measure_done, "serve": self.sig_serve_done,
                       "serve_model": self.sig_serving_done, "spec": self.sig_spec_done,
                       "sched": self.sig_sched_done}
+        self._start_engine()
+
+    def _start_engine(self) -> None:
+        """Start the engine process and the relay thread that receives its messages."""
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs Qt threads
         cmd_recv, self._commands = ctx.Pipe(duplex=False)
         events_recv, events_send = ctx.Pipe(duplex=False)
@@ -267,6 +398,8 @@ class Bridge(QtCore.QObject):
         cmd_recv.close()
         events_send.close()
         self.relay = EventRelay(events_recv)
+        if getattr(self, "worker_thread", None) is not None:  # a dead engine's, stopped: let Qt free it
+            self.worker_thread.deleteLater()
         self.worker_thread = QtCore.QThread(self)
         self.relay.moveToThread(self.worker_thread)
         self.worker_thread.started.connect(self.relay.run)
@@ -274,23 +407,45 @@ class Bridge(QtCore.QObject):
         self.worker_thread.start()
 
     def _post(self, cmd: P.Command) -> None:
-        if self._commands.closed:  # after shutdown: nobody is listening any more
+        if self._commands.closed:  # after shutdown, or an engine not restarted: nobody is listening
             return
         try:
             self._commands.send(cmd)
         except (BrokenPipeError, OSError):
-            self.sig_failed.emit("the engine process is not running; restart the app")
+            pass  # the engine died: the relay thread reports it, and why, in a moment (_on_engine_gone)
+
+    @property
+    def engine_running(self) -> bool:
+        """An engine process is there to take commands (False once one that kept dying was not restarted)."""
+        return not self._commands.closed
 
     # ---- commands (GUI thread; never block) ----
-    def load_model(self, model: str | None = None, device: str = "auto", dtype: str = "auto") -> None:
-        self._post(P.Load(model, device, dtype))
+    def load_model(self, model: str | None = None, device: str = "auto", dtype: str = "auto",
+                   backend: str = "auto") -> None:
+        """Load a model; after an engine that was not restarted, this starts a new engine for it."""
+        if not self.engine_running and not self._closing:
+            self.deaths, self._load = 0, None  # the user's own choice: a fresh start
+            self._restart()
+        self._load = P.Load(model, device, dtype, backend)
+        self._loads_sent.append((self._load, False))
+        self._post(self._load)
+
+    def load_on_torch(self) -> None:
+        """Load the model again on the torch runtime, at the dtype offered after a crash of the llama.cpp runtime."""
+        if self._load is not None:
+            self.load_model(self._load.model, self._load.device, self._torch_dtype or self._load.dtype, "torch")
 
     def set_threads(self, setting: int | str) -> None:
         """Decode threads: "auto" (the engine adapts to the machine's load) or a fixed count."""
+        self._threads = setting
         self._post(P.SetThreads(setting))
 
     def generate(self, req: GenerateRequest) -> None:
         self.params = req.params
+        if not self.engine_running and not self._closing:
+            self.sig_failed.emit("the engine is not running: it was not restarted after it kept dying; open a model "
+                                 "(File → Open model…) to start a new one")
+            return
         self._post(P.Generate(req))
 
     def preview(self, text: str, chat: bool, top: int = 10) -> int:
@@ -323,6 +478,7 @@ class Bridge(QtCore.QObject):
 
     def run_batch_bench(self, batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32), prompt_tokens: int = 32,
                         new_tokens: int = 16) -> None:
+        self._jobs.add("batch")
         self._post(P.BatchBench(tuple(batches), prompt_tokens, new_tokens))
 
     def cancel_batch_bench(self) -> None:
@@ -349,6 +505,7 @@ class Bridge(QtCore.QObject):
     def measure_machine(self, device: str, dtype: str, **measure_kwargs) -> None:
         """Measure this machine in the engine process (after any generation); progress and the result come as
         sig_measure_progress, sig_this_machine and sig_measure_done."""
+        self._jobs.add("measure")
         self._post(P.Measure(str(device), canonical_dtype(dtype), dict(measure_kwargs)))
 
     def cancel_measure(self) -> None:
@@ -363,6 +520,7 @@ class Bridge(QtCore.QObject):
 
     def serve_model(self) -> None:
         """Start llama.cpp's server for the loaded model on 127.0.0.1 and connect to it (stops with the app)."""
+        self._jobs.add("serve_model")
         self._post(P.ServeModel())
 
     def cancel_serving(self) -> None:
@@ -370,10 +528,12 @@ class Bridge(QtCore.QObject):
 
     def speculate(self, cmd: P.Speculate) -> None:
         """Run the speculative-decoding lab (sig_spec for each event, sig_spec_done at the end)."""
+        self._jobs.add("spec")
         self._post(cmd)
 
     def schedule(self, config: object) -> None:
         """Run the scheduling lab (sig_sched for each event, sig_sched_done at the end)."""
+        self._jobs.add("sched")
         self._post(P.Schedule(config))
 
     def cancel_lab(self) -> None:
@@ -381,6 +541,7 @@ class Bridge(QtCore.QObject):
 
     def run_serve_bench(self, config: dict) -> None:
         """Load lab: `config` holds concurrency (list), num_prompts, max_new_tokens, request_rate, time_limit_s."""
+        self._jobs.add("serve")
         self._post(P.ServeBench(dict(config)))
 
     def cancel_serve_bench(self) -> None:
@@ -408,12 +569,17 @@ class Bridge(QtCore.QObject):
     def replay(self, message: object) -> None:
         """Route a recorded event (or a step's list of them) exactly as a live one (a session being opened): a
         replayed server run keeps its source, but no connection stands behind it."""
-        self._on_raw(message)
+        self._replaying = True
+        try:
+            self._on_raw(message)
+        finally:
+            self._replaying = False
         if isinstance(message, RunStarted):
             self.run_server = None
 
     def shutdown(self, timeout_ms: int = 10_000) -> bool:
         """Stop the engine between tokens, end its process and the relay thread, and wait for both."""
+        self._closing = True  # a death from here on is the end it was asked for: no restart
         if not self.worker_thread.isRunning() and not self.process.is_alive():
             return True
         self.relay.stopping.set()  # from here on, the pipe closing is expected, not an error
@@ -447,23 +613,163 @@ class Bridge(QtCore.QObject):
                 return
 
     def _on_run_started(self, ev: RunStarted) -> None:
+        if not self._replaying:
+            self._live = _LiveRun()
         self.run_source = ev.source
         self.run_server = self.server if ev.source.kind == "server" else None
         self.sig_run_started.emit(ev)
 
+    def _on_prompt(self, ev: PromptTokenized) -> None:
+        if not self._replaying:
+            if self._live is None or self._live.prompt_ids:  # a run without RunStarted (an older session's)
+                self._live = _LiveRun()
+            self._live.prompt_ids = tuple(int(i) for i in ev.ids)
+        self.sig_prompt.emit(ev)
+
+    def _on_token(self, ev: TokenSampled) -> None:
+        if self._live is not None and not self._replaying:
+            self._live.ids.append(int(ev.token_id))
+            self._live.text.append(ev.text)
+            self._live.seconds.append(float(ev.seconds))
+        self.sig_token.emit(ev)
+
+    def _on_finished(self, ev: Finished) -> None:
+        if not self._replaying:
+            self._live = None
+            self.deaths = 0  # the model ran a generation to its end: its engine is sound
+        self.sig_finished.emit(ev)
+
     def _on_progress(self, m: P.Progress) -> None:
+        if m.job == "load" and self._loads_sent and self._loads_sent[0][1]:
+            return  # the model shown is being loaded again into a new engine: the panels keep showing it
         sig = self._progress.get(m.job)
         if sig is not None:
             sig.emit(float(m.fraction), str(m.message))
 
     def _on_done(self, m: P.Done) -> None:
+        self._jobs.discard(m.job)
         sig = self._done.get(m.job)
         if sig is not None:
             sig.emit(m.message)
 
     def _on_loaded(self, m: P.Loaded) -> None:
+        cmd, quiet = self._loads_sent.pop(0) if self._loads_sent else (None, False)
+        same = quiet and self.info is not None and m.info.sha256 == self.info.sha256  # not a file changed on disk
         self.info, self.tokenizer, self.cfg = m.info, m.tokenizer, m.cfg
-        self.sig_model_loaded.emit(self.info)
+        self.runtime = m.runtime
+        self._shown_load = cmd
+        if same:
+            self.sig_engine_restarted.emit(self.info)
+        else:
+            self.sig_model_loaded.emit(self.info)
+
+    def _on_load_failed(self, m: P.LoadFailed) -> None:
+        if self._loads_sent:
+            self._loads_sent.pop(0)
+        self.sig_load_failed.emit(m.message)
+
+    # ---- an engine that died ----
+    def _on_engine_gone(self, m: _EngineGone) -> None:
+        """Say why the engine died, end the run it cut short as an interrupted run, and start a new engine with the
+        same model and settings (unless this model has killed its engine too often in a row)."""
+        if self._closing:
+            return
+        self.process.join(5)
+        if self.process.is_alive():  # it sent something unreadable, or closed its end and went on: end it
+            self.process.kill()
+            self.process.join(5)
+        self.worker_thread.quit()
+        self.worker_thread.wait(5_000)
+        self._commands.close()
+        self.relay.events.close()
+        loading = self._loads_sent[0][0] if self._loads_sent else None  # a load it died in
+        runtime, load = self.runtime, loading or self._shown_load
+        info = self.info if loading is None else None
+        name = info.name if info is not None else (Path(load.model).name if load is not None and load.model else
+                                                  "the default model")
+        if loading is not None:
+            runtime = self._runtime_of(loading)
+        if m.unreadable:
+            cause = f"The engine process sent a message the app could not read ({m.unreadable}) and was stopped."
+        else:
+            from engine.formats.discover import memory_available
+
+            cause = death_cause(self.process.exitcode, runtime, name, _memory_need(info, runtime, load),
+                                memory_available())
+        self.deaths += 1
+        restart = self.deaths <= MAX_RESTARTS
+        live, self._live = self._live, None
+        kept = len(live.ids) if live is not None else 0
+        if restart:
+            steps = f"; the {kept} step{'s' if kept != 1 else ''} that arrived are kept" if live is not None else ""
+            outcome = f"A new engine is starting with {name} and the same settings{steps}."
+        else:
+            outcome = (f"It has now stopped {self.deaths} times in a row, so it is not restarted again: open a model "
+                       "(File → Open model…) to start a new engine.")
+        lost = EngineLost(cause=cause, outcome=outcome, exitcode=self.process.exitcode, runtime=runtime,
+                          restarted=restart, kept_steps=kept,
+                          torch_offer=self._torch_offer(info, name) if runtime == "llama.cpp" else "")
+        self.sig_engine_lost.emit(lost)
+        if live is not None and live.prompt_ids:  # the same path as a run's end: panels, run store, autosave
+            self.sig_finished.emit(_interrupted(live))
+        for job in sorted(self._jobs):
+            self._done[job].emit(f"the engine process stopped: {cause}")
+        self._jobs.clear()
+        self._machine = {k: v for k, v in self._machine.items() if v is not None or k in self._answered}
+        self.state = "idle"
+        self.sig_state.emit("idle")
+        if self.server is not None:  # the connection lived in the dead process
+            self._on_disconnected(P.Disconnected())
+        if restart:
+            self._restart()
+
+    def _restart(self) -> None:
+        """A new engine process, sent what the dead one had been told: threads, the model, sampling, captures."""
+        self._start_engine()
+        self._loads_sent = []
+        if self._threads is not None:
+            self._post(P.SetThreads(self._threads))
+        load = self._load
+        if load is not None:
+            self._loads_sent.append((load, load == self._shown_load and self.info is not None))
+            self._post(load)
+        self._post(P.SetParams(self.params))
+        if self.options.attention_layers:
+            self._post(P.CaptureAttention(self.options.attention_layers))
+
+    def _runtime_of(self, load: P.Load) -> str:
+        from engine.backends import choose
+
+        try:
+            return choose(load.model, load.backend)
+        except ValueError:
+            return "torch"
+
+    def _torch_offer(self, info: ModelInfo | None, name: str) -> str:
+        """After a crash of the llama.cpp runtime: a sentence offering the torch runtime when the model's weights fit
+        in the memory available at float32, or else at bfloat16; "" when they fit at neither (the picker's rule)."""
+        from app.units import fmt_bytes
+        from engine.formats.discover import DTYPE_BYTES, memory_available
+
+        n_params = info.n_params if info is not None else 0
+        if not n_params and self._load is not None:
+            try:
+                from engine.formats.discover import read_model_facts
+                from engine.formats.locate import resolve_model_path
+
+                path = resolve_model_path(self._load.model)
+                n_params = read_model_facts(path, path.name, "file").n_params or 0
+            except Exception:  # noqa: BLE001 — no figure, no offer
+                return ""
+        available = memory_available()
+        wanted = self._load.dtype if self._load is not None and self._load.dtype in DTYPE_BYTES else "float32"
+        for dtype in dict.fromkeys((wanted, "float32", "bfloat16")):
+            need = n_params * DTYPE_BYTES[dtype]
+            if n_params and need <= available:
+                self._torch_dtype = dtype
+                return (f"The torch runtime would hold {name}'s weights in {fmt_bytes(need)} at {dtype} "
+                        f"({fmt_bytes(available)} of memory available).")
+        return ""
 
     def _on_state(self, m: P.State) -> None:
         self.state = m.state

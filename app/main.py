@@ -2,7 +2,8 @@
 
 With --screenshot or --export-timeline it runs headless: it opens the window offscreen, loads the model, types the
 prompt, generates, lets every panel paint that generation, saves the files, prints their paths and exits.
-Exit codes: 0 done, 1 the model failed to load or the generation failed, 2 bad arguments or output paths.
+Exit codes: 0 done, 1 the model failed to load, the generation failed or the engine process died, 2 bad arguments or
+output paths.
 """
 
 from __future__ import annotations
@@ -305,6 +306,7 @@ def _run_headless(app, args: argparse.Namespace) -> int:
         window.bridge.sig_server_connected.connect(on_loaded)
         window.bridge.sig_server_failed.connect(lambda msg: finish(1, msg))
         window.bridge.sig_failed.connect(lambda msg: finish(1, msg))
+        window.bridge.sig_engine_lost.connect(lambda lost: finish(1, lost.message))  # its run did not end
         window.bridge.sig_finished.connect(on_finished)
     watchdog = QtCore.QTimer(window)
     watchdog.timeout.connect(check_deadline)

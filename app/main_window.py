@@ -94,6 +94,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self._generating = False  # the engine is decoding: drawing and painting keep within GENERATING_GUI_SHARE
         self._gui_busy: collections.deque[tuple[float, float]] = collections.deque()  # (start, seconds) of each
         self._model_request: str | None = None
+        self._engine_lost = None  # the bridge's last EngineLost
         self._first_show = True
         self._restored_layout = False
 
@@ -133,6 +134,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self.bridge.sig_serving_progress.connect(self._on_serving_progress)
         self.bridge.sig_server_disconnected.connect(self._on_server_disconnected)
         self.bridge.sig_serving_done.connect(self._on_serving_done)
+        self.bridge.sig_engine_lost.connect(self._on_engine_lost)
+        self.bridge.sig_engine_restarted.connect(self._on_engine_restarted)
 
         self.draw_timer = QtCore.QTimer(self)
         self.draw_timer.setInterval(DRAW_INTERVAL_MS)
@@ -419,6 +422,18 @@ class MainWindow(QtWidgets.QMainWindow):
     @QtCore.Slot(str)
     def _on_failed(self, message: str) -> None:
         self.show_error(message, title="Generation failed", box=False)
+
+    @QtCore.Slot(object)
+    def _on_engine_lost(self, lost) -> None:
+        self.progress.hide()
+        self._engine_lost = lost
+        self.show_error(lost.message, title="The engine stopped", box=False)
+
+    @QtCore.Slot(object)
+    def _on_engine_restarted(self, info) -> None:
+        cause = self._engine_lost.cause if self._engine_lost is not None else ""
+        self.show_error(f"{cause} A new engine has {info.name} loaded again; the run so far is kept.",
+                        title="The engine stopped", box=False)
 
     @QtCore.Slot(str)
     def _on_callback_error(self, message: str) -> None:

@@ -17,7 +17,7 @@ from typing import Literal
 import numpy as np
 
 Phase = Literal["prefill", "decode"]
-FinishReason = Literal["eos", "length", "stopped", "context"]
+FinishReason = Literal["eos", "length", "stopped", "context", "engine lost"]  # engine lost: its process died (app)
 
 
 @dataclass(frozen=True, kw_only=True)

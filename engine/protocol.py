@@ -292,6 +292,7 @@ class Loaded(Notice):
     info: object  # engine.events.ModelInfo
     tokenizer: object  # engine.tokenizer Tokenizer
     cfg: object  # engine.model.config.ModelConfig
+    runtime: str = "torch"  # what runs it: "torch" or "llama.cpp" (the app names it when the engine dies)
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,8 @@ class EngineServer:
 
         self.send(Progress("load", 0.0, "loading model"))
         try:
-            backend = self._load_torch(cmd) if choose(cmd.model, cmd.backend) == "torch" else self._load_llamacpp(cmd)
+            runtime = choose(cmd.model, cmd.backend)
+            backend = self._load_torch(cmd) if runtime == "torch" else self._load_llamacpp(cmd)
         except (ModelLoadError, ValueError) as e:
             self.send(LoadFailed(str(e)))
             return
@@ -195,7 +196,7 @@ class EngineServer:
             self.backend.close()
         self.local = self.backend = backend
         s = backend.session
-        self.send(Loaded(backend.info, s.tokenizer, s.cfg))
+        self.send(Loaded(backend.info, s.tokenizer, s.cfg, runtime))
         if was_server:
             self.send(Disconnected())
 

@@ -64,6 +64,8 @@ class GenerationPanel(Panel):
         "sig_token": "_on_token",
         "sig_finished": "_on_finished",
         "sig_step_selected": "_on_step_selected",
+        "sig_engine_lost": "_on_engine_lost",
+        "sig_engine_restarted": "_on_engine_restarted",
     }
     help_text = (
         "Generate runs the model on the prompt (Ctrl+Enter). First comes the prefill: every prompt token goes "
@@ -118,6 +120,13 @@ class GenerationPanel(Panel):
         self.status = QtWidgets.QLabel("")
         self.status.setWordWrap(True)  # a long run summary wraps instead of widening the window
         self.status.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        # Why the engine died and what the app did; stays until the next generation starts (draw() leaves it alone).
+        self.notice = QtWidgets.QLabel("")
+        self.notice.setWordWrap(True)
+        self.notice.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        self.notice.linkActivated.connect(self._on_notice_link)
+        self.notice.hide()
+        self.lost = None  # the bridge's EngineLost shown in the notice
         self.output = TokenTextEdit(self, read_only=True)
         self.output.setPlaceholderText("Generated tokens appear here, one by one.")
         self.output.set_formats(_formats())
@@ -135,6 +144,7 @@ class GenerationPanel(Panel):
         layout.setSpacing(3)
         layout.addLayout(buttons)
         layout.addWidget(self.status)
+        layout.addWidget(self.notice)
         layout.addWidget(self.prefill_label)
         layout.addWidget(self.output, 1)
 
@@ -247,6 +257,8 @@ class GenerationPanel(Panel):
 
     @QtCore.Slot(str)
     def _on_state(self, state: str) -> None:
+        if state != "idle":  # a new generation: the last engine death no longer describes the app
+            self.notice.hide()
         self._state = state
         self._update_buttons()
         self.mark_dirty()
@@ -257,6 +269,28 @@ class GenerationPanel(Panel):
             self._state = "idle"
             self._update_buttons()
         self.status.setText(f"<span style='color:{theme.ERROR_COLOR}'>{_escape(message)}</span>")
+
+    @QtCore.Slot(object)
+    def _on_engine_lost(self, lost) -> None:
+        self.lost = lost
+        self._show_notice(lost.outcome, offer=bool(lost.torch_offer))
+
+    @QtCore.Slot(object)
+    def _on_engine_restarted(self, info) -> None:
+        if self.lost is not None and self.notice.isVisible():
+            self._show_notice(f"A new engine has {info.name} loaded again; Generate runs as before.",
+                              offer=bool(self.lost.torch_offer))
+
+    def _show_notice(self, outcome: str, offer: bool) -> None:
+        link = (f" {_escape(self.lost.torch_offer)} <a href='torch'>Load it on the torch runtime</a>" if offer
+                else "")
+        self.notice.setText(f"<span style='color:{theme.ERROR_COLOR}'>{_escape(self.lost.cause)}</span> "
+                            f"{_escape(outcome)}{link}")
+        self.notice.show()
+
+    def _on_notice_link(self, _href: str) -> None:
+        self.bridge.load_on_torch()
+        self._show_notice("Loading it on the torch runtime…", offer=False)
 
     @QtCore.Slot(object)
     def _on_prompt(self, ev: PromptTokenized) -> None:
