@@ -1,9 +1,10 @@
 """Batched decode, measured: the escape hatch from memory-bound decode.
 
 One decode step reads every weight once whatever the batch, so running B sequences together costs little more per
-step than running one, while producing B tokens. `bench_batch` measures that on the loaded model: the time per step
-(TPOT, felt by each stream), tokens per second per stream (1 / TPOT) and for the system (B / TPOT), next to the
-analytic FLOPs and bytes of each step from engine.costs.formulas.
+step than running one, while producing B tokens. `bench_batch` measures that on the loaded model, on whichever
+runtime holds it (engine.runtime: the torch engine or llama.cpp): the time per step (TPOT, felt by each stream),
+tokens per second per stream (1 / TPOT) and for the system (B / TPOT), next to the analytic FLOPs and bytes of each
+step from engine.costs.formulas (on llama.cpp, the weights at the file's own bytes).
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from engine.costs import formulas as costs
-from engine.loaders import LoadedModel
-from engine.model.kv_cache import KVCache
 from engine.protocol import BatchRow
+from engine.runtime import Row, Runtime, runtime_of
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32)
 
@@ -26,65 +25,76 @@ class Cancelled(Exception):
     """The caller asked the measurement to stop."""
 
 
-@torch.inference_mode()
+def _greedy(logits: list[torch.Tensor]) -> list[int]:
+    return torch.stack(logits).argmax(-1).tolist()  # waits for the device
+
+
 def generate_batch(
-    lm: LoadedModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+    model: Runtime | object, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     should_stop: Callable[[], bool] | None = None,
 ) -> tuple[np.ndarray, float, np.ndarray]:
-    """Greedy decode of B equal-length prompts together: (ids (B, n), prefill seconds, decode step seconds)."""
-    lengths = {len(p) for p in prompts}
-    if len(lengths) != 1:
-        raise ValueError("batched prompts must have the same number of tokens")
-    (n_prompt,) = lengths
-    if n_prompt == 0 or max_new_tokens < 1:
-        raise ValueError("need a non-empty prompt and at least one new token")
+    """Greedy decode of B prompts together, sequence i of the runtime holding prompt i (prompts may differ in
+    length: each sequence keeps its own positions): (ids (B, n), prefill seconds, decode step seconds).
+
+    `model` is a runtime with at least B sequences, or a loaded model or session to make one for."""
     B = len(prompts)
-    if n_prompt + max_new_tokens > lm.cfg.context_length:
-        raise ValueError(f"{n_prompt} + {max_new_tokens} tokens exceed the context of {lm.cfg.context_length}")
-    cache = KVCache(lm.cfg, B, n_prompt + max_new_tokens, lm.dtype, lm.device)
-    sync = torch.cuda.synchronize if lm.device.type == "cuda" else (lambda: None)
-    out = torch.empty(B, max_new_tokens, dtype=torch.long, device=lm.device)
-    t0 = time.perf_counter()
-    logits = lm.model(torch.tensor([list(p) for p in prompts], device=lm.device), 0, cache)  # (B, V)
-    out[:, 0] = logits.argmax(-1)
-    sync()
-    prefill_s = time.perf_counter() - t0
-    steps = np.zeros(max_new_tokens - 1)
-    for i in range(1, max_new_tokens):
-        if should_stop is not None and should_stop():
-            raise Cancelled()
+    if B == 0 or min(len(p) for p in prompts) == 0 or max_new_tokens < 1:
+        raise ValueError("need at least one non-empty prompt and at least one new token")
+    need = max(len(p) for p in prompts) + max_new_tokens
+    rt = model if isinstance(model, Runtime) else runtime_of(model, B, need)
+    try:
+        if B > rt.n_seq or need > rt.capacity:
+            raise ValueError(f"{B} sequences of {need} positions exceed this runtime's {rt.n_seq} of {rt.capacity}")
+        for i in range(B):
+            rt.remove(i)
+        out = np.empty((B, max_new_tokens), dtype=np.int64)
         t0 = time.perf_counter()
-        logits = lm.model(out[:, i - 1 : i], n_prompt + i - 1, cache)  # (B, V)
-        out[:, i] = logits.argmax(-1)
-        sync()
-        steps[i - 1] = time.perf_counter() - t0
-    return out.cpu().numpy(), prefill_s, steps
+        out[:, 0] = _greedy(rt.forward([Row(i, list(p)) for i, p in enumerate(prompts)]))
+        prefill_s = time.perf_counter() - t0
+        steps = np.zeros(max_new_tokens - 1)
+        for j in range(1, max_new_tokens):
+            if should_stop is not None and should_stop():
+                raise Cancelled()
+            t0 = time.perf_counter()
+            out[:, j] = _greedy(rt.forward([Row(i, [int(out[i, j - 1])]) for i in range(B)]))
+            steps[j - 1] = time.perf_counter() - t0
+        return out, prefill_s, steps
+    finally:
+        if rt is not model:
+            rt.close()
 
 
 def bench_batch(
-    lm: LoadedModel, batches: Sequence[int] = DEFAULT_BATCHES, prompt_tokens: int = 32, new_tokens: int = 16,
+    model: object, batches: Sequence[int] = DEFAULT_BATCHES, prompt_tokens: int = 32, new_tokens: int = 16,
     progress: Callable[[float, str], None] | None = None, should_stop: Callable[[], bool] | None = None,
     memory_limit_bytes: float | None = None, on_row: Callable[[BatchRow], None] | None = None,
 ) -> list[BatchRow]:
-    """Measure decode at each batch size (as memory allows); cancellable between steps (raises Cancelled)."""
+    """Measure decode at each batch size (as memory allows) on `model` (a loaded model or a session, torch or
+    llama.cpp: engine.runtime.runtime_of makes a runtime of each batch size); cancellable between steps (raises
+    Cancelled)."""
     if new_tokens < 2 or prompt_tokens < 1:
         raise ValueError("the batching lab needs a prompt and at least 2 new tokens (one decode step to time)")
-    dtype = str(lm.dtype).removeprefix("torch.")
+    if any(b < 1 for b in batches):
+        raise ValueError(f"batch sizes must be positive, got {list(batches)}")
+    positions = prompt_tokens + new_tokens
     rows: list[BatchRow] = []
     rng = np.random.default_rng(0)
+    per_position = None
     for i, b in enumerate(batches):
-        if b < 1:
-            raise ValueError(f"batch sizes must be positive, got {b}")
-        kv = costs.kv_bytes_per_token(lm.cfg, dtype, batch=b) * (prompt_tokens + new_tokens)
+        if per_position is None:  # the cache's bytes per position, from the runtime that will hold it
+            with runtime_of(model, 1, positions) as probe:
+                per_position, cfg = probe.kv_bytes_per_position(), probe.cfg
+        kv = per_position * b * positions
         if memory_limit_bytes is not None and kv > memory_limit_bytes:
             break  # this and larger batches do not fit
         if progress is not None:
             progress(i / len(batches), f"batch {b}: decoding {new_tokens} tokens")
-        prompts = rng.integers(100, lm.cfg.vocab_size, size=(b, prompt_tokens)).tolist()
-        _, _, steps = generate_batch(lm, prompts, new_tokens, should_stop)
-        tpot = float(np.median(steps))
-        mid = prompt_tokens + new_tokens // 2
-        cost = costs.decode_cost(lm.cfg, mid, batch=b, weight_dtype=dtype)
+        prompts = rng.integers(min(100, cfg.vocab_size // 2), cfg.vocab_size, size=(b, prompt_tokens)).tolist()
+        with runtime_of(model, b, positions) as rt:
+            _, _, steps = generate_batch(rt, prompts, new_tokens, should_stop)
+            tpot = float(np.median(steps))
+            mid = prompt_tokens + new_tokens // 2
+            cost = rt.step_cost(1, mid - 1, batch=b)
         rows.append(BatchRow(
             batch=b, context=mid, tpot_s=tpot, tokens_per_s_per_stream=1 / tpot, tokens_per_s_system=b / tpot,
             flops_per_step=cost.flops, bytes_per_step=cost.bytes, intensity=cost.intensity,

@@ -31,7 +31,6 @@ import torch
 
 from engine.costs import formulas as costs
 from engine.loaders import LoadedModel
-from engine.model.config import ModelConfig
 from engine.run.schedule_events import (  # noqa: F401 — re-exported: the lab's events live with their generator
     PREFILL_MODE,
     Percentiles,
@@ -45,89 +44,7 @@ from engine.run.schedule_events import (  # noqa: F401 — re-exported: the lab'
     make_requests,
     summarize,
 )
-
-
-class PagedKVCache:
-    """Keys and values in pages of `page_size` positions drawn from one pool; each request owns a page table.
-
-    Pool per layer: (n_pages, KV, page_size, hd). Position p of a request lives in page table[p // page_size] at
-    offset p % page_size. `bind` fixes the rows of the next forward step; the model then calls `update`, which
-    writes each row's new keys at its own positions and returns every row's keys gathered into (B, KV, S, hd),
-    S = the longest row's length; the model's mask hides each row's keys past its own last query.
-    """
-
-    def __init__(self, cfg: ModelConfig, n_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
-        if n_pages < 1 or page_size < 1:
-            raise ValueError(f"a paged cache needs at least one page of one position, got {n_pages} × {page_size}")
-        shape = (n_pages, cfg.n_kv_heads, page_size, cfg.head_dim)
-        # zeros, not empty: a row's masked keys still meet a 0 weight in weights @ v, and 0 · NaN would be NaN
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.page_size, self.n_pages, self.device = page_size, n_pages, self.k[0].device
-        self.free = list(range(n_pages - 1, -1, -1))  # popped from the end: page 0 first
-        self.tables: dict[int, list[int]] = {}
-        self.lengths: dict[int, int] = {}  # positions written per request
-        self._rows: list[int] = []
-        self._table = torch.zeros((1, 1), dtype=torch.long)
-        self._end = 0
-
-    def pages_in_use(self) -> int:
-        return self.n_pages - len(self.free)
-
-    def positions_held(self) -> int:
-        return sum(self.lengths.values())
-
-    def pages_of(self, request_id: int) -> int:
-        return len(self.tables.get(request_id, ()))
-
-    def bind(self, request_ids: Sequence[int], n_new: int) -> torch.Tensor:
-        """Rows of the next step: allocate pages for n_new more positions of each; returns their starts (B,)."""
-        starts = []
-        for rid in request_ids:
-            table = self.tables.setdefault(rid, [])
-            length = self.lengths.setdefault(rid, 0)
-            need = -(-(length + n_new) // self.page_size)  # ceil
-            while len(table) < need:
-                if not self.free:
-                    raise RuntimeError("the KV page pool is exhausted")  # sized so that it cannot be
-                table.append(self.free.pop())
-            starts.append(length)
-        self._rows = list(request_ids)
-        width = max(len(self.tables[r]) for r in request_ids)
-        self._table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in request_ids],
-                                   dtype=torch.long, device=self.device)  # (B, pages); padding reads page 0
-        self._end = max(starts) + n_new
-        return torch.tensor(starts, dtype=torch.long, device=self.device)
-
-    def release(self, request_id: int) -> None:
-        """The request ended: its pages go back to the pool."""
-        self.free.extend(reversed(self.tables.pop(request_id, [])))
-        self.lengths.pop(request_id, None)
-
-    def update(self, layer: int, start: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, KV, T, hd) at each row's positions start[b]..start[b]+T-1; return (B, KV, S, hd) each."""
-        B, KV, T, hd = k.shape
-        P = self.page_size
-        pos = start[:, None] + torch.arange(T, device=start.device)  # (B, T)
-        page = self._table.gather(1, pos // P)  # (B, T) physical page of each new position
-        self.k[layer][page, :, pos % P] = k.transpose(1, 2)  # (B, T, KV, hd) into (pages, KV, P, hd)
-        self.v[layer][page, :, pos % P] = v.transpose(1, 2)
-        n = -(-self._end // P)
-        table = self._table[:, :n]  # (B, n)
-        # gathered (B, n, KV, P, hd) → (B, KV, n·P, hd): one copy per layer and step, what a paged-attention
-        # kernel avoids by reading the pages in place
-        k_all = self.k[layer][table].transpose(1, 2).reshape(B, KV, n * P, hd)[:, :, : self._end]
-        v_all = self.v[layer][table].transpose(1, 2).reshape(B, KV, n * P, hd)[:, :, : self._end]
-        return k_all, v_all
-
-    def first_position(self, layer: int) -> int:
-        return 0  # every layer returns positions from 0 (a local layer's window is in the mask)
-
-    def advance(self, n: int) -> None:
-        for rid in self._rows:
-            self.lengths[rid] += n
+from engine.runtime.paged import PagedKVCache
 
 
 def forward_rows(lm: LoadedModel, cache: PagedKVCache, request_ids: Sequence[int],

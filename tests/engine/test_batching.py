@@ -12,28 +12,33 @@ import pytest
 from engine.run.batching import bench_batch, generate_batch
 
 
-def test_batched_greedy_equals_unbatched_exact_ids(tiny_lm):
+def _alone(lm, prompt: list[int], n: int) -> list[int]:
+    """Greedy decode of one prompt on the model's single-sequence path (engine.model.kv_cache.KVCache)."""
     import torch
 
     from engine.model.kv_cache import KVCache
 
+    cache = KVCache(lm.cfg, 1, len(prompt) + n, torch.float32)
+    with torch.inference_mode():
+        out = [int(lm.model(torch.tensor([prompt]), 0, cache)[0].argmax())]
+        for i in range(n - 1):
+            out.append(int(lm.model(torch.tensor([[out[-1]]]), len(prompt) + i, cache)[0].argmax()))
+    return out
+
+
+def test_batched_greedy_equals_unbatched_exact_ids(tiny_lm):
     rng = np.random.default_rng(2)
     prompts = rng.integers(3, tiny_lm.cfg.vocab_size, size=(3, 6)).tolist()
     batched, _, _ = generate_batch(tiny_lm, prompts, 5)
     for row, p in zip(batched, prompts, strict=True):
-        cache = KVCache(tiny_lm.cfg, 1, 16, torch.float32)
-        ids = list(p)
-        nxt = int(tiny_lm.model(torch.tensor([ids]), 0, cache)[0].argmax())
-        out = [nxt]
-        for i in range(4):
-            nxt = int(tiny_lm.model(torch.tensor([[nxt]]), len(p) + i, cache)[0].argmax())
-            out.append(nxt)
-        assert row.tolist() == out
+        assert row.tolist() == _alone(tiny_lm, p, 5)
 
 
-def test_unequal_prompts_are_refused(tiny_lm):
-    with pytest.raises(ValueError, match="same number"):
-        generate_batch(tiny_lm, [[1, 2, 3], [1, 2]], 3)
+def test_prompts_of_different_lengths_keep_their_own_positions(tiny_lm):
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, tiny_lm.cfg.vocab_size, size=n).tolist() for n in (2, 9, 5)]
+    batched, _, _ = generate_batch(tiny_lm, prompts, 6)
+    assert [row.tolist() for row in batched] == [_alone(tiny_lm, p, 6) for p in prompts]
 
 
 def test_bench_rows_are_consistent(tiny_lm):

@@ -1,0 +1,106 @@
+"""The runtime seam: what the engine's loops (batched decode, speculative decoding) run on.
+
+A runtime holds one model and a KV cache of several sequences. Its one verb is `forward`: a batch of rows, each a
+sequence id with the tokens that follow what the cache holds of that sequence. The runtime alone counts positions
+(`length(seq)`): a row's tokens take the sequence's next positions, so no caller keeps a second count that could
+drift from the cache's. The KV verbs change what a sequence holds: `remove` forgets its positions from a point on
+(rejected draft tokens), `copy` gives another sequence a prefix (a fork), `keep` drops every other sequence.
+
+Implementations: engine.runtime.torch (this engine's model over a paged cache) and engine.runtime.llamacpp
+(llama.cpp's batch of several sequence ids over its own sequence-tagged cache).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.costs import formulas as costs
+from engine.events import ModelInfo, StepCost
+from engine.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence's part of a forward batch: its next tokens, and whether every token's logits are wanted (a
+    verify pass) or only the last one's."""
+
+    seq: int
+    tokens: Sequence[int]
+    all_logits: bool = False
+
+
+class Runtime(ABC):
+    """A model with a cache of up to `n_seq` sequences of up to `capacity` positions each."""
+
+    info: ModelInfo  # the model's facts, built once by whoever loaded it
+    cfg: ModelConfig
+    tokenizer: object  # engine.tokenizer.Tokenizer
+    n_seq: int
+    capacity: int
+    weight_dtype: str  # how the weights are stored, for engine.costs (a file's own bytes override them)
+    kv_dtype: str
+    dtype_name: str  # what a user reads as the model's precision (float32, bfloat16, Q4_K_M…)
+
+    @abstractmethod
+    def forward(self, rows: Sequence[Row]) -> list[torch.Tensor]:
+        """Run every row's tokens at its sequence's next positions; float32 logits per row: (V,) of its last token,
+        or (T, V) of each with all_logits. ValueError when a row would not fit."""
+
+    @abstractmethod
+    def length(self, seq: int) -> int:
+        """Positions the cache holds for `seq` (0 when it holds none): where its next token goes."""
+
+    @abstractmethod
+    def remove(self, seq: int, start: int = 0) -> None:
+        """Forget `seq`'s positions from `start` on (from 0: the whole sequence)."""
+
+    @abstractmethod
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """Make `dst` hold the first n positions of `src` (whatever `dst` held is forgotten)."""
+
+    @abstractmethod
+    def keep(self, seq: int) -> None:
+        """Forget every sequence but `seq`."""
+
+    def close(self) -> None:
+        """Free what the runtime holds beyond the model (its cache, a context)."""
+        return None  # the torch runtime's cache is freed with it
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def step_weight_bytes(self, rows: int) -> float:
+        """Weight bytes one step over `rows` token rows reads (the output head's, once per row with logits)."""
+        return costs.step_weight_bytes(self.cfg, self.weight_dtype, rows=rows)
+
+    def kv_bytes_per_position(self) -> float:
+        """Bytes of keys and values one position of one sequence holds, over all layers."""
+        return costs.kv_bytes_per_token(self.cfg, self.kv_dtype)
+
+    def step_cost(self, n_tokens: int, start: int, batch: int = 1, all_logits: bool = False) -> StepCost:
+        """engine.costs.formulas' step of `batch` sequences of n_tokens each after `start` cached positions."""
+        c = costs.prefill_cost(self.cfg, n_tokens, start=start, batch=batch, weight_dtype=self.weight_dtype,
+                               kv_dtype=self.kv_dtype, all_logits=all_logits)
+        return replace(c, weight_bytes=self.step_weight_bytes(n_tokens * batch))
+
+    def check_fits(self, rows: Sequence[Row]) -> None:
+        """ValueError naming the first row that names an unknown sequence or runs past its capacity."""
+        seen: set[int] = set()
+        for r in rows:
+            if not 0 <= r.seq < self.n_seq:
+                raise ValueError(f"sequence {r.seq} is not one of this runtime's {self.n_seq}")
+            if r.seq in seen:
+                raise ValueError(f"sequence {r.seq} appears twice in one forward batch")
+            seen.add(r.seq)
+            if not r.tokens:
+                raise ValueError(f"sequence {r.seq} has no tokens in this forward batch")
+            end = self.length(r.seq) + len(r.tokens)
+            if end > self.capacity:
+                raise ValueError(f"sequence {r.seq} would hold {end} positions; this runtime holds {self.capacity}")
