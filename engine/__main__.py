@@ -20,6 +20,7 @@ from engine.cliargs import (
     sampling_params,
     session_from_args,
 )
+from engine.run import kernels_cli
 from engine.run.threads import threads_arg
 
 
@@ -315,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--trace", metavar="FILE.json", default=None,
                    help="write a Perfetto / Chrome trace: one slice per prefill and decode step")
     add_threads_arg(q)
+    kernels_cli.add_kernel_arg(q)
     q.set_defaults(func=cmd_generate)
 
     q = sub.add_parser("lens", help="logit lens: the next-token guess after every layer")
@@ -351,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     spec_cli.add_subcommand(sub)
     schedule_cli.add_subcommand(sub)
+    kernels_cli.add_subcommand(sub)
     return p
 
 
@@ -374,7 +377,8 @@ def resolve(args: argparse.Namespace):
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(resolve(args)(args) or 0)
+        with kernels_cli.forcing(getattr(args, "kernel", None)):
+            return int(resolve(args)(args) or 0)
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

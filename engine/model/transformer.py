@@ -20,38 +20,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model import kernels
 from engine.model.config import ModelConfig
 from engine.model.kv_cache import KVCache
 from engine.model.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
 from engine.model.rope import apply_rope, rope_table
 
-
-def _split_count(out_features: int) -> int:
-    n = torch.get_num_threads()
-    while n > 1 and out_features % n:
-        n -= 1
-    return n
-
-
 ROPE_ROWS = 4096  # positions of the RoPE table built at load; it doubles as a generation needs more
 HEAD_RESCORE = 64  # candidates whose logits a bf16/fp16 head recomputes in float32 (see Transformer.head)
 HEAD_RESCORE_MAX_ROWS = 64  # positions it does that for (decode and last-position prefill; not long all-logits)
 UPCAST_MAX_KEYS = 3072  # a bf16 decode query's attention runs in float32 up to this many keys (Attention.forward)
-SPLIT_MAX_ROWS = 4  # up to this many rows the row-block product wins; above it oneDNN does (measured 1–512)
-
-
-def _onednn_linear() -> object | None:
-    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-    return op if op is not None and torch.backends.mkldnn.is_available() else None
-
-
-_ONEDNN_LINEAR = _onednn_linear()
+SPLIT_MAX_ROWS = 4  # up to this many rows a product is a decode product: the kernel measured for it runs
 
 
 def _bf16_packing() -> bool:
     """Can oneDNN multiply by a bfloat16 weight kept in its own blocked layout (CPUs with native bf16 dot products)?"""
     try:
-        return (_ONEDNN_LINEAR is not None and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        return (kernels.ONEDNN_LINEAR is not None and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
                 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     except (AttributeError, RuntimeError):
         return False
@@ -73,32 +58,16 @@ def pack_for_decode(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x·Wᵀ + b, by the fastest product measured for each shape on the CPU (torch 2.13, 2 cores).
-
-    - a few rows (decode: one row per sequence), float32: F.linear runs on one thread at ~16 GB/s of weights, while
-      a batched product over row-blocks of W, (n, out/n, in) @ (n, in, M), uses every thread at ~48 GB/s;
-    - a few rows, bfloat16 with `packed` (pack_for_decode(W)): oneDNN's bf16 kernel on the pre-reordered weight;
-    - more rows (prefill), float32: oneDNN's fp32 kernel does ~200 GFLOP/s at 41 rows where F.linear (MKL) does ~95.
-    Elsewhere (CUDA, bfloat16 prefill, other dtypes) F.linear.
+    """y = x·Wᵀ + b. On the CPU, a decode product (up to SPLIT_MAX_ROWS rows) runs the kernel measured fastest for
+    this shape, dtype and thread count on this machine (engine.model.kernels; `packed` is pack_for_decode(W), one of
+    the candidates); more rows (prefill) are compute-bound: oneDNN's fp32 kernel in float32, F.linear otherwise.
     """
-    out_f, in_f = weight.shape
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    rows = x.numel() // in_f
-    if packed is not None and rows <= SPLIT_MAX_ROWS:
-        y = _ONEDNN_LINEAR(x.reshape(rows, in_f), packed, bias, "none", [], "")  # (M, out)
-        return y.view(*x.shape[:-1], out_f)
-    if weight.dtype != torch.float32:
-        return F.linear(x, weight, bias)
-    n = _split_count(out_f)
-    if rows <= SPLIT_MAX_ROWS and n > 1:
-        xs = x.reshape(1, rows, in_f).expand(n, rows, in_f).contiguous().transpose(1, 2)  # (n, in, M)
-        y = torch.bmm(weight.view(n, out_f // n, in_f), xs)  # (n, out/n, M)
-        y = y.permute(2, 0, 1).reshape(rows, out_f).contiguous().view(*x.shape[:-1], out_f)  # (…, out)
-        return y if bias is None else y + bias
-    if _ONEDNN_LINEAR is not None:
-        y = _ONEDNN_LINEAR(x.reshape(rows, in_f), weight, bias, "none", [], "")  # (M, out)
-        return y.view(*x.shape[:-1], out_f)
+    if x.numel() // weight.shape[1] <= SPLIT_MAX_ROWS:
+        return kernels.decode_product(x, weight, bias, packed)
+    if weight.dtype == torch.float32 and kernels.ONEDNN_LINEAR is not None:
+        return kernels.onednn(x, weight, bias, None)
     return F.linear(x, weight, bias)
 
 
@@ -312,6 +281,22 @@ class Transformer(nn.Module):
         self.head_packed = pack_for_decode(self.lm_head)
         return self.head_packed is not None
 
+    def decode_products(self) -> dict[tuple[int, int], list[kernels.Product]]:
+        """Every (weight, bias, packed) a decode step multiplies a row by, grouped by weight shape (out, in)."""
+        groups: dict[tuple[int, int], list[kernels.Product]] = {}
+        for m in self.modules():
+            if isinstance(m, Linear):
+                groups.setdefault(tuple(m.weight.shape), []).append((m.weight, m.bias, m.packed))
+        groups.setdefault(tuple(self.lm_head.shape), []).append((self.lm_head, None, self.head_packed))
+        return groups
+
+    def tune_kernels(self, remeasure: bool = False) -> list:
+        """Choose each decode product's kernel by measuring this machine (engine.model.kernels), or by reading what
+        was measured before; the entries, one per shape and thread count ([] off the CPU)."""
+        if self.lm_head.device.type != "cpu":
+            return []
+        return kernels.tune(self.decode_products(), remeasure=remeasure)
+
     @property
     def lm_head(self) -> torch.Tensor:
         """(V, d): the output projection, which is the embedding matrix itself when tied."""
@@ -422,4 +407,5 @@ def build_model(
     model.init_rope()
     if dtype == torch.bfloat16:
         model.pack_for_decode()
+    model.tune_kernels()
     return model

@@ -118,6 +118,13 @@ def _configured_threads(torch) -> int:
     return _CONFIGURED[0]
 
 
+def decode_thread_counts() -> list[int]:
+    """The thread counts an `auto` controller switches between: one, and all the cores torch may use."""
+    import torch
+
+    return sorted({1, max(1, min(_configured_threads(torch), available_cores()))})
+
+
 def _median(xs) -> float | None:
     s = sorted(xs)
     return s[len(s) // 2] if s else None

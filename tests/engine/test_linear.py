@@ -1,8 +1,8 @@
 """engine.model.transformer.linear, the CPU fast path, against F.linear in float64: every branch, 1 and 2 threads.
 
-Branches: up to SPLIT_MAX_ROWS rows with the output split evenly over the threads (a batched product over row
-blocks of W); more rows through oneDNN's private fp32 op; an output that does not split evenly falls back. The
-split depends on the thread count, so each shape runs at 1 and at 2 threads.
+Branches: up to SPLIT_MAX_ROWS rows run the decode kernel chosen for the shape (engine.model.kernels; here each
+candidate in turn, forced), more rows oneDNN's private fp32 op. The row-block split depends on the thread count (an
+output that does not split evenly falls back), so each shape runs at 1 and at 2 threads.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import transformer as model
+from engine.model import kernels
 from engine.model.transformer import SPLIT_MAX_ROWS, linear
 
 SHAPES = [  # (leading shape of x, in_features, out_features)
@@ -36,9 +36,16 @@ def threads(request):
     torch.set_num_threads(before)
 
 
+@pytest.fixture(params=[None, *kernels.KERNELS], ids=lambda k: k or "measured")
+def kernel(request):
+    """The decode kernel linear runs: each candidate forced in turn, or whatever this process measured/chose."""
+    with kernels.forced(request.param):
+        yield request.param
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize(("lead", "n_in", "n_out"), SHAPES)
-def test_linear_equals_f_linear(threads, lead, n_in, n_out, bias):
+def test_linear_equals_f_linear(threads, kernel, lead, n_in, n_out, bias):
     g = torch.Generator().manual_seed(n_in * 1000 + n_out)
     x = torch.randn(*lead, n_in, generator=g)
     w = torch.randn(n_out, n_in, generator=g) / math.sqrt(n_in)
@@ -50,13 +57,13 @@ def test_linear_equals_f_linear(threads, lead, n_in, n_out, bias):
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_the_split_follows_the_thread_count(threads):
-    """The row-block split is really taken at 2 threads (and only where the output divides evenly)."""
-    assert model._split_count(96) == threads
-    assert model._split_count(7) == 1
+def test_the_split_applies_where_the_output_divides_over_the_threads(threads):
+    w = torch.zeros(96, 8)
+    assert kernels.applicable("split", w, None, threads)
+    assert kernels.applicable("split", torch.zeros(7, 8), None, threads) == (threads == 1)
 
 
-def test_a_strided_input_gives_the_same_rows(threads):
+def test_a_strided_input_gives_the_same_rows(threads, kernel):
     """A non-contiguous x (a slice of a larger activation, as x[:, -1] is) goes through every path correctly."""
     g = torch.Generator().manual_seed(1)
     big = torch.randn(3, 9, 64, generator=g)

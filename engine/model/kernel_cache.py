@@ -1,0 +1,166 @@
+"""The decode autotuner's memory, without torch: which product won for each shape on this machine, kept as JSON.
+
+engine.model.kernels measures; this module names a measurement (the key), reads and writes the file
+($INFERENCE_LAB_CACHE or ~/.cache/inference-lab, `kernels.json`) and turns it into rows for `python -m engine kernels`
+and the app's Engine → Decode kernels dialog, which reads it without loading torch.
+
+A choice holds only where it was measured: the key names the CPU model, its core count, the torch version, torch's
+kernel set (ATEN_CPU_CAPABILITY: an AVX-512 CPU told to use AVX2 runs other kernels), the dtype, the thread count and
+the weight's shape. Any of them changing is a different key, so the engine measures again. A file that cannot be
+read, or an entry that does not look like one this code wrote, is ignored (and measured again), never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+CACHE_FILE = "kernels.json"
+FORMAT = 1
+MAX_ENTRIES = 400  # the oldest go first: a file that outlives many torch versions stays small
+KERNEL_ENV = "INFERENCE_LAB_KERNEL"  # forces one candidate everywhere it applies (the app's engine process reads it)
+
+# The candidates, by name: what each one is, for the CLI, the dialog and the benchmark.
+DESCRIPTIONS: dict[str, str] = {
+    "linear": "F.linear (torch's own choice: MKL sgemv, or its bf16 kernel)",
+    "split": "a batched product over row blocks of W, one block per thread (torch.bmm)",
+    "onednn": "oneDNN's linear on the plain weight",
+    "packed": "oneDNN's linear on a bf16 weight reordered once at load",
+}
+NAMES: tuple[str, ...] = tuple(DESCRIPTIONS)
+
+
+def kernel_name(value: str) -> str:
+    """A candidate's name as typed (--kernel, $INFERENCE_LAB_KERNEL); ValueError naming the valid ones."""
+    name = value.strip().lower()
+    if name not in DESCRIPTIONS:
+        raise ValueError(f"unknown kernel {value!r}; valid: {', '.join(NAMES)}")
+    return name
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a measurement depends on besides the product itself."""
+
+    cpu: str  # /proc/cpuinfo's model name
+    cores: int  # cores this process may run on
+    torch: str  # torch.__version__
+    capability: str  # torch.backends.cpu.get_cpu_capability(): the kernel set ATen dispatches to
+
+
+def entry_key(machine: Machine, dtype: str, threads: int, shape: tuple[int, int]) -> str:
+    """One measurement's identity: machine, dtype, thread count and weight shape (out, in)."""
+    return (f"{machine.cpu}|{machine.cores} cores|torch {machine.torch}|{machine.capability}|{dtype}|"
+            f"{threads} threads|{shape[0]}x{shape[1]}")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A measured shape: every candidate's median seconds for one product, and the fastest."""
+
+    machine: Machine
+    dtype: str  # "float32", "bfloat16"
+    threads: int
+    shape: tuple[int, int]  # (out, in) of the weight
+    seconds: dict[str, float]  # candidate -> median seconds for one product of one row
+    count: int  # the model's weights of this shape, streamed one after another when timed (a decode step's order)
+    rounds: int  # interleaved rounds the medians are over
+    measured_at: float  # time.time()
+
+    @property
+    def key(self) -> str:
+        return entry_key(self.machine, self.dtype, self.threads, self.shape)
+
+    @property
+    def choice(self) -> str:
+        return min(self.seconds, key=self.seconds.__getitem__)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["shape"] = list(self.shape)
+        d["choice"] = self.choice
+        return d
+
+    @classmethod
+    def from_json(cls, d: object) -> Entry | None:
+        """The entry, or None where `d` is not one this code wrote (a hand edit, another version, damage)."""
+        try:
+            m = d["machine"]
+            machine = Machine(str(m["cpu"]), int(m["cores"]), str(m["torch"]), str(m["capability"]))
+            seconds = {str(k): float(v) for k, v in d["seconds"].items()}
+            out_f, in_f = (int(v) for v in d["shape"])
+            e = cls(machine, str(d["dtype"]), int(d["threads"]), (out_f, in_f), seconds, int(d["count"]),
+                    int(d["rounds"]), float(d["measured_at"]))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        ok = (seconds and all(k in DESCRIPTIONS and 0 < v < float("inf") for k, v in seconds.items())
+              and e.threads >= 1 and min(e.shape) >= 1)
+        return e if ok else None
+
+
+def cache_path() -> Path:
+    from engine.formats.locate import cache_root
+
+    return cache_root() / CACHE_FILE
+
+
+def read(path: Path | None = None) -> dict[str, Entry]:
+    """Every valid entry of the file by key; {} when it is missing, unreadable or not this format."""
+    path = path or cache_path()
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("entries"), list):
+        return {}
+    entries = (Entry.from_json(d) for d in doc["entries"])
+    return {e.key: e for e in entries if e is not None}
+
+
+def write(new: list[Entry], path: Path | None = None) -> None:
+    """Merge `new` into the file (replacing entries of the same key), atomically; a read-only disk only costs the
+    next start a measurement."""
+    path = path or cache_path()
+    entries = read(path)
+    entries.update({e.key: e for e in new})
+    keep = sorted(entries.values(), key=lambda e: e.measured_at)[-MAX_ENTRIES:]
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"format": FORMAT, "entries": [e.to_json() for e in keep]}, indent=1),
+                       encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def rows(entries: list[Entry]) -> list[dict]:
+    """One row per measured shape, as `python -m engine kernels --json` prints it and the dialog shows it."""
+    out = []
+    for e in sorted(entries, key=lambda e: (e.dtype, e.threads, -e.shape[0] * e.shape[1])):
+        best = min(e.seconds.values())
+        out.append({
+            "dtype": e.dtype, "threads": e.threads, "shape": list(e.shape), "count": e.count, "choice": e.choice,
+            "seconds": dict(sorted(e.seconds.items(), key=lambda kv: kv[1])),
+            "vs_fastest": {k: v / best for k, v in e.seconds.items()},
+            "rounds": e.rounds, "torch": e.machine.torch, "capability": e.machine.capability,
+            "measured": time.strftime("%Y-%m-%d %H:%M", time.localtime(e.measured_at)),
+        })
+    return out
+
+
+def this_cpu() -> tuple[str, int]:
+    """The CPU model name and the cores this process may use (the part of the key known without torch)."""
+    from engine.costs.hardware import _cpu_model
+    from engine.run.threads import available_cores
+
+    return _cpu_model(), available_cores()
+
+
+def entries_for_this_cpu(path: Path | None = None) -> list[Entry]:
+    """The file's entries measured on this CPU model with this many cores (any torch version)."""
+    cpu, cores = this_cpu()
+    return [e for e in read(path).values() if e.machine.cpu == cpu and e.machine.cores == cores]

@@ -1,0 +1,267 @@
+"""Decode's matrix–vector products, chosen by measuring this machine: the candidates, the autotuner, the dispatch.
+
+A decode step multiplies one row by every weight once, so its speed is how fast a kernel streams the weights from
+memory, and which kernel does that best depends on the CPU, its instruction set, torch's build, the dtype, the
+thread count and the shape. One rule measured on one machine was the slowest choice on another (BENCHMARKS.md,
+"Issue 27"), so the engine times every candidate that applies, for each of the model's weight shapes at each
+thread count it decodes with, once: at the model's first load on a machine, in about a second, streaming the
+model's own weights of that shape one after another as a decode step does (cache-cold, as in decode). The fastest
+is used; engine.model.kernel_cache keeps the result keyed by CPU, cores, torch version and kernel set, dtype,
+threads and shape, so later loads only read it, and anything in the key changing measures again.
+
+Measuring: every candidate runs once to warm up (oneDNN builds its primitive on the first call), then in ROUNDS
+interleaved rounds (each round in a rotated order, so a burst of load on the machine hits every candidate alike);
+a candidate's time is its median round. `python -m engine kernels --remeasure` measures again (a choice made while
+another program held the cores can be wrong on a quiet machine). $INFERENCE_LAB_KERNEL or `--kernel NAME` forces
+one candidate wherever it applies, for comparisons.
+
+Only decode rows (up to DECODE_MAX_ROWS) are tuned; prefill and larger batches are compute-bound products that
+oneDNN's float32 kernel or F.linear run (engine.model.transformer.linear).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from engine.model import kernel_cache
+from engine.model.kernel_cache import KERNEL_ENV, Entry, Machine
+from engine.run.threads import decode_thread_counts
+
+ROUNDS = 5  # interleaved rounds after the warm-up (the median of these)
+MIN_ROUNDS = 3
+BUDGET_S = 0.12  # measuring time per shape and thread count, past which fewer rounds are run (at least MIN_ROUNDS)
+DECODE_MAX_ROWS = 4  # rows of x that count as decode (a sequence's one row, or a few in a small batch)
+
+Product = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # (weight (out, in), bias, packed)
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+
+
+def _onednn_linear() -> object | None:
+    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    return op if op is not None and torch.backends.mkldnn.is_available() else None
+
+
+ONEDNN_LINEAR = _onednn_linear()
+
+
+# ---- the candidates: y = x·Wᵀ + b for x (…, in), each exact to its dtype's rounding -----------------------------
+def plain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+def split(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    """(n, out/n, in) @ (n, in, M): a block of W's rows per thread (F.linear's gemv used one thread on some CPUs)."""
+    out_f, in_f = w.shape
+    n = torch.get_num_threads()
+    if out_f % n:
+        return F.linear(x, w, b)
+    rows = x.numel() // in_f
+    xs = x.reshape(1, rows, in_f).expand(n, rows, in_f).contiguous().transpose(1, 2)  # (n, in, M)
+    y = torch.bmm(w.view(n, out_f // n, in_f), xs)  # (n, out/n, M)
+    y = y.permute(2, 0, 1).reshape(rows, out_f).contiguous().view(*x.shape[:-1], out_f)  # (…, out)
+    return y if b is None else y + b
+
+
+def onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+    out_f, in_f = w.shape
+    y = ONEDNN_LINEAR(x.reshape(-1, in_f), w, b, "none", [], "")  # (M, out)
+    return y.view(*x.shape[:-1], out_f)
+
+
+def onednn_packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None,
+                  ) -> torch.Tensor:
+    """oneDNN on the weight in its own blocked layout (engine.model.transformer.pack_for_decode)."""
+    if packed is None:
+        return F.linear(x, w, b)
+    out_f, in_f = w.shape
+    y = ONEDNN_LINEAR(x.reshape(-1, in_f), packed, b, "none", [], "")  # (M, out)
+    return y.view(*x.shape[:-1], out_f)
+
+
+KERNELS: dict[str, Kernel] = {"linear": plain, "split": split, "onednn": onednn, "packed": onednn_packed}
+assert tuple(KERNELS) == kernel_cache.NAMES
+
+
+def applicable(name: str, weight: torch.Tensor, packed: torch.Tensor | None, threads: int) -> bool:
+    """Whether candidate `name` is a product of its own for this weight at this thread count (not a fallback)."""
+    if weight.device.type != "cpu":
+        return name == "linear"
+    if name == "split":
+        return weight.shape[0] % threads == 0
+    if name == "onednn":
+        return ONEDNN_LINEAR is not None and weight.dtype in (torch.float32, torch.bfloat16)
+    if name == "packed":
+        return packed is not None
+    return name == "linear"
+
+
+# ---- dispatch -----------------------------------------------------------------------------------------------------
+_CHOSEN: dict[tuple[int, int, torch.dtype, int], Kernel] = {}  # (out, in, dtype, threads) -> the measured fastest
+_FORCED: list[Kernel] = []  # at most one: the kernel every decode product runs (for comparisons)
+
+
+def decode_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None,
+                   ) -> torch.Tensor:
+    """x·Wᵀ + b by the kernel measured fastest for this shape, dtype and thread count (F.linear where none was)."""
+    if _FORCED:
+        return _FORCED[0](x, w, b, packed)
+    out_f, in_f = w.shape
+    return _CHOSEN.get((out_f, in_f, w.dtype, torch.get_num_threads()), plain)(x, w, b, packed)
+
+
+def _name(f: Kernel) -> str:
+    return next(k for k, g in KERNELS.items() if g is f)
+
+
+def chosen(shape: tuple[int, int], dtype: torch.dtype, threads: int) -> str | None:
+    """The name of the kernel a decode product of this shape runs at `threads` (None: not measured: F.linear)."""
+    if _FORCED:
+        return _name(_FORCED[0])
+    f = _CHOSEN.get((*shape, dtype, threads))
+    return None if f is None else _name(f)
+
+
+def forced_name() -> str | None:
+    """The candidate every decode product is forced through, if any."""
+    return _name(_FORCED[0]) if _FORCED else None
+
+
+def force(name: str | None) -> None:
+    """Run every decode product through candidate `name` (where it does not apply: F.linear), or stop forcing."""
+    _FORCED.clear()
+    if name:
+        _FORCED.append(KERNELS[kernel_cache.kernel_name(name)])
+
+
+@contextlib.contextmanager
+def forced(name: str | None) -> Iterator[None]:
+    """force(name) for the duration of a block (nothing when name is None)."""
+    if not name:
+        yield
+        return
+    before = list(_FORCED)
+    force(name)
+    try:
+        yield
+    finally:
+        _FORCED[:] = before
+
+
+def _force_from_environment() -> None:
+    value = os.environ.get(KERNEL_ENV, "").strip()
+    if value:
+        try:
+            force(value)
+        except ValueError:
+            pass  # a bad value is reported by `python -m engine kernels`; the engine runs the measured choice
+
+
+_force_from_environment()
+
+
+# ---- measuring ------------------------------------------------------------------------------------------------------
+def this_machine() -> Machine:
+    cpu, cores = kernel_cache.this_cpu()
+    return Machine(cpu, cores, torch.__version__, torch.backends.cpu.get_cpu_capability())
+
+
+def choose(names: Sequence[str], time_once: Callable[[str], float], rounds: int = ROUNDS,
+           budget_s: float = BUDGET_S) -> tuple[dict[str, float], int]:
+    """Each candidate's median seconds over interleaved rounds, and the number of rounds run.
+
+    time_once(name) runs candidate `name` once and returns its seconds (injected: tests give known costs). Every
+    candidate first runs once unmeasured; round r then runs them starting from the r-th, so none always runs
+    first or last. Fewer rounds (not below MIN_ROUNDS) when one round would take more than budget_s / rounds.
+    """
+    warm = {k: time_once(k) for k in names}
+    rounds = max(MIN_ROUNDS, min(rounds, int(budget_s / max(sum(warm.values()), 1e-9))))
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in [*names[r % len(names):], *names[: r % len(names)]]:
+            times[k].append(time_once(k))
+    return {k: statistics.median(v) for k, v in times.items()}, rounds
+
+
+def _timer(products: list[Product]) -> Callable[[str], float]:
+    """time_once for real: candidate `name` over every weight of the group, one row, seconds per product."""
+    in_f = products[0][0].shape[1]
+    x = torch.randn(1, in_f, generator=torch.Generator().manual_seed(in_f)).to(products[0][0].dtype)
+
+    def time_once(name: str) -> float:
+        f = KERNELS[name]
+        t = time.perf_counter()
+        for w, b, p in products:
+            f(x, w, b, p)
+        return (time.perf_counter() - t) / len(products)
+
+    return time_once
+
+
+def _works(name: str, products: list[Product]) -> bool:
+    """Some candidates exist in a build but refuse a dtype on some CPUs (oneDNN's bf16 without native bf16)."""
+    w, b, p = products[0]
+    try:
+        KERNELS[name](torch.zeros(1, w.shape[1], dtype=w.dtype), w, b, p)
+    except RuntimeError:
+        return False
+    return True
+
+
+def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = False,
+         counts: Sequence[int] | None = None, time_once: Callable[[list[Product], str], float] | None = None,
+         path: os.PathLike | None = None) -> list[Entry]:
+    """Measure (or read from the cache) the fastest candidate for every shape group at every thread count, and use
+    it from now on. groups: weight shape (out, in) -> the model's products of that shape (all one dtype, on the CPU).
+
+    remeasure: measure even what the cache holds. time_once(products, name): replaces the clock (tests).
+    Returns the entries, measured or read, one per shape and thread count.
+    """
+    if not groups:
+        return []
+    machine = this_machine()
+    cached = {} if remeasure else kernel_cache.read(path)
+    counts = list(counts or decode_thread_counts())
+    before = torch.get_num_threads()
+    entries, measured = [], []
+    try:
+        with torch.inference_mode():
+            for shape, products in groups.items():
+                dtype = str(products[0][0].dtype).removeprefix("torch.")
+                for n in counts:
+                    key = kernel_cache.entry_key(machine, dtype, n, shape)
+                    e = cached.get(key)
+                    if e is None:
+                        torch.set_num_threads(n)
+                        names = [k for k in KERNELS if applicable(k, products[0][0], products[0][2], n)
+                                 and _works(k, products)]
+                        clock = _timer(products) if time_once is None else lambda k, p=products: time_once(p, k)
+                        seconds, rounds = choose(names, clock)
+                        e = Entry(machine, dtype, n, shape, seconds, len(products), rounds, time.time())
+                        measured.append(e)
+                    entries.append(e)
+    finally:
+        torch.set_num_threads(before)
+    if measured:
+        kernel_cache.write(measured, path)
+    use(entries)
+    return entries
+
+
+def use(entries: list[Entry]) -> None:
+    """Dispatch each entry's shape and dtype to its fastest kernel, at its thread count and (for counts between
+    the measured ones, as a fixed --threads N may set) at the nearest measured count below."""
+    by_shape: dict[tuple[int, int, torch.dtype], dict[int, str]] = {}
+    for e in entries:
+        by_shape.setdefault((*e.shape, getattr(torch, e.dtype)), {})[e.threads] = e.choice
+    for (out_f, in_f, dtype), choice_at in by_shape.items():
+        for n in range(1, max(max(choice_at), torch.get_num_threads()) + 1):
+            below = [c for c in choice_at if c <= n]
+            if below:
+                _CHOSEN[(out_f, in_f, dtype, n)] = KERNELS[choice_at[max(below)]]

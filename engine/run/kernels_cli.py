@@ -1,0 +1,91 @@
+"""`python -m engine kernels`: which decode product the engine chose for each of the model's weight shapes on this
+machine, with every candidate's measured time (engine.model.kernels), and `--remeasure` to measure again.
+
+    python -m engine kernels [--model M] [--dtype float32|bfloat16] [--remeasure] [--json]
+
+Also `forcing`, which `--kernel NAME` on the commands that run the model goes through. Kept apart from
+engine.model.kernels so that building the CLI's parser does not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from collections.abc import Iterator
+
+from engine.model import kernel_cache
+
+
+@contextlib.contextmanager
+def forcing(name: str | None) -> Iterator[None]:
+    """Every decode product through candidate `name` for the duration of a block (nothing when None)."""
+    if not name:
+        yield
+        return
+    from engine.model import kernels
+
+    with kernels.forced(name):
+        yield
+
+
+def add_kernel_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kernel", choices=kernel_cache.NAMES, default=None,
+                   help="run every decode product through this kernel where it applies, instead of the one "
+                        "measured fastest here (for comparisons; see `python -m engine kernels`)")
+
+
+def _text(doc: dict) -> str:
+    m = doc["machine"]
+    lines = [f"{m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['capability']} kernels); "
+             f"measured once, kept in {doc['cache']}"]
+    if doc["forced"]:
+        lines.append(f"forced: every decode product runs {doc['forced']} where it applies")
+    names = [n for n in kernel_cache.NAMES if any(n in r["seconds"] for r in doc["rows"])]
+    lines.append(f"{'dtype':<9}{'threads':>8}  {'weight (out × in)':<18}{'count':>6}  {'chosen':<8}"
+                 + "".join(f"{n:>16}" for n in names))
+    for r in doc["rows"]:
+        cells = "".join(
+            f"{r['seconds'][n] * 1e6:>8.0f} µs {r['vs_fastest'][n]:4.2f}" if n in r["seconds"] else f"{'—':>16}"
+            for n in names)
+        shape = f"{r['shape'][0]} × {r['shape'][1]}"
+        lines.append(f"{r['dtype']:<9}{r['threads']:>8}  {shape:<18}{r['count']:>6}  {r['choice']:<8}{cells}")
+    lines.append("times: median µs for one product of one row (its weight streamed from memory), and ÷ the "
+                 "fastest; count: the model's weights of that shape")
+    lines.extend(f"  {n}: {kernel_cache.DESCRIPTIONS[n]}" for n in names)
+    return "\n".join(lines)
+
+
+def cmd_kernels(a: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from engine.cliargs import CliError
+    from engine.loaders import ModelLoadError, load
+    from engine.model import kernels
+
+    entries = []
+    for dtype in [a.dtype] if a.dtype else ["float32", "bfloat16"]:
+        try:
+            lm = load(a.model, device="cpu", dtype=dtype)  # tunes at load: reads the cache, or measures
+        except ModelLoadError as e:
+            raise CliError(str(e)) from None
+        entries += lm.model.tune_kernels(remeasure=a.remeasure)
+        del lm
+    doc = {"machine": asdict(kernels.this_machine()), "cache": str(kernel_cache.cache_path()),
+           "forced": kernels.forced_name(),
+           "rows": kernel_cache.rows(entries)}
+    print(json.dumps(doc, indent=2) if a.json else _text(doc))
+    return 0
+
+
+def add_subcommand(sub: argparse._SubParsersAction) -> None:
+    """Add `kernels` to the engine CLI's subparsers."""
+    q = sub.add_parser("kernels", help="the decode kernel chosen for each weight shape, with every candidate's time",
+                       description="Each decode product runs the kernel measured fastest for its shape, dtype and "
+                       "thread count on this machine (measured once at the first load, then read from the cache).")
+    q.add_argument("--model", default=None, help="a .gguf file, a Hugging Face model directory or a known model")
+    q.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: both")
+    q.add_argument("--remeasure", action="store_true",
+                   help="measure again even where the cache has a result (quiet the machine first)")
+    q.add_argument("--json", action="store_true", help="print JSON instead of text")
+    q.set_defaults(func=cmd_kernels)
