@@ -12,7 +12,14 @@ Memory policy, so that a long session or many runs cannot grow the GUI process w
   Branches panel, the exports and a replay draw;
 - the context ids are kept once per run (the prompt's ids and the generated ids): `Run.context_ids(step)` gives
   what the engine sampled step `step` against, for re-running a funnel with a repetition penalty;
-- attention weights are kept as captured (the engine bounds each step's capture: engine.model.probe);
+- a step's attention weights and logit lens are kept within ATTENTION_BYTES a run, because a step's attention costs
+  heads × position × layers: keeping every step grows with the square of the run (a 2,000-token run of SmolLM2 with
+  every layer captured held gigabytes). The first steps (the prefill and the start of the run, up to
+  1/ATTENTION_HEAD of the budget) and the newest steps stay; the oldest steps between them go, one contiguous range
+  that `Run.attention_note()` names for the panels. Across runs, once the store holds more than ATTENTION_TOTAL, the
+  oldest run not being recorded loses its captures first. They are kept as sent (float32, shared with the panels,
+  never copied): converting them to float16 on the GUI thread would stall it for tens of milliseconds a step late in
+  a long run (BENCHMARKS.md, "Long runs (issue 26)");
 - at most MAX_RUNS runs; a new run makes the oldest one that is neither shown nor being recorded go.
 """
 
@@ -28,9 +35,20 @@ from dataclasses import dataclass, field
 import numpy as np
 from PySide6 import QtCore
 
-from engine.events import Finished, PromptScored, PromptTokenized, RunStarted, TokenSampled
+from engine.events import (
+    AttentionCaptured,
+    Finished,
+    LensCaptured,
+    PromptScored,
+    PromptTokenized,
+    RunStarted,
+    TokenSampled,
+)
 
 LOGITS_BYTES = 64 << 20  # full-vocabulary logits kept, newest steps first, across all runs
+ATTENTION_BYTES = 128 << 20  # a run's attention weights and logit lens
+ATTENTION_HEAD = 8  # 1/8 of a run's attention budget keeps its first steps, the rest its newest
+ATTENTION_TOTAL = 2 * ATTENTION_BYTES  # across all runs: older runs lose their captures first
 MAX_RUNS = 16  # runs and forks kept
 SIGNALS = ("sig_run_started", "sig_prompt", "sig_prompt_scores", "sig_attention", "sig_norms", "sig_lens", "sig_kv",
            "sig_prefill", "sig_token", "sig_finished")
@@ -59,6 +77,14 @@ def nbytes(x: object) -> int:
     return 0
 
 
+def _capture_nbytes(ev: AttentionCaptured | LensCaptured) -> int:
+    """nbytes(ev) for the two per-step captures, without walking their fields (one call per layer and step)."""
+    if isinstance(ev, AttentionCaptured):
+        return ev.weights.nbytes
+    return ev.ids.nbytes + ev.probs.nbytes + ev.entropy_bits.nbytes + (
+        ev.token_probs.nbytes if ev.token_probs is not None else 0)
+
+
 @dataclass(eq=False)
 class Run:
     """One generation: its events in arrival order, and where it forked from (parent run id, step, token)."""
@@ -72,6 +98,13 @@ class Run:
     _tokens: list[int] = field(default_factory=list)  # index in `events` of each TokenSampled
     _ids: list[int] = field(default_factory=list)  # the generated ids, in step order
     logit_bytes: int = 0
+    # the per-step captures (attention, lens) held, each step as (step, its indices in `events`): the first steps,
+    # which stay while newer ones can go, and the rest, oldest first. A dropped capture leaves None in `events`.
+    _first: list[tuple[int, list[int]]] = field(default_factory=list)
+    _rest: deque = field(default_factory=deque)
+    _first_bytes: int = 0
+    capture_bytes: int = 0
+    dropped: tuple[int, int] | None = None  # (first, last) step whose captures went to bound memory
 
     @property
     def source(self) -> RunStarted | None:
@@ -103,6 +136,57 @@ class Run:
     def nbytes(self) -> int:
         return nbytes(self.events)
 
+    def kept_events(self) -> list:
+        """The events held, in arrival order (without the captures dropped to bound memory)."""
+        return [e for e in self.events if e is not None]
+
+    def attention_note(self) -> str:
+        """Which steps' attention and lens this run holds, in words ("" when none was dropped)."""
+        if self.dropped is None:
+            return ""
+        lo, hi = self.dropped
+        kept = [f"{g[0][0]:,}–{g[-1][0]:,}" if g[0][0] != g[-1][0] else f"{g[0][0]:,}"
+                for g in (self._first, self._rest) if g]
+        return (f"this run holds the attention and lens of steps {' and '.join(kept) or 'none'}: steps {lo:,}–{hi:,} "
+                f"were dropped to keep the run within {ATTENTION_BYTES >> 20} MiB")
+
+    def _add_capture(self, ev: AttentionCaptured | LensCaptured) -> int:
+        """Append a capture, grouped with its step's others; its bytes."""
+        first = not self._rest and (bool(self._first) and self._first[-1][0] == ev.step
+                                    or self._first_bytes < ATTENTION_BYTES // ATTENTION_HEAD)
+        self.events.append(ev)
+        i, b = len(self.events) - 1, _capture_nbytes(ev)
+        groups = self._first if first else self._rest
+        if groups and groups[-1][0] == ev.step:
+            groups[-1][1].append(i)
+        else:
+            groups.append((ev.step, [i]))
+        self._first_bytes += b if first else 0
+        self.capture_bytes += b
+        return b
+
+    def _drop_capture(self, everything: bool = False) -> int:
+        """Drop the oldest step's captures among the rest, never the newest step; `everything`: any step, the
+        first ones last. The bytes freed (0: nothing may go)."""
+        if self._rest and (len(self._rest) > 1 or everything):
+            step, where = self._rest.popleft()
+            first = False
+        elif everything and self._first:
+            step, where = self._first.pop(0)
+            first = True
+        else:
+            return 0
+        freed = 0
+        for i in where:
+            freed += _capture_nbytes(self.events[i])
+            self.events[i] = None
+        if first:
+            self._first_bytes -= freed
+        lo, hi = self.dropped if self.dropped is not None else (step, step)
+        self.dropped = (min(lo, step), max(hi, step))
+        self.capture_bytes -= freed
+        return freed
+
 
 class RunStore(QtCore.QObject):
     """The window's runs (see the module's memory policy); records what the bridge sends, unless replaying."""
@@ -125,12 +209,16 @@ class RunStore(QtCore.QObject):
         self._fork: tuple[int, int, int, str] | None = None  # (parent id, step, token, name) of the next run
         self._logits: deque[tuple[int, int]] = deque()  # (run id, event index) holding logits, oldest first
         self._logit_bytes = 0
+        self._capture_bytes = 0
         if bridge is not None:
             _STORES[bridge] = self
             for name in SIGNALS:
                 sig = getattr(bridge, name, None)
                 if sig is not None:
                     sig.connect(self.record)
+            failed = getattr(bridge, "sig_failed", None)
+            if failed is not None:
+                failed.connect(self._on_failed)
 
     # ---- reading ----
     def run(self, run_id: int | None) -> Run | None:
@@ -145,7 +233,7 @@ class RunStore(QtCore.QObject):
     def events(self) -> list:
         """The shown run's events (what the panels show), in arrival order."""
         r = self.shown_run()
-        return list(r.events) if r is not None else []
+        return r.kept_events() if r is not None else []
 
     def context_ids(self, step: int) -> np.ndarray | None:
         """The shown run's context for step `step` (prompt ids + generated ids before it); None without a run."""
@@ -160,6 +248,11 @@ class RunStore(QtCore.QObject):
     def expect_fork(self, parent: int, step: int, token: int, name: str) -> None:
         """The next run that starts is a fork of run `parent` at `step` with `token`."""
         self._fork = (parent, int(step), int(token), name)
+
+    @QtCore.Slot(str)
+    def _on_failed(self, _message: str) -> None:
+        # a request the engine refused starts no run: the fork asked for must not name the next run
+        self._fork = None
 
     @QtCore.Slot(object)
     def record(self, ev: object) -> None:
@@ -195,6 +288,10 @@ class RunStore(QtCore.QObject):
         return r
 
     def _append(self, r: Run, ev: object) -> None:
+        if isinstance(ev, (AttentionCaptured, LensCaptured)):
+            self._capture_bytes += r._add_capture(ev)
+            self._trim_captures(r)
+            return
         r.events.append(ev)
         if isinstance(ev, TokenSampled):
             r._tokens.append(len(r.events) - 1)
@@ -216,6 +313,15 @@ class RunStore(QtCore.QObject):
             r.logit_bytes -= ev.logits.nbytes
             self._logit_bytes -= ev.logits.nbytes
 
+    def _trim_captures(self, r: Run) -> None:
+        while r.capture_bytes > ATTENTION_BYTES and (freed := r._drop_capture()):
+            self._capture_bytes -= freed
+        for other in self.runs:  # oldest first
+            if other is r or other.id == self.recording:
+                continue
+            while self._capture_bytes > ATTENTION_TOTAL and (freed := other._drop_capture(everything=True)):
+                self._capture_bytes -= freed
+
     def _evict(self) -> None:
         while len(self.runs) > MAX_RUNS:
             victim = next((r for r in self.runs if r.id not in (self.shown, self.recording)), None)
@@ -223,6 +329,7 @@ class RunStore(QtCore.QObject):
                 return
             self.runs.remove(victim)
             self._logit_bytes -= victim.logit_bytes
+            self._capture_bytes -= victim.capture_bytes
             for r in self.runs:
                 if r.parent == victim.id:
                     r.parent = None
@@ -251,9 +358,9 @@ class RunStore(QtCore.QObject):
             parent = int(parent) if isinstance(parent, int) and 0 <= parent < i else None
             r = Run(i, str(rec.get("name") or f"run {i + 1}"), parent, int(rec.get("step", 0)),
                     int(rec.get("token", -1)))
+            self.runs.append(r)  # before its events: the caps find the run by its id as they trim
             for ev in rec.get("events", []):
                 self._append(r, ev)
-            self.runs.append(r)
             self._roots += parent is None
         self._next_id = len(records)
         if self.runs:
@@ -265,12 +372,12 @@ class RunStore(QtCore.QObject):
         """Every run as a plain record for a session file (parent as an index; references, not copies)."""
         where = {r.id: i for i, r in enumerate(self.runs)}
         return [{"name": r.name, "parent": where.get(r.parent), "step": r.step, "token": r.token,
-                 "shown": r.id == self.shown, "events": list(r.events)} for r in self.runs]
+                 "shown": r.id == self.shown, "events": r.kept_events()} for r in self.runs]
 
     def clear(self, notify: bool = True) -> None:
         self.runs, self.shown, self.recording, self._fork = [], None, None, None
         self._logits.clear()
-        self._logit_bytes = 0
+        self._logit_bytes = self._capture_bytes = 0
         self._roots = 0
         if notify:
             self.sig_runs_changed.emit()

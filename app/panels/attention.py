@@ -4,7 +4,10 @@ The prefill captures a (heads, T, T) block of weights, each decode step one new 
 assembles them into a growing lower-triangular matrix. Cells the causal mask forbids (a key after its query) hold NaN
 and are drawn in the mask colour, not as a zero weight. Only the rows the engine sent are kept: a long prefill sends
 its last query rows (the event's rows_skipped), so the panel holds (heads, rows sent, S), never S × S, and says that
-the first rows were left out.
+the first rows were left out. A layer's matrix is held within MATRIX_BYTES: on a long run its oldest rows go (so a
+draw costs the same at step 8,000 as at step 800). In a window only the shown layer is held, and another one is
+rebuilt from the window's run store, which keeps its own bounded record of every captured layer (app.run_store; the
+status line says which steps it holds); a panel on its own keeps each captured layer.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from app.panels.base import Panel
+from app.run_store import store_for
 from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, placeholder, show_empty, style_plot
 from engine.events import AttentionCaptured, ModelInfo, PromptTokenized, ResidualNorms, TokenSampled
 from engine.model.config import ModelConfig
@@ -26,6 +30,7 @@ MASK_COLOR = "#3c3c3c"  # the causal mask: cells a query may not read
 GROUP_COLORS = ("#e5c07b", "#61afef", "#c678dd", "#98c379", "#e06c75", "#56b6c2", "#d19a66", "#abb2bf")
 CMAP = pg.colormap.get("viridis")
 EMPTY_TOKENS = 8  # the heat map's size before anything is captured (at least the prompt's length)
+MATRIX_BYTES = 32 << 20  # the shown layer's float32 matrix, capacity included; its oldest rows go past it
 
 
 def _readable(piece: str) -> str:
@@ -43,13 +48,15 @@ class AttentionMatrix:
     keys before that are masked too (the band along the diagonal).
     """
 
-    def __init__(self, n_heads: int, window: int = 0) -> None:
+    def __init__(self, n_heads: int, window: int = 0, max_bytes: int | None = None) -> None:
         self.n_heads = n_heads
         self.window = window
+        self.max_bytes = MATRIX_BYTES if max_bytes is None else max_bytes
         self.size = 0  # S: the keys (and the query rows' end) seen so far
         self.first_row = 0
         self.first_step: int | None = None  # the first step captured (> 0: the layer was asked for mid-run)
         self.rows_skipped = 0  # query rows the engine left out of a long prefill to bound memory
+        self.rows_dropped = 0  # query rows this matrix let go to stay within max_bytes
         self._w = np.full((n_heads, 0, 0), np.nan, dtype=np.float32)
 
     def add(self, ev: AttentionCaptured) -> None:
@@ -69,7 +76,14 @@ class AttentionMatrix:
                 rows_cap = max(end - self.first_row, int(rows_cap * 1.5) + 64)
             if end > keys_cap:
                 keys_cap = max(end, keys_cap + max(128, keys_cap // 4))
-            self._reshape(self.first_row, rows_cap, keys_cap)
+            first = self.first_row
+            fit = self.max_bytes // (4 * self.n_heads * keys_cap)  # rows the budget holds at this width
+            if rows_cap > fit:
+                rows_cap = max(nq, fit)
+                if end - first > rows_cap:  # let the oldest rows go: half the room stays free for the next ones
+                    first = max(first, ev.query_start + nq - max(nq, rows_cap // 2))
+                    self.rows_dropped += first - self.first_row
+            self._reshape(first, rows_cap, keys_cap)
         r = ev.query_start - self.first_row
         if nq == 1 and nk == ev.query_start + 1 and not self.window:  # a decode row: nothing to mask
             self._w[:, r, :nk] = ev.weights[:, 0]
@@ -85,10 +99,13 @@ class AttentionMatrix:
         self.size = end
 
     def _reshape(self, first_row: int, rows_cap: int, keys_cap: int) -> None:
+        """Re-allocate as rows first_row … first_row + rows_cap − 1 by keys_cap keys, keeping the rows held there."""
         grown = np.full((self.n_heads, rows_cap, keys_cap), np.nan, dtype=np.float32)
-        shift = self.first_row - first_row
-        n = max(0, self.size - self.first_row)
-        grown[:, shift : shift + n, : self.size] = self._w[:, :n, : self.size]
+        lo = max(self.first_row, first_row)  # the query positions held before and after
+        hi = min(self.size, first_row + rows_cap)
+        if hi > lo:
+            grown[:, lo - first_row : hi - first_row, : self.size] = \
+                self._w[:, lo - self.first_row : hi - self.first_row, : self.size]
         self._w, self.first_row = grown, first_row
 
     @property
@@ -157,7 +174,8 @@ class AttentionPanel(Panel):
         self.n_heads = 1
         self.group_size = 1
         self.n_layers = 1
-        self._matrices: dict[int, AttentionMatrix] = {}
+        self._matrices: dict[int, AttentionMatrix] = {}  # the shown layer's, when captured
+        self._captured: set[int] = set()  # every layer this run captured
         self._pieces: list[str] = []
         self._n_prompt = 0
         self._norms: dict[int, np.ndarray] = {}
@@ -291,11 +309,20 @@ class AttentionPanel(Panel):
 
     def _on_layer_changed(self, layer: int) -> None:
         self.bridge.capture_attention({int(layer)})  # a running generation captures it from its next token
+        store = store_for(self.bridge)
+        if store is not None:  # the store holds the other layers: rebuild this one from what it kept
+            self._matrices.clear()
+            run = store.shown_run()
+            if run is not None and layer in self._captured:
+                for ev in run.events:
+                    if isinstance(ev, AttentionCaptured) and ev.layer == layer:
+                        self._add(ev)
         self.mark_dirty()
 
     @QtCore.Slot(object)
     def _on_prompt(self, ev: PromptTokenized) -> None:
         self._matrices.clear()
+        self._captured.clear()
         self._norms.clear()
         self._pieces = [_readable(p) for p in ev.pieces]
         self._n_prompt = len(ev.pieces)
@@ -304,6 +331,12 @@ class AttentionPanel(Panel):
 
     @QtCore.Slot(object)
     def _on_attention(self, ev: AttentionCaptured) -> None:
+        self._captured.add(ev.layer)
+        if ev.layer == self.layer() or store_for(self.bridge) is None:  # the window's store keeps the other layers
+            self._add(ev)
+            self.mark_dirty()
+
+    def _add(self, ev: AttentionCaptured) -> None:
         h = ev.weights.shape[0]
         if ev.layer not in self._matrices or self._matrices[ev.layer].n_heads != h:
             self._matrices[ev.layer] = AttentionMatrix(h, self.sliding_window(ev.layer))
@@ -311,7 +344,6 @@ class AttentionPanel(Panel):
             self.n_heads, self.group_size = h, max(1, ev.group_size)
             self.head_spin.setMaximum(h - 1)
         self._matrices[ev.layer].add(ev)
-        self.mark_dirty()
 
     @QtCore.Slot(object)
     def _on_token(self, ev: TokenSampled) -> None:
@@ -333,6 +365,7 @@ class AttentionPanel(Panel):
 
     def clear(self) -> None:
         self._matrices.clear()
+        self._captured.clear()
         self._norms.clear()
         self._pieces, self._n_prompt, self._selected_step = [], 0, None
         super().clear()
@@ -404,8 +437,11 @@ class AttentionPanel(Panel):
             + (f"; local, window {w:,})" if w else ")"))
         self.colorbar.axis.setLabel("√weight" if self.sqrt_check.isChecked() else "weight")
         m = self.matrix()
+        store = store_for(self.bridge)
+        run = store.shown_run() if store is not None else None
+        kept = run.attention_note() if run is not None else ""
         if m is None:
-            captured = sorted(self._matrices)
+            captured = sorted(self._captured)
             src = self.bridge.run_source
             self.status.setText(
                 f"This run came from a server ({src.name}): a server gives no attention weights or residual norms "
@@ -415,7 +451,9 @@ class AttentionPanel(Panel):
                 f"Layer {self.layer()} is captured from the next token on (captured so far: "
                 f"{', '.join(map(str, captured))})." if self.bridge.state != "idle" else
                 f"Layer {self.layer()} was not captured in this run (captured: {', '.join(map(str, captured))}); "
-                "generate again to capture it.")
+                "generate again to capture it." if self.layer() not in captured else
+                f"Layer {self.layer()}'s weights of this run are no longer held "
+                f"({kept or 'the panel holds the layer shown, the window keeps the others'}).")
             self.image.clear()
             for img in self.grid_images:
                 img.clear()
@@ -436,6 +474,11 @@ class AttentionPanel(Panel):
             if am.rows_skipped:
                 notes.append(f"the prefill's first {am.rows_skipped:,} query rows were left out to bound the "
                              f"capture's memory; rows {r0:,}–{s - 1:,} are shown")
+            if am.rows_dropped:
+                notes.append(f"the newest {s - r0:,} query rows are shown (rows {r0:,}–{s - 1:,}): the panel holds "
+                             f"at most {MATRIX_BYTES >> 20} MiB of one layer")
+            if kept:
+                notes.append(kept)
             w = am.window
             mask = ("Dark grey = causal mask." if not w else
                     f"Local layer: each query reads only the last {w:,} positions (sliding window); dark grey = "

@@ -270,7 +270,7 @@ class BranchesPanel(Panel):
 
         run = self.branches[index]
         self.store.show(run.id)
-        replay_events(self.bridge, list(run.events), self.store)
+        replay_events(self.bridge, run.kept_events(), self.store)
 
     def compare_ticked(self) -> QtWidgets.QDialog | None:
         ticked = [int(self._item(i).data(0, QtCore.Qt.ItemDataRole.UserRole))

@@ -1,4 +1,8 @@
-"""Logit lens: the next-token guess the model would make if it stopped after each layer, for the selected step."""
+"""Logit lens: the next-token guess the model would make if it stopped after each layer, for the selected step.
+
+A long run holds the lens of its first LENS_FIRST steps and its newest ones, LENS_STEPS in all: the run store
+(app.run_store) bounds what it keeps the same way, and the header says when a selected step's lens is gone.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,14 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from app.panels.base import Panel
+from app.run_store import store_for
 from app.theme import ACCENT, BACKGROUND, MUTED, WARNING_COLOR, style_plot
 from engine.events import LensCaptured, ModelInfo, PromptTokenized, TokenSampled
 from engine.model.config import ModelConfig
 
 LENS_TOP = 5  # top tokens per layer the generation captures while this panel exists
+LENS_STEPS = 1024  # steps whose lens the panel holds: the first LENS_FIRST and the newest
+LENS_FIRST = 64
 FONT_PT = 9
 AXIS_WIDTH = 48
 ENTROPY_COLOR = WARNING_COLOR
@@ -58,6 +65,7 @@ class LensPanel(Panel):
         self.lens: dict[int, LensCaptured] = {}
         self.pieces: dict[int, str] = {}  # step → the chosen token's piece
         self.selected: int | None = None  # None: follow the newest step
+        self.dropped: tuple[int, int] | None = None  # (first, last) step whose lens this panel let go
         self._build()
         self.mark_dirty()
 
@@ -130,6 +138,11 @@ class LensPanel(Panel):
     @QtCore.Slot(object)
     def _on_lens(self, ev: LensCaptured) -> None:
         self.lens[ev.step] = ev
+        if len(self.lens) > LENS_STEPS:  # the oldest step after the first ones goes
+            first = next(k for i, k in enumerate(self.lens) if i == LENS_FIRST)
+            del self.lens[first]
+            lo, hi = self.dropped or (first, first)
+            self.dropped = (min(lo, first), max(hi, first))
         self.mark_dirty()
 
     @QtCore.Slot(object)
@@ -147,6 +160,7 @@ class LensPanel(Panel):
         self.lens.clear()
         self.pieces.clear()
         self.selected = None
+        self.dropped = None
         super().clear()
 
     def shown_step(self) -> int | None:
@@ -163,6 +177,10 @@ class LensPanel(Panel):
             self.table.setRowCount(0)
             self.header.setText(EMPTY if self.selected is None
                                 else f"No lens was captured for step {self.selected}.")
+            return
+        gone = self._gone_note(self.selected) if self.selected is not None and self.selected != step else ""
+        if gone:  # the selected step's lens was let go
+            self.header.setText(gone)
             return
         ev = self.lens[step]
         n = ev.ids.shape[0]
@@ -182,6 +200,19 @@ class LensPanel(Panel):
             f"<b>{phase}</b> · position {ev.position} · chose <b>{html.escape(repr(chosen))}</b>{first}"
             f" <span style='color:{MUTED}'>(click a token in Generation to pick a step)</span>")
         self._fill_table(ev)
+
+    def _gone_note(self, step: int) -> str:
+        """Why step `step` has no lens when it was let go to bound memory, else ""."""
+        store = store_for(self.bridge)
+        run = store.shown_run() if store is not None else None
+        if run is not None and run.dropped and run.dropped[0] <= step <= run.dropped[1]:
+            note = run.attention_note()
+        elif self.dropped and self.dropped[0] <= step <= self.dropped[1]:
+            note = (f"this panel holds the lens of the first {LENS_FIRST} and the newest steps; steps "
+                    f"{self.dropped[0]:,}–{self.dropped[1]:,} were let go to bound memory")
+        else:
+            return ""
+        return f"No lens is held for step {step}: {html.escape(note)}."
 
     def _fill_table(self, ev: LensCaptured) -> None:
         n, k = ev.ids.shape

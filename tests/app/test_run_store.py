@@ -293,3 +293,32 @@ def test_the_tokenizer_is_serialised_once_per_model(qtbot, window, tmp_path, mon
 
 def test_the_store_is_found_from_the_bridge(window):
     assert run_store.store_for(window.bridge) is window.run_store
+
+
+def test_opening_a_long_session_honours_the_logits_cap(qapp):
+    """RunStore.load used to append a run's events before the run was in the store, so the logits cap found no run
+    to trim and kept every step's logits (here 600 × 192 KiB = 113 MiB)."""
+    store = RunStore()
+    store.load([{"name": "run 1", "events": list(synthetic_run(600))}])
+    toks = store.runs[0].tokens
+    kept = [t.logits is not None for t in toks]
+    n = logits_steps(VOCAB)
+    assert sum(kept) == n and all(kept[-n:])
+    assert store.nbytes() <= LOGITS_BYTES + 600 * 2048
+
+
+def test_a_fork_the_engine_refuses_does_not_name_the_next_run(qtbot, window):
+    panel = window.panels["branches"]
+    context = window.bridge.cfg.context_length
+    generate(qtbot, window, n=context)  # runs until the context is full
+    qtbot.waitUntil(lambda: window.bridge.state == "idle", timeout=10_000)
+    run = window.run_store.runs[0]
+    n = len(run.tokens)
+    assert len(run.prompt.ids) + n >= context
+    with qtbot.waitSignal(window.bridge.sig_failed, timeout=10_000) as failed:
+        assert panel.fork(n, 1)  # its prefix fills the context: the engine refuses the request
+    assert f"context holds {context}" in failed.args[0]
+    qtbot.waitUntil(lambda: window.bridge.state == "idle", timeout=10_000)
+    generate(qtbot, window, n=3)
+    names = [r.name for r in window.run_store.runs]
+    assert names == ["run 1", "run 2"] and window.run_store.runs[1].parent is None

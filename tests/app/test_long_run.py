@@ -1,0 +1,135 @@
+"""Long runs (issue 26): the app's memory does not grow with the square of the run. A run's attention is kept within
+a byte budget (app.run_store), the Attention panel holds one layer within its own, and both say which steps they
+hold. The shapes are SmolLM2-135M's (30 layers, 9 heads), the model the app starts with."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from app import run_store
+from app.run_store import ATTENTION_BYTES, ATTENTION_HEAD, RunStore
+from engine.events import AttentionCaptured, LensCaptured, PromptTokenized, RunSource, RunStarted
+from engine.protocol import Loaded
+
+LAYERS, HEADS = 30, 9
+N_PROMPT = 8
+
+
+def prompt(n: int = N_PROMPT) -> PromptTokenized:
+    return PromptTokenized(text="p" * n, ids=np.arange(n), pieces=("p",) * n, offsets=np.zeros((n, 2), np.int64),
+                           byte_offsets=np.zeros((n, 2), np.int64), special=np.zeros(n, bool))
+
+
+def attention_run(n_steps: int, layers: int = LAYERS, heads: int = HEADS):
+    """A run's attention as the engine sends it with every layer captured: the prefill's (heads, P, P) block, then
+    one (heads, 1, position + 1) row per layer and decode step. Each row is uniform over the keys it may read
+    (views of one buffer: the test itself stays small, what the store keeps is its own)."""
+    yield RunStarted(source=RunSource(kind="local", name="synthetic"))
+    yield prompt()
+    q = np.arange(N_PROMPT)[:, None]
+    block = (np.arange(N_PROMPT)[None, :] <= q) / (q + 1.0)
+    block = np.broadcast_to(block.astype(np.float32), (heads, N_PROMPT, N_PROMPT))
+    for layer in range(layers):
+        yield AttentionCaptured(step=0, phase="prefill", layer=layer, query_start=0, weights=block, group_size=3)
+    buf = np.empty((heads, 1, N_PROMPT + n_steps), np.float32)
+    for step in range(1, n_steps):
+        pos = N_PROMPT + step - 1  # the token sampled at the step before is this step's query
+        buf[:, :, : pos + 1] = 1.0 / (pos + 1)
+        for layer in range(layers):
+            yield AttentionCaptured(step=step, phase="decode", layer=layer, query_start=pos,
+                                    weights=buf[:, :, : pos + 1], group_size=3)
+
+
+def test_a_long_run_keeps_its_attention_within_the_budget_first_and_newest_steps(qapp):
+    n = 2500  # every layer of a 2,500-token run: 9 × 30 × 2,500² / 2 weights, 3.2 GB as float32
+    store = RunStore()
+    full = 0
+    for ev in attention_run(n):
+        store.record(ev)
+        if isinstance(ev, AttentionCaptured):
+            full += ev.weights.nbytes
+    assert full > 3e9
+    run = store.runs[0]
+    assert store.nbytes() <= ATTENTION_BYTES, f"{store.nbytes() / 2**20:.0f} MiB"
+    held = sorted({e.step for e in run.events if isinstance(e, AttentionCaptured)})
+    # the first steps (the prefill and the start, up to 1/ATTENTION_HEAD of the budget) and the newest steps stay;
+    # the oldest steps between them went, as one range
+    assert held[0] == 0 and held[-1] == n - 1
+    gap = [b for a, b in zip(held, held[1:], strict=False) if b != a + 1]
+    assert len(gap) == 1
+    lo, hi = run.dropped
+    assert held == [s for s in range(n) if not lo <= s <= hi]
+    first_bytes = sum(e.weights.nbytes for e in run.events if isinstance(e, AttentionCaptured) and e.step < lo)
+    assert ATTENTION_BYTES // ATTENTION_HEAD // 2 < first_bytes <= ATTENTION_BYTES // ATTENTION_HEAD + 30 * 9 * 2 * n
+    # every layer of a held step is there, as sent
+    newest = [e for e in run.events if isinstance(e, AttentionCaptured) and e.step == n - 1]
+    assert sorted(e.layer for e in newest) == list(range(LAYERS))
+    np.testing.assert_array_equal(newest[0].weights, 1.0 / np.float32(N_PROMPT + n - 1))
+    note = run.attention_note()
+    assert f"steps 0–{lo - 1:,} and {hi + 1:,}–{n - 1:,}" in note and f"{lo:,}–{hi:,} were dropped" in note
+    # what a session would save: the held events only
+    assert len(store.events()) == sum(e is not None for e in run.events) < len(run.events)
+
+
+def test_the_attention_panel_holds_one_layer_and_says_which_steps_are_kept(qtbot, bridge, tiny_lm, monkeypatch):
+    from app.panels import attention
+
+    monkeypatch.setattr(run_store, "ATTENTION_BYTES", 4 << 20)  # a small budget, so a short test reaches it
+    monkeypatch.setattr(attention, "MATRIX_BYTES", 1 << 20)
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
+    store = RunStore(bridge)
+    panel = attention.PANEL(bridge)
+    qtbot.addWidget(panel)
+    panel.resize(700, 450)
+    panel.show()
+    layers, n = tiny_lm.cfg.n_layers, 600
+    shown = layers - 1
+    panel.layer_spin.setValue(shown)
+    for ev in attention_run(n, layers=layers):
+        bridge.replay(ev)
+    panel.flush()
+    run = store.runs[0]
+    assert run.dropped is not None and store.nbytes() <= 4 << 20
+    am = panel._matrices[shown]
+    assert list(panel._matrices) == [shown] and am.nbytes <= 1 << 20  # one layer, within its budget
+    m = panel.matrix()
+    s = N_PROMPT + n - 1
+    assert m.shape[2] == s and 0 < m.shape[1] < s and panel.first_row() == s - m.shape[1]
+    np.testing.assert_allclose(np.nansum(m[:, -1], -1), 1.0, rtol=1e-5)  # the newest row, at its real position
+    assert panel.image.image.shape == m.shape[1:]
+    text = panel.status.text()
+    assert f"the newest {m.shape[1]:,} query rows are shown" in text
+    assert run.attention_note() in text and "were dropped to keep the run within" in text
+
+    # another layer comes from the store: the steps it holds, at their rows; the dropped ones are not drawn
+    panel.layer_spin.setValue(0)
+    panel.flush()
+    lo, hi = run.dropped
+    m1 = panel.matrix()
+    r0 = panel.first_row()
+    assert m1 is not None and m1.shape[2] == s
+    rows_of = {step: N_PROMPT + step - 1 for step in range(1, n)}
+    for step in (lo, hi, n - 1):
+        r = rows_of[step] - r0
+        if 0 <= r < m1.shape[1]:
+            assert np.isnan(m1[0, r]).all() == (lo <= step <= hi)
+    assert run.attention_note() in panel.status.text()
+
+
+def test_the_lens_panel_bounds_its_steps_and_says_so(qtbot, bridge, tiny_lm):
+    from app.panels import lens
+
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
+    panel = lens.PANEL(bridge)
+    qtbot.addWidget(panel)
+    bridge.replay(prompt())
+    rows, n_steps = tiny_lm.cfg.n_layers + 2, 3000
+    for step in range(n_steps):
+        bridge.replay(LensCaptured(step=step, position=N_PROMPT + step, ids=np.zeros((rows, 5), np.int64),
+                                   probs=np.full((rows, 5), 0.2, np.float32), entropy_bits=np.ones(rows, np.float32)))
+    assert len(panel.lens) == lens.LENS_STEPS
+    assert min(panel.lens) == 0 and max(panel.lens) == n_steps - 1
+    bridge.select_step(lens.LENS_FIRST + 10)
+    panel.flush()
+    assert f"No lens is held for step {lens.LENS_FIRST + 10}" in panel.header.text()
+    assert "let go to bound memory" in panel.header.text()
