@@ -6,7 +6,8 @@ memory-bound step has to spare, so it costs about one decode step. Given k guess
 [last token, d₁, …, d_k] yields the model's own distribution at each of those k + 1 positions; the longest prefix of
 guesses the model agrees with is kept, plus one token of the model's own from the first position where it disagreed
 (or after the last guess): between 1 and k + 1 tokens per full pass. The KV cache positions of rejected guesses
-are rolled back (KVCache.truncate); the next pass writes over them.
+are given back (engine.runtime's Runtime.remove); the next pass writes over them. The loop runs on any runtime
+(the torch engine or llama.cpp); early-exit drafting needs the model's own layers, so only the torch engine's.
 
 Greedy: a guess is accepted when it is the model's argmax, so the output is plain greedy decoding, token for token.
 Sampling: a guess d drawn with draft probability q(d) is accepted with probability min(1, p(d) / q(d)); on rejection
@@ -38,11 +39,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from engine.costs import formulas as costs
+from engine.backend import Unsupported
 from engine.events import Failed, Finished
 from engine.loaders import LoadedModel
-from engine.model.kv_cache import KVCache
-from engine.model.transformer import ROPE_ROWS, Transformer
 from engine.run.sampling import SamplingParams, apply_penalties, choose, draw, funnel, make_generator
 from engine.run.session import Session
 from engine.run.spec_events import (  # noqa: F401 — the events are part of this module's interface
@@ -55,6 +54,7 @@ from engine.run.spec_events import (  # noqa: F401 — the events are part of th
     SweepPoint,
     SweepStarted,
 )
+from engine.runtime import Row, Runtime, runtime_class, runtime_of
 from engine.tokenizer import StreamDecoder
 
 SOURCES = ("lookup", "early-exit", "draft-model")
@@ -70,7 +70,8 @@ class SpecConfig:
     source: str = "lookup"
     exit_layer: int = 0  # early-exit: layers run for a guess, 1…n_layers (0: half the model)
     ngram_max: int = 3  # lookup: the longest context suffix matched
-    draft: LoadedModel | None = field(default=None, compare=False)  # draft-model: the smaller model
+    # draft-model: the smaller model (a LoadedModel, or a session: a LlamaCppSession drafts on llama.cpp)
+    draft: object | None = field(default=None, compare=False)
     baseline: bool = True  # also decode the prompt plainly, to measure the speedup
     ignore_eos: bool = False
 
@@ -116,24 +117,6 @@ def lookup_draft(ids: Sequence[int], k: int, ngram_max: int = 3) -> list[int]:
     return []
 
 
-def forward_layers(model: Transformer, tokens: torch.Tensor, start: int, cache: KVCache, n_layers: int) -> torch.Tensor:
-    """The residual stream (B, T, d) after the first n_layers layers; their K/V are written, cache.pos is not moved."""
-    T = tokens.shape[1]
-    if model.rope is None or model.rope.shape[0] < start + T:  # as Transformer.forward grows it
-        model.init_rope(max(start + T, 2 * (0 if model.rope is None else model.rope.shape[0]), ROPE_ROWS))
-    ropes = (model.rope[start:start + T], model.rope_local[start:start + T])  # (T, hd/2) global, local
-    x = model.tok_embeddings(tokens)  # (B, T, d)
-    if model.cfg.embedding_scale != 1.0:
-        x = x * model.cfg.embedding_scale
-    for layer in model.layers[:n_layers]:
-        x = layer(x, start, ropes, cache, None)
-    return x
-
-
-def _tensor(ids: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor([list(ids)], dtype=torch.long, device=device)  # (1, T)
-
-
 class _Drafter:
     """Guesses up to k tokens after `ids` (its last token is pending: not yet in the main cache)."""
 
@@ -157,32 +140,35 @@ class _Lookup(_Drafter):
 
 
 class _EarlyExit(_Drafter):
-    def __init__(self, model: Transformer, cache: KVCache, layers: int) -> None:
-        self.model, self.cache, self.layers = model, cache, layers
+    """The main runtime's first `layers` layers guess (TorchRuntime.exit_logits); their keys and values are given
+    back before the verify pass, which recomputes every layer at those positions."""
+
+    def __init__(self, rt: Runtime, layers: int) -> None:
+        self.rt, self.layers = rt, layers
 
     def draft(self, ids: list[int], k: int) -> tuple[list[int], None]:
-        pos, token, out = self.cache.pos, ids[-1], []
-        device = self.cache.device
-        for i in range(k):
-            x = forward_layers(self.model, _tensor([token], device), pos + i, self.cache, self.layers)  # (1, 1, d)
-            token = int(torch.argmax(self.model.head(x[:, -1])[0]))
+        pos, token, out = self.rt.length(0), ids[-1], []
+        for _ in range(k):
+            token = int(torch.argmax(self.rt.exit_logits(0, token, self.layers)))
             out.append(token)
+        self.rt.remove(0, pos)
         return out, None
 
 
 class _DraftModel(_Drafter):
-    def __init__(self, lm: LoadedModel, capacity: int, params: SamplingParams, generator: torch.Generator) -> None:
-        self.lm, self.params, self.generator = lm, params, generator
-        self.cache = KVCache(lm.cfg, 1, capacity, lm.dtype, lm.device)
+    """Another model of the same vocabulary on its own runtime, its cache rolled back like the main one's."""
+
+    def __init__(self, rt: Runtime, params: SamplingParams, generator: torch.Generator) -> None:
+        self.rt, self.params, self.generator = rt, params, generator
 
     def prefill(self, ids: Sequence[int]) -> None:
-        self.lm.model(_tensor(ids, self.lm.device), 0, self.cache)
+        self.rt.forward([Row(0, list(ids))])
 
     def draft(self, ids: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
         out, qs = [], []
-        feed = ids[self.cache.pos:]  # at least the pending token
+        feed = ids[self.rt.length(0):]  # at least the pending token
         for _ in range(k):
-            logits = self.lm.model(_tensor(feed, self.lm.device), self.cache.pos, self.cache)[0]  # (V,)
+            logits = self.rt.forward([Row(0, feed)])[0].to(self.generator.device)  # (V,)
             context = _context(ids + out, self.params, logits.device)
             if self.params.greedy:
                 token = choose(logits, self.params, None, context)
@@ -195,7 +181,7 @@ class _DraftModel(_Drafter):
         return out, (torch.stack(qs) if qs else None)
 
     def keep(self, n_valid: int) -> None:
-        self.cache.truncate(n_valid)
+        self.rt.remove(0, n_valid)
 
 
 def _context(ids: Sequence[int], params: SamplingParams, device: torch.device) -> torch.Tensor | None:
@@ -205,7 +191,7 @@ def _context(ids: Sequence[int], params: SamplingParams, device: torch.device) -
     return torch.tensor(list(ids), dtype=torch.long, device=device)
 
 
-def check_draft_model(main: LoadedModel, draft: LoadedModel) -> None:
+def check_draft_model(main, draft) -> None:
     """Raise ValueError unless the draft model shares the main model's vocabulary (size and the tokens' bytes)."""
     if draft.cfg.vocab_size != main.cfg.vocab_size:
         raise ValueError(f"the draft model's vocabulary has {draft.cfg.vocab_size:,} tokens, the model's "
@@ -264,7 +250,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _session(session_or_lm: Session | LoadedModel) -> Session:
-    return session_or_lm if isinstance(session_or_lm, Session) else Session(session_or_lm)
+    """A session over a loaded model; a session (the torch engine's or a LlamaCppSession) as it is."""
+    return Session(session_or_lm) if isinstance(session_or_lm, LoadedModel) else session_or_lm
 
 
 def _prompt_ids(s: Session, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
@@ -304,42 +291,60 @@ def speculate(
     if cfg.source == "early-exit" and not 1 <= _exit_layer(cfg, s.cfg.n_layers) <= s.cfg.n_layers:
         raise ValueError(f"the early-exit layer must be between 1 and {s.cfg.n_layers}, got {cfg.exit_layer}")
     if cfg.source == "draft-model":
-        check_draft_model(s.lm, cfg.draft)
+        check_draft_model(s, cfg.draft)
+    if cfg.source == "early-exit" and not hasattr(runtime_class(s), "exit_logits"):
+        raise Unsupported("early-exit drafting needs the model's own layers, which llama.cpp runs as one graph: "
+                          "draft by lookup or with a draft model, or load the model with the torch backend")
     return _run(s, ids, cfg, params, max_new_tokens, should_stop or (lambda: False))
 
 
-@torch.inference_mode()
 def _run(
     s: Session, ids: list[int], cfg: SpecConfig, params: SamplingParams, max_new_tokens: int,
     should_stop: Callable[[], bool],
 ) -> Iterator[SpecEvent]:
-    lm, mcfg, tok = s.lm, s.cfg, s.tokenizer
-    model, device = lm.model, lm.device
+    """The runtimes are made when the run starts (a sweep builds its runs ahead) and freed when it ends."""
+    capacity = min(s.cfg.context_length, len(ids) + max_new_tokens)
+    rt = runtime_of(s, 1, capacity)
+    draft_rt = runtime_of(cfg.draft, 1, capacity) if cfg.source == "draft-model" else None
+    try:
+        yield from _passes(s, rt, draft_rt, ids, cfg, params, max_new_tokens, should_stop)
+    finally:
+        rt.close()
+        if draft_rt is not None:
+            draft_rt.close()
+
+
+@torch.inference_mode()
+def _passes(
+    s: Session, rt: Runtime, draft_rt: Runtime | None, ids: list[int], cfg: SpecConfig, params: SamplingParams,
+    max_new_tokens: int, should_stop: Callable[[], bool],
+) -> Iterator[SpecEvent]:
+    """One loop for every runtime: the prefill, then draft → verify k + 1 positions in one forward → accept → give
+    the rejected positions back (Runtime.remove), until the tokens are all there."""
+    mcfg, tok, device, dtype = s.cfg, s.tokenizer, rt.device, rt.dtype_name
     n_prompt, k, label = len(ids), cfg.k, describe_source(cfg, mcfg.n_layers)
     prompt_ids = np.asarray(ids, dtype=np.int64)
     yield SpecStarted(prompt_ids=prompt_ids, k=k, source=cfg.source, source_label=label, greedy=params.greedy,
-                      max_new_tokens=max_new_tokens, model=lm.info.name, dtype=s.dtype_name)
-    capacity = min(mcfg.context_length, n_prompt + max_new_tokens)
+                      max_new_tokens=max_new_tokens, model=rt.info.name, dtype=dtype)
     generator = make_generator(params.seed, device)
     try:
-        cache = KVCache(mcfg, 1, capacity, lm.dtype, device)
         if cfg.source == "lookup":
             drafter: _Drafter = _Lookup(cfg.ngram_max)
         elif cfg.source == "early-exit":
-            drafter = _EarlyExit(model, cache, _exit_layer(cfg, mcfg.n_layers))
+            drafter = _EarlyExit(rt, _exit_layer(cfg, mcfg.n_layers))
         else:
-            drafter = _DraftModel(cfg.draft, capacity, params, generator)
+            drafter = _DraftModel(draft_rt, params, generator)
         t0 = time.perf_counter()
-        logits = model(_tensor(ids, device), 0, cache)[0]  # (V,)
-        _check_finite(logits, n_prompt - 1, s.dtype_name)
+        logits = rt.forward([Row(0, ids)])[0]  # (V,)
+        _check_finite(logits, n_prompt - 1, dtype)
         token = choose(logits, params, generator, _context(ids, params, device))
         drafter.prefill(ids)
         _sync(device)
         ttft = time.perf_counter() - t0
         decoder = StreamDecoder(tok)
         text = [] if token in s.stop_ids and not cfg.ignore_eos else [decoder.push(token)]
-        yield SpecPrefilled(n_tokens=n_prompt, seconds=ttft, cost=costs.prefill_cost(
-            mcfg, n_prompt, weight_dtype=s.dtype_name), token_id=token, piece=tok.piece(token))
+        yield SpecPrefilled(n_tokens=n_prompt, seconds=ttft, cost=rt.step_cost(n_prompt, 0), token_id=token,
+                            piece=tok.piece(token))
         ids.append(token)
         out = [token]
         drafted_at, accepted_at = np.zeros(k, np.int64), np.zeros(k, np.int64)
@@ -355,7 +360,7 @@ def _run(
                 reason = "stopped"
             if reason:
                 break
-            pos = len(ids) - 1  # the pending token's position; the cache holds 0…pos−1
+            pos = rt.length(0)  # the pending token's position: the cache holds 0…pos−1
             room = min(k, max_new_tokens - len(out) - 1, mcfg.context_length - 2 - pos)
             if s.threads is not None:
                 s.threads.begin_step()
@@ -363,12 +368,12 @@ def _run(
             drafts, q = drafter.draft(ids, room) if room > 0 else ([], None)
             _sync(device)
             t1 = time.perf_counter()
-            every = model(_tensor([ids[-1], *drafts], device), pos, cache, all_logits=True)[0]  # (n + 1, V)
-            _check_finite(every, pos, s.dtype_name)
+            every = rt.forward([Row(0, [ids[-1], *drafts], all_logits=True)])[0]  # (n + 1, V)
+            _check_finite(every, pos, dtype)
             _sync(device)
             t2 = time.perf_counter()
             n, token, chances, probs = _accept(every, drafts, q, ids, params, generator)
-            cache.truncate(pos + 1 + n)  # the pending token and the accepted guesses stay; the rest is rolled back
+            rt.remove(0, pos + 1 + n)  # the pending token and the accepted guesses stay; the rest is rolled back
             drafter.keep(pos + 1 + n)
             emitted = [*drafts[:n], token]
             stop = next((i for i, t in enumerate(emitted) if t in s.stop_ids), None)
@@ -376,8 +381,7 @@ def _run(
                 emitted, reason = emitted[:stop + 1], "eos"
             _sync(device)
             seconds = time.perf_counter() - t0
-            verify_cost = costs.prefill_cost(mcfg, len(drafts) + 1, start=pos, weight_dtype=s.dtype_name,
-                                              all_logits=True)
+            verify_cost = rt.step_cost(len(drafts) + 1, pos, all_logits=True)
             if s.threads is not None:
                 s.threads.end_step(seconds, verify_cost.bytes)
             n_passes += 1
@@ -398,7 +402,7 @@ def _run(
                 accept_probs=np.asarray(chances, np.float32), p_model=judged, token_id=token, piece=tok.piece(token),
                 emitted=np.asarray(emitted, np.int64), text=delta, draft_s=t1 - t0, verify_s=t2 - t1,
                 seconds=seconds, verify_cost=verify_cost,
-                decode_cost=costs.decode_cost(mcfg, pos + 1, weight_dtype=s.dtype_name),
+                decode_cost=rt.step_cost(1, pos),
             )
         text.append(decoder.flush())
     except Exception as e:  # noqa: BLE001 — the consumer gets one clear message instead of a dead thread

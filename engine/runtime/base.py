@@ -44,6 +44,7 @@ class Runtime(ABC):
     weight_dtype: str  # how the weights are stored, for engine.costs (a file's own bytes override them)
     kv_dtype: str
     dtype_name: str  # what a user reads as the model's precision (float32, bfloat16, Q4_K_M…)
+    device: torch.device  # where the logits `forward` returns live
 
     @abstractmethod
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor]:

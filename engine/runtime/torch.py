@@ -29,7 +29,7 @@ class TorchRuntime(Runtime):
             raise ValueError(f"a runtime needs at least one sequence of 1…{lm.cfg.context_length} positions, "
                              f"got {n_seq} of {capacity}")
         self.lm, self.info, self.cfg, self.tokenizer = lm, lm.info, lm.cfg, lm.tokenizer
-        self.n_seq, self.capacity = n_seq, capacity
+        self.n_seq, self.capacity, self.device = n_seq, capacity, lm.device
         self.weight_dtype = self.kv_dtype = self.dtype_name = str(lm.dtype).removeprefix("torch.")
         with torch.inference_mode():
             self.cache = PagedKVCache(lm.cfg, n_seq * -(-capacity // page_size), page_size, lm.dtype, lm.device)
