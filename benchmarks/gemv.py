@@ -1,103 +1,193 @@
-"""The decode step's matrix–vector products alone: `python -m benchmarks bench-gemv` times every way this engine (or
-torch) can multiply one row by the default model's weights, at one thread and at all, and prints GB/s of weights.
+"""The decode step's matrix–vector products, and decode end to end: `python -m benchmarks bench-gemv`.
 
-The chain is one decode step's projections (wqkv, wo, w_gate_up, w_down × layers, then the LM head) with random
-weights of the real shapes, distinct per layer so they stream from memory as in decode (540 MB in float32, more
-than any cache). Each product is timed alone, several times; the chain's time is the sum of each product's fastest
-run, which keeps a shared machine's interruptions out of the figure (and so is a lower bound, stated as such).
+Part 1, the kernels the engine chose (engine.model.kernels): the default model is loaded in each dtype (which reads
+or makes the engine's choice for every weight shape and thread count), then every candidate is measured again for
+every shape, interleaved, over more rounds than at load, streaming the model's own weights of that shape one after
+another as a decode step does. Each shape's chosen kernel is set against the fastest one measured in this run
+(target: within 10 %), and the whole step's chain of products run the chosen way against each candidate run
+everywhere. int8 weights with bf16 activations (`torch._weight_int8pack_mm`, per-row scales, random weights of the
+same shapes) stand beside them as what a quantised path could reach; the engine does not run it.
+
+Part 2, decode end to end in the same dtype (each a fresh `benchmarks bench-one` process, the 41-token chat prompt,
+128 greedy tokens, best of the repeats): the engine at `auto` threads (twice: before and after the others), at one
+and at all threads, and Hugging Face transformers at all threads. Prints the engine's decode tokens/s (1 / mean
+TPOT) against HF's (target ≥ 1.4 ×) and two threads against one (target: never slower).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
 
-def variants(cfg) -> dict:
-    import torch
-    import torch.nn.functional as F
-
-    from engine.model.transformer import linear, pack_for_decode
-
-    g = torch.Generator().manual_seed(0)
-    shapes = [(cfg.q_dim + 2 * cfg.kv_dim, cfg.d_model), (cfg.d_model, cfg.q_dim),
-              (2 * cfg.ffn_dim, cfg.d_model), (cfg.d_model, cfg.ffn_dim)] * cfg.n_layers
-    shapes.append((cfg.vocab_size, cfg.d_model))
-    w32 = [torch.randn(o, i, generator=g) / i**0.5 for o, i in shapes]
-    w16 = [w.bfloat16() for w in w32]
-    packed = [pack_for_decode(w) for w in w16]
-
-    def int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # per-output-row symmetric scales
-        s = w.abs().amax(1).clamp_min(1e-8) / 127
-        return (w / s[:, None]).round().clamp(-127, 127).to(torch.int8), s.bfloat16()
-
-    q8 = [int8(w) for w in w32]
-    x32 = {i: torch.randn(1, i, generator=g) for _, i in set(shapes)}
-    x16 = {i: x.bfloat16() for i, x in x32.items()}
-    out = {
-        "float32 F.linear (MKL sgemv)": (4, lambda k: F.linear(x32[w32[k].shape[1]], w32[k])),
-        "float32 engine linear (row-block split)": (4, lambda k: linear(x32[w32[k].shape[1]], w32[k])),
-        "bfloat16 F.linear": (2, lambda k: F.linear(x16[w16[k].shape[1]], w16[k])),
-    }
-    if packed[0] is not None:
-        out["bfloat16 engine linear (oneDNN, packed)"] = (
-            2, lambda k: linear(x16[w16[k].shape[1]], w16[k], packed=packed[k]))
-    if hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-        out["int8 weights, bf16 activations (_weight_int8pack_mm)"] = (
-            1, lambda k: torch._weight_int8pack_mm(x16[w16[k].shape[1]], q8[k][0], q8[k][1]))
-    return {"shapes": shapes, "weights": sum(o * i for o, i in shapes), "variants": out}
-
-
-def run(threads: list[int], repeats: int) -> dict:
+def measure_choices(dtype: str, counts: list[int], rounds: int, remeasure: bool) -> dict:
+    """Every shape's chosen kernel against every candidate, measured again now; and the chains they make."""
     import torch
 
     from engine.loaders import load
+    from engine.model import kernels
 
-    v = variants(load(None, device="cpu", dtype="float32").cfg)  # the default model's shapes
-    n_w, res = v["weights"], {}
-    with torch.inference_mode():
-        for n in threads:
-            torch.set_num_threads(n)
-            for name, (bytes_per_weight, f) in v["variants"].items():
-                best = [float("inf")] * len(v["shapes"])
-                for _ in range(repeats):
-                    for k in range(len(best)):
-                        t = time.perf_counter()
-                        f(k)
-                        best[k] = min(best[k], time.perf_counter() - t)
-                chain = sum(best)
-                res[f"{n} thread(s): {name}"] = {"threads": n, "variant": name, "chain_s": chain,
-                                                  "weight_bytes": n_w * bytes_per_weight,
-                                                  "gb_per_s": n_w * bytes_per_weight / chain / 1e9}
-    return res
+    lm = load(None, device="cpu", dtype=dtype)  # tunes at load: the engine's own choice, cached or measured
+    if remeasure:
+        lm.model.tune_kernels(remeasure=True)
+    groups = lm.model.decode_products()
+    tdtype = getattr(torch, dtype)
+    before, out = torch.get_num_threads(), {}
+    try:
+        with torch.inference_mode():
+            for n in counts:
+                torch.set_num_threads(n)
+                shapes = []
+                for shape, products in groups.items():
+                    names = [k for k in kernels.KERNELS if kernels.applicable(k, products[0][0], products[0][2], n)
+                             and kernels._works(k, products)]
+                    seconds, _ = kernels.choose(names, kernels._timer(products), rounds=rounds, budget_s=None)
+                    chosen = kernels.chosen(shape, tdtype, n) or "linear"
+                    fastest = min(seconds, key=seconds.get)
+                    shapes.append({"shape": list(shape), "count": len(products), "chosen": chosen,
+                                   "fastest": fastest, "seconds": seconds,
+                                   "chosen_over_fastest": seconds[chosen] / seconds[fastest]})
+                chain = {"chosen": sum(s["seconds"][s["chosen"]] * s["count"] for s in shapes)}
+                for k in kernels.KERNELS:
+                    if all(k in s["seconds"] for s in shapes):
+                        chain[f"{k} everywhere"] = sum(s["seconds"][k] * s["count"] for s in shapes)
+                if dtype == "bfloat16":
+                    chain["int8 weights (_weight_int8pack_mm)"] = _int8_chain(groups, rounds)
+                out[str(n)] = {"threads": n, "shapes": shapes, "chain_s": chain,
+                               "weight_bytes": sum(p[0][0].numel() * p[0][0].element_size() * len(p)
+                                                   for p in groups.values())}
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def _int8_chain(groups: dict, rounds: int) -> float | None:
+    """Seconds for the step's products as int8 weights (per-row symmetric scales) times a bf16 row."""
+    import torch
+
+    if not hasattr(torch, "_weight_int8pack_mm"):
+        return None
+    total = 0.0
+    for (out_f, in_f), products in groups.items():
+        q = torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8)
+        weights = [q.clone() for _ in products]  # distinct copies: streamed from memory, as in decode
+        scale = torch.rand(out_f).bfloat16()
+        x = torch.randn(1, in_f).bfloat16()
+        times = []
+        for _ in range(rounds + 1):
+            t = time.perf_counter()
+            for w in weights:
+                torch._weight_int8pack_mm(x, w, scale)
+            times.append(time.perf_counter() - t)
+        total += statistics.median(times[1:])
+    return total
+
+
+def decode_end_to_end(dtype: str, new_tokens: int, repeats: int) -> dict:
+    """The engine at auto / 1 / all threads and HF at all threads, each in a fresh process (benchmarks bench-one)."""
+    from benchmarks.bench import _child
+    from engine.run.threads import available_cores
+
+    base = ["--dtype", dtype, "--new-tokens", str(new_tokens), "--repeats", str(repeats)]
+    cores = str(available_cores())
+    runs = {}
+    for name, args in [("ours auto", ["--impl", "ours", "--threads", "auto"]),
+                       ("ours 1 thread", ["--impl", "ours", "--threads", "1"]),
+                       (f"ours {cores} threads", ["--impl", "ours", "--threads", cores]),
+                       (f"hf {cores} threads", ["--impl", "hf", "--threads", cores]),
+                       ("ours auto, again", ["--impl", "ours", "--threads", "auto"])]:
+        print(f"  decode: {name} …", file=sys.stderr)
+        r = _child([*args, *base])
+        runs[name] = None if r is None else {"tpot_s": r["tpot_s"]["mean"], "ttft_s": r["ttft_s"],
+                                             "threads_at_end": r.get("threads_at_end"), "text": r.get("text")}
+    ratios = {}
+    auto = [runs[k]["tpot_s"] for k in ("ours auto", "ours auto, again") if runs[k]]
+    hf, one, many = runs[f"hf {cores} threads"], runs["ours 1 thread"], runs[f"ours {cores} threads"]
+    if auto and hf:
+        ratios["decode_tokens_per_s_vs_hf"] = hf["tpot_s"] / statistics.mean(auto)
+    if many and hf:
+        ratios["decode_tokens_per_s_vs_hf_same_threads"] = hf["tpot_s"] / many["tpot_s"]
+    if one and many:
+        ratios["tpot_all_threads_over_one"] = many["tpot_s"] / one["tpot_s"]
+    if one and auto:
+        ratios["tpot_auto_over_one"] = statistics.mean(auto) / one["tpot_s"]
+    return {"dtype": dtype, "new_tokens": new_tokens, "runs": runs, "ratios": ratios}
+
+
+def _print(res: dict) -> None:
+    m = res["machine"]
+    print(f"bench-gemv on {m['cpu']} ({m['cores']} cores, {m['capability']} kernels), torch {m['torch']}")
+    for dtype, by_threads in res["kernels"].items():
+        for r in by_threads.values():
+            names = [k for k in res["candidates"] if any(k in s["seconds"] for s in r["shapes"])]
+            print(f"\n{dtype}, {r['threads']} thread(s): µs per product, median of {res['rounds']} interleaved rounds")
+            print(f"  {'weight (out × in)':<18}{'count':>6}  {'chosen':<8}{'fastest':<9}{'chosen ÷ fastest':>17}"
+                  + "".join(f"{n:>10}" for n in names))
+            for s in r["shapes"]:
+                shape = f"{s['shape'][0]} × {s['shape'][1]}"
+                mark = "" if s["chosen_over_fastest"] <= 1.10 else "  over 10 %"
+                ratio = s["chosen_over_fastest"]
+                print(f"  {shape:<18}{s['count']:>6}  {s['chosen']:<8}{s['fastest']:<9}{ratio:>16.2f}×"
+                      + "".join(f"{s['seconds'][n] * 1e6:>10.0f}" if n in s["seconds"] else f"{'—':>10}"
+                                for n in names) + mark)
+            chosen = r["chain_s"]["chosen"]
+            print(f"  the step's chain of products ({r['weight_bytes'] / 1e6:.0f} MB of weights): chosen "
+                  f"{chosen * 1e3:.1f} ms ({r['weight_bytes'] / chosen / 1e9:.1f} GB/s); " + "; ".join(
+                      f"{k} {v * 1e3:.1f} ms ({v / chosen:.2f}×)" for k, v in r["chain_s"].items()
+                      if k != "chosen" and v is not None))
+    worst = max((s["chosen_over_fastest"] for d in res["kernels"].values() for r in d.values() for s in r["shapes"]),
+                default=None)
+    if worst is not None:
+        print(f"\nworst chosen ÷ fastest over every shape: {worst:.2f}× (target ≤ 1.10×)")
+    e = res.get("decode")
+    if e:
+        print(f"\ndecode end to end, {e['dtype']}, {e['new_tokens']} greedy tokens (mean TPOT of the best run):")
+        for name, r in e["runs"].items():
+            print(f"  {name:<22}" + ("failed" if r is None else
+                                      f"TPOT {r['tpot_s'] * 1e3:6.1f} ms  ({1 / r['tpot_s']:5.1f} tokens/s)"))
+        for k, v in e["ratios"].items():
+            print(f"  {k:<40}{v:6.2f}")
+        print("  targets: decode_tokens_per_s_vs_hf ≥ 1.4; tpot_all_threads_over_one ≤ 1.0")
+    print(f"other processes used {res['other_processes_cores']:.2f} cores during the run", file=sys.stderr)
 
 
 def cmd_bench_gemv(a: argparse.Namespace) -> int:
-    from benchmarks.bench import BusyMeter
-    from engine.run.threads import available_cores
+    from dataclasses import asdict
 
-    threads = sorted({1, available_cores()})
+    from benchmarks.bench import BusyMeter
+    from engine.loaders import preferred_dtype
+    from engine.model import kernels
+    from engine.run.threads import decode_thread_counts
+
     busy = BusyMeter()
-    res = run(threads, 3 if a.smoke else a.repeats)
-    others = busy.cores_used()
+    rounds = 3 if a.smoke else a.rounds
+    dtypes = [a.dtype] if a.dtype else ["float32", "bfloat16"]
+    res = {"machine": asdict(kernels.this_machine()), "rounds": rounds, "candidates": list(kernels.KERNELS),
+           "kernels": {dt: measure_choices(dt, decode_thread_counts(), rounds, a.remeasure) for dt in dtypes}}
+    if not a.smoke and not a.no_decode:
+        res["decode"] = decode_end_to_end(a.decode_dtype or preferred_dtype("cpu"), a.new_tokens, a.repeats)
+    res["other_processes_cores"] = busy.cores_used()
     if a.json:
-        print(json.dumps({"results": res, "other_processes_cores": others}, indent=2))
-        return 0
-    base = {n: res.get(f"{n} thread(s): float32 engine linear (row-block split)") for n in threads}
-    print(f"{'decode matrix–vector chain':<62}{'time':>10}{'GB/s':>8}{'vs fp32 linear':>16}")
-    for name, r in res.items():
-        ref = base[r["threads"]]
-        print(f"{name:<62}{r['chain_s'] * 1e3:>8.2f}ms{r['gb_per_s']:>8.1f}{r['chain_s'] / ref['chain_s']:>15.2f}×")
-    print(f"other processes used {others:.2f} cores during the run (sum of per-product minima: a lower bound)",
-          file=sys.stderr)
+        print(json.dumps(res, indent=2))
+    else:
+        _print(res)
     return 0
 
 
 def add_subcommand(sub) -> None:
-    p = sub.add_parser("bench-gemv", help="time the decode step's matrix–vector products every way, 1 and all threads")
-    p.add_argument("--repeats", type=int, default=5)
+    p = sub.add_parser("bench-gemv", help="each weight shape's chosen decode kernel against the fastest measured now; "
+                                          "decode against Hugging Face transformers")
+    p.add_argument("--rounds", type=int, default=9, help="interleaved rounds per shape (after one warm-up)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="kernels: default both")
+    p.add_argument("--remeasure", action="store_true", help="let the engine measure its choice again first")
+    p.add_argument("--no-decode", action="store_true", help="skip the end-to-end decode comparison")
+    p.add_argument("--decode-dtype", default=None, choices=["float32", "bfloat16"],
+                   help="end to end: default the app's dtype on this CPU")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_gemv)

@@ -173,15 +173,17 @@ def this_machine() -> Machine:
 
 
 def choose(names: Sequence[str], time_once: Callable[[str], float], rounds: int = ROUNDS,
-           budget_s: float = BUDGET_S) -> tuple[dict[str, float], int]:
+           budget_s: float | None = BUDGET_S) -> tuple[dict[str, float], int]:
     """Each candidate's median seconds over interleaved rounds, and the number of rounds run.
 
     time_once(name) runs candidate `name` once and returns its seconds (injected: tests give known costs). Every
     candidate first runs once unmeasured; round r then runs them starting from the r-th, so none always runs
-    first or last. Fewer rounds (not below MIN_ROUNDS) when one round would take more than budget_s / rounds.
+    first or last. Fewer rounds (not below MIN_ROUNDS) when one round would take more than budget_s / rounds
+    (None: always `rounds`).
     """
     warm = {k: time_once(k) for k in names}
-    rounds = max(MIN_ROUNDS, min(rounds, int(budget_s / max(sum(warm.values()), 1e-9))))
+    if budget_s is not None:
+        rounds = max(MIN_ROUNDS, min(rounds, int(budget_s / max(sum(warm.values()), 1e-9))))
     times: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):
         for k in [*names[r % len(names):], *names[: r % len(names)]]:
