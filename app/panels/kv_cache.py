@@ -1,5 +1,9 @@
 """KV cache: bytes held against tokens, live, with the per-token formula spelled out in the loaded model's numbers
-and a table of how batch size, dtype and GQA would change it. Every number comes from engine.costs.formulas."""
+and a table of how batch size, dtype and GQA would change it. Every number comes from engine.costs.formulas.
+
+The curves grow as the events arrive (the points are appended to arrays; the allocated staircase gains a step only
+when the allocation changes), so a draw late in a long run costs what it did early on.
+"""
 
 from __future__ import annotations
 
@@ -85,7 +89,7 @@ class KVCachePanel(Panel):
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)
-        self._events: list[KVCacheGrew] = []
+        self._reset()
         self._font = QtGui.QFont()
         self._font.setPointSize(FONT_PT)
         self._build()
@@ -164,11 +168,32 @@ class KVCachePanel(Panel):
     @QtCore.Slot(object)
     def _on_kv(self, ev: KVCacheGrew) -> None:
         self._events.append(ev)
+        if ev.step == 0:  # the prefill: the used curve starts at its end
+            self._prefill, self._n = ev, 0
+        else:
+            if self._n == len(self._used):
+                self._used = np.resize(self._used, (2 * self._n + 64, 2))
+            self._used[self._n] = ev.n_tokens, ev.bytes_used
+            self._n += 1
+        if not self._ax:
+            first = ev
+            self._ax = [first.n_tokens - (first.n_tokens if first.step == 0 else 1)]
+            self._ay = [first.bytes_allocated]
+        elif ev.bytes_allocated != self._ay[-1]:
+            self._ax += [ev.n_tokens, ev.n_tokens]
+            self._ay += [self._ay[-1], ev.bytes_allocated]
         self.mark_dirty()
 
     def clear(self) -> None:
-        self._events = []
+        self._reset()
         super().clear()
+
+    def _reset(self) -> None:
+        self._events: list[KVCacheGrew] = []
+        self._prefill: KVCacheGrew | None = None  # the newest prefill's event
+        self._used, self._n = np.zeros((0, 2)), 0  # (tokens, bytes used) of the decode steps after it
+        self._ax: list[float] = []  # the allocated staircase, without its last point
+        self._ay: list[float] = []
 
     # ---- numbers (all from engine.costs.formulas) --------------------------------------------------------------------
     def kv_dtype(self) -> str:
@@ -239,29 +264,19 @@ class KVCachePanel(Panel):
         first = evs[0]
         start = first.n_tokens - (first.n_tokens if first.step == 0 else 1)
         start_bytes = 0 if first.step == 0 else first.bytes_used - (first.bytes_used / max(1, first.n_tokens))
-        prefill = [e for e in evs if e.step == 0]
-        if prefill:
-            p = prefill[-1]
+        p = self._prefill
+        if p is not None:
             self.prefill_curve.setData([start, p.n_tokens], [start_bytes, p.bytes_used])
             self.prefill_point.setData([p.n_tokens], [p.bytes_used])
         else:
             self.prefill_curve.setData([], [])
             self.prefill_point.setData([], [])
-        decode = [e for e in evs if e.step > 0]
-        head = prefill[-1:] if prefill else []
-        xs = np.array([e.n_tokens for e in head + decode], dtype=float)
-        ys = np.array([e.bytes_used for e in head + decode], dtype=float)
-        self.used_curve.setData(xs if decode else [], ys if decode else [])
+        used = self._used[: self._n]
+        if p is not None and self._n:
+            used = np.concatenate([[(p.n_tokens, p.bytes_used)], used])
+        self.used_curve.setData(used[:, 0] if self._n else [], used[:, 1] if self._n else [])
         # allocated: a staircase (it only grows in blocks)
-        ax = [start]
-        ay = [evs[0].bytes_allocated]
-        for e in evs:
-            if e.bytes_allocated != ay[-1]:
-                ax += [e.n_tokens, e.n_tokens]
-                ay += [ay[-1], e.bytes_allocated]
-        ax.append(evs[-1].n_tokens)
-        ay.append(evs[-1].bytes_allocated)
-        self.alloc_curve.setData(ax, ay)
+        self.alloc_curve.setData(self._ax + [evs[-1].n_tokens], self._ay + [evs[-1].bytes_allocated])
         last = evs[-1]
         self.total_text.setText(f"{last.n_tokens} tokens: {fmt_bytes(last.bytes_used)}")
         self.total_text.setPos(last.n_tokens, last.bytes_used)

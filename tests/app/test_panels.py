@@ -288,8 +288,7 @@ def test_timeline_bars_stats_and_click(qtbot, loaded, tiny_run):
         click(qtbot, panel.plot, vb, QtCore.QPointF(3, float(secs[3]) / 2))
     assert sel.args == [3]
     panel.flush()
-    pens = panel.bars.opts["pens"]
-    assert pens[3].widthF() > 1 and pens[2].style() == QtCore.Qt.PenStyle.NoPen
+    assert list(panel.selected_bar.getData()[0]) == [3] and panel.selected_bar.opts["pen"].widthF() > 1
 
 
 def test_timeline_export_png_svg_and_bad_paths(qtbot, loaded, tiny_run, tmp_path):
