@@ -258,6 +258,7 @@ class MainWindow(QtWidgets.QMainWindow):
             action.setData(choice)
             self.threads_group.addAction(action)
         self.threads_group.triggered.connect(lambda a: self.set_threads(a.data()))
+        engine_menu.addAction("Decode &kernels…", self._kernels_dialog)
 
         help_menu = self.help_menu = bar.addMenu("&Help")
         help_action = help_menu.addAction("&Panels", self.show_panel_help)
@@ -362,6 +363,11 @@ class MainWindow(QtWidgets.QMainWindow):
         self.disconnect_action.setEnabled(False)
         self.server_label.hide()
         self.set_message("Disconnected: generations run on the local model again.")
+
+    def _kernels_dialog(self) -> None:
+        from app.kernels_dialog import KernelsDialog
+
+        KernelsDialog(self).exec()
 
     def _connect_dialog(self) -> None:
         from app.connect_dialog import ConnectDialog

@@ -1,0 +1,70 @@
+"""Engine → Decode kernels…: which kernel the engine measured fastest for each weight shape on this machine, with
+every candidate's time (read-only).
+
+The engine process measures at a model's first load and keeps the result in the cache (engine.model.kernels,
+engine.model.kernel_cache); this dialog only reads that file, so it opens without torch and without a model.
+"""
+
+from __future__ import annotations
+
+from PySide6 import QtCore, QtWidgets
+
+from engine.model import kernel_cache
+
+FIXED = ("dtype", "threads", "weight (out × in)", "count", "chosen")
+
+
+def table_rows(entries: list[kernel_cache.Entry]) -> tuple[list[str], list[list[str]]]:
+    """The table's header and cells: one row per measured shape, each candidate's µs and ratio to the fastest."""
+    rows = kernel_cache.rows(entries)
+    names = [n for n in kernel_cache.NAMES if any(n in r["seconds"] for r in rows)]
+    header = [*FIXED, *names, "torch", "measured"]
+    cells = []
+    for r in rows:
+        times = [f"{r['seconds'][n] * 1e6:,.0f} µs ({r['vs_fastest'][n]:.2f}×)" if n in r["seconds"] else "—"
+                 for n in names]
+        cells.append([r["dtype"], str(r["threads"]), f"{r['shape'][0]:,} × {r['shape'][1]:,}", str(r["count"]),
+                      r["choice"], *times, f"{r['torch']} ({r['capability']})", r["measured"]])
+    return header, cells
+
+
+class KernelsDialog(QtWidgets.QDialog):
+    def __init__(self, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Decode kernels")
+        self.resize(980, 480)
+        cpu, cores = kernel_cache.this_cpu()
+        header, cells = table_rows(kernel_cache.entries_for_this_cpu())
+        intro = QtWidgets.QLabel(
+            f"Each decode product (one row times a weight) runs the kernel measured fastest for its shape, dtype and "
+            f"thread count on this machine ({cpu}, {cores} cores), timed once when a model is first loaded, with the "
+            f"model's own weights streamed from memory. Times: median µs for one product, and ÷ the fastest.")
+        intro.setWordWrap(True)
+        self.table = QtWidgets.QTableWidget(len(cells), len(header), self)
+        self.table.setHorizontalHeaderLabels(header)
+        self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.verticalHeader().hide()
+        for i, row in enumerate(cells):
+            for j, text in enumerate(row):
+                item = QtWidgets.QTableWidgetItem(text)
+                if j == FIXED.index("chosen"):
+                    font = item.font()
+                    font.setBold(True)
+                    item.setFont(font)
+                self.table.setItem(i, j, item)
+        self.table.resizeColumnsToContents()
+        forced = QtCore.QProcessEnvironment.systemEnvironment().value(kernel_cache.KERNEL_ENV, "")
+        note = QtWidgets.QLabel(
+            ("Nothing measured on this machine yet: load a model first." if not cells else "")
+            + (f" {kernel_cache.KERNEL_ENV}={forced}: every decode product is forced through it." if forced else "")
+            + f" Measure again on a quiet machine with: python -m engine kernels --remeasure "
+              f"(cache: {kernel_cache.cache_path()})")
+        note.setWordWrap(True)
+        note.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        buttons = QtWidgets.QDialogButtonBox(QtWidgets.QDialogButtonBox.StandardButton.Close, parent=self)
+        buttons.rejected.connect(self.reject)
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.addWidget(intro)
+        layout.addWidget(self.table, 1)
+        layout.addWidget(note)
+        layout.addWidget(buttons)

@@ -1,0 +1,61 @@
+"""Engine → Decode kernels…: the dialog shows what the engine measured on this CPU, read from its cache file."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.model import kernel_cache
+from engine.model.kernel_cache import Entry, Machine
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERENCE_LAB_CACHE", str(tmp_path))
+    return tmp_path / kernel_cache.CACHE_FILE
+
+
+def _entry(cpu: str, cores: int, shape=(960, 576), seconds=None) -> Entry:
+    return Entry(Machine(cpu, cores, "2.13.0+cpu", "AVX2"), "float32", 2, shape,
+                 seconds or {"linear": 80e-6, "split": 40e-6, "onednn": 60e-6}, 30, 5, time.time())
+
+
+def test_the_dialog_lists_this_cpus_shapes_with_every_candidate(qtbot, cache):
+    from app.kernels_dialog import KernelsDialog
+
+    cpu, cores = kernel_cache.this_cpu()
+    kernel_cache.write([_entry(cpu, cores), _entry(cpu, cores, (49152, 576), {"linear": 3e-3, "split": 4e-3}),
+                        _entry("Some Other CPU", cores, (64, 64))], cache)
+    dlg = KernelsDialog()
+    qtbot.addWidget(dlg)
+    t = dlg.table
+    header = [t.horizontalHeaderItem(j).text() for j in range(t.columnCount())]
+    cells = [[t.item(i, j).text() for j in range(t.columnCount())] for i in range(t.rowCount())]
+    assert t.rowCount() == 2  # the other CPU's measurement is not this machine's
+    assert header[:5] == ["dtype", "threads", "weight (out × in)", "count", "chosen"]
+    first = dict(zip(header, cells[0], strict=True))  # the larger weight first
+    assert first["weight (out × in)"] == "49,152 × 576" and first["chosen"] == "linear"
+    assert first["onednn"] == "—"  # not measured for that shape
+    second = dict(zip(header, cells[1], strict=True))
+    assert second["chosen"] == "split" and second["linear"] == "80 µs (2.00×)" and second["split"] == "40 µs (1.00×)"
+
+
+def test_with_nothing_measured_it_says_so(qtbot, cache):
+    from app.kernels_dialog import KernelsDialog
+
+    cache.write_text("{ damaged")
+    dlg = KernelsDialog()
+    qtbot.addWidget(dlg)
+    assert dlg.table.rowCount() == 0
+
+
+def test_the_engine_menu_opens_it(make_window, monkeypatch):
+    from app import kernels_dialog
+
+    opened = []
+    monkeypatch.setattr(kernels_dialog.KernelsDialog, "exec", lambda self: opened.append(self.windowTitle()))
+    w = make_window()
+    action = next(a for a in w.engine_menu.actions() if a.text() == "Decode &kernels…")
+    action.trigger()
+    assert opened == ["Decode kernels"]
