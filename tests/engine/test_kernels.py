@@ -198,6 +198,28 @@ def test_the_measured_choice_is_the_kernel_decode_runs(tmp_path, monkeypatch, cl
     assert seen == [96]
 
 
+def test_each_thread_count_runs_its_own_choice(tmp_path, monkeypatch, clean_dispatch):
+    """--threads auto switches between one and all threads between steps: each step runs that count's kernel."""
+    seen_split, seen_linear = _spy(monkeypatch, "split"), _spy(monkeypatch, "linear")
+
+    def time_once(products, name):  # the split wins with two threads, F.linear with one
+        return {"linear": 2.0, "split": 1.0 if torch.get_num_threads() == 2 else 3.0, "onednn": 4.0}[name]
+
+    before = torch.get_num_threads()
+    kernels.tune(_group((96, 64)), counts=[1, 2], time_once=time_once, path=tmp_path / "k.json")
+    seen_split.clear()
+    seen_linear.clear()
+    x, w = torch.randn(1, 64), torch.randn(96, 64)
+    try:
+        for n in (1, 2, 1):
+            torch.set_num_threads(n)
+            linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert len(seen_linear) == 2 and len(seen_split) == 1
+    assert torch.get_num_threads() == before
+
+
 def test_a_forced_kernel_is_used_over_the_measured_one(tmp_path, monkeypatch, clean_dispatch):
     seen = _spy(monkeypatch, "split")
     clock = _fake_clock({"linear": 1.0, "split": 3.0, "onednn": 2.0}, [])
