@@ -709,6 +709,8 @@ class Bridge(QtCore.QObject):
         lost = EngineLost(cause=cause, outcome=outcome, exitcode=self.process.exitcode, runtime=runtime,
                           restarted=restart, kept_steps=kept,
                           torch_offer=self._torch_offer(info, name) if runtime == "llama.cpp" else "")
+        if restart:  # first, so that what the signals below make panels ask for reaches the new engine
+            self._restart()
         self.sig_engine_lost.emit(lost)
         if live is not None and live.prompt_ids:  # the same path as a run's end: panels, run store, autosave
             self.sig_finished.emit(_interrupted(live))
@@ -720,8 +722,6 @@ class Bridge(QtCore.QObject):
         self.sig_state.emit("idle")
         if self.server is not None:  # the connection lived in the dead process
             self._on_disconnected(P.Disconnected())
-        if restart:
-            self._restart()
 
     def _restart(self) -> None:
         """A new engine process, sent what the dead one had been told: threads, the model, sampling, captures."""
