@@ -119,8 +119,17 @@ class Run:
         return [self.events[i] for i in self._tokens]
 
     @property
+    def n_tokens(self) -> int:
+        return len(self._tokens)
+
+    def tokens_from(self, k: int) -> list[TokenSampled]:
+        """The tokens of steps k, k + 1, … (without building the list of all of them)."""
+        return [self.events[i] for i in self._tokens[k:]]
+
+    @property
     def scores(self) -> PromptScored | None:
-        return next((e for e in self.events if isinstance(e, PromptScored)), None)
+        end = self._tokens[0] if self._tokens else len(self.events)  # the prefill scores the prompt, before a token
+        return next((e for e in self.events[:end] if isinstance(e, PromptScored)), None)
 
     @property
     def finished(self) -> Finished | None:

@@ -6,7 +6,9 @@ the same list as a menu, and choosing an alternative forks the generation at tha
 (engine: GenerateRequest.prompt_ids + forced, which reuses the KV cache of the shared prefix). Every run and fork
 is kept in a tree; selecting a branch shows it in every panel again, and two branches can be compared side by side.
 
-The branches are the runs of the window's run store (app.run_store): this panel keeps no events of its own.
+The branches are the runs of the window's run store (app.run_store): this panel keeps no events of its own. While
+a run grows, its new tokens are appended to the text (a draw costs the same at step 8,000 as at step 8); the page is
+rebuilt only when another branch is shown, the colouring changes or the prompt's scores arrive.
 """
 
 from __future__ import annotations
@@ -71,6 +73,19 @@ def run_summary(run: Run) -> str:
     return " · ".join(parts)
 
 
+def token_look(t: TokenSampled, mode: str, tokenizer=None) -> tuple[str, str] | None:
+    """(text, background colour) of a token in the branch's text, or None when it shows no text."""
+    text = t.text or (t.piece if tokenizer is not None and tokenizer.is_special(t.token_id) else "")
+    if not text:
+        return None
+    if mode == "entropy":
+        h = token_entropy_bits(t)
+        x = None if h is None else 1.0 - min(1.0, h / 8.0)  # 0 bits sure … 8 bits and more unsure
+    else:
+        x = token_prob(t)[0]
+    return text, confidence_color(x).name() if x is not None else theme.SURFACE_ALT
+
+
 def branch_html(branch: Run, mode: str, tokenizer=None) -> str:
     """The branch's prompt (muted) and its tokens, each an anchor coloured by confidence."""
     out = ["<div style='white-space: pre-wrap; font-family: monospace;'>"]
@@ -78,21 +93,33 @@ def branch_html(branch: Run, mode: str, tokenizer=None) -> str:
     if p is not None:
         out.append(prompt_html(p, branch.scores))
     for t in branch.tokens:
-        text = t.text or (t.piece if tokenizer is not None and tokenizer.is_special(t.token_id) else "")
-        if not text:
+        look = token_look(t, mode, tokenizer)
+        if look is None:
             continue
-        x = None
-        if mode == "entropy":
-            h = token_entropy_bits(t)
-            x = None if h is None else 1.0 - min(1.0, h / 8.0)  # 0 bits sure … 8 bits and more unsure
-        else:
-            x = token_prob(t)[0]
-        bg = confidence_color(x).name() if x is not None else theme.SURFACE_ALT
         deco = "underline" if t.forced else "none"  # a forced token (a fork's first) is underlined
-        out.append(f"<a href='step:{t.step}' style='color:#ffffff; text-decoration:{deco}; background:{bg};'>"
-                   f"{html.escape(text)}</a>")
+        out.append(f"<a href='step:{t.step}' style='color:#ffffff; text-decoration:{deco}; background:{look[1]};'>"
+                   f"{html.escape(look[0])}</a>")
     out.append("</div>")
     return "".join(out)
+
+
+def append_tokens(view: QtWidgets.QTextBrowser, tokens: list[TokenSampled], mode: str, tokenizer=None) -> None:
+    """Add tokens at the end of a branch's text as branch_html draws them: anchors coloured by confidence."""
+    cursor = QtGui.QTextCursor(view.document())
+    cursor.movePosition(QtGui.QTextCursor.MoveOperation.End)
+    for t in tokens:
+        look = token_look(t, mode, tokenizer)
+        if look is None:
+            continue
+        fmt = QtGui.QTextCharFormat()
+        fmt.setAnchor(True)
+        fmt.setAnchorHref(f"step:{t.step}")
+        fmt.setForeground(QtGui.QColor("#ffffff"))
+        fmt.setBackground(QtGui.QColor(look[1]))
+        fmt.setFontUnderline(bool(t.forced))
+        fmt.setFontFixedPitch(True)
+        fmt.setFontFamilies(["monospace"])
+        cursor.insertText(look[0], fmt)
 
 
 def prompt_html(p: PromptTokenized, scores: PromptScored | None) -> str:
@@ -154,6 +181,8 @@ class BranchesPanel(Panel):
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)
         self.store: RunStore | None = None
+        self._page: tuple | None = None  # what the text shows (run, mode, tokenizer, prompt, scores) and its tokens
+        self._page_tokens = 0
         self._build()
         self.mark_dirty()
 
@@ -404,10 +433,19 @@ class BranchesPanel(Panel):
                             f"click: fork</span>")
         if self.shown is None:
             self.view.clear()
+            self._page = None
             return
         bar = self.view.verticalScrollBar()
         at_end = bar.value() >= bar.maximum() - 4
-        self.view.setHtml(branch_html(self.branches[self.shown], mode, self.bridge.tokenizer))
+        run, tok = self.branches[self.shown], self.bridge.tokenizer
+        page = (run.id, mode, id(tok), run.prompt is not None, run.scores is not None)
+        n = run.n_tokens
+        if page != self._page or n < self._page_tokens:  # another page: drawn whole once
+            self.view.setHtml(branch_html(run, mode, tok))
+            self._page = page
+        elif n > self._page_tokens:  # the same run, grown: append its new tokens only
+            append_tokens(self.view, run.tokens_from(self._page_tokens), mode, tok)
+        self._page_tokens = n
         if at_end:
             bar.setValue(bar.maximum())
 

@@ -133,3 +133,37 @@ def test_the_lens_panel_bounds_its_steps_and_says_so(qtbot, bridge, tiny_lm):
     panel.flush()
     assert f"No lens is held for step {lens.LENS_FIRST + 10}" in panel.header.text()
     assert "let go to bound memory" in panel.header.text()
+
+
+def test_the_branches_text_grows_by_appending_and_reads_as_the_whole_page(qtbot, bridge, tiny_lm):
+    """Token by token the Branches panel appends to its text; what it shows equals the page drawn whole, with each
+    token an anchor to its step in its confidence colour."""
+    from app.panels import branches
+    from tests.app.test_run_store import synthetic_run
+
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
+    store = RunStore(bridge)
+    panel = branches.PANEL(bridge)
+    qtbot.addWidget(panel)
+    panel.attach_store(store)
+    for i, ev in enumerate(synthetic_run(120)):
+        bridge.replay(ev)
+        if i % 7 == 0:
+            panel.flush()
+    panel.flush()
+    run = store.runs[0]
+    assert panel._page_tokens == run.n_tokens == 120
+    whole = branches.QtWidgets.QTextBrowser()
+    whole.setHtml(branches.branch_html(run, "prob", tiny_lm.tokenizer))
+    assert panel.view.toPlainText() == whole.toPlainText()
+    doc = panel.view.document()
+    block = doc.lastBlock()
+    frags = []
+    it = block.begin()
+    while not it.atEnd():
+        frags.append(it.fragment())
+        it += 1
+    last = frags[-1].charFormat()
+    t = run.tokens[-1]
+    assert last.anchorHref() == f"step:{t.step}"
+    assert last.background().color().name() == branches.token_look(t, "prob", tiny_lm.tokenizer)[1]
