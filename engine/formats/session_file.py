@@ -390,6 +390,48 @@ def _inconsistent(obj: Any) -> str | None:
 
 
 # ---- files ---------------------------------------------------------------------------------------------------
+WRITE_CHUNK = 1 << 20  # characters of session.json encoded before each write
+
+
+def _write_document(out: Any, head: dict, s: SavedSession, enc: _Encoder) -> None:
+    """session.json, written event by event: one json.dumps of the whole document holds the GIL until it is done
+    (seconds for a long run, the GUI thread frozen meanwhile); small ones let other threads run between them."""
+    parts: list[str] = []
+    size = 0
+
+    def put(text: str) -> None:
+        nonlocal size
+        parts.append(text)
+        size += len(text)
+        if size >= WRITE_CHUNK:
+            out.write("".join(parts).encode("utf-8"))
+            parts.clear()
+            size = 0
+
+    def events(evs: list) -> None:
+        put("[")
+        for i, e in enumerate(evs):
+            put(("," if i else "") + json.dumps(enc(e), ensure_ascii=False))
+        put("]")
+
+    put("{")
+    for k, v in head.items():
+        put(f"{json.dumps(k)}:{json.dumps(v, ensure_ascii=False)},")
+    put('"events":')
+    events(s.events)
+    put(',"branches":[')
+    for j, b in enumerate(s.branches):
+        put(("," if j else "") + "{")
+        for k, v in b.items():
+            if k != "events":
+                put(f"{json.dumps(k)}:{json.dumps(v, ensure_ascii=False)},")
+        put('"events":')
+        events(b.get("events", []))
+        put("}")
+    put("]}")
+    out.write("".join(parts).encode("utf-8"))
+
+
 def save_session(path: str | os.PathLike[str], s: SavedSession) -> None:
     """Write `s` to `path` (write to a temporary file, then rename: an existing file is never left half-written).
 
@@ -398,13 +440,13 @@ def save_session(path: str | os.PathLike[str], s: SavedSession) -> None:
     """
     path = Path(path)
     enc = _Encoder()
-    doc = {
+    head = {
         "format": FORMAT, "version": VERSION, "created": s.created or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": s.model, "prompt": s.prompt, "chat": s.chat, "settings": enc(s.settings),
-        "info": enc(s.info), "cfg": enc(s.cfg), "events": [enc(e) for e in s.events],
-        "branches": [dict(b, events=[enc(e) for e in b.get("events", [])]) for b in s.branches],
+        "info": enc(s.info), "cfg": enc(s.cfg),
     }
-    text = json.dumps(doc, ensure_ascii=False)
+    for b in s.branches:  # what a branch holds besides its events is plain data: checked before anything is written
+        json.dumps({k: v for k, v in b.items() if k != "events"})
     folder = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
         raise OSError(f"cannot save the session to {path}: it is a folder")
@@ -414,7 +456,10 @@ def save_session(path: str | os.PathLike[str], s: SavedSession) -> None:
         raise OSError(f"cannot save the session to {path}: {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "wb") as fh, zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED) as z:
-            z.writestr("session.json", text)
+            doc = zipfile.ZipInfo("session.json", time.localtime()[:6])
+            doc.compress_type = zipfile.ZIP_DEFLATED
+            with z.open(doc, "w", force_zip64=True) as out:
+                _write_document(out, head, s, enc)
             member = zipfile.ZipInfo("arrays.npz", time.localtime()[:6])
             member.compress_type = zipfile.ZIP_STORED  # read in place, never inflated
             with z.open(member, "w", force_zip64=True) as npz:
