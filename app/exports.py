@@ -7,6 +7,7 @@ files as the live run it was saved from. Everything a user picks a path for says
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from collections.abc import Sequence
@@ -51,18 +52,45 @@ def kv_rows(events: Sequence) -> list[dict]:
             for e in events if isinstance(e, KVCacheGrew)]
 
 
-def attention_rows(events: Sequence, layer: int) -> list[dict]:
-    """Every captured weight of one layer: step, head, query position, key position, weight."""
-    rows = []
-    for e in events:
-        if not isinstance(e, AttentionCaptured) or e.layer != layer:
-            continue
-        w = np.asarray(e.weights)  # (H, rows, S)
-        h, q, k = np.nonzero(w > 0)
-        for hi, qi, ki in zip(h.tolist(), q.tolist(), k.tolist(), strict=True):
-            rows.append({"step": e.step, "head": hi, "query": e.query_start + qi, "key": ki,
-                         "weight": float(w[hi, qi, ki])})
-    return rows
+ATTENTION_COLUMNS = ("step", "head", "query", "key", "weight")
+
+
+def write_attention(path: str | os.PathLike[str], events: Sequence, layer: int) -> None:
+    """Every captured weight of one layer (step, head, query position, key position, weight) as CSV or JSON (a
+    list of objects), one event at a time: a long run holds millions of weights, and a row object for each would
+    need gigabytes, so each event's weights become one array of rows, formatted by numpy and written before the
+    next."""
+    p = Path(path)
+    ext = p.suffix.lower()
+    if ext not in DATA_EXTS:
+        raise ValueError(f"{p.name}: unknown file type {ext or '(none)'!r}; use .csv or .json")
+    if ext == ".json":
+        row = "{" + ", ".join(f'"{c}": %d' for c in ATTENTION_COLUMNS[:-1]) + ', "weight": %.9g}'
+    else:
+        row = "%d,%d,%d,%d,%.9g"
+    try:
+        with open(p, "w", encoding="utf-8", newline="") as fh:
+            fh.write("[" if ext == ".json" else ",".join(ATTENTION_COLUMNS) + "\r\n")
+            first = True
+            for e in events:
+                if not isinstance(e, AttentionCaptured) or e.layer != layer:
+                    continue
+                w = np.asarray(e.weights, dtype=np.float64)  # (H, rows, S)
+                h, q, k = np.nonzero(w > 0)
+                if not h.size:
+                    continue
+                table = np.column_stack([np.full(h.size, e.step), h, e.query_start + q, k, w[h, q, k]])
+                buf = io.StringIO()
+                np.savetxt(buf, table, fmt=row, delimiter="", newline="," if ext == ".json" else "\r\n")
+                text = buf.getvalue()
+                if ext == ".json":  # savetxt ends every row with the separator: between events, one comma
+                    text = ("" if first else ",") + text[:-1]
+                fh.write(text)
+                first = False
+            if ext == ".json":
+                fh.write("]")
+    except OSError as e:
+        raise OSError(f"cannot write {p}: {e.strerror or e}") from None
 
 
 def write_rows(path: str | os.PathLike[str], rows: list[dict]) -> None:
@@ -119,6 +147,7 @@ DATA_KINDS = {"timeline": "Timeline", "funnels": "Sampling funnels", "attention"
 
 
 def data_rows(window, kind: str) -> list[dict]:
+    """The rows of a data export (every kind but attention, which write_attention streams)."""
     events = window.run_store.events()
     if kind == "timeline":
         return timeline_rows(events)
@@ -126,16 +155,17 @@ def data_rows(window, kind: str) -> list[dict]:
         return funnel_rows(events)
     if kind == "kv":
         return kv_rows(events)
-    if kind == "attention":
-        att = window.panels.get("attention")
-        layer = att.layer_spin.value() if att is not None and hasattr(att, "layer_spin") else 0
-        return attention_rows(events, layer)
     raise ValueError(f"unknown data kind {kind!r}")
 
 
 def export_data_to(window, kind: str, path: str) -> bool:
     try:
-        write_rows(path, data_rows(window, kind))
+        if kind == "attention":
+            att = window.panels.get("attention")
+            layer = att.layer_spin.value() if att is not None and hasattr(att, "layer_spin") else 0
+            write_attention(path, window.run_store.events(), layer)
+        else:
+            write_rows(path, data_rows(window, kind))
     except (OSError, ValueError) as e:
         window.show_error(str(e), title="Export failed", box=window.interactive)
         return False

@@ -167,3 +167,26 @@ def test_the_branches_text_grows_by_appending_and_reads_as_the_whole_page(qtbot,
     t = run.tokens[-1]
     assert last.anchorHref() == f"step:{t.step}"
     assert last.background().color().name() == branches.token_look(t, "prob", tiny_lm.tokenizer)[1]
+
+
+def test_attention_exports_of_a_long_run_stream_every_weight(qtbot, tmp_path):
+    """The attention export writes every captured weight of the layer, one event at a time, in CSV and JSON."""
+    import csv
+    import json
+
+    from app import exports
+
+    events = [e for e in attention_run(40, layers=2, heads=3) if isinstance(e, AttentionCaptured)]
+    want = {(e.step, h, e.query_start + q, k): float(e.weights[h, q, k]) for e in events if e.layer == 1
+            for h, q, k in zip(*np.nonzero(e.weights > 0), strict=True)}
+    for ext in (".csv", ".json"):
+        path = tmp_path / f"attention{ext}"
+        exports.write_attention(path, events, layer=1)
+        if ext == ".csv":
+            with open(path, newline="") as fh:
+                rows = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(fh)]
+        else:
+            rows = json.loads(path.read_text())
+        got = {(int(r["step"]), int(r["head"]), int(r["query"]), int(r["key"])): r["weight"] for r in rows}
+        assert got.keys() == want.keys() and len(rows) == len(want)
+        assert all(abs(got[k] - v) <= 1e-7 * v for k, v in want.items())
