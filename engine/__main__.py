@@ -1,7 +1,8 @@
 """The command line over the same event stream the app uses: `python -m engine {info,tokenize,logits,generate,…}`.
 
-Bad input (a missing or damaged model, an empty or too long prompt, a bad flag value) prints one line to stderr and
-exits non-zero, without a traceback.
+Bad input prints one line to stderr, without a traceback: a flag's value that cannot be right (refused by the
+parser's types in engine.cliargs) or that does not fit the loaded model exits with 2, a missing or damaged model or
+a prompt too long for it with 1.
 """
 
 from __future__ import annotations
@@ -14,14 +15,20 @@ from collections.abc import Sequence
 from engine.cliargs import (
     CliError,
     Parser,
+    UsageError,
     add_model_args,
     add_sampling_args,
     add_threads_arg,
+    check_bias,
+    int_in,
+    int_list,
+    regex,
     sampling_params,
     session_from_args,
+    threads,
 )
+from engine.remote.client import clean_text
 from engine.run import kernels_cli
-from engine.run.threads import threads_arg
 
 
 def cmd_info(a: argparse.Namespace) -> int:
@@ -78,6 +85,7 @@ def cmd_logits(a: argparse.Namespace) -> int:
 
     params = sampling_params(a)
     s = session_from_args(a)
+    check_bias(params, s.cfg.vocab_size)
     try:
         t = s.tokenize(a.prompt, a.chat)
         logits, _, _ = s.next_token_logits(t.ids)
@@ -103,16 +111,16 @@ def cmd_logits(a: argparse.Namespace) -> int:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from engine.events import Failed, Finished, TokenSampled
-    from engine.run.branching import parse_force
+    from engine.run.branching import check_forced, parse_force
 
     params = sampling_params(a)
     try:
         forced = parse_force(a.force)
     except ValueError as e:
-        raise CliError(str(e)) from None
+        raise UsageError(str(e)) from None
     schema = None
     if a.regex is not None and a.json_schema is not None:
-        raise CliError("give --regex or --json-schema, not both")
+        raise UsageError("give --regex or --json-schema, not both")
     if a.json_schema is not None:
         try:
             with open(a.json_schema, encoding="utf-8") as fh:
@@ -120,6 +128,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
         except OSError as e:
             raise CliError(f"cannot read the JSON schema {a.json_schema}: {e.strerror or e}") from None
     s = session_from_args(a)
+    check_bias(params, s.cfg.vocab_size)
+    try:
+        check_forced(forced, s.cfg.vocab_size, a.max_new_tokens)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     try:
         constraint = None
         if a.regex is not None or schema is not None:
@@ -177,14 +190,16 @@ def cmd_lens(a: argparse.Namespace) -> int:
     from engine.run.lens import lens_rows
     from engine.run.session import Capture
 
-    if a.top < 1:
-        raise CliError(f"--top must be at least 1, got {a.top}")
-    if a.step < 0:
-        raise CliError(f"--step must be 0 (the prefill) or a decode step, got {a.step}")
     params = sampling_params(a)
     s = session_from_args(a)
+    check_bias(params, s.cfg.vocab_size)
     try:
-        gen = s.generate(a.prompt, params, a.step + 1, Capture(lens_top=a.top), chat=a.chat)
+        n_prompt = len(s.tokenize(a.prompt, a.chat).ids)
+        room = s.cfg.context_length - n_prompt - 1  # the decode step whose token takes the context's last position
+        if a.step > room:
+            raise UsageError(f"--step {a.step} is past this model's context: {n_prompt} prompt tokens leave room for "
+                             f"steps 0 to {max(room, 0)} of {s.cfg.context_length} positions")
+        gen = s.generate(a.prompt, params, a.step + 1, Capture(lens_top=min(a.top, s.cfg.vocab_size)), chat=a.chat)
     except ValueError as e:
         raise CliError(str(e)) from None
     lens: LensCaptured | None = None
@@ -241,13 +256,7 @@ def cmd_bench_batch(a: argparse.Namespace) -> int:
     from engine.loaders import ModelLoadError, load
     from engine.run.batching import bench_batch
 
-    try:
-        batches = [int(x) for x in a.batches.split(",") if x.strip()]
-        if not batches or min(batches) < 1:
-            raise ValueError
-    except ValueError:
-        print(f"error: --batches must be positive integers separated by commas, got {a.batches!r}", file=sys.stderr)
-        return 2
+    batches = a.batches
     if a.threads != "auto":  # a batch's products are large: no per-step adaptation here, a fixed count if asked
         import torch
 
@@ -257,9 +266,21 @@ def cmd_bench_batch(a: argparse.Namespace) -> int:
     except ModelLoadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if a.prompt_tokens + a.new_tokens > lm.cfg.context_length:
+        raise UsageError(f"--prompt-tokens {a.prompt_tokens} and --new-tokens {a.new_tokens} make "
+                         f"{a.prompt_tokens + a.new_tokens} positions, past this model's context of "
+                         f"{lm.cfg.context_length}")
+    memory = psutil.virtual_memory().available * 0.5
     rows = bench_batch(lm, batches, a.prompt_tokens, a.new_tokens,
                        progress=None if a.json else lambda f, m: print(f"  {m}", file=sys.stderr),
-                       memory_limit_bytes=psutil.virtual_memory().available * 0.5)
+                       memory_limit_bytes=memory)
+    if len(rows) < len(batches):  # bench_batch stops at the first batch whose KV cache does not fit
+        skipped = batches[len(rows)]
+        message = (f"batch {skipped} needs more KV cache than half the memory available now "
+                   f"({memory / 2**30:.1f} GiB)")
+        if not rows:
+            raise UsageError(message)
+        print(f"warning: {message}: stopped before it", file=sys.stderr)
     if a.json:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
         return 0
@@ -296,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(q)
     q.add_argument("--prompt", required=True)
     q.add_argument("--chat", action="store_true")
-    q.add_argument("--top", type=int, default=10)
+    q.add_argument("--top", type=int_in(1), default=10)
     add_threads_arg(q)
     q.set_defaults(func=cmd_logits)
 
@@ -305,11 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(q)
     q.add_argument("--prompt", required=True)
     q.add_argument("--chat", action="store_true")
-    q.add_argument("--max-new-tokens", type=int, default=128)
+    q.add_argument("--max-new-tokens", type=int_in(1), default=128)
     q.add_argument("--ignore-eos", action="store_true")
     q.add_argument("--force", action="append", default=[], metavar="STEP:TOKEN_ID",
                    help="put TOKEN_ID at generation step STEP instead of sampling (repeatable; step 0 = first token)")
-    q.add_argument("--regex", default=None, metavar="R",
+    q.add_argument("--regex", type=regex, default=None, metavar="R",
                    help="the output must match this regular expression (constrained decoding, llguidance)")
     q.add_argument("--json-schema", default=None, metavar="FILE",
                    help="the output must be JSON valid under the schema in FILE")
@@ -324,9 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(q)
     q.add_argument("--prompt", required=True)
     q.add_argument("--chat", action="store_true")
-    q.add_argument("--step", type=int, default=0,
+    q.add_argument("--step", type=int_in(0), default=0,
                    help="0 = the prefill's prediction; K = the K-th decode step of a generation with these settings")
-    q.add_argument("--top", type=int, default=5)
+    q.add_argument("--top", type=int_in(1), default=5)
     add_threads_arg(q)
     q.set_defaults(func=cmd_lens)
 
@@ -334,10 +355,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--model", default=None)
     q.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    q.add_argument("--batches", default="1,2,4,8,16,32")
-    q.add_argument("--prompt-tokens", type=int, default=32)
-    q.add_argument("--new-tokens", type=int, default=16)
-    q.add_argument("--threads", type=threads_arg, default="auto", help="auto (torch's count) or a fixed count")
+    q.add_argument("--batches", type=int_list(1, 1024), default=[1, 2, 4, 8, 16, 32],
+                   help="batch sizes, e.g. 1,2,4,8,16,32")
+    q.add_argument("--prompt-tokens", type=int_in(1), default=32)
+    q.add_argument("--new-tokens", type=int_in(2), default=16, help="at least 2: one decode step to time")
+    q.add_argument("--threads", type=threads, default="auto", help="auto (torch's count) or a fixed count")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_batch)
 
@@ -365,8 +387,8 @@ LOCAL_ONLY = {"info": "reads the model file itself", "lens": "needs every layer'
 def resolve(args: argparse.Namespace):
     """The function that runs `args`: the local command, or its server version when --url is given (once, here)."""
     if args.command in LOCAL_ONLY and getattr(args, "url", None):
-        raise CliError(f"`{args.command}` {LOCAL_ONLY[args.command]}, which a server does not report: "
-                       "drop --url to run it on the local model")
+        raise UsageError(f"`{args.command}` {LOCAL_ONLY[args.command]}, which a server does not report: "
+                         "drop --url to run it on the local model")
     if args.command in ON_SERVER and getattr(args, "url", None):
         from engine.remote import cli
 
@@ -380,8 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with kernels_cli.forcing(getattr(args, "kernel", None)):
             return int(resolve(args)(args) or 0)
     except CliError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        print(f"error: {clean_text(str(e), 600)}", file=sys.stderr)  # one line, whatever a library's text holds
+        return 2 if isinstance(e, UsageError) else 1
     except KeyboardInterrupt:
         return 130
 

@@ -1,23 +1,157 @@
-"""What the engine's commands share: the one-line parser, the model, sampling, thread and server arguments."""
+"""What the engine's commands share: the one-line parser, bounded value types, the model, sampling, thread and
+server arguments.
+
+A value that cannot be right on any machine (a negative count, NaN, a seed past 64 bits, an unknown name) is refused
+by the parser, in one line with exit status 2, before anything loads. One that is wrong only for the model loaded
+(a step past its context, a token past its vocabulary) is a UsageError, also exit status 2, once the model says so.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 from engine.protocol import SamplingParams
 from engine.remote.client import API_KEY_ENV
 from engine.run.threads import threads_arg
 
+MAX_INT = 2**31 - 1  # counts handed to C (llama.cpp's int32 fields, a server's max_tokens) stay in range
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed, numpy's default_rng and servers' int64 seeds all take it
+MAX_BIAS = 100.0  # OpenAI's range for logit_bias, which --url sends on as it is
+
 
 class CliError(Exception):
-    """Something the user can fix; printed as one line."""
+    """Something the user can fix; printed as one line (exit status 1)."""
+
+
+class UsageError(CliError):
+    """A flag's value that does not fit the model or the machine; printed as one line with exit status 2, as the
+    parser's own refusals."""
 
 
 class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not usage + error
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        print(f"{self.prog}: error: {' '.join(message.split())}", file=sys.stderr)
         raise SystemExit(2)
+
+
+def _shown(text: str) -> str:
+    """A refused value as the message quotes it: short, one line."""
+    text = " ".join(text.split())
+    return repr(text if len(text) <= 40 else text[:39] + "…")
+
+
+def int_in(lo: int, hi: int = MAX_INT) -> Callable[[str], int]:
+    """An argparse type: an integer from `lo` to `hi`."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:  # also Python's refusal of a number with thousands of digits
+            n = None
+        if n is None or not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"takes an integer from {lo} to {hi}, got {_shown(text)}")
+        return n
+
+    parse.__name__ = "int"
+    return parse
+
+
+def float_in(lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False,
+             inf: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number in the interval given (NaN never; infinity only with `inf`)."""
+    shown = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open or (math.isinf(hi) and not inf) else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            x = math.nan
+        ok = (not math.isnan(x) and (inf or math.isfinite(x)) and (lo < x if lo_open else lo <= x)
+              and (x < hi if hi_open else x <= hi))
+        if not ok:
+            raise argparse.ArgumentTypeError(f"takes a number in {shown}, got {_shown(text)}")
+        return x
+
+    parse.__name__ = "float"
+    return parse
+
+
+def int_list(lo: int, hi: int) -> Callable[[str], list[int]]:
+    """An argparse type: integers from `lo` to `hi` separated by commas ("1,2,4")."""
+    one = int_in(lo, hi)
+
+    def parse(text: str) -> list[int]:
+        try:
+            out = [one(x) for x in text.split(",") if x.strip()]
+        except argparse.ArgumentTypeError:
+            out = []
+        if not out:
+            raise argparse.ArgumentTypeError(f"takes integers from {lo} to {hi} separated by commas, got "
+                                             f"{_shown(text)}")
+        return out
+
+    parse.__name__ = "list"
+    return parse
+
+
+def regex(text: str) -> str:
+    """--regex: a regular expression the grammar engine (llguidance) reads, checked before any model loads."""
+    import llguidance
+
+    report = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_regex(text))
+    if report:  # several lines with a caret drawing; the line that says what is wrong starts with "error:"
+        lines = [ln.strip() for ln in report.splitlines() if ln.strip()]
+        why = next((ln.removeprefix("error:").strip() for ln in lines if ln.startswith("error:")), lines[0])
+        raise argparse.ArgumentTypeError(f"not a regular expression the grammar engine reads ({why}): {_shown(text)}")
+    return text
+
+
+def threads(text: str) -> int | str:
+    """--threads: auto, or a count from 1 to four threads per CPU (more only queue behind each other)."""
+    n = threads_arg(text)
+    most = 4 * (os.cpu_count() or 1)
+    if n != "auto" and n > most:
+        raise argparse.ArgumentTypeError(f"takes auto or a count from 1 to {most} (4 per CPU here), got {_shown(text)}")
+    return n
+
+
+def logit_bias(text: str) -> tuple[int, float]:
+    """--logit-bias ID=BIAS: a token id and a finite bias within OpenAI's ±100."""
+    token, sep, value = text.partition("=")
+    try:
+        tid, bias = int(token), float(value)
+    except ValueError:
+        sep = ""
+    if not sep:
+        raise argparse.ArgumentTypeError(f"takes ID=BIAS (e.g. 7042=-5), got {_shown(text)}")
+    if not 0 <= tid <= MAX_INT or not -MAX_BIAS <= bias <= MAX_BIAS:  # NaN fails the comparison too
+        raise argparse.ArgumentTypeError(f"takes a token id from 0 and a bias from -{MAX_BIAS:g} to {MAX_BIAS:g}, "
+                                         f"got {_shown(text)}")
+    return tid, bias
+
+
+def output_file(text: str) -> str:
+    """A file to write: its folder exists, and it is not a folder itself (checked before any work is done)."""
+    path = Path(text).expanduser()
+    if path.is_dir() or not text.strip():
+        raise argparse.ArgumentTypeError(f"takes a file to write, got the folder {_shown(text)}")
+    output_folder(str(path))
+    return text
+
+
+def output_folder(text: str) -> str:
+    """A folder to write (it may not exist yet; the folder it goes in must)."""
+    path = Path(text).expanduser()
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{_shown(str(parent))} does not exist, so {_shown(text)} cannot be written "
+                                         "there")
+    return text
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -33,37 +167,37 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=threads_arg, default="auto",
+    p.add_argument("--threads", type=threads, default="auto",
                    help="CPU threads: auto (default; fewer when other programs hold the cores) or a fixed count")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
-    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+    p.add_argument("--temperature", type=float_in(0, 10), default=0.7, help="0 = greedy")
+    p.add_argument("--top-k", type=int_in(0), default=0, help="0 = off")
+    p.add_argument("--top-p", type=float_in(0, 1, lo_open=True), default=1.0, help="1 = off")
+    p.add_argument("--min-p", type=float_in(0, 1, hi_open=True), default=0.0, help="0 = off")
+    p.add_argument("--repetition-penalty", type=float_in(0, 100, lo_open=True), default=1.0, help="1 = off")
+    p.add_argument("--logit-bias", type=logit_bias, action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS to token ID's logit before sampling (repeatable), e.g. --logit-bias 7042=-100")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=None)
     p.add_argument("--greedy", action="store_true", help="same as --temperature 0")
 
 
 def sampling_params(a: argparse.Namespace) -> SamplingParams:
     try:
-        bias = []
-        for item in a.logit_bias:
-            token, sep, value = item.partition("=")
-            if not sep:
-                raise ValueError(f"--logit-bias takes ID=BIAS, got {item!r}")
-            bias.append((int(token), float(value)))
         return SamplingParams(
             temperature=0.0 if a.greedy else a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-            repetition_penalty=a.repetition_penalty, logit_bias=tuple(bias), seed=a.seed,
+            repetition_penalty=a.repetition_penalty, logit_bias=tuple(a.logit_bias), seed=a.seed,
         )
     except ValueError as e:
-        raise CliError(str(e)) from None
+        raise UsageError(str(e)) from None
 
+
+def check_bias(params: SamplingParams, vocab_size: int) -> None:
+    """UsageError when --logit-bias names a token past the loaded model's vocabulary."""
+    for token, _ in params.logit_bias:
+        if token >= vocab_size:
+            raise UsageError(f"--logit-bias names token {token}, past this model's vocabulary (0 to {vocab_size - 1})")
 
 
 def add_url_args(p: argparse.ArgumentParser) -> None:
@@ -72,6 +206,9 @@ def add_url_args(p: argparse.ArgumentParser) -> None:
                    help=f"environment variable holding the server's API key (default {API_KEY_ENV})")
     p.add_argument("--allow-insecure-key", action="store_true",
                    help="send the API key even over plain http:// to another machine (refused otherwise)")
+    p.add_argument("--timeout", type=float_in(0, 3600, lo_open=True), default=60.0, metavar="SECONDS",
+                   help="how long to wait for the server's answer, and then for each complete streamed event "
+                        "(default 60)")
 
 
 def session_from_args(a: argparse.Namespace):

@@ -187,8 +187,8 @@ def export(model: str | os.PathLike | None, out: str | os.PathLike, overwrite: b
 
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        tmp.mkdir(parents=True)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "tokenizer.json").write_text(backend.to_str(pretty=False), encoding="utf-8")
@@ -204,9 +204,11 @@ def export(model: str | os.PathLike | None, out: str | os.PathLike, overwrite: b
 
 
 def add_subcommand(sub) -> None:
+    from engine.cliargs import output_folder
+
     q = sub.add_parser("export-hf", help="write the model as a Hugging Face directory (for vLLM or transformers)")
     q.add_argument("--model", default=None, help="a .gguf file or a Hugging Face model directory (default: SmolLM2)")
-    q.add_argument("--out", required=True, help="the directory to write")
+    q.add_argument("--out", type=output_folder, required=True, help="the directory to write (in one that exists)")
     q.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     q.set_defaults(func=_cmd)
 

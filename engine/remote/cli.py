@@ -13,17 +13,17 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from engine.cliargs import CliError, add_url_args, sampling_params
+from engine.cliargs import MAX_SEED, CliError, add_url_args, float_in, int_in, int_list, output_file, sampling_params
 from engine.remote.client import RemoteError, clean_text
 
 if TYPE_CHECKING:  # the backend imports torch (via engine.run.sampling); argument parsing must not
     from engine.remote.backend import RemoteBackend
 
 
-def _fail(e: Exception | str) -> SystemExit:
-    """One line on stderr and exit status 1 (as the local commands' CliError; `python -m` makes that class twice)."""
+def _fail(e: Exception | str, status: int = 1) -> SystemExit:
+    """One line on stderr and exit status 1 (as the local commands' CliError), 2 for a flag's value."""
     print(f"error: {clean_text(str(e), 600)}", file=sys.stderr)
-    return SystemExit(1)
+    return SystemExit(status)
 
 
 def _finite(x):
@@ -54,7 +54,7 @@ def _backend(a: argparse.Namespace) -> RemoteBackend:
 
     key = os.environ.get(a.api_key_env) if a.api_key_env else None
     try:
-        b = RemoteBackend(a.url, api_key=key, timeout=getattr(a, "timeout", 60.0))
+        b = RemoteBackend(a.url, api_key=key, timeout=a.timeout)
         warning = b.client.insecure_key_warning()
         if warning and not getattr(a, "allow_insecure_key", False):
             raise _fail(f"not connecting: {warning}; pass --allow-insecure-key to send it anyway")
@@ -69,8 +69,8 @@ def _backend(a: argparse.Namespace) -> RemoteBackend:
 def _sampling(a: argparse.Namespace):
     try:
         return sampling_params(a)
-    except CliError as e:
-        raise _fail(e) from None
+    except CliError as e:  # a UsageError: the sampling flags together
+        raise _fail(e, 2) from None
 
 
 def cmd_tokenize(a: argparse.Namespace) -> int:
@@ -165,23 +165,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _int_list(s: str) -> list[int]:
-    try:
-        out = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {s!r}") from None
-    if not out or any(x < 1 for x in out):
-        raise argparse.ArgumentTypeError(f"concurrency levels must be positive, got {s!r}")
-    return out
-
-
 def cmd_serve_bench(a: argparse.Namespace) -> int:
     from engine.remote import loadlab as bench
 
-    if a.num_prompts < 1 or a.max_new_tokens < 1:
-        raise _fail(ValueError("--num-prompts and --max-new-tokens must be at least 1"))
-    if a.time_limit <= 0:
-        raise _fail(ValueError("--time-limit must be positive"))
     slo = {k: v for k, v in (("ttft", a.slo_ttft_ms), ("tpot", a.slo_tpot_ms), ("e2el", a.slo_e2el_ms)) if v}
     b = _backend(a)
     rate = a.request_rate if a.request_rate is not None else math.inf
@@ -215,20 +201,29 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+MAX_CONCURRENCY = 1024
+MAX_PROMPTS = 100_000  # each level draws its arrival times up front
+MAX_TIME_LIMIT_S = 86_400.0
+
+
 def add_subcommand(sub) -> None:
     q = sub.add_parser("serve-bench", help="bounded load benchmark against a server (vllm bench serve's figures)")
     add_url_args(q)
-    q.add_argument("--concurrency", type=_int_list, default=[1, 2, 4], help="levels to sweep, e.g. 1,2,4,8")
-    q.add_argument("--num-prompts", type=int, default=8, help="requests per level")
-    q.add_argument("--max-new-tokens", type=int, default=32)
-    q.add_argument("--request-rate", type=float, default=None, help="requests/s (default: all at once)")
-    q.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1 = Poisson)")
-    q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--time-limit", type=float, default=120.0, help="seconds per level, at most")
-    q.add_argument("--slo-ttft-ms", type=float, default=None)
-    q.add_argument("--slo-tpot-ms", type=float, default=None)
-    q.add_argument("--slo-e2el-ms", type=float, default=None)
-    q.add_argument("--out", default=None, help="also write the results (.json or .csv)")
+    # each level runs its requests on as many threads as its concurrency
+    q.add_argument("--concurrency", type=int_list(1, MAX_CONCURRENCY), default=[1, 2, 4],
+                   help="levels to sweep, e.g. 1,2,4,8")
+    q.add_argument("--num-prompts", type=int_in(1, MAX_PROMPTS), default=8, help="requests per level")
+    q.add_argument("--max-new-tokens", type=int_in(1), default=32)
+    q.add_argument("--request-rate", type=float_in(0, lo_open=True, inf=True), default=None,
+                   help="requests/s (default: all at once)")
+    q.add_argument("--burstiness", type=float_in(0, lo_open=True), default=1.0,
+                   help="gamma shape of the arrivals (1 = Poisson)")
+    q.add_argument("--seed", type=int_in(0, MAX_SEED), default=0)
+    q.add_argument("--time-limit", type=float_in(0, MAX_TIME_LIMIT_S, lo_open=True), default=120.0,
+                   help="seconds per level, at most")
+    for name in ("ttft", "tpot", "e2el"):
+        q.add_argument(f"--slo-{name}-ms", type=float_in(0, lo_open=True), default=None)
+    q.add_argument("--out", type=output_file, default=None, help="also write the results (.json or .csv)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_require_url(cmd_serve_bench))
 
@@ -236,7 +231,7 @@ def add_subcommand(sub) -> None:
 def _require_url(fn):
     def run(a: argparse.Namespace) -> int:
         if not a.url:
-            raise _fail("serve-bench needs --url (an OpenAI-compatible server, e.g. http://127.0.0.1:8000)")
+            raise _fail("serve-bench needs --url (an OpenAI-compatible server, e.g. http://127.0.0.1:8000)", 2)
         return fn(a)
 
     return run

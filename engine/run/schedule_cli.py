@@ -11,7 +11,15 @@ import math
 import sys
 from dataclasses import asdict
 
-from engine.run.schedule_events import POLICIES, SchedConfig, SchedPlan, SchedRequestDone, SchedSummary
+from engine.run.schedule_events import (
+    MAX_BATCH,
+    MAX_REQUESTS,
+    POLICIES,
+    SchedConfig,
+    SchedPlan,
+    SchedRequestDone,
+    SchedSummary,
+)
 
 
 def _table(plan: SchedPlan, summaries: list[SchedSummary]) -> str:
@@ -122,16 +130,9 @@ def _document(plan: SchedPlan | None, summaries: list[SchedSummary], done: list[
     return doc
 
 
-def _rate(text: str) -> float:
-    value = float(text)  # "inf" is accepted: every request at t = 0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of requests per second, got {text!r}")
-    return value
-
-
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
     """Add `schedule` to the engine's CLI."""
-    from engine.run.threads import threads_arg
+    from engine.cliargs import MAX_SEED, float_in, int_in, threads
 
     d = SchedConfig()
     q = sub.add_parser("schedule", help="static vs continuous batching and a paged KV cache, on the loaded model")
@@ -139,19 +140,21 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     q.add_argument("--policy", default=d.policy, choices=["static", "continuous", "both"])
-    q.add_argument("--rate", type=_rate, default=d.rate, help="requests per second (inf: all at once)")
-    q.add_argument("--burstiness", type=float, default=d.burstiness, help="gamma shape of arrival gaps; 1 = Poisson")
-    q.add_argument("--requests", "--num-requests", dest="requests", type=int, default=d.n_requests,
-                   help="requests in the run")
-    q.add_argument("--prompt-len", type=int, default=d.prompt_len, help="mean prompt tokens")
-    q.add_argument("--output-len", type=int, default=d.output_len, help="mean output tokens")
-    q.add_argument("--range-ratio", type=float, default=d.range_ratio,
+    q.add_argument("--rate", type=float_in(0, lo_open=True, inf=True), default=d.rate,
+                   help="requests per second (inf: all at once)")
+    q.add_argument("--burstiness", type=float_in(0, lo_open=True), default=d.burstiness,
+                   help="gamma shape of arrival gaps; 1 = Poisson")
+    q.add_argument("--requests", "--num-requests", dest="requests", type=int_in(1, MAX_REQUESTS),
+                   default=d.n_requests, help="requests in the run")
+    q.add_argument("--prompt-len", type=int_in(1), default=d.prompt_len, help="mean prompt tokens")
+    q.add_argument("--output-len", type=int_in(1), default=d.output_len, help="mean output tokens")
+    q.add_argument("--range-ratio", type=float_in(0, 1, hi_open=True), default=d.range_ratio,
                    help="lengths uniform in [L·(1-r), L·(1+r)] (as vllm bench serve's --random-range-ratio)")
-    q.add_argument("--max-batch", type=int, default=d.max_batch)
-    q.add_argument("--page-size", type=int, default=d.page_size, help="positions per KV page")
-    q.add_argument("--kv-budget-mib", type=float, default=None,
+    q.add_argument("--max-batch", type=int_in(1, MAX_BATCH), default=d.max_batch)
+    q.add_argument("--page-size", type=int_in(1), default=d.page_size, help="positions per KV page")
+    q.add_argument("--kv-budget-mib", type=float_in(0, lo_open=True), default=None,
                    help="KV memory for 'how many requests fit' (default: the contiguous reservation of max batch)")
-    q.add_argument("--seed", type=int, default=d.seed)
-    q.add_argument("--threads", type=threads_arg, default="auto", help="auto (torch's count) or a fixed count")
+    q.add_argument("--seed", type=int_in(0, MAX_SEED), default=d.seed)
+    q.add_argument("--threads", type=threads, default="auto", help="auto (torch's count) or a fixed count")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_cmd)

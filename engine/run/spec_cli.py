@@ -15,7 +15,7 @@ import numpy as np
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
     """Add `speculate` to the engine CLI's subparsers (it sets func=cmd_speculate)."""
-    from engine.cliargs import add_model_args, add_sampling_args, add_threads_arg
+    from engine.cliargs import add_model_args, add_sampling_args, add_threads_arg, int_in
 
     q = sub.add_parser("speculate", help="speculative decoding: draft k tokens, verify them in one pass",
                        description="Draft k tokens cheaply, verify them in one forward pass of the model over k + 1 "
@@ -24,16 +24,16 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     add_sampling_args(q)
     q.add_argument("--prompt", required=True)
     q.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template first")
-    q.add_argument("--k", type=int, default=4, help="tokens drafted per full pass (1–16)")
-    q.add_argument("--source", default="lookup", metavar="SOURCE",
+    q.add_argument("--k", type=int_in(1), default=4, help="tokens drafted per full pass (1–16)")
+    q.add_argument("--source", type=_source, default="lookup", metavar="SOURCE",
                    help="lookup (n-grams of the context), early-exit[:J] (the model's first J layers; default half) "
                         "or draft-model (needs --draft-model)")
-    q.add_argument("--draft", default=None, metavar="DRAFT",
+    q.add_argument("--draft", type=lambda text: _source(_draft_source(text)), default=None, metavar="DRAFT",
                    help="the same choice in short: ngram (lookup), exit:J (early exit after layer J) or model")
     q.add_argument("--draft-model", default=None, metavar="MODEL",
                    help="a smaller model with the same vocabulary (file, directory or known name)")
-    q.add_argument("--ngram", type=int, default=3, help="lookup: the longest suffix n-gram matched")
-    q.add_argument("--max-new-tokens", type=int, default=64)
+    q.add_argument("--ngram", type=int_in(1), default=3, help="lookup: the longest suffix n-gram matched")
+    q.add_argument("--max-new-tokens", type=int_in(1), default=64)
     q.add_argument("--ignore-eos", action="store_true")
     q.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup is measured)")
     q.add_argument("--sweep", action="store_true", help="run k = 1…8 against one plain-decoding baseline")
@@ -41,17 +41,29 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=cmd_speculate)
 
 
+def _source(text: str) -> str:
+    """--source (and --draft, in its long form): a draft source's name, checked as it is parsed."""
+    from engine.run.speculative import parse_source  # torch: only when speculate's own arguments are parsed
+
+    try:
+        parse_source(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def cmd_speculate(a: argparse.Namespace) -> int:
-    from engine.cliargs import CliError, sampling_params, session_from_args
+    from engine.cliargs import CliError, UsageError, sampling_params, session_from_args
 
     try:
         return _speculate(a, sampling_params, session_from_args)
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, UsageError) else 1
 
 
 def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
+    from engine.cliargs import UsageError, check_bias
     from engine.events import Failed
     from engine.loaders import ModelLoadError, load
     from engine.run import speculative as sp
@@ -61,15 +73,19 @@ def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
         return 1
 
     if getattr(a, "url", None):
-        return fail("speculate runs on the local model only (a server does not expose its forward pass)")
+        raise UsageError("speculate runs on the local model only (a server does not expose its forward pass)")
+    if a.backend == "llama.cpp":  # its verify pass over k + 1 positions is the torch model's forward
+        raise UsageError("speculative decoding runs on the torch engine: drop --backend llama.cpp (or give "
+                         "--backend torch)")
+    a.backend = "torch"  # also for a GGUF that auto would hand to llama.cpp
     params = params_of(a)
-    try:
-        source, layer = sp.parse_source(a.source if a.draft is None else _draft_source(a.draft))
-    except ValueError as e:
-        return fail(str(e))
+    source, layer = sp.parse_source(a.source if a.draft is None else _draft_source(a.draft))
     if (source == "draft-model") != (a.draft_model is not None):
         return fail("--draft-model goes with --source draft-model, and that source needs it")
+    if a.k > sp.MAX_K:  # before the model loads: nothing about it changes this
+        raise UsageError(f"--k takes 1 to {sp.MAX_K} tokens drafted per pass, got {a.k}")
     s = session_of(a)
+    check_bias(params, s.cfg.vocab_size)
     draft = None
     if a.draft_model is not None:
         try:

@@ -68,9 +68,9 @@ def test_logit_bias_removes_the_top_candidate():
 @pytest.mark.parametrize("args, needle", [
     (["generate", "--prompt", ""], "empty"),
     (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature"),
-    (["generate", "--prompt", "hi", "--top-p", "2"], "top_p"),
+    (["generate", "--prompt", "hi", "--top-p", "2"], "--top-p"),
     (["info", "--model", "/no/such/model.gguf"], "not found"),
-    (["generate", "--prompt", "hi", "--max-new-tokens", "abc"], "invalid int"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "abc"], "--max-new-tokens"),
     (["logits", "--prompt", "hi", "--logit-bias", "7042"], "ID=BIAS"),
     (["generate", "--prompt", "hi", "--threads", "0"], "--threads"),
     (["generate", "--prompt", "hi", "--threads", "many"], "--threads"),
