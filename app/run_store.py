@@ -154,8 +154,10 @@ class Run:
         if self.dropped is None:
             return ""
         lo, hi = self.dropped
-        kept = [f"{g[0][0]:,}–{g[-1][0]:,}" if g[0][0] != g[-1][0] else f"{g[0][0]:,}"
-                for g in (self._first, self._rest) if g]
+        groups = [*self._first, *(self._rest[i] for i in (0, -1) if self._rest)]
+        first = min((g[0] for g in groups), default=lo)
+        last = max((g[0] for g in groups), default=hi)
+        kept = [f"{a:,}–{b:,}" if a != b else f"{a:,}" for a, b in ((first, lo - 1), (hi + 1, last)) if a <= b]
         return (f"this run holds the attention and lens of steps {' and '.join(kept) or 'none'}: steps {lo:,}–{hi:,} "
                 f"were dropped to keep the run within {ATTENTION_BYTES >> 20} MiB")
 
@@ -370,6 +372,10 @@ class RunStore(QtCore.QObject):
             self.runs.append(r)  # before its events: the caps find the run by its id as they trim
             for ev in rec.get("events", []):
                 self._append(r, ev)
+            if rec.get("dropped") is not None:  # steps whose captures the recording store had dropped
+                lo, hi = (int(x) for x in rec["dropped"])
+                a, b = r.dropped or (lo, hi)
+                r.dropped = (min(a, lo), max(b, hi))
             self._roots += parent is None
         self._next_id = len(records)
         if self.runs:
@@ -381,7 +387,8 @@ class RunStore(QtCore.QObject):
         """Every run as a plain record for a session file (parent as an index; references, not copies)."""
         where = {r.id: i for i, r in enumerate(self.runs)}
         return [{"name": r.name, "parent": where.get(r.parent), "step": r.step, "token": r.token,
-                 "shown": r.id == self.shown, "events": r.kept_events()} for r in self.runs]
+                 "shown": r.id == self.shown, "events": r.kept_events(),
+                 **({"dropped": list(r.dropped)} if r.dropped is not None else {})} for r in self.runs]
 
     def clear(self, notify: bool = True) -> None:
         self.runs, self.shown, self.recording, self._fork = [], None, None, None

@@ -119,7 +119,8 @@ def snapshot(window) -> SavedSession:
         events=store.events(), prompt=text, chat=chat,
         settings={"params": bridge.params, "max_new_tokens": int(max_new)},
         info=bridge.info, cfg=bridge.cfg, tokenizer=bridge.tokenizer,
-        branches=store.records() if len(store.runs) > 1 else [],
+        # the runs as branches when there are several, or when the file must say which steps' captures it lacks
+        branches=store.records() if len(store.runs) > 1 or any(r.dropped for r in store.runs) else [],
     )
 
 

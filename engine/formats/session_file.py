@@ -119,7 +119,8 @@ class SavedSession:
     info: ev_mod.ModelInfo | None = None
     cfg: ModelConfig | None = None
     tokenizer: Any = None  # engine.tokenizer.Tokenizer, or None
-    # [{"name", "parent" (index of an earlier branch or None), "step", "token", "shown", "events": [...]}, …]
+    # [{"name", "parent" (index of an earlier branch or None), "step", "token", "shown", "events": [...],
+    #   "dropped": [first, last] step whose attention and lens were not kept (absent: every step's were)}, …]
     branches: list = field(default_factory=list)
     created: str = ""
 
@@ -189,6 +190,7 @@ def same_model(saved: dict, info: ev_mod.ModelInfo | None) -> str | None:
 class _Encoder:
     def __init__(self) -> None:
         self.arrays: dict[str, np.ndarray] = {}
+        self._keys: dict[int, str] = {}  # id of an array stored → its key: an event in two lists is stored once
         self.types = readable_types()
 
     def __call__(self, x: Any) -> Any:
@@ -197,8 +199,10 @@ class _Encoder:
         if isinstance(x, np.ndarray):
             if x.dtype.kind not in "biufc":
                 raise TypeError(f"cannot store an array of dtype {x.dtype}")
-            key = f"a{len(self.arrays)}"
-            self.arrays[key] = x
+            key = self._keys.get(id(x))  # `arrays` holds every array stored, so an id is never reused meanwhile
+            if key is None:
+                key = self._keys[id(x)] = f"a{len(self.arrays)}"
+                self.arrays[key] = x
             return {"$array": key}
         if isinstance(x, np.generic):
             return x.item()
@@ -582,6 +586,10 @@ def _check_session(s: SavedSession) -> None:
             raise SessionFileError("session.json holds a branch without a name, a step and a token")
         if parent is not None and not (whole(parent) and 0 <= parent < i):  # a fork comes after what it forks
             raise SessionFileError(f"session.json holds a branch whose parent {_short(parent)} is not an earlier one")
+        dropped = b.get("dropped")
+        if dropped is not None and not (isinstance(dropped, list) and len(dropped) == 2 and all(map(whole, dropped))
+                                        and 0 <= dropped[0] <= dropped[1]):
+            raise SessionFileError(f"session.json holds a branch whose dropped steps {_short(dropped)} are not a range")
 
 
 # ---- bounded reading ---------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ hold. The shapes are SmolLM2-135M's (30 layers, 9 heads), the model the app star
 
 from __future__ import annotations
 
+import zipfile
+
 import numpy as np
 
 from app import run_store
@@ -190,3 +192,28 @@ def test_attention_exports_of_a_long_run_stream_every_weight(qtbot, tmp_path):
         got = {(int(r["step"]), int(r["head"]), int(r["query"]), int(r["key"])): r["weight"] for r in rows}
         assert got.keys() == want.keys() and len(rows) == len(want)
         assert all(abs(got[k] - v) <= 1e-7 * v for k, v in want.items())
+
+
+def test_a_saved_long_run_says_which_steps_it_holds_when_reopened(qapp, tmp_path, monkeypatch):
+    from engine.formats.session_file import SavedSession, load_session, save_session
+
+    monkeypatch.setattr(run_store, "ATTENTION_BYTES", 1 << 20)
+    store = RunStore()
+    for ev in attention_run(300, layers=2, heads=3):
+        store.record(ev)
+    run = store.runs[0]
+    assert run.dropped is not None
+    path = tmp_path / "long.ilab"
+    save_session(path, SavedSession(events=store.events(), branches=store.records()))
+    saved = load_session(path, with_tokenizer=False)
+    assert saved.branches[0]["dropped"] == list(run.dropped)
+    opened = RunStore()
+    opened.load(saved.branches)
+    again = opened.runs[0]
+    assert again.dropped == run.dropped and again.attention_note() == run.attention_note()
+    held = sorted({e.step for e in again.events if isinstance(e, AttentionCaptured)})
+    assert held == sorted({e.step for e in run.events if isinstance(e, AttentionCaptured)})
+    # the events and their branch share their arrays: each is stored once
+    n_arrays = len({id(e.weights) for e in run.events if isinstance(e, AttentionCaptured)}) + 4  # + the prompt's
+    with zipfile.ZipFile(path) as z, z.open("arrays.npz") as f, zipfile.ZipFile(f) as npz:
+        assert len(npz.namelist()) == n_arrays
