@@ -77,7 +77,7 @@ class LocalBackend(Backend):
 
         from engine.run.scheduler import schedule
 
-        for ev in schedule(self.session.lm, config, should_stop,
+        for ev in schedule(self.session, config, should_stop,
                            memory_limit_bytes=psutil.virtual_memory().available * 0.5):
             send(ev)
 
@@ -87,5 +87,5 @@ class LocalBackend(Backend):
 
         from engine.run.batching import bench_batch
 
-        bench_batch(self.session.lm, batches, prompt_tokens, new_tokens, progress=progress, should_stop=should_stop,
+        bench_batch(self.session, batches, prompt_tokens, new_tokens, progress=progress, should_stop=should_stop,
                     memory_limit_bytes=psutil.virtual_memory().available * 0.5, on_row=on_row)

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.costs import formulas as costs
 from engine.loaders import LoadedModel
 from engine.run.schedule_events import (  # noqa: F401 — re-exported: the lab's events live with their generator
     PREFILL_MODE,
@@ -44,6 +43,7 @@ from engine.run.schedule_events import (  # noqa: F401 — re-exported: the lab'
     make_requests,
     summarize,
 )
+from engine.runtime import Row, Runtime, runtime_of
 from engine.runtime.paged import PagedKVCache
 
 
@@ -65,22 +65,23 @@ class _Live:
     first_s: float = math.nan
 
 
-def _timed_step(lm: LoadedModel, cache: PagedKVCache, rows: list[_Live], prefill: bool) -> float:
+def _timed_step(rt: Runtime, slots: dict[int, int], rows: list[_Live], prefill: bool) -> float:
     """Run one step, append each row's greedy token; returns the measured seconds."""
-    ids = [r.spec.request_id for r in rows]
-    inputs = [r.prompt for r in rows] if prefill else [[r.tokens[-1]] for r in rows]
+    inputs = [r.prompt if prefill else [r.tokens[-1]] for r in rows]
     t0 = time.perf_counter()
-    logits = forward_rows(lm, cache, ids, inputs)  # (B, V)
-    nxt = logits.argmax(-1).tolist()  # waits for the device
+    logits = rt.forward([Row(slots[r.spec.request_id], x) for r, x in zip(rows, inputs, strict=True)])
+    nxt = torch.stack(logits).argmax(-1).tolist()  # waits for the device
     dt = time.perf_counter() - t0
     for r, t in zip(rows, nxt, strict=True):
         r.tokens.append(int(t))
     return dt
 
 
-def _serve(lm: LoadedModel, cfg: SchedConfig, policy: str, requests: Sequence[RequestSpec],
-           prompts: Sequence[list[int]], cache: PagedKVCache, bpp: float, reserve_len: int,
+def _serve(rt: Runtime, cfg: SchedConfig, policy: str, requests: Sequence[RequestSpec],
+           prompts: Sequence[list[int]], bpp: float, reserve_len: int,
            should_stop: Callable[[], bool]) -> Iterator[SchedStep | SchedRequestDone]:
+    free_slots = list(range(rt.n_seq - 1, -1, -1))  # the runtime's sequences; a running request holds one
+    slots: dict[int, int] = {}
     pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)))
     queue: deque[RequestSpec] = deque()
     running: list[_Live] = []
@@ -96,14 +97,17 @@ def _serve(lm: LoadedModel, cfg: SchedConfig, policy: str, requests: Sequence[Re
         t0, now = now, now + dt
         ended = [r for r in rows if len(r.tokens) == r.spec.output_len]
         for r in ended:
-            cache.release(r.spec.request_id)
+            slot = slots.pop(r.spec.request_id)
+            rt.remove(slot)
+            free_slots.append(slot)
             running.remove(r)
         reserved = len(running) if policy == "continuous" or not running else reserved
         yield SchedStep(
             policy=policy, index=index, kind=kind, start_s=t0, step_s=dt,
             request_ids=tuple(r.spec.request_id for r in rows), positions=tuple(positions), n_queued=n_queued,
-            n_running=len(running), pages_in_use=cache.pages_in_use(), used_bytes=cache.positions_held() * bpp,
-            paged_bytes=cache.pages_in_use() * cache.page_size * bpp, contiguous_bytes=reserved * reserve_len * bpp,
+            n_running=len(running), pages_in_use=rt.pages_in_use(),
+            used_bytes=sum(rt.length(s) for s in slots.values()) * bpp,
+            paged_bytes=rt.pages_in_use() * rt.page_size * bpp, contiguous_bytes=reserved * reserve_len * bpp,
         )
         index += 1
         for r in ended:
@@ -134,10 +138,11 @@ def _serve(lm: LoadedModel, cfg: SchedConfig, policy: str, requests: Sequence[Re
                 return
             spec = waiting.popleft()
             live = _Live(spec, list(prompts[spec.request_id]), admitted_s=now)
+            slots[spec.request_id] = free_slots.pop()
             running.append(live)
             if policy == "continuous":
                 reserved = len(running)
-            dt = _timed_step(lm, cache, [live], prefill=True)
+            dt = _timed_step(rt, slots, [live], prefill=True)
             live.first_s = now + dt
             yield from step("prefill", [live], [0], dt, len(queue) + len(waiting))
             arrivals()
@@ -145,70 +150,80 @@ def _serve(lm: LoadedModel, cfg: SchedConfig, policy: str, requests: Sequence[Re
         if rows:
             if should_stop():
                 return
-            positions = [cache.lengths[r.spec.request_id] for r in rows]
+            positions = [rt.length(slots[r.spec.request_id]) for r in rows]
             n_queued = len(queue)
-            dt = _timed_step(lm, cache, rows, prefill=False)
+            dt = _timed_step(rt, slots, rows, prefill=False)
             yield from step("decode", rows, positions, dt, n_queued)
 
 
-def warm_up(lm: LoadedModel, prompt_lens: Sequence[int], max_batch: int, should_stop: Callable[[], bool]) -> bool:
+def warm_up(rt: Runtime, prompt_lens: Sequence[int], max_batch: int, should_stop: Callable[[], bool]) -> bool:
     """Run, unmeasured, one prefill of each prompt length and one decode step of each batch size; False if stopped.
+    The runtime is left empty.
 
-    The first product of each new shape is slower (oneDNN builds a kernel per shape, the allocator grows), so
-    without this the policy measured first would pay for both.
+    The first product of each new shape is slower (oneDNN builds a kernel per shape, the allocator grows; llama.cpp
+    builds a graph per batch), so without this the policy measured first would pay for both.
     """
-    page = 16
-    with torch.inference_mode():
-        cache = PagedKVCache(lm.cfg, max_batch + -(-max(prompt_lens) // page) + 1, page, lm.dtype, lm.device)
     for n in prompt_lens:
         if should_stop():
             return False
-        forward_rows(lm, cache, [-1], [[1] * n])
-        cache.release(-1)
-    for b in range(max_batch):
-        forward_rows(lm, cache, [b], [[1]])
+        rt.forward([Row(0, [1] * n)])
+        rt.remove(0)
     for b in range(1, max_batch + 1):
         if should_stop():
             return False
-        forward_rows(lm, cache, list(range(b)), [[1]] * b)
+        rt.forward([Row(i, [1]) for i in range(b)])
+        for i in range(b):
+            rt.remove(i)
     return True
 
 
-def schedule(lm: LoadedModel, cfg: SchedConfig, should_stop: Callable[[], bool] | None = None,
+def schedule(model, cfg: SchedConfig, should_stop: Callable[[], bool] | None = None,
              memory_limit_bytes: float | None = None) -> Iterator[SchedEvent]:
     """Serve the same requests under each policy of cfg: SchedPlan, then each policy's SchedSteps and
     SchedRequestDones (the policies' steps alternate), and its SchedSummary when its last request is done.
     Stops quietly (no further summary) when should_stop() turns true.
 
-    Bad settings raise ValueError with one sentence, before any step runs.
+    `model`: a LoadedModel or a session, run by its runtime (engine.runtime: the torch engine's paged cache, or
+    llama.cpp's unified cache, whose pages are single positions). Bad settings raise ValueError with one sentence,
+    before any step runs.
     """
-    cfg.validate(lm.cfg.context_length)
+    cfg.validate(model.cfg.context_length)
     stop = should_stop or (lambda: False)
-    dtype = str(lm.dtype).removeprefix("torch.")
-    bpp = costs.kv_bytes_per_token(lm.cfg, dtype)
     longest = cfg.longest()
+    with runtime_of(model, 1, 1, page_size=cfg.page_size) as probe:
+        bpp, page, dtype, device = probe.kv_bytes_per_position(), probe.page_size, probe.dtype_name, probe.device
     reserve_len = cfg.reserve_len or longest
-    n_pages = cfg.max_batch * -(-longest // cfg.page_size)
-    pool_bytes = n_pages * cfg.page_size * bpp
+    n_pages = cfg.max_batch * -(-longest // page)
+    pool_bytes = n_pages * page * bpp
     if memory_limit_bytes is not None and pool_bytes > memory_limit_bytes:
         raise ValueError(f"the KV page pool ({pool_bytes / 2**20:,.0f} MiB for {cfg.max_batch} requests of up to "
                          f"{longest} positions) exceeds the memory available ({memory_limit_bytes / 2**20:,.0f} MiB)")
     budget = cfg.kv_budget_bytes or cfg.max_batch * reserve_len * bpp
     requests = make_requests(cfg)
     rng = np.random.default_rng(cfg.seed + 1)
-    low = 100 if lm.cfg.vocab_size > 200 else 0
-    prompts = [rng.integers(low, lm.cfg.vocab_size, size=r.prompt_len).tolist() for r in requests]
+    low = 100 if model.cfg.vocab_size > 200 else 0
+    prompts = [rng.integers(low, model.cfg.vocab_size, size=r.prompt_len).tolist() for r in requests]
     yield SchedPlan(config=cfg, policies=cfg.policies(), requests=requests, kv_bytes_per_position=bpp,
-                    reserve_len=reserve_len, pool_pages=n_pages, dtype=dtype, device=str(lm.device))
-    if not warm_up(lm, sorted({r.prompt_len for r in requests}), min(cfg.max_batch, len(requests)), stop):
-        return
+                    reserve_len=reserve_len, pool_pages=n_pages, dtype=dtype, device=str(device))
+    runtimes = {p: runtime_of(model, cfg.max_batch, longest, page_size=cfg.page_size) for p in cfg.policies()}
+    try:
+        yield from _take_turns(runtimes, cfg, requests, prompts, bpp, reserve_len, budget, stop)
+    finally:
+        for rt in runtimes.values():
+            rt.close()
+
+
+def _take_turns(runtimes: dict[str, Runtime], cfg: SchedConfig, requests: Sequence[RequestSpec],
+                prompts: Sequence[list[int]], bpp: float, reserve_len: int, budget: float,
+                stop: Callable[[], bool]) -> Iterator[SchedEvent]:
+    for rt in runtimes.values():
+        if not warm_up(rt, sorted({r.prompt_len for r in requests}), min(cfg.max_batch, len(requests)), stop):
+            return
     # The policies take turns, a step each: on a machine whose speed drifts (other programs, clocks, heat) both
     # see the same conditions, where one policy after the other could each meet a different machine.
     runs = {}
-    for policy in cfg.policies():
-        with torch.inference_mode():
-            cache = PagedKVCache(lm.cfg, n_pages, cfg.page_size, lm.dtype, lm.device)
-        runs[policy] = _serve(lm, cfg, policy, requests, prompts, cache, bpp, reserve_len, stop)
+    for policy, rt in runtimes.items():
+        runs[policy] = _serve(rt, cfg, policy, requests, prompts, bpp, reserve_len, stop)
     steps: dict[str, list[SchedStep]] = {p: [] for p in runs}
     done: dict[str, list[SchedRequestDone]] = {p: [] for p in runs}
     while runs:

@@ -16,11 +16,17 @@ def runtime_class(session) -> type[Runtime]:
     return TorchRuntime
 
 
-def runtime_of(session, n_seq: int = 1, capacity: int | None = None) -> Runtime:
+def runtime_of(session, n_seq: int = 1, capacity: int | None = None, page_size: int | None = None) -> Runtime:
     """A runtime of `n_seq` sequences of up to `capacity` positions over the model a session (or a torch
-    LoadedModel) holds; the weights are shared, only the cache is new."""
+    LoadedModel) holds; the weights are shared, only the cache is new. `page_size`: the cache as one pool that
+    sequences draw pages from (the torch engine's pages of that many positions; llama.cpp's unified cache, a cell
+    at a time); None: each runtime's default."""
     cls = runtime_class(session)
-    return cls(getattr(session, "lm", session) if cls.__name__ == "TorchRuntime" else session, n_seq, capacity)
+    if cls.__name__ == "TorchRuntime":
+        from engine.runtime.torch import PAGE_SIZE
+
+        return cls(getattr(session, "lm", session), n_seq, capacity, page_size=page_size or PAGE_SIZE)
+    return cls(session, n_seq, capacity, pooled=page_size is not None)
 
 
 __all__ = ["Row", "Runtime", "runtime_class", "runtime_of"]

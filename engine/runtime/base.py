@@ -45,6 +45,7 @@ class Runtime(ABC):
     kv_dtype: str
     dtype_name: str  # what a user reads as the model's precision (float32, bfloat16, Q4_K_M…)
     device: torch.device  # where the logits `forward` returns live
+    page_size: int  # positions the cache hands a sequence at a time (llama.cpp's cells: 1)
 
     @abstractmethod
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor]:
@@ -66,6 +67,10 @@ class Runtime(ABC):
     @abstractmethod
     def keep(self, seq: int) -> None:
         """Forget every sequence but `seq`."""
+
+    @abstractmethod
+    def pages_in_use(self) -> int:
+        """Pages (of `page_size` positions) the cache has handed to sequences."""
 
     def close(self) -> None:
         """Free what the runtime holds beyond the model (its cache, a context)."""

@@ -29,7 +29,7 @@ class TorchRuntime(Runtime):
             raise ValueError(f"a runtime needs at least one sequence of 1…{lm.cfg.context_length} positions, "
                              f"got {n_seq} of {capacity}")
         self.lm, self.info, self.cfg, self.tokenizer = lm, lm.info, lm.cfg, lm.tokenizer
-        self.n_seq, self.capacity, self.device = n_seq, capacity, lm.device
+        self.n_seq, self.capacity, self.device, self.page_size = n_seq, capacity, lm.device, page_size
         self.weight_dtype = self.kv_dtype = self.dtype_name = str(lm.dtype).removeprefix("torch.")
         with torch.inference_mode():
             self.cache = PagedKVCache(lm.cfg, n_seq * -(-capacity // page_size), page_size, lm.dtype, lm.device)
@@ -80,6 +80,9 @@ class TorchRuntime(Runtime):
     def copy(self, src: int, dst: int, n: int) -> None:
         with torch.inference_mode():
             self.cache.copy(src, dst, n)
+
+    def pages_in_use(self) -> int:
+        return self.cache.pages_in_use()
 
     def keep(self, seq: int) -> None:
         for other in [s for s in self.cache.tables if s != seq]:
