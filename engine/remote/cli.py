@@ -54,7 +54,7 @@ def _backend(a: argparse.Namespace) -> RemoteBackend:
 
     key = os.environ.get(a.api_key_env) if a.api_key_env else None
     try:
-        b = RemoteBackend(a.url, api_key=key, timeout=a.timeout)
+        b = RemoteBackend(a.url, api_key=key, timeout=getattr(a, "timeout", 60.0))
         warning = b.client.insecure_key_warning()
         if warning and not getattr(a, "allow_insecure_key", False):
             raise _fail(f"not connecting: {warning}; pass --allow-insecure-key to send it anyway")

@@ -483,6 +483,8 @@ class Client:
                                   f"instead of a stream" + (f": {detail}" if detail else ""))
             watch.restart(seconds)
             for data in sse_data(self._lines(resp), max_event=MAX_LINE):
+                if watch.fired:  # the socket was shut mid-event: what was read is a fragment, not an event
+                    raise EOFError
                 if data.strip() == "[DONE]":
                     done = True
                     break

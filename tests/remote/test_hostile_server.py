@@ -215,6 +215,45 @@ def test_drip_in_the_stream_is_cut(stub, drip):
     assert [t.text for t in tokens(evs)] == ["Hello"]
 
 
+def drip_inside_an_event(framing: str):
+    """A complete first event, then the start of the next one's `data:` line and the rest a byte every two seconds."""
+    def route(h):
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        if framing == "chunked":
+            h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+
+        def send(data: bytes) -> None:
+            h.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if framing == "chunked" else data)
+            h.wfile.flush()
+
+        event = chunk(" world" * 40)
+        send(chunk("Hello") + event[:12])  # the next event's `data: {"id":` at once, then the rest byte by byte
+        for b in event[12:]:  # bounded: ends when the client hangs up (a write fails) or the test ends
+            if h.server.stopping.wait(2.0):
+                return
+            send(bytes([b]))
+    return route
+
+
+@pytest.mark.parametrize("framing", ["close-delimited", "chunked"])
+def test_drip_inside_an_event_ends_at_the_event_deadline(stub, framing):
+    """The deadline is per complete event, not per byte; the fragment read when it cuts the connection is not taken
+    for a malformed chunk (a close-delimited stream said "a chunk that is not JSON")."""
+    stub.routes["/v1/completions"] = drip_inside_an_event(framing)
+    evs = run_gen(stub.url, timeout=5.0)
+    assert "no complete event for 5 s" in failed(evs)
+    assert [t.text for t in tokens(evs)] == ["Hello"]
+
+
+def test_drip_inside_an_event_cli_ends_at_its_timeout(stub):
+    stub.routes["/v1/completions"] = drip_inside_an_event("close-delimited")
+    r = cli(stub.url, "--max-new-tokens", "8", "--timeout", "5")
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "no complete event for 5 s" in r.stderr and "Traceback" not in r.stderr
+
+
 def drip_route(head: bytes, body: bytes):
     def route(h):
         h.wfile.write(head)
