@@ -3,6 +3,10 @@
 Each lives in its own virtual environment under .venv-servers/ (set up by `make servers`), listens on 127.0.0.1 on a
 free port and is stopped with its whole process group. Used by `python -m benchmarks bench` (vLLM as a peer) and by the
 tests against real servers (tests/remote).
+
+An installed app (pipx, uv tool, a bundle) has no .venv-servers/ beside it: "Serve this model" looks for llama.cpp's
+server in $INFERENCE_LAB_SERVER_VENVS, the repository's .venv-servers/, the user's data folder
+(~/.local/share/inference-lab/servers) and the app's own interpreter, and otherwise says in one line what to install.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -25,6 +30,74 @@ VLLM_PY = VENVS / "vllm" / "bin" / "python"
 LLAMA_PY = VENVS / "llamacpp" / "bin" / "python"
 SERVED_NAME = "smollm2-135m-instruct"
 MAX_LOGPROBS = 20
+LLAMA_SERVER_PACKAGE = "llama-cpp-python[server]==0.3.36"  # the Makefile's LLAMA_CPP, with the server's extras
+# what `python -m llama_cpp.server` imports beyond llama_cpp itself (llama-cpp-python's "server" extra)
+LLAMA_SERVER_MODULES = ("llama_cpp", "uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings")
+
+
+def user_servers_dir() -> Path:
+    """Where an installed app looks for server environments of its own: $XDG_DATA_HOME/inference-lab/servers."""
+    data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data) / "inference-lab" / "servers"
+
+
+def _venv_python(venv: Path) -> Path | None:
+    for p in (venv / "bin" / "python", venv / "Scripts" / "python.exe"):
+        if p.is_file():
+            return p
+    return None
+
+
+def _has_llama_server() -> bool:
+    """This interpreter can run `-m llama_cpp.server` (looked up, not imported: importing loads llama.cpp)."""
+    import importlib.util
+
+    if getattr(sys, "frozen", False):  # a bundle's executable is the app, not a Python that takes -m
+        return False
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in LLAMA_SERVER_MODULES)
+    except (ImportError, ValueError):
+        return False
+
+
+def llama_server_python() -> Path | None:
+    """An interpreter that runs llama.cpp's server: the llamacpp environment in $INFERENCE_LAB_SERVER_VENVS, in the
+    repository's .venv-servers/ or in the user's data folder, else this interpreter when it has the server's
+    packages; None when there is none."""
+    env = os.environ.get("INFERENCE_LAB_SERVER_VENVS")
+    for venvs in (Path(env) if env else None, ROOT / ".venv-servers", user_servers_dir()):
+        if venvs is not None and (py := _venv_python(venvs / "llamacpp")) is not None:
+            return py
+    return Path(sys.executable) if _has_llama_server() else None
+
+
+def _cmake_args() -> str | None:
+    """The CMake options that build llama.cpp safely for this CPU (packaging/llama_cmake_args.py, which a source
+    checkout has and an installed app does not); None without it."""
+    import importlib.util
+    import platform
+
+    script = ROOT / "packaging" / "llama_cmake_args.py"
+    if not script.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location("_llama_cmake_args", script)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return " ".join(mod.cmake_args(mod.cpu_flags(), platform.machine())) or None
+    except Exception:  # noqa: BLE001 — only a hint in a message: without it the message names the package alone
+        return None
+
+
+def llama_server_missing() -> str:
+    """The one line that says what to install for llama.cpp's server, and where it is looked for."""
+    venv = user_servers_dir() / "llamacpp"
+    args = _cmake_args()
+    build = f'CMAKE_ARGS="{args}" ' if args else ""
+    source = " --no-binary llama-cpp-python" if args else ""  # built here with those options
+    return (f"llama.cpp's server is not installed: python3 -m venv {venv} && {build}{venv}/bin/pip install "
+            f"--no-cache-dir{source} '{LLAMA_SERVER_PACKAGE}' (or set INFERENCE_LAB_SERVER_VENVS to a folder "
+            "holding llamacpp/)")
 
 
 def vllm_python() -> Path | None:
@@ -193,10 +266,11 @@ def start_vllm(hf_dir: Path, log_dir: Path, api_key: str | None = None, timeout_
     return _start("vllm", cmd, env, Path(log_dir) / f"vllm-{port}.log", port, timeout_s, api_key)
 
 
-def llamacpp_command(gguf: Path, port: int, alias: str = SERVED_NAME) -> tuple[list[str], dict]:
+def llamacpp_command(gguf: Path, port: int, alias: str = SERVED_NAME,
+                     python: Path | None = None) -> tuple[list[str], dict]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("PYTHONPATH", None)
-    cmd = [str(LLAMA_PY), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+    cmd = [str(python or LLAMA_PY), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
            "--port", str(port), "--n_ctx", "2048", "--n_threads", str(min(2, os.cpu_count() or 1)),
            "--model_alias", alias, "--logits_all", "true"]
     return cmd, env
@@ -214,10 +288,11 @@ def serve_local_model(path: Path, log_dir: Path, alias: str) -> RunningServer:
     path = Path(path)
     if path.suffix.lower() != ".gguf" or not path.is_file():
         raise RuntimeError("serving from the app takes a GGUF file (llama.cpp's server); this model is not one")
-    if not LLAMA_PY.exists():
-        raise RuntimeError("llama.cpp's server is not installed: `make servers` sets it up in .venv-servers/")
+    python = llama_server_python()
+    if python is None:
+        raise RuntimeError(llama_server_missing())
     port = free_port()
-    cmd, env = llamacpp_command(path, port, alias)
+    cmd, env = llamacpp_command(path, port, alias, python)
     return spawn("llama-cpp-python", cmd, env, Path(log_dir) / f"llamacpp-{port}.log", port, tied=True)
 
 

@@ -1,13 +1,17 @@
-"""engine.remote.launch without a real server: thread binding, what a vLLM log says, stopping a process group."""
+"""engine.remote.launch without a real server: thread binding, what a vLLM log says, stopping a process group, and
+where an installed app finds llama.cpp's server."""
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from engine.remote import launch
 from engine.remote.launch import RunningServer, _group_alive, _start, omp_bind, vllm_log_facts
 
 
@@ -77,3 +81,77 @@ def test_a_server_that_never_answers_is_stopped_at_the_time_limit(tmp_path):
     cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
     with pytest.raises(RuntimeError, match="not ready within"):
         _start("fake", cmd, {}, tmp_path / "slow.log", 1, timeout_s=1.5)
+
+
+# ------------------------------------------------------------------ llama.cpp's server from an installed app
+
+def fake_python(venv: Path, marker: Path) -> Path:
+    """An environment whose `python` writes the arguments it was started with and exits (no server inside)."""
+    py = venv / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text(f'#!/bin/sh\necho "$@" > {marker}\nexit 3\n')
+    py.chmod(0o755)
+    return py
+
+
+@pytest.fixture
+def installed(tmp_path, monkeypatch):
+    """As an installed app (pipx, uv tool, bundle) sees it: no repository .venv-servers beside the code, no
+    INFERENCE_LAB_SERVER_VENVS, a user data folder of its own, and no llama.cpp server in this interpreter."""
+    monkeypatch.setattr(launch, "ROOT", tmp_path / "site-packages")
+    monkeypatch.delenv("INFERENCE_LAB_SERVER_VENVS", raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setattr(launch, "LLAMA_SERVER_MODULES", ("llama_cpp", "no_such_module_for_this_test"))
+    return tmp_path
+
+
+def test_an_installed_app_finds_the_server_in_the_user_data_folder(installed, tmp_path):
+    assert launch.llama_server_python() is None
+    py = fake_python(tmp_path / "data" / "inference-lab" / "servers" / "llamacpp", tmp_path / "argv")
+    assert launch.llama_server_python() == py
+
+
+def test_the_environment_variable_comes_first(installed, tmp_path, monkeypatch):
+    user = fake_python(tmp_path / "data" / "inference-lab" / "servers" / "llamacpp", tmp_path / "a")
+    chosen = fake_python(tmp_path / "elsewhere" / "llamacpp", tmp_path / "b")
+    monkeypatch.setenv("INFERENCE_LAB_SERVER_VENVS", str(tmp_path / "elsewhere"))
+    assert launch.llama_server_python() == chosen != user
+
+
+def test_this_interpreter_when_it_has_the_server_packages(installed, monkeypatch):
+    monkeypatch.setattr(launch, "LLAMA_SERVER_MODULES", ("json", "http.server"))  # present in any Python
+    assert launch.llama_server_python() == Path(sys.executable)
+
+
+def test_serve_this_model_starts_the_server_it_found(installed, tmp_path):
+    """serve_local_model runs `-m llama_cpp.server` on the model with the interpreter found in the data folder."""
+    marker = tmp_path / "argv"
+    fake_python(tmp_path / "data" / "inference-lab" / "servers" / "llamacpp", marker)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    server = launch.serve_local_model(model, tmp_path, "m")
+    try:
+        assert server.proc.wait(timeout=30) == 3
+    finally:
+        server.stop()
+    argv = marker.read_text().split()
+    assert argv[:4] == ["-m", "llama_cpp.server", "--model", str(model)] and "--model_alias" in argv
+
+
+def test_without_a_server_one_line_says_what_to_install(installed, tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    with pytest.raises(RuntimeError) as e:
+        launch.serve_local_model(model, tmp_path, "m")
+    msg = str(e.value)
+    assert "\n" not in msg and "'llama-cpp-python[server]==0.3.36'" in msg, msg
+    assert str(tmp_path / "data" / "inference-lab" / "servers" / "llamacpp") in msg  # where it will be found
+    assert "CMAKE_ARGS" not in msg  # no packaging/ in an installed app: nothing to run for it
+
+
+def test_from_a_source_checkout_the_install_line_builds_without_amx():
+    msg = launch.llama_server_missing()
+    assert "\n" not in msg and "'llama-cpp-python[server]==0.3.36'" in msg, msg
+    if platform.machine() in ("x86_64", "AMD64"):  # elsewhere llama.cpp's native build stays (no AMX there)
+        assert 'CMAKE_ARGS="-DGGML_NATIVE=OFF' in msg and "-DGGML_AMX_TILE=OFF" in msg, msg
+        assert "--no-binary llama-cpp-python" in msg  # built here with those options, never a prebuilt wheel
