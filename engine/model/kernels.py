@@ -15,8 +15,8 @@ a candidate's time is its median round. `python -m engine kernels --remeasure` m
 another program held the cores can be wrong on a quiet machine). $INFERENCE_LAB_KERNEL or `--kernel NAME` forces
 one candidate wherever it applies, for comparisons.
 
-Only decode rows (up to DECODE_MAX_ROWS) are tuned; prefill and larger batches are compute-bound products that
-oneDNN's float32 kernel or F.linear run (engine.model.transformer.linear).
+Only decode products (up to transformer.SPLIT_MAX_ROWS rows; measured with one) are tuned; prefill and larger
+batches are compute-bound products that oneDNN's float32 kernel or F.linear run (engine.model.transformer.linear).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from engine.run.threads import decode_thread_counts
 ROUNDS = 5  # interleaved rounds after the warm-up (the median of these)
 MIN_ROUNDS = 3
 BUDGET_S = 0.12  # measuring time per shape and thread count, past which fewer rounds are run (at least MIN_ROUNDS)
-DECODE_MAX_ROWS = 4  # rows of x that count as decode (a sequence's one row, or a few in a small batch)
 
 Product = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # (weight (out, in), bias, packed)
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
@@ -160,7 +159,7 @@ def _force_from_environment() -> None:
         try:
             force(value)
         except ValueError:
-            pass  # a bad value is reported by `python -m engine kernels`; the engine runs the measured choice
+            pass  # `python -m engine kernels` names a bad value; the engine runs the measured choice
 
 
 _force_from_environment()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 from collections.abc import Iterator
 
 from engine.model import kernel_cache
@@ -63,6 +64,10 @@ def cmd_kernels(a: argparse.Namespace) -> int:
     from engine.loaders import ModelLoadError, load
     from engine.model import kernels
 
+    forced = os.environ.get(kernel_cache.KERNEL_ENV, "").strip()
+    if forced and forced.lower() not in kernel_cache.NAMES:
+        raise CliError(f"{kernel_cache.KERNEL_ENV}={forced} is not a kernel (valid: {', '.join(kernel_cache.NAMES)}); "
+                       "the engine ignores it and runs the measured choice")
     entries = []
     for dtype in [a.dtype] if a.dtype else ["float32", "bfloat16"]:
         try:

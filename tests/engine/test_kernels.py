@@ -270,3 +270,11 @@ def test_generate_takes_a_kernel_and_refuses_an_unknown_one(tiny_dir):
     assert json.loads(forced.stdout)["ids"] == json.loads(measured.stdout)["ids"]
     bad = _run([*args, "--kernel", "fastest"])
     assert bad.returncode == 2 and "invalid choice" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_kernels_command_names_a_bad_forced_kernel(tiny_dir):
+    r = _run(["-m", "engine", "kernels", "--model", str(tiny_dir.gguf), "--dtype", "float32"],
+             {kernel_cache.KERNEL_ENV: "fastest"})
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip() == ("error: INFERENCE_LAB_KERNEL=fastest is not a kernel (valid: linear, split, onednn, "
+                                "packed); the engine ignores it and runs the measured choice")
