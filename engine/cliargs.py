@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engine.protocol import SamplingParams
-from engine.remote.client import API_KEY_ENV
+from engine.remote.client import API_KEY_ENV, Client, RemoteError
 from engine.run.threads import threads_arg
 
 MAX_INT = 2**31 - 1  # counts handed to C (llama.cpp's int32 fields, a server's max_tokens) stay in range
@@ -193,6 +193,15 @@ def sampling_params(a: argparse.Namespace) -> SamplingParams:
         raise UsageError(str(e)) from None
 
 
+def server_url(text: str) -> str:
+    """--url: an http(s) address with a host and a valid port (checked without connecting)."""
+    try:
+        Client(text, api_key="")
+    except RemoteError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def check_bias(params: SamplingParams, vocab_size: int) -> None:
     """UsageError when --logit-bias names a token past the loaded model's vocabulary."""
     for token, _ in params.logit_bias:
@@ -201,7 +210,8 @@ def check_bias(params: SamplingParams, vocab_size: int) -> None:
 
 
 def add_url_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=None, help="an OpenAI-compatible server (vLLM, llama.cpp) instead of --model")
+    p.add_argument("--url", type=server_url, default=None,
+                   help="an OpenAI-compatible server (vLLM, llama.cpp) instead of --model")
     p.add_argument("--api-key-env", default=API_KEY_ENV, metavar="VAR",
                    help=f"environment variable holding the server's API key (default {API_KEY_ENV})")
     p.add_argument("--allow-insecure-key", action="store_true",
