@@ -192,6 +192,8 @@ def run_estimate(args: argparse.Namespace) -> int:
 
 def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     """Add `estimate` to a CLI's subparsers; it sets func=run_estimate."""
+    from engine.cliargs import int_in  # counts past 2**31 overflowed the float arithmetic into a traceback
+
     p = subparsers.add_parser(
         "estimate",
         help="memory and roofline speed of a catalogue model on a catalogue chip",
@@ -201,17 +203,19 @@ def add_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", default="h100-sxm", help=f"catalogue chip, e.g. h100-sxm, or {THIS_MACHINE}")
     p.add_argument("--dtype", default="fp16", help=f"weight and KV dtype: {', '.join(DTYPE_CHOICES)}")
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype when it differs from --dtype")
-    p.add_argument("--context", type=int, default=4096, help="tokens held per sequence")
-    p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
-    p.add_argument("--prompt-tokens", type=int, default=None, help="prompt length for TTFT (default: context)")
+    p.add_argument("--context", type=int_in(1), default=4096, help="tokens held per sequence")
+    p.add_argument("--batch", type=int_in(1), default=1, help="sequences decoded together")
+    p.add_argument("--prompt-tokens", type=int_in(1), default=None, help="prompt length for TTFT (default: context)")
     p.add_argument("--json", action="store_true", help="print every number as JSON")
     p.set_defaults(func=run_estimate)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry point with just the `estimate` subcommand."""
-    parser = argparse.ArgumentParser(prog="engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from engine.cliargs import Parser  # one line per error, as `python -m engine` prints it
+
+    parser = Parser(prog="engine")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     add_subcommand(sub)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -100,6 +100,8 @@ PARSE: list[tuple[str, ...]] = [
     # estimate
     ("estimate", "--context", "-5"),
     ("estimate", "--batch", "0"),
+    ("estimate", "--context", "9" * 400),
+    ("estimate", "--batch", HUGE),
     ("estimate", "--prompt-tokens", "0"),
     ("estimate", "--dtype", "nan"),
     ("estimate", "--hardware", "bogus"),
@@ -125,7 +127,7 @@ PARSE: list[tuple[str, ...]] = [
     ("serve-bench", "--url", URL, "--seed", "-1"),
     ("serve-bench", "--url", URL, "--out", "/nonexistent-inference-lab/runs.json"),
     # speculate
-    ("speculate", "--prompt", "x", "--backend", "llama.cpp"),
+    ("speculate", "--prompt", "x", "--backend", "llama.cpp", "--k", "17"),
     ("speculate", "--prompt", "x", "--url", URL),
     ("speculate", "--prompt", "x", "--k", "0"),
     ("speculate", "--prompt", "x", "--k", "17"),
@@ -219,8 +221,6 @@ def test_the_messages_say_what_is_wrong(tiny_dir, capfd):
     assert "--seed" in err and "from 0 to" in err
     code, err, _ = run(["generate", "--prompt", "x", "--regex", "[a-"], capfd)
     assert "unclosed character class" in err and "'[a-'" in err
-    code, err, _ = run(["speculate", "--prompt", "x", "--backend", "llama.cpp"], capfd)
-    assert "speculative decoding runs on the torch engine" in err
     code, err, _ = run(["export-hf", "--out", "/nonexistent-inference-lab/sub/out"], capfd)
     assert "does not exist" in err
     code, err, _ = run(["lens", "--prompt", "hi", "--step", "99999", "--model", str(tiny_dir.gguf), "--device",
@@ -238,7 +238,7 @@ def test_the_last_step_the_context_holds_is_not_refused(tiny_dir, capfd):
 @pytest.mark.parametrize("argv", [
     ("generate", "--prompt", "x", "--seed", HUGE),
     ("generate", "--prompt", "x", "--regex", "[a-"),
-    ("speculate", "--prompt", "x", "--backend", "llama.cpp"),
+    ("logits", "--prompt", "x", "--top", "-4"),
 ])
 def test_a_real_python_m_engine_says_one_line(argv):
     """Through a fresh process as a user runs it: nothing else (a native library's log) reaches stderr."""
