@@ -135,23 +135,28 @@ def logit_bias(text: str) -> tuple[int, float]:
     return tid, bias
 
 
-def output_file(text: str) -> str:
-    """A file to write: its folder exists, and it is not a folder itself (checked before any work is done)."""
-    path = Path(text).expanduser()
-    if path.is_dir() or not text.strip():
-        raise argparse.ArgumentTypeError(f"takes a file to write, got the folder {_shown(text)}")
-    output_folder(str(path))
+def _in_a_folder(path: Path, text: str) -> str:
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{_shown(str(parent))} is no folder that exists, so {_shown(text)} cannot be "
+                                         "written there")
     return text
+
+
+def output_file(text: str) -> str:
+    """A file to write: not a folder, in a folder that exists (checked before any work is done)."""
+    path = Path(text).expanduser()
+    if not text.strip() or path.is_dir():
+        raise argparse.ArgumentTypeError(f"takes a file to write, got {_shown(text)}")
+    return _in_a_folder(path, text)
 
 
 def output_folder(text: str) -> str:
-    """A folder to write (it may not exist yet; the folder it goes in must)."""
+    """A folder to write: not a file; it may not exist yet, the folder it goes in must."""
     path = Path(text).expanduser()
-    parent = path.absolute().parent
-    if not parent.is_dir():
-        raise argparse.ArgumentTypeError(f"{_shown(str(parent))} does not exist, so {_shown(text)} cannot be written "
-                                         "there")
-    return text
+    if not text.strip() or (path.exists() and not path.is_dir()):
+        raise argparse.ArgumentTypeError(f"takes a folder to write, got {_shown(text)}")
+    return _in_a_folder(path, text)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -148,8 +148,13 @@ def export(model: str | os.PathLike | None, out: str | os.PathLike, overwrite: b
     from engine.loaders import ModelLoadError, _read_source, resolve_model_path
 
     out = Path(out).expanduser()
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} is a file, not a directory to write")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+        if not (out / "config.json").is_file():  # `--out ~ --overwrite` must not delete a home directory
+            raise ExportError(f"{out} holds no earlier export (no config.json): --overwrite replaces only one")
     try:
         path = resolve_model_path(model)
         cfg, sd, tok, _ = _read_source(path, lambda f, m: None)

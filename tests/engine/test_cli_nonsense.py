@@ -109,6 +109,8 @@ PARSE: list[tuple[str, ...]] = [
     # export-hf
     ("export-hf", "--out", "/nonexistent-inference-lab/sub/out"),
     ("export-hf", "--out", "/etc/hostname/out"),
+    ("export-hf", "--out", ""),
+    ("export-hf", "--out", "/etc/hostname"),
     # serve-bench
     ("serve-bench",),
     ("serve-bench", "--url", URL, "--concurrency", "0"),
@@ -222,7 +224,7 @@ def test_the_messages_say_what_is_wrong(tiny_dir, capfd):
     code, err, _ = run(["generate", "--prompt", "x", "--regex", "[a-"], capfd)
     assert "unclosed character class" in err and "'[a-'" in err
     code, err, _ = run(["export-hf", "--out", "/nonexistent-inference-lab/sub/out"], capfd)
-    assert "does not exist" in err
+    assert "'/nonexistent-inference-lab/sub' is no folder that exists" in err
     code, err, _ = run(["lens", "--prompt", "hi", "--step", "99999", "--model", str(tiny_dir.gguf), "--device",
                               "cpu", "--dtype", "float32", "--threads", "1"], capfd)
     assert code == 2 and "past this model's context" in err and "steps 0 to 253 of 256" in err
@@ -233,6 +235,15 @@ def test_the_last_step_the_context_holds_is_not_refused(tiny_dir, capfd):
     code, err, _ = run(["lens", "--prompt", "hi", "--step", "253", "--json", "--model", str(tiny_dir.gguf), "--device",
                         "cpu", "--dtype", "float32", "--threads", "1", "--temperature", "0"], capfd)
     assert code != 2 and "past this model's context" not in err, err  # 1: the random model may end its text first
+
+
+def test_export_overwrite_replaces_only_an_earlier_export(tmp_path, capfd):
+    """`--out ~ --overwrite` (a slip) must not delete a folder of the user's: only one holding an export."""
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    code, err, _ = run(["export-hf", "--out", str(tmp_path), "--overwrite"], capfd)
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "no earlier export" in err, err
+    assert mine.read_text() == "mine"
 
 
 @pytest.mark.parametrize("argv", [
