@@ -13,6 +13,7 @@ from app.units import fmt_bytes
 from engine.events import Finished, TokenSampled
 from engine.formats.session_file import load_session
 from tests.app.conftest import wait_loaded
+from tests.requires import import_required
 
 STEPS_BEFORE = 3  # steps that have arrived when the engine is killed (prefill's token and two decode steps)
 
@@ -133,3 +134,34 @@ def test_the_cause_in_one_sentence():
     assert "code 3" in death_cause(3, "torch", "m", need, 0)
     for text in (ill, oom):
         assert text.count(". ") == 0 and text.endswith(".")
+
+
+def test_a_llamacpp_crash_offers_the_torch_runtime(qtbot, make_window, tiny_dir):
+    """The llama.cpp runtime dies (SIGILL, as on a CPU whose AMX the OS has not enabled): the app names that
+    runtime, restarts on it, and offers the torch runtime with what the weights need there; taking the offer loads
+    the model on torch and Generate runs to its end."""
+    import_required("llama_cpp", name="llamacpp", dist="llama-cpp-python")
+    w = make_window(load=False)
+    bridge, gen = w.bridge, w.panels["generation"]
+    bridge.load_model(str(tiny_dir.gguf), "cpu", "float32", "llama.cpp")
+    wait_loaded(qtbot, w)
+    assert bridge.runtime == "llama.cpp"
+    info = bridge.info
+    gen.ignore_eos = True
+    w.panels["prompt"].set_text("Hello world")
+    with qtbot.waitSignal(bridge.sig_engine_restarted, timeout=120_000):
+        lost = kill_mid_generation(qtbot, w, signal.SIGILL)
+        assert "the llama.cpp runtime ran an instruction this CPU" in lost.cause and lost.restarted
+        assert f"weights in {fmt_bytes(4 * info.n_params)} at float32" in lost.torch_offer
+        assert "Load it on the torch runtime" in gen.notice.text()
+        assert_run_kept(qtbot, w, lost)
+    assert bridge.runtime == "llama.cpp"  # restarted as it was: switching is the user's choice
+
+    with qtbot.waitSignal(bridge.sig_model_loaded, timeout=120_000):
+        gen.notice.linkActivated.emit("torch")
+    assert bridge.runtime == "torch" and bridge.info.dtype == "float32"
+    qtbot.waitUntil(lambda: gen._loaded and gen.state == "idle", timeout=10_000)
+    gen.max_tokens.setValue(8)
+    with qtbot.waitSignal(bridge.sig_finished, timeout=60_000) as done:
+        assert gen.generate()
+    assert done.args[0].reason == "length" and len(done.args[0].ids) == 8
