@@ -1,9 +1,10 @@
 """What the engine's commands share: the one-line parser, bounded value types, the model, sampling, thread and
 server arguments.
 
-A value that cannot be right on any machine (a negative count, NaN, a seed past 64 bits, an unknown name) is refused
-by the parser, in one line with exit status 2, before anything loads. One that is wrong only for the model loaded
-(a step past its context, a token past its vocabulary) is a UsageError, also exit status 2, once the model says so.
+A value that cannot be right on any machine (a negative count, NaN, a seed past 64 bits, an unknown choice) is
+refused by the parser, in one line with exit status 2, before anything loads. One that is wrong only for the model
+loaded (a step past its context, a token past its vocabulary) is a UsageError, also exit status 2, once the model
+says so. What the machine lacks (a model file, CUDA, llama.cpp) is a CliError: one line, exit status 1.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ class CliError(Exception):
 
 
 class UsageError(CliError):
-    """A flag's value that does not fit the model or the machine; printed as one line with exit status 2, as the
-    parser's own refusals."""
+    """A flag's value that does not fit the loaded model (or the other flags); printed as one line with exit status
+    2, as the parser's own refusals."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -112,7 +113,7 @@ def regex(text: str) -> str:
 
 
 def threads(text: str) -> int | str:
-    """--threads: auto, or a count from 1 to four threads per CPU (more only queue behind each other)."""
+    """--threads: auto, or a count from 1 to four threads per CPU (more only queue; 99999 crashed torch)."""
     n = threads_arg(text)
     most = 4 * (os.cpu_count() or 1)
     if n != "auto" and n > most:
