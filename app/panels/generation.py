@@ -444,12 +444,15 @@ class GenerationPanel(Panel):
         out, step = self.output, self.selected_step
         span = None
         if step is not None:
-            for i, t in enumerate(self.tokens):
-                if t.step == step:
-                    k = self._n_prompt_tokens() + i
-                    span = next((j for j in range(len(out.highlighter.tokens) - 1, -1, -1)
-                                 if k in out.highlighter.tokens[j]), None)
-                    break
+            # steps arrive in order (step i is token i) and each drawn token is one segment after the prompt's: look
+            # there first, so a selection late in a long run costs no walk through it
+            i = step if 0 <= step < len(self.tokens) and self.tokens[step].step == step else next(
+                (i for i, t in enumerate(self.tokens) if t.step == step), None)
+            if i is not None:
+                k, hl = self._n_prompt_tokens() + i, out.highlighter
+                j = len(hl.tokens) - self._rendered + i
+                span = j if 0 <= j < len(hl.tokens) and k in hl.tokens[j] else next(
+                    (j for j in range(len(hl.tokens) - 1, -1, -1) if k in hl.tokens[j]), None)
         if span is None:
             out.setExtraSelections([])
             return
