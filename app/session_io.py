@@ -115,12 +115,13 @@ def snapshot(window) -> SavedSession:
     text = prompt.text() if prompt is not None else (gen.text() if gen is not None else "")
     chat = prompt.chat() if prompt is not None else (gen.chat() if gen is not None else False)
     max_new = gen.max_tokens.value() if gen is not None else 0
+    shown = store.shown_run()
     return SavedSession(
         events=store.events(), prompt=text, chat=chat,
         settings={"params": bridge.params, "max_new_tokens": int(max_new)},
         info=bridge.info, cfg=bridge.cfg, tokenizer=bridge.tokenizer,
-        # the runs as branches when there are several, or when the file must say which steps' captures it lacks
-        branches=store.records() if len(store.runs) > 1 or any(r.dropped for r in store.runs) else [],
+        branches=store.records() if len(store.runs) > 1 else [],
+        dropped=list(shown.dropped) if shown is not None and shown.dropped else None,
     )
 
 
@@ -303,7 +304,7 @@ def replay(window, saved: SavedSession, warning: str | None = None) -> None:
             shown = next((i for i, r in enumerate(saved.branches) if r.get("shown")), None)
             store.load(saved.branches, shown)
         else:
-            store.load([{"name": "run 1", "events": saved.events}])
+            store.load([{"name": "run 1", "events": saved.events, "dropped": saved.dropped}])
         replay_events(bridge, store.events(), store)
     finally:
         if warning and loaded[0] is not None:

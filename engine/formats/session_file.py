@@ -123,6 +123,7 @@ class SavedSession:
     #   "dropped": [first, last] step whose attention and lens were not kept (absent: every step's were)}, …]
     branches: list = field(default_factory=list)
     created: str = ""
+    dropped: list | None = None  # [first, last] step of `events` whose attention and lens are not in the file
 
 
 # ---- model identity ------------------------------------------------------------------------------------------
@@ -447,7 +448,7 @@ def save_session(path: str | os.PathLike[str], s: SavedSession) -> None:
     head = {
         "format": FORMAT, "version": VERSION, "created": s.created or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": s.model, "prompt": s.prompt, "chat": s.chat, "settings": enc(s.settings),
-        "info": enc(s.info), "cfg": enc(s.cfg),
+        "info": enc(s.info), "cfg": enc(s.cfg), **({"dropped": list(s.dropped)} if s.dropped else {}),
     }
     for b in s.branches:  # what a branch holds besides its events is plain data: checked before anything is written
         json.dumps({k: v for k, v in b.items() if k != "events"})
@@ -536,7 +537,7 @@ def _load(fh: io.BufferedReader, with_tokenizer: bool) -> SavedSession:
         settings=dec(doc.get("settings", {})), model=doc.get("model", {}), info=dec(doc.get("info")),
         cfg=dec(doc.get("cfg")), tokenizer=tokenizer,
         branches=[dict(b, events=dec(b.get("events", []))) for b in doc.get("branches", [])],
-        created=doc.get("created", ""),
+        created=doc.get("created", ""), dropped=doc.get("dropped"),
     )
     _check_session(s)
     return s
@@ -578,6 +579,10 @@ def _check_session(s: SavedSession) -> None:
     def whole(x: Any) -> bool:
         return isinstance(x, int) and not isinstance(x, bool)
 
+    for dropped in [s.dropped, *(b.get("dropped") for b in s.branches)]:
+        if dropped is not None and not (isinstance(dropped, list) and len(dropped) == 2 and all(map(whole, dropped))
+                                        and 0 <= dropped[0] <= dropped[1]):
+            raise SessionFileError(f"session.json says steps {_short(dropped)} were dropped, which is not a range")
     for i, b in enumerate(s.branches):
         parent = b.get("parent")
         ok = (isinstance(b.get("name"), str) and all(whole(b.get(k, 0)) for k in ("step", "token"))
@@ -586,10 +591,6 @@ def _check_session(s: SavedSession) -> None:
             raise SessionFileError("session.json holds a branch without a name, a step and a token")
         if parent is not None and not (whole(parent) and 0 <= parent < i):  # a fork comes after what it forks
             raise SessionFileError(f"session.json holds a branch whose parent {_short(parent)} is not an earlier one")
-        dropped = b.get("dropped")
-        if dropped is not None and not (isinstance(dropped, list) and len(dropped) == 2 and all(map(whole, dropped))
-                                        and 0 <= dropped[0] <= dropped[1]):
-            raise SessionFileError(f"session.json holds a branch whose dropped steps {_short(dropped)} are not a range")
 
 
 # ---- bounded reading ---------------------------------------------------------------------------------------

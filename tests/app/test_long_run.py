@@ -7,6 +7,7 @@ from __future__ import annotations
 import zipfile
 
 import numpy as np
+import pytest
 
 from app import run_store
 from app.run_store import ATTENTION_BYTES, ATTENTION_HEAD, RunStore
@@ -203,17 +204,42 @@ def test_a_saved_long_run_says_which_steps_it_holds_when_reopened(qapp, tmp_path
         store.record(ev)
     run = store.runs[0]
     assert run.dropped is not None
-    path = tmp_path / "long.ilab"
-    save_session(path, SavedSession(events=store.events(), branches=store.records()))
-    saved = load_session(path, with_tokenizer=False)
-    assert saved.branches[0]["dropped"] == list(run.dropped)
-    opened = RunStore()
-    opened.load(saved.branches)
-    again = opened.runs[0]
-    assert again.dropped == run.dropped and again.attention_note() == run.attention_note()
-    held = sorted({e.step for e in again.events if isinstance(e, AttentionCaptured)})
-    assert held == sorted({e.step for e in run.events if isinstance(e, AttentionCaptured)})
+    held = sorted({e.step for e in run.events if isinstance(e, AttentionCaptured)})
+    # one run: the file's `dropped`; several: each branch's
+    one, many = tmp_path / "one.ilab", tmp_path / "many.ilab"
+    save_session(one, SavedSession(events=store.events(), dropped=list(run.dropped)))
+    save_session(many, SavedSession(events=store.events(), branches=store.records()))
+    saved = load_session(one, with_tokenizer=False)
+    assert saved.dropped == list(run.dropped) and not saved.branches
+    for records in ([{"name": "run 1", "events": saved.events, "dropped": saved.dropped}],
+                    load_session(many, with_tokenizer=False).branches):
+        opened = RunStore()
+        opened.load(records)
+        again = opened.runs[0]
+        assert again.dropped == run.dropped and again.attention_note() == run.attention_note()
+        assert sorted({e.step for e in again.events if isinstance(e, AttentionCaptured)}) == held
+    path = many
     # the events and their branch share their arrays: each is stored once
     n_arrays = len({id(e.weights) for e in run.events if isinstance(e, AttentionCaptured)}) + 4  # + the prompt's
     with zipfile.ZipFile(path) as z, z.open("arrays.npz") as f, zipfile.ZipFile(f) as npz:
         assert len(npz.namelist()) == n_arrays
+
+
+def test_a_session_whose_dropped_steps_are_not_a_range_is_refused(tmp_path):
+    import json as json_mod
+
+    from engine.formats.session_file import SavedSession, SessionFileError, load_session, save_session
+
+    path = tmp_path / "s.ilab"
+    save_session(path, SavedSession(events=[prompt()], dropped=[5, 9]))
+    with zipfile.ZipFile(path) as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    doc = json_mod.loads(members["session.json"])
+    for bad in ([9, 5], [1], "all", [-1, 3]):
+        doc["dropped"] = bad
+        members["session.json"] = json_mod.dumps(doc).encode()
+        with zipfile.ZipFile(path, "w") as z:
+            for n, data in members.items():
+                z.writestr(n, data)
+        with pytest.raises(SessionFileError, match="dropped"):
+            load_session(path, with_tokenizer=False)
