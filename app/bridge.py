@@ -156,18 +156,20 @@ def _memory_need(info: ModelInfo | None, runtime: str, load: P.Load | None) -> t
         return info.weight_bytes, f"its weights at {info.dtype}"
     if load is None:
         return 0, ""
-    try:
-        from engine.formats.discover import read_model_facts
-        from engine.formats.locate import resolve_model_path
+    from engine.formats.discover import DTYPE_BYTES, read_model_facts
+    from engine.formats.locate import resolve_model_path
 
+    try:
         path = resolve_model_path(load.model)
         entry = read_model_facts(path, path.name, "file")
     except Exception:  # noqa: BLE001 — a file that cannot be read only means no figure
         return 0, ""
-    dtype = "float32" if load.dtype == "auto" else load.dtype
-    need = entry.weight_bytes.get(dtype, 0)
-    return need, ("its file and its KV cache" if entry.runtime == "llama.cpp" or runtime == "llama.cpp"
-                  else f"its weights at {dtype}")
+    if runtime == "llama.cpp":  # the file as it is, and (what "auto" reckons with) its KV cache
+        if entry.runtime == "llama.cpp":
+            return entry.weight_bytes.get("float32", 0), "its file and its KV cache"
+        return entry.file_bytes, "its file"
+    dtype = load.dtype if load.dtype in DTYPE_BYTES else "float32"
+    return (entry.n_params or 0) * DTYPE_BYTES[dtype], f"its weights at {dtype}"
 
 
 def death_cause(exitcode: int | None, runtime: str, name: str, need: tuple[int, str], available: int) -> str:

@@ -165,3 +165,20 @@ def test_a_llamacpp_crash_offers_the_torch_runtime(qtbot, make_window, tiny_dir)
     with qtbot.waitSignal(bridge.sig_finished, timeout=60_000) as done:
         assert gen.generate()
     assert done.args[0].reason == "length" and len(done.args[0].ids) == 8
+
+
+def test_killed_while_loading_names_what_the_model_needs(qtbot, make_window, tiny_dir, tiny_lm):
+    """Out of memory strikes most often while a model loads: the figure then comes from the file's header, and the
+    new engine loads the model and shows it."""
+    w = make_window(load=False)
+    bridge = w.bridge
+    bridge.load_model(str(tiny_dir.gguf), "cpu", "float32")
+    with qtbot.waitSignal(bridge.sig_engine_lost, timeout=30_000) as lost:
+        os.kill(bridge.process.pid, signal.SIGKILL)
+    need = fmt_bytes(4 * tiny_lm.info.n_params)  # float32: 4 bytes a weight, as the torch loader counted them
+    assert (f"lack of memory: {tiny_dir.gguf.name} needs {need} for its weights at float32 on the torch runtime"
+            in lost.args[0].cause)
+    assert lost.args[0].restarted and lost.args[0].kept_steps == 0
+    with qtbot.waitSignal(bridge.sig_model_loaded, timeout=120_000) as loaded:
+        pass
+    assert loaded.args[0].path == tiny_lm.info.path and w.panels["generation"]._loaded
