@@ -42,7 +42,7 @@ $(VLLM_STAMP):
 	$(SERVERS)/vllm/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
-$(LLAMA_WHEEL): packaging/llama_cmake_args.py
+$(LLAMA_WHEEL): packaging/llama_cmake_args.py engine/backends/isa.py
 	$(PYTHON) -m venv $(SERVERS)/build
 	rm -rf $(LLAMA_WHEELS) && mkdir -p $(LLAMA_WHEELS)
 	CMAKE_ARGS="$$($(PYTHON) packaging/llama_cmake_args.py)" nice -n 5 $(SERVERS)/build/bin/pip wheel --quiet \
@@ -59,8 +59,9 @@ $(LLAMA_STAMP): $(LLAMA_WHEEL)
 servers: $(VLLM_STAMP) $(LLAMA_STAMP)
 
 $(LLAMA_IN_APP): $(STAMP) $(LLAMA_STAMP)
-	$(PY) -m pip install --quiet --force-reinstall --no-deps --no-cache-dir --only-binary llama-cpp-python \
-		--find-links $(LLAMA_WHEELS) '$(LLAMA_CPP)'
+	# (uninstalled first: a llama-cpp-python already there may be a native build of the same version)
+	$(PY) -m pip uninstall --quiet -y llama-cpp-python
+	$(PY) -m pip install --quiet --no-cache-dir --only-binary llama-cpp-python --find-links $(LLAMA_WHEELS) '$(LLAMA_CPP)'
 	touch $@
 
 run: $(STAMP)

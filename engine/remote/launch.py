@@ -71,28 +71,12 @@ def llama_server_python() -> Path | None:
     return Path(sys.executable) if _has_llama_server() else None
 
 
-def _cmake_args() -> str | None:
-    """The CMake options that build llama.cpp safely for this CPU (packaging/llama_cmake_args.py, which a source
-    checkout has and an installed app does not); None without it."""
-    import importlib.util
-    import platform
-
-    script = ROOT / "packaging" / "llama_cmake_args.py"
-    if not script.is_file():
-        return None
-    try:
-        spec = importlib.util.spec_from_file_location("_llama_cmake_args", script)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return " ".join(mod.cmake_args(mod.cpu_flags(), platform.machine())) or None
-    except Exception:  # noqa: BLE001 — only a hint in a message: without it the message names the package alone
-        return None
-
-
 def llama_server_missing() -> str:
     """The one line that says what to install for llama.cpp's server, and where it is looked for."""
     venv = user_servers_dir() / "llamacpp"
-    args = _cmake_args()
+    from engine.backends import isa
+
+    args = " ".join(isa.cmake_args(isa.cpu_flags()))  # named instruction sets, never AMX (isa.py says why)
     build = f'CMAKE_ARGS="{args}" ' if args else ""
     source = " --no-binary llama-cpp-python" if args else ""  # built here with those options
     return (f"llama.cpp's server is not installed: python3 -m venv {venv} && {build}{venv}/bin/pip install "

@@ -9,7 +9,7 @@ against this machine's flags.
 
 from __future__ import annotations
 
-import importlib.util
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +20,6 @@ from engine.backends import isa
 from tests.requires import import_required, missing
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("llama_cmake_args", ROOT / "packaging/llama_cmake_args.py")
-build = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(build)
 
 _BASE = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ht "
          "syscall nx pdpe1gb rdtscp lm constant_tsc rep_good nopl xtopology nonstop_tsc cpuid tsc_known_freq pni "
@@ -42,7 +39,7 @@ CLASSES = {
 
 
 def _options(flags: frozenset[str]) -> dict[str, str]:
-    return dict(a.removeprefix("-D").split("=") for a in build.cmake_args(flags))
+    return dict(a.removeprefix("-D").split("=") for a in isa.cmake_args(flags, "x86_64"))
 
 
 @pytest.mark.parametrize("cls", sorted(CLASSES))
@@ -59,16 +56,26 @@ def test_build_names_each_instruction_set_and_never_amx(cls: str) -> None:
 
 def test_no_flags_keeps_the_native_build() -> None:
     """Off x86 (or without /proc/cpuinfo) there is nothing to name, and the AMX fault cannot happen."""
-    assert build.cmake_args(frozenset(), "x86_64") == []
-    assert build.cmake_args(isa.cpu_flags(f"flags : {CLASSES['xeon-amx']}"), "aarch64") == []
+    assert isa.cmake_args(frozenset(), "x86_64") == []
+    assert isa.cmake_args(isa.cpu_flags(f"flags : {CLASSES['xeon-amx']}"), "aarch64") == []
+
+
+def test_the_makefiles_script_prints_the_engines_options(tmp_path: Path) -> None:
+    """packaging/llama_cmake_args.py runs on the bare interpreter (before any venv) and says what the engine says."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {CLASSES['xeon-amx']}\n")
+    out = subprocess.run(["python3", "-I", "packaging/llama_cmake_args.py", "--cpuinfo", str(cpuinfo)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    if platform.machine() == "x86_64":
+        assert out == isa.cmake_args(isa.cpu_flags(cpuinfo.read_text())) and "-DGGML_AMX_INT8=OFF" in out
 
 
 def test_makefile_builds_llama_cpp_with_these_options_and_no_cached_wheel() -> None:
     out = subprocess.run(["make", "-n", "-B", ".venv-servers/wheels/.built"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, check=True).stdout
-    wheel = next(line for line in out.splitlines() if "pip wheel" in line or "CMAKE_ARGS" in line)
-    assert 'CMAKE_ARGS="$(python3 packaging/llama_cmake_args.py)"' in wheel or "llama_cmake_args.py" in wheel
-    assert "--no-cache-dir" in out and "--no-binary llama-cpp-python" in out
+    build = out[out.index("CMAKE_ARGS="):]
+    assert build.startswith('CMAKE_ARGS="$(python3 packaging/llama_cmake_args.py)"') and "pip wheel" in build
+    assert "--no-cache-dir" in build and "--no-binary llama-cpp-python" in build
 
 
 @pytest.mark.parametrize(("info", "cls", "bad"), [
