@@ -276,6 +276,16 @@ def _info_dtype(file_type: str, bits_per_weight: float) -> str:
         return "int4" if bits_per_weight <= 5 else "int8" if bits_per_weight <= 9 else "float16"
 
 
+def _sha256(path: Path) -> str:
+    """The file's SHA-256, hashed once per file version and remembered in the cache (a saved session names it)."""
+    from engine.formats.session_file import file_sha256
+
+    try:
+        return file_sha256(path, memo=cache_root() / "sha256")
+    except OSError:
+        return ""
+
+
 class LlamaCppSession:
     """A GGUF model run by llama.cpp, with the interface of engine.run.session.Session.
 
@@ -362,7 +372,7 @@ class LlamaCppSession:
             file_bytes_by_type={k: b for k, (b, _) in files.items()},
             file_params_by_type={k: n for k, (_, n) in files.items()},
             file_bits_per_weight={k: round(8 * b / n, 4) for k, (b, n) in files.items() if n},
-            decode_weight_bytes_file=decode_file, decode_weight_bytes=decode_file,
+            decode_weight_bytes_file=decode_file, decode_weight_bytes=decode_file, sha256=_sha256(self.path),
         )
 
     @staticmethod
@@ -647,8 +657,9 @@ class LlamaCppGeneration(Generation):
 
 
 class LlamaCppBackend(LocalBackend):
-    """llama.cpp behind the backend seam: generations, previews and tokenization as the torch engine's, the labs
-    that need the torch model itself (batched decode, scheduling, speculative decoding) refused in one sentence."""
+    """llama.cpp behind the backend seam: generations, previews and tokenization as the torch engine's; the labs
+    (batched decode, scheduling, speculative decoding) run on its runtime (engine.runtime.llamacpp) through
+    LocalBackend's own calls."""
 
     def __init__(self, session: LlamaCppSession) -> None:
         super().__init__(session)
@@ -664,14 +675,3 @@ class LlamaCppBackend(LocalBackend):
     def set_threads(self, controller: object) -> None:
         return None  # llama.cpp keeps the fixed count it was loaded with
 
-    def _torch_only(self, what: str) -> None:
-        raise Unsupported(f"the {what} runs on the torch engine: load this model with the torch backend to use it")
-
-    def batch_bench(self, *args, **kwargs) -> None:
-        self._torch_only("batching lab")
-
-    def schedule(self, *args, **kwargs) -> None:
-        self._torch_only("scheduling lab")
-
-    def speculate(self, *args, **kwargs) -> None:
-        self._torch_only("speculative-decoding lab")

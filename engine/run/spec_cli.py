@@ -63,6 +63,7 @@ def cmd_speculate(a: argparse.Namespace) -> int:
 
 
 def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
+    from engine.backend import Unsupported
     from engine.cliargs import UsageError, check_bias
     from engine.events import Failed
     from engine.loaders import ModelLoadError, load
@@ -74,10 +75,6 @@ def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
 
     if getattr(a, "url", None):
         raise UsageError("speculate runs on the local model only (a server does not expose its forward pass)")
-    if a.backend == "llama.cpp":  # its verify pass over k + 1 positions is the torch model's forward
-        raise UsageError("speculative decoding runs on the torch engine: drop --backend llama.cpp (or give "
-                         "--backend torch)")
-    a.backend = "torch"  # also for a GGUF that auto would hand to llama.cpp
     params = params_of(a)
     source, layer = sp.parse_source(a.source if a.draft is None else _draft_source(a.draft))
     if (source == "draft-model") != (a.draft_model is not None):
@@ -89,7 +86,8 @@ def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
     draft = None
     if a.draft_model is not None:
         try:
-            draft = load(a.draft_model, device=str(s.lm.device.type), dtype=s.dtype_name)
+            draft = (type(s)(a.draft_model, threads=a.threads) if hasattr(s, "llama")  # llama.cpp: another GGUF
+                     else load(a.draft_model, device=str(s.lm.device.type), dtype=s.dtype_name))
         except ModelLoadError as e:
             return fail(str(e))
     try:
@@ -101,6 +99,8 @@ def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
             events = sp.sweep(s, prompt, cfg, params, a.max_new_tokens)
         else:
             events = sp.speculate(s, prompt, cfg, params, a.max_new_tokens)
+    except Unsupported as e:  # early-exit drafting on llama.cpp
+        raise UsageError(str(e)) from None
     except ValueError as e:
         return fail(str(e))
     doc: dict = {"steps": [], "sweep": []}
@@ -139,7 +139,9 @@ def _machine(s) -> dict:
     except OSError:
         pass
     simd = "avx512_bf16" if "avx512_bf16" in words else "avx2" if "avx2" in words else "neither"
-    return {"cpu": name, "simd": simd, "device": str(s.lm.device), "dtype": s.dtype_name,
+    lm = getattr(s, "lm", None)  # None on llama.cpp, which runs on the CPU
+    return {"cpu": name, "simd": simd, "device": str(lm.device) if lm else "cpu",
+            "dtype": s.dtype_name if lm else s.info.file_type,
             "threads": s.threads.describe() if s.threads is not None else None}
 
 

@@ -1,0 +1,78 @@
+"""The labs on both runtimes, in one run: `python -m benchmarks.runtime [--model smollm2|1b] [--batches 1,4,8]`.
+
+For the model it prints
+  - batched decode (engine.run.batching.bench_batch) on the torch runtime (float32; left out for `1b`) and on the
+    llama.cpp runtime: TPOT and system tokens/s at each batch, the llama.cpp / torch TPOT ratio and each runtime's
+    system tokens/s at batch B over batch 1;
+  - the batching lab's batch-1 TPOT on llama.cpp over a plain generation's (LlamaCppSession.generate) on the file;
+  - speculative decoding on llama.cpp (prompt lookup, k = 4, greedy) against plain decoding of the same prompt in
+    the same run: tokens per pass, the speedup, and whether the tokens are the same.
+`1b` is benchmarks.llamacpp's 1B-scale Llama-shaped Q4_0 file of random weights (built once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+REPEATS = "the cat sat on the mat . the cat sat on the mat . the cat sat on the mat . the cat sat on the mat ."
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.runtime")
+    p.add_argument("--model", default="smollm2", choices=["smollm2", "1b"])
+    p.add_argument("--batches", default="1,4,8")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    a = p.parse_args(argv)
+    import torch
+
+    from engine.backends.llamacpp import LlamaCppSession
+    from engine.formats.locate import default_model_path
+    from engine.loaders import load
+    from engine.run import speculative as sp
+    from engine.run.batching import bench_batch
+    from engine.run.sampling import SamplingParams
+
+    torch.set_num_threads(a.threads)
+    if a.model == "1b":
+        from benchmarks.llamacpp import big_path, build_big
+
+        path = big_path("Q4_0")
+        if not path.exists():
+            build_big(path, "Q4_0")
+    else:
+        path = default_model_path()
+    batches = [int(b) for b in a.batches.split(",")]
+    print(f"{path.name}; {a.threads} threads; load average {os.getloadavg()[0]:.1f}")
+    lcpp = LlamaCppSession(path, threads=a.threads, n_ctx=512)
+    lcpp.warm_up()
+    rows = {"llama.cpp": bench_batch(lcpp, batches, 32, a.new_tokens)}
+    if a.model != "1b":
+        rows["torch"] = bench_batch(load(path, device="cpu", dtype="float32"), batches, 32, a.new_tokens)
+    print(f"{'runtime':<10}{'batch':>6}{'TPOT ms':>9}{'tok/s system':>14}{'× batch 1':>11}")
+    for name, rs in rows.items():
+        for r in rs:
+            print(f"{name:<10}{r.batch:>6}{r.tpot_s * 1e3:>9.1f}{r.tokens_per_s_system:>14.1f}"
+                  f"{r.tokens_per_s_system / rs[0].tokens_per_s_system:>11.2f}")
+    if "torch" in rows:
+        print("llama.cpp TPOT / torch TPOT: " + ", ".join(
+            f"batch {x.batch} {x.tpot_s / y.tpot_s:.2f}" for x, y in zip(rows["llama.cpp"], rows["torch"],
+                                                                           strict=True)))
+    greedy = SamplingParams.greedy_params()
+    lcpp.forget_cache()
+    plain = list(lcpp.generate(REPEATS, greedy, a.new_tokens + 1, ignore_eos=True))[-1]
+    print(f"batching lab batch-1 TPOT / plain generation TPOT on llama.cpp: "
+          f"{rows['llama.cpp'][0].tpot_s / plain.tpot_s:.2f} ({plain.tpot_s * 1e3:.1f} ms plain)")
+    fin = list(sp.speculate(lcpp, REPEATS, sp.SpecConfig(k=4, ignore_eos=True), greedy, 48))[-1]
+    print(f"speculative (lookup, k = 4) on llama.cpp: {fin.tokens_per_pass:.2f} tokens per pass, "
+          f"{fin.tokens_per_s:.1f} tok/s against plain {fin.baseline_tokens_per_s:.1f}: speedup {fin.speedup:.2f}×; "
+          f"same tokens as plain greedy: {fin.matches_baseline}")
+    print(f"load average {os.getloadavg()[0]:.1f}")
+    lcpp.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
