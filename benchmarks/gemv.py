@@ -46,7 +46,8 @@ def measure_choices(dtype: str, counts: list[int], rounds: int, remeasure: bool)
                 for shape, products in groups.items():
                     names = [k for k in kernels.KERNELS if kernels.applicable(k, products[0][0], products[0][2], n)
                              and kernels._works(k, products)]
-                    seconds, _ = kernels.choose(names, kernels._timer(products), rounds=rounds, budget_s=None)
+                    seconds, _ = kernels.choose(names, kernels._timer(products), rounds=rounds, budget_s=None,
+                                                prune=None)  # every candidate, every round
                     chosen = kernels.chosen(shape, tdtype, n) or "linear"
                     fastest = min(seconds, key=seconds.get)
                     shapes.append({"shape": list(shape), "count": len(products), "chosen": chosen,

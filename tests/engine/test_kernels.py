@@ -71,19 +71,29 @@ def test_every_candidate_is_the_float64_product(threads, dtype, bias, rows, n_in
 
 
 def test_the_tuner_keeps_the_fastest_of_known_costs():
-    costs = {"linear": 3.0, "split": 1.0, "onednn": 2.0}
+    costs = {"linear": 1.5, "split": 1.0, "onednn": 1.2}
     calls: list[str] = []
 
     def time_once(name: str) -> float:
         calls.append(name)
-        return costs[name] * (50 if len(calls) == 4 else 1)  # one burst of load on the fastest, early on
+        return costs[name] * (50 if len(calls) == 5 else 1)  # one burst of load on the fastest, early on
 
-    seconds, rounds = kernels.choose(list(costs), time_once, rounds=5, budget_s=1e9)
+    seconds, rounds = kernels.choose(list(costs), time_once, rounds=5, budget_s=None)
     assert seconds == costs and rounds == 5  # medians: the burst is outvoted
     assert min(seconds, key=seconds.get) == "split"
     assert calls[:3] == ["linear", "split", "onednn"]  # the warm-up, then rounds in rotated order:
     assert calls[3:9] == ["linear", "split", "onednn", "split", "onednn", "linear"]
     assert len(calls) == 3 + 5 * 3
+
+
+def test_a_candidate_far_slower_in_the_warm_up_is_not_run_again():
+    costs = {"linear": 1.0, "split": 9.0, "onednn": 1.5}
+    calls: list[str] = []
+    seconds, _ = kernels.choose(list(costs), lambda k: calls.append(k) or costs[k], rounds=5, budget_s=None)
+    assert seconds == costs and calls.count("split") == 1 and calls.count("linear") == 6
+    everything, _ = kernels.choose(list(costs), lambda k: calls.append(k) or costs[k], rounds=5, budget_s=None,
+                                   prune=None)
+    assert everything == costs and calls.count("split") == 1 + 6
 
 
 def test_a_slow_candidate_set_gets_fewer_rounds_but_never_below_the_minimum():
