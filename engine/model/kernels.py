@@ -2,12 +2,12 @@
 
 A decode step multiplies one row by every weight once, so its speed is how fast a kernel streams the weights from
 memory, and which kernel does that best depends on the CPU, its instruction set, torch's build, the dtype, the
-thread count and the shape. One rule measured on one machine was the slowest choice on another (BENCHMARKS.md,
-"Issue 27"), so the engine times every candidate that applies, for each of the model's weight shapes at each
-thread count it decodes with, once: at the model's first load on a machine, in about a second, streaming the
-model's own weights of that shape one after another as a decode step does (cache-cold, as in decode). The fastest
-is used; engine.model.kernel_cache keeps the result keyed by CPU, cores, torch version and kernel set, dtype,
-threads and shape, so later loads only read it, and anything in the key changing measures again.
+thread count and the shape. One rule measured on one machine was the slowest choice on another, so the engine
+times every candidate that applies, for each of the model's weight shapes at each thread count it decodes with,
+once: at the model's first load on a machine, streaming the model's own weights of that shape one after another as
+a decode step does (cache-cold, as in decode). The fastest is used; engine.model.kernel_cache keeps the result
+keyed by CPU, cores, torch version and kernel set, dtype, threads and shape, so later loads only read it, and
+anything in the key changing measures again (BENCHMARKS.md, "Decode kernels chosen by measuring the machine").
 
 Measuring: every candidate runs once to warm up (oneDNN builds its primitive on the first call); those within
 PRUNE × the fastest then run in ROUNDS interleaved rounds (each round in a rotated order, so a burst of load on the
@@ -38,8 +38,8 @@ ROUNDS = 5  # interleaved rounds after the warm-up (the median of these)
 MIN_ROUNDS = 3
 BUDGET_S = 0.12  # measuring time per shape and thread count, past which fewer rounds are run (at least MIN_ROUNDS)
 PRUNE = 2.0  # a candidate this many times slower than the fastest in the warm-up is not run again (its warm-up is
-# its time): with another program on a core, multi-threaded candidates ran 6–15 × slower and measuring them in every
-# round made a first load take 20 s instead of a few (BENCHMARKS.md, "Decode kernels chosen by measuring")
+# its time): with another program on a core, the multi-threaded candidates ran many times slower, and measuring them
+# every round made a first load several times longer (BENCHMARKS.md, "Decode kernels chosen by measuring the machine")
 
 Product = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # (weight (out, in), bias, packed)
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
