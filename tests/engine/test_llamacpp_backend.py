@@ -225,7 +225,8 @@ def test_other_families_match_the_session(tmp_path, family):
 
 def test_the_engine_process_runs_a_model_on_llamacpp_behind_the_backend_seam(tiny_dir, tiny_lm):
     """Load with backend llama.cpp: generations come from llama.cpp (RunStarted says so) with the torch engine's
-    greedy tokens; the labs that need the torch model say so in one sentence."""
+    greedy tokens; the batching lab measures llama.cpp's batched steps; early-exit drafting, which needs the
+    model's own layers, is refused in one sentence."""
     from engine import protocol as P
     from tests.engine.test_server import Client
 
@@ -243,8 +244,14 @@ def test_the_engine_process_runs_a_model_on_llamacpp_behind_the_backend_seam(tin
                                                      ignore_eos=True)][-1]
         assert seen[-1].ids.tolist() == ref.ids.tolist()
         c.send(P.BatchBench((1, 2), 4, 2))
+        msgs = c.until(lambda m: isinstance(m, P.Done))
+        rows = [m.row for m in msgs if isinstance(m, P.BatchMeasured)]
+        assert msgs[-1].job == "batch" and msgs[-1].message == ""
+        assert [r.batch for r in rows] == [1, 2] and all(r.tpot_s > 0 for r in rows)
+        c.send(P.Speculate("the cat sat", source="early-exit", max_new_tokens=4))
         done = c.until(lambda m: isinstance(m, P.Done))[-1]
-        assert done.job == "batch" and "torch engine" in done.message and "\n" not in done.message
+        assert done.job == "spec" and "early-exit drafting needs the model's own layers" in done.message
+        assert "\n" not in done.message
     finally:
         c.send(P.Quit())
         c.thread.join(30)
