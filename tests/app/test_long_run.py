@@ -243,3 +243,23 @@ def test_a_session_whose_dropped_steps_are_not_a_range_is_refused(tmp_path):
                 z.writestr(n, data)
         with pytest.raises(SessionFileError, match="dropped"):
             load_session(path, with_tokenizer=False)
+
+
+def test_the_long_run_benchmark_runs_end_to_end(tiny_dir):
+    """benchmarks/longrun.py in a subprocess, a few tokens of the tiny model: one JSON line with its figures."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), QT_QPA_PLATFORM="offscreen")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.longrun", "--tokens", "20", "--after", "1", "--model",
+                        str(tiny_dir.gguf)], capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert d["tokens"] == 20 and d["kv_cache_allocated_mib"] > 0
+    assert len(d["stall_p99_ms_per_tenth"]) == 10 and d["stall_max_ms"] >= max(d["stall_max_ms_per_tenth"])
+    assert d["tpot_ms_first_tenth"] > 0 and d["tpot_last_over_first"] > 0
+    assert d["gui_rss_start_mib"] > 0 and d["engine_rss_start_mib"] > 0
