@@ -38,7 +38,8 @@ class KernelsDialog(QtWidgets.QDialog):
         intro = QtWidgets.QLabel(
             f"Each decode product (one row times a weight) runs the kernel measured fastest for its shape, dtype and "
             f"thread count on this machine ({cpu}, {cores} cores), timed once when a model is first loaded, with the "
-            f"model's own weights streamed from memory. Times: median µs for one product, and ÷ the fastest.")
+            f"model's own weights streamed from memory. Times: median µs for one product, and ÷ the fastest (over 2 ×: "
+            f"its first round only, not measured further).")
         intro.setWordWrap(True)
         self.table = QtWidgets.QTableWidget(len(cells), len(header), self)
         self.table.setHorizontalHeaderLabels(header)

@@ -9,11 +9,11 @@ a decode step does (cache-cold, as in decode). The fastest is used; engine.model
 keyed by CPU, cores, torch version and kernel set, dtype, threads and shape, so later loads only read it, and
 anything in the key changing measures again (BENCHMARKS.md, "Decode kernels chosen by measuring the machine").
 
-Measuring: every candidate runs once to warm up (oneDNN builds its primitive on the first call); those within
-PRUNE × the fastest then run in ROUNDS interleaved rounds (each round in a rotated order, so a burst of load on the
-machine hits every candidate alike), and a candidate's time is its median round. `python -m engine kernels
---remeasure` measures again (a choice made while another program held the cores can be wrong on a quiet machine).
-$INFERENCE_LAB_KERNEL or `--kernel NAME` forces one candidate wherever it applies, for comparisons.
+Measuring: every candidate runs once to warm up (oneDNN builds its primitive on the first call), then once more
+in the first round; those within PRUNE × the fastest go on to ROUNDS interleaved rounds (each round in a rotated
+order, so a burst of load on the machine hits every candidate alike), and a candidate's time is its median round.
+`python -m engine kernels --remeasure` measures again (a choice made while another program held the cores can be
+wrong on a quiet machine). $INFERENCE_LAB_KERNEL or `--kernel NAME` forces one candidate wherever it applies.
 
 Only decode products (up to transformer.SPLIT_MAX_ROWS rows; measured with one) are tuned; prefill and larger
 batches are compute-bound products that oneDNN's float32 kernel or F.linear run (engine.model.transformer.linear).
@@ -37,9 +37,10 @@ from engine.run.threads import decode_thread_counts
 ROUNDS = 5  # interleaved rounds after the warm-up (the median of these)
 MIN_ROUNDS = 3
 BUDGET_S = 0.12  # measuring time per shape and thread count, past which fewer rounds are run (at least MIN_ROUNDS)
-PRUNE = 2.0  # a candidate this many times slower than the fastest in the warm-up is not run again (its warm-up is
-# its time): with another program on a core, the multi-threaded candidates ran many times slower, and measuring them
-# every round made a first load several times longer (BENCHMARKS.md, "Decode kernels chosen by measuring the machine")
+PRUNE = 2.0  # a candidate this many times slower than the fastest in both the warm-up and the first round is not
+# run again (its first round is its time): with another program on a core, the multi-threaded candidates ran many
+# times slower, and measuring them every round made a first load several times longer (BENCHMARKS.md, "Decode
+# kernels chosen by measuring the machine")
 
 Product = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # (weight (out, in), bias, packed)
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
@@ -179,20 +180,21 @@ def choose(names: Sequence[str], time_once: Callable[[str], float], rounds: int 
     """Each candidate's median seconds over interleaved rounds, and the number of rounds run.
 
     time_once(name) runs candidate `name` once and returns its seconds (injected: tests give known costs). Every
-    candidate first runs once as a warm-up; one slower than `prune` × the fastest warm-up stops there, with that
-    time (None: none stops). Round r then runs the rest starting from the r-th, so none always runs first or last.
-    Fewer rounds (not below MIN_ROUNDS) when one round would take more than budget_s / rounds (None: `rounds`).
+    candidate runs once as a warm-up, then in round 0; one whose better run of those two is slower than `prune` ×
+    the fastest's stops there (None: none stops), so one burst of load cannot drop a candidate. Round r runs the
+    rest starting from the r-th, so none always runs first or last. Fewer rounds (not below MIN_ROUNDS) when one
+    round would take more than budget_s / rounds (None: always `rounds`).
     """
     warm = {k: time_once(k) for k in names}
-    fastest = min(warm.values())
-    kept = [k for k in names if prune is None or warm[k] <= prune * fastest]
+    times = {k: [time_once(k)] for k in names}  # round 0
+    seen = {k: min(warm[k], times[k][0]) for k in names}
+    kept = [k for k in names if prune is None or seen[k] <= prune * min(seen.values())]
     if budget_s is not None:
-        rounds = max(MIN_ROUNDS, min(rounds, int(budget_s / max(sum(warm[k] for k in kept), 1e-9))))
-    times: dict[str, list[float]] = {k: [] for k in kept}
-    for r in range(rounds):
+        rounds = max(MIN_ROUNDS, min(rounds, int(budget_s / max(sum(seen[k] for k in kept), 1e-9))))
+    for r in range(1, rounds):
         for k in [*kept[r % len(kept):], *kept[: r % len(kept)]]:
             times[k].append(time_once(k))
-    return {k: statistics.median(times[k]) if k in times else warm[k] for k in names}, rounds
+    return {k: statistics.median(v) for k, v in times.items()}, rounds
 
 
 def _timer(products: list[Product]) -> Callable[[str], float]:

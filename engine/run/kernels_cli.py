@@ -52,7 +52,8 @@ def _text(doc: dict) -> str:
         shape = f"{r['shape'][0]} × {r['shape'][1]}"
         lines.append(f"{r['dtype']:<9}{r['threads']:>8}  {shape:<18}{r['count']:>6}  {r['choice']:<8}{cells}")
     lines.append("times: median µs for one product of one row (its weight streamed from memory), and ÷ the "
-                 "fastest; count: the model's weights of that shape")
+                 "fastest (over 2 ×: its first round only, not measured further); count: the model's weights of that "
+                 "shape")
     lines.extend(f"  {n}: {kernel_cache.DESCRIPTIONS[n]}" for n in names)
     return "\n".join(lines)
 
