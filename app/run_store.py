@@ -158,8 +158,9 @@ class Run:
         first = min((g[0] for g in groups), default=lo)
         last = max((g[0] for g in groups), default=hi)
         kept = [f"{a:,}–{b:,}" if a != b else f"{a:,}" for a, b in ((first, lo - 1), (hi + 1, last)) if a <= b]
-        return (f"this run holds the attention and lens of steps {' and '.join(kept) or 'none'}: steps {lo:,}–{hi:,} "
-                f"were dropped to keep the run within {ATTENTION_BYTES >> 20} MiB")
+        held = f"the attention and lens of steps {' and '.join(kept)}" if kept else "no step's attention or lens"
+        return (f"this run holds {held}: steps {lo:,}–{hi:,} were dropped to bound memory ({ATTENTION_BYTES >> 20} "
+                f"MiB a run, {ATTENTION_TOTAL >> 20} MiB for all runs)")
 
     def _add_capture(self, ev: AttentionCaptured | LensCaptured) -> int:
         """Append a capture, grouped with its step's others; its bytes."""
@@ -327,6 +328,8 @@ class RunStore(QtCore.QObject):
     def _trim_captures(self, r: Run) -> None:
         while r.capture_bytes > ATTENTION_BYTES and (freed := r._drop_capture()):
             self._capture_bytes -= freed
+        if self._capture_bytes <= ATTENTION_TOTAL:
+            return
         for other in self.runs:  # oldest first
             if other is r or other.id == self.recording:
                 continue

@@ -102,7 +102,7 @@ def test_the_attention_panel_holds_one_layer_and_says_which_steps_are_kept(qtbot
     assert panel.image.image.shape == m.shape[1:]
     text = panel.status.text()
     assert f"the newest {m.shape[1]:,} query rows are shown" in text
-    assert run.attention_note() in text and "were dropped to keep the run within" in text
+    assert run.attention_note() in text and "were dropped to bound memory" in text
 
     # another layer comes from the store: the steps it holds, at their rows; the dropped ones are not drawn
     panel.layer_spin.setValue(0)
@@ -263,3 +263,18 @@ def test_the_long_run_benchmark_runs_end_to_end(tiny_dir):
     assert len(d["stall_p99_ms_per_tenth"]) == 10 and d["stall_max_ms"] >= max(d["stall_max_ms_per_tenth"])
     assert d["tpot_ms_first_tenth"] > 0 and d["tpot_last_over_first"] > 0
     assert d["gui_rss_start_mib"] > 0 and d["engine_rss_start_mib"] > 0
+
+
+def test_older_runs_give_up_their_attention_first_across_the_store(qapp, monkeypatch):
+    monkeypatch.setattr(run_store, "ATTENTION_BYTES", 1 << 20)
+    monkeypatch.setattr(run_store, "ATTENTION_TOTAL", 3 << 19)  # one and a half runs' budgets
+    store = RunStore()
+    for _ in range(3):
+        for ev in attention_run(300, layers=2, heads=3):
+            store.record(ev)
+    old, middle, newest = store.runs
+    assert store._capture_bytes == sum(r.capture_bytes for r in store.runs) <= 3 << 19
+    assert newest.capture_bytes > (1 << 20) * 0.9  # the run being recorded keeps its whole budget
+    assert old.capture_bytes == 0 and old.dropped == (0, 299)
+    assert old.attention_note().startswith("this run holds no step's attention or lens: steps 0–299 were dropped")
+    assert 0 < middle.capture_bytes < 1 << 20
