@@ -21,6 +21,10 @@ from pathlib import Path
 CACHE_FILE = "kernels.json"
 FORMAT = 1
 MAX_ENTRIES = 400  # the oldest go first: a file that outlives many torch versions stays small
+# Candidates closer than this are a tie that F.linear, torch's own choice, wins: under another program's load the
+# order of two near-equal candidates flipped from one measurement to the next (BENCHMARKS.md, "Decode kernels chosen
+# by measuring the machine"), and a tie has nothing to gain from leaving torch's default path.
+PLAIN_MARGIN = 1.05
 KERNEL_ENV = "INFERENCE_LAB_KERNEL"  # forces one candidate everywhere it applies (the app's engine process reads it)
 
 # The candidates, by name: what each one is, for the CLI, the dialog and the benchmark.
@@ -76,7 +80,10 @@ class Entry:
 
     @property
     def choice(self) -> str:
-        return min(self.seconds, key=self.seconds.__getitem__)
+        """The fastest, or F.linear when it is within PLAIN_MARGIN of the fastest."""
+        best = min(self.seconds, key=self.seconds.__getitem__)
+        plain = self.seconds.get("linear")
+        return "linear" if plain is not None and plain <= PLAIN_MARGIN * self.seconds[best] else best
 
     def to_json(self) -> dict:
         d = asdict(self)
