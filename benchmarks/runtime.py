@@ -1,12 +1,13 @@
 """The labs on both runtimes, in one run: `python -m benchmarks.runtime [--model smollm2|1b] [--batches 1,4,8]`.
 
 For the model it prints
+  - the torch runtime's decode step (paged cache) over the model's contiguous-cache step (Session's path);
   - batched decode (engine.run.batching.bench_batch) on the torch runtime (float32; left out for `1b`) and on the
     llama.cpp runtime: TPOT and system tokens/s at each batch, the llama.cpp / torch TPOT ratio and each runtime's
     system tokens/s at batch B over batch 1;
   - the batching lab's batch-1 TPOT on llama.cpp over a plain generation's (LlamaCppSession.generate) on the file;
-  - speculative decoding on llama.cpp (prompt lookup, k = 4, greedy) against plain decoding of the same prompt in
-    the same run: tokens per pass, the speedup, and whether the tokens are the same.
+  - speculative decoding on llama.cpp (prompt lookup, k = 4, greedy, 48 new tokens) against plain decoding of the
+    same prompt in the same run: tokens per pass, the speedup, and whether the tokens are the same.
 `1b` is benchmarks.llamacpp's 1B-scale Llama-shaped Q4_0 file of random weights (built once).
 """
 
@@ -15,8 +16,36 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
-REPEATS = "the cat sat on the mat . the cat sat on the mat . the cat sat on the mat . the cat sat on the mat ."
+CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n\n"
+        "def div(a, b):")  # text that repeats itself, as issue 19's speculative figures used
+
+
+def paged_over_contiguous(lm, steps: int = 12) -> tuple[float, float]:
+    """Median decode step (s) of one sequence after a 32-token prompt: the torch runtime's paged cache, then the
+    model's contiguous KVCache (Session's path); the two alternate, a step each."""
+    import numpy as np
+    import torch
+
+    from engine.model.kv_cache import KVCache
+    from engine.runtime import Row
+    from engine.runtime.torch import TorchRuntime
+
+    ids = list(range(100, 132))
+    rt, cache = TorchRuntime(lm, 1, 64), KVCache(lm.cfg, 1, 64, lm.dtype)
+    a = int(rt.forward([Row(0, ids)])[0].argmax())
+    with torch.inference_mode():
+        b = int(lm.model(torch.tensor([ids]), 0, cache)[0].argmax())
+    times = np.zeros((steps, 2))
+    for i in range(steps):
+        t0 = time.perf_counter()
+        a = int(rt.forward([Row(0, [a])])[0].argmax())
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            b = int(lm.model(torch.tensor([[b]]), 32 + i, cache)[0].argmax())
+        times[i] = t1 - t0, time.perf_counter() - t1
+    return tuple(np.median(times, axis=0))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     lcpp.warm_up()
     rows = {"llama.cpp": bench_batch(lcpp, batches, 32, a.new_tokens)}
     if a.model != "1b":
-        rows["torch"] = bench_batch(load(path, device="cpu", dtype="float32"), batches, 32, a.new_tokens)
+        lm = load(path, device="cpu", dtype="float32")
+        paged, contiguous = paged_over_contiguous(lm)
+        print(f"torch decode step, paged runtime / contiguous KVCache: {paged / contiguous:.2f} "
+              f"({paged * 1e3:.1f} / {contiguous * 1e3:.1f} ms)")
+        rows["torch"] = bench_batch(lm, batches, 32, a.new_tokens)
     print(f"{'runtime':<10}{'batch':>6}{'TPOT ms':>9}{'tok/s system':>14}{'× batch 1':>11}")
     for name, rs in rows.items():
         for r in rs:
@@ -62,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                            strict=True)))
     greedy = SamplingParams.greedy_params()
     lcpp.forget_cache()
-    plain = list(lcpp.generate(REPEATS, greedy, a.new_tokens + 1, ignore_eos=True))[-1]
+    plain = list(lcpp.generate(CODE, greedy, a.new_tokens + 1, ignore_eos=True))[-1]
     print(f"batching lab batch-1 TPOT / plain generation TPOT on llama.cpp: "
           f"{rows['llama.cpp'][0].tpot_s / plain.tpot_s:.2f} ({plain.tpot_s * 1e3:.1f} ms plain)")
-    fin = list(sp.speculate(lcpp, REPEATS, sp.SpecConfig(k=4, ignore_eos=True), greedy, 48))[-1]
+    fin = list(sp.speculate(lcpp, CODE, sp.SpecConfig(k=4, ignore_eos=True), greedy, 48))[-1]
     print(f"speculative (lookup, k = 4) on llama.cpp: {fin.tokens_per_pass:.2f} tokens per pass, "
           f"{fin.tokens_per_s:.1f} tok/s against plain {fin.baseline_tokens_per_s:.1f}: speedup {fin.speedup:.2f}×; "
           f"same tokens as plain greedy: {fin.matches_baseline}")

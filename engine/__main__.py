@@ -253,6 +253,7 @@ def cmd_models(a: argparse.Namespace) -> int:
 def cmd_bench_batch(a: argparse.Namespace) -> int:
     import psutil
 
+    from engine.backends import choose
     from engine.loaders import ModelLoadError, load
     from engine.run.batching import bench_batch
 
@@ -262,7 +263,7 @@ def cmd_bench_batch(a: argparse.Namespace) -> int:
 
         torch.set_num_threads(a.threads)
     try:
-        lm = load(a.model, device=a.device, dtype=a.dtype)
+        lm = session_from_args(a) if choose(a.model, a.backend) == "llama.cpp" else load(a.model, a.device, a.dtype)
     except ModelLoadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -360,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--prompt-tokens", type=int_in(1), default=32)
     q.add_argument("--new-tokens", type=int_in(2), default=16, help="at least 2: one decode step to time")
     q.add_argument("--threads", type=threads, default="auto", help="auto (torch's count) or a fixed count")
+    q.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"], help="as generate's")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_batch)
 
