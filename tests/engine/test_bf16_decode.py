@@ -97,12 +97,23 @@ def test_bf16_head_gives_its_best_candidates_float32_logits(bf16_path, tiny_dir)
     assert logits.argmax() == ref.argmax()
 
 
+# bfloat16 keeps 8 bits of mantissa: on logits of magnitude 10-30 a product's rounding moves a logit by up to ~0.1-0.2,
+# so where float32's top two are closer than this, the emulated path may take the other one (the app loads float32
+# there; the margin that parted on the AVX2-only class was well under it).
+NEAR_TIE = 0.5
+
+
 @pytest.mark.slow
 def test_real_model_bf16_greedy_continuations_equal_float32(real_lm):
     """On the path this CPU runs (the real model is too slow to run twice): why the app defaults to bfloat16 where
-    the CPU has native bf16 dot products (engine.loaders.preferred_dtype), and that bfloat16 chosen by hand elsewhere
-    gives float32's tokens too."""
+    the CPU has native bf16 dot products (engine.loaders.preferred_dtype): its greedy tokens are float32's. Chosen
+    by hand elsewhere, bfloat16 gives float32's tokens up to the first step where float32's own top two are a
+    near-tie (the test says which)."""
+    import numpy as np
+
+    from engine.events import TokenSampled
     from engine.loaders import preferred_dtype
+    from engine.protocol import Capture
     from engine.run.sampling import SamplingParams
     from engine.run.session import Session
 
@@ -110,9 +121,16 @@ def test_real_model_bf16_greedy_continuations_equal_float32(real_lm):
     bf = load(None, device="cpu", dtype="bfloat16")
     assert (bf.model.head_packed is not None) == (THIS_CPUS_PATH == "packed")
     for prompt in TEST_PROMPTS:
-        runs = []
-        for lm in (real_lm, bf):
-            fin = list(Session(lm).generate(prompt, SamplingParams.greedy_params(), 24, chat=True,
-                                            ignore_eos=True))[-1]
-            runs.append(fin.ids.tolist())
-        assert runs[0] == runs[1], prompt
+        ref = [e for e in Session(real_lm).generate(prompt, SamplingParams.greedy_params(), 24, Capture(logits=True),
+                                                    chat=True, ignore_eos=True) if isinstance(e, TokenSampled)]
+        got = list(Session(bf).generate(prompt, SamplingParams.greedy_params(), 24, chat=True,
+                                        ignore_eos=True))[-1].ids.tolist()
+        want = [e.token_id for e in ref]
+        if NATIVE_BF16:
+            assert got == want, prompt
+            continue
+        parted = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        if parted is not None:
+            logits = np.asarray(ref[parted].logits, dtype=np.float64)
+            margin = logits[want[parted]] - logits[got[parted]]
+            assert margin < NEAR_TIE, (prompt, parted, margin)
