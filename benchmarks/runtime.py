@@ -1,6 +1,7 @@
 """The labs on both runtimes, in one run: `python -m benchmarks.runtime [--model smollm2|1b] [--batches 1,4,8]`.
 
 For the model it prints
+  - llama.cpp passes of 1 sequence × 1 token, 1 sequence × B tokens and B sequences × 1 token (B the largest batch);
   - the torch runtime's decode step (paged cache) over the model's contiguous-cache step (Session's path);
   - batched decode (engine.run.batching.bench_batch) on the torch runtime (float32; left out for `1b`) and on the
     llama.cpp runtime: TPOT and system tokens/s at each batch, the llama.cpp / torch TPOT ratio and each runtime's
@@ -48,6 +49,26 @@ def paged_over_contiguous(lm, steps: int = 12) -> tuple[float, float]:
     return tuple(np.median(times, axis=0))
 
 
+def pass_shapes(lcpp, n: int = 8, repeats: int = 4) -> tuple[float, float, float]:
+    """Median seconds of llama.cpp forward passes: 1 sequence × 1 token, 1 sequence × n tokens, n sequences × 1
+    token (one llama_batch): whether a batch costs what its rows cost together, or less."""
+    import numpy as np
+
+    from engine.runtime import Row
+    from engine.runtime.llamacpp import LlamaCppRuntime
+
+    with LlamaCppRuntime(lcpp, n, 4 + (n + 1) * repeats) as rt:
+        rt.forward([Row(i, [100 + i] * 4) for i in range(n)])
+        shapes = ([Row(0, [300])], [Row(1, [400] * n)], [Row(j, [200]) for j in range(n)])
+        times = np.zeros((repeats, 3))
+        for i in range(repeats):
+            for j, rows in enumerate(shapes):
+                t0 = time.perf_counter()
+                rt.forward(rows)
+                times[i, j] = time.perf_counter() - t0
+    return tuple(np.median(times, axis=0))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.runtime")
     p.add_argument("--model", default="smollm2", choices=["smollm2", "1b"])
@@ -77,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{path.name}; {a.threads} threads; load average {os.getloadavg()[0]:.1f}")
     lcpp = LlamaCppSession(path, threads=a.threads, n_ctx=512)
     lcpp.warm_up()
+    one, seq_n, n_seq = pass_shapes(lcpp, max(batches))
+    n = max(batches)
+    print(f"llama.cpp pass: 1 × 1 token {one * 1e3:.0f} ms; 1 sequence × {n} tokens {seq_n * 1e3:.0f} ms "
+          f"({seq_n / one:.2f} ×); {n} sequences × 1 token {n_seq * 1e3:.0f} ms ({n_seq / one:.2f} ×)")
     rows = {"llama.cpp": bench_batch(lcpp, batches, 32, a.new_tokens)}
     if a.model != "1b":
         lm = load(path, device="cpu", dtype="float32")

@@ -110,8 +110,8 @@ class PagedKVCache:
         n = -(-self._end // P)
         table = self._table[:, :n].reshape(-1)  # (B·n,)
         # gathered (B, n, KV, P, hd) → (B, KV, n·P, hd): one copy per layer and step, what a paged-attention
-        # kernel avoids by reading the pages in place. index_select, not pool[table]: advanced indexing took
-        # about 100× as long here on a CPU (BENCHMARKS.md, "One runtime").
+        # kernel avoids by reading the pages in place. index_select, not pool[table]: advanced indexing made the
+        # paged step several times the contiguous one on a CPU (BENCHMARKS.md, "One runtime").
         k_all = self.k[layer].index_select(0, table).view(B, n, KV, P, hd).transpose(1, 2)
         v_all = self.v[layer].index_select(0, table).view(B, n, KV, P, hd).transpose(1, 2)
         return (k_all.reshape(B, KV, n * P, hd)[:, :, : self._end],
