@@ -63,6 +63,8 @@ def _cmd(a: argparse.Namespace) -> int:
     import psutil
     import torch
 
+    from engine.backends import choose
+    from engine.cliargs import session_from_args
     from engine.loaders import ModelLoadError, load
     from engine.run.scheduler import schedule
 
@@ -78,7 +80,7 @@ def _cmd(a: argparse.Namespace) -> int:
     if a.threads != "auto":
         torch.set_num_threads(a.threads)
     try:
-        lm = load(a.model, device=a.device, dtype=a.dtype)
+        lm = session_from_args(a) if choose(a.model, a.backend) == "llama.cpp" else load(a.model, a.device, a.dtype)
     except ModelLoadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -156,5 +158,6 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
                    help="KV memory for 'how many requests fit' (default: the contiguous reservation of max batch)")
     q.add_argument("--seed", type=int_in(0, MAX_SEED), default=d.seed)
     q.add_argument("--threads", type=threads, default="auto", help="auto (torch's count) or a fixed count")
+    q.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"], help="as generate's")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_cmd)
