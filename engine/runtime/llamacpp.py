@@ -55,7 +55,9 @@ class LlamaCppRuntime(Runtime):
         self._lengths: dict[int, int] = {}
 
     def close(self) -> None:
-        L = self.llama
+        L = getattr(self, "llama", None)
+        if L is None:  # refused before anything was made
+            return
         if getattr(self, "_batch", None) is not None:
             L.llama_batch_free(self._batch)
             self._batch = None
