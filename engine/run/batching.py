@@ -79,12 +79,11 @@ def bench_batch(
     positions = prompt_tokens + new_tokens
     rows: list[BatchRow] = []
     rng = np.random.default_rng(0)
-    per_position = None
+    with runtime_of(model, 1, positions) as probe:  # the cache's bytes, from the kind of runtime that will hold it
+        cfg = probe.cfg
+        kv_of = {b: probe.kv_bytes_per_position() * probe.cells_reserved(b, positions) for b in batches}
     for i, b in enumerate(batches):
-        if per_position is None:  # the cache's bytes per position, from the runtime that will hold it
-            with runtime_of(model, 1, positions) as probe:
-                per_position, cfg = probe.kv_bytes_per_position(), probe.cfg
-        kv = per_position * b * positions
+        kv = kv_of[b]
         if memory_limit_bytes is not None and kv > memory_limit_bytes:
             break  # this and larger batches do not fit
         if progress is not None:

@@ -90,6 +90,10 @@ class Runtime(ABC):
         """Bytes of keys and values one position of one sequence holds, over all layers."""
         return costs.kv_bytes_per_token(self.cfg, self.kv_dtype)
 
+    def cells_reserved(self, n_seq: int, capacity: int) -> int:
+        """Positions a runtime of n_seq sequences of `capacity` positions allocates (memory checks before one)."""
+        return n_seq * capacity
+
     def step_cost(self, n_tokens: int, start: int, batch: int = 1, all_logits: bool = False) -> StepCost:
         """engine.costs.formulas' step of `batch` sequences of n_tokens each after `start` cached positions."""
         c = costs.prefill_cost(self.cfg, n_tokens, start=start, batch=batch, weight_dtype=self.weight_dtype,

@@ -71,6 +71,9 @@ class LlamaCppRuntime(Runtime):
     def set_threads(self, n: int) -> None:
         self.llama.llama_set_n_threads(self._ctx, n, n)
 
+    def cells_reserved(self, n_seq: int, capacity: int) -> int:
+        return n_seq * -(-capacity // STREAM_GRANULE) * STREAM_GRANULE  # a stream per sequence, rounded up
+
     def step_weight_bytes(self, rows: int) -> float:
         s = self.session  # the file's own bytes: what llama.cpp streams
         return costs.step_weight_bytes_file(self.cfg, s.file_bytes, s.embedding_file_bytes, rows=rows)
