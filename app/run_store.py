@@ -224,13 +224,10 @@ class RunStore(QtCore.QObject):
         self._capture_bytes = 0
         if bridge is not None:
             _STORES[bridge] = self
-            for name in SIGNALS:
+            for name, slot in [*((n, self.record) for n in SIGNALS), ("sig_failed", self._on_failed)]:
                 sig = getattr(bridge, name, None)
                 if sig is not None:
-                    sig.connect(self.record)
-            failed = getattr(bridge, "sig_failed", None)
-            if failed is not None:
-                failed.connect(self._on_failed)
+                    sig.connect(slot)
 
     # ---- reading ----
     def run(self, run_id: int | None) -> Run | None:
