@@ -173,22 +173,8 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
     done.exec()
     gui_cpu_generating = _cpu_s() - cpu0[0]  # the GUI's CPU up to Finished: what shares the cores with decode
     # The probe goes on: the end of the run (the Finished event's handlers, the autosave) is what users wait through.
-    autosave = session_io.autosave_path()
     t_end = time.perf_counter()
-    saved_after = {}
-
-    def watch_autosave() -> None:
-        if "s" not in saved_after and autosave.is_file() and autosave.stat().st_mtime >= t_start_wall:
-            saved_after["s"] = time.perf_counter() - t_end
-
-    watcher = QtCore.QTimer()
-    watcher.setInterval(20)
-    watcher.timeout.connect(watch_autosave)
-    watcher.start()
-    end_loop = QtCore.QEventLoop()
-    QtCore.QTimer.singleShot(int(END_S * 1e3), end_loop.quit)
-    end_loop.exec()
-    watcher.stop()
+    autosave_s = run_on_watching_autosave(session_io.autosave_path(), t_start_wall, END_S)
     timer.stop()
     # What arrived with the last tokens is drawn now (a short run can end between two ticks of the shared timer,
     # and a panel's last update would otherwise go uncounted: the smoke test then saw a panel with no draw).
@@ -220,7 +206,7 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
         "stall_max_ms_after_last_token": float(stalls[n_during:].max(initial=0.0)),
         "stall_p99_ms_during_generation": float(np.percentile(stalls[:n_during], 99)) if n_during else 0.0,
         "after_finished_s": END_S,
-        "autosave_done_after_finished_s": saved_after.get("s"),  # None: not written within END_S
+        "autosave_done_after_finished_s": autosave_s,  # None: not written within END_S
         "redraws_per_s_all_panels": sum(draws.values()) / elapsed,
         "redraws_per_s_busiest_panel": max(draws.values()) / elapsed,
         **{f"keystroke_{n}_tokens_ms": typing[n]["p50_ms"] for n in sizes},
@@ -239,6 +225,29 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
     win.close()
     print(json.dumps(result))
     return 0
+
+
+def run_on_watching_autosave(autosave, since_wall: float, seconds: float) -> float | None:
+    """Run the event loop for `seconds` from now (a run just ended): how long after now the autosave file was
+    written (its mtime at or past `since_wall`, the run's start), or None when it was not within that time."""
+    from PySide6 import QtCore
+
+    t_end = time.perf_counter()
+    saved_after: dict[str, float] = {}
+
+    def watch() -> None:
+        if "s" not in saved_after and autosave.is_file() and autosave.stat().st_mtime >= since_wall:
+            saved_after["s"] = time.perf_counter() - t_end
+
+    watcher = QtCore.QTimer()
+    watcher.setInterval(20)
+    watcher.timeout.connect(watch)
+    watcher.start()
+    end_loop = QtCore.QEventLoop()
+    QtCore.QTimer.singleShot(int(seconds * 1e3), end_loop.quit)
+    end_loop.exec()
+    watcher.stop()
+    return saved_after.get("s")
 
 
 def show_every_panel(win) -> None:

@@ -51,7 +51,7 @@ def _measure(model: str | None, n_new: int, after_s: float) -> int:
 
     from app import session_io
     from app.main_window import MainWindow
-    from benchmarks.gui import WINDOW, show_every_panel
+    from benchmarks.gui import WINDOW, run_on_watching_autosave, show_every_panel
 
     app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(sys.argv[:1])
     win = MainWindow(model, persist=True, interactive=False)
@@ -107,21 +107,7 @@ def _measure(model: str | None, n_new: int, after_s: float) -> int:
     done.exec()
     t_end = time.perf_counter()
     rss_end = (gui.memory_info().rss, engine.memory_info().rss)
-    autosave = session_io.autosave_path()
-    saved_after: dict = {}
-
-    def watch_autosave() -> None:
-        if "s" not in saved_after and autosave.is_file() and autosave.stat().st_mtime >= t_wall:
-            saved_after["s"] = time.perf_counter() - t_end
-
-    watcher = QtCore.QTimer()
-    watcher.setInterval(20)
-    watcher.timeout.connect(watch_autosave)
-    watcher.start()
-    end_loop = QtCore.QEventLoop()
-    QtCore.QTimer.singleShot(int(after_s * 1e3), end_loop.quit)
-    end_loop.exec()
-    watcher.stop()
+    autosave_s = run_on_watching_autosave(session_io.autosave_path(), t_wall, after_s)
     timer.stop()
     rss_after = (gui.memory_info().rss, engine.memory_info().rss)
     if "ev" not in finished:
@@ -160,7 +146,7 @@ def _measure(model: str | None, n_new: int, after_s: float) -> int:
         "tpot_last_over_first": float(decode[-d10:].mean() / decode[:d10].mean()) if decode.size else None,
         "ttft_ms": fin.ttft_s * 1e3,
         "run_s": float(t_end - (t[0] if t.size else t_end)),
-        "autosave_done_after_finished_s": saved_after.get("s"),  # None: not written within --after seconds
+        "autosave_done_after_finished_s": autosave_s,  # None: not written within --after seconds
         "after_s": after_s,
     }
     win.close()
