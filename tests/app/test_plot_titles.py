@@ -4,6 +4,8 @@ visible text item against every bar in scene pixels), and titles fit a narrow do
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6 import QtCore
@@ -19,12 +21,14 @@ def test_no_text_inside_the_plot_overlaps_a_bar(qtbot, bridge):
     panel.resize(700, 300)
     panel.show()
     rng = np.random.default_rng(0)
-    panel._seconds = {0: 0.030, **{k: 0.028 + 0.006 * float(rng.random()) for k in range(1, 30)}}
+    for step, seconds in {0: 0.030, **{k: 0.028 + 0.006 * float(rng.random()) for k in range(1, 30)}}.items():
+        panel._on_token(SimpleNamespace(step=step, seconds=seconds))  # what the slot reads of a TokenSampled
     panel.flush()
     qtbot.wait(10)
     panel.flush()
     vb = panel.plot.getPlotItem().getViewBox()
     steps, secs = panel.bar_data()
+    assert len(steps) == 30  # every bar drawn: the overlap check below is not vacuous
     bars = [vb.mapViewToScene(QtCore.QRectF(x - 0.4, 0.0, 0.8, h)).boundingRect()
             for x, h in zip(steps, secs, strict=True)]
     texts = [it for it in vb.allChildItems() if isinstance(it, (pg.TextItem, pg.InfLineLabel)) and it.isVisible()]
@@ -45,7 +49,8 @@ def test_the_title_fits_a_narrow_dock(qtbot, bridge):
     panel.resize(340, 320)
     panel.show()
     steps = np.full(127, 0.1234)
-    panel._seconds = {0: 12.345, **{k: 0.1234 for k in range(1, 128)}}
+    for step, seconds in {0: 12.345, **{k: 0.1234 for k in range(1, 128)}}.items():
+        panel._on_token(SimpleNamespace(step=step, seconds=seconds))
     panel._on_finished(Finished(reason="length", prompt_ids=np.zeros(4054, dtype=np.int64),
                                 ids=np.zeros(128, dtype=np.int64), text="", ttft_s=12.345, tpot_s=0.1234,
                                 step_seconds=steps, total_s=123.45))
