@@ -215,7 +215,8 @@ def load(
                     _write_cache(cdir, cfg, sd, tok, meta)
                 except OSError:
                     pass  # a read-only or full disk only costs the fast start
-        report(0.9, f"building the model ({dt})")
+        # a first load on this machine also times each weight shape's decode kernels (seconds; cached after)
+        report(0.9, f"building the model ({dt}) and choosing its decode kernels")
         net = build_model(cfg, sd, dtype=dt, device=dev)
     except ModelLoadError:
         raise
