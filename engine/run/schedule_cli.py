@@ -32,7 +32,7 @@ def _table(plan: SchedPlan, summaries: list[SchedSummary]) -> str:
         f"{c.n_requests} requests ({rate}), prompt {p_lo}–{p_hi} and output {o_lo}–{o_hi} tokens, max batch "
         f"{c.max_batch}, {plan.dtype} on {plan.device}",
         f"prefill: {plan.prefill_mode}",
-        f"KV: {plan.kv_bytes_per_position:,.0f} B per position, pages of {c.page_size}; contiguous reserves "
+        f"KV: {plan.kv_bytes_per_position:,.0f} B per position, pages of {plan.page_size}; contiguous reserves "
         f"{plan.reserve_len} positions per request",
         "",
         f"{'':<28}" + "".join(f"{s.policy:>14}" for s in summaries),

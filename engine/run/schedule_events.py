@@ -133,6 +133,7 @@ class SchedPlan:
     dtype: str
     device: str
     prefill_mode: str = PREFILL_MODE
+    page_size: int = 16  # positions per page of the runtime's cache (llama.cpp's cells: 1, whatever was asked)
 
 
 @dataclass(frozen=True)

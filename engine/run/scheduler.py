@@ -204,7 +204,7 @@ def schedule(model, cfg: SchedConfig, should_stop: Callable[[], bool] | None = N
     low = 100 if model.cfg.vocab_size > 200 else 0
     prompts = [rng.integers(low, model.cfg.vocab_size, size=r.prompt_len).tolist() for r in requests]
     yield SchedPlan(config=cfg, policies=cfg.policies(), requests=requests, kv_bytes_per_position=bpp,
-                    reserve_len=reserve_len, pool_pages=n_pages, dtype=dtype, device=str(device))
+                    reserve_len=reserve_len, pool_pages=n_pages, dtype=dtype, device=str(device), page_size=page)
     runtimes = {p: runtime_of(model, cfg.max_batch, longest, page_size=cfg.page_size) for p in cfg.policies()}
     try:
         yield from _take_turns(runtimes, cfg, requests, prompts, bpp, reserve_len, budget, stop)

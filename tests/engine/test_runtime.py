@@ -205,6 +205,7 @@ def test_llamacpp_scheduling_lab(lcpp):
     events = list(schedule(lcpp, cfg))
     plan = events[0]
     assert isinstance(plan, SchedPlan)
+    assert plan.page_size == 1 != cfg.page_size  # llama.cpp's cells, whatever page size was asked for
     done = {p: {e.request_id: e.tokens for e in events if isinstance(e, SchedRequestDone) and e.policy == p}
             for p in plan.policies}
     assert done["static"] == done["continuous"] and len(done["static"]) == 6

@@ -279,6 +279,7 @@ def test_schedule_cli(tiny_dir):
     assert text.returncode == 0, text.stderr
     header = next(line for line in text.stdout.splitlines() if line.strip() in ("continuous", "static  continuous"))
     assert header.split() == ["continuous"] and "TTFT p99 (ms)" in text.stdout
+    assert "pages of 16;" in text.stdout  # the torch engine's paged cache, as asked (the default)
     one = subprocess.run(  # the names: --num-requests; one policy's figures at the top level
         [sys.executable, "-m", "engine", "schedule", "--model", str(tiny_dir.gguf), "--device", "cpu",
          "--num-requests", "4", "--rate", "50", "--prompt-len", "8", "--output-len", "4", "--max-batch", "2",
