@@ -71,21 +71,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int, dtype: str = "auto") -> int:
-    from PySide6 import QtCore, QtWidgets
+    from PySide6 import QtCore
     from PySide6.QtTest import QTest
 
     from app import session_io
-    from app.main_window import MainWindow
 
-    app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(sys.argv[:1])
-    win = MainWindow(model, persist=True, interactive=False, dtype=dtype)
-    win.resize(*WINDOW)
-    win.show()
-    loop = QtCore.QEventLoop()
-    win.bridge.sig_model_loaded.connect(lambda _i: loop.quit())
-    win.bridge.sig_load_failed.connect(lambda m: (print(m, file=sys.stderr), loop.quit()))
-    loop.exec()
-    if win.bridge.info is None:
+    app, win = open_window(model, dtype=dtype)
+    if win is None:
         return 1
     paints = PaintCounter(win.panels)
     paints.start(app)
@@ -225,6 +217,24 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
     win.close()
     print(json.dumps(result))
     return 0
+
+
+def open_window(model: str | None, **kwargs):
+    """(the QApplication, the main window as users run it — settings on, WINDOW's size — with the model loaded), or
+    (app, None) when the model could not be loaded (the reason printed to stderr)."""
+    from PySide6 import QtCore, QtWidgets
+
+    from app.main_window import MainWindow
+
+    app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(sys.argv[:1])
+    win = MainWindow(model, persist=True, interactive=False, **kwargs)
+    win.resize(*WINDOW)
+    win.show()
+    loop = QtCore.QEventLoop()
+    win.bridge.sig_model_loaded.connect(lambda _i: loop.quit())
+    win.bridge.sig_load_failed.connect(lambda m: (print(m, file=sys.stderr), loop.quit()))
+    loop.exec()
+    return app, (win if win.bridge.info is not None else None)
 
 
 def run_on_watching_autosave(autosave, since_wall: float, seconds: float) -> float | None:

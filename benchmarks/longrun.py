@@ -47,21 +47,13 @@ def _measure(model: str | None, n_new: int, after_s: float) -> int:
     from dataclasses import replace
 
     import psutil
-    from PySide6 import QtCore, QtWidgets
+    from PySide6 import QtCore
 
     from app import session_io
-    from app.main_window import MainWindow
-    from benchmarks.gui import WINDOW, run_on_watching_autosave, show_every_panel
+    from benchmarks.gui import open_window, run_on_watching_autosave, show_every_panel
 
-    app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(sys.argv[:1])
-    win = MainWindow(model, persist=True, interactive=False)
-    win.resize(*WINDOW)
-    win.show()
-    loop = QtCore.QEventLoop()
-    win.bridge.sig_model_loaded.connect(lambda _i: loop.quit())
-    win.bridge.sig_load_failed.connect(lambda m: (print(m, file=sys.stderr), loop.quit()))
-    loop.exec()
-    if win.bridge.info is None:
+    app, win = open_window(model)
+    if win is None:
         return 1
     show_every_panel(win)
     win.panels["prompt"].set_text(PROMPT)

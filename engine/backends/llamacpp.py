@@ -63,6 +63,7 @@ from engine.run.local import LocalBackend
 from engine.run.sampling import FunnelStages, SamplingParams
 from engine.run.session import Generation, NonFiniteLogits, RunLoop, condense_funnel, prompt_event, score_prompt
 from engine.run.threads import available_cores
+from engine.runtime.llamacpp import free_context
 from engine.tokenizer import Tokenization
 
 HEADER_CACHE_VERSION = "2"  # bump when read_config, tensor_stats, _lens_places or file_type_name change their answer
@@ -410,17 +411,9 @@ class LlamaCppSession:
 
     def close(self) -> None:
         """Free llama.cpp's context and model (also done when the object is collected)."""
-        L = getattr(self, "llama", None)
-        if L is None:
-            return
-        if getattr(self, "_batch", None) is not None:
-            L.llama_batch_free(self._batch)
-            self._batch = None
-        if getattr(self, "_ctx", None):
-            L.llama_free(self._ctx)
-            self._ctx = None
+        free_context(self)
         if getattr(self, "_model", None):
-            L.llama_model_free(self._model)
+            self.llama.llama_model_free(self._model)
             self._model = None
 
     def __del__(self) -> None:

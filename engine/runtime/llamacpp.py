@@ -23,6 +23,19 @@ from engine.runtime.base import Row, Runtime
 STREAM_GRANULE = 256  # llama.cpp rounds each sequence's stream up to this many cells (GGML_PAD(n_ctx_seq, 256))
 
 
+def free_context(owner: object) -> None:
+    """Free an owner's llama.cpp batch and context (`llama`, `_batch`, `_ctx`), once; nothing made, nothing freed."""
+    L = getattr(owner, "llama", None)
+    if L is None:  # refused before anything was made
+        return
+    if getattr(owner, "_batch", None) is not None:
+        L.llama_batch_free(owner._batch)
+        owner._batch = None
+    if getattr(owner, "_ctx", None):
+        L.llama_free(owner._ctx)
+        owner._ctx = None
+
+
 class LlamaCppRuntime(Runtime):
     """`session`'s model (engine.backends.llamacpp.LlamaCppSession) with a context of `n_seq` sequences."""
 
@@ -55,15 +68,7 @@ class LlamaCppRuntime(Runtime):
         self._lengths: dict[int, int] = {}
 
     def close(self) -> None:
-        L = getattr(self, "llama", None)
-        if L is None:  # refused before anything was made
-            return
-        if getattr(self, "_batch", None) is not None:
-            L.llama_batch_free(self._batch)
-            self._batch = None
-        if getattr(self, "_ctx", None):
-            L.llama_free(self._ctx)
-            self._ctx = None
+        free_context(self)
 
     def __del__(self) -> None:
         self.close()

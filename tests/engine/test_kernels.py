@@ -23,14 +23,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}  # relative: accumulation order; one bf16 rounding
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def clean_dispatch(monkeypatch):
     """Measured choices made by a test do not outlive it."""

@@ -28,14 +28,6 @@ SHAPES = [  # (leading shape of x, in_features, out_features)
 ]
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(params=[None, *kernels.KERNELS], ids=lambda k: k or "measured")
 def kernel(request):
     """The decode kernel linear runs: each candidate forced in turn, or whatever this process measured/chose."""
