@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.run.threads import threads_arg
+from engine.cliargs import threads as threads_arg  # bounded: a count past 4 per CPU is refused in one line
 
 PROMPT = "Explain what a KV cache is in two sentences."
 
