@@ -1,0 +1,239 @@
+"""Edits of the torch engine's forward pass through module hooks, in the spirit of TransformerLens's hook points.
+
+A Point names an activation of engine.model.transformer.Transformer, each of width W:
+    Point.z(L, h)      head h's output in layer L (TransformerLens's hook_z): the input of layers[L].attn.wo,
+                       (B, T, H·hd) with the heads concatenated head-major, so head h is columns h·hd … (h+1)·hd − 1;
+                       W = hd (head None: every head of the layer, W = H·hd)
+    Point.attn(L)      what layer L's attention adds to the residual stream: wo's output, after post_attn_norm where
+                       the model has one (Gemma 3), W = d
+    Point.mlp(L)       what layer L's MLP adds to the residual stream, after post_mlp_norm where there is one, W = d
+    Point.resid(L)     the residual stream after layer L − 1: L = 0 is the embeddings (× embedding_scale) as the first
+                       block receives them, L = i + 1 the output of block i, so L = n_layers is what the final norm
+                       reads, W = d
+
+An Edit replaces a point's value (zero, or a given value) at chosen absolute positions and batch rows; `edited`
+applies edits and records points for the duration of a `with` block and always removes its hooks after it.
+Positions are absolute (position p is the token at index p of the sequence), so an edit also holds across KV-cached
+decode steps: a step edits the positions it runs, and an edit of every position (positions None) edits each new token.
+A recorded point holds the value the model went on with (after any edit of that same point).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from engine.model.config import ModelConfig
+
+Site = Literal["z", "attn", "mlp", "resid"]
+
+
+@dataclass(frozen=True)
+class Point:
+    """A place in the forward pass (see the module docstring for each site's tensor and width)."""
+
+    site: Site
+    layer: int
+    head: int | None = None  # z only; None = every head of the layer
+
+    @classmethod
+    def z(cls, layer: int, head: int | None = None) -> Point:
+        return cls("z", layer, head)
+
+    @classmethod
+    def attn(cls, layer: int) -> Point:
+        return cls("attn", layer)
+
+    @classmethod
+    def mlp(cls, layer: int) -> Point:
+        return cls("mlp", layer)
+
+    @classmethod
+    def resid(cls, layer: int) -> Point:
+        return cls("resid", layer)
+
+    def check(self, cfg: ModelConfig) -> None:
+        """ValueError naming the model's layers and heads when this point is not one of its places."""
+        if self.site not in ("z", "attn", "mlp", "resid"):
+            raise ValueError(f"unknown site {self.site!r}: choose z, attn, mlp or resid")
+        top = cfg.n_layers if self.site == "resid" else cfg.n_layers - 1
+        what = "residual stream points 0 (the embeddings)" if self.site == "resid" else "layers 0"
+        if not 0 <= self.layer <= top:
+            raise ValueError(f"layer {self.layer} is out of range: this model has {what} to {top}")
+        if self.head is not None and (self.site != "z" or not 0 <= self.head < cfg.n_heads):
+            raise ValueError(f"head {self.head} is out of range: this model has heads 0 to {cfg.n_heads - 1} "
+                             "in each layer" if self.site == "z" else f"a {self.site} point has no head")
+
+    def width(self, cfg: ModelConfig) -> int:
+        if self.site == "z":
+            return cfg.q_dim if self.head is None else cfg.head_dim
+        return cfg.d_model
+
+    def __str__(self) -> str:  # TransformerLens's names: blocks.L.attn.hook_z, hook_attn_out, hook_mlp_out, …
+        if self.site == "z":
+            return f"blocks.{self.layer}.attn.hook_z" + ("" if self.head is None else f"[{self.head}]")
+        if self.site == "resid":
+            return f"blocks.{self.layer}.hook_resid_pre"
+        return f"blocks.{self.layer}.hook_{self.site}_out"
+
+
+@dataclass(frozen=True, eq=False)
+class Edit:
+    """Set `point` to `value` (None: zero) at `positions` (absolute; None: every position a forward pass runs) in
+    batch `rows` (None: every row).
+
+    `value` broadcasts to (R, P, W): R the rows edited, P the positions edited (len(positions), or the T positions
+    of the forward pass when positions is None), W the point's width. So (W,) sets the same vector everywhere,
+    (P, W) one vector per position, (R, P, W) one per row and position (patching sets a different one in each row).
+    A forward pass that runs only some of the positions edits those (the matching slices of a (…, P, W) value).
+    """
+
+    point: Point
+    value: torch.Tensor | None = None
+    positions: tuple[int, ...] | None = None
+    rows: tuple[int, ...] | None = None
+
+
+class Recording:
+    """The values of recorded points: each forward pass appends its (B, T, W) along the positions."""
+
+    def __init__(self) -> None:
+        self._parts: dict[Point, list[torch.Tensor]] = {}
+
+    def _add(self, point: Point, value: torch.Tensor) -> None:
+        self._parts.setdefault(point, []).append(value.detach().clone())
+
+    def __contains__(self, point: Point) -> bool:
+        return point in self._parts
+
+    def __getitem__(self, point: Point) -> torch.Tensor:
+        """(B, T, W): every position the block's forward passes ran, in order (KeyError if it never ran)."""
+        parts = self._parts[point]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _columns(point: Point, cfg: ModelConfig) -> slice:
+    if point.site == "z" and point.head is not None:
+        return slice(point.head * cfg.head_dim, (point.head + 1) * cfg.head_dim)
+    return slice(None)
+
+
+def _positions_of(start: int | torch.Tensor, batch: int) -> list[int]:
+    """Each row's first position in this forward pass (a ragged batch gives every row its own)."""
+    if isinstance(start, torch.Tensor):
+        return [int(s) for s in start.reshape(-1).tolist()]
+    return [int(start)] * batch
+
+
+def _apply(x: torch.Tensor, edit: Edit, cols: slice, starts: list[int]) -> torch.Tensor:
+    """x (B, T, ·) with the edit written into its columns `cols` (x itself is not changed)."""
+    B, T = x.shape[:2]
+    rows = list(range(B)) if edit.rows is None else list(edit.rows)
+    if any(not 0 <= r < B for r in rows):
+        raise ValueError(f"the edit of {edit.point} names rows {rows}, but the forward pass has {B}")
+    width = x[..., cols].shape[-1]
+    n_pos = T if edit.positions is None else len(edit.positions)
+    value = x.new_zeros(()) if edit.value is None else edit.value.to(device=x.device, dtype=x.dtype)
+    try:
+        value = value.expand(len(rows), n_pos, width)  # (R, P, W)
+    except RuntimeError:
+        raise ValueError(f"the edit of {edit.point} has a value of shape {tuple(value.shape)}, which does not "
+                         f"broadcast to (rows {len(rows)}, positions {n_pos}, width {width})") from None
+    out = x.clone()
+    same_start = len(set(starts[r] for r in rows)) <= 1
+    groups = [rows] if same_start else [[r] for r in rows]
+    for group in groups:
+        start = starts[group[0]] if group else 0
+        if edit.positions is None:
+            which, local = list(range(T)), list(range(T))
+        else:
+            which = [k for k, p in enumerate(edit.positions) if start <= p < start + T]
+            local = [edit.positions[k] - start for k in which]
+        if not which or not group:
+            continue
+        r = torch.tensor(group, device=x.device)[:, None]  # (R, 1)
+        t = torch.tensor(local, device=x.device)[None, :]  # (1, P)
+        rsel = torch.tensor([rows.index(g) for g in group], device=x.device)[:, None]
+        out[r, t, cols] = value[rsel, torch.tensor(which, device=x.device)[None, :]]
+    return out
+
+
+@contextlib.contextmanager
+def edited(model: nn.Module, edits: Iterable[Edit] = (), record: Iterable[Point] = ()) -> Iterator[Recording]:
+    """Apply `edits` to every forward pass of `model` (an engine Transformer) inside the block, recording the points
+    in `record`; the hooks are removed when the block ends, also on an exception.
+
+    ValueError (before any hook is placed) when a point is not one of the model's places.
+    """
+    cfg: ModelConfig = model.cfg
+    edits, record = list(edits), list(dict.fromkeys(record))
+    for p in [e.point for e in edits] + record:
+        p.check(cfg)
+    by_point: dict[Point, list[Edit]] = {}
+    for e in edits:
+        by_point.setdefault(e.point, []).append(e)
+    rec = Recording()
+    starts: dict[int, tuple[int | torch.Tensor, int]] = {}  # block → (start, batch) of the pass now running it
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def rewrite(points: Sequence[Point], layer: int, x: torch.Tensor) -> torch.Tensor:
+        start, batch = starts[layer]
+        first = _positions_of(start, batch)
+        for p in points:
+            for e in by_point.get(p, ()):
+                x = _apply(x, e, _columns(p, cfg), first)
+            if p in record:
+                rec._add(p, x[..., _columns(p, cfg)])
+        return x
+
+    def on_block(layer: int):
+        def pre(_m: nn.Module, args: tuple) -> tuple | None:
+            x, start = args[0], args[1]
+            starts[layer] = (start, x.shape[0])
+            if layer == 0 and (points := [p for p in wanted if p == Point.resid(0)]):
+                return (rewrite(points, 0, x), *args[1:])
+            return None
+        return pre
+
+    wanted = set(by_point) | set(record)
+    layers = sorted({_block_of(p) for p in wanted})
+    try:
+        for i in layers:
+            block = model.layers[i]
+            handles.append(block.register_forward_pre_hook(on_block(i)))
+            for group, module, pre in _sites(block, i, wanted):
+                if pre:
+                    handles.append(module.register_forward_pre_hook(
+                        lambda _m, args, g=group, i=i: (rewrite(g, i, args[0]), *args[1:])))
+                else:
+                    handles.append(module.register_forward_hook(
+                        lambda _m, _args, out, g=group, i=i: rewrite(g, i, out)))
+        yield rec
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _block_of(p: Point) -> int:
+    """The block whose hooks reach p: resid(L) for L ≥ 1 is block L − 1's output, resid(0) block 0's input."""
+    return p.layer - 1 if p.site == "resid" and p.layer > 0 else p.layer
+
+
+def _sites(block: nn.Module, layer: int, wanted: set[Point]) -> list[tuple[list[Point], nn.Module, bool]]:
+    """(points, module, is_pre_hook) for the hooks that reach `wanted`'s points in this block."""
+    out: list[tuple[list[Point], nn.Module, bool]] = []
+    z = [p for p in wanted if p.site == "z" and p.layer == layer]
+    if z:  # every head's edit goes through the one pre-hook on wo, in a fixed order
+        out.append((sorted(z, key=lambda p: -1 if p.head is None else p.head), block.attn.wo, True))
+    if Point.attn(layer) in wanted:
+        out.append(([Point.attn(layer)], block.attn if block.post_attn_norm is None else block.post_attn_norm, False))
+    if Point.mlp(layer) in wanted:
+        out.append(([Point.mlp(layer)], block.mlp if block.post_mlp_norm is None else block.post_mlp_norm, False))
+    if Point.resid(layer + 1) in wanted:  # the block's output
+        out.append(([Point.resid(layer + 1)], block, False))
+    return out
