@@ -1,0 +1,290 @@
+"""What quantization changed: the same tokens through two forms of one model, compared layer by layer.
+
+The two sides are two files of one model (the default model's Q4_1 file and a Q8_0 or F16 file of it), or one file
+on two runtimes (this engine's torch model in float32 and llama.cpp running the file as it is). Both are
+teacher-forced on one sequence: the prompt, then `steps` tokens of side a's greedy continuation, fed to both, so
+every step compares the two on the same context. A step is one forward pass (the prefill, then one decode step per
+token) and is compared at its newest position:
+
+    kl            per residual-stream point (0 = the embeddings, ℓ = after layer ℓ): KL(p_a ‖ p_b) of the logit
+                  lens distributions p = softmax(head(norm(x_ℓ))), Σ p_a · (ln p_a − ln p_b), in nats, mean over
+                  steps; `kl_output` is the same of the models' own output logits
+    attention_js  per layer: the Jensen–Shannon distance of each attention row (a query's weights over its keys),
+                  √(½ KL(p ‖ m) + ½ KL(q ‖ m)) with m = (p + q) / 2 in bits (0 = the same row, 1 = disjoint), mean over
+                  heads and every captured row of every step (the prefill's rows are the prompt's)
+    top1_flips    the steps whose greedy token under b differs from a's (a's is the token fed next)
+
+Beside them each side's weight bytes a decode step reads (engine.costs: the run dtype for torch, the file's own
+blocks for llama.cpp) and its measured TPOT, from an uncaptured greedy run of the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from engine.why import Cancelled, Progress, ShouldStop, Unsupported, check_stop
+
+SHAPE_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim")
+LN2 = math.log(2.0)
+
+
+# ---- the two divergences ----------------------------------------------------------------------------------------
+def kl_nats(logp, logq):
+    """KL(p ‖ q) = Σ p · (ln p − ln q) over the last axis, in nats, from log-probabilities (torch tensors)."""
+    import torch
+
+    p = logp.exp()
+    return torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(-1)
+
+
+def js_distance_bits(p, q):
+    """√JSD(p, q) over the last axis, base 2 (in [0, 1]), from probabilities (torch tensors); 0 · ln 0 = 0."""
+    import torch
+
+    m = (p + q) / 2
+
+    def half(x):
+        return torch.where(x > 0, x * (torch.log(x) - torch.log(m)), torch.zeros_like(x)).sum(-1)
+
+    return ((half(p) + half(q)) / (2 * LN2)).clamp_min(0).sqrt()
+
+
+# ---- one side: a session of either runtime, stepped by hand ------------------------------------------------------
+class _Side:
+    """One form of the model: a step runs `feed` at `start` and returns its logits, the residual stream of the newest
+    position (L + 1, d) and every layer's attention rows {layer: (H, rows, keys)}; `head` projects the lens."""
+
+    def __init__(self, session) -> None:
+        from engine.run.session import Session
+
+        self.s = session
+        self.torch = isinstance(session, Session)
+        if not self.torch and not hasattr(session, "tap"):
+            raise Unsupported("compare runs on the local model (torch or llama.cpp), not on a server")
+        self.cfg = session.cfg
+        info = session.lm.info if self.torch else session.info
+        self.info = info
+        runtime = f"torch {session.dtype_name}" if self.torch else "llama.cpp"
+        self.label = f"{Path(info.path).name} ({info.file_type}) on {runtime}"
+        self.attention = self.torch or "attention" not in session.cannot
+
+    @property
+    def head(self):
+        return self.s.lm.model if self.torch else self.s.lens_head()
+
+    def reset(self, n_positions: int) -> None:
+        self.s.forget_cache()
+        if self.torch:
+            self.s._prepare_cache([], n_positions)
+
+    def step(self, feed: list[int], start: int):
+        import numpy as np
+        import torch
+
+        from engine.model.probe import RESID_STREAM, Probe, attn_point
+        from engine.protocol import ATTENTION_MAX_BYTES
+
+        L, H = self.cfg.n_layers, self.cfg.n_heads
+        n_keys = start + len(feed)
+        if self.torch:
+            probe = Probe.for_capture(range(L), residual_stream=True)
+            with torch.inference_mode():
+                logits = self.s._forward(feed, start, probe)
+            attn = {i: probe.values[attn_point(i)][0] for i in range(L)}  # (H, rows, keys)
+            return logits.float(), torch.from_numpy(probe.values[RESID_STREAM][0]), attn
+        tap = self.s.tap
+        keep = Probe(max_attention_bytes=ATTENTION_MAX_BYTES).attention_rows(H, len(feed), n_keys)
+        tap.begin(frozenset(range(L)) if self.attention else frozenset(), True, len(feed), keep)
+        try:
+            logits = self.s._forward(feed, start)
+        finally:
+            tap.end()
+        if tap.error is not None:
+            raise RuntimeError(f"reading llama.cpp's tensor {tap.error}")
+        attn = {}
+        for layer, parts in tap.attn.items():  # a prefill in micro-batches: each piece saw the keys cached so far
+            w = np.zeros((H, sum(p.shape[1] for p in parts), n_keys), dtype=np.float32)
+            r = 0
+            for p in parts:
+                k = min(n_keys, p.shape[2])
+                w[:, r:r + p.shape[1], :k] = p[:, :, :k]
+                r += p.shape[1]
+            attn[layer] = w
+        stream = torch.from_numpy(np.stack([tap.resid[i] for i in range(L + 1)]))  # (L + 1, d)
+        return torch.from_numpy(logits), stream, attn
+
+
+def _lens_logp(head, stream, logits):
+    """(L + 2, V) log-probabilities: the lens of every residual point, then the model's own output, in float64."""
+    import torch
+
+    w = next(head.parameters())
+    with torch.inference_mode():
+        rows = head.head(stream.to(device=w.device, dtype=w.dtype)).float()
+        return torch.log_softmax(torch.cat([rows, logits.reshape(1, -1).float()]).double(), dim=-1).cpu()
+
+
+def check_same_model(a, b) -> None:
+    """Unsupported (one line) when the two sides are not one model: every shape that differs, named."""
+    diff = [f"{f} {getattr(a, f)} vs {getattr(b, f)}" for f in SHAPE_FIELDS if getattr(a, f) != getattr(b, f)]
+    if diff:
+        raise Unsupported(f"these are not two forms of one model: {', '.join(diff)}")
+
+
+def _tpot(session, prompt_ids: list[int], tokens: list[int]) -> float | None:
+    """Mean decode step of an uncaptured run that is fed `tokens` (None when there is no decode step)."""
+    from engine.events import Failed, Finished
+    from engine.run.sampling import SamplingParams
+
+    if len(tokens) < 2:
+        return None
+    session.forget_cache()
+    forced = dict(enumerate(tokens))
+    for ev in session.generate(prompt_ids, SamplingParams(temperature=0.0), len(tokens), ignore_eos=True,
+                               forced=forced):
+        if isinstance(ev, Failed):
+            raise RuntimeError(ev.message)
+        if isinstance(ev, Finished):
+            return float(ev.tpot_s)
+    return None
+
+
+def compare(a, b, prompt: str, steps: int = 16, chat: bool = False, progress: Progress | None = None,
+            should_stop: ShouldStop | None = None) -> dict:
+    """Teacher-force sessions `a` and `b` (engine.run.session.Session or engine.backends.llamacpp.LlamaCppSession of
+    the same model) on `prompt` plus `steps` tokens of a's greedy continuation; returns the JSON-ready result (see
+    the module's docstring). Unsupported when the two are not one model; ValueError on a bad prompt or step count;
+    Cancelled when should_stop says so between forward passes."""
+    import numpy as np
+    import torch
+
+    t_start = time.perf_counter()
+    A, B = _Side(a), _Side(b)
+    check_same_model(A.cfg, B.cfg)
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    ids = [int(i) for i in a.tokenize(prompt, chat).ids]
+    other = [int(i) for i in b.tokenize(prompt, chat).ids]
+    if ids != other:
+        raise Unsupported(f"the two tokenizers split the prompt differently ({len(ids)} against {len(other)} tokens)")
+    a.check_prompt(ids, steps)
+    b.check_prompt(ids, steps)
+    room = min(A.cfg.context_length, B.cfg.context_length) - len(ids)
+    if steps > room:
+        raise ValueError(f"{len(ids)} prompt tokens leave room for {room} steps in this context, not {steps}")
+    L, V = A.cfg.n_layers, A.cfg.vocab_size
+    for side in (A, B):
+        side.reset(len(ids) + steps)
+    kl_by_step: list[list[float]] = []
+    js_sum, js_rows = np.zeros(L), np.zeros(L)
+    tokens: list[int] = []
+    flips: list[dict] = []
+    feed, start = list(ids), 0
+    for step in range(steps):
+        check_stop(should_stop)
+        la, sa, wa = A.step(feed, start)
+        lb, sb, wb = B.step(feed, start)
+        kl = kl_nats(_lens_logp(A.head, sa, la), _lens_logp(B.head, sb, lb))  # (L + 2,)
+        kl_by_step.append([float(x) for x in kl])
+        if A.attention and B.attention:
+            for layer in range(L):
+                rows = min(wa[layer].shape[1], wb[layer].shape[1])  # both keep the same last rows (Probe's bound)
+                js = js_distance_bits(torch.from_numpy(wa[layer][:, -rows:]).double(),
+                                      torch.from_numpy(wb[layer][:, -rows:]).double())  # (H, rows)
+                js_sum[layer] += float(js.sum())
+                js_rows[layer] += js.numel()
+        ta, tb = int(torch.argmax(la)), int(torch.argmax(lb))
+        if ta != tb:
+            flips.append({"step": step, "a": ta, "b": tb, "a_piece": a.tokenizer.piece(ta),
+                          "b_piece": b.tokenizer.piece(tb)})
+        tokens.append(ta)
+        start += len(feed)
+        feed = [ta]
+        if progress is not None:
+            progress((step + 1) / (steps + 2), f"step {step + 1} of {steps} compared")
+    check_stop(should_stop)
+    tpot_a = _tpot(a, ids, tokens)
+    if progress is not None:
+        progress((steps + 1) / (steps + 2), "TPOT of side a measured")
+    check_stop(should_stop)
+    tpot_b = _tpot(b, ids, tokens)
+    if progress is not None:
+        progress(1.0, "TPOT of side b measured")
+    per_step = np.asarray(kl_by_step)  # (steps, L + 2)
+    mean = per_step.mean(axis=0)
+    return {
+        "labels": [A.label, B.label],
+        "prompt_ids": ids,
+        "tokens": tokens,
+        "pieces": [a.tokenizer.piece(t) for t in tokens],
+        "steps": steps,
+        "kl_unit": "nats: KL(a ‖ b), mean over the steps",
+        "layers": ["embedding", *(f"layer {i}" for i in range(1, L + 1))],
+        "kl": [float(x) for x in mean[:L + 1]],
+        "kl_output": float(mean[L + 1]),
+        "kl_by_step": kl_by_step,
+        "attention_js": [float(s / n) for s, n in zip(js_sum, js_rows, strict=True)] if js_rows.all() else None,
+        "top1_flips": flips,
+        "bytes_per_token": [float(A.info.decode_weight_bytes), float(B.info.decode_weight_bytes)],
+        "tpot_s": [tpot_a, tpot_b],
+        "vocab_size": V,
+        "seconds": time.perf_counter() - t_start,
+    }
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+def add_subcommand(sub: argparse._SubParsersAction) -> None:
+    from engine.cliargs import add_model_args, add_threads_arg, int_in
+
+    q = sub.add_parser("compare", help="what quantization changed: two forms of one model, layer by layer")
+    add_model_args(q)
+    q.add_argument("--other", default=None, help="the other form (a .gguf file, a folder or a known model); "
+                   "default: --model itself (then --other-backend should differ)")
+    q.add_argument("--other-backend", default="auto", choices=["auto", "torch", "llama.cpp"],
+                   help="the runtime of --other, as --backend")
+    q.add_argument("--prompt", required=True)
+    q.add_argument("--chat", action="store_true")
+    q.add_argument("--steps", type=int_in(1, 4096), default=16, help="tokens of a's greedy continuation compared")
+    add_threads_arg(q)
+    q.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    import sys
+
+    from engine.cliargs import CliError, UsageError, session_from_args
+
+    if a.url:
+        raise UsageError("`compare` needs every layer's residual stream and attention, which a server does not "
+                         "report: drop --url to run it on the local model")
+    first = session_from_args(a)
+    second = session_from_args(argparse.Namespace(**{**vars(a), "model": a.other if a.other else a.model,
+                                                      "backend": a.other_backend}))
+    shown = None if a.json else (lambda f, m: print(f"  {m}", file=sys.stderr))
+    try:
+        out = compare(first, second, a.prompt, a.steps, a.chat, progress=shown)
+    except (Unsupported, ValueError, Cancelled) as e:
+        raise CliError(str(e)) from None
+    if a.json:
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    print(f"a: {out['labels'][0]}\nb: {out['labels'][1]}")
+    for k, side in enumerate("ab"):
+        tpot = out["tpot_s"][k]
+        print(f"{side}: {out['bytes_per_token'][k] / 2**20:,.1f} MiB of weights per token, TPOT "
+              + (f"{tpot * 1e3:.1f} ms" if tpot is not None else "- (one step only)"))
+    print(f"{out['steps']} steps of a's greedy continuation: {''.join(out['pieces'])!r}")
+    js = out["attention_js"]
+    print(f"{'point':<10} {'KL nats':>10} {'attn JS':>9}")
+    for i, name in enumerate(out["layers"]):
+        print(f"{name:<10} {out['kl'][i]:>10.2e} {'' if i == 0 or js is None else f'{js[i - 1]:.4f}':>9}")
+    print(f"{'output':<10} {out['kl_output']:>10.2e}")
+    flips = out["top1_flips"]
+    print(f"top-1 differs at {len(flips)} of {out['steps']} steps" + (": " + ", ".join(
+        f"step {f['step']} {f['a_piece']!r}→{f['b_piece']!r}" for f in flips) if flips else ""))
+    print(f"[{out['seconds']:.1f} s]", file=sys.stderr)
+    return 0
