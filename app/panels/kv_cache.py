@@ -69,11 +69,12 @@ class KVCachePanel(Panel):
     )
 
     def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
-        dtype = info.dtype
+        dtype = costs.kv_cache_dtype(info)
         per_token = costs.kv_bytes_per_token(cfg, dtype)
         full = sum(costs.kv_bytes(cfg, dtype, cfg.context_length))
-        weights = costs.weight_bytes(cfg, dtype)
-        text = (f"For {info.name} in {dtype}: 2 · {cfg.n_layers} · {cfg.n_kv_heads} · {cfg.head_dim} · "
+        weights = info.weight_bytes  # what the runtime holds: the file's bytes on llama.cpp, n_params × dtype on torch
+        held = f"in {dtype}" if dtype == info.dtype else f"with a {dtype} KV cache ({info.file_type} weights)"
+        text = (f"For {info.name} {held}: 2 · {cfg.n_layers} · {cfg.n_kv_heads} · {cfg.head_dim} · "
                 f"{costs.bytes_per_value(dtype):g} = {per_token:,.0f} bytes ({fmt_bytes(per_token)}) per token, so "
                 f"its full {cfg.context_length:,}-token context holds {fmt_bytes(full)} per sequence, "
                 f"{full / weights:.0%} of the {fmt_bytes(weights)} its weights take.")
@@ -197,8 +198,9 @@ class KVCachePanel(Panel):
 
     # ---- numbers (all from engine.costs.formulas) --------------------------------------------------------------------
     def kv_dtype(self) -> str:
+        """The dtype the loaded model's cache holds (not always its weights': llama.cpp keeps float16)."""
         info = self.bridge.info
-        return info.dtype if info is not None else "float32"
+        return costs.kv_cache_dtype(info) if info is not None else "float32"
 
     def per_token(self) -> float | None:
         cfg = self.bridge.cfg

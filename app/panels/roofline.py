@@ -261,6 +261,19 @@ class RooflinePanel(Panel):
         return item
 
     # ---- choices -----------------------------------------------------------------------------------------------
+    def show_run_dtype(self, dtype: str, file_type: str) -> None:
+        """Select the dtype the loaded model runs in; a quantized file that llama.cpp runs as it is (q4_1, int4, …)
+        gets its own entry, priced at the file's bytes per weight, its peak borrowed as engine.model.dtypes says."""
+        while self.dtype_combo.count() > len(DTYPES):  # the previous model's own entry
+            self.dtype_combo.removeItem(len(DTYPES))
+        if dtype not in DTYPES:
+            self.dtype_combo.addItem(dtype)
+            self.dtype_combo.setItemData(
+                len(DTYPES), f"The loaded file's weights ({file_type}), as llama.cpp multiplies them; the peak is "
+                f"the first of {', '.join(dtypes.lookup(dtype).peak_fallback)} the chip lists",
+                QtCore.Qt.ItemDataRole.ToolTipRole)
+        self.dtype_combo.setCurrentText(dtype)
+
     def dtype(self) -> str:
         return self.dtype_combo.currentText()
 
@@ -401,8 +414,7 @@ class RooflinePanel(Panel):
             dtype = canonical_dtype(info.dtype)
         except ValueError:
             dtype = "fp32"
-        if dtype in DTYPES:
-            self.dtype_combo.setCurrentText(dtype)
+        self.show_run_dtype(dtype, info.file_type)
         if self.this_machine_roofs() is not None:
             self.select_hardware(THIS_MACHINE)
         elif self.auto_measure and self.bridge.server is None and not self._user_chose_hw:

@@ -272,10 +272,11 @@ class SchedulingPanel(Panel):
         return w
 
     def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
-        per = costs.kv_bytes_per_token(cfg, info.dtype)
+        kv = costs.kv_cache_dtype(info)  # llama.cpp's cache is float16 under quantized weights
+        per = costs.kv_bytes_per_token(cfg, kv)
         page = self.page_spin.value() if hasattr(self, "page_spin") else SchedConfig().page_size
-        return (f"For {info.name} in {info.dtype}, one position of every request holds 2 · {cfg.n_layers} layers · "
-                f"{cfg.n_kv_heads} KV heads · {cfg.head_dim} · {costs.bytes_per_value(info.dtype):g} bytes = "
+        return (f"For {info.name} with a {kv} KV cache, one position of every request holds 2 · {cfg.n_layers} "
+                f"layers · {cfg.n_kv_heads} KV heads · {cfg.head_dim} · {costs.bytes_per_value(kv):g} bytes = "
                 f"{fmt_bytes(per)}, so a page of {page} positions is {fmt_bytes(per * page)}.")
 
     # ---- commands ------------------------------------------------------------------------------------------------

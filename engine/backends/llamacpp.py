@@ -68,7 +68,9 @@ from engine.tokenizer import Tokenization
 
 HEADER_CACHE_VERSION = "2"  # bump when read_config, tensor_stats, _lens_places or file_type_name change their answer
 UBATCH = 512  # tokens per graph evaluation during a prefill (llama.cpp splits a longer batch itself)
-KV_DTYPE = "float16"  # llama.cpp's default K and V cache type
+# ggml_type of llama.cpp's K and V caches -> the dtype engine.costs prices them at (its default is F16, whatever the
+# weights' type: a Q4 file still keeps float16 keys and values); GGML_TYPE_BF16 (30) is not exported by llama_cpp
+KV_TYPES = {0: "float32", 1: "float16", 30: "bfloat16", 8: "q8_0", 3: "q4_1"}
 LENS_ROWS = 1024  # rows of the output matrix dequantized at a time (the gguf package's temporaries: a few MiB each)
 HEAD_ROWS = 512  # rows of the lens's float16 output matrix widened to float32 at a time (a few MiB, cache-sized)
 GGML_F32, GGML_F16 = 0, 1
@@ -277,6 +279,13 @@ def _info_dtype(file_type: str, bits_per_weight: float) -> str:
         return "int4" if bits_per_weight <= 5 else "int8" if bits_per_weight <= 9 else "float16"
 
 
+def kv_cache_dtype(type_k: int, type_v: int) -> str:
+    """The dtype of a llama.cpp context's KV cache, from its llama_context_params' type_k and type_v."""
+    if type_k != type_v or type_k not in KV_TYPES:
+        raise ModelLoadError(f"llama.cpp's KV cache types (K {type_k}, V {type_v}) are not one this engine can price")
+    return KV_TYPES[type_k]
+
+
 def _sha256(path: Path) -> str:
     """The file's SHA-256, hashed once per file version and remembered in the cache (a saved session names it)."""
     from engine.formats.session_file import file_sha256
@@ -337,6 +346,11 @@ class LlamaCppSession:
         cp.swa_full = True
         cp.no_perf = True
         cp.cb_eval = self.tap.callback
+        try:
+            self.kv_dtype = kv_cache_dtype(cp.type_k, cp.type_v)  # llama.cpp's default, read rather than assumed
+        except ModelLoadError:
+            self.close()
+            raise
         self._ctx = L.llama_init_from_model(self._model, cp)
         if not self._ctx:
             self.close()
@@ -357,7 +371,7 @@ class LlamaCppSession:
         self.embedding_file_bytes = stats["file_embedding_bytes"]
         n_params = costs.n_params(self.cfg)
         bits = 8 * self.file_bytes / max(1, sum(n for _, n in files.values()))
-        per_position = costs.kv_bytes_per_token(self.cfg, KV_DTYPE) / self.cfg.n_layers
+        per_position = costs.kv_bytes_per_token(self.cfg, self.kv_dtype) / self.cfg.n_layers
         decode_file = round(costs.step_weight_bytes_file(self.cfg, self.file_bytes, self.embedding_file_bytes, 1))
         cfg = self.cfg
         self.info = ModelInfo(
@@ -365,7 +379,7 @@ class LlamaCppSession:
             d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
             ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, context_length=cfg.context_length,
             rope_base=cfg.rope_base, n_params=n_params, dtype=_info_dtype(file_type, bits), device="cpu",
-            weight_bytes=self.file_bytes, kv_bytes_per_token=round(costs.kv_bytes_per_token(cfg, KV_DTYPE)),
+            weight_bytes=self.file_bytes, kv_bytes_per_token=round(costs.kv_bytes_per_token(cfg, self.kv_dtype)),
             file_type=file_type, load_s=time.perf_counter() - t0, from_cache=False,
             sliding_window=cfg.sliding_window, layer_types=cfg.layer_types, rope_base_local=cfg.rope_base_local,
             kv_bytes_per_token_global=round(per_position * cfg.n_global_layers),
@@ -491,12 +505,12 @@ class LlamaCppSession:
 
     def step_cost(self, n_tokens: int, start: int, all_logits: bool = False) -> StepCost:
         """engine.costs.formulas' step, with the weights at the file's own bytes (what llama.cpp streams)."""
-        c = costs.prefill_cost(self.cfg, n_tokens, start=start, kv_dtype=KV_DTYPE, all_logits=all_logits)
+        c = costs.prefill_cost(self.cfg, n_tokens, start=start, kv_dtype=self.kv_dtype, all_logits=all_logits)
         return replace(c, weight_bytes=costs.step_weight_bytes_file(
             self.cfg, self.file_bytes, self.embedding_file_bytes, rows=n_tokens))
 
     def kv_event(self, step: int) -> KVCacheGrew:
-        per_position = costs.kv_bytes_per_token(self.cfg, KV_DTYPE)
+        per_position = costs.kv_bytes_per_token(self.cfg, self.kv_dtype)
         n = len(self.cached_ids)
         return KVCacheGrew(step=step, n_tokens=n, bytes_used=round(per_position * n),
                            bytes_allocated=round(per_position * self.n_ctx))

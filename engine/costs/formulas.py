@@ -65,7 +65,7 @@ helps.
 
 from __future__ import annotations
 
-from engine.events import StepCost
+from engine.events import ModelInfo, StepCost
 from engine.model import dtypes
 from engine.model.config import ModelConfig
 
@@ -130,6 +130,32 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: str, batch: int = 1) -> float:
     (see kv_bytes).
     """
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * bytes_per_value(dtype) * batch
+
+
+def kv_cache_dtype(info: ModelInfo) -> str:
+    """The dtype the loaded model's KV cache holds, as its runtime reported it in bytes per position.
+
+    The torch engine keeps keys and values in the running dtype (ModelInfo.dtype); llama.cpp keeps them in its own
+    cache type (float16 by default) whatever the weights' type, and ModelInfo.dtype names the weights. The bytes
+    one position adds in one layer (kv_bytes_per_token_global or _local over its layers) divided by
+    2 · n_kv_heads · head_dim is the bytes per value: the running dtype when that matches it, else the first format
+    of engine.model.dtypes with those bytes per value.
+    """
+    n_global = sum(t == "global" for t in info.layer_types) if info.layer_types else info.n_layers
+    layers, per_token = ((n_global, info.kv_bytes_per_token_global) if n_global
+                         else (info.n_layers - n_global, info.kv_bytes_per_token_local))
+    if not per_token or not layers:
+        return info.dtype  # a session saved before these figures were kept
+    per_value = per_token / (2 * layers * info.n_kv_heads * info.head_dim)
+    try:
+        if abs(dtypes.bytes_per_value(info.dtype) - per_value) <= 1e-3 * per_value:
+            return info.dtype
+    except ValueError:
+        pass  # a weights' type the table does not know: the bytes name the cache's format below
+    for d in dtypes.TABLE:
+        if abs(d.bytes_per_value - per_value) <= 1e-3 * per_value:
+            return d.spellings[0] if d.spellings else d.name
+    raise ValueError(f"{info.name}'s KV cache holds {per_value:g} bytes per value, which no known dtype has")
 
 
 def kv_bytes(cfg: ModelConfig, dtype: str, context: int, batch: int = 1) -> tuple[float, float]:

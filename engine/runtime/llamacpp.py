@@ -47,7 +47,7 @@ class LlamaCppRuntime(Runtime):
         self.session = session
         self.info, self.cfg, self.tokenizer = session.info, session.cfg, session.tokenizer
         self.n_seq, self.capacity, self.device, self.page_size = n_seq, capacity, torch.device("cpu"), 1
-        self.weight_dtype, self.kv_dtype, self.dtype_name = session.info.dtype, "float16", session.info.file_type
+        self.weight_dtype, self.kv_dtype, self.dtype_name = session.info.dtype, session.kv_dtype, session.info.file_type
         L = self.llama = session.llama
         per_seq = capacity if pooled else -(-capacity // STREAM_GRANULE) * STREAM_GRANULE
         cp = L.llama_context_default_params()
