@@ -324,6 +324,11 @@ class Bridge(QtCore.QObject):
     """Load lab ended: "" when complete, else why it stopped."""
     sig_server_tokens = QtCore.Signal(object)
     """engine.protocol.Tokenized: the connected server's own tokenization of a prompt (and of its chat form)."""
+    sig_why_progress = QtCore.Signal(float, str)
+    """A why-experiment: fraction done and what is being run."""
+    sig_why_done = QtCore.Signal(object)
+    """A why-experiment ended: engine.protocol.ExperimentDone (its result, or cancelled, or why it failed)."""
+    _sig_why_lost = QtCore.Signal(str)  # the engine died during an experiment: why (made an ExperimentDone)
     sig_engine_lost = QtCore.Signal(object)
     """EngineLost: the engine process died (why, whether it is being restarted, an offer of the torch runtime)."""
     sig_engine_restarted = QtCore.Signal(object)
@@ -343,6 +348,8 @@ class Bridge(QtCore.QObject):
         self._preview_id = 0
         self._tokenize_id = 0
         self._ping = 0
+        self._experiment_id = 0
+        self._experiment: P.Experiment | None = None  # the newest experiment sent and not yet done
         self._machine: dict[tuple[str, str], object] = {}  # (device, dtype) → the engine's answer (None: none)
         self._answered: set[tuple[str, str]] = set()  # keys the engine has answered for
         # What a new engine process needs to stand in for one that died, and what the app knows of the dead one.
@@ -374,7 +381,7 @@ class Bridge(QtCore.QObject):
             P.ServeRequestDone: lambda m: self.sig_serve_request.emit(m.result),
             P.ServeMetrics: self.sig_serve_metrics.emit, P.ServeLevelDone: lambda m: self.sig_serve_run.emit(m.figures),
             P.Tokenized: self.sig_server_tokens.emit, P.Pong: lambda m: self.sig_pong.emit(m.token),
-            P.Stopped: lambda m: None,
+            P.Stopped: lambda m: None, P.ExperimentDone: self._on_experiment_done,
         }
         for cls in SPEC_EVENTS:
             self._routes[cls] = self.sig_spec.emit
@@ -382,10 +389,11 @@ class Bridge(QtCore.QObject):
             self._routes[cls] = self.sig_sched.emit
         self._progress = {"load": self.sig_load_progress, "batch": self.sig_batch_progress,
                           "measure": self.sig_measure_progress, "serve": self.sig_serve_progress,
-                          "serve_model": self.sig_serving_progress}
+                          "serve_model": self.sig_serving_progress, "why": self.sig_why_progress}
         self._done = {"batch": self.sig_batch_done, "measure": self.sig_measure_done, "serve": self.sig_serve_done,
                       "serve_model": self.sig_serving_done, "spec": self.sig_spec_done,
-                      "sched": self.sig_sched_done}
+                      "sched": self.sig_sched_done, "why": self._sig_why_lost}
+        self._sig_why_lost.connect(self._on_why_lost)
         self._start_engine()
 
     def _start_engine(self) -> None:
@@ -541,6 +549,20 @@ class Bridge(QtCore.QObject):
     def cancel_lab(self) -> None:
         self._post(P.Cancel())
 
+    def run_experiment(self, params: object) -> int:
+        """Run a why-experiment (engine.protocol's HeadsParams, AblateParams, PatchParams, AttributeParams or
+        CompareParams) in the engine process, after any generation; sig_why_progress while it runs, then
+        sig_why_done. Returns the request's id."""
+        self._experiment_id += 1
+        cmd = P.Experiment(self._experiment_id, params)
+        self._experiment = cmd
+        self._jobs.add("why")
+        self._post(cmd)
+        return cmd.request_id
+
+    def cancel_experiment(self) -> None:
+        self._post(P.Cancel())
+
     def run_serve_bench(self, config: dict) -> None:
         """Load lab: `config` holds concurrency (list), num_prompts, max_new_tokens, request_rate, time_limit_s."""
         self._jobs.add("serve")
@@ -653,6 +675,17 @@ class Bridge(QtCore.QObject):
         sig = self._done.get(m.job)
         if sig is not None:
             sig.emit(m.message)
+
+    def _on_experiment_done(self, m: P.ExperimentDone) -> None:
+        if self._experiment is not None and m.request_id == self._experiment.request_id:
+            self._experiment = None
+            self._jobs.discard("why")
+        self.sig_why_done.emit(m)
+
+    def _on_why_lost(self, message: str) -> None:
+        cmd, self._experiment = self._experiment, None
+        if cmd is not None:
+            self.sig_why_done.emit(P.ExperimentDone(cmd.request_id, cmd.kind, cmd.params, failure=message))
 
     def _on_loaded(self, m: P.Loaded) -> None:
         cmd, quiet = self._loads_sent.pop(0) if self._loads_sent else (None, False)

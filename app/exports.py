@@ -143,7 +143,7 @@ def export_panel(panel: QtWidgets.QWidget, path: str | os.PathLike[str]) -> None
 
 # ---- the window's side ------------------------------------------------------------------------------------------
 DATA_KINDS = {"timeline": "Timeline", "funnels": "Sampling funnels", "attention": "Attention (shown layer)",
-              "kv": "KV cache growth"}
+              "kv": "KV cache growth", "why": "Why (shown experiment)"}
 
 
 def data_rows(window, kind: str) -> list[dict]:
@@ -155,6 +155,9 @@ def data_rows(window, kind: str) -> list[dict]:
         return funnel_rows(events)
     if kind == "kv":
         return kv_rows(events)
+    if kind == "why":
+        why = window.panels.get("why")
+        return why.export_rows() if why is not None else []
     raise ValueError(f"unknown data kind {kind!r}")
 
 

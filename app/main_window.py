@@ -205,6 +205,18 @@ class MainWindow(QtWidgets.QMainWindow):
                 gen.chat_box.hide()  # one Chat toggle in the window: the Prompt panel's; Generation follows it
         elif gen is not None and preview is not None:
             gen.sig_chat_changed.connect(preview.set_chat)
+        why, attention = self.panels.get("why"), self.panels.get("attention")
+        if why is not None and attention is not None:
+            why.sig_show_head.connect(self.show_head)
+
+    def show_head(self, layer: int, head: int) -> None:
+        """Show a layer and head in the Attention panel, brought to the front (a click in the Why panel)."""
+        attention = self.panels.get("attention")
+        if attention is None:
+            return
+        attention.show_head(layer, head)
+        self.docks["attention"].show()
+        self.docks["attention"].raise_()
 
     def _build_menus(self) -> None:
         bar = self.menuBar()

@@ -116,9 +116,11 @@ def snapshot(window) -> SavedSession:
     chat = prompt.chat() if prompt is not None else (gen.chat() if gen is not None else False)
     max_new = gen.max_tokens.value() if gen is not None else 0
     shown = store.shown_run()
+    why = window.panels.get("why")
+    extra = {"why": why.saved_results()} if why is not None and why.saved_results() else {}
     return SavedSession(
         events=store.events(), prompt=text, chat=chat,
-        settings={"params": bridge.params, "max_new_tokens": int(max_new)},
+        settings={"params": bridge.params, "max_new_tokens": int(max_new), **extra},
         info=bridge.info, cfg=bridge.cfg, tokenizer=bridge.tokenizer,
         branches=store.records() if len(store.runs) > 1 else [],
         dropped=list(shown.dropped) if shown is not None and shown.dropped else None,
@@ -306,6 +308,9 @@ def replay(window, saved: SavedSession, warning: str | None = None) -> None:
         else:
             store.load([{"name": "run 1", "events": saved.events, "dropped": saved.dropped}])
         replay_events(bridge, store.events(), store)
+        why = window.panels.get("why")
+        if why is not None:  # the why-experiments' results the session kept (none: the panel is cleared)
+            why.restore_results(saved.settings.get("why"))
     finally:
         if warning and loaded[0] is not None:
             bridge.show_model(*loaded, announce=False)

@@ -78,6 +78,11 @@ class Backend(ABC):
         """The load lab: concurrent requests against a server, with its metrics."""
         raise Unsupported("the load lab measures a server: connect to one first (File → Connect to server…)")
 
+    def why_session(self) -> object:
+        """The loaded model's session the why-experiments run on (engine.server.run_experiment): the torch engine's
+        Session or a runtime with its interface."""
+        raise Unsupported("the why-experiments look inside the local model: disconnect from the server to run them")
+
     def close(self) -> None:
         """Release what the backend holds (connections); the local model is kept by whoever owns it."""
         return None

@@ -242,6 +242,82 @@ class Schedule(Command):
     config: object  # engine.run.schedule_events.SchedConfig
 
 
+# -- why-experiments (engine.why): one request, one outcome; the params' type says which experiment
+@dataclass(frozen=True)
+class HeadsParams:
+    """Head roles scored on `repeat` random tokens repeated once (engine.why.heads)."""
+
+    repeat: int = 24
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class AblateParams:
+    """The next-token distribution of `prompt` before and after zero- (or mean-) ablating these parts
+    (engine.why.ablate)."""
+
+    prompt: str
+    heads: tuple[tuple[int, int], ...] = ()  # (layer, head)
+    attn_layers: tuple[int, ...] = ()
+    mlp_layers: tuple[int, ...] = ()
+    mean: bool = False
+    chat: bool = False
+
+
+@dataclass(frozen=True)
+class PatchParams:
+    """Activation patching from the clean prompt into the corrupted one (equal token lengths), scored by the logit
+    difference of `answer` over `wrong` (engine.why.patch)."""
+
+    clean: str
+    corrupt: str
+    answer: str
+    wrong: str
+    heads: bool = False  # also patch each head's output
+
+
+@dataclass(frozen=True)
+class AttributeParams:
+    """Which prompt tokens drove the next token (engine.why.attribute)."""
+
+    prompt: str
+    method: str = "ig"  # "ig", "grad-input" or "occlusion"
+    steps: int = 32  # integrated gradients' steps
+    target: int | None = None  # token id scored (None: the model's greedy next token)
+    chat: bool = False
+
+
+@dataclass(frozen=True)
+class CompareParams:
+    """The same prompt through the loaded model and another file of the same model (engine.why.compare)."""
+
+    other: str  # path of the other model file or folder
+    prompt: str
+    steps: int = 16  # greedy steps compared
+    backend: str = "auto"  # the other model's runtime: "torch", "llama.cpp" or "auto"
+
+
+EXPERIMENT_KINDS: dict[type, str] = {HeadsParams: "heads", AblateParams: "ablate", PatchParams: "patch",
+                                     AttributeParams: "attribute", CompareParams: "compare"}
+
+
+@dataclass(frozen=True)
+class Experiment(Command):
+    """Run one why-experiment on the loaded model: Progress("why", …) while it runs, then one ExperimentDone.
+    Cancel stops it between forward passes."""
+
+    request_id: int
+    params: HeadsParams | AblateParams | PatchParams | AttributeParams | CompareParams
+
+    def __post_init__(self) -> None:
+        if type(self.params) not in EXPERIMENT_KINDS:
+            raise TypeError(f"not the parameters of an experiment: {type(self.params).__name__}")
+
+    @property
+    def kind(self) -> str:
+        return EXPERIMENT_KINDS[type(self.params)]
+
+
 @dataclass(frozen=True)
 class ServeModel(Command):
     """Start llama.cpp's server on 127.0.0.1 for the loaded model and connect to it (Progress and Done "serve_model");
@@ -272,7 +348,7 @@ class Ping(Command):
 # -- notices
 @dataclass(frozen=True)
 class Progress(Notice):
-    """A long job's progress: job is "load", "batch", "measure" or "serve"; fraction in [0, 1]."""
+    """A long job's progress: job is "load", "batch", "measure", "serve" or "why"; fraction in [0, 1]."""
 
     job: str
     fraction: float
@@ -371,6 +447,25 @@ class PreviewResult(Notice):
     n_computed: int
     seconds: float
     funnel: object  # engine.events.Funnel
+
+
+@dataclass(frozen=True)
+class ExperimentDone(Notice):
+    """How an Experiment ended: exactly one of a result (the JSON-ready dict the CLI prints), cancelled, or a failure
+    (one sentence; `unsupported` when the runtime cannot run this experiment at all)."""
+
+    request_id: int
+    kind: str  # "heads", "ablate", "patch", "attribute" or "compare"
+    params: object  # the Experiment's params
+    result: dict | None = None
+    cancelled: bool = False
+    failure: str = ""
+    unsupported: bool = False
+    seconds: float = 0.0  # wall time of the experiment in the engine process
+
+    @property
+    def ok(self) -> bool:
+        return self.result is not None
 
 
 @dataclass(frozen=True)

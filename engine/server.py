@@ -22,7 +22,8 @@ from collections import deque
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
-from engine.backend import Backend, Run, Unsupported
+from engine.backend import Backend, Run, ShouldStop, Unsupported
+from engine.backend import Progress as ReportProgress
 from engine.events import Failed, TokenSampled
 from engine.protocol import (
     AskThisMachine,
@@ -37,6 +38,8 @@ from engine.protocol import (
     Disconnect,
     Disconnected,
     Done,
+    Experiment,
+    ExperimentDone,
     Generate,
     Load,
     Loaded,
@@ -92,6 +95,7 @@ class EngineServer:
             SetThreads: self.set_threads, Connect: self.connect, Disconnect: self.disconnect,
             ServeBench: self.serve_bench, Tokenize: self.tokenize, Ping: self.ping, ServeModel: self.serve_model,
             StopServing: self.stop_serving, Speculate: self.speculate, Schedule: self.schedule,
+            Experiment: self.experiment,
         }
         self.served = None  # the server this process started for the loaded model (engine.remote.launch)
         self.served_backend: Backend | None = None  # the connection to it
@@ -372,6 +376,39 @@ class EngineServer:
             return
         self._job("sched", lambda progress, should_stop: self.backend.schedule(cmd.config, self.send, should_stop))
 
+    def experiment(self, cmd: Experiment) -> None:
+        """A why-experiment on the loaded model, with Progress("why", …); its ExperimentDone carries the result, or
+        says it was cancelled (Cancel, Stop, Quit) or why it failed, in one sentence."""
+        import time
+
+        from engine.why import Cancelled
+
+        number = self.current
+
+        def should_stop() -> bool:
+            return self.cancelled(number)
+
+        def done(**outcome) -> None:
+            self.send(ExperimentDone(cmd.request_id, cmd.kind, cmd.params, seconds=time.perf_counter() - t0,
+                                     **outcome))
+
+        t0 = time.perf_counter()
+        if self.backend is None:
+            done(failure="load a model first")
+            return
+        try:
+            result = run_experiment(self.backend.why_session(), cmd.params,
+                                    lambda f, m: self.send(Progress("why", f, m)), should_stop)
+        except Unsupported as e:
+            done(failure=str(e), unsupported=True)
+        except Exception as e:  # noqa: BLE001 — the panel must learn that the run ended
+            if isinstance(e, Cancelled) or should_stop():
+                done(cancelled=True)
+            else:  # a ValueError is the experiment's own sentence about bad input
+                done(failure=str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+        else:
+            done(result=result)
+
     def serve_bench(self, cmd: ServeBench) -> None:
         if self.backend is None:
             self.send(Done("serve", "connect to a server first (File → Connect to server…)"))
@@ -506,6 +543,42 @@ class EngineServer:
             except Exception as e:  # noqa: BLE001 — a backend's refusal or a server's error: one sentence
                 out[key.replace("prompt", "error")] = str(e)
         self.send(Tokenized(cmd.request_id, cmd.text, **out))
+
+
+def run_experiment(session: object, params: object, progress: ReportProgress | None = None,
+                   should_stop: ShouldStop | None = None) -> dict:
+    """One why-experiment (engine.protocol's HeadsParams, AblateParams, …) on a loaded session, the torch engine's
+    or llama.cpp's: the dict its CLI prints. Each module says itself (engine.why.Unsupported) what a runtime cannot."""
+    from engine import protocol as P
+
+    if isinstance(params, P.HeadsParams):
+        from engine.why.heads import head_roles
+
+        return head_roles(session, repeat=params.repeat, seed=params.seed, progress=progress,
+                          should_stop=should_stop)
+    if isinstance(params, P.AblateParams):
+        from engine.why import check_stop
+        from engine.why.ablate import ablate
+
+        check_stop(should_stop)  # two forward passes: nothing to stop between them
+        return ablate(session, params.prompt, heads=params.heads, attn_layers=params.attn_layers,
+                      mlp_layers=params.mlp_layers, mean=params.mean, chat=params.chat)
+    if isinstance(params, P.PatchParams):
+        from engine.why.patch import patch
+
+        return patch(session, params.clean, params.corrupt, params.answer, params.wrong, heads=params.heads,
+                     progress=progress, should_stop=should_stop)
+    if isinstance(params, P.AttributeParams):
+        from engine.why.attribute import attribute
+
+        return attribute(session, params.prompt, method=params.method, steps=params.steps, target=params.target,
+                         chat=params.chat, progress=progress, should_stop=should_stop)
+    if isinstance(params, P.CompareParams):
+        from engine.why.compare import compare
+
+        return compare(session, params.other, params.prompt, steps=params.steps, progress=progress,
+                       should_stop=should_stop)
+    raise TypeError(f"not the parameters of an experiment: {type(params).__name__}")
 
 
 def serve(commands: Connection, events: Connection, threads: int = 0) -> None:

@@ -397,6 +397,13 @@ class AttentionPanel(Panel):
                 self.tabs.setCurrentIndex(0)
                 return
 
+    def show_head(self, layer: int, head: int) -> None:
+        """Show this layer and query head large (captured from the next generation on, when it was not)."""
+        self.layer_spin.setValue(int(layer))
+        self.head_spin.setValue(int(head))
+        self.tabs.setCurrentIndex(0)
+        self.mark_dirty()
+
     # ---- drawing -----------------------------------------------------------------------------------------------
     def layer(self) -> int:
         return int(self.layer_spin.value())

@@ -89,3 +89,6 @@ class LocalBackend(Backend):
 
         bench_batch(self.session, batches, prompt_tokens, new_tokens, progress=progress, should_stop=should_stop,
                     memory_limit_bytes=psutil.virtual_memory().available * 0.5, on_row=on_row)
+
+    def why_session(self) -> object:
+        return self.session

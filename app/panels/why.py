@@ -1,0 +1,923 @@
+"""Why: experiments that say what a part of the model caused, run on the loaded model in the engine process.
+
+Five modes, each one engine.why experiment (engine.protocol's HeadsParams, AblateParams, PatchParams,
+AttributeParams, CompareParams): head roles, ablation, activation patching, token attribution, and a comparison of
+two files of one model. Run sends one Experiment through the bridge; progress arrives as sig_why_progress and the
+end as one ExperimentDone (sig_why_done): a result dict (what the CLI prints), cancelled, or a one-line failure.
+The panel keeps the newest result of each kind (sessions save them, exports write them) and draws the one of the
+mode shown. Clicking a head in the head-roles heatmaps asks the window to show that layer and head in the Attention
+panel (sig_show_head). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6 import QtCore, QtGui, QtWidgets
+
+from app.bridge import Bridge
+from app.panels.base import Panel, spin_box
+from app.theme import (
+    ACCENT,
+    BACKGROUND,
+    DECODE_COLOR,
+    ERROR_COLOR,
+    FOREGROUND,
+    MUTED,
+    OK_COLOR,
+    PREFILL_COLOR,
+    SURFACE,
+    placeholder,
+    set_number_cell,
+    show_empty,
+    style_plot,
+    visible_whitespace,
+)
+from engine.events import ModelInfo
+from engine.model.config import ModelConfig
+from engine.protocol import (
+    AblateParams,
+    AttributeParams,
+    CompareParams,
+    ExperimentDone,
+    HeadsParams,
+    PatchParams,
+)
+
+FONT_PT = 9
+MODES = (("heads", "Head roles"), ("ablate", "Ablate"), ("patch", "Patch"), ("attribute", "Attribute"),
+         ("compare", "Compare"))
+KINDS = tuple(k for k, _ in MODES)
+SCORES = (("previous_token", "previous token"), ("duplicate_token", "duplicate token"), ("induction", "induction"),
+          ("sink", "attention sink"))
+# Our own one-line reading of each score (TransformerLens's head_detector definitions); the engine's own words, when
+# a result carries them, are shown instead.
+DEFINITIONS = {
+    "previous_token": "share of each query's attention on the token just before it (t − 1)",
+    "duplicate_token": "share on the same token's earlier copy, N positions back (t − N)",
+    "induction": "share on the token after that earlier copy (t − N + 1): 'A B … A → B' copying",
+    "sink": "share on the first position, whatever it holds: attention parked where it changes little",
+}
+METHODS = (("integrated gradients", "ig"), ("gradient × input", "grad-input"), ("occlusion", "occlusion"))
+HEADS_CMAP = pg.colormap.get("viridis")
+DIVERGING = pg.colormap.get("CET-D1")  # blue (negative) … grey … red (positive)
+DEFAULT_CLEAN, DEFAULT_CORRUPT = "The Eiffel Tower is in the city of", "The Colosseum is in the city of"
+DEFAULT_ANSWER, DEFAULT_WRONG = " Paris", " Rome"
+DEFAULT_PROMPT = "The capital of France is"
+HELP_PROMPT_TOKENS = 12  # the patching grid the model-specific help sentence prices
+MAX_CELLS = 1 << 22  # a saved result larger than this (a hostile file) is not drawn
+
+
+class ResultError(ValueError):
+    """A result that cannot be drawn (a damaged or foreign session file): one sentence."""
+
+
+def parse_heads(text: str) -> tuple[tuple[int, int], ...]:
+    """"3:1, 5:2" or "3:1 5:2" → ((3, 1), (5, 2)); ValueError with one sentence on anything else."""
+    out = []
+    for part in filter(None, re.split(r"[,\s;]+", text.strip())):
+        m = re.fullmatch(r"(\d+):(\d+)", part)
+        if m is None:
+            raise ValueError(f"{part!r} is not a head: write layer:head, e.g. 3:1")
+        out.append((int(m.group(1)), int(m.group(2))))
+    return tuple(dict.fromkeys(out))
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """"0, 4 7" → (0, 4, 7); ValueError with one sentence on anything else."""
+    out = []
+    for part in filter(None, re.split(r"[,\s;]+", text.strip())):
+        if not part.isdigit():
+            raise ValueError(f"{part!r} is not a layer number")
+        out.append(int(part))
+    return tuple(dict.fromkeys(out))
+
+
+def _matrix(x: Any, name: str) -> np.ndarray:
+    """A 2-D float array from a result's list of lists, or ResultError."""
+    try:
+        a = np.asarray(x, dtype=float)
+    except (TypeError, ValueError):
+        raise ResultError(f"its {name} is not a table of numbers") from None
+    if a.ndim != 2 or a.size > MAX_CELLS:
+        raise ResultError(f"its {name} is not a table of numbers")
+    return a
+
+
+def _vector(x: Any, name: str) -> np.ndarray:
+    try:
+        a = np.asarray(x, dtype=float)
+    except (TypeError, ValueError):
+        raise ResultError(f"its {name} is not a list of numbers") from None
+    if a.ndim != 1 or a.size > MAX_CELLS:
+        raise ResultError(f"its {name} is not a list of numbers")
+    return a
+
+
+def _strings(x: Any, name: str) -> list[str]:
+    """Token texts: a list of pieces, or {"ids": […], "pieces": […]} as some experiments give them."""
+    if isinstance(x, dict):
+        x = x.get("pieces")
+    if not isinstance(x, (list, tuple)) or not all(isinstance(s, str) for s in x) or len(x) > MAX_CELLS:
+        raise ResultError(f"its {name} are not a list of texts")
+    return list(x)
+
+
+def pieces(x: Any) -> list[str]:
+    """The token texts of a checked result's `tokens` (see _strings)."""
+    return _strings(x, "tokens")
+
+
+def check_result(kind: str, result: Any) -> None:
+    """Raise ResultError (one sentence) unless `result` has what the panel draws for `kind`."""
+    if not isinstance(result, dict):
+        raise ResultError("it is not a result")
+    if kind == "heads":
+        scores = result.get("scores")
+        if not isinstance(scores, dict) or not all(k in scores for k, _ in SCORES):
+            raise ResultError("its scores lack one of the four head roles")
+        shapes = {_matrix(scores[k], k).shape for k, _ in SCORES}
+        if len(shapes) != 1:
+            raise ResultError("its four score tables differ in shape")
+    elif kind == "ablate":
+        for side in ("before", "after"):
+            d = result.get(side)
+            if not isinstance(d, dict):
+                raise ResultError(f"it has no {side} distribution")
+            if len(_strings(d.get("tokens"), f"{side} tokens")) != len(_vector(d.get("probs"), f"{side} probs")):
+                raise ResultError(f"its {side} tokens and probabilities differ in number")
+    elif kind == "patch":
+        restored = _matrix(result.get("restored"), "restored grid")
+        if restored.shape[1] != len(_strings(result.get("tokens"), "tokens")):
+            raise ResultError("its grid and its tokens differ in width")
+    elif kind == "attribute":
+        if len(_vector(result.get("scores"), "scores")) != len(_strings(result.get("tokens"), "tokens")):
+            raise ResultError("its scores and its tokens differ in number")
+    elif kind == "compare":
+        if len(_vector(result.get("kl"), "kl")) != len(_vector(result.get("attention_js"), "attention_js")):
+            raise ResultError("its KL and attention divergence differ in length")
+    else:
+        raise ResultError(f"{kind!r} is not an experiment")
+
+
+def _piece(s: str) -> str:
+    return visible_whitespace(s).replace("\n", "↵")
+
+
+def blend(colour: str, weight: float, base: str = SURFACE) -> str:
+    """`colour` mixed into `base` by weight in [0, 1]: an opaque colour for rich text (which has no alpha)."""
+    a, b = QtGui.QColor(colour), QtGui.QColor(base)
+    w = min(1.0, max(0.0, weight))
+    mix = [round(w * x + (1 - w) * y) for x, y in zip(a.getRgb()[:3], b.getRgb()[:3], strict=True)]
+    return QtGui.QColor(*mix).name()
+
+
+def attribution_html(tokens: list[str], scores: np.ndarray) -> str:
+    """The prompt's tokens, each on a background by its score: red pushes the target up, blue pushes it down, the
+    strength by |score| over the largest |score|."""
+    top = float(np.nanmax(np.abs(scores))) if scores.size else 0.0
+    cells = []
+    for piece, s in zip(tokens, scores, strict=True):
+        w = abs(float(s)) / top if top > 0 and np.isfinite(s) else 0.0
+        bg = blend(ERROR_COLOR if s > 0 else DECODE_COLOR, w)
+        cells.append(f"<span title='{float(s):+.4g}' style='background:{bg};color:{FOREGROUND}'>"
+                     f"{html.escape(_piece(piece))}</span>")
+    return f"<div style='font-family:monospace;font-size:11pt;line-height:150%'>{''.join(cells)}</div>"
+
+
+class WhyPanel(Panel):
+    title = "Why"
+    object_name = "panel_why"
+    shortcut = "Ctrl+Alt+6"
+    subscriptions = {"sig_why_progress": "_on_progress", "sig_why_done": "_on_done"}
+    sig_show_head = QtCore.Signal(int, int)
+    """The user clicked a head in the head-roles heatmaps: (layer, head), for the Attention panel."""
+    help_text = (
+        "Attention weights and the logit lens show what the model computed; they do not say what caused the "
+        "answer. A bright attention cell may change nothing downstream. This panel runs experiments on the loaded "
+        "model that do say it, each in the engine process with progress and Cancel. Head roles: on a sequence of "
+        "random tokens repeated once, each head's average attention share on a fixed position: the previous token, "
+        "the earlier copy of the current token (duplicate), the token after that copy (induction: the head that "
+        "lets a model continue a pattern it saw once), and the first position (a sink). Click a head to see its "
+        "attention in the Attention panel. Ablate: set chosen heads, attention outputs or MLP outputs to zero (or "
+        "to their mean over the prompt) and compare the next-token distribution with the untouched one (KL "
+        "divergence in nats, whether the top token changed). Patch: run a clean and a corrupted prompt of equal "
+        "token length, then re-run the corrupted one with the clean residual stream copied in after one layer at "
+        "one position; each cell is the share of the clean-minus-corrupted logit difference of the answer over the "
+        "wrong token that this one copy restores (1 = all of it, 0 = none). Attribute: which prompt tokens drove "
+        "the next token, as gradient × input, integrated gradients (the gradient averaged along a straight path "
+        "from a neutral baseline input to the prompt, times the difference; the scores add up to the change in the "
+        "target's log-probability between the two), or "
+        "occlusion (re-run the prompt with each token masked: one forward pass per token, the way on a runtime "
+        "without gradients). Compare: the same prompt through the loaded model and another file of the same "
+        "model, e.g. a 4-bit and an 8-bit quantization: per layer, the KL divergence of their logit-lens "
+        "distributions and the Jensen–Shannon distance of their attention rows, and the greedy steps whose top "
+        "token differs."
+    )
+
+    def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
+        n_layers, n_heads, t = cfg.n_layers, cfg.n_heads, HELP_PROMPT_TOKENS
+        cells = (n_layers + 1) * t
+        return (f"{info.name} has {n_layers} layers of {n_heads} query heads: the head-role scan scores "
+                f"{n_layers * n_heads:,} heads from one forward pass. A patching grid over a {t}-token prompt has "
+                f"({n_layers} + 1) × {t} = {cells:,} cells, each a forward pass of the corrupted prompt with one "
+                f"patch, besides the clean and corrupted runs.")
+
+    def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(bridge, parent)
+        self.results: dict[str, dict] = {}  # kind → {"kind", "params", "result", "seconds"}
+        self.running: int | None = None  # the request id of the experiment in progress
+        self._running_kind = ""
+        self._progress = (0.0, "")
+        self._status = ""  # a failure or a cancellation, for the mode it happened in
+        self._status_kind = ""
+        self._build()
+        self.clear()
+
+    # ---- widgets -------------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        self.mode_combo = QtWidgets.QComboBox()
+        for key, label in MODES:
+            self.mode_combo.addItem(label, key)
+        self.mode_combo.setToolTip("Which experiment to run and show")
+        self.run_button = QtWidgets.QPushButton("Run")
+        self.run_button.setToolTip("Run the experiment on the loaded model in the engine process")
+        self.run_button.clicked.connect(lambda: self.run())
+        self.cancel_button = QtWidgets.QPushButton("Cancel")
+        self.cancel_button.setEnabled(False)
+        self.cancel_button.clicked.connect(self.cancel)
+        self.progress_bar = QtWidgets.QProgressBar()
+        self.progress_bar.setRange(0, 1000)
+        self.progress_bar.setTextVisible(True)
+        self.progress_bar.setFormat("")
+        top = QtWidgets.QHBoxLayout()
+        top.setContentsMargins(0, 0, 0, 0)
+        top.addWidget(self.mode_combo)
+        top.addWidget(self.run_button)
+        top.addWidget(self.cancel_button)
+        top.addWidget(self.progress_bar, 1)
+
+        self.inputs = QtWidgets.QStackedWidget()
+        self.inputs.addWidget(self._heads_inputs())
+        self.inputs.addWidget(self._ablate_inputs())
+        self.inputs.addWidget(self._patch_inputs())
+        self.inputs.addWidget(self._attribute_inputs())
+        self.inputs.addWidget(self._compare_inputs())
+        self.inputs.setSizePolicy(QtWidgets.QSizePolicy.Policy.Preferred, QtWidgets.QSizePolicy.Policy.Maximum)
+
+        self.summary = QtWidgets.QLabel()
+        self.summary.setWordWrap(True)
+        self.summary.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        self.summary.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+
+        self.views = QtWidgets.QStackedWidget()
+        self.views.addWidget(self._heads_view())
+        self.views.addWidget(self._ablate_view())
+        self.views.addWidget(self._patch_view())
+        self.views.addWidget(self._attribute_view())
+        self.views.addWidget(self._compare_view())
+        self.mode_combo.currentIndexChanged.connect(self._on_mode)
+
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.setSpacing(3)
+        layout.addLayout(top)
+        layout.addWidget(self.inputs)
+        layout.addWidget(self.summary)
+        layout.addWidget(self.views, 1)
+
+    @staticmethod
+    def _form(rows: list[tuple[str, QtWidgets.QWidget | QtWidgets.QLayout]]) -> QtWidgets.QWidget:
+        w = QtWidgets.QWidget()
+        form = QtWidgets.QFormLayout(w)
+        form.setContentsMargins(0, 0, 0, 0)
+        form.setSpacing(3)
+        for label, field in rows:
+            form.addRow(label, field)
+        return w
+
+    @staticmethod
+    def _row(*widgets: QtWidgets.QWidget) -> QtWidgets.QHBoxLayout:
+        row = QtWidgets.QHBoxLayout()
+        row.setContentsMargins(0, 0, 0, 0)
+        for w in widgets:
+            row.addWidget(w)
+        row.addStretch(1)
+        return row
+
+    def _heads_inputs(self) -> QtWidgets.QWidget:
+        self.repeat_spin = spin_box(2, 512, 24, "N: random tokens, then the same N again (induction needs the repeat)")
+        self.seed_spin = spin_box(0, 2**31 - 1, 0, "Seed of the random tokens")
+        return self._form([("random tokens", self._row(self.repeat_spin, QtWidgets.QLabel("seed"), self.seed_spin))])
+
+    def _ablate_inputs(self) -> QtWidgets.QWidget:
+        self.ablate_prompt = QtWidgets.QLineEdit(DEFAULT_PROMPT)
+        self.ablate_heads = QtWidgets.QLineEdit()
+        self.ablate_heads.setPlaceholderText("layer:head, e.g. 3:1, 5:0")
+        self.ablate_attn = QtWidgets.QLineEdit()
+        self.ablate_attn.setPlaceholderText("layers")
+        self.ablate_attn.setToolTip("Layers whose whole attention output is removed")
+        self.ablate_mlp = QtWidgets.QLineEdit()
+        self.ablate_mlp.setPlaceholderText("layers")
+        self.ablate_mlp.setToolTip("Layers whose MLP output is removed")
+        self.mean_box = QtWidgets.QCheckBox("mean")
+        self.mean_box.setToolTip("Replace each part's output by its mean over the prompt's positions, not by zero")
+        self.ablate_chat = QtWidgets.QCheckBox("chat")
+        return self._form([("prompt", self.ablate_prompt), ("heads", self.ablate_heads),
+                           ("attention", self._row(self.ablate_attn, QtWidgets.QLabel("MLP"), self.ablate_mlp,
+                                                   self.mean_box, self.ablate_chat))])
+
+    def _patch_inputs(self) -> QtWidgets.QWidget:
+        self.clean_edit = QtWidgets.QLineEdit(DEFAULT_CLEAN)
+        self.corrupt_edit = QtWidgets.QLineEdit(DEFAULT_CORRUPT)
+        self.corrupt_edit.setToolTip("The same number of tokens as the clean prompt")
+        self.answer_edit = QtWidgets.QLineEdit(DEFAULT_ANSWER)
+        self.answer_edit.setToolTip("The clean prompt's answer (its first token counts; mind the leading space)")
+        self.wrong_edit = QtWidgets.QLineEdit(DEFAULT_WRONG)
+        self.wrong_edit.setToolTip("The corrupted prompt's answer")
+        self.patch_heads_box = QtWidgets.QCheckBox("per head too")
+        self.patch_heads_box.setToolTip("Also patch each head's output (layers × heads more forward passes)")
+        return self._form([("clean", self.clean_edit), ("corrupted", self.corrupt_edit),
+                           ("answer", self._row(self.answer_edit, QtWidgets.QLabel("wrong"), self.wrong_edit,
+                                                self.patch_heads_box))])
+
+    def _attribute_inputs(self) -> QtWidgets.QWidget:
+        self.attr_prompt = QtWidgets.QLineEdit(DEFAULT_PROMPT)
+        self.method_combo = QtWidgets.QComboBox()
+        for label, key in METHODS:
+            self.method_combo.addItem(label, key)
+        self.steps_spin = spin_box(2, 512, 32, "Integrated gradients: points along the path (more: closer sums)")
+        self.attr_chat = QtWidgets.QCheckBox("chat")
+        return self._form([("prompt", self.attr_prompt),
+                           ("method", self._row(self.method_combo, QtWidgets.QLabel("steps"), self.steps_spin,
+                                                self.attr_chat))])
+
+    def _compare_inputs(self) -> QtWidgets.QWidget:
+        self.other_edit = QtWidgets.QLineEdit()
+        self.other_edit.setPlaceholderText("another file of the loaded model (.gguf or a model folder)")
+        browse = QtWidgets.QPushButton("…")
+        browse.setToolTip("Pick the other model file")
+        browse.clicked.connect(self._browse_other)
+        self.compare_prompt = QtWidgets.QLineEdit(DEFAULT_PROMPT)
+        self.compare_steps = spin_box(1, 256, 16, "Greedy steps compared")
+        return self._form([("other model", self._row(self.other_edit, browse)),
+                           ("prompt", self._row(self.compare_prompt, QtWidgets.QLabel("steps"), self.compare_steps))])
+
+    def _browse_other(self) -> None:
+        path, _ = QtWidgets.QFileDialog.getOpenFileName(self, "Another file of the loaded model", "",
+                                                        "GGUF files (*.gguf);;All files (*)")
+        if path:
+            self.other_edit.setText(path)
+
+    def _heads_view(self) -> QtWidgets.QWidget:
+        self.heads_plots = pg.GraphicsLayoutWidget()
+        self.heads_plots.setBackground(BACKGROUND)
+        self.heads_items: dict[str, pg.PlotItem] = {}
+        self.heads_images: dict[str, pg.ImageItem] = {}
+        self.heads_boxes: dict[str, QtWidgets.QGraphicsRectItem] = {}
+        for col, (key, label) in enumerate(SCORES):
+            pi = self.heads_plots.addPlot(row=0, col=col, title=label)
+            style_plot(pi, left=("layer", None) if col == 0 else None, bottom=("head", None), grid=(False, False),
+                       mouse=False)
+            pi.titleLabel.setText(label, size=f"{FONT_PT}pt", color=FOREGROUND)
+            vb = pi.getViewBox()
+            vb.invertY(True)
+            img = pg.ImageItem(axisOrder="row-major")
+            img.setColorMap(HEADS_CMAP)
+            pi.addItem(img)
+            box = QtWidgets.QGraphicsRectItem(0, 0, 1, 1)
+            box.setPen(pg.mkPen(ACCENT, width=2))
+            box.setVisible(False)
+            pi.addItem(box)
+            self.heads_items[key], self.heads_images[key], self.heads_boxes[key] = pi, img, box
+        self.heads_bar = pg.ColorBarItem(values=(0, 1), colorMap=HEADS_CMAP, interactive=False, width=10)
+        self.heads_bar.setImageItem(list(self.heads_images.values()))
+        self.heads_plots.addItem(self.heads_bar, row=0, col=len(SCORES))
+        self.heads_note = placeholder(self.heads_items["previous_token"])
+        self.heads_plots.scene().sigMouseClicked.connect(self._on_heads_clicked)
+        self.definitions = QtWidgets.QLabel()
+        self.definitions.setWordWrap(True)
+        self.definitions.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        w = QtWidgets.QWidget()
+        lay = QtWidgets.QVBoxLayout(w)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addWidget(self.heads_plots, 1)
+        lay.addWidget(self.definitions)
+        return w
+
+    def _ablate_view(self) -> QtWidgets.QWidget:
+        w = QtWidgets.QWidget()
+        lay = QtWidgets.QHBoxLayout(w)
+        lay.setContentsMargins(0, 0, 0, 0)
+        self.ablate_tables: dict[str, QtWidgets.QTableWidget] = {}
+        for side, label in (("before", "before"), ("after", "after the ablation")):
+            box = QtWidgets.QVBoxLayout()
+            title = QtWidgets.QLabel(f"<b>{label}</b>: the next token's top 5")
+            table = QtWidgets.QTableWidget(5, 3)
+            table.setHorizontalHeaderLabels(["token", "id", "p"])
+            table.verticalHeader().setVisible(False)
+            table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
+            table.horizontalHeader().setSectionResizeMode(0, QtWidgets.QHeaderView.ResizeMode.Stretch)
+            box.addWidget(title)
+            box.addWidget(table, 1)
+            lay.addLayout(box, 1)
+            self.ablate_tables[side] = table
+        return w
+
+    def _patch_view(self) -> QtWidgets.QWidget:
+        self.patch_plot = pg.PlotWidget(background=BACKGROUND)
+        pi = self.patch_plot.getPlotItem()
+        style_plot(pi, left=("residual after layer (0 = embeddings)", None), bottom=("position (corrupted prompt)",
+                                                                                     None), grid=(False, False))
+        pi.getViewBox().invertY(True)
+        self.patch_image = pg.ImageItem(axisOrder="row-major")
+        self.patch_image.setColorMap(DIVERGING)
+        pi.addItem(self.patch_image)
+        self.patch_bar = pg.ColorBarItem(values=(-1, 1), colorMap=DIVERGING, interactive=False, width=10)
+        self.patch_bar.setImageItem(self.patch_image, insert_in=pi)
+        self.patch_note = placeholder(pi)
+        self.patch_plot.scene().sigMouseMoved.connect(self._on_patch_hover)
+        self.patch_hover = QtWidgets.QLabel(" ")
+        w = QtWidgets.QWidget()
+        lay = QtWidgets.QVBoxLayout(w)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addWidget(self.patch_plot, 1)
+        lay.addWidget(self.patch_hover)
+        return w
+
+    def _attribute_view(self) -> QtWidgets.QWidget:
+        self.attr_view = QtWidgets.QTextBrowser()
+        self.attr_legend = QtWidgets.QLabel(
+            f"<span style='background:{blend(ERROR_COLOR, 1)}'>&nbsp;raises&nbsp;</span> "
+            f"<span style='background:{blend(DECODE_COLOR, 1)}'>&nbsp;lowers&nbsp;</span> the target's "
+            "log-probability; hover a token for its score")
+        w = QtWidgets.QWidget()
+        lay = QtWidgets.QVBoxLayout(w)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addWidget(self.attr_view, 1)
+        lay.addWidget(self.attr_legend)
+        return w
+
+    def _compare_view(self) -> QtWidgets.QWidget:
+        self.compare_plot = pg.PlotWidget(background=BACKGROUND)
+        pi = self.compare_plot.getPlotItem()
+        style_plot(pi, left=("divergence", None), bottom=("layer", None))
+        legend = pi.addLegend(offset=(-10, 10), labelTextColor=FOREGROUND, labelTextSize=f"{FONT_PT}pt")
+        self.kl_curve = pi.plot([], [], pen=pg.mkPen(PREFILL_COLOR, width=2), symbol="o", symbolSize=5,
+                                symbolBrush=PREFILL_COLOR, symbolPen=None, name="KL of the lens (nats)")
+        self.js_curve = pi.plot([], [], pen=pg.mkPen(DECODE_COLOR, width=2), symbol="s", symbolSize=5,
+                                symbolBrush=DECODE_COLOR, symbolPen=None, name="attention JS distance")
+        legend.setVisible(True)
+        self.compare_note = placeholder(pi)
+        self.flips_label = QtWidgets.QLabel()
+        self.flips_label.setWordWrap(True)
+        self.flips_label.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        w = QtWidgets.QWidget()
+        lay = QtWidgets.QVBoxLayout(w)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addWidget(self.compare_plot, 1)
+        lay.addWidget(self.flips_label)
+        return w
+
+    # ---- modes and requests --------------------------------------------------------------------------------------
+    def mode(self) -> str:
+        return str(self.mode_combo.currentData())
+
+    def set_mode(self, kind: str) -> None:
+        self.mode_combo.setCurrentIndex(KINDS.index(kind))
+
+    def _on_mode(self, index: int) -> None:
+        self.inputs.setCurrentIndex(index)
+        self.views.setCurrentIndex(index)
+        self.mark_dirty()
+
+    def params(self) -> object:
+        """The shown mode's request from the inputs; ValueError with one sentence when they are not usable."""
+        kind, info = self.mode(), self.bridge.info
+        if kind == "heads":
+            return HeadsParams(repeat=self.repeat_spin.value(), seed=self.seed_spin.value())
+        if kind == "ablate":
+            prompt = self.ablate_prompt.text()
+            heads = parse_heads(self.ablate_heads.text())
+            attn, mlp = parse_layers(self.ablate_attn.text()), parse_layers(self.ablate_mlp.text())
+            if not prompt.strip():
+                raise ValueError("type a prompt to ablate on")
+            if not (heads or attn or mlp):
+                raise ValueError("name what to ablate: heads as layer:head, or attention or MLP layers")
+            if info is not None:
+                for layer, head in heads:
+                    if layer >= info.n_layers or head >= info.n_heads:
+                        raise ValueError(f"head {layer}:{head} is out of range: {info.name} has layers "
+                                         f"0–{info.n_layers - 1} and heads 0–{info.n_heads - 1}")
+                for layer in (*attn, *mlp):
+                    if layer >= info.n_layers:
+                        raise ValueError(f"layer {layer} is out of range: {info.name} has layers "
+                                         f"0–{info.n_layers - 1}")
+            return AblateParams(prompt=prompt, heads=heads, attn_layers=attn, mlp_layers=mlp,
+                                mean=self.mean_box.isChecked(), chat=self.ablate_chat.isChecked())
+        if kind == "patch":
+            fields = [e.text() for e in (self.clean_edit, self.corrupt_edit, self.answer_edit, self.wrong_edit)]
+            if not all(f.strip() for f in fields):
+                raise ValueError("patching needs a clean and a corrupted prompt, an answer and a wrong answer")
+            return PatchParams(*fields, heads=self.patch_heads_box.isChecked())
+        if kind == "attribute":
+            if not self.attr_prompt.text().strip():
+                raise ValueError("type a prompt to attribute")
+            return AttributeParams(prompt=self.attr_prompt.text(), method=str(self.method_combo.currentData()),
+                                   steps=self.steps_spin.value(), chat=self.attr_chat.isChecked())
+        other = self.other_edit.text().strip()
+        if not other:
+            raise ValueError("choose the other file of the model to compare with")
+        if not self.compare_prompt.text().strip():
+            raise ValueError("type a prompt to compare on")
+        return CompareParams(other=other, prompt=self.compare_prompt.text(), steps=self.compare_steps.value())
+
+    def run(self) -> bool:
+        """Send the shown mode's experiment to the engine; False (and a sentence) when it cannot be sent."""
+        kind = self.mode()
+        if self.running is not None:
+            return False
+        try:
+            if self.bridge.info is None:
+                raise ValueError("load a model first")
+            params = self.params()
+        except ValueError as e:
+            self._status, self._status_kind = str(e), kind
+            self.mark_dirty()
+            return False
+        self._status, self._status_kind = "", ""
+        self._progress = (0.0, "starting")
+        self._running_kind = kind
+        self.running = self.bridge.run_experiment(params)
+        self.run_button.setEnabled(False)
+        self.cancel_button.setEnabled(True)
+        self.mark_dirty()
+        return True
+
+    def cancel(self) -> None:
+        if self.running is not None:
+            self.bridge.cancel_experiment()
+            self._progress = (self._progress[0], "cancelling…")
+            self.mark_dirty()
+
+    @QtCore.Slot(float, str)
+    def _on_progress(self, fraction: float, message: str) -> None:
+        if self.running is not None:
+            self._progress = (float(fraction), str(message))
+            self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_done(self, done: ExperimentDone) -> None:
+        if done.request_id != self.running:
+            return  # an earlier panel's, or one the engine answered after the app gave up on it
+        self.running = None
+        self.run_button.setEnabled(True)
+        self.cancel_button.setEnabled(False)
+        if done.result is not None:
+            try:
+                check_result(done.kind, done.result)
+            except ResultError as e:
+                self._status, self._status_kind = f"the engine's {done.kind} result cannot be drawn: {e}", done.kind
+            else:
+                self.results[done.kind] = {"kind": done.kind, "params": _plain(done.params),
+                                           "result": done.result, "seconds": float(done.seconds)}
+                self._status, self._status_kind = "", ""
+        elif done.cancelled:
+            self._status = f"Cancelled after {done.seconds:.1f} s: nothing of that run is kept."
+            self._status_kind = done.kind
+        else:
+            self._status, self._status_kind = done.failure or "the experiment failed", done.kind
+        self.mark_dirty()
+
+    def clear(self) -> None:
+        """A new model does not undo results: only clear_results() forgets them."""
+        super().clear()
+
+    def clear_results(self) -> None:
+        self.results.clear()
+        self._status, self._status_kind = "", ""
+        self.mark_dirty()
+
+    # ---- sessions and exports -----------------------------------------------------------------------------------
+    def saved_results(self) -> list[dict]:
+        """The newest result of each kind, as plain data for a session file."""
+        return [self.results[k] for k in KINDS if k in self.results]
+
+    def restore_results(self, saved: object) -> str:
+        """Show the results a session holds (replacing the panel's); returns "" or one sentence on what could not
+        be read (a damaged or foreign file: that part is skipped)."""
+        self.results.clear()
+        self._status, self._status_kind = "", ""
+        problems = []
+        for entry in saved if isinstance(saved, list) else []:
+            kind = entry.get("kind") if isinstance(entry, dict) else None
+            try:
+                if kind not in KINDS:
+                    raise ResultError("it names no experiment")
+                check_result(kind, entry.get("result"))
+                seconds = entry.get("seconds", 0.0)
+                params = entry.get("params", {})
+                self.results[kind] = {"kind": kind, "params": params if isinstance(params, dict) else {},
+                                      "result": entry["result"],
+                                      "seconds": float(seconds) if isinstance(seconds, (int, float)) else 0.0}
+            except ResultError as e:
+                problems.append(f"a saved {kind if isinstance(kind, str) else 'why'} result is skipped: {e}")
+        if saved is not None and not isinstance(saved, list):
+            problems.append("the session's why results are not a list")
+        shown = next((k for k in KINDS if k in self.results), None)
+        if shown is not None and self.mode() not in self.results:
+            self.set_mode(shown)
+        if problems:
+            self._status, self._status_kind = "; ".join(problems), self.mode()
+        self.mark_dirty()
+        return "; ".join(problems)
+
+    def export_rows(self, kind: str | None = None) -> list[dict]:
+        """The shown mode's result as rows of plain values (CSV / JSON export); [] when there is none."""
+        kind = kind or self.mode()
+        entry = self.results.get(kind)
+        if entry is None:
+            return []
+        r = entry["result"]
+        if kind == "heads":
+            rows = []
+            for key, _ in SCORES:
+                m = np.asarray(r["scores"][key], dtype=float)
+                rows += [{"score": key, "layer": layer, "head": head, "value": float(m[layer, head])}
+                         for layer in range(m.shape[0]) for head in range(m.shape[1])]
+            return rows
+        if kind == "ablate":
+            return [{"distribution": side, "rank": i + 1, "token_id": int(ids[i]) if i < len(ids) else -1,
+                     "token": r[side]["tokens"][i], "p": float(r[side]["probs"][i])}
+                    for side in ("before", "after") for ids in [list(r[side].get("ids", []))]
+                    for i in range(len(r[side]["tokens"]))]
+        if kind == "patch":
+            m, texts = np.asarray(r["restored"], dtype=float), pieces(r["tokens"])
+            return [{"layer": layer, "position": pos, "token": texts[pos], "restored": float(m[layer, pos])}
+                    for layer in range(m.shape[0]) for pos in range(m.shape[1])]
+        if kind == "attribute":
+            return [{"position": i, "token": t, "score": float(s), "method": r.get("method", ""),
+                     "target": r.get("target", "")} for i, (t, s) in enumerate(zip(pieces(r["tokens"]), r["scores"],
+                                                                                    strict=True))]
+        flips = set(_flip_steps(r.get("top1_flips")))
+        kl, js = r["kl"], r["attention_js"]
+        labels = r.get("labels") if isinstance(r.get("labels"), list) and len(r["labels"]) == len(kl) else None
+        return [{"layer": labels[i] if labels else i, "kl": float(kl[i]), "attention_js": float(js[i]),
+                 "flip_steps": " ".join(map(str, sorted(flips))) if i == 0 else ""} for i in range(len(kl))]
+
+    # ---- clicks --------------------------------------------------------------------------------------------------
+    def head_at(self, scene_pos: QtCore.QPointF) -> tuple[str, int, int] | None:
+        """(score, layer, head) of the heatmap cell under a scene position, or None."""
+        entry = self.results.get("heads")
+        if entry is None:
+            return None
+        for key, pi in self.heads_items.items():
+            vb = pi.getViewBox()
+            if not vb.sceneBoundingRect().contains(scene_pos):
+                continue
+            p = vb.mapSceneToView(scene_pos)
+            layer, head = int(math.floor(p.y())), int(math.floor(p.x()))
+            shape = np.shape(entry["result"]["scores"][key])
+            if 0 <= layer < shape[0] and 0 <= head < shape[1]:
+                return key, layer, head
+        return None
+
+    def _on_heads_clicked(self, event) -> None:
+        if event.button() != QtCore.Qt.MouseButton.LeftButton:
+            return
+        hit = self.head_at(event.scenePos())
+        if hit is not None:
+            self.select_head(hit[1], hit[2])
+
+    def select_head(self, layer: int, head: int) -> None:
+        """Frame this head in every heatmap and ask for it in the Attention panel."""
+        self._selected_head = (int(layer), int(head))
+        self.mark_dirty()
+        self.sig_show_head.emit(int(layer), int(head))
+
+    def _on_patch_hover(self, pos: QtCore.QPointF) -> None:
+        entry = self.results.get("patch")
+        vb = self.patch_plot.getPlotItem().getViewBox()
+        if entry is None or not vb.sceneBoundingRect().contains(pos):
+            return
+        p = vb.mapSceneToView(pos)
+        layer, col = int(math.floor(p.y())), int(math.floor(p.x()))
+        r = entry["result"]
+        m = np.asarray(r["restored"], dtype=float)
+        if 0 <= layer < m.shape[0] and 0 <= col < m.shape[1]:
+            where = "the embeddings" if layer == 0 else f"layer {layer - 1}"
+            self.patch_hover.setText(f"after {where}, position {col} ({_piece(pieces(r['tokens'])[col])!r}): "
+                                     f"{m[layer, col]:+.3f} of the logit difference restored")
+
+    # ---- drawing -------------------------------------------------------------------------------------------------
+    def summary_html(self) -> str:
+        kind = self.mode()
+        parts = []
+        if self.running is not None:
+            what = dict(MODES)[self._running_kind]
+            parts.append(f"<span style='color:{MUTED}'>{html.escape(what)} running: "
+                         f"{html.escape(self._progress[1])}</span>")
+        if self._status and self._status_kind == kind:
+            parts.append(f"<span style='color:{ERROR_COLOR}'>{html.escape(self._status)}</span>")
+        entry = self.results.get(kind)
+        if entry is None:
+            if not parts:
+                parts.append(f"<span style='color:{MUTED}'>Run {html.escape(dict(MODES)[kind].lower())} to see what "
+                             "it shows.</span>")
+            return "<br>".join(parts)
+        parts.append(self._result_line(kind, entry))
+        return "<br>".join(parts)
+
+    def _result_line(self, kind: str, entry: dict) -> str:
+        r, took = entry["result"], f"{entry['seconds']:.1f} s"
+        if kind == "heads":
+            best = []
+            for key, label in SCORES:
+                m = np.asarray(r["scores"][key], dtype=float)
+                if m.size and np.isfinite(m).any():
+                    layer, head = np.unravel_index(int(np.nanargmax(m)), m.shape)
+                    best.append(f"{label} <b>{layer}:{head}</b> ({m[layer, head]:.2f})")
+            n = r.get("repeat", entry["params"].get("repeat", "?"))
+            return f"Strongest heads (layer:head) on {n} random tokens repeated once, {took}: " + " · ".join(best)
+        if kind == "ablate":
+            b, a = r["before"], r["after"]
+            parts = []
+            if isinstance(r.get("kl"), (int, float)):
+                parts.append(f"KL(before ‖ after) <b>{float(r['kl']):.4g}</b> nats")
+            if b["tokens"] and a["tokens"]:
+                change = (f"<span style='color:{ERROR_COLOR}'>changed</span>" if r.get("top1_changed") else
+                          "unchanged")
+                parts.append(f"top-1 {html.escape(repr(_piece(b['tokens'][0])))} → "
+                             f"{html.escape(repr(_piece(a['tokens'][0])))} ({change})")
+            parts += [f"{html.escape(k.replace('_', ' '))} {v:.4g}" for k, v in r.items()
+                      if k != "kl" and isinstance(v, float)]
+            return " · ".join([*parts, took])
+        if kind == "patch":
+            m = np.asarray(r["restored"], dtype=float)
+            extra = [f"{k.replace('_', ' ')} {v:.4g}" for k, v in r.items() if isinstance(v, float)]
+            best = ""
+            if m.size and np.isfinite(m).any():
+                layer, pos = np.unravel_index(int(np.nanargmax(m)), m.shape)
+                best = (f"largest restore {m[layer, pos]:+.2f} after "
+                        f"{'the embeddings' if layer == 0 else f'layer {layer - 1}'} at position {pos} "
+                        f"({_piece(pieces(r['tokens'])[pos])!r})")
+            return html.escape(" · ".join([s for s in [best, *extra, took] if s]))
+        if kind == "attribute":
+            target = r.get("target_token", r.get("target", "?"))
+            scores = np.asarray(r["scores"], dtype=float)
+            label = dict((v, k) for k, v in METHODS).get(str(r.get("method")), str(r.get("method", "")))
+            top = int(np.nanargmax(np.abs(scores))) if scores.size and np.isfinite(scores).any() else None
+            most = (f" · most: {_piece(pieces(r['tokens'])[top])!r} ({scores[top]:+.3g})" if top is not None else "")
+            return html.escape(f"{label} for the next token {target!r}, sum {np.nansum(scores):+.4g}{most} · {took}")
+        flips = _flip_steps(r.get("top1_flips"))
+        kl = np.asarray(r["kl"], dtype=float)
+        worst = f"largest KL {np.nanmax(kl):.4g} nats at layer {int(np.nanargmax(kl))}" if kl.size and \
+            np.isfinite(kl).any() else ""
+        other = entry["params"].get("other", "")
+        return html.escape(" · ".join(s for s in [f"against {other}" if other else "", worst,
+                                                  f"{len(flips)} greedy step(s) with another top token", took] if s))
+
+    def draw(self) -> None:
+        running = self.running is not None
+        self.progress_bar.setValue(int(1000 * self._progress[0]) if running else 0)
+        self.progress_bar.setFormat(f"{100 * self._progress[0]:.0f}%" if running else "")
+        self.summary.setText(self.summary_html())
+        kind = self.mode()
+        getattr(self, f"_draw_{kind}")(self.results.get(kind))
+
+    def _draw_heads(self, entry: dict | None) -> None:
+        defs = entry["result"].get("definitions") if entry is not None else None
+        lines = []
+        for key, label in SCORES:
+            text = defs.get(key) if isinstance(defs, dict) and isinstance(defs.get(key), str) else DEFINITIONS[key]
+            lines.append(f"<b>{html.escape(label)}</b>: {html.escape(text)}")
+        self.definitions.setText("<br>".join(lines))
+        sel = getattr(self, "_selected_head", None)
+        for key, _label in SCORES:
+            img, pi, box = self.heads_images[key], self.heads_items[key], self.heads_boxes[key]
+            if entry is None:
+                img.clear()
+                box.setVisible(False)
+                continue
+            m = np.asarray(entry["result"]["scores"][key], dtype=float)
+            img.setImage(np.nan_to_num(m), levels=(0.0, 1.0), autoLevels=False)
+            pi.getViewBox().setRange(xRange=(0, m.shape[1]), yRange=(0, m.shape[0]), padding=0)
+            if sel is not None and sel[0] < m.shape[0] and sel[1] < m.shape[1]:
+                box.setRect(sel[1], sel[0], 1, 1)
+                box.setVisible(True)
+            else:
+                box.setVisible(False)
+        if entry is None:
+            show_empty(self.heads_items["previous_token"], self.heads_note,
+                       "Run to score every head\n(layers × heads)", (0, 4), (0, 8))
+        else:
+            self.heads_note.setVisible(False)
+
+    def _draw_ablate(self, entry: dict | None) -> None:
+        for side, table in self.ablate_tables.items():
+            d = entry["result"][side] if entry is not None else {"tokens": [], "probs": [], "ids": []}
+            tokens, probs, ids = d["tokens"], d["probs"], list(d.get("ids", []))
+            table.setRowCount(len(tokens))
+            top = entry["result"]["before"]["tokens"][0] if entry is not None and entry["result"]["before"][
+                "tokens"] else None
+            for i, t in enumerate(tokens):
+                item = table.item(i, 0) or QtWidgets.QTableWidgetItem()
+                item.setText(_piece(t))
+                item.setForeground(QtGui.QColor(ACCENT if t == top else FOREGROUND))
+                table.setItem(i, 0, item)
+                set_number_cell(table, i, 1, str(ids[i]) if i < len(ids) else "")
+                set_number_cell(table, i, 2, f"{float(probs[i]):.4f}")
+
+    def _draw_patch(self, entry: dict | None) -> None:
+        pi = self.patch_plot.getPlotItem()
+        if entry is None:
+            self.patch_image.clear()
+            pi.getAxis("bottom").setTicks(None)
+            show_empty(pi, self.patch_note, "Patch to see how much of the clean answer\neach layer and position "
+                       "restores", (0, 12), (0, 8))
+            return
+        self.patch_note.setVisible(False)
+        r = entry["result"]
+        m = np.asarray(r["restored"], dtype=float)
+        self.patch_image.setImage(np.nan_to_num(m), levels=(-1.0, 1.0), autoLevels=False)
+        pi.getViewBox().setRange(xRange=(0, m.shape[1]), yRange=(0, m.shape[0]), padding=0)
+        pi.getAxis("bottom").setTicks([[(i + 0.5, _piece(t)) for i, t in enumerate(pieces(r["tokens"]))]])
+        step = max(1, m.shape[0] // 8)
+        pi.getAxis("left").setTicks([[(j + 0.5, str(j)) for j in range(0, m.shape[0], step)]])
+
+    def _draw_attribute(self, entry: dict | None) -> None:
+        if entry is None:
+            self.attr_view.setHtml(f"<span style='color:{MUTED}'>Attribute to colour the prompt's tokens by how much "
+                                   "each drove the next token.</span>")
+            return
+        r = entry["result"]
+        self.attr_view.setHtml(attribution_html(pieces(r["tokens"]), np.asarray(r["scores"], dtype=float)))
+
+    def _draw_compare(self, entry: dict | None) -> None:
+        pi = self.compare_plot.getPlotItem()
+        if entry is None:
+            self.kl_curve.setData([], [])
+            self.js_curve.setData([], [])
+            self.flips_label.setText("")
+            show_empty(pi, self.compare_note, "Compare two files of one model:\nper layer, how far they part",
+                       (0, 30), (0, 1))
+            return
+        self.compare_note.setVisible(False)
+        r = entry["result"]
+        kl, js = np.asarray(r["kl"], dtype=float), np.asarray(r["attention_js"], dtype=float)
+        x = np.arange(len(kl), dtype=float)
+        self.kl_curve.setData(x, kl)
+        self.js_curve.setData(x, js)
+        labels = r.get("labels")
+        if isinstance(labels, list) and len(labels) == len(kl) and all(isinstance(s, (str, int)) for s in labels):
+            step = max(1, len(labels) // 12)
+            pi.getAxis("bottom").setTicks([[(i, str(labels[i])) for i in range(0, len(labels), step)]])
+        else:
+            pi.getAxis("bottom").setTicks(None)
+        top = float(np.nanmax(np.concatenate([kl, js]))) if kl.size and np.isfinite(np.concatenate([kl, js])).any() \
+            else 1.0
+        pi.getViewBox().setRange(xRange=(-0.5, max(len(kl) - 0.5, 0.5)), yRange=(0, max(top * 1.1, 1e-6)),
+                                 padding=0)
+        flips = r.get("top1_flips")
+        listed = _flip_text(flips)
+        self.flips_label.setText(f"<b>top-1 flips</b>: {html.escape(listed)}" if listed else
+                                 f"<span style='color:{OK_COLOR}'>no greedy step chose another token</span>")
+
+
+def _flip_steps(flips: Any) -> list[int]:
+    """The step numbers of a compare result's top1_flips (a list of steps, or of {"step": …} records)."""
+    out = []
+    for f in flips if isinstance(flips, list) else []:
+        step = f.get("step") if isinstance(f, dict) else f
+        if isinstance(step, int) and not isinstance(step, bool):
+            out.append(step)
+    return out
+
+
+def _flip_text(flips: Any) -> str:
+    items = []
+    for f in flips if isinstance(flips, list) else []:
+        if isinstance(f, dict):
+            extra = ", ".join(f"{k} {_piece(v)!r}" if isinstance(v, str) else f"{k} {v}" for k, v in f.items()
+                              if k != "step")
+            items.append(f"step {f.get('step', '?')}" + (f" ({extra})" if extra else ""))
+        elif isinstance(f, int):
+            items.append(f"step {f}")
+    return "; ".join(items)
+
+
+def _plain(params: object) -> dict:
+    """An experiment's params as plain data (a session file holds no foreign dataclass)."""
+    try:
+        return asdict(params)
+    except TypeError:
+        return {}
+
+
+PANEL = WhyPanel

@@ -1,0 +1,232 @@
+"""The Why panel: each experiment goes to the engine process as one Experiment and comes back as one ExperimentDone,
+with progress on the way and Cancel; results are drawn (head-role heatmaps whose click selects the head in the
+Attention panel, the patching grid, ablation's two top-5s, attribution colours, the comparison's curves), kept in
+sessions and exported."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+from PySide6 import QtCore
+
+from app import exports, session_io
+from app.panels.why import KINDS, SCORES, WhyPanel, check_result, parse_heads, parse_layers
+from engine import protocol as P
+from tests.app.conftest import wait_loaded
+
+pytestmark = pytest.mark.qt_log_ignore("This plugin does not support raise")  # docks raised offscreen
+
+
+@pytest.fixture
+def why_window(qtbot, make_window, monkeypatch):
+    """A window on the tiny model with the Why panel among its docks (added to the registry if it is not there)."""
+    import app.main_window as mw
+
+    if "why" not in mw.PANEL_MODULES:
+        monkeypatch.setattr(mw, "PANEL_MODULES", (*mw.PANEL_MODULES, "why"))
+        monkeypatch.setattr(mw, "GROUPS", (*mw.GROUPS, ("Why", ("why",))))
+
+    def make(**kw):
+        w = make_window(persist=False, **kw)
+        w.resize(1600, 1000)
+        if kw.get("load", True):
+            wait_loaded(qtbot, w)
+        w.docks["why"].show()
+        w.docks["why"].raise_()
+        return w
+
+    return make
+
+
+def run_and_wait(qtbot, panel: WhyPanel, kind: str, timeout: int = 120_000) -> P.ExperimentDone:
+    panel.set_mode(kind)
+    progress: list[tuple[float, str]] = []
+    panel.bridge.sig_why_progress.connect(lambda f, m: progress.append((f, m)))
+    with qtbot.waitSignal(panel.bridge.sig_why_done, timeout=timeout) as done:
+        assert panel.run(), panel.summary_html()
+    panel.flush()
+    panel.progress_seen = progress
+    return done.args[0]
+
+
+# ---- inputs -----------------------------------------------------------------------------------------------------
+def test_heads_and_layers_are_read_as_typed():
+    assert parse_heads("3:1, 5:0 3:1") == ((3, 1), (5, 0))
+    assert parse_layers("0, 4 7") == (0, 4, 7)
+    for bad in ("3", "3:", "a:1", "3:1:2"):
+        with pytest.raises(ValueError, match="layer:head"):
+            parse_heads(bad)
+    with pytest.raises(ValueError, match="not a layer"):
+        parse_layers("1, x")
+
+
+def test_bad_input_is_one_line_in_the_panel_and_nothing_is_sent(qtbot, bridge, tiny_lm):
+    bridge.replay(P.Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
+    panel = WhyPanel(bridge)
+    qtbot.addWidget(panel)
+    panel.set_mode("ablate")
+    panel.ablate_heads.setText("2:0")  # the tiny model has layers 0–1
+    assert not panel.run() and panel.running is None
+    panel.flush()
+    assert "head 2:0 is out of range" in panel.summary.text() and "layers 0–1 and heads 0–3" in panel.summary.text()
+    panel.ablate_heads.setText("")
+    assert not panel.run()
+    panel.flush()
+    assert "name what to ablate" in panel.summary.text()
+
+
+def test_help_prices_the_scan_and_the_patching_grid_in_the_models_numbers(qtbot, bridge, tiny_lm):
+    bridge.replay(P.Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
+    panel = WhyPanel(bridge)
+    qtbot.addWidget(panel)
+    # the tiny model: 2 layers × 4 heads = 8 heads; a 12-token grid has (2 + 1) × 12 = 36 cells
+    assert "2 layers of 4 query heads" in panel.help_text and "scores 8 heads" in panel.help_text
+    assert "(2 + 1) × 12 = 36 cells" in panel.help_text
+    assert "attention" in panel.help_text.lower() and "integrated gradients" in panel.help_text
+
+
+# ---- the round trip through the engine process ----------------------------------------------------------------
+def test_head_roles_round_trip_paints_the_heatmaps_and_a_click_shows_the_head(qtbot, why_window, tiny_lm):
+    from engine.run.session import Session
+    from engine.why.heads import head_roles
+
+    w = why_window()
+    panel: WhyPanel = w.panels["why"]
+    panel.repeat_spin.setValue(20)
+    panel.seed_spin.setValue(3)
+    done = run_and_wait(qtbot, panel, "heads")
+    assert done.ok and done.kind == "heads" and not done.cancelled and done.failure == ""
+    assert done.params == P.HeadsParams(repeat=20, seed=3)
+    assert panel.progress_seen, "no progress arrived"
+    assert all(0.0 <= f <= 1.0 for f, _ in panel.progress_seen)
+    # the engine process's scores are the ones the same call gives in this process on the same model
+    here = head_roles(Session(tiny_lm), repeat=20, seed=3)
+    for key, _ in SCORES:
+        np.testing.assert_allclose(done.result["scores"][key], here["scores"][key], rtol=1e-5, atol=1e-6)
+        shown = panel.heads_images[key].image
+        np.testing.assert_allclose(shown, np.asarray(here["scores"][key]), rtol=1e-5, atol=1e-6)
+        assert shown.shape == (tiny_lm.cfg.n_layers, tiny_lm.cfg.n_heads)
+    assert "Strongest heads" in panel.summary.text() and panel.run_button.isEnabled()
+    assert not panel.cancel_button.isEnabled()
+
+    # a real click on the induction map's cell (layer 1, head 2) selects that head in the Attention panel
+    attention = w.panels["attention"]
+    attention.layer_spin.setValue(0)
+    attention.head_spin.setValue(0)
+    w.tick_panels(flush=True)
+    qtbot.wait(50)
+    pi = panel.heads_items["induction"]
+    view = panel.heads_plots
+    scene_pos = pi.getViewBox().mapViewToScene(QtCore.QPointF(2.5, 1.5))
+    assert panel.head_at(scene_pos) == ("induction", 1, 2)
+    with qtbot.waitSignal(panel.sig_show_head, timeout=2_000) as clicked:
+        qtbot.mouseClick(view.viewport(), QtCore.Qt.MouseButton.LeftButton,
+                         pos=view.mapFromScene(scene_pos))
+    assert clicked.args == [1, 2]
+    assert (attention.layer(), attention.head()) == (1, 2) and attention.tabs.currentIndex() == 0
+    w.tick_panels(flush=True)
+    assert panel.heads_boxes["induction"].isVisible()
+    assert panel.heads_boxes["induction"].rect() == QtCore.QRectF(2, 1, 1, 1)
+
+
+def test_a_failure_comes_back_as_one_line(qtbot, why_window):
+    w = why_window()
+    panel: WhyPanel = w.panels["why"]
+    panel.repeat_spin.setValue(200)  # 2 · 200 tokens do not fit the tiny model's 256 positions
+    done = run_and_wait(qtbot, panel, "heads")
+    assert not done.ok and not done.cancelled and done.failure and "\n" not in done.failure
+    assert "context" in done.failure
+    assert "context" in panel.summary.text() and "heads" not in panel.results and panel.run_button.isEnabled()
+
+
+def test_cancel_stops_a_long_experiment_midway_and_the_panel_says_so(qtbot, why_window, tiny_lm):
+    """Integrated gradients with 1,024 points over a long prompt: hundreds of forward and backward passes, each
+    reporting progress. Cancel after the first report stops it between two passes; nothing of it is kept."""
+    w = why_window()
+    panel: WhyPanel = w.panels["why"]
+    prompt = "the cat sat on the mat and " * 20
+    n = len(tiny_lm.tokenizer.encode(prompt).ids)
+    assert 150 < n < tiny_lm.cfg.context_length
+    panel.attr_prompt.setText(prompt)
+    panel.method_combo.setCurrentIndex(panel.method_combo.findData("ig"))
+    panel.steps_spin.setValue(1024)
+    panel.set_mode("attribute")
+    seen: list[float] = []
+    w.bridge.sig_why_progress.connect(lambda f, _m: seen.append(f))
+    assert panel.run()
+    qtbot.waitUntil(lambda: any(f > 0 for f in seen), timeout=120_000)
+    with qtbot.waitSignal(w.bridge.sig_why_done, timeout=120_000) as done:
+        qtbot.mouseClick(panel.cancel_button, QtCore.Qt.MouseButton.LeftButton)
+    outcome = done.args[0]
+    assert outcome.cancelled and outcome.result is None and outcome.failure == ""
+    assert 0 < max(seen) < 1, "the run was not stopped midway"
+    panel.flush()
+    assert "Cancelled after" in panel.summary.text() and "attribute" not in panel.results
+    assert panel.run_button.isEnabled() and not panel.cancel_button.isEnabled()
+    assert panel.progress_bar.value() == 0
+
+
+def test_cancel_before_the_engine_starts_an_experiment(qtbot, why_window):
+    """An experiment queued behind a generation and cancelled meanwhile never runs."""
+    w = why_window()
+    panel: WhyPanel = w.panels["why"]
+    panel.set_mode("heads")
+    w.bridge.generate(P.GenerateRequest("the cat", chat=False, max_new_tokens=200, ignore_eos=True,
+                                        params=P.SamplingParams.greedy_params()))
+    with qtbot.waitSignal(w.bridge.sig_why_done, timeout=120_000) as done:
+        assert panel.run()
+        panel.cancel()
+    assert done.args[0].cancelled and done.args[0].result is None
+    qtbot.waitUntil(lambda: w.bridge.state == "idle", timeout=60_000)
+
+
+def test_a_session_with_a_result_reopens_showing_it_and_exports_it(qtbot, why_window, tmp_path):
+    live = why_window()
+    panel: WhyPanel = live.panels["why"]
+    done = run_and_wait(qtbot, panel, "heads")
+    assert done.ok
+    path = tmp_path / "why.ilab"
+    assert session_io.save_session_to(live, path), live.last_error
+
+    shown = why_window(load=False)  # no model in this window
+    assert shown.bridge.info is None
+    assert session_io.open_session_from(shown, path), shown.last_error
+    again: WhyPanel = shown.panels["why"]
+    assert again.mode() == "heads" and set(again.results) == {"heads"}
+    shown.tick_panels(flush=True)
+    for key, _ in SCORES:
+        np.testing.assert_array_equal(again.heads_images[key].image, np.asarray(done.result["scores"][key]))
+    assert "Strongest heads" in again.summary.text()
+
+    # CSV and JSON: one row per score, layer and head
+    for ext in (".csv", ".json"):
+        assert exports.export_data_to(shown, "why", str(tmp_path / f"why{ext}")), shown.last_error
+    rows = json.loads((tmp_path / "why.json").read_text())
+    n_layers, n_heads = np.shape(done.result["scores"]["sink"])
+    assert len(rows) == len(SCORES) * n_layers * n_heads
+    sink = {(r["layer"], r["head"]): r["value"] for r in rows if r["score"] == "sink"}
+    assert sink[(1, 3)] == pytest.approx(done.result["scores"]["sink"][1][3])
+    with open(tmp_path / "why.csv", newline="") as fh:
+        assert len(list(csv.DictReader(fh))) == len(rows)
+    assert exports.export_panel_to(shown, "why", str(tmp_path / "why.png")), shown.last_error
+    assert exports.export_panel_to(shown, "why", str(tmp_path / "why.svg")), shown.last_error
+
+
+def test_a_damaged_saved_result_is_skipped_with_a_sentence(qtbot, bridge):
+    panel = WhyPanel(bridge)
+    qtbot.addWidget(panel)
+    good = {"kind": "attribute", "params": {}, "seconds": 1.0,
+            "result": {"tokens": ["a", "b"], "scores": [0.5, -0.25], "method": "ig"}}
+    bad = {"kind": "patch", "result": {"tokens": ["a"], "restored": [[1.0, 2.0]]}}
+    problem = panel.restore_results([good, bad, {"kind": "rm -rf"}, "x"])
+    assert set(panel.results) == {"attribute"} and panel.mode() == "attribute"
+    assert "patch result is skipped: its grid and its tokens differ in width" in problem
+    assert "names no experiment" in problem
+    panel.flush()
+    assert "skipped" in panel.summary.text()
+    for kind in KINDS:
+        with pytest.raises(ValueError):
+            check_result(kind, {"scores": "nope"})
