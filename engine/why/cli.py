@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-MODULES: tuple[str, ...] = ("ablate", "compare", "heads")  # engine.why.<name>, each with add_subcommand(sub)
+MODULES: tuple[str, ...] = ("ablate", "attribute", "compare", "heads")  # engine.why.<name>, each with add_subcommand(sub)
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
