@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import importlib
 
-MODULES: tuple[str, ...] = ("ablate", "attribute", "compare", "heads")  # engine.why.<name>, each with add_subcommand(sub)
+MODULES: tuple[str, ...] = (  # engine.why.<name>, each with add_subcommand(sub)
+    "ablate", "attribute", "compare", "heads",
+)
 
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
