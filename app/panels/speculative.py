@@ -262,8 +262,7 @@ class SpeculativePanel(Panel):
             parts.append(f"speculative <b>{fin.tokens_per_s:.1f}</b> tok/s, plain {fin.baseline_tokens_per_s:.1f} "
                          f"tok/s: <b>{fin.speedup:.2f}×</b>")
             if fin.matches_baseline is not None:
-                parts.append("the same tokens as plain greedy decoding" if fin.matches_baseline else
-                             f"<span style='color:{ERROR_COLOR}'>not the same tokens as plain greedy decoding</span>")
+                parts.append(self.differs_html(fin))
         elif fin is not None:
             parts.append(f"speculative {fin.tokens_per_s:.1f} tok/s (no plain run to compare)")
         elif steps:
@@ -272,12 +271,26 @@ class SpeculativePanel(Panel):
             parts.append(self._sweep_html())
         return "<br>".join(parts)
 
+    @staticmethod
+    def differs_html(fin: SpecFinished | SweepPoint) -> str:
+        """Whether greedy speculative output is plain greedy decoding's, and where and why not, in one sentence."""
+        if fin.matches_baseline:
+            return "the same tokens as plain greedy decoding"
+        d = fin.differs
+        if d is None:
+            return f"<span style='color:{ERROR_COLOR}'>not the same tokens as plain greedy decoding</span>"
+        # a near-tie is rounding, not a fault: said plainly; a wide margin is a fault: said in red
+        colour = MUTED if d.near_tie else ERROR_COLOR
+        return f"<span style='color:{colour}'>{html.escape('Plain greedy decoding ' + d.sentence())}</span>"
+
     def _sweep_html(self) -> str:
         if not self._sweep:
             return f"sweep over k: measuring plain decoding… ({html.escape(self._sweep_started.source_label)})"
         best = max(self._sweep, key=lambda p: p.speedup)
-        return (f"sweep: best k = {best.k}, <b>{best.speedup:.2f}×</b> ({best.tokens_per_pass:.2f} tokens per pass, "
+        text = (f"sweep: best k = {best.k}, <b>{best.speedup:.2f}×</b> ({best.tokens_per_pass:.2f} tokens per pass, "
                 f"{best.tokens_per_s:.1f} against {best.baseline_tokens_per_s:.1f} tok/s)")
+        odd = next((p for p in self._sweep if p.matches_baseline is False), None)
+        return text + (f"<br>k = {odd.k}: {self.differs_html(odd)}" if odd is not None else "")
 
     def strip_html(self) -> str:
         rows = []

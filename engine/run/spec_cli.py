@@ -212,6 +212,7 @@ def _print(ev, doc: dict, as_json: bool, tok) -> None:
             "tokens_per_s": ev.tokens_per_s, "baseline_tokens_per_s": ev.baseline_tokens_per_s,
             "speedup": ev.speedup, "matches_baseline": ev.matches_baseline,
             "first_difference": _first_difference(ev.ids.tolist(), doc.get("baseline", {}).get("ids")),
+            "differs": ev.differs.to_dict() if ev.differs is not None else None,
         }
         if not as_json:
             print(f"\n{ev.text}\n")
@@ -222,13 +223,10 @@ def _print(ev, doc: dict, as_json: bool, tok) -> None:
             line = f"speculative {ev.tokens_per_s:.1f} tok/s"
             if ev.baseline_tokens_per_s > 0:
                 line += f", plain {ev.baseline_tokens_per_s:.1f} tok/s: speedup {ev.speedup:.2f}×"
-            if ev.matches_baseline is not None:
-                line += ("; the same tokens as plain greedy decoding" if ev.matches_baseline
-                         else f"; plain greedy decoding differs from generated token "
-                              f"{doc['summary']['first_difference']} on")
-                if not ev.matches_baseline and doc["config"]["dtype"] != "float32":
-                    line += (f" ({doc['config']['dtype']} rounds a pass over k + 1 positions differently from a "
-                             "one-token step, which can flip a near-tie; float32 gives the same tokens)")
+            if ev.matches_baseline:
+                line += "; the same tokens as plain greedy decoding"
+            elif ev.differs is not None:
+                line += f"; plain greedy decoding {ev.differs.sentence()}"
             print(line)
     elif isinstance(ev, sp.SweepStarted):
         doc["config"] = {"ks": list(ev.ks), "source": ev.source, "source_label": ev.source_label,
@@ -240,6 +238,7 @@ def _print(ev, doc: dict, as_json: bool, tok) -> None:
             "k": ev.k, "acceptance_rate": ev.acceptance_rate, "tokens_per_pass": ev.tokens_per_pass,
             "tokens_per_s": ev.tokens_per_s, "baseline_tokens_per_s": ev.baseline_tokens_per_s,
             "speedup": ev.speedup, "matches_baseline": ev.matches_baseline,
+            "differs": ev.differs.to_dict() if ev.differs is not None else None,
             "acceptance_by_position": [None if np.isnan(x) else float(x) for x in ev.acceptance_by_position],
         })
         if not as_json:

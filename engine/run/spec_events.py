@@ -69,6 +69,48 @@ class SpecBaseline:
     reason: str
 
 
+# Top-1 − top-2 logit gap under which a greedy choice counts as a near-tie: a pass over k + 1 positions and a
+# one-position step sum their products in another order, and their logits parted by up to 0.56 (SmolLM2, torch
+# bfloat16) and 0.99 (SmolLM2 Q4_1 on llama.cpp) over 24 tokens of a code prompt at k = 5; float32 parts by ~1e-5
+NEAR_TIE = 1.0
+NEAR_TIE_FLOAT32 = 1e-3
+
+
+@dataclass(frozen=True, kw_only=True)
+class Divergence:
+    """Where a greedy speculative run first parts from plain greedy decoding of the same prompt, and why it can."""
+
+    index: int  # into the generated ids (0: the prefill's token)
+    position: int  # in the whole sequence: prompt length + index
+    spec_token: int  # -1: the run had ended there
+    spec_piece: str
+    plain_token: int
+    plain_piece: str
+    margin: float  # plain decoding's top-1 − top-2 logit at that step, from a one-position step (NaN: it had ended)
+    dtype: str  # what the model ran in (a llama.cpp file's type)
+
+    @property
+    def near_tie(self) -> bool:
+        return self.margin < (NEAR_TIE_FLOAT32 if self.dtype == "float32" else NEAR_TIE)
+
+    def sentence(self) -> str:
+        """One sentence for the panel and the CLI."""
+        head = f"differs from position {self.position}: {self.spec_piece!r} vs {self.plain_piece!r} (plain)"
+        if self.margin != self.margin:
+            return f"{head}, where one run had ended"
+        if self.near_tie:
+            return (f"{head}, a near-tie (margin {self.margin:.2f}) — a k + 1-position verify pass rounds differently "
+                    f"from a one-position step in {self.dtype}")
+        return (f"{head}, not a near-tie (margin {self.margin:.2f}): more than {self.dtype}'s rounding explains, "
+                f"so the speculative path is at fault")
+
+    def to_dict(self) -> dict:
+        return {"index": self.index, "position": self.position, "spec_token": self.spec_token,
+                "spec_piece": self.spec_piece, "plain_token": self.plain_token, "plain_piece": self.plain_piece,
+                "margin": None if self.margin != self.margin else round(self.margin, 6), "near_tie": self.near_tie,
+                "dtype": self.dtype, "sentence": self.sentence()}
+
+
 @dataclass(frozen=True, kw_only=True)
 class SpecFinished:
     reason: str  # eos, length, context, stopped
@@ -87,6 +129,7 @@ class SpecFinished:
     accepted_by_position: np.ndarray  # (k,) int64: … and kept it
     baseline_tokens_per_s: float  # 0 when no baseline ran
     matches_baseline: bool | None  # greedy: the same tokens as plain decoding (None: not comparable)
+    differs: Divergence | None = None  # greedy and not the same tokens: where and why
 
     @property
     def tokens_per_s(self) -> float:
@@ -131,6 +174,7 @@ class SweepPoint:
     baseline_tokens_per_s: float
     speedup: float
     matches_baseline: bool | None
+    differs: Divergence | None = None
 
 
 SpecEvent = SpecStarted | SpecPrefilled | SpecStep | SpecBaseline | SpecFinished | SweepStarted | SweepPoint | Failed

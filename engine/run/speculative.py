@@ -32,6 +32,7 @@ pass → SpecBaseline (plain decoding of the same prompt, for the speedup) → S
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -45,6 +46,7 @@ from engine.loaders import LoadedModel
 from engine.run.sampling import SamplingParams, apply_penalties, choose, draw, funnel, make_generator
 from engine.run.session import Session
 from engine.run.spec_events import (  # noqa: F401 — the events are part of this module's interface
+    Divergence,
     SpecBaseline,
     SpecEvent,
     SpecFinished,
@@ -409,7 +411,7 @@ def _passes(
         message = str(e) if isinstance(e, ValueError) else f"speculative decoding failed: {type(e).__name__}: {e}"
         yield Failed(message=message)
         return
-    baseline, matches = 0.0, None
+    baseline, matches, differs = 0.0, None, None
     if cfg.baseline and reason != "stopped":
         fin = None
         for ev in plain_decode(s, prompt_ids.tolist(), params, max_new_tokens, cfg.ignore_eos, should_stop):
@@ -422,12 +424,14 @@ def _passes(
             baseline = fin.tokens_per_s
             if params.greedy and fin.reason != "stopped":
                 matches = fin.ids.tolist() == out
+                if not matches:
+                    differs = divergence(s, prompt_ids.tolist(), out, fin.ids.tolist(), dtype)
     yield SpecFinished(
         reason=reason, source=cfg.source, source_label=label, k=k, prompt_ids=prompt_ids,
         ids=np.asarray(out, np.int64), text="".join(text), ttft_s=ttft, n_passes=n_passes,
         decode_s=times["decode"], draft_s=times["draft"], verify_s=times["verify"],
         drafted_by_position=drafted_at, accepted_by_position=accepted_at, baseline_tokens_per_s=baseline,
-        matches_baseline=matches,
+        matches_baseline=matches, differs=differs,
     )
 
 
@@ -435,6 +439,35 @@ def _check_finite(logits: torch.Tensor, position: int, dtype: str) -> None:
     if not bool(torch.isfinite(logits).all()):
         raise ValueError(f"the model produced NaN or infinite logits at position {position} "
                          f"(damaged weights, or values beyond {dtype}'s range)")
+
+
+def divergence(
+    s: Session, prompt: list[int], spec: Sequence[int], plain: Sequence[int], dtype: str,
+) -> Divergence | None:
+    """Where greedy speculative output `spec` first parts from plain greedy decoding's `plain` (None: nowhere), with
+    plain decoding's top-1 − top-2 logit margin at that step, computed as plain decoding computed it: a prefill for
+    the first token, a one-position step on the cached prefix for a later one."""
+    spec, plain = [int(t) for t in spec], [int(t) for t in plain]
+    if spec == plain:
+        return None
+    i = next((j for j, (a, b) in enumerate(zip(spec, plain, strict=False)) if a != b), min(len(spec), len(plain)))
+    margin = math.nan
+    if i < len(plain):
+        prefix = [*prompt, *plain[:i]]
+        if i == 0:
+            s.forget_cache()  # the prefill's token: the whole prompt in one pass, as plain decoding ran it
+        else:
+            s.next_token_logits(prefix[:-1])  # the cache then holds all but the newest position
+        top = torch.topk(s.next_token_logits(prefix)[0].float(), 2).values
+        margin = float(top[0] - top[1])
+    tok = s.tokenizer
+
+    def side(ids: list[int]) -> tuple[int, str]:
+        return (ids[i], tok.piece(ids[i])) if i < len(ids) else (-1, "(end)")
+
+    (st, sp), (pt, pp) = side(spec), side(plain)
+    return Divergence(index=i, position=len(prompt) + i, spec_token=st, spec_piece=sp, plain_token=pt,
+                      plain_piece=pp, margin=margin, dtype=dtype)
 
 
 def plain_decode(
@@ -478,21 +511,26 @@ def sweep(
         for k, events in zip(ks, runs, strict=True):
             if stop():
                 return
-            fin = None
+            fin, dtype = None, ""
             for ev in events:
                 if isinstance(ev, Failed):
                     yield ev
                     return
+                if isinstance(ev, SpecStarted):
+                    dtype = ev.dtype
                 if isinstance(ev, SpecFinished):
                     fin = ev
             if fin is None or fin.reason == "stopped":
                 return
             rate = base.tokens_per_s if base is not None else 0.0
+            differs = (divergence(s, ids, fin.ids.tolist(), base.ids.tolist(), dtype)
+                       if params.greedy and base is not None else None)
             yield SweepPoint(
                 k=k, acceptance_rate=fin.acceptance_rate, acceptance_by_position=fin.acceptance_by_position,
                 tokens_per_pass=fin.tokens_per_pass, tokens_per_s=fin.tokens_per_s, baseline_tokens_per_s=rate,
                 speedup=fin.tokens_per_s / rate if rate > 0 else 0.0,
                 matches_baseline=(base.ids.tolist() == fin.ids.tolist()) if params.greedy and base else None,
+                differs=differs,
             )
 
     return run()

@@ -105,3 +105,17 @@ def test_run_goes_through_the_engine_process(qtbot, window):
     assert panel._finished is not None and panel._steps
     assert panel._finished.matches_baseline  # greedy speculation gives plain greedy decoding's tokens (float32)
     assert "tokens per full pass" in panel.summary.text() and panel.run_button.isEnabled()
+
+
+def test_a_run_that_differs_says_where_and_why_in_one_sentence(panel, tiny_lm, monkeypatch):
+    from tests.engine.test_spec_divergence import flip_one_pass
+
+    flip_one_pass(monkeypatch)
+    run = list(sp.speculate(tiny_lm, REPEATS, sp.SpecConfig(k=3, ignore_eos=True), GREEDY, 12))
+    for ev in run:
+        panel.on_spec_event(ev)
+    panel.flush()
+    d = run[-1].differs
+    text = panel.summary.text()
+    assert html.escape("Plain greedy decoding " + d.sentence()) in text and f"color:{ERROR_COLOR}" in text
+    assert "the same tokens" not in text
