@@ -325,3 +325,32 @@ def test_llamacpp_gemma3_post_norm_nodes(tmp_path):
             before_after(s, Ablation(attn_layers=(1,)), ids)
     finally:
         s.close()
+
+
+@pytest.mark.slow
+def test_llamacpp_ablation_on_the_default_model_moves_what_the_engine_moves(real_lm):
+    """On the Q4_1 file llama.cpp also quantizes activations, so its intact log-probs differ from the engine's by up to
+    ~0.4 nats among the top 20: what is compared is the ablation's effect on the intact top 20 (after − before log-
+    probs), which must agree in pattern (correlation) though not to float precision."""
+    from tests.requires import default_model, import_required
+
+    import_required("llama_cpp", name="llamacpp", dist="llama-cpp-python")
+    from engine.backends.llamacpp import LlamaCppSession
+    from engine.why.llamacpp_edit import before_after
+
+    session = Session(real_lm, threads="auto")
+    llama = LlamaCppSession(default_model(), threads=2)
+    ids = session.tokenize("The Eiffel Tower is in the city of").ids
+    try:
+        for spec in (Ablation(heads=((3, 1), (14, 5), (0, 4))), Ablation(mlp_layers=(0,))):
+            lb, la = (torch.log_softmax(x.double(), -1) for x in before_after(llama, spec, ids))
+            model = session.lm.model
+            tb = torch.log_softmax(engine_logits(model, ids)[-1].double(), -1)
+            with edited(model, edits_for(model, spec, ids)):
+                ta = torch.log_softmax(engine_logits(model, ids)[-1].double(), -1)
+            top = torch.topk(tb, 20).indices
+            effect_torch, effect_llama = (ta - tb)[top], (la - lb)[top]
+            assert effect_torch.abs().max() > 1.0
+            assert torch.corrcoef(torch.stack([effect_torch, effect_llama]))[0, 1] > 0.85
+    finally:
+        llama.close()
