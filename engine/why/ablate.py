@@ -220,14 +220,15 @@ def _text(doc: dict) -> str:
     def row(side: dict) -> str:
         return "  ".join(f"{t!r} {p:.4f}" for t, p in zip(side["tokens"], side["probs"], strict=True))
 
-    ab = doc["ablated"]
+    ab, kl = doc["ablated"], doc["kl"]
     what = ([f"head {h[0]}:{h[1]}" for h in ab["heads"]] + [f"attention of layer {i}" for i in ab["attn_layers"]]
             + [f"MLP of layer {i}" for i in ab["mlp_layers"]])
     lines = [f"{'mean' if ab['mean'] else 'zero'}-ablated: {', '.join(what)}"
              + ("" if ab["positions"] is None else f" at positions {ab['positions']}")
              + f" ({doc['prompt_tokens']} prompt tokens)",
              f"before: {row(doc['before'])}", f"after:  {row(doc['after'])}",
-             f"KL(before‖after) = {doc['kl']:.6f} nats; top-1 {'changed' if doc['top1_changed'] else 'unchanged'}"]
+             f"KL(before‖after) = {'undefined' if kl is None else format(kl, '.6f')} nats; "
+             f"top-1 {'changed' if doc['top1_changed'] else 'unchanged'}"]
     if "logit_diff" in doc:
         d = doc["logit_diff"]
         lines.append(f"logit({d['pieces'][0]!r}) − logit({d['pieces'][1]!r}): {d['before']:.4f} before, "

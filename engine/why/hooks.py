@@ -130,8 +130,8 @@ def _positions_of(start: int | torch.Tensor, batch: int) -> list[int]:
     return [int(start)] * batch
 
 
-def _apply(x: torch.Tensor, edit: Edit, cols: slice, starts: list[int]) -> torch.Tensor:
-    """x (B, T, ·) with the edit written into its columns `cols` (x itself is not changed)."""
+def _apply(x: torch.Tensor, edit: Edit, cols: slice, starts: list[int]) -> None:
+    """Write the edit into x (B, T, ·), in its columns `cols`, in place (x is the hook's own copy)."""
     B, T = x.shape[:2]
     rows = list(range(B)) if edit.rows is None else list(edit.rows)
     if any(not 0 <= r < B for r in rows):
@@ -144,23 +144,23 @@ def _apply(x: torch.Tensor, edit: Edit, cols: slice, starts: list[int]) -> torch
     except RuntimeError:
         raise ValueError(f"the edit of {edit.point} has a value of shape {tuple(value.shape)}, which does not "
                          f"broadcast to (rows {len(rows)}, positions {n_pos}, width {width})") from None
-    out = x.clone()
-    same_start = len(set(starts[r] for r in rows)) <= 1
-    groups = [rows] if same_start else [[r] for r in rows]
+    # rows at one start (every batch but a ragged one) are written together; a ragged batch's rows one by one
+    same_start = len({starts[r] for r in rows}) <= 1
+    groups = [list(range(len(rows)))] if same_start else [[k] for k in range(len(rows))]  # indices into rows
     for group in groups:
-        start = starts[group[0]] if group else 0
+        if not group:
+            continue
+        start = starts[rows[group[0]]]
         if edit.positions is None:
             which, local = list(range(T)), list(range(T))
         else:
             which = [k for k, p in enumerate(edit.positions) if start <= p < start + T]
             local = [edit.positions[k] - start for k in which]
-        if not which or not group:
+        if not which:
             continue
-        r = torch.tensor(group, device=x.device)[:, None]  # (R, 1)
+        r = torch.tensor([rows[k] for k in group], device=x.device)[:, None]  # (R, 1)
         t = torch.tensor(local, device=x.device)[None, :]  # (1, P)
-        rsel = torch.tensor([rows.index(g) for g in group], device=x.device)[:, None]
-        out[r, t, cols] = value[rsel, torch.tensor(which, device=x.device)[None, :]]
-    return out
+        x[r, t, cols] = value[torch.tensor(group, device=x.device)[:, None], torch.tensor(which, device=x.device)]
 
 
 @contextlib.contextmanager
@@ -184,9 +184,11 @@ def edited(model: nn.Module, edits: Iterable[Edit] = (), record: Iterable[Point]
     def rewrite(points: Sequence[Point], layer: int, x: torch.Tensor) -> torch.Tensor:
         start, batch = starts[layer]
         first = _positions_of(start, batch)
+        if any(p in by_point for p in points):
+            x = x.clone()  # the module's output may be a view another op still reads; edits go into a copy
         for p in points:
             for e in by_point.get(p, ()):
-                x = _apply(x, e, _columns(p, cfg), first)
+                _apply(x, e, _columns(p, cfg), first)
             if p in record:
                 rec._add(p, x[..., _columns(p, cfg)])
         return x
