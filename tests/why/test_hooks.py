@@ -213,3 +213,16 @@ def test_gemma3_attn_and_mlp_sites_are_after_the_post_norms(tmp_path):
         engine_logits(lm.model, ids)
     assert_close(rec[Point.resid(0)][0], hidden[0][0], atol=1e-4, rtol=1e-4)
     assert_close(rec[Point.resid(3)][0], hidden[3][0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_ragged_batch_edits_each_row_at_its_own_positions():
+    """Rows of a continuous batch start at their own positions: absolute position 4 is row 0's index 4 and row 1's
+    index 1 when row 1 starts at 3 (written out here by hand)."""
+    from engine.why.hooks import _apply
+
+    x = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)
+    want = x.clone()
+    want[0, 4], want[1, 1] = -1, -1
+    got = x.clone()
+    _apply(got, Edit(Point.resid(0), torch.full((3,), -1.0), positions=(4,)), slice(None), [0, 3])
+    assert torch.equal(got, want)
