@@ -262,6 +262,7 @@ class AblateParams:
     mlp_layers: tuple[int, ...] = ()
     mean: bool = False
     chat: bool = False
+    tokens: tuple[int, int] | None = None  # two token ids whose logit difference is reported before and after
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,7 @@ class CompareParams:
     prompt: str
     steps: int = 16  # greedy steps compared
     backend: str = "auto"  # the other model's runtime: "torch", "llama.cpp" or "auto"
+    chat: bool = False
 
 
 EXPERIMENT_KINDS: dict[type, str] = {HeadsParams: "heads", AblateParams: "ablate", PatchParams: "patch",

@@ -19,6 +19,7 @@ import queue
 import signal
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
@@ -398,7 +399,7 @@ class EngineServer:
             return
         try:
             result = run_experiment(self.backend.why_session(), cmd.params,
-                                    lambda f, m: self.send(Progress("why", f, m)), should_stop)
+                                    lambda f, m: self.send(Progress("why", f, m)), should_stop, self._open_other)
         except Unsupported as e:
             done(failure=str(e), unsupported=True)
         except Exception as e:  # noqa: BLE001 — the panel must learn that the run ended
@@ -408,6 +409,23 @@ class EngineServer:
                 done(failure=str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
         else:
             done(result=result)
+
+    def _open_other(self, model: str, backend: str = "auto") -> object:
+        """Another model's session beside the loaded one (a comparison's second side): on llama.cpp as the file is,
+        on torch at the loaded model's device and dtype. ValueError with one sentence when it cannot be loaded."""
+        from engine.backends import choose
+        from engine.loaders import ModelLoadError, load
+        from engine.run.session import Session
+
+        try:
+            if choose(model, backend) == "llama.cpp":
+                from engine.backends.llamacpp import LlamaCppSession
+
+                return LlamaCppSession(model, threads=self.threads)
+            info = self.local.info
+            return Session(load(model, device=info.device, dtype=info.dtype), threads=self.threads)
+        except ModelLoadError as e:
+            raise ValueError(f"cannot load the other model: {e}") from None
 
     def serve_bench(self, cmd: ServeBench) -> None:
         if self.backend is None:
@@ -546,9 +564,11 @@ class EngineServer:
 
 
 def run_experiment(session: object, params: object, progress: ReportProgress | None = None,
-                   should_stop: ShouldStop | None = None) -> dict:
+                   should_stop: ShouldStop | None = None,
+                   open_model: Callable[[str, str], object] | None = None) -> dict:
     """One why-experiment (engine.protocol's HeadsParams, AblateParams, …) on a loaded session, the torch engine's
-    or llama.cpp's: the dict its CLI prints. Each module says itself (engine.why.Unsupported) what a runtime cannot."""
+    or llama.cpp's: the dict its CLI prints. Each module says itself (engine.why.Unsupported) what a runtime cannot.
+    `open_model(path, backend)` gives a comparison's other session; it is closed (where it can be) afterwards."""
     from engine import protocol as P
 
     if isinstance(params, P.HeadsParams):
@@ -562,7 +582,7 @@ def run_experiment(session: object, params: object, progress: ReportProgress | N
 
         check_stop(should_stop)  # two forward passes: nothing to stop between them
         return ablate(session, params.prompt, heads=params.heads, attn_layers=params.attn_layers,
-                      mlp_layers=params.mlp_layers, mean=params.mean, chat=params.chat)
+                      mlp_layers=params.mlp_layers, mean=params.mean, chat=params.chat, tokens=params.tokens)
     if isinstance(params, P.PatchParams):
         from engine.why.patch import patch
 
@@ -574,10 +594,22 @@ def run_experiment(session: object, params: object, progress: ReportProgress | N
         return attribute(session, params.prompt, method=params.method, steps=params.steps, target=params.target,
                          chat=params.chat, progress=progress, should_stop=should_stop)
     if isinstance(params, P.CompareParams):
+        from engine.why import check_stop
         from engine.why.compare import compare
 
-        return compare(session, params.other, params.prompt, steps=params.steps, progress=progress,
-                       should_stop=should_stop)
+        if open_model is None:
+            raise ValueError("a comparison needs a way to open the other model")
+        if progress is not None:
+            progress(0.0, f"loading {params.other}")
+        other = open_model(params.other, params.backend)
+        try:
+            check_stop(should_stop)
+            return compare(session, other, params.prompt, steps=params.steps, chat=params.chat, progress=progress,
+                           should_stop=should_stop)
+        finally:
+            close = getattr(other, "close", None)
+            if close is not None:
+                close()
     raise TypeError(f"not the parameters of an experiment: {type(params).__name__}")
 
 

@@ -39,6 +39,7 @@ from app.theme import (
     style_plot,
     visible_whitespace,
 )
+from app.units import fmt_bytes
 from engine.events import ModelInfo
 from engine.model.config import ModelConfig
 from engine.protocol import (
@@ -121,9 +122,10 @@ def _vector(x: Any, name: str) -> np.ndarray:
 
 
 def _strings(x: Any, name: str) -> list[str]:
-    """Token texts: a list of pieces, or {"ids": […], "pieces": […]} as some experiments give them."""
+    """Token texts: a list of pieces, {"ids": […], "pieces": […]} (attribution) or {"clean": […], "corrupt": […]}
+    (patching: the corrupted prompt's, whose positions the grid's columns are)."""
     if isinstance(x, dict):
-        x = x.get("pieces")
+        x = x.get("pieces", x.get("corrupt"))
     if not isinstance(x, (list, tuple)) or not all(isinstance(s, str) for s in x) or len(x) > MAX_CELLS:
         raise ResultError(f"its {name} are not a list of texts")
     return list(x)
@@ -160,10 +162,14 @@ def check_result(kind: str, result: Any) -> None:
         if len(_vector(result.get("scores"), "scores")) != len(_strings(result.get("tokens"), "tokens")):
             raise ResultError("its scores and its tokens differ in number")
     elif kind == "compare":
-        if len(_vector(result.get("kl"), "kl")) != len(_vector(result.get("attention_js"), "attention_js")):
+        kl = _vector(result.get("kl"), "kl")
+        js = result.get("attention_js")  # per layer (one fewer than the residual points), None: not captured
+        if js is not None and len(_vector(js, "attention_js")) not in (len(kl), len(kl) - 1):
             raise ResultError("its KL and attention divergence differ in length")
     else:
         raise ResultError(f"{kind!r} is not an experiment")
+    if kind == "patch" and result.get("restored_heads") is not None:
+        _matrix(result["restored_heads"], "per-head grid")
 
 
 def _piece(s: str) -> str:
@@ -283,6 +289,7 @@ class WhyPanel(Panel):
         self.views.addWidget(self._attribute_view())
         self.views.addWidget(self._compare_view())
         self.mode_combo.currentIndexChanged.connect(self._on_mode)
+        self._on_mode(0)
 
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
@@ -329,9 +336,13 @@ class WhyPanel(Panel):
         self.mean_box = QtWidgets.QCheckBox("mean")
         self.mean_box.setToolTip("Replace each part's output by its mean over the prompt's positions, not by zero")
         self.ablate_chat = QtWidgets.QCheckBox("chat")
+        self.diff_a, self.diff_b = QtWidgets.QLineEdit(DEFAULT_ANSWER), QtWidgets.QLineEdit(DEFAULT_WRONG)
+        for e in (self.diff_a, self.diff_b):
+            e.setToolTip("One token each (mind the leading space); leave empty for no logit difference")
         return self._form([("prompt", self.ablate_prompt), ("heads", self.ablate_heads),
                            ("attention", self._row(self.ablate_attn, QtWidgets.QLabel("MLP"), self.ablate_mlp,
-                                                   self.mean_box, self.ablate_chat))])
+                                                   self.mean_box, self.ablate_chat)),
+                           ("logit diff of", self._row(self.diff_a, QtWidgets.QLabel("over"), self.diff_b))])
 
     def _patch_inputs(self) -> QtWidgets.QWidget:
         self.clean_edit = QtWidgets.QLineEdit(DEFAULT_CLEAN)
@@ -431,17 +442,28 @@ class WhyPanel(Panel):
         return w
 
     def _patch_view(self) -> QtWidgets.QWidget:
-        self.patch_plot = pg.PlotWidget(background=BACKGROUND)
-        pi = self.patch_plot.getPlotItem()
-        style_plot(pi, left=("residual after layer (0 = embeddings)", None), bottom=("position (corrupted prompt)",
-                                                                                     None), grid=(False, False))
+        self.patch_plot = pg.GraphicsLayoutWidget()
+        self.patch_plot.setBackground(BACKGROUND)
+        pi = self.patch_item = self.patch_plot.addPlot(row=0, col=0)
+        style_plot(pi, left=("residual stream after n layers (0 = embeddings)", None),
+                   bottom=("position: clean / corrupted token", None), grid=(False, False))
         pi.getViewBox().invertY(True)
         self.patch_image = pg.ImageItem(axisOrder="row-major")
         self.patch_image.setColorMap(DIVERGING)
         pi.addItem(self.patch_image)
-        self.patch_bar = pg.ColorBarItem(values=(-1, 1), colorMap=DIVERGING, interactive=False, width=10)
-        self.patch_bar.setImageItem(self.patch_image, insert_in=pi)
         self.patch_note = placeholder(pi)
+        hi = self.patch_heads_item = self.patch_plot.addPlot(row=0, col=1)
+        style_plot(hi, left=("layer", None), bottom=("head", None), grid=(False, False))
+        hi.setTitle("each head's output patched", size=f"{FONT_PT}pt", color=FOREGROUND)
+        hi.getViewBox().invertY(True)
+        self.patch_heads_image = pg.ImageItem(axisOrder="row-major")
+        self.patch_heads_image.setColorMap(DIVERGING)
+        hi.addItem(self.patch_heads_image)
+        self.patch_bar = pg.ColorBarItem(values=(-1, 1), colorMap=DIVERGING, interactive=False, width=10)
+        self.patch_bar.setImageItem([self.patch_image, self.patch_heads_image])
+        self.patch_plot.addItem(self.patch_bar, row=0, col=2)
+        self.patch_plot.ci.layout.setColumnStretchFactor(0, 3)
+        self.patch_plot.ci.layout.setColumnStretchFactor(1, 1)
         self.patch_plot.scene().sigMouseMoved.connect(self._on_patch_hover)
         self.patch_hover = QtWidgets.QLabel(" ")
         w = QtWidgets.QWidget()
@@ -493,8 +515,13 @@ class WhyPanel(Panel):
         self.mode_combo.setCurrentIndex(KINDS.index(kind))
 
     def _on_mode(self, index: int) -> None:
-        self.inputs.setCurrentIndex(index)
-        self.views.setCurrentIndex(index)
+        for stack in (self.inputs, self.views):
+            stack.setCurrentIndex(index)
+            for i in range(stack.count()):  # a stack is as tall as its tallest page: count the shown one only
+                ignored, preferred = QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred
+                policy = preferred if i == index else ignored
+                stack.widget(i).setSizePolicy(policy, policy)
+            stack.adjustSize()
         self.mark_dirty()
 
     def params(self) -> object:
@@ -519,8 +546,10 @@ class WhyPanel(Panel):
                     if layer >= info.n_layers:
                         raise ValueError(f"layer {layer} is out of range: {info.name} has layers "
                                          f"0–{info.n_layers - 1}")
+            pair = (self.diff_a.text(), self.diff_b.text())
+            tokens = (self._one_token(pair[0]), self._one_token(pair[1])) if all(pair) else None
             return AblateParams(prompt=prompt, heads=heads, attn_layers=attn, mlp_layers=mlp,
-                                mean=self.mean_box.isChecked(), chat=self.ablate_chat.isChecked())
+                                mean=self.mean_box.isChecked(), chat=self.ablate_chat.isChecked(), tokens=tokens)
         if kind == "patch":
             fields = [e.text() for e in (self.clean_edit, self.corrupt_edit, self.answer_edit, self.wrong_edit)]
             if not all(f.strip() for f in fields):
@@ -537,6 +566,17 @@ class WhyPanel(Panel):
         if not self.compare_prompt.text().strip():
             raise ValueError("type a prompt to compare on")
         return CompareParams(other=other, prompt=self.compare_prompt.text(), steps=self.compare_steps.value())
+
+    def _one_token(self, text: str) -> int:
+        """The loaded tokenizer's id of `text` as one token; ValueError naming its pieces otherwise."""
+        tok = self.bridge.tokenizer
+        if tok is None:
+            raise ValueError("load a model first")
+        t = tok.encode(text, add_special=False)
+        if len(t.ids) != 1:
+            raise ValueError(f"{text!r} is {len(t.ids)} tokens ({', '.join(map(repr, t.pieces))}), not one: a "
+                             "logit difference compares two single tokens")
+        return int(t.ids[0])
 
     def run(self) -> bool:
         """Send the shown mode's experiment to the engine; False (and a sentence) when it cannot be sent."""
@@ -663,13 +703,12 @@ class WhyPanel(Panel):
                     for layer in range(m.shape[0]) for pos in range(m.shape[1])]
         if kind == "attribute":
             return [{"position": i, "token": t, "score": float(s), "method": r.get("method", ""),
-                     "target": r.get("target", "")} for i, (t, s) in enumerate(zip(pieces(r["tokens"]), r["scores"],
+                     "target": target_piece(r)} for i, (t, s) in enumerate(zip(pieces(r["tokens"]), r["scores"],
                                                                                     strict=True))]
-        flips = set(_flip_steps(r.get("top1_flips")))
-        kl, js = r["kl"], r["attention_js"]
-        labels = r.get("labels") if isinstance(r.get("labels"), list) and len(r["labels"]) == len(kl) else None
-        return [{"layer": labels[i] if labels else i, "kl": float(kl[i]), "attention_js": float(js[i]),
-                 "flip_steps": " ".join(map(str, sorted(flips))) if i == 0 else ""} for i in range(len(kl))]
+        kl, js = compare_curves(r)
+        names = r.get("layers") if isinstance(r.get("layers"), list) and len(r["layers"]) == len(kl) else None
+        return [{"point": str(names[i]) if names else i, "kl_nats": float(kl[i]), "attention_js_bits": float(js[i])}
+                for i in range(len(kl))]
 
     # ---- clicks --------------------------------------------------------------------------------------------------
     def head_at(self, scene_pos: QtCore.QPointF) -> tuple[str, int, int] | None:
@@ -703,17 +742,21 @@ class WhyPanel(Panel):
 
     def _on_patch_hover(self, pos: QtCore.QPointF) -> None:
         entry = self.results.get("patch")
-        vb = self.patch_plot.getPlotItem().getViewBox()
-        if entry is None or not vb.sceneBoundingRect().contains(pos):
+        if entry is None:
             return
-        p = vb.mapSceneToView(pos)
-        layer, col = int(math.floor(p.y())), int(math.floor(p.x()))
         r = entry["result"]
-        m = np.asarray(r["restored"], dtype=float)
-        if 0 <= layer < m.shape[0] and 0 <= col < m.shape[1]:
-            where = "the embeddings" if layer == 0 else f"layer {layer - 1}"
-            self.patch_hover.setText(f"after {where}, position {col} ({_piece(pieces(r['tokens'])[col])!r}): "
-                                     f"{m[layer, col]:+.3f} of the logit difference restored")
+        for item, key in ((self.patch_item, "restored"), (self.patch_heads_item, "restored_heads")):
+            vb = item.getViewBox()
+            if r.get(key) is None or not item.isVisible() or not vb.sceneBoundingRect().contains(pos):
+                continue
+            p = vb.mapSceneToView(pos)
+            row, col = int(math.floor(p.y())), int(math.floor(p.x()))
+            m = np.asarray(r[key], dtype=float)
+            if not (0 <= row < m.shape[0] and 0 <= col < m.shape[1]):
+                continue
+            where = (f"the stream after {row} layer{'s' if row != 1 else ''}, position {col} "
+                     f"({patch_labels(r)[col]})" if key == "restored" else f"head {row}:{col}'s output")
+            self.patch_hover.setText(f"{where}: {m[row, col]:+.3f} of the logit difference restored")
 
     # ---- drawing -------------------------------------------------------------------------------------------------
     def summary_html(self) -> str:
@@ -753,10 +796,13 @@ class WhyPanel(Panel):
             if b["tokens"] and a["tokens"]:
                 change = (f"<span style='color:{ERROR_COLOR}'>changed</span>" if r.get("top1_changed") else
                           "unchanged")
-                parts.append(f"top-1 {html.escape(repr(_piece(b['tokens'][0])))} → "
-                             f"{html.escape(repr(_piece(a['tokens'][0])))} ({change})")
-            parts += [f"{html.escape(k.replace('_', ' '))} {v:.4g}" for k, v in r.items()
-                      if k != "kl" and isinstance(v, float)]
+                parts.append(f"top-1 {html.escape(repr(_piece(b['tokens'][0])), quote=False)} → "
+                             f"{html.escape(repr(_piece(a['tokens'][0])), quote=False)} ({change})")
+            d = r.get("logit_diff")
+            if isinstance(d, dict) and isinstance(d.get("pieces"), list) and len(d["pieces"]) == 2 and all(
+                    isinstance(d.get(k), (int, float)) for k in ("before", "after")):
+                a, b = (html.escape(repr(_piece(str(p))), quote=False) for p in d["pieces"])
+                parts.append(f"logit {a} − {b}: {d['before']:+.3f} → <b>{d['after']:+.3f}</b>")
             return " · ".join([*parts, took])
         if kind == "patch":
             m = np.asarray(r["restored"], dtype=float)
@@ -764,24 +810,37 @@ class WhyPanel(Panel):
             best = ""
             if m.size and np.isfinite(m).any():
                 layer, pos = np.unravel_index(int(np.nanargmax(m)), m.shape)
-                best = (f"largest restore {m[layer, pos]:+.2f} after "
-                        f"{'the embeddings' if layer == 0 else f'layer {layer - 1}'} at position {pos} "
-                        f"({_piece(pieces(r['tokens'])[pos])!r})")
-            return html.escape(" · ".join([s for s in [best, *extra, took] if s]))
+                best = (f"largest restore {m[layer, pos]:+.2f}: the stream after {layer} layers at position {pos} "
+                        f"({patch_labels(r)[pos]})")
+            return html.escape(" · ".join([s for s in [best, *extra, took] if s]), quote=False)
         if kind == "attribute":
-            target = r.get("target_token", r.get("target", "?"))
             scores = np.asarray(r["scores"], dtype=float)
             label = dict((v, k) for k, v in METHODS).get(str(r.get("method")), str(r.get("method", "")))
             top = int(np.nanargmax(np.abs(scores))) if scores.size and np.isfinite(scores).any() else None
             most = (f" · most: {_piece(pieces(r['tokens'])[top])!r} ({scores[top]:+.3g})" if top is not None else "")
-            return html.escape(f"{label} for the next token {target!r}, sum {np.nansum(scores):+.4g}{most} · {took}")
+            target = _piece(target_piece(r))
+            gap = r.get("completeness", {}).get("gap") if isinstance(r.get("completeness"), dict) else None
+            if isinstance(gap, (int, float)):
+                most += f" · completeness gap {gap:+.2g}"
+            return html.escape(f"{label} for the next token {target!r}, sum {np.nansum(scores):+.4g}{most} · {took}",
+                               quote=False)
+        kl, _js = compare_curves(r)
+        worst = (f"largest KL {np.nanmax(kl):.3g} nats at {point_name(r, int(np.nanargmax(kl)))}"
+                 if kl.size and np.isfinite(kl).any() else "")
         flips = _flip_steps(r.get("top1_flips"))
-        kl = np.asarray(r["kl"], dtype=float)
-        worst = f"largest KL {np.nanmax(kl):.4g} nats at layer {int(np.nanargmax(kl))}" if kl.size and \
-            np.isfinite(kl).any() else ""
-        other = entry["params"].get("other", "")
-        return html.escape(" · ".join(s for s in [f"against {other}" if other else "", worst,
-                                                  f"{len(flips)} greedy step(s) with another top token", took] if s))
+        steps = r.get("steps", entry["params"].get("steps", "?"))
+        sides = []
+        labels, nbytes, tpot = r.get("labels"), r.get("bytes_per_token"), r.get("tpot_s")
+        for i, side in enumerate("ab"):
+            name = labels[i] if isinstance(labels, list) and len(labels) == 2 else side
+            text = f"{side}: {name}"
+            if isinstance(nbytes, list) and len(nbytes) == 2 and isinstance(nbytes[i], (int, float)):
+                text += f", {fmt_bytes(nbytes[i])} of weights per token"
+            if isinstance(tpot, list) and len(tpot) == 2 and isinstance(tpot[i], (int, float)):
+                text += f", TPOT {1e3 * tpot[i]:.1f} ms"
+            sides.append(html.escape(text, quote=False))
+        line = " · ".join(s for s in [worst, f"top-1 differs at {len(flips)} of {steps} steps", took] if s)
+        return "<br>".join([*sides, html.escape(line, quote=False)])
 
     def draw(self) -> None:
         running = self.running is not None
@@ -835,10 +894,19 @@ class WhyPanel(Panel):
                 set_number_cell(table, i, 2, f"{float(probs[i]):.4f}")
 
     def _draw_patch(self, entry: dict | None) -> None:
-        pi = self.patch_plot.getPlotItem()
+        pi, hi = self.patch_item, self.patch_heads_item
+        heads = entry["result"].get("restored_heads") if entry is not None else None
+        hi.setVisible(heads is not None)
+        if heads is not None:
+            h = np.asarray(heads, dtype=float)
+            self.patch_heads_image.setImage(np.nan_to_num(h), levels=(-1.0, 1.0), autoLevels=False)
+            hi.getViewBox().setRange(xRange=(0, h.shape[1]), yRange=(0, h.shape[0]), padding=0)
+        else:
+            self.patch_heads_image.clear()
         if entry is None:
             self.patch_image.clear()
             pi.getAxis("bottom").setTicks(None)
+            pi.getAxis("left").setTicks(None)
             show_empty(pi, self.patch_note, "Patch to see how much of the clean answer\neach layer and position "
                        "restores", (0, 12), (0, 8))
             return
@@ -847,7 +915,7 @@ class WhyPanel(Panel):
         m = np.asarray(r["restored"], dtype=float)
         self.patch_image.setImage(np.nan_to_num(m), levels=(-1.0, 1.0), autoLevels=False)
         pi.getViewBox().setRange(xRange=(0, m.shape[1]), yRange=(0, m.shape[0]), padding=0)
-        pi.getAxis("bottom").setTicks([[(i + 0.5, _piece(t)) for i, t in enumerate(pieces(r["tokens"]))]])
+        pi.getAxis("bottom").setTicks([[(i + 0.5, t) for i, t in enumerate(patch_labels(r))]])
         step = max(1, m.shape[0] // 8)
         pi.getAxis("left").setTicks([[(j + 0.5, str(j)) for j in range(0, m.shape[0], step)]])
 
@@ -870,24 +938,56 @@ class WhyPanel(Panel):
             return
         self.compare_note.setVisible(False)
         r = entry["result"]
-        kl, js = np.asarray(r["kl"], dtype=float), np.asarray(r["attention_js"], dtype=float)
+        kl, js = compare_curves(r)
         x = np.arange(len(kl), dtype=float)
         self.kl_curve.setData(x, kl)
-        self.js_curve.setData(x, js)
-        labels = r.get("labels")
-        if isinstance(labels, list) and len(labels) == len(kl) and all(isinstance(s, (str, int)) for s in labels):
-            step = max(1, len(labels) // 12)
-            pi.getAxis("bottom").setTicks([[(i, str(labels[i])) for i in range(0, len(labels), step)]])
-        else:
-            pi.getAxis("bottom").setTicks(None)
-        top = float(np.nanmax(np.concatenate([kl, js]))) if kl.size and np.isfinite(np.concatenate([kl, js])).any() \
-            else 1.0
+        finite = np.isfinite(js)
+        self.js_curve.setData(x[finite], js[finite])
+        step = max(1, len(kl) // 10)
+        pi.getAxis("bottom").setTicks([[(i, "emb" if i == 0 else str(i)) for i in range(0, len(kl), step)]])
+        both = np.concatenate([kl, js])
+        top = float(np.nanmax(both)) if np.isfinite(both).any() else 1.0
         pi.getViewBox().setRange(xRange=(-0.5, max(len(kl) - 0.5, 0.5)), yRange=(0, max(top * 1.1, 1e-6)),
                                  padding=0)
-        flips = r.get("top1_flips")
-        listed = _flip_text(flips)
+        listed = _flip_text(r.get("top1_flips"))
         self.flips_label.setText(f"<b>top-1 flips</b>: {html.escape(listed)}" if listed else
-                                 f"<span style='color:{OK_COLOR}'>no greedy step chose another token</span>")
+                                 f"<span style='color:{OK_COLOR}'>no step's greedy token differs</span>")
+
+
+def compare_curves(r: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(KL per residual point, attention JS at the same x): point 0 is the embeddings, point ℓ the stream after
+    layer ℓ, whose attention is layer ℓ's (so JS has no value at 0); NaN where there is none."""
+    kl = np.asarray(r["kl"], dtype=float)
+    js = np.full(len(kl), np.nan)
+    if r.get("attention_js") is not None:
+        a = np.asarray(r["attention_js"], dtype=float)
+        js[len(kl) - len(a):] = a
+    return kl, js
+
+
+def point_name(r: dict, i: int) -> str:
+    names = r.get("layers")
+    if isinstance(names, list) and len(names) > i and isinstance(names[i], str):
+        return names[i]
+    return "the embeddings" if i == 0 else f"layer {i}"
+
+
+def patch_labels(r: dict) -> list[str]:
+    """Each position's token, "clean/corrupted" where the two prompts differ there."""
+    t = r["tokens"]
+    corrupt = pieces(t)
+    clean = t.get("clean") if isinstance(t, dict) else None
+    if not isinstance(clean, list) or len(clean) != len(corrupt):
+        return [_piece(c) for c in corrupt]
+    return [_piece(a) if a == b else f"{_piece(a)}/{_piece(b)}" for a, b in zip(clean, corrupt, strict=True)]
+
+
+def target_piece(r: dict) -> str:
+    """The attributed token's text: {"id", "piece", …} or a plain id or text."""
+    t = r.get("target")
+    if isinstance(t, dict):
+        return str(t.get("piece", t.get("id", "?")))
+    return str(t) if t is not None else "?"
 
 
 def _flip_steps(flips: Any) -> list[int]:
@@ -904,9 +1004,9 @@ def _flip_text(flips: Any) -> str:
     items = []
     for f in flips if isinstance(flips, list) else []:
         if isinstance(f, dict):
-            extra = ", ".join(f"{k} {_piece(v)!r}" if isinstance(v, str) else f"{k} {v}" for k, v in f.items()
-                              if k != "step")
-            items.append(f"step {f.get('step', '?')}" + (f" ({extra})" if extra else ""))
+            a, b = f.get("a_piece"), f.get("b_piece")
+            change = f": {_piece(a)!r} → {_piece(b)!r}" if isinstance(a, str) and isinstance(b, str) else ""
+            items.append(f"step {f.get('step', '?')}{change}")
         elif isinstance(f, int):
             items.append(f"step {f}")
     return "; ".join(items)

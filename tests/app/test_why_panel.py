@@ -121,7 +121,7 @@ def test_head_roles_round_trip_paints_the_heatmaps_and_a_click_shows_the_head(qt
     pi = panel.heads_items["induction"]
     view = panel.heads_plots
     scene_pos = pi.getViewBox().mapViewToScene(QtCore.QPointF(2.5, 1.5))
-    assert panel.head_at(scene_pos) == ("induction", 1, 2)
+    assert panel.head_at(scene_pos) == ("induction", 1, 2), pi.getViewBox().sceneBoundingRect()
     with qtbot.waitSignal(panel.sig_show_head, timeout=2_000) as clicked:
         qtbot.mouseClick(view.viewport(), QtCore.Qt.MouseButton.LeftButton,
                          pos=view.mapFromScene(scene_pos))
@@ -130,6 +130,80 @@ def test_head_roles_round_trip_paints_the_heatmaps_and_a_click_shows_the_head(qt
     w.tick_panels(flush=True)
     assert panel.heads_boxes["induction"].isVisible()
     assert panel.heads_boxes["induction"].rect() == QtCore.QRectF(2, 1, 1, 1)
+
+
+def test_ablate_patch_attribute_and_compare_round_trips_are_drawn(qtbot, why_window, tiny_lm, tiny_dir):
+    """Each mode's request reaches the engine process and its result comes back unchanged (the same call in this
+    process on the same model gives the same numbers), and is drawn."""
+    from engine.run.session import Session
+    from engine.why.ablate import ablate
+    from engine.why.attribute import attribute
+    from engine.why.patch import patch
+
+    w = why_window()
+    panel: WhyPanel = w.panels["why"]
+    here = Session(tiny_lm)
+
+    panel.ablate_prompt.setText("the cat sat on the")
+    panel.ablate_heads.setText("1:2, 0:1")
+    panel.ablate_mlp.setText("0")
+    panel.diff_a.setText(" c")
+    panel.diff_b.setText(" m")
+    done = run_and_wait(qtbot, panel, "ablate")
+    assert done.ok, done.failure
+    assert done.params.heads == ((1, 2), (0, 1)) and done.params.mlp_layers == (0,) and done.params.tokens == (288, 271)
+    ref = ablate(here, "the cat sat on the", heads=((1, 2), (0, 1)), mlp_layers=(0,), tokens=(288, 271))
+    for side in ("before", "after"):
+        assert done.result[side]["ids"] == ref[side]["ids"]
+        np.testing.assert_allclose(done.result[side]["probs"], ref[side]["probs"], rtol=1e-5)
+        table = panel.ablate_tables[side]
+        assert table.rowCount() == 5, panel.summary_html()
+        assert [table.item(i, 1).text() for i in range(5)] == [str(i) for i in ref[side]["ids"]]
+    assert done.result["kl"] == pytest.approx(ref["kl"], rel=1e-4, abs=1e-9)
+    text = panel.summary.text()
+    assert "KL(before ‖ after)" in text and "logit '·c' − '·m'" in text
+    assert ("changed" if ref["top1_changed"] else "unchanged") in text
+
+    panel.clean_edit.setText("the cat sat on the")
+    panel.corrupt_edit.setText("the mat sat on the")
+    panel.answer_edit.setText(" c")
+    panel.wrong_edit.setText(" m")
+    panel.patch_heads_box.setChecked(True)
+    done = run_and_wait(qtbot, panel, "patch")
+    assert done.ok, done.failure
+    ref = patch(here, "the cat sat on the", "the mat sat on the", " c", " m", heads=True)
+    np.testing.assert_allclose(done.result["restored"], ref["restored"], rtol=1e-4, atol=1e-5)
+    grid = panel.patch_image.image
+    assert grid.shape == (tiny_lm.cfg.n_layers + 1, 9)
+    np.testing.assert_allclose(grid, np.asarray(ref["restored"]), rtol=1e-4, atol=1e-5)
+    assert panel.patch_heads_item.isVisible()
+    assert panel.patch_heads_image.image.shape == (tiny_lm.cfg.n_layers, tiny_lm.cfg.n_heads)
+    ticks = [label for _x, label in panel.patch_item.getAxis("bottom")._tickLevels[0]]
+    assert ticks[:4] == ["t", "he", "·c/·m", "at"] and len(ticks) == 9, ticks
+    assert "largest restore" in panel.summary.text()
+
+    panel.attr_prompt.setText("the cat sat on the")
+    panel.method_combo.setCurrentIndex(panel.method_combo.findData("grad-input"))
+    done = run_and_wait(qtbot, panel, "attribute")
+    assert done.ok, done.failure
+    ref = attribute(here, "the cat sat on the", method="grad-input")
+    np.testing.assert_allclose(done.result["scores"], ref["scores"], rtol=1e-4, atol=1e-6)
+    assert panel.attr_view.toPlainText() == "the·cat·sat·on·the"
+    assert "gradient × input for the next token" in panel.summary.text()
+
+    # the same weights from the Hugging Face folder: nothing changes, layer by layer
+    panel.other_edit.setText(str(tiny_dir.hf_dir))
+    panel.compare_prompt.setText("the cat sat on the")
+    panel.compare_steps.setValue(4)
+    done = run_and_wait(qtbot, panel, "compare")
+    assert done.ok, done.failure
+    kl = np.asarray(done.result["kl"])
+    assert kl.shape == (tiny_lm.cfg.n_layers + 1,) and np.all(np.abs(kl) < 1e-6)
+    x, y = panel.kl_curve.getData()
+    np.testing.assert_array_equal(y, kl)
+    assert done.result["top1_flips"] == [] and "no step's greedy token differs" in panel.flips_label.text()
+    assert "top-1 differs at 0 of 4 steps" in panel.summary.text()
+    assert set(panel.results) == {"ablate", "patch", "attribute", "compare"}
 
 
 def test_a_failure_comes_back_as_one_line(qtbot, why_window):
