@@ -29,6 +29,9 @@ from pathlib import Path
 from engine.why import Cancelled, Progress, ShouldStop, Unsupported, check_stop
 
 SHAPE_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim")
+# Attention rows kept per layer and step on each side: a long prompt's prefill keeps its last rows that fit (every
+# layer of both sides is held at once, so this is a quarter of what a generation's capture keeps).
+ATTENTION_BYTES = 4 * 2**20
 LN2 = math.log(2.0)
 
 
@@ -86,18 +89,17 @@ class _Side:
         import torch
 
         from engine.model.probe import RESID_STREAM, Probe, attn_point
-        from engine.protocol import ATTENTION_MAX_BYTES
 
         L, H = self.cfg.n_layers, self.cfg.n_heads
         n_keys = start + len(feed)
         if self.torch:
-            probe = Probe.for_capture(range(L), residual_stream=True)
+            probe = Probe.for_capture(range(L), residual_stream=True, max_attention_bytes=ATTENTION_BYTES)
             with torch.inference_mode():
                 logits = self.s._forward(feed, start, probe)
             attn = {i: probe.values[attn_point(i)][0] for i in range(L)}  # (H, rows, keys)
             return logits.float(), torch.from_numpy(probe.values[RESID_STREAM][0]), attn
         tap = self.s.tap
-        keep = Probe(max_attention_bytes=ATTENTION_MAX_BYTES).attention_rows(H, len(feed), n_keys)
+        keep = Probe(max_attention_bytes=ATTENTION_BYTES).attention_rows(H, len(feed), n_keys)
         tap.begin(frozenset(range(L)) if self.attention else frozenset(), True, len(feed), keep)
         try:
             logits = self.s._forward(feed, start)
@@ -163,6 +165,8 @@ def compare(a, b, prompt: str, steps: int = 16, chat: bool = False, progress: Pr
     import torch
 
     t_start = time.perf_counter()
+    if a is b:
+        raise ValueError("compare needs two sessions (each keeps its own KV cache), got the same one twice")
     A, B = _Side(a), _Side(b)
     check_same_model(A.cfg, B.cfg)
     if steps < 1:

@@ -113,6 +113,26 @@ def test_a_perturbed_copy_diverges_where_the_forward_pass_by_hand_says(tiny_dir,
     assert all(j > 0 for j in js)
 
 
+def test_a_long_prefill_keeps_only_its_last_attention_rows(tiny_dir, perturbed, monkeypatch):
+    """The attention held per layer is bounded: the prefill keeps its last rows that fit, and the distance is the
+    mean over those rows and the decode steps' (by hand, from the full attention of the same sequence)."""
+    import engine.why.compare as cmp
+
+    path, w_b = perturbed
+    a, b = _session(tiny_dir.gguf), _session(path)
+    n = len(a.tokenize(PROMPT).ids)
+    monkeypatch.setattr(cmp, "ATTENTION_BYTES", tiny_model.CFG["n_heads"] * n * 4 * 2)  # two prompt rows
+    out = compare(a, b, PROMPT, steps=4)
+    seq = out["prompt_ids"] + out["tokens"][:-1]
+    att_a, att_b = {}, {}
+    reference_logits(tiny_dir.hf_weights, seq, attention=att_a)
+    reference_logits(w_b, seq, attention=att_b)
+    kept = slice(n - 2, len(seq))  # the prefill's last two rows, then one row per decode step
+    js = [float(js_distance_bits(att_a[i][:, kept], att_b[i][:, kept]).mean())
+          for i in range(tiny_model.CFG["n_layers"])]
+    assert out["attention_js"] == pytest.approx(js, rel=1e-3)
+
+
 def test_the_llamacpp_runtime_of_the_same_file_differs_only_by_rounding(tiny_dir):
     import_required("llama_cpp", name="llamacpp", dist="llama-cpp-python")
     from engine.backends.llamacpp import LlamaCppSession
@@ -133,6 +153,9 @@ def test_different_models_are_refused_in_one_line(tiny_dir, tmp_path, monkeypatc
     monkeypatch.undo()
     with pytest.raises(Unsupported, match="vocab_size 300 vs 320"):
         compare(_session(tiny_dir.gguf), _session(other), PROMPT, steps=2)
+    same = _session(tiny_dir.gguf)
+    with pytest.raises(ValueError, match="two sessions"):
+        compare(same, same, PROMPT, steps=2)
     rc = main(["compare", "--model", str(tiny_dir.gguf), "--other", str(other), "--prompt", PROMPT, "--threads", "1"])
     err = capsys.readouterr().err
     assert rc == 1 and err.count("\n") == 1 and "vocab_size 300 vs 320" in err
