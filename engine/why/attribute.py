@@ -46,6 +46,7 @@ DEFAULT_STEPS = 32
 MAX_STEPS = 1024  # points of the integral (each a row of a forward and backward pass)
 PASS_TOKENS = 512  # rows × prompt tokens per forward/backward pass: bounds the activations kept for backward
 MAX_ROWS = 16  # interpolation points per pass at most (short prompts): fewer passes, each a larger product
+COMPLETE_WITHIN = 0.1  # the text output suggests more steps when Σ scores misses the difference by more than this
 
 
 def _baseline_token(tokenizer) -> int:
@@ -297,7 +298,11 @@ def _cmd(a: argparse.Namespace) -> int:
     if "completeness" in result:
         c = result["completeness"]
         print(f"completeness: Σ scores {c['sum_of_scores']:+.4f} against log p(x) − log p(x₀) "
-              f"{c['difference']:+.4f} (gap {c['gap']:+.4f}; baseline: {result['baseline']['kind']})")
+              f"{c['difference']:+.4f} (gap {c['gap']:+.4f}; baseline: {result['baseline']['piece']!r} at every "
+              "position)")
+        if abs(c["gap"]) > COMPLETE_WITHIN * max(abs(c["difference"]), 1.0):
+            print(f"the gap is over {COMPLETE_WITHIN:.0%} of the difference: the path is not resolved by "
+                  f"{a.steps} steps; more --steps bring the sum closer", file=sys.stderr)
     if not all(math.isfinite(s) for s in scores):
         print("warning: some scores are not finite", file=sys.stderr)
     return 0

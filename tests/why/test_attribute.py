@@ -195,7 +195,7 @@ def test_llamacpp_refuses_gradients_in_one_sentence_and_occludes(tiny_dir, tiny_
 
 
 # ---- the default model (slow) -------------------------------------------------------------------------------------
-REAL_PROMPT = "The Eiffel Tower is in the city of Paris, and the Colosseum is in the city of"
+REAL_PROMPT = "The Eiffel Tower is in Paris and the Colosseum is in"  # 14 tokens; greedy next: " Rome"
 
 
 @pytest.fixture(scope="module")
@@ -234,10 +234,11 @@ def test_default_model_occlusion_on_llamacpp_matches_the_float_reference(real_se
     finally:
         s.close()
     ref = attribute(real_session, REAL_PROMPT, method="occlusion")
-    assert got["target"]["id"] == ref["target"]["id"]
+    assert got["target"]["id"] == ref["target"]["id"] == real_session.tokenizer.encode(" Rome").ids[0]
     g, r = torch.tensor(got["scores"]), torch.tensor(ref["scores"])
-    assert int(g.argmax()) == int(r.argmax())
-    torch.testing.assert_close(g, r, rtol=0, atol=QUANT_ATOL)
-
-
-QUANT_ATOL = 0.25  # llama.cpp multiplies Q4_1 weights by Q8-quantized activations; torch by their float32 values
+    assert set(g.topk(3).indices.tolist()) == set(r.topk(3).indices.tolist()) and int(g.argmax()) == int(r.argmax())
+    # The same Q4_1 weights on both sides, dequantized to float32 for torch; llama.cpp multiplies them by the
+    # activations rounded to 8 bits (Q8_1), which moves an unlikely target's log-probability by a few tenths of a
+    # nat (measured: at most 0.52 nats, on the score of 5.8 of " in" before " Rome"; the largest score is ~20).
+    torch.testing.assert_close(g, r, rtol=0.1, atol=0.3)
+    assert got["cost"]["forward_passes"] == len(g) + 1 and got["cost"]["seconds"] > 0
