@@ -42,12 +42,15 @@ def log_prob_of(hf, target: int):
     return f
 
 
-def captum_scores(hf, ids: list[int], baseline_id: int, target: int, method: str, steps: int = 32) -> torch.Tensor:
-    """Captum's attribution per token (summed over the embedding dimension), (T,)."""
+def captum_scores(hf, ids: list[int], baseline_id: int, target: int, method: str, steps: int = 32,
+                  special: list[bool] | None = None) -> torch.Tensor:
+    """Captum's attribution per token (summed over the embedding dimension), (T,); `special` tokens stay as they are
+    in the baseline and are not occluded (score 0)."""
     attr = import_required("captum", "references").attr
+    special = special or [False] * len(ids)
     table = hf.get_input_embeddings().weight.detach()
     x = table[torch.tensor([ids])]  # (1, T, d)
-    x0 = table[baseline_id].expand_as(x).contiguous()  # (1, T, d)
+    x0 = table[torch.tensor([[i if k else baseline_id for i, k in zip(ids, special, strict=True)]])]  # (1, T, d)
     f = log_prob_of(hf, target)
     if method == "ig":
         a = attr.IntegratedGradients(f).attribute(x, baselines=x0, n_steps=steps, method="gausslegendre",
@@ -57,22 +60,26 @@ def captum_scores(hf, ids: list[int], baseline_id: int, target: int, method: str
     else:  # each token's row replaced by the baseline's: the whole attribution of that window is the drop
         a = attr.Occlusion(f).attribute(x, sliding_window_shapes=(1, x.shape[-1]), strides=(1, x.shape[-1]),
                                         baselines=x0)
-        return a[0, :, 0].detach()
+        return a[0, :, 0].detach()  # a special token's window changes nothing: 0
     return a[0].sum(dim=-1).detach()
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["plain", "chat"])
 @pytest.mark.parametrize("method", ["ig", "grad-input", "occlusion"])
-def test_tiny_model_matches_captum_on_transformers(tiny_session, tiny_dir, method):
+def test_tiny_model_matches_captum_on_transformers(tiny_session, tiny_dir, method, chat):
     hf = hf_model(tiny_dir.hf_dir)
-    got = attribute(tiny_session, PROMPT, method=method, steps=32)
-    ids = got["tokens"]["ids"]
+    got = attribute(tiny_session, PROMPT, method=method, steps=32, chat=chat)
+    ids, special = got["tokens"]["ids"], got["tokens"]["special"]
+    assert ids == tiny_session.tokenize(PROMPT, chat=chat).ids and any(special) == chat
     assert len(ids) >= 5 and got["tokens"]["pieces"][0]
     with torch.no_grad():
         greedy = int(hf(torch.tensor([ids])).logits[0, -1].argmax())
     assert got["target"]["id"] == greedy and got["target"]["chosen"] == "greedy"
     eot = tiny_session.tokenizer.eos_ids[0]  # the baseline and occluder: the first end-of-text token
     assert method == "grad-input" or got["baseline"]["id"] == eot
-    want = captum_scores(hf, ids, eot, greedy, method)
+    want = captum_scores(hf, ids, eot, greedy, method, special=None if method == "grad-input" else special)
+    if chat and method != "grad-input":  # the template's markers are kept, never scored
+        assert all(got["scores"][i] == 0.0 for i, k in enumerate(special) if k)
     torch.testing.assert_close(torch.tensor(got["scores"]), want, rtol=1e-4, atol=1e-4)
     assert want.abs().max() > 1e-2  # a comparison of scores that are all ~0 would prove nothing
 
@@ -135,6 +142,8 @@ def test_bad_arguments_are_one_sentence(tiny_session, kwargs, words):
 def test_empty_prompt_is_refused(tiny_session):
     with pytest.raises(ValueError, match="empty"):
         attribute(tiny_session, "", method="occlusion")
+    with pytest.raises(ValueError, match="only special tokens"):
+        attribute(tiny_session, "<|im_start|><|im_end|>", method="ig")
 
 
 @pytest.mark.parametrize("argv, words", [
