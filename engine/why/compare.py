@@ -32,6 +32,7 @@ SHAPE_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "h
 # Attention rows kept per layer and step on each side: a long prompt's prefill keeps its last rows that fit (every
 # layer of both sides is held at once, so this is a quarter of what a generation's capture keeps).
 ATTENTION_BYTES = 4 * 2**20
+LENS_BYTES = 64 * 2**20  # float64 lens log-probabilities of one side held at once (several steps' worth)
 LN2 = math.log(2.0)
 
 
@@ -120,14 +121,28 @@ class _Side:
         return torch.from_numpy(logits), stream, attn
 
 
-def _lens_logp(head, stream, logits):
-    """(L + 2, V) log-probabilities: the lens of every residual point, then the model's own output, in float64."""
+def _lens_logp(head, streams, logits):
+    """(n, L + 2, V) float64 log-probabilities of n steps: the lens of every residual point (streams (n, L + 1, d)),
+    then the model's own output (logits (n, V)). The steps go through the head together: llama.cpp's lens widens its
+    float16 output matrix once per call, not once per step."""
     import torch
 
     w = next(head.parameters())
+    n, points, d = streams.shape
     with torch.inference_mode():
-        rows = head.head(stream.to(device=w.device, dtype=w.dtype)).float()
-        return torch.log_softmax(torch.cat([rows, logits.reshape(1, -1).float()]).double(), dim=-1).cpu()
+        rows = head.head(streams.reshape(n * points, d).to(device=w.device, dtype=w.dtype)).float()
+        rows = torch.cat([rows.reshape(n, points, -1), logits.reshape(n, 1, -1).to(rows)], dim=1)
+        return torch.log_softmax(rows.double(), dim=-1).cpu()
+
+
+def _lens_kl(A: _Side, B: _Side, pending: list) -> list[list[float]]:
+    """KL(a ‖ b) per step and residual point (then the output) of the steps in `pending` [(stream_a, logits_a,
+    stream_b, logits_b)]."""
+    import torch
+
+    la = _lens_logp(A.head, torch.stack([p[0] for p in pending]), torch.stack([p[1] for p in pending]))
+    lb = _lens_logp(B.head, torch.stack([p[2] for p in pending]), torch.stack([p[3] for p in pending]))
+    return kl_nats(la, lb).tolist()  # (n, L + 2)
 
 
 def check_same_model(a, b) -> None:
@@ -184,6 +199,8 @@ def compare(a, b, prompt: str, steps: int = 16, chat: bool = False, progress: Pr
     for side in (A, B):
         side.reset(len(ids) + steps)
     kl_by_step: list[list[float]] = []
+    pending: list = []
+    chunk = max(1, LENS_BYTES // ((L + 2) * V * 8))  # steps whose float64 lens one side holds at once
     js_sum, js_rows = np.zeros(L), np.zeros(L)
     tokens: list[int] = []
     flips: list[dict] = []
@@ -192,8 +209,10 @@ def compare(a, b, prompt: str, steps: int = 16, chat: bool = False, progress: Pr
         check_stop(should_stop)
         la, sa, wa = A.step(feed, start)
         lb, sb, wb = B.step(feed, start)
-        kl = kl_nats(_lens_logp(A.head, sa, la), _lens_logp(B.head, sb, lb))  # (L + 2,)
-        kl_by_step.append([float(x) for x in kl])
+        pending.append((sa, la.cpu(), sb, lb.cpu()))
+        if len(pending) == chunk:
+            kl_by_step += _lens_kl(A, B, pending)
+            pending = []
         if A.attention and B.attention:
             for layer in range(L):
                 rows = min(wa[layer].shape[1], wb[layer].shape[1])  # both keep the same last rows (Probe's bound)
@@ -210,6 +229,8 @@ def compare(a, b, prompt: str, steps: int = 16, chat: bool = False, progress: Pr
         feed = [ta]
         if progress is not None:
             progress((step + 1) / (steps + 2), f"step {step + 1} of {steps} compared")
+    if pending:
+        kl_by_step += _lens_kl(A, B, pending)
     check_stop(should_stop)
     tpot_a = _tpot(a, ids, tokens)
     if progress is not None:

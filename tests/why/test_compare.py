@@ -86,10 +86,16 @@ def test_a_model_against_itself_changes_nothing(tiny_dir):
     assert all(t > 0 for t in out["tpot_s"])
 
 
-def test_a_perturbed_copy_diverges_where_the_forward_pass_by_hand_says(tiny_dir, perturbed):
+@pytest.mark.parametrize("lens_steps", [None, 5], ids=["lens-at-once", "lens-5-steps-at-a-time"])
+def test_a_perturbed_copy_diverges_where_the_forward_pass_by_hand_says(tiny_dir, perturbed, lens_steps, monkeypatch):
+    import engine.why.compare as cmp
+
     path, w_b = perturbed
     w_a = tiny_dir.hf_weights
     steps = 12
+    if lens_steps:  # the lens in chunks of steps (12 = 5 + 5 + 2), as a large vocabulary has it
+        c = tiny_model.CFG
+        monkeypatch.setattr(cmp, "LENS_BYTES", lens_steps * (c["n_layers"] + 2) * c["vocab_size"] * 8)
     out = compare(_session(tiny_dir.gguf), _session(path), PROMPT, steps=steps)
     ids, tokens = out["prompt_ids"], out["tokens"]
     seq = ids + tokens[:-1]  # what both sides were fed: step s predicts at position len(ids) - 1 + s
