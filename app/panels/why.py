@@ -57,8 +57,8 @@ MODES = (("heads", "Head roles"), ("ablate", "Ablate"), ("patch", "Patch"), ("at
 KINDS = tuple(k for k, _ in MODES)
 SCORES = (("previous_token", "previous token"), ("duplicate_token", "duplicate token"), ("induction", "induction"),
           ("sink", "attention sink"))
-# Our own one-line reading of each score (TransformerLens's head_detector definitions); the engine's own words, when
-# a result carries them, are shown instead.
+# Our own one-line reading of each score (TransformerLens's head_detector definitions); the engine's exact words, when
+# a result carries them, are the label's tooltip.
 DEFINITIONS = {
     "previous_token": "share of each query's attention on the token just before it (t − 1)",
     "duplicate_token": "share on the same token's earlier copy, N positions back (t − N)",
@@ -445,14 +445,15 @@ class WhyPanel(Panel):
         self.patch_plot = pg.GraphicsLayoutWidget()
         self.patch_plot.setBackground(BACKGROUND)
         pi = self.patch_item = self.patch_plot.addPlot(row=0, col=0)
-        style_plot(pi, left=("residual stream after n layers (0 = embeddings)", None),
-                   bottom=("position: clean / corrupted token", None), grid=(False, False))
+        style_plot(pi, left=("stream after n layers", None), bottom=("position: clean token, corrupted below", None),
+                   grid=(False, False))
+        pi.getAxis("bottom").setHeight(48)  # two lines of tick text where the prompts differ
         pi.getViewBox().invertY(True)
         self.patch_image = pg.ImageItem(axisOrder="row-major")
         self.patch_image.setColorMap(DIVERGING)
         pi.addItem(self.patch_image)
         self.patch_note = placeholder(pi)
-        hi = self.patch_heads_item = self.patch_plot.addPlot(row=0, col=1)
+        hi = self.patch_heads_item = pg.PlotItem()  # in the layout only when a result has per-head patching
         style_plot(hi, left=("layer", None), bottom=("head", None), grid=(False, False))
         hi.setTitle("each head's output patched", size=f"{FONT_PT}pt", color=FOREGROUND)
         hi.getViewBox().invertY(True)
@@ -462,8 +463,7 @@ class WhyPanel(Panel):
         self.patch_bar = pg.ColorBarItem(values=(-1, 1), colorMap=DIVERGING, interactive=False, width=10)
         self.patch_bar.setImageItem([self.patch_image, self.patch_heads_image])
         self.patch_plot.addItem(self.patch_bar, row=0, col=2)
-        self.patch_plot.ci.layout.setColumnStretchFactor(0, 3)
-        self.patch_plot.ci.layout.setColumnStretchFactor(1, 1)
+        self._heads_shown = False
         self.patch_plot.scene().sigMouseMoved.connect(self._on_patch_hover)
         self.patch_hover = QtWidgets.QLabel(" ")
         w = QtWidgets.QWidget()
@@ -747,7 +747,7 @@ class WhyPanel(Panel):
         r = entry["result"]
         for item, key in ((self.patch_item, "restored"), (self.patch_heads_item, "restored_heads")):
             vb = item.getViewBox()
-            if r.get(key) is None or not item.isVisible() or not vb.sceneBoundingRect().contains(pos):
+            if r.get(key) is None or item.scene() is None or not vb.sceneBoundingRect().contains(pos):
                 continue
             p = vb.mapSceneToView(pos)
             row, col = int(math.floor(p.y())), int(math.floor(p.x()))
@@ -852,11 +852,13 @@ class WhyPanel(Panel):
 
     def _draw_heads(self, entry: dict | None) -> None:
         defs = entry["result"].get("definitions") if entry is not None else None
-        lines = []
+        lines, exact = [], []
         for key, label in SCORES:
-            text = defs.get(key) if isinstance(defs, dict) and isinstance(defs.get(key), str) else DEFINITIONS[key]
-            lines.append(f"<b>{html.escape(label)}</b>: {html.escape(text)}")
+            lines.append(f"<b>{html.escape(label)}</b>: {html.escape(DEFINITIONS[key])}")
+            if isinstance(defs, dict) and isinstance(defs.get(key), str):  # the engine's exact words, on hover
+                exact.append(f"{label}: {defs[key]}")
         self.definitions.setText("<br>".join(lines))
+        self.definitions.setToolTip("\n".join(exact))
         sel = getattr(self, "_selected_head", None)
         for key, _label in SCORES:
             img, pi, box = self.heads_images[key], self.heads_items[key], self.heads_boxes[key]
@@ -896,7 +898,14 @@ class WhyPanel(Panel):
     def _draw_patch(self, entry: dict | None) -> None:
         pi, hi = self.patch_item, self.patch_heads_item
         heads = entry["result"].get("restored_heads") if entry is not None else None
-        hi.setVisible(heads is not None)
+        if (heads is not None) != self._heads_shown:
+            self._heads_shown = heads is not None
+            if self._heads_shown:
+                self.patch_plot.addItem(hi, row=0, col=1)
+            else:
+                self.patch_plot.removeItem(hi)
+            self.patch_plot.ci.layout.setColumnStretchFactor(1, 1 if self._heads_shown else 0)
+            self.patch_plot.ci.layout.setColumnStretchFactor(0, 3 if self._heads_shown else 1)
         if heads is not None:
             h = np.asarray(heads, dtype=float)
             self.patch_heads_image.setImage(np.nan_to_num(h), levels=(-1.0, 1.0), autoLevels=False)
@@ -915,7 +924,7 @@ class WhyPanel(Panel):
         m = np.asarray(r["restored"], dtype=float)
         self.patch_image.setImage(np.nan_to_num(m), levels=(-1.0, 1.0), autoLevels=False)
         pi.getViewBox().setRange(xRange=(0, m.shape[1]), yRange=(0, m.shape[0]), padding=0)
-        pi.getAxis("bottom").setTicks([[(i + 0.5, t) for i, t in enumerate(patch_labels(r))]])
+        pi.getAxis("bottom").setTicks([[(i + 0.5, t) for i, t in enumerate(patch_labels(r, "\n"))]])
         step = max(1, m.shape[0] // 8)
         pi.getAxis("left").setTicks([[(j + 0.5, str(j)) for j in range(0, m.shape[0], step)]])
 
@@ -972,14 +981,14 @@ def point_name(r: dict, i: int) -> str:
     return "the embeddings" if i == 0 else f"layer {i}"
 
 
-def patch_labels(r: dict) -> list[str]:
-    """Each position's token, "clean/corrupted" where the two prompts differ there."""
+def patch_labels(r: dict, sep: str = "/") -> list[str]:
+    """Each position's token; where the two prompts differ there, the clean one, `sep`, the corrupted one."""
     t = r["tokens"]
     corrupt = pieces(t)
     clean = t.get("clean") if isinstance(t, dict) else None
     if not isinstance(clean, list) or len(clean) != len(corrupt):
         return [_piece(c) for c in corrupt]
-    return [_piece(a) if a == b else f"{_piece(a)}/{_piece(b)}" for a, b in zip(clean, corrupt, strict=True)]
+    return [_piece(a) if a == b else f"{_piece(a)}{sep}{_piece(b)}" for a, b in zip(clean, corrupt, strict=True)]
 
 
 def target_piece(r: dict) -> str:

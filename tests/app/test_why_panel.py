@@ -176,10 +176,10 @@ def test_ablate_patch_attribute_and_compare_round_trips_are_drawn(qtbot, why_win
     grid = panel.patch_image.image
     assert grid.shape == (tiny_lm.cfg.n_layers + 1, 9)
     np.testing.assert_allclose(grid, np.asarray(ref["restored"]), rtol=1e-4, atol=1e-5)
-    assert panel.patch_heads_item.isVisible()
+    assert panel.patch_heads_item.scene() is panel.patch_plot.scene()
     assert panel.patch_heads_image.image.shape == (tiny_lm.cfg.n_layers, tiny_lm.cfg.n_heads)
     ticks = [label for _x, label in panel.patch_item.getAxis("bottom")._tickLevels[0]]
-    assert ticks[:4] == ["t", "he", "·c/·m", "at"] and len(ticks) == 9, ticks
+    assert ticks[:4] == ["t", "he", "·c\n·m", "at"] and len(ticks) == 9, ticks
     assert "largest restore" in panel.summary.text()
 
     panel.attr_prompt.setText("the cat sat on the")
