@@ -36,7 +36,9 @@ from app.theme import (
 from app.units import fmt_bandwidth, fmt_flops, fmt_fraction
 from engine.costs import formulas as costs
 from engine.costs.catalog import Hardware, canonical_dtype, hardware_presets
+from engine.costs.memory import LabMemory, lab_memory, size
 from engine.events import ModelInfo
+from engine.formats.discover import memory_available
 from engine.protocol import BatchRow
 
 FONT_PT = 9
@@ -109,6 +111,7 @@ class BatchingPanel(Panel):
     )
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
+        self.memory_available = memory_available  # bytes available now (a test gives its own)
         super().__init__(bridge, parent)
         self.rows: list[BatchRow] = []
         self.running = False
@@ -250,8 +253,16 @@ class BatchingPanel(Panel):
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.setSpacing(3)
+        # what the largest ticked batch will hold, said before Run (engine.costs.memory)
+        self.memory_note = QtWidgets.QLabel("")
+        self.memory_note.setWordWrap(True)
+        self.memory_note.setStyleSheet(f"color: {MUTED};")
+        for w in (*self.batch_boxes.values(), self.prompt_spin, self.new_spin):
+            (w.toggled if isinstance(w, QtWidgets.QCheckBox) else w.valueChanged).connect(
+                lambda *_: self.show_memory())
         layout.addLayout(controls)
         layout.addLayout(row2)
+        layout.addWidget(self.memory_note)
         layout.addWidget(split, 1)
         layout.addWidget(self.summary)
 
@@ -274,6 +285,29 @@ class BatchingPanel(Panel):
     # ---- state ---------------------------------------------------------------------------------------------------
     def selected_batches(self) -> tuple[int, ...]:
         return tuple(b for b, box in self.batch_boxes.items() if box.isChecked())
+
+    def memory_of(self, batch: int, prompt: int, new: int) -> LabMemory | None:
+        """What `batch` sequences of prompt + new positions hold on the loaded model's runtime (None: no model)."""
+        info, cfg = self.bridge.info, self.bridge.cfg
+        if info is None or cfg is None:
+            return None
+        return lab_memory(info, cfg, self.bridge.runtime or "torch", batch, prompt + new)
+
+    def refusal(self, batches: tuple[int, ...], prompt: int, new: int) -> str | None:
+        """One line naming the first batch whose KV cache would not fit in the memory available now (None: all fit)."""
+        available = self.memory_available()
+        for b in sorted(batches):
+            mem = self.memory_of(b, prompt, new)
+            why = mem.refusal(available) if mem is not None else None
+            if why is not None:
+                return f"{why}: untick it to run the rest"
+        return None
+
+    def show_memory(self) -> None:
+        batches = self.selected_batches()
+        mem = self.memory_of(max(batches), self.prompt_spin.value(), self.new_spin.value()) if batches else None
+        self.memory_note.setText("" if mem is None else
+                                 f"Batch {mem.n_seq}: {mem.line()}; {size(self.memory_available())} available now")
 
     def _update_buttons(self) -> None:
         loaded = self.bridge.info is not None
@@ -345,6 +379,12 @@ class BatchingPanel(Panel):
         if set(batches) <= set(BATCH_CHOICES):
             for b, box in self.batch_boxes.items():
                 box.setChecked(b in batches)
+        why = self.refusal(batches, prompt, new)
+        if why is not None:  # refused before it starts: nothing is sent to the engine
+            self.status = f"failed: {why}"
+            self._progress = (0.0, why)
+            self.mark_dirty()
+            return
         self.refresh_this_machine()
         self.rows, self._requested = [], batches
         self.running, self._started, self._cancel_pending = True, False, False
@@ -373,6 +413,7 @@ class BatchingPanel(Panel):
             self.prompt_spin.setMaximum(max(1, min(4096, cfg.context_length - 2)))
         self.rows, self.status = [], ""
         self._progress = (0.0, f"{info.name}: ready")
+        self.show_memory()
         self.refresh_this_machine()
         self._update_buttons()
         self.mark_dirty()

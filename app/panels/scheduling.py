@@ -34,7 +34,9 @@ from app.theme import (
 )
 from app.units import fmt_bytes
 from engine.costs import formulas as costs
+from engine.costs.memory import LabMemory, lab_memory, size
 from engine.events import ModelInfo
+from engine.formats.discover import memory_available
 from engine.model.config import ModelConfig
 from engine.run.schedule_events import (
     POLICIES,
@@ -133,6 +135,7 @@ class SchedulingPanel(Panel):
     """The user pressed Cancel: make the run's should_stop() true."""
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
+        self.memory_available = memory_available  # bytes available now (a test gives its own)
         super().__init__(bridge, parent)
         self.plan: SchedPlan | None = None
         self._base = SchedConfig()
@@ -254,7 +257,11 @@ class SchedulingPanel(Panel):
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.setSpacing(3)
+        self.memory_note = QtWidgets.QLabel("")  # what the run will hold, said before Run (engine.costs.memory)
+        self.memory_note.setWordWrap(True)
+        self.memory_note.setStyleSheet(f"color: {MUTED};")
         layout.addLayout(controls)
+        layout.addWidget(self.memory_note)
         layout.addWidget(self.progress)
         layout.addWidget(split, 1)
         layout.addWidget(self.summary)
@@ -308,11 +315,32 @@ class SchedulingPanel(Panel):
             self.status = f"failed: {e}"
             self.mark_dirty()
             return
+        mem = self.memory_of(cfg)
+        why = mem.refusal(self.memory_available(), f"{mem.n_seq} sequences") if mem is not None else None
+        if why is not None:  # refused before it starts: nothing is sent to the engine
+            self.status = f"failed: {why}"
+            self.mark_dirty()
+            return
         self.plan, self.running, self.status = None, True, ""
         self._reset()
         self._update_buttons()
         self.sig_run_requested.emit(cfg)
         self.mark_dirty()
+
+    def memory_of(self, cfg: SchedConfig) -> LabMemory | None:
+        """What a run holds: each policy's page pool of max_batch requests of up to the longest length."""
+        info, mcfg = self.bridge.info, self.bridge.cfg
+        if info is None or mcfg is None:
+            return None
+        return lab_memory(info, mcfg, self.bridge.runtime or "torch", len(cfg.policies()) * cfg.max_batch,
+                          cfg.longest(), pooled=True, page_size=cfg.page_size)
+
+    def memory_line(self) -> str:
+        mem = self.memory_of(self.config())
+        if mem is None:
+            return ""
+        return (f"{len(self.config().policies())} policies × {self.config().max_batch} requests: {mem.line()}; "
+                f"{size(self.memory_available())} available now")
 
     def cancel(self) -> None:
         if self.running:
@@ -411,6 +439,7 @@ class SchedulingPanel(Panel):
 
     # ---- drawing -------------------------------------------------------------------------------------------------
     def draw(self) -> None:
+        self.memory_note.setText(self.memory_line())
         plan = self.plan
         horizon = max(self.now.values(), default=0.0)
         n = len(plan.requests) if plan is not None else self.requests_spin.value()

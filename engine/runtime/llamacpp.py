@@ -18,9 +18,8 @@ import numpy as np
 import torch
 
 from engine.costs import formulas as costs
+from engine.costs.memory import STREAM_GRANULE, cells_reserved
 from engine.runtime.base import Row, Runtime
-
-STREAM_GRANULE = 256  # llama.cpp rounds each sequence's stream up to this many cells (GGML_PAD(n_ctx_seq, 256))
 
 
 def free_context(owner: object) -> None:
@@ -77,7 +76,7 @@ class LlamaCppRuntime(Runtime):
         self.llama.llama_set_n_threads(self._ctx, n, n)
 
     def cells_reserved(self, n_seq: int, capacity: int) -> int:
-        return n_seq * -(-capacity // STREAM_GRANULE) * STREAM_GRANULE  # a stream per sequence, rounded up
+        return cells_reserved("llama.cpp", n_seq, capacity)  # a stream per sequence, rounded up
 
     def step_weight_bytes(self, rows: int) -> float:
         s = self.session  # the file's own bytes: what llama.cpp streams
