@@ -304,3 +304,32 @@ def test_a_damaged_saved_result_is_skipped_with_a_sentence(qtbot, bridge):
     for kind in KINDS:
         with pytest.raises(ValueError):
             check_result(kind, {"scores": "nope"})
+
+
+# ---- the engine's side of the seam, headless -------------------------------------------------------------------
+def _outcome(client, params) -> P.ExperimentDone:
+    client.send(P.Experiment(7, params))
+    return client.until(lambda m: isinstance(m, P.ExperimentDone))[-1]
+
+
+def test_the_engine_says_in_one_line_what_a_runtime_cannot_or_what_is_missing(tiny_dir):
+    from tests.engine.test_server import Client
+
+    c = Client()
+    try:
+        done = _outcome(c, P.HeadsParams())
+        assert done.request_id == 7 and done.failure == "load a model first" and not done.unsupported
+        c.send(P.Load(str(tiny_dir.gguf), "cpu", "float32", backend="llama.cpp"))
+        loaded = c.until(lambda m: isinstance(m, (P.Loaded, P.LoadFailed)))[-1]
+        assert isinstance(loaded, P.Loaded) and loaded.runtime == "llama.cpp", loaded
+        done = _outcome(c, P.AttributeParams("the cat sat on the", method="ig"))
+        assert done.unsupported and done.result is None and "gradients" in done.failure and "\n" not in done.failure
+        done = _outcome(c, P.AttributeParams("the cat sat on the", method="occlusion"))
+        assert done.ok, done.failure  # occlusion needs forward passes only: llama.cpp runs it
+        assert len(done.result["scores"]) == len(done.result["tokens"]["ids"])
+        done = _outcome(c, P.CompareParams(other=str(tiny_dir.gguf) + ".missing", prompt="the cat"))
+        assert not done.ok and not done.unsupported and "\n" not in done.failure and done.failure
+        assert done.failure.startswith("cannot load the other model: model file not found")
+    finally:
+        c.send(P.Quit())
+        c.thread.join(30)
