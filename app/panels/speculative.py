@@ -27,6 +27,7 @@ from app.theme import (
 )
 from app.units import fmt_amount, fmt_bytes
 from engine.costs import formulas as costs
+from engine.costs.memory import LabMemory, lab_memory
 from engine.events import Failed, ModelInfo
 from engine.model.config import ModelConfig
 from engine.protocol import Speculate
@@ -106,6 +107,8 @@ class SpeculativePanel(Panel):
         self.tokens_spin.setValue(64)
         self.tokens_spin.setPrefix("new ")
         self.sweep_box = QtWidgets.QCheckBox("sweep k = 1…8")
+        self.tokens_spin.valueChanged.connect(lambda _v: self.mark_dirty())  # the memory line before a run
+        self.prompt_edit.textChanged.connect(self.mark_dirty)
         self.run_button = QtWidgets.QPushButton("Run")
         self.run_button.setToolTip("Speculate on the loaded model, then decode the same prompt plainly to compare")
         self.run_button.clicked.connect(lambda: self.run())
@@ -249,7 +252,7 @@ class SpeculativePanel(Panel):
         if self._started is None:
             if self._sweep_started is not None:
                 return self._sweep_html()
-            return "Run speculative decoding to see each pass's guesses and the speedup."
+            return "Run speculative decoding to see each pass's guesses and the speedup." + self.memory_html()
         st, steps = self._started, self._steps
         gained = sum(e.tokens_gained for e in steps)
         drafted = int(self._drafted.sum())
@@ -270,6 +273,19 @@ class SpeculativePanel(Panel):
         if self._sweep:
             parts.append(self._sweep_html())
         return "<br>".join(parts)
+
+    def memory_of(self) -> LabMemory | None:
+        """What a run adds: one sequence of the prompt + new tokens, on its own cache (the weights are shared)."""
+        info, cfg, tok = self.bridge.info, self.bridge.cfg, self.bridge.tokenizer
+        if info is None or cfg is None or tok is None:
+            return None
+        n_prompt = len(tok.encode(self.prompt_edit.toPlainText()).ids)
+        positions = min(cfg.context_length, n_prompt + self.tokens_spin.value())
+        return lab_memory(info, cfg, self.bridge.runtime or "torch", 1, positions)
+
+    def memory_html(self) -> str:
+        mem = self.memory_of()
+        return "" if mem is None else f"<br><span style='color:{MUTED}'>{html.escape(mem.line())}</span>"
 
     @staticmethod
     def differs_html(fin: SpecFinished | SweepPoint) -> str:

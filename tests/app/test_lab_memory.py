@@ -102,3 +102,20 @@ def test_the_scheduling_lab_says_its_pools_and_refuses_what_does_not_fit(qtbot, 
     panel.memory_available = lambda: int(1.5 * kv)
     panel.run()
     assert not sent and not panel.running and panel.status.startswith(f"failed: {n_seq} sequences would not fit")
+
+
+def test_the_speculative_lab_says_its_cache_before_a_run(qtbot, bridge, tiny_lm):
+    from app.panels import speculative
+
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg, runtime="torch"))
+    panel = speculative.PANEL(bridge)
+    qtbot.addWidget(panel)
+    panel.show()
+    panel.prompt_edit.setPlainText("the cat sat on the mat")
+    panel.tokens_spin.setValue(20)
+    panel.flush()
+    cfg = tiny_lm.cfg
+    positions = len(tiny_lm.tokenizer.encode("the cat sat on the mat").ids) + 20
+    kv = positions * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+    assert panel.memory_of().kv_bytes == kv
+    assert f"KV cache {size(kv)} (1 × {positions} positions" in panel.summary.text()
