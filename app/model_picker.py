@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from PySide6 import QtCore, QtWidgets
 
 from app.guard import guarded
+from engine.costs.memory import file_memory
 from engine.formats.discover import ModelEntry, discover, memory_available
 
-COLUMNS = ("Name", "Source", "Architecture", "Parameters", "File", "Tensor types", "Fits at {dtype}")
+COLUMNS = ("Name", "Source", "Architecture", "Parameters", "File", "Tensor types", "Fits at {dtype}",
+           "Memory on its runtime")
 
 
 def _gib(n: int) -> str:
@@ -80,6 +82,8 @@ class ModelPicker(QtWidgets.QDialog):
                 f"{e.n_params / 1e6:,.0f}M" if e.n_params else "?", f"{e.file_bytes / 2**20:,.0f} MiB",
                 ", ".join(f"{k}×{v}" for k, v in sorted(e.quant_types.items())) or "-",
                 "?" if fits is None else "yes" if fits else f"no ({_gib(e.weight_bytes[run])})",
+                "?" if e.error or run not in e.weight_bytes else
+                file_memory(e.path, e.runtime, e.weight_bytes[run], run),
             ]
             for col, value in enumerate(values):
                 item = QtWidgets.QTableWidgetItem(value)

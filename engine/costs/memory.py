@@ -87,3 +87,31 @@ def lab_memory(info: ModelInfo, cfg: ModelConfig, runtime: str, n_seq: int, posi
     return LabMemory(runtime=runtime, weights_bytes=int(info.weight_bytes), kv_dtype=kv_dtype,
                      kv_bytes_per_position=formulas.kv_bytes_per_token(cfg, kv_dtype), n_seq=n_seq,
                      positions=positions, cells=cells_reserved(runtime, n_seq, positions, pooled, page_size))
+
+
+# tokenizer arrays a memory estimate never reads (stepped over in the header)
+_HEADER_SKIP = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                          "tokenizer.ggml.merges", "tokenizer.chat_template"})
+
+
+def file_memory(path: str, runtime: str, weights_bytes: int, dtype: str) -> str:
+    """One line for a model not yet loaded: weights + the KV cache one sequence holds on `runtime`, from a GGUF
+    header (llama.cpp: the float16 cache it allocates whole for DEFAULT_CONTEXT positions at load, the file's bytes
+    counted in `weights_bytes` as engine.backends.rule.llamacpp_bytes does; the torch engine: per position at
+    `dtype`, since its cache grows with the run). A folder or an unreadable header: the weights alone."""
+    from engine.backends.rule import DEFAULT_CONTEXT, llamacpp_bytes
+    from engine.formats.gguf_meta import read_metadata
+
+    try:
+        meta = read_metadata(path, skip=_HEADER_SKIP)
+    except (OSError, ValueError):
+        return f"{runtime}: weights {size(weights_bytes)}, KV cache not known"
+    arch = meta.get("general.architecture")
+    context = min(int(meta.get(f"{arch}.context_length", 0) or DEFAULT_CONTEXT), DEFAULT_CONTEXT)
+    kv16 = llamacpp_bytes(meta, 0)  # the float16 cache of `context` positions, every layer
+    if runtime == "llama.cpp":
+        return (f"llama.cpp: file {size(weights_bytes - kv16)} + KV cache {size(kv16)} (float16, {context:,} "
+                f"positions) = {size(weights_bytes)}")
+    per_position = kv16 / context * formulas.bytes_per_value(dtype) / 2
+    return (f"torch: weights {size(weights_bytes)} at {dtype} + KV cache {size(per_position)} a position "
+            f"({size(per_position * context)} at {context:,})")

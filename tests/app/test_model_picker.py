@@ -57,3 +57,25 @@ def test_picker_lists_and_opens(qtbot, tiny_dir, monkeypatch: pytest.MonkeyPatch
     picker.table.selectRow(1)
     picker._open()
     assert picker.chosen == ("/models/mid.gguf", "bfloat16")
+
+
+def test_picker_says_weights_and_kv_cache_for_each_runtime(qtbot, tiny_dir) -> None:
+    from engine.costs.memory import size
+    from tests.tiny_model import CFG
+
+    head_dim = CFG["d_model"] // CFG["n_heads"]
+    per_value = 2 * CFG["n_layers"] * CFG["n_kv_heads"] * head_dim  # keys and values of one position, all layers
+    context = min(CFG["context_length"], 4096)
+    torch_entry = read_model_facts(tiny_dir.gguf, "tiny", "recent", memory=GIB)
+    lcpp = read_model_facts(tiny_dir.gguf, "tiny-on-llama.cpp", "recent", memory=GIB)
+    lcpp.runtime = "llama.cpp"  # as auto would send a large file: the file plus its float16 cache
+    kv = per_value * 2 * context
+    lcpp.weight_bytes = {"float32": lcpp.file_bytes + kv}
+    picker = ModelPicker(dtype="float32", find=lambda: [torch_entry, lcpp], memory=GIB)
+    qtbot.addWidget(picker)
+    col = picker.table.columnCount() - 1
+    torch_text, lcpp_text = picker.table.item(0, col).text(), picker.table.item(1, col).text()
+    assert torch_text == (f"torch: weights {size(torch_entry.weight_bytes['float32'])} at float32 + KV cache "
+                          f"{size(per_value * 4)} a position ({size(per_value * 4 * context)} at {context:,})")
+    assert lcpp_text == (f"llama.cpp: file {size(lcpp.file_bytes)} + KV cache {size(kv)} (float16, {context:,} "
+                         f"positions) = {size(lcpp.file_bytes + kv)}")
