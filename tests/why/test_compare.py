@@ -230,7 +230,7 @@ def test_fewer_bits_move_the_default_models_computation_further(tmp_path_factory
     reference = Session(load(src, device="cpu", dtype="float32"), threads=1)
     kl = {}
     for qtype in ("Q8_0", "Q4_0"):
-        lcpp = LlamaCppSession(requantize(src, folder / f"smollm2-{qtype}.gguf", qtype)["path"], threads=2)
+        lcpp = LlamaCppSession(requantize(src, folder / f"smollm2-{qtype}.gguf", qtype)["path"], threads=1)
         try:
             kl[qtype] = compare(reference, lcpp, "The capital of France is", steps=8)
         finally:
