@@ -290,6 +290,11 @@ def cmd_compare(a: argparse.Namespace) -> int:
     second = session_from_args(argparse.Namespace(**{**vars(a), "model": a.other if a.other else a.model,
                                                       "backend": a.other_backend}))
     shown = None if a.json else (lambda f, m: print(f"  {m}", file=sys.stderr))
+    n_prompt = len(first.tokenize(a.prompt, a.chat).ids)
+    room = min(first.cfg.context_length, second.cfg.context_length) - n_prompt
+    if a.steps > room:
+        raise UsageError(f"--steps {a.steps} is past the context: {n_prompt} prompt tokens leave room for "
+                         f"{max(room, 0)} steps")
     try:
         out = compare(first, second, a.prompt, a.steps, a.chat, progress=shown)
     except (Unsupported, ValueError, Cancelled) as e:

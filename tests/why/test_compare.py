@@ -175,6 +175,10 @@ def test_the_cli_prints_one_json_object(tiny_dir, perturbed, capsys):
     with pytest.raises(SystemExit) as e:
         main(["compare", "--model", str(tiny_dir.gguf), "--prompt", PROMPT, "--steps", "0"])
     assert e.value.code == 2
+    capsys.readouterr()
+    context = tiny_model.CFG["context_length"]
+    assert main(["compare", "--model", str(tiny_dir.gguf), "--prompt", PROMPT, "--steps", str(context)]) == 2
+    assert "past the context" in capsys.readouterr().err
 
 
 # ---- requantized files -------------------------------------------------------------------------------------------
