@@ -228,7 +228,12 @@ class KVCachePanel(Panel):
         alloc = self._events[-1].bytes_allocated if self._events else 0
         text = (f"per token = 2 (K, V) · {cfg.n_layers} layers · {cfg.n_kv_heads} KV heads · {cfg.head_dim} head "
                 f"dim · {bpv:g} B ({dtype}) = <b>{per_token:,.0f} bytes</b> ({fmt_bytes(per_token)})<br>")
-        if cfg.n_local_layers:
+        full_local = self.bridge.runtime == "llama.cpp"  # swa_full: its local layers keep every position
+        if cfg.n_local_layers and full_local:
+            text += (f"its {cfg.n_local_layers} local layers attend to the last {cfg.sliding_window:,} positions "
+                     "only, but llama.cpp keeps every position in them too (a full-size cache, so a cached prefix "
+                     f"can be cut anywhere)<br>now: {n:,} tokens × {per_token:,.0f} B = ")
+        elif cfg.n_local_layers:
             g, loc = costs.kv_bytes(cfg, dtype, max(1, n))
             w = cfg.sliding_window
             text += (f"of which {cfg.n_global_layers} global layers keep every token and {cfg.n_local_layers} local "
@@ -237,7 +242,7 @@ class KVCachePanel(Panel):
         else:
             text += f"now: {n:,} tokens × {per_token:,.0f} B = "
         beyond = ""
-        if cfg.n_local_layers and used > sum(costs.kv_bytes(cfg, dtype, max(1, n))):
+        if cfg.n_local_layers and not full_local and used > sum(costs.kv_bytes(cfg, dtype, max(1, n))):
             # engine.model.kv_cache: a local layer keeps up to twice its window (so prefix caching can step back), and
             # drops the older half only when it runs out of slots
             beyond = (f" (more than the formula: a local layer keeps up to 2 × {cfg.sliding_window:,} positions "

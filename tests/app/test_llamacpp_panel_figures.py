@@ -50,7 +50,7 @@ def llama_cpp_kv(lines: list[str]) -> tuple[float, int, str]:
 
 
 def show(qtbot, bridge, s: LlamaCppSession, module):
-    bridge.replay(Loaded(s.info, s.tokenizer, s.cfg))
+    bridge.replay(Loaded(s.info, s.tokenizer, s.cfg, runtime="llama.cpp"))
     panel = module.PANEL(bridge)
     qtbot.addWidget(panel)
     panel.resize(500, 350)
@@ -99,5 +99,32 @@ def test_kv_and_roofline_on_the_default_models_q4_1_file(qtbot, bridge):
         assert panel.dtype() == "q4_1"  # the file's type, not the fp32 the box opened on
         decode = panel.analytic_costs()["decode"]
         assert decode.weight_bytes == pytest.approx(costs.step_weight_bytes(s.cfg, "q4_1", 1))
+    finally:
+        s.close()
+
+
+def test_a_sliding_window_model_on_llama_cpp_keeps_every_position(qtbot, bridge, tmp_path):
+    """llama.cpp's cache is full size in local layers too (swa_full): the panel's bytes are per token × tokens, and
+    it says so instead of the torch engine's window arithmetic."""
+    from app.panels import kv_cache
+    from tests.requires import import_required as need
+    from tests.tiny_families import write_checkpoint
+
+    need("transformers", name="transformers")
+    s = LlamaCppSession(write_checkpoint(tmp_path, "gemma3").gguf, n_ctx=256, threads=1)
+    try:
+        assert s.cfg.n_local_layers and s.cfg.sliding_window < 12
+        panel = show(qtbot, bridge, s, kv_cache)
+        per_token = costs.kv_bytes_per_token(s.cfg, "float16")  # every layer, every position
+        last = None
+        for ev in s.generate("the cat sat on the mat and", SamplingParams.greedy_params(), 6, ignore_eos=True):
+            if isinstance(ev, KVCacheGrew):
+                bridge.replay(ev)
+                last = ev
+        assert last.n_tokens > s.cfg.sliding_window and last.bytes_used == per_token * last.n_tokens
+        panel.flush()
+        text = panel.formula.text()
+        assert "llama.cpp keeps every position" in text and f"× {per_token:,.0f} B =" in text
+        assert "more than the formula" not in text
     finally:
         s.close()
