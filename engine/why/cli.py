@@ -9,7 +9,7 @@ import argparse
 import importlib
 
 MODULES: tuple[str, ...] = (  # engine.why.<name>, each with add_subcommand(sub)
-    "ablate", "attribute", "compare", "heads",
+    "ablate", "attribute", "compare", "heads", "patch",
 )
 
 
