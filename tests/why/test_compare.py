@@ -219,6 +219,27 @@ def test_requantize_refuses_in_one_sentence(tiny_dir, tmp_path):
         requantize(tiny_dir.gguf, tmp_path / "x.gguf", "Q4_K")
     with pytest.raises(ValueError, match="is the file being read"):
         requantize(tiny_dir.gguf, tiny_dir.gguf, "Q8_0")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model at all")
+    with pytest.raises(ValueError, match="cannot read junk.gguf as GGUF"):
+        requantize(junk, tmp_path / "y.gguf", "Q8_0")
+    assert not (tmp_path / "y.gguf").exists() and not (tmp_path / "y.gguf.partial").exists()
+
+
+def test_the_requantize_command_writes_a_file_and_refuses_in_one_line(tiny_dir, tmp_path):
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "engine.formats.requantize", *args], capture_output=True,
+                              text=True, timeout=120)
+
+    ok = run(str(tiny_dir.gguf), str(tmp_path / "q8.gguf"), "--type", "Q8_0")
+    assert ok.returncode == 0 and "Q8_0" in ok.stdout and (tmp_path / "q8.gguf").stat().st_size > 0
+    bad = run(str(tiny_dir.gguf), str(tmp_path / "x.gguf"), "--type", "Q3_K")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    missing = run(str(tmp_path / "absent.gguf"), str(tmp_path / "x.gguf"))
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1
 
 
 # ---- the default model (slow) ------------------------------------------------------------------------------------
