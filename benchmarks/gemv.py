@@ -43,14 +43,17 @@ def measure_choices(dtype: str, counts: list[int], rounds: int, remeasure: bool)
             for n in counts:
                 torch.set_num_threads(n)
                 shapes = []
-                for shape, products in groups.items():
-                    names = [k for k in kernels.KERNELS if kernels.applicable(k, products[0][0], products[0][2], n)
+                for (*shape, quantized), products in groups.items():
+                    shape = tuple(shape)
+                    names = [k for k in kernels.KERNELS if kernels.applicable(k, products[0][0], products[0][2], n,
+                                                                              products[0][3])
                              and kernels._works(k, products)]
                     seconds, _ = kernels.choose(names, kernels._timer(products), rounds=rounds, budget_s=None,
                                                 prune=None)  # every candidate, every round
-                    chosen = kernels.chosen(shape, tdtype, n) or "linear"
+                    chosen = kernels.chosen(shape, tdtype, n, quantized) or "linear"
                     fastest = min(seconds, key=seconds.get)
-                    shapes.append({"shape": list(shape), "count": len(products), "chosen": chosen,
+                    shapes.append({"shape": list(shape), "quantized": quantized, "count": len(products),
+                                   "chosen": chosen,
                                    "fastest": fastest, "seconds": seconds,
                                    "chosen_over_fastest": seconds[chosen] / seconds[fastest]})
                 chain = {"chosen": sum(s["seconds"][s["chosen"]] * s["count"] for s in shapes)}
@@ -74,7 +77,7 @@ def _int8_chain(groups: dict, rounds: int) -> float | None:
     if not hasattr(torch, "_weight_int8pack_mm"):
         return None
     total = 0.0
-    for (out_f, in_f), products in groups.items():
+    for (out_f, in_f, _), products in groups.items():
         q = torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8)
         weights = [q.clone() for _ in products]  # distinct copies: streamed from memory, as in decode
         scale = torch.rand(out_f).bfloat16()

@@ -10,6 +10,9 @@ gemma3 has local layers with RoPE base 10,000 and every sixth layer global, embe
 scale 1/√head_dim (1/√(d_model / n_heads) for the 27B model) and GELU-tanh; its converter stores Gemma's RMSNorm
 weights as 1 + w, which is what the engine's plain x / rms(x) · w needs. phi3 fuses q, k and v into `attn_qkv`
 and gate and up into `ffn_up` (gate first); they are split here.
+
+A projection stored as Q4_0 or Q4_1 also keeps its raw blocks beside its float weight (engine.model.quant): the
+int4 decode candidate multiplies by them as they are in the file.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.model import quant
 from engine.model.config import LIMITS, ModelConfig, checked_float, checked_int
-from engine.model.rope import halves_to_pairs_all
+from engine.model.rope import halves_to_pairs, halves_to_pairs_all
 
 # GGUF tensor name -> this engine's (unfused) name; {} is the layer index.
 WEIGHT_MAP: dict[str, str] = {
@@ -186,7 +190,11 @@ def tensor_stats(reader) -> dict:
 def read_weights(
     reader, cfg: ModelConfig, progress: Callable[[float, str], None] | None = None
 ) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to float32 and name it as the engine does (unfused)."""
+    """Dequantize every tensor to float32 and name it as the engine does (unfused).
+
+    A projection stored as Q4_0/Q4_1 also gets its raw blocks (out, in/32, bytes) uint8 under
+    quant.block_name(weight name, kind), with the same rows as its float weight (split and reordered alike).
+    """
     import gguf
 
     sd: dict[str, torch.Tensor] = {}
@@ -203,17 +211,31 @@ def read_weights(
             raise ValueError(f"tensor {t.name!r} holds {arr.size} values, its shape {shape} needs {np.prod(shape)}")
         arr = np.asarray(arr, dtype=np.float32).reshape(shape)
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 tensors are read-only file maps
-        parts = {name: w}
-        if ".attn_qkv." in t.name:  # phi3: [q; k; v] rows, split into the unfused names
-            qkv = w.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim])
-            parts = {name.replace("wqkv", f"w{x}"): y for x, y in zip("qkv", qkv, strict=True)}
-        elif cfg.architecture == "phi3" and ".ffn_up." in t.name:  # phi3: [gate; up] rows
-            gate, up = w.split(cfg.ffn_dim)
-            parts = {name.replace("w_up", "w_gate"): gate, name: up}
-        sd.update(parts)
+        kind = t.tensor_type.name.lower()
+        blocks = None
+        if kind in quant.KINDS and len(shape) == 2 and name != "tok_embeddings.weight":  # a projection
+            raw = np.array(t.data, dtype=np.uint8, copy=True)  # (out, bytes per row), off the file map
+            blocks = torch.from_numpy(raw).reshape(shape[0], shape[1] // quant.GROUP, quant.BLOCK_BYTES[kind])
+        for x, suffix in ((w, ""), (blocks, f".{kind}")):  # the float weight, then its blocks: the same rows
+            if x is None:
+                continue
+            parts = {name: x}
+            if ".attn_qkv." in t.name:  # phi3: [q; k; v] rows, split into the unfused names
+                qkv = x.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim])
+                parts = {name.replace("wqkv", f"w{c}"): y for c, y in zip("qkv", qkv, strict=True)}
+            elif cfg.architecture == "phi3" and ".ffn_up." in t.name:  # phi3: [gate; up] rows
+                gate, up = x.split(cfg.ffn_dim)
+                parts = {name.replace("w_up", "w_gate"): gate, name: up}
+            sd.update({n + suffix: y.contiguous() if suffix else y for n, y in parts.items()})
         if progress is not None and i % 16 == 0:
             progress(i / n, f"dequantizing {t.name}")
-    return halves_to_pairs_all(sd, cfg) if cfg.architecture in HALVES_LAYOUT else sd
+    if cfg.architecture not in HALVES_LAYOUT:
+        return sd
+    for kind in quant.KINDS:  # the q/k blocks' rows move as their weights' rows do
+        for name, heads in ((".attn.wq.weight", cfg.n_heads), (".attn.wk.weight", cfg.n_kv_heads)):
+            for n in [n for n in sd if n.endswith(name + "." + kind)]:
+                sd[n] = halves_to_pairs(sd[n], heads)
+    return halves_to_pairs_all(sd, cfg)
 
 
 # GGUF layout (v2/v3, little-endian): "GGUF", version u32, tensor count u64, metadata count u64; each metadata

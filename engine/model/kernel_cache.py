@@ -6,7 +6,8 @@ and the app's Engine → Decode kernels dialog, which reads it without loading t
 
 A choice holds only where it was measured: the key names the CPU model, its core count, the torch version, torch's
 kernel set (ATEN_CPU_CAPABILITY: an AVX-512 CPU told to use AVX2 runs other kernels), the dtype, the thread count and
-the weight's shape. Any of them changing is a different key, so the engine measures again. A file that cannot be
+the weight's shape, and whether the weights have quantized forms (a GGUF file's Q4 blocks: the int4 and int8
+candidates). Any of them changing is a different key, so the engine measures again. A file that cannot be
 read, or an entry that does not look like one this code wrote, is ignored (and measured again), never trusted.
 """
 
@@ -25,6 +26,7 @@ MAX_ENTRIES = 400  # the oldest go first: a file that outlives many torch versio
 # order of two near-equal candidates flipped from one measurement to the next (BENCHMARKS.md, "Decode kernels chosen
 # by measuring the machine"), and a tie has nothing to gain from leaving torch's default path.
 PLAIN_MARGIN = 1.05
+FLOAT, Q4 = "float", "q4"  # the weights of a measured group: float only, or with the Q4 file's quantized forms
 KERNEL_ENV = "INFERENCE_LAB_KERNEL"  # forces one candidate everywhere it applies (the app's engine process reads it)
 
 # The candidates, by name: what each one is, for the CLI, the dialog and the benchmark.
@@ -33,6 +35,8 @@ DESCRIPTIONS: dict[str, str] = {
     "split": "a batched product over row blocks of W, one block per thread (torch.bmm)",
     "onednn": "oneDNN's linear on the plain weight",
     "packed": "oneDNN's linear on a bf16 weight reordered once at load",
+    "int4": "torch's int4 weight-only kernel on the file's Q4_0/Q4_1 blocks (bf16 activations)",
+    "int8": "torch's int8 weight-only kernel on the weight requantized per row (bf16 activations)",
 }
 NAMES: tuple[str, ...] = tuple(DESCRIPTIONS)
 
@@ -55,10 +59,10 @@ class Machine:
     capability: str  # torch.backends.cpu.get_cpu_capability(): the kernel set ATen dispatches to
 
 
-def entry_key(machine: Machine, dtype: str, threads: int, shape: tuple[int, int]) -> str:
-    """One measurement's identity: machine, dtype, thread count and weight shape (out, in)."""
+def entry_key(machine: Machine, dtype: str, threads: int, shape: tuple[int, int], weights: str = FLOAT) -> str:
+    """One measurement's identity: machine, dtype, thread count, weight shape (out, in) and weights (FLOAT, Q4)."""
     return (f"{machine.cpu}|{machine.cores} cores|torch {machine.torch}|{machine.capability}|{dtype}|"
-            f"{threads} threads|{shape[0]}x{shape[1]}")
+            f"{threads} threads|{shape[0]}x{shape[1]}" + ("" if weights == FLOAT else f"|{weights}"))
 
 
 @dataclass(frozen=True)
@@ -73,10 +77,11 @@ class Entry:
     count: int  # the model's weights of this shape, streamed one after another when timed (a decode step's order)
     rounds: int  # interleaved rounds the medians are over
     measured_at: float  # time.time()
+    weights: str = FLOAT  # Q4: the weights had quantized forms, so the int4 and int8 candidates were measured too
 
     @property
     def key(self) -> str:
-        return entry_key(self.machine, self.dtype, self.threads, self.shape)
+        return entry_key(self.machine, self.dtype, self.threads, self.shape, self.weights)
 
     @property
     def choice(self) -> str:
@@ -100,11 +105,11 @@ class Entry:
             seconds = {str(k): float(v) for k, v in d["seconds"].items()}
             out_f, in_f = (int(v) for v in d["shape"])
             e = cls(machine, str(d["dtype"]), int(d["threads"]), (out_f, in_f), seconds, int(d["count"]),
-                    int(d["rounds"]), float(d["measured_at"]))
+                    int(d["rounds"]), float(d["measured_at"]), str(d.get("weights", FLOAT)))
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
         ok = (seconds and all(k in DESCRIPTIONS and 0 < v < float("inf") for k, v in seconds.items())
-              and e.threads >= 1 and min(e.shape) >= 1)
+              and e.threads >= 1 and min(e.shape) >= 1 and e.weights in (FLOAT, Q4))
         return e if ok else None
 
 
@@ -150,7 +155,8 @@ def rows(entries: list[Entry]) -> list[dict]:
     for e in sorted(entries, key=lambda e: (e.dtype, e.threads, -e.shape[0] * e.shape[1])):
         best = min(e.seconds.values())
         out.append({
-            "dtype": e.dtype, "threads": e.threads, "shape": list(e.shape), "count": e.count, "choice": e.choice,
+            "dtype": e.dtype, "threads": e.threads, "shape": list(e.shape), "weights": e.weights, "count": e.count,
+            "choice": e.choice,
             "seconds": dict(sorted(e.seconds.items(), key=lambda kv: kv[1])),
             "vs_fastest": {k: v / best for k, v in e.seconds.items()},
             "rounds": e.rounds, "torch": e.machine.torch, "capability": e.machine.capability,

@@ -17,6 +17,13 @@ wrong on a quiet machine). $INFERENCE_LAB_KERNEL or `--kernel NAME` forces one c
 
 Only decode products (up to transformer.SPLIT_MAX_ROWS rows; measured with one) are tuned; prefill and larger
 batches are compute-bound products that oneDNN's float32 kernel or F.linear run (engine.model.transformer.linear).
+
+Where the weights came from a GGUF file's Q4_0/Q4_1 blocks, two more candidates multiply by quantized forms of them
+(engine.model.quant): torch's int4 kernel on the file's own blocks and its int8 kernel on a per-row requantization,
+both with bfloat16 activations. They are measured like the others and win only where they are faster (on an
+AVX2-only CPU they were not; on Intel AMX the int8 kernel took half the float products' time). Their results
+differ from the float products by the quantization (engine.model.quant states by how much), so a shape measured
+with quantized forms is a different key from the same shape without them.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.model import kernel_cache
+from engine.model import kernel_cache, quant
 from engine.model.kernel_cache import KERNEL_ENV, Entry, Machine
 from engine.run.threads import decode_thread_counts
 
@@ -42,8 +49,9 @@ PRUNE = 2.0  # a candidate this many times slower than the fastest in both the w
 # times slower, and measuring them every round made a first load several times longer (BENCHMARKS.md, "Decode
 # kernels chosen by measuring the machine")
 
-Product = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # (weight (out, in), bias, packed)
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+# (weight (out, in), bias, packed: oneDNN's bf16 layout, quantized forms)
+Product = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, quant.QuantForms | None]
+Kernel = Callable[..., torch.Tensor]  # (x, w, b, packed, quant=None) -> x·Wᵀ + b
 
 
 def _onednn_linear() -> object | None:
@@ -55,11 +63,13 @@ ONEDNN_LINEAR = _onednn_linear()
 
 
 # ---- the candidates: y = x·Wᵀ + b for x (…, in), each exact to its dtype's rounding -----------------------------
-def plain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+def plain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None,
+          q: quant.QuantForms | None = None) -> torch.Tensor:
     return F.linear(x, w, b)
 
 
-def split(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+def split(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None,
+          q: quant.QuantForms | None = None) -> torch.Tensor:
     """(n, out/n, in) @ (n, in, M): a block of W's rows per thread (F.linear's gemv used one thread on some CPUs)."""
     out_f, in_f = w.shape
     n = torch.get_num_threads()
@@ -72,14 +82,15 @@ def split(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torc
     return y if b is None else y + b
 
 
-def onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+def onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None,
+           q: quant.QuantForms | None = None) -> torch.Tensor:
     out_f, in_f = w.shape
     y = ONEDNN_LINEAR(x.reshape(-1, in_f), w, b, "none", [], "")  # (M, out)
     return y.view(*x.shape[:-1], out_f)
 
 
 def onednn_packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None,
-                  ) -> torch.Tensor:
+                  q: quant.QuantForms | None = None) -> torch.Tensor:
     """oneDNN on the weight in its own blocked layout (engine.model.transformer.pack_for_decode)."""
     if packed is None:
         return F.linear(x, w, b)
@@ -88,11 +99,38 @@ def onednn_packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, pack
     return y.view(*x.shape[:-1], out_f)
 
 
-KERNELS: dict[str, Kernel] = {"linear": plain, "split": split, "onednn": onednn, "packed": onednn_packed}
+def int4(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None,
+         q: quant.QuantForms | None = None) -> torch.Tensor:
+    """torch's CPU int4 weight-only kernel on the file's Q4 blocks (engine.model.quant), bf16 activations."""
+    if q is None or q.int4 is None:
+        return F.linear(x, w, b)
+    out_f, in_f = w.shape
+    xs = x.reshape(-1, in_f).to(quant.ACT_DTYPE).contiguous()  # (M, in)
+    y = torch._weight_int4pack_mm_for_cpu(xs, q.int4[0], quant.GROUP, q.int4[1])  # (M, out)
+    y = y.to(x.dtype).view(*x.shape[:-1], out_f)
+    return y if b is None else y + b
+
+
+def int8(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None,
+         q: quant.QuantForms | None = None) -> torch.Tensor:
+    """torch's CPU int8 weight-only kernel on a per-row requantized weight (engine.model.quant), bf16 activations."""
+    if q is None or q.int8 is None:
+        return F.linear(x, w, b)
+    out_f, in_f = w.shape
+    xs = x.reshape(-1, in_f).to(quant.ACT_DTYPE).contiguous()  # (M, in)
+    y = torch._weight_int8pack_mm(xs, q.int8[0], q.int8[1])  # (M, out)
+    y = y.to(x.dtype).view(*x.shape[:-1], out_f)
+    return y if b is None else y + b
+
+
+KERNELS: dict[str, Kernel] = {"linear": plain, "split": split, "onednn": onednn, "packed": onednn_packed,
+                              "int4": int4, "int8": int8}
+QUANTIZED = ("int4", "int8")  # candidates that multiply by a quantized form, not the float weight
 assert tuple(KERNELS) == kernel_cache.NAMES
 
 
-def applicable(name: str, weight: torch.Tensor, packed: torch.Tensor | None, threads: int) -> bool:
+def applicable(name: str, weight: torch.Tensor, packed: torch.Tensor | None, threads: int,
+               q: quant.QuantForms | None = None) -> bool:
     """Whether candidate `name` is a product of its own for this weight at this thread count (not a fallback)."""
     if weight.device.type != "cpu":
         return name == "linear"
@@ -102,32 +140,37 @@ def applicable(name: str, weight: torch.Tensor, packed: torch.Tensor | None, thr
         return ONEDNN_LINEAR is not None and weight.dtype in (torch.float32, torch.bfloat16)
     if name == "packed":
         return packed is not None
+    if name in QUANTIZED:
+        return q is not None and getattr(q, name) is not None
     return name == "linear"
 
 
 # ---- dispatch -----------------------------------------------------------------------------------------------------
-_CHOSEN: dict[tuple[int, int, torch.dtype, int], Kernel] = {}  # (out, in, dtype, threads) -> the measured fastest
+# (out, in, dtype, threads, has quantized forms) -> the measured fastest
+_CHOSEN: dict[tuple[int, int, torch.dtype, int, bool], Kernel] = {}
 _FORCED: list[Kernel] = []  # at most one: the kernel every decode product runs (for comparisons)
 
 
 def decode_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None,
-                   ) -> torch.Tensor:
-    """x·Wᵀ + b by the kernel measured fastest for this shape, dtype and thread count (F.linear where none was)."""
+                   q: quant.QuantForms | None = None) -> torch.Tensor:
+    """x·Wᵀ + b by the kernel measured fastest for this shape, dtype, thread count and (not) having quantized forms
+    (F.linear where none was measured)."""
     if _FORCED:
-        return _FORCED[0](x, w, b, packed)
+        return _FORCED[0](x, w, b, packed, q)
     out_f, in_f = w.shape
-    return _CHOSEN.get((out_f, in_f, w.dtype, torch.get_num_threads()), plain)(x, w, b, packed)
+    return _CHOSEN.get((out_f, in_f, w.dtype, torch.get_num_threads(), q is not None), plain)(x, w, b, packed, q)
 
 
 def _name(f: Kernel) -> str:
     return next(k for k, g in KERNELS.items() if g is f)
 
 
-def chosen(shape: tuple[int, int], dtype: torch.dtype, threads: int) -> str | None:
-    """The name of the kernel a decode product of this shape runs at `threads` (None: not measured: F.linear)."""
+def chosen(shape: tuple[int, int], dtype: torch.dtype, threads: int, quantized: bool = False) -> str | None:
+    """The name of the kernel a decode product of this shape runs at `threads` (None: not measured: F.linear);
+    quantized: of a weight that has quantized forms."""
     if _FORCED:
         return _name(_FORCED[0])
-    f = _CHOSEN.get((*shape, dtype, threads))
+    f = _CHOSEN.get((*shape, dtype, threads, quantized))
     return None if f is None else _name(f)
 
 
@@ -155,6 +198,19 @@ def forced(name: str | None) -> Iterator[None]:
         yield
     finally:
         _FORCED[:] = before
+
+
+KEEP_FORMS: list[bool] = []  # non-empty: models keep every quantized form after tuning (see keeping_forms)
+
+
+@contextlib.contextmanager
+def keeping_forms() -> Iterator[None]:
+    """Models built in this block keep the quantized forms the tuner did not choose (to measure them again)."""
+    KEEP_FORMS.append(True)
+    try:
+        yield
+    finally:
+        KEEP_FORMS.pop()
 
 
 def _force_from_environment() -> None:
@@ -205,8 +261,8 @@ def _timer(products: list[Product]) -> Callable[[str], float]:
     def time_once(name: str) -> float:
         f = KERNELS[name]
         t = time.perf_counter()
-        for w, b, p in products:
-            f(x, w, b, p)
+        for w, b, p, q in products:
+            f(x, w, b, p, q)
         return (time.perf_counter() - t) / len(products)
 
     return time_once
@@ -214,9 +270,9 @@ def _timer(products: list[Product]) -> Callable[[str], float]:
 
 def _works(name: str, products: list[Product]) -> bool:
     """Some candidates exist in a build but refuse a dtype on some CPUs (oneDNN's bf16 without native bf16)."""
-    w, b, p = products[0]
+    w, b, p, q = products[0]
     try:
-        KERNELS[name](torch.zeros(1, w.shape[1], dtype=w.dtype), w, b, p)
+        KERNELS[name](torch.zeros(1, w.shape[1], dtype=w.dtype), w, b, p, q)
     except RuntimeError:
         return False
     return True
@@ -226,7 +282,8 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
          counts: Sequence[int] | None = None, time_once: Callable[[list[Product], str], float] | None = None,
          path: os.PathLike | None = None) -> list[Entry]:
     """Measure (or read from the cache) the fastest candidate for every shape group at every thread count, and use
-    it from now on. groups: weight shape (out, in) -> the model's products of that shape (all one dtype, on the CPU).
+    it from now on. groups: (out, in, quantized) -> the model's products of that weight shape, all one dtype on the
+    CPU, all with quantized forms (quantized True) or none (engine.model.transformer.Transformer.decode_products).
 
     remeasure: measure even what the cache holds. time_once(products, name): replaces the clock (tests).
     Returns the entries, measured or read, one per shape and thread count.
@@ -240,18 +297,20 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
     entries, measured = [], []
     try:
         with torch.inference_mode():
-            for shape, products in groups.items():
+            for (*shape, quantized), products in groups.items():
+                shape = tuple(shape)
                 dtype = str(products[0][0].dtype).removeprefix("torch.")
+                weights = kernel_cache.Q4 if quantized else kernel_cache.FLOAT
                 for n in counts:
-                    key = kernel_cache.entry_key(machine, dtype, n, shape)
+                    key = kernel_cache.entry_key(machine, dtype, n, shape, weights)
                     e = cached.get(key)
                     if e is None:
                         torch.set_num_threads(n)
-                        names = [k for k in KERNELS if applicable(k, products[0][0], products[0][2], n)
-                                 and _works(k, products)]
+                        names = [k for k in KERNELS if applicable(k, products[0][0], products[0][2], n,
+                                                                  products[0][3]) and _works(k, products)]
                         clock = _timer(products) if time_once is None else lambda k, p=products: time_once(p, k)
                         seconds, rounds = choose(names, clock)
-                        e = Entry(machine, dtype, n, shape, seconds, len(products), rounds, time.time())
+                        e = Entry(machine, dtype, n, shape, seconds, len(products), rounds, time.time(), weights)
                         measured.append(e)
                     entries.append(e)
     finally:
@@ -265,11 +324,11 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
 def use(entries: list[Entry]) -> None:
     """Dispatch each entry's shape and dtype to its fastest kernel, at its thread count and (for counts between
     the measured ones, as a fixed --threads N may set) at the nearest measured count below."""
-    by_shape: dict[tuple[int, int, torch.dtype], dict[int, str]] = {}
+    by_shape: dict[tuple[int, int, torch.dtype, bool], dict[int, str]] = {}
     for e in entries:
-        by_shape.setdefault((*e.shape, getattr(torch, e.dtype)), {})[e.threads] = e.choice
-    for (out_f, in_f, dtype), choice_at in by_shape.items():
+        by_shape.setdefault((*e.shape, getattr(torch, e.dtype), e.weights == kernel_cache.Q4), {})[e.threads] = e.choice
+    for (out_f, in_f, dtype, quantized), choice_at in by_shape.items():
         for n in range(1, max(max(choice_at), torch.get_num_threads()) + 1):
             below = [c for c in choice_at if c <= n]
             if below:
-                _CHOSEN[(out_f, in_f, dtype, n)] = KERNELS[choice_at[max(below)]]
+                _CHOSEN[(out_f, in_f, dtype, n, quantized)] = KERNELS[choice_at[max(below)]]

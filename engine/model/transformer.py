@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import kernels
+from engine.model import kernel_cache, kernels, quant
 from engine.model.config import ModelConfig
 from engine.model.kv_cache import KVCache
 from engine.model.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
@@ -57,15 +57,17 @@ def pack_for_decode(weight: torch.Tensor) -> torch.Tensor | None:
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None,
+    q: quant.QuantForms | None = None,
 ) -> torch.Tensor:
     """y = x·Wᵀ + b. On the CPU, a decode product (up to SPLIT_MAX_ROWS rows) runs the kernel measured fastest for
-    this shape, dtype and thread count on this machine (engine.model.kernels; `packed` is pack_for_decode(W), one of
-    the candidates); more rows (prefill) are compute-bound: oneDNN's fp32 kernel in float32, F.linear otherwise.
+    this shape, dtype and thread count on this machine (engine.model.kernels; `packed` is pack_for_decode(W) and `q`
+    W's quantized forms, each used by some candidates); more rows (prefill) are compute-bound: oneDNN's fp32 kernel
+    in float32, F.linear otherwise, always on the float weight.
     """
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
     if x.numel() // weight.shape[1] <= SPLIT_MAX_ROWS:
-        return kernels.decode_product(x, weight, bias, packed)
+        return kernels.decode_product(x, weight, bias, packed, q)
     if weight.dtype == torch.float32 and kernels.ONEDNN_LINEAR is not None:
         return kernels.onednn(x, weight, bias, None)
     return F.linear(x, weight, bias)
@@ -75,12 +77,13 @@ class Linear(nn.Linear):
     """nn.Linear whose forward takes the decode fast path of `linear`. Weights always come from a checkpoint."""
 
     packed: torch.Tensor | None = None  # pack_for_decode(weight), set by Transformer.pack_for_decode()
+    quant: quant.QuantForms | None = None  # int4/int8 forms of a GGUF's Q4 weight, set by Transformer.attach_quant()
 
     def reset_parameters(self) -> None:  # random init is wasted work (and slow on the meta device)
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.quant)
 
 
 class Embedding(nn.Embedding):
@@ -281,21 +284,55 @@ class Transformer(nn.Module):
         self.head_packed = pack_for_decode(self.lm_head)
         return self.head_packed is not None
 
-    def decode_products(self) -> dict[tuple[int, int], list[kernels.Product]]:
-        """Every (weight, bias, packed) a decode step multiplies a row by, grouped by weight shape (out, in)."""
-        groups: dict[tuple[int, int], list[kernels.Product]] = {}
+    def attach_quant(self, blocks: dict[str, tuple[torch.Tensor, str]]) -> int:
+        """Give each projection stored as Q4_0/Q4_1 blocks its int4 and int8 forms (engine.model.quant); blocks:
+        weight name -> (blocks (out, in/32, bytes), kind), from quant.take_blocks. Returns the forms' bytes.
+
+        They cost 1.625 bytes per weight value beside the float weight (0.625 int4, 1 int8); tune_kernels drops
+        a form the tuner did not choose.
+        """
+        total = 0
+        for name, (b, kind) in blocks.items():
+            m = self.get_submodule(name.removesuffix(".weight"))
+            out_f, in_f = m.weight.shape
+            if not isinstance(m, Linear) or tuple(b.shape) != (out_f, in_f // quant.GROUP, quant.BLOCK_BYTES[kind]):
+                raise ValueError(f"the {kind} blocks of {name!r} have shape {tuple(b.shape)}, "
+                                 f"its weight {(out_f, in_f)}")
+            m.quant = quant.q4_forms(b, kind, m.weight)
+            total += m.quant.nbytes()
+        return total
+
+    def decode_products(self) -> dict[tuple[int, int, bool], list[kernels.Product]]:
+        """Every (weight, bias, packed, quantized forms) a decode step multiplies a row by, grouped by weight shape
+        and whether it has quantized forms: (out, in, quantized)."""
+        groups: dict[tuple[int, int, bool], list[kernels.Product]] = {}
         for m in self.modules():
-            if isinstance(m, Linear):
-                groups.setdefault(tuple(m.weight.shape), []).append((m.weight, m.bias, m.packed))
-        groups.setdefault(tuple(self.lm_head.shape), []).append((self.lm_head, None, self.head_packed))
+            if isinstance(m, Linear) and m is not self.output:
+                groups.setdefault((*m.weight.shape, m.quant is not None), []).append(
+                    (m.weight, m.bias, m.packed, m.quant))
+        head_q = None if self.output is None else self.output.quant
+        groups.setdefault((*self.lm_head.shape, head_q is not None), []).append(
+            (self.lm_head, None, self.head_packed, head_q))
         return groups
 
-    def tune_kernels(self, remeasure: bool = False) -> list:
+    def tune_kernels(self, remeasure: bool = False, drop_unused: bool = True) -> list:
         """Choose each decode product's kernel by measuring this machine (engine.model.kernels), or by reading what
-        was measured before; the entries, one per shape and thread count ([] off the CPU)."""
+        was measured before; the entries, one per shape and thread count ([] off the CPU).
+
+        drop_unused: free each quantized form no thread count chose (nor --kernel / $INFERENCE_LAB_KERNEL forces),
+        unless kernels.keeping_forms() is in effect (`python -m engine kernels`, which may measure them again).
+        """
         if self.lm_head.device.type != "cpu":
             return []
-        return kernels.tune(self.decode_products(), remeasure=remeasure)
+        entries = kernels.tune(self.decode_products(), remeasure=remeasure)
+        if drop_unused and not kernels.KEEP_FORMS:
+            used = {(e.shape, e.choice) for e in entries if e.weights == kernel_cache.Q4}
+            for m in self.modules():
+                if isinstance(m, Linear) and m.quant is not None:
+                    for name in kernels.QUANTIZED:
+                        if kernels.forced_name() != name and (tuple(m.weight.shape), name) not in used:
+                            setattr(m.quant, name, None)
+        return entries
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -357,7 +394,7 @@ class Transformer(nn.Module):
         recomputed in float32 from the same hidden state (a 64 × d product, ~0.1 ms).
         """
         h = self.norm(x)
-        y = linear(h, self.lm_head, packed=self.head_packed)
+        y = linear(h, self.lm_head, packed=self.head_packed, q=None if self.output is None else self.output.quant)
         if y.dtype == torch.float32 or h.numel() // h.shape[-1] > HEAD_RESCORE_MAX_ROWS:
             return y.float()
         top = torch.topk(y, min(HEAD_RESCORE, y.shape[-1]), dim=-1).indices  # (…, k)
@@ -391,6 +428,7 @@ def build_model(
     with torch.device("meta"):
         model = Transformer(cfg)
     sd = fuse_state_dict(state_dict, cfg)
+    blocks = quant.take_blocks(sd)  # a GGUF's Q4 blocks, for the quantized decode candidates
     expected = model.state_dict()
     missing = [n for n in expected if n not in sd]
     if missing:
@@ -407,5 +445,7 @@ def build_model(
     model.init_rope()
     if dtype == torch.bfloat16:
         model.pack_for_decode()
+    if blocks and torch.device(device).type == "cpu":
+        model.attach_quant(blocks)
     model.tune_kernels()
     return model

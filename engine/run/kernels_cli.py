@@ -72,7 +72,8 @@ def cmd_kernels(a: argparse.Namespace) -> int:
     entries = []
     for dtype in [a.dtype] if a.dtype else ["float32", "bfloat16"]:
         try:
-            lm = load(a.model, device="cpu", dtype=dtype)  # tunes at load: reads the cache, or measures
+            with kernels.keeping_forms():  # --remeasure measures the quantized candidates again
+                lm = load(a.model, device="cpu", dtype=dtype)  # tunes at load: reads the cache, or measures
         except ModelLoadError as e:
             raise CliError(str(e)) from None
         entries += lm.model.tune_kernels(remeasure=a.remeasure)

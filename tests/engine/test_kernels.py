@@ -34,7 +34,8 @@ def runnable(dtype: torch.dtype, threads: int) -> list[str]:
     """The candidates this machine can run for a (96, 64) weight of `dtype` (packed only where bf16 packs)."""
     w = torch.ones(96, 64, dtype=dtype)
     p = pack_for_decode(w)
-    return [k for k in kernels.KERNELS if kernels.applicable(k, w, p, threads) and kernels._works(k, [(w, None, p)])]
+    return [k for k in kernels.KERNELS
+            if kernels.applicable(k, w, p, threads) and kernels._works(k, [(w, None, p, None)])]
 
 
 def test_every_machine_has_the_plain_the_split_and_the_float32_onednn_candidates(threads):
@@ -54,7 +55,7 @@ def test_every_candidate_is_the_float64_product(threads, dtype, bias, rows, n_in
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())  # the same inputs, exact sums
     tol = TOLERANCE[dtype]
     names = [k for k in kernels.KERNELS if kernels.applicable(k, w, packed, threads)
-             and kernels._works(k, [(w, b, packed)])]
+             and kernels._works(k, [(w, b, packed, None)])]
     assert "linear" in names and ("split" in names) == (n_out % threads == 0)
     for name in names:
         y = kernels.KERNELS[name](x, w, b, packed)
@@ -107,7 +108,7 @@ def test_a_slow_candidate_set_gets_fewer_rounds_but_never_below_the_minimum():
 
 def _group(shape=(96, 64), n=3, dtype=torch.float32):
     g = torch.Generator().manual_seed(shape[0])
-    return {shape: [(torch.randn(*shape, generator=g).to(dtype), None, None) for _ in range(n)]}
+    return {(*shape, False): [(torch.randn(*shape, generator=g).to(dtype), None, None, None) for _ in range(n)]}
 
 
 def _fake_clock(costs: dict[str, float], calls: list[str]):
@@ -197,9 +198,9 @@ def _spy(monkeypatch, name: str) -> list[int]:
     seen: list[int] = []
     real = kernels.KERNELS[name]
 
-    def spy(x, w, b, p):
+    def spy(x, w, b, p, q=None):
         seen.append(w.shape[0])
-        return real(x, w, b, p)
+        return real(x, w, b, p, q)
 
     monkeypatch.setitem(kernels.KERNELS, name, spy)
     return seen
@@ -299,4 +300,4 @@ def test_kernels_command_names_a_bad_forced_kernel(tiny_dir):
              {kernel_cache.KERNEL_ENV: "fastest"})
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.strip() == ("error: INFERENCE_LAB_KERNEL=fastest is not a kernel (valid: linear, split, onednn, "
-                                "packed); the engine ignores it and runs the measured choice")
+                                "packed, int4, int8); the engine ignores it and runs the measured choice")
