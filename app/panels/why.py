@@ -625,8 +625,9 @@ class WhyPanel(Panel):
             except ResultError as e:
                 self._status, self._status_kind = f"the engine's {done.kind} result cannot be drawn: {e}", done.kind
             else:
-                self.results[done.kind] = {"kind": done.kind, "params": _plain(done.params),
-                                           "result": done.result, "seconds": float(done.seconds)}
+                info = self.bridge.info
+                self.results[done.kind] = {"kind": done.kind, "params": _plain(done.params), "result": done.result,
+                                           "seconds": float(done.seconds), "model": info.name if info else ""}
                 self._status, self._status_kind = "", ""
         elif done.cancelled:
             self._status = f"Cancelled after {done.seconds:.1f} s: nothing of that run is kept."
@@ -663,9 +664,11 @@ class WhyPanel(Panel):
                 check_result(kind, entry.get("result"))
                 seconds = entry.get("seconds", 0.0)
                 params = entry.get("params", {})
+                model = entry.get("model", "")
                 self.results[kind] = {"kind": kind, "params": params if isinstance(params, dict) else {},
                                       "result": entry["result"],
-                                      "seconds": float(seconds) if isinstance(seconds, (int, float)) else 0.0}
+                                      "seconds": float(seconds) if isinstance(seconds, (int, float)) else 0.0,
+                                      "model": model if isinstance(model, str) else ""}
             except ResultError as e:
                 problems.append(f"a saved {kind if isinstance(kind, str) else 'why'} result is skipped: {e}")
         if saved is not None and not isinstance(saved, list):
@@ -778,7 +781,8 @@ class WhyPanel(Panel):
         return "<br>".join(parts)
 
     def _result_line(self, kind: str, entry: dict) -> str:
-        r, took = entry["result"], f"{entry['seconds']:.1f} s"
+        r = entry["result"]
+        took = f"{entry['seconds']:.1f} s" + (f" on {entry['model']}" if entry.get("model") else "")
         if kind == "heads":
             best = []
             for key, label in SCORES:
@@ -986,7 +990,7 @@ def patch_labels(r: dict, sep: str = "/") -> list[str]:
     t = r["tokens"]
     corrupt = pieces(t)
     clean = t.get("clean") if isinstance(t, dict) else None
-    if not isinstance(clean, list) or len(clean) != len(corrupt):
+    if not isinstance(clean, list) or len(clean) != len(corrupt) or not all(isinstance(c, str) for c in clean):
         return [_piece(c) for c in corrupt]
     return [_piece(a) if a == b else f"{_piece(a)}{sep}{_piece(b)}" for a, b in zip(clean, corrupt, strict=True)]
 

@@ -110,6 +110,7 @@ def test_head_roles_round_trip_paints_the_heatmaps_and_a_click_shows_the_head(qt
         np.testing.assert_allclose(shown, np.asarray(here["scores"][key]), rtol=1e-5, atol=1e-6)
         assert shown.shape == (tiny_lm.cfg.n_layers, tiny_lm.cfg.n_heads)
     assert "Strongest heads" in panel.summary.text() and panel.run_button.isEnabled()
+    assert f"on {w.bridge.info.name}" in panel.summary.text()  # what the result was measured on
     assert not panel.cancel_button.isEnabled()
 
     # a real click on the induction map's cell (layer 1, head 2) selects that head in the Attention panel
@@ -273,7 +274,7 @@ def test_a_session_with_a_result_reopens_showing_it_and_exports_it(qtbot, why_wi
     shown.tick_panels(flush=True)
     for key, _ in SCORES:
         np.testing.assert_array_equal(again.heads_images[key].image, np.asarray(done.result["scores"][key]))
-    assert "Strongest heads" in again.summary.text()
+    assert "Strongest heads" in again.summary.text() and f"on {live.bridge.info.name}" in again.summary.text()
 
     # CSV and JSON: one row per score, layer and head
     for ext in (".csv", ".json"):
