@@ -375,10 +375,21 @@ class WhyPanel(Panel):
         browse = QtWidgets.QPushButton("…")
         browse.setToolTip("Pick the other model file")
         browse.clicked.connect(self._browse_other)
+        this = QtWidgets.QPushButton("this file")
+        this.setToolTip("The loaded model's own file: compare it on another runtime")
+        this.clicked.connect(lambda: self.other_edit.setText(self.bridge.info.path if self.bridge.info else ""))
+        self.other_backend = QtWidgets.QComboBox()
+        for label, key in (("auto", "auto"), ("torch (float)", "torch"), ("llama.cpp (as stored)", "llama.cpp")):
+            self.other_backend.addItem(label, key)
+        self.other_backend.setToolTip("The runtime of the other side: the torch engine dequantizes the file, "
+                                      "llama.cpp runs its quantized blocks as they are")
         self.compare_prompt = QtWidgets.QLineEdit(DEFAULT_PROMPT)
         self.compare_steps = spin_box(1, 256, 16, "Greedy steps compared")
-        return self._form([("other model", self._row(self.other_edit, browse)),
-                           ("prompt", self._row(self.compare_prompt, QtWidgets.QLabel("steps"), self.compare_steps))])
+        self.compare_chat = QtWidgets.QCheckBox("chat")
+        return self._form([("other model", self._row(self.other_edit, browse, this)),
+                           ("runs on", self._row(self.other_backend, QtWidgets.QLabel("steps"), self.compare_steps,
+                                                 self.compare_chat)),
+                           ("prompt", self.compare_prompt)])
 
     def _browse_other(self) -> None:
         path, _ = QtWidgets.QFileDialog.getOpenFileName(self, "Another file of the loaded model", "",
@@ -565,7 +576,8 @@ class WhyPanel(Panel):
             raise ValueError("choose the other file of the model to compare with")
         if not self.compare_prompt.text().strip():
             raise ValueError("type a prompt to compare on")
-        return CompareParams(other=other, prompt=self.compare_prompt.text(), steps=self.compare_steps.value())
+        return CompareParams(other=other, prompt=self.compare_prompt.text(), steps=self.compare_steps.value(),
+                             backend=str(self.other_backend.currentData()), chat=self.compare_chat.isChecked())
 
     def _one_token(self, text: str) -> int:
         """The loaded tokenizer's id of `text` as one token; ValueError naming its pieces otherwise."""

@@ -196,8 +196,11 @@ def test_ablate_patch_attribute_and_compare_round_trips_are_drawn(qtbot, why_win
     panel.other_edit.setText(str(tiny_dir.hf_dir))
     panel.compare_prompt.setText("the cat sat on the")
     panel.compare_steps.setValue(4)
+    panel.other_backend.setCurrentIndex(panel.other_backend.findData("torch"))
     done = run_and_wait(qtbot, panel, "compare")
     assert done.ok, done.failure
+    assert done.params == P.CompareParams(other=str(tiny_dir.hf_dir), prompt="the cat sat on the", steps=4,
+                                          backend="torch")
     kl = np.asarray(done.result["kl"])
     assert kl.shape == (tiny_lm.cfg.n_layers + 1,) and np.all(np.abs(kl) < 1e-6)
     x, y = panel.kl_curve.getData()
