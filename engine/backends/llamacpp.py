@@ -27,6 +27,7 @@ import ctypes
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
@@ -431,7 +432,8 @@ class LlamaCppSession:
             self._model = None
 
     def __del__(self) -> None:
-        self.close()
+        if not sys.is_finalizing():  # at exit the module's globals (free_context) may be gone; the OS frees it
+            self.close()
 
     def set_threads(self, n: int) -> None:
         """Use `n` threads from the next step on (llama.cpp has no adaptive setting: see engine.run.threads)."""

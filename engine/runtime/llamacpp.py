@@ -12,6 +12,7 @@ seq_keep). No graph callback is set: the labs that run here ask for no captures.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -70,7 +71,8 @@ class LlamaCppRuntime(Runtime):
         free_context(self)
 
     def __del__(self) -> None:
-        self.close()
+        if not sys.is_finalizing():  # at exit the module's globals (free_context) may be gone; the OS frees it
+            self.close()
 
     def set_threads(self, n: int) -> None:
         self.llama.llama_set_n_threads(self._ctx, n, n)
