@@ -1,0 +1,212 @@
+"""The quantized decode path (engine.model.quant; the int4 and int8 candidates of engine.model.kernels), held to
+independent references: torch's own kernels multiplying the identity (what they really compute), the gguf
+package's dequantization of the same Q4_0/Q4_1 blocks, and the float path's logits and greedy tokens.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from torch.testing import assert_close
+
+from engine.formats.requantize import requantize
+from engine.loaders import gguf as gg
+from engine.loaders import load
+from engine.model import kernel_cache, kernels, quant
+from engine.model.transformer import Linear
+from tests.engine.test_bf16_decode import NEAR_TIE, TEST_PROMPTS, decode_logits
+
+KINDS = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1}
+# Logits through a forced quantized path against the float path, as a share of the largest |logit|: bf16
+# activations and scales (2^-9 relative each) in every product, plus for int8 the per-row requantization (each
+# weight within half a step of max|w_row| / 127). Measured on the tiny random model: int4 ≤ 1.6 %, int8 ≤ 5.6 %.
+LOGIT_TOLERANCE = {"int4": 0.03, "int8": 0.08}
+IDS = [1, 17, 42, 99, 3, 250, 7, 64, 128, 5, 33, 200]
+
+
+def kernel_weight(form: tuple[torch.Tensor, torch.Tensor], in_f: int, name: str) -> torch.Tensor:
+    """The weight (out, in) a quantized kernel multiplies by, read off by multiplying the identity."""
+    eye = torch.eye(in_f, dtype=form[1].dtype)
+    if name == "int4":
+        return torch._weight_int4pack_mm_for_cpu(eye, form[0], quant.GROUP, form[1]).float().T
+    return torch._weight_int8pack_mm(eye, form[0], form[1]).float().T
+
+
+def test_torchs_int4_kernel_computes_q_minus_8_times_scale_plus_zero():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (48, 96), generator=g, dtype=torch.int32)
+    scale, zero = torch.rand(48, 3, generator=g) + 0.01, torch.randn(48, 3, generator=g)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, quant.INT4_INNER_K_TILES)
+    w = kernel_weight((packed, torch.stack([scale.t(), zero.t()], -1).contiguous()), 96, "int4")
+    by_hand = (q.double() - 8) * scale.double().repeat_interleave(32, 1) + zero.double().repeat_interleave(32, 1)
+    assert_close(w.double(), by_hand, rtol=1e-6, atol=1e-6)
+    assert_close(quant.dequantize_int4(q, scale, zero).double(), by_hand, rtol=1e-6, atol=1e-6)
+
+
+def _blocks(kind: str, out_f: int = 96, in_f: int = 128, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """gguf's own quantization of a random matrix: blocks (out, in/32, bytes) and its dequantization (out, in)."""
+    w = np.random.default_rng(seed).normal(0, 0.3, (out_f, in_f)).astype(np.float32)
+    w[:, :32] += 0.5  # a block whose values are all positive: Q4_1's m ≠ −8·d
+    raw = gguf.quants.quantize(w, KINDS[kind])  # (out, in/32 · bytes)
+    ref = np.asarray(gguf.quants.dequantize(raw, KINDS[kind]), np.float32).reshape(out_f, in_f)
+    return raw.reshape(out_f, in_f // 32, quant.BLOCK_BYTES[kind]), ref
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_int4_form_of_a_files_blocks_is_ggufs_dequantization(kind):
+    blocks, ref = _blocks(kind)
+    ref = torch.from_numpy(ref)
+    q, d, m = quant.split_q4_blocks(blocks, kind)
+    scale, zero = quant.int4_scale_zero(d, m)
+    # Q4_0: d·(q − 8) exactly; Q4_1: m + 8·d is rounded once more in float32 (one ulp of the block's magnitude)
+    atol = 0.0 if kind == "q4_0" else 2 ** -22 * float(zero.abs().max())
+    assert_close(quant.dequantize_int4(q, scale, zero), ref, rtol=0, atol=atol)
+    exact = quant.int4_from_blocks(blocks, kind, torch.float32)  # float32 scales: the kernel's own product
+    assert_close(kernel_weight(exact, 128, "int4"), ref, rtol=0, atol=atol + 2 ** -22 * float(ref.abs().max()))
+    fast = quant.int4_from_blocks(blocks, kind)  # what the candidate runs: bfloat16 scales and output
+    assert fast[1].dtype == torch.bfloat16
+    assert_close(kernel_weight(fast, 128, "int4"), ref, rtol=0, atol=2 ** -7 * float(ref.abs().max()))
+
+
+def test_int8_requantization_moves_each_weight_by_at_most_half_a_step():
+    w = torch.randn(64, 96, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.01, 3, 64)[:, None]
+    q, scale = quant.int8_from_float(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16 and int(q.abs().max()) <= 127
+    s = scale.float()[:, None]
+    assert bool(((w - q.float() * s).abs() <= quant.INT8_STEP_ERROR * s * (1 + 1e-6)).all())
+    assert bool((s[:, 0] <= w.abs().amax(1) / 127 * (1 + 2 ** -7)).all())  # a step no coarser than needed
+    assert_close(kernel_weight((q, scale), 96, "int8"), q.float() * s, rtol=2 ** -8, atol=0)
+
+
+@pytest.fixture(scope="module", params=["Q4_0", "Q4_1"])
+def q4_file(request, tiny_dir, tmp_path_factory):
+    """The tiny model written with every matrix as Q4_0 or Q4_1 blocks (by gguf's own quantizer)."""
+    path = tmp_path_factory.mktemp("q4") / f"tiny-{request.param}.gguf"
+    requantize(tiny_dir.gguf, path, request.param)
+    return path
+
+
+@pytest.fixture(scope="module")
+def q4_lm(q4_file):
+    with kernels.keeping_forms():  # every form, whatever this machine's tuner chose
+        return load(q4_file, device="cpu", dtype="float32", use_cache=False)
+
+
+def test_the_loader_keeps_each_projections_blocks_and_they_are_its_weights(q4_file):
+    reader = gg.open_reader(q4_file)
+    sd = gg.read_weights(reader, gg.read_config(reader, "tiny"))
+    kind = q4_file.stem.split("-")[1].lower()
+    blocks = {n: t for n, t in sd.items() if n.endswith("." + kind)}
+    assert sorted(blocks) == sorted(f"{n}.{kind}" for n in sd if n.endswith(".weight") and sd[n].dim() == 2
+                                    and n != "tok_embeddings.weight")  # every projection, not the embedding
+    for name, b in blocks.items():
+        weight = sd[name.removesuffix("." + kind)]  # gguf's dequantization of the same tensor
+        q, d, m = quant.split_q4_blocks(b, kind)
+        assert_close(quant.dequantize_int4(q, *quant.int4_scale_zero(d, m)), weight, rtol=0,
+                     atol=2 ** -22 * float(weight.abs().max() + 8 * d.abs().max()), msg=name)
+
+
+def test_every_projection_gets_forms_that_multiply_by_its_weight(q4_lm):
+    linears = {n: m for n, m in q4_lm.model.named_modules() if isinstance(m, Linear)}
+    assert len(linears) == 4 * q4_lm.cfg.n_layers + 1
+    for name, m in linears.items():
+        assert m.quant is not None and m.quant.int8 is not None, name
+        out_f, in_f = m.weight.shape
+        assert (m.quant.int4 is not None) == (out_f % quant.INT4_ROWS == 0), name  # the 300-row head has none
+        tol = 2 ** -7 * float(m.weight.abs().max())
+        if m.quant.int4 is not None:  # fused wqkv and w_gate_up: the parts' blocks in the model's row order
+            assert_close(kernel_weight(m.quant.int4, in_f, "int4"), m.weight, rtol=0, atol=tol, msg=name)
+        step = m.quant.int8[1].float()[:, None]
+        assert bool(((kernel_weight(m.quant.int8, in_f, "int8") - m.weight).abs()
+                     <= quant.INT8_STEP_ERROR * step + tol).all()), name
+
+
+def test_a_float_file_gets_no_forms(tiny_lm):
+    assert all(m.quant is None for m in tiny_lm.model.modules() if isinstance(m, Linear))
+
+
+@pytest.mark.parametrize("name", kernels.QUANTIZED)
+def test_forced_quantized_decode_stays_near_the_float_path(q4_lm, name):
+    with kernels.forced("linear"):
+        ref = decode_logits(q4_lm, IDS)
+    calls = []
+    op = "_weight_int4pack_mm_for_cpu" if name == "int4" else "_weight_int8pack_mm"
+    real = getattr(torch, op)
+    with kernels.forced(name), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, op, lambda *a: calls.append(1) or real(*a))
+        got = decode_logits(q4_lm, IDS)
+    # every step (one-token rows, the first a one-token prefill) ran each projection with a form through the kernel
+    per_step = sum(getattr(m.quant, name) is not None for m in q4_lm.model.modules()
+                   if isinstance(m, Linear) and m.quant is not None)
+    assert len(calls) == per_step * len(IDS)
+    scale = float(ref.abs().max())
+    assert_close(got, ref, rtol=0, atol=LOGIT_TOLERANCE[name] * scale)
+    margin = ref.topk(2, dim=-1).values.diff(dim=-1).abs()[:, 0]  # float path's top-1 minus top-2
+    clear = margin > 2 * LOGIT_TOLERANCE[name] * scale
+    assert bool((got.argmax(-1) == ref.argmax(-1))[clear].all())  # greedy equal wherever not a near-tie
+
+
+def test_the_tuner_measures_the_quantized_candidates_only_for_weights_with_forms(q4_lm, tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(kernels, "_FORCED", [])
+    monkeypatch.setattr(kernel_cache, "cache_path", lambda: tmp_path / "k.json")
+    measured: dict[tuple, list[str]] = {}
+    costs = {"linear": 3.0, "split": 4.0, "onednn": 5.0, "packed": 5.0, "int4": 1.0, "int8": 2.0}
+
+    def time_once(products, name):
+        measured.setdefault((*products[0][0].shape, products[0][3] is not None), []).append(name)
+        return costs[name]
+
+    groups = q4_lm.model.decode_products()
+    assert all(q for *_, q in groups)  # every matrix of the file is Q4, the untied head too
+    entries = kernels.tune(groups, counts=[1], time_once=time_once)
+    for e in entries:
+        quantized = e.weights == kernel_cache.Q4
+        assert quantized == any(q for (o, i, q) in groups if (o, i) == e.shape and q)
+        int4 = quantized and e.shape[0] % quant.INT4_ROWS == 0
+        assert ("int4" in e.seconds) == int4 and ("int8" in e.seconds) == quantized, e
+        assert e.choice == ("int4" if int4 else "int8" if quantized else "linear")
+        assert e.key.endswith("|q4") == quantized
+    # the model reads those choices: int4 where chosen, int8 dropped there; decode runs int4
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    q4_lm.model.tune_kernels()
+    wqkv = q4_lm.model.layers[0].attn.wqkv
+    assert kernels.chosen(tuple(wqkv.weight.shape), torch.float32, 1, True) == "int4"
+    assert wqkv.quant.int4 is not None and wqkv.quant.int8 is None
+
+
+@pytest.mark.slow
+def test_real_model_forced_quantized_greedy_continuations_equal_float(real_lm):
+    """SmolLM2's Q4_1 projections through int4 (its own blocks) and int8: greedy tokens as the float path's, up to
+    a step where float's own top two are a near-tie (the test says which), and logits within the tolerance."""
+    from engine.events import TokenSampled
+    from engine.protocol import Capture
+    from engine.run.sampling import SamplingParams
+    from engine.run.session import Session
+
+    with kernels.keeping_forms():
+        lm = load(None, device="cpu", dtype="float32")
+    assert sum(m.quant is not None and m.quant.int4 is not None for m in lm.model.modules()) == 4 * lm.cfg.n_layers
+    ids = lm.tokenizer.encode(TEST_PROMPTS[0]).ids[:16]
+    with kernels.forced("linear"):
+        ref = decode_logits(lm, ids)
+    for name in kernels.QUANTIZED:
+        with kernels.forced(name):
+            assert_close(decode_logits(lm, ids), ref, rtol=0, atol=LOGIT_TOLERANCE[name] * float(ref.abs().max()))
+    for name in kernels.QUANTIZED:
+        for prompt in TEST_PROMPTS:
+            with kernels.forced("linear"):
+                want_ev = [e for e in Session(lm).generate(prompt, SamplingParams.greedy_params(), 24,
+                                                           Capture(logits=True), chat=True, ignore_eos=True)
+                           if isinstance(e, TokenSampled)]
+            with kernels.forced(name):
+                got = list(Session(lm).generate(prompt, SamplingParams.greedy_params(), 24, chat=True,
+                                                ignore_eos=True))[-1].ids.tolist()
+            want = [e.token_id for e in want_ev]
+            parted = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+            if parted is not None:
+                logits = np.asarray(want_ev[parted].logits, dtype=np.float64)
+                margin = logits[want[parted]] - logits[got[parted]]
+                assert margin < NEAR_TIE, (name, prompt, parted, margin)
