@@ -315,6 +315,19 @@ class Transformer(nn.Module):
             (self.lm_head, None, self.head_packed, head_q))
         return groups
 
+    def decode_weight_bytes_read(self, threads: int | None = None) -> int:
+        """Bytes of weights one decode step reads with the kernels in use at `threads` (default: now): a quantized
+        form's bytes (engine.model.quant: int4 0.625, int8 1 byte per value + 2 per row) where its candidate runs,
+        the float weight's otherwise (bias and norms not counted)."""
+        n = threads or torch.get_num_threads()
+        total = 0
+        for (out_f, in_f, has_forms), products in self.decode_products().items():
+            for w, _, _, forms in products:
+                name = kernels.forced_name() or kernels.chosen((out_f, in_f), w.dtype, n, has_forms) or "linear"
+                form = getattr(forms, name) if forms is not None and name in kernels.QUANTIZED else None
+                total += sum(t.numel() * t.element_size() for t in form) if form else w.numel() * w.element_size()
+        return total
+
     def tune_kernels(self, remeasure: bool = False, drop_unused: bool = True) -> list:
         """Choose each decode product's kernel by measuring this machine (engine.model.kernels), or by reading what
         was measured before; the entries, one per shape and thread count ([] off the CPU).

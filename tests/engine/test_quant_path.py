@@ -210,3 +210,16 @@ def test_real_model_forced_quantized_greedy_continuations_equal_float(real_lm):
                 logits = np.asarray(want_ev[parted].logits, dtype=np.float64)
                 margin = logits[want[parted]] - logits[got[parted]]
                 assert margin < NEAR_TIE, (name, prompt, parted, margin)
+
+
+def test_a_decode_step_reads_the_chosen_forms_bytes(q4_lm):
+    """What the roofline should count: int4 0.5 byte per value + a bf16 scale and zero per 32; int8 1 byte per value
+    + a bf16 scale per row; float32 4 bytes per value (by hand from the shapes, not from the tensors)."""
+    linears = [m for m in q4_lm.model.modules() if isinstance(m, Linear)]
+    float32 = sum(4 * m.weight.numel() for m in linears)
+    int4 = sum(m.weight.numel() // 2 + 2 * 2 * m.weight.numel() // 32 if m.weight.shape[0] % 16 == 0
+               else 4 * m.weight.numel() for m in linears)
+    int8 = sum(m.weight.numel() + 2 * m.weight.shape[0] for m in linears)
+    for name, want in (("linear", float32), ("int4", int4), ("int8", int8)):
+        with kernels.forced(name):
+            assert q4_lm.model.decode_weight_bytes_read() == want, name
