@@ -505,7 +505,7 @@ class WhyPanel(Panel):
         self.kl_curve = pi.plot([], [], pen=pg.mkPen(PREFILL_COLOR, width=2), symbol="o", symbolSize=5,
                                 symbolBrush=PREFILL_COLOR, symbolPen=None, name="KL of the lens (nats)")
         self.js_curve = pi.plot([], [], pen=pg.mkPen(DECODE_COLOR, width=2), symbol="s", symbolSize=5,
-                                symbolBrush=DECODE_COLOR, symbolPen=None, name="attention JS distance")
+                                symbolBrush=DECODE_COLOR, symbolPen=None, name="attention JS distance (bits)")
         legend.setVisible(True)
         self.compare_note = placeholder(pi)
         self.flips_label = QtWidgets.QLabel()

@@ -261,6 +261,33 @@ def test_cancel_before_the_engine_starts_an_experiment(qtbot, why_window):
     qtbot.waitUntil(lambda: w.bridge.state == "idle", timeout=60_000)
 
 
+@pytest.mark.qt_log_ignore("This plugin does not support")
+def test_an_engine_that_dies_mid_experiment_ends_it_with_the_cause(qtbot, why_window):
+    """SIGKILL during a long attribution: the panel learns why in one sentence and can run again."""
+    import os
+    import signal
+
+    w = why_window()
+    panel: WhyPanel = w.panels["why"]
+    panel.attr_prompt.setText("the cat sat on the mat and " * 20)
+    panel.method_combo.setCurrentIndex(panel.method_combo.findData("ig"))
+    panel.steps_spin.setValue(1024)
+    panel.set_mode("attribute")
+    seen: list[float] = []
+    w.bridge.sig_why_progress.connect(lambda f, _m: seen.append(f))
+    assert panel.run()
+    qtbot.waitUntil(lambda: bool(seen), timeout=120_000)
+    with qtbot.waitSignal(w.bridge.sig_why_done, timeout=60_000) as done:
+        os.kill(w.bridge.process.pid, signal.SIGKILL)
+    outcome = done.args[0]
+    assert not outcome.ok and not outcome.cancelled and "SIGKILL" in outcome.failure
+    panel.flush()
+    assert "SIGKILL" in panel.summary.text() and panel.run_button.isEnabled() and panel.running is None
+    wait_loaded(qtbot, w, timeout=120_000)  # the new engine has the model again: the panel runs on it
+    qtbot.waitUntil(lambda: w.bridge.info is not None and w.bridge.engine_running, timeout=120_000)
+    assert run_and_wait(qtbot, panel, "heads").ok
+
+
 def test_a_session_with_a_result_reopens_showing_it_and_exports_it(qtbot, why_window, tmp_path):
     live = why_window()
     panel: WhyPanel = live.panels["why"]
