@@ -237,12 +237,14 @@ class WhyPanel(Panel):
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)
-        self.results: dict[str, dict] = {}  # kind → {"kind", "params", "result", "seconds"}
+        # kind → {"kind", "params", "result", "seconds", "model"}: kept across runs and models; a session replaces them
+        self.results: dict[str, dict] = {}
         self.running: int | None = None  # the request id of the experiment in progress
         self._running_kind = ""
         self._progress = (0.0, "")
         self._status = ""  # a failure or a cancellation, for the mode it happened in
         self._status_kind = ""
+        self._selected_head: tuple[int, int] | None = None  # (layer, head) framed in the head-role maps
         self._build()
         self.clear()
 
@@ -648,15 +650,6 @@ class WhyPanel(Panel):
             self._status, self._status_kind = done.failure or "the experiment failed", done.kind
         self.mark_dirty()
 
-    def clear(self) -> None:
-        """A new model does not undo results: only clear_results() forgets them."""
-        super().clear()
-
-    def clear_results(self) -> None:
-        self.results.clear()
-        self._status, self._status_kind = "", ""
-        self.mark_dirty()
-
     # ---- sessions and exports -----------------------------------------------------------------------------------
     def saved_results(self) -> list[dict]:
         """The newest result of each kind, as plain data for a session file."""
@@ -875,7 +868,7 @@ class WhyPanel(Panel):
                 exact.append(f"{label}: {defs[key]}")
         self.definitions.setText("<br>".join(lines))
         self.definitions.setToolTip("\n".join(exact))
-        sel = getattr(self, "_selected_head", None)
+        sel = self._selected_head
         for key, _label in SCORES:
             img, pi, box = self.heads_images[key], self.heads_items[key], self.heads_boxes[key]
             if entry is None:
