@@ -194,18 +194,20 @@ def schedule(model, cfg: SchedConfig, should_stop: Callable[[], bool] | None = N
         bpp, page, dtype, device = probe.kv_bytes_per_position(), probe.page_size, probe.dtype_name, probe.device
     reserve_len = cfg.reserve_len or longest
     n_pages = cfg.max_batch * -(-longest // page)
-    pool_bytes = n_pages * page * bpp
+    policies = cfg.policies()
+    pool_bytes = len(policies) * n_pages * page * bpp  # a pool per policy: the policies run side by side
     if memory_limit_bytes is not None and pool_bytes > memory_limit_bytes:
-        raise ValueError(f"the KV page pool ({pool_bytes / 2**20:,.0f} MiB for {cfg.max_batch} requests of up to "
-                         f"{longest} positions) exceeds the memory available ({memory_limit_bytes / 2**20:,.0f} MiB)")
+        raise ValueError(f"the KV page pools ({pool_bytes / 2**20:,.0f} MiB: {len(policies)} × {cfg.max_batch} "
+                         f"requests of up to {longest} positions) exceed the memory available "
+                         f"({memory_limit_bytes / 2**20:,.0f} MiB)")
     budget = cfg.kv_budget_bytes or cfg.max_batch * reserve_len * bpp
     requests = make_requests(cfg)
     rng = np.random.default_rng(cfg.seed + 1)
     low = 100 if model.cfg.vocab_size > 200 else 0
     prompts = [rng.integers(low, model.cfg.vocab_size, size=r.prompt_len).tolist() for r in requests]
-    yield SchedPlan(config=cfg, policies=cfg.policies(), requests=requests, kv_bytes_per_position=bpp,
+    yield SchedPlan(config=cfg, policies=policies, requests=requests, kv_bytes_per_position=bpp,
                     reserve_len=reserve_len, pool_pages=n_pages, dtype=dtype, device=str(device), page_size=page)
-    runtimes = {p: runtime_of(model, cfg.max_batch, longest, page_size=cfg.page_size) for p in cfg.policies()}
+    runtimes = {p: runtime_of(model, cfg.max_batch, longest, page_size=cfg.page_size) for p in policies}
     try:
         yield from _take_turns(runtimes, cfg, requests, prompts, bpp, reserve_len, budget, stop)
     finally:

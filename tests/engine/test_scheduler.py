@@ -248,8 +248,18 @@ def test_bad_settings_are_one_sentence(tiny_lm, bad, words):
 
 
 def test_the_pool_must_fit_in_memory(tiny_lm):
-    with pytest.raises(ValueError, match="exceeds the memory available"):
+    with pytest.raises(ValueError, match="exceed the memory available"):
         next(schedule(tiny_lm, SchedConfig(max_batch=256, prompt_len=80, output_len=40), memory_limit_bytes=1e6))
+
+
+def test_every_policys_pool_counts_against_memory(tiny_lm):
+    cfg = SchedConfig(max_batch=8, prompt_len=16, output_len=8)
+    plan = next(schedule(tiny_lm, cfg))
+    assert len(plan.policies) == 2  # static and continuous, each with a pool of its own
+    one_pool = plan.pool_pages * plan.page_size * plan.kv_bytes_per_position
+    with pytest.raises(ValueError, match="2 × 8 requests"):  # one pool fits, the two the run holds do not
+        next(schedule(tiny_lm, cfg, memory_limit_bytes=1.5 * one_pool))
+    assert isinstance(next(schedule(tiny_lm, cfg, memory_limit_bytes=2.5 * one_pool)), type(plan))
 
 
 def test_stop_ends_the_run_without_a_summary(tiny_lm):
