@@ -49,11 +49,11 @@ def _text(doc: dict) -> str:
         cells = "".join(
             f"{r['seconds'][n] * 1e6:>8.0f} µs {r['vs_fastest'][n]:4.2f}" if n in r["seconds"] else f"{'—':>16}"
             for n in names)
-        shape = f"{r['shape'][0]} × {r['shape'][1]}"
+        shape = f"{r['shape'][0]} × {r['shape'][1]}" + (" q4" if r["weights"] == kernel_cache.Q4 else "")
         lines.append(f"{r['dtype']:<9}{r['threads']:>8}  {shape:<18}{r['count']:>6}  {r['choice']:<8}{cells}")
     lines.append("times: median µs for one product of one row (its weight streamed from memory), and ÷ the "
                  "fastest (over 2 ×: its first round only, not measured further); count: the model's weights of that "
-                 "shape")
+                 "shape; q4: weights the file stores as Q4_0/Q4_1 blocks, which the int4 and int8 candidates use")
     lines.extend(f"  {n}: {kernel_cache.DESCRIPTIONS[n]}" for n in names)
     return "\n".join(lines)
 
