@@ -311,7 +311,8 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
                         clock = _timer(products) if time_once is None else lambda k, p=products: time_once(p, k)
                         seconds, rounds = choose(names, clock)
                         e = Entry(machine, dtype, n, shape, seconds, len(products), rounds, time.time(), weights)
-                        measured.append(e)
+                        if not (quantized and any(p[3] is not None and p[3].dropped for p in products)):
+                            measured.append(e)  # without forms dropped after tuning: used now, never cached
                     entries.append(e)
     finally:
         torch.set_num_threads(before)

@@ -46,6 +46,7 @@ class QuantForms:
 
     int4: tuple[torch.Tensor, torch.Tensor] | None = None  # packed (out, in/2) uint8, scale_zero (in/32, out, 2)
     int8: tuple[torch.Tensor, torch.Tensor] | None = None  # q (out, in) int8, scale (out,)
+    dropped: bool = False  # a form was freed after tuning: measuring again now would miss it (not to be cached)
 
     def nbytes(self) -> int:
         """The bytes these forms hold (and a decode product through one of them reads)."""

@@ -344,6 +344,7 @@ class Transformer(nn.Module):
                 if isinstance(m, Linear) and m.quant is not None:
                     for name in kernels.QUANTIZED:
                         if kernels.forced_name() != name and (tuple(m.weight.shape), name) not in used:
+                            m.quant.dropped |= getattr(m.quant, name) is not None
                             setattr(m.quant, name, None)
         return entries
 

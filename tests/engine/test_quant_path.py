@@ -148,7 +148,7 @@ def test_forced_quantized_decode_stays_near_the_float_path(q4_lm, name):
     assert bool((got.argmax(-1) == ref.argmax(-1))[clear].all())  # greedy equal wherever not a near-tie
 
 
-def test_the_tuner_measures_the_quantized_candidates_only_for_weights_with_forms(q4_lm, tmp_path, monkeypatch):
+def test_the_tuner_measures_the_quantized_candidates_only_for_weights_with_forms(q4_file, tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "_CHOSEN", {})
     monkeypatch.setattr(kernels, "_FORCED", [])
     monkeypatch.setattr(kernel_cache, "cache_path", lambda: tmp_path / "k.json")
@@ -159,9 +159,12 @@ def test_the_tuner_measures_the_quantized_candidates_only_for_weights_with_forms
         measured.setdefault((*products[0][0].shape, products[0][3] is not None), []).append(name)
         return costs[name]
 
+    with kernels.keeping_forms():
+        q4_lm = load(q4_file, device="cpu", dtype="float32", use_cache=False)  # its own: its forms get freed
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
     groups = q4_lm.model.decode_products()
     assert all(q for *_, q in groups)  # every matrix of the file is Q4, the untied head too
-    entries = kernels.tune(groups, counts=[1], time_once=time_once)
+    entries = kernels.tune(groups, counts=[1], time_once=time_once, remeasure=True)
     for e in entries:
         quantized = e.weights == kernel_cache.Q4
         assert quantized == any(q for (o, i, q) in groups if (o, i) == e.shape and q)
@@ -224,3 +227,22 @@ def test_a_decode_step_reads_the_chosen_forms_bytes(q4_lm):
     for name, want in (("linear", float32), ("int4", int4), ("int8", int8)):
         with kernels.forced(name):
             assert q4_lm.model.decode_weight_bytes_read() == want, name
+
+
+def test_forms_the_tuner_did_not_choose_are_freed_and_a_later_measurement_is_not_cached(q4_file, tmp_path,
+                                                                                        monkeypatch):
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(kernel_cache, "cache_path", lambda: tmp_path / "k.json")
+    lm = load(q4_file, device="cpu", dtype="float32", use_cache=False)  # measures here, then frees the losers
+    before = kernel_cache.read(tmp_path / "k.json")
+    assert any(e.weights == kernel_cache.Q4 and "int4" in e.seconds for e in before.values())
+    for m in lm.model.modules():
+        if isinstance(m, Linear):
+            for name in kernels.QUANTIZED:  # a form is kept only where some thread count chose it
+                chose = any(e.shape == tuple(m.weight.shape) and e.choice == name and e.weights == kernel_cache.Q4
+                            for e in before.values())
+                assert (getattr(m.quant, name) is not None) == chose or (name == "int4" and m.weight.shape[0] == 300)
+    lm.model.tune_kernels(remeasure=True)  # without the freed forms: used now, but the file keeps the full entries
+    after = kernel_cache.read(tmp_path / "k.json")
+    assert {k: e.seconds.keys() for k, e in after.items() if e.weights == kernel_cache.Q4} == {
+        k: e.seconds.keys() for k, e in before.items() if e.weights == kernel_cache.Q4}
