@@ -36,8 +36,8 @@ def test_every_registered_panel_module_exists():
 def test_view_menu_toggles_docks_and_reset_layout(qtbot, window):
     view = window.view_menu
     groups = window.view_groups
-    assert [g.title() for g in groups] == ["The live run", "What-if labs", "The server"]
-    assert [a.text() for a in view.actions()[:3]] == [g.title() for g in groups]
+    assert [g.title() for g in groups] == ["The live run", "What-if labs", "The server", "Why it answers"]
+    assert [a.text() for a in view.actions()[:4]] == [g.title() for g in groups]
     actions = [a for g in groups for a in g.actions() if a.isCheckable()]
     assert len(actions) == len(window.docks)
     keys = [a.shortcut().toString() for a in actions]
@@ -45,7 +45,7 @@ def test_view_menu_toggles_docks_and_reset_layout(qtbot, window):
     # no panel hides: every dock is in sight, or a tab whose name shows beside the panel in front
     for name, dock in window.docks.items():
         assert dock.isVisible() or any(d.isVisible() for d in window.tabifiedDockWidgets(dock)), name
-    labs = {window.docks[n] for n in ("capacity", "batching", "load_lab")}
+    labs = {window.docks[n] for n in ("capacity", "batching", "load_lab", "why")}
     assert labs <= {window.docks["capacity"], *window.tabifiedDockWidgets(window.docks["capacity"])}
     assert window.docks["roofline"] not in window.tabifiedDockWidgets(window.docks["capacity"])  # not behind it
     dock = window.docks["preview"]
