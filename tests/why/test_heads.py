@@ -181,4 +181,5 @@ def test_scores_equal_transformer_lens_on_smollm2(real_lm, default_bridge):
         np.testing.assert_allclose(got["scores"][name], ref[name], atol=TOL, rtol=0, err_msg=name)
     assert max(v for _, _, v in top_heads(got["scores"]["induction"], 1)) > 0.3  # SmolLM2 has induction heads
     ab = confirm_induction(s, got, 3)
-    assert ab["loss_ablated"] > ab["loss"] + 0.5 > ab["loss_control"] + 0.3  # the heads matter; 3 others less
+    rise, control = ab["loss_ablated"] - ab["loss"], ab["loss_control"] - ab["loss"]
+    assert rise > 1.0 and rise > 4 * control  # the 3 induction heads carry the copy; 3 other heads hardly
