@@ -21,13 +21,8 @@ pytestmark = pytest.mark.qt_log_ignore("This plugin does not support raise")  # 
 
 
 @pytest.fixture
-def why_window(qtbot, make_window, monkeypatch):
-    """A window on the tiny model with the Why panel among its docks (added to the registry if it is not there)."""
-    import app.main_window as mw
-
-    if "why" not in mw.PANEL_MODULES:
-        monkeypatch.setattr(mw, "PANEL_MODULES", (*mw.PANEL_MODULES, "why"))
-        monkeypatch.setattr(mw, "GROUPS", (*mw.GROUPS, ("Why", ("why",))))
+def why_window(qtbot, make_window):
+    """A window on the tiny model with the Why panel shown in front."""
 
     def make(**kw):
         w = make_window(persist=False, **kw)
