@@ -146,6 +146,7 @@ def export(model: str | os.PathLike | None, out: str | os.PathLike, overwrite: b
     from safetensors.torch import save_file
 
     from engine.loaders import ModelLoadError, _read_source, resolve_model_path
+    from engine.model import quant
 
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
@@ -164,7 +165,9 @@ def export(model: str | os.PathLike | None, out: str | os.PathLike, overwrite: b
         raise ExportError(f"cannot read {Path(str(model)).name if model else 'the default model'}: {e}") from None
     eos_id = tok.eos_ids[0] if tok.eos_ids else (cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
     config = hf_config(cfg, eos_id)
-    tensors = hf_state_dict(sd, cfg)
+    # a Q4 projection's raw blocks (kept for the decode kernels) are not weights of their own: its float weight is
+    blocks = tuple(f".{kind}" for kind in quant.KINDS)
+    tensors = hf_state_dict({k: v for k, v in sd.items() if not k.endswith(blocks)}, cfg)
 
     def text(i: int | None) -> str | None:
         return None if i is None else tok._text(i)
