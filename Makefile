@@ -103,6 +103,11 @@ screenshot: $(STAMP)
 	rm -f .venv/screenshot-settings.ini
 	INFERENCE_LAB_SETTINGS=.venv/screenshot-settings.ini QT_QPA_PLATFORM=offscreen $(PY) -m app --prompt "Explain what a KV cache is in two sentences." --chat \
 		--max-new-tokens 32 --greedy --screenshot docs/window.png
+	# the README's worked example of the Why panel: head roles, then activation patching (its default prompts)
+	for kind in heads patch; do rm -f .venv/screenshot-settings.ini; \
+		INFERENCE_LAB_SETTINGS=.venv/screenshot-settings.ini QT_QPA_PLATFORM=offscreen $(PY) -m app \
+		--prompt "The Eiffel Tower is in the city of" --max-new-tokens 8 --greedy --why $$kind \
+		--screenshot docs/why-$$kind.png || exit 1; done
 
 # Every way of installing the app, built and smoke-tested headless (a screenshot each) under PACKAGE_DIR: the wheel
 # into pipx and into `uv tool`, and a PyInstaller one-folder bundle. Minutes, ~5 GB of disk; see packaging/README.md.

@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    " the API key, if any, is read from $INFERENCE_LAB_API_KEY")
     p.add_argument("--load-lab", metavar="C1,C2,…", help="headless, with --url: after the generation run the Load "
                    "lab at these concurrency levels (8 requests each) and show it in the screenshot")
+    p.add_argument("--why", choices=("heads", "ablate", "patch", "attribute"), help="headless: after the generation "
+                   "run this experiment of the Why panel with its default inputs and show it in the screenshot")
     p.add_argument("--screenshot", metavar="OUT.png", help="headless: save a PNG of the whole window and exit")
     p.add_argument("--export-timeline", metavar="OUT.png|.svg", help="headless: save the timeline and exit")
     p.add_argument("--timeout", type=float, default=600.0, help="headless: give up after this many seconds")
@@ -234,6 +236,10 @@ def _run_headless(app, args: argparse.Namespace) -> int:
             outcome["load_lab"] = True
             run_load_lab()
             return
+        if args.why and "why" not in outcome:
+            outcome["why"] = True
+            run_why()
+            return
         # The generation owned the KV cache; now the preview runs on the same prompt and shows the reuse.
         preview = window.panels.get("preview")
         if preview is None or preview.result is not None:
@@ -260,6 +266,25 @@ def _run_headless(app, args: argparse.Namespace) -> int:
         window.bridge.sig_serve_done.connect(lambda msg: finish(1, msg) if msg else QtCore.QTimer.singleShot(0, save))
         lab.run({"concurrency": levels, "num_prompts": 8, "max_new_tokens": args.max_new_tokens or 32,
                  "request_rate": None, "burstiness": 1.0, "time_limit_s": 120.0})
+
+    def run_why() -> None:
+        panel = window.panels.get("why")
+        if panel is None:
+            finish(1, "--why needs the Why panel")
+            return
+        window.docks["why"].show()
+        window.docks["why"].raise_()
+        panel.set_mode(args.why)
+
+        def done(ev) -> None:
+            if ev.result is None:
+                finish(1, ev.failure or f"the {args.why} experiment did not finish")
+            else:
+                QtCore.QTimer.singleShot(0, save)
+
+        window.bridge.sig_why_done.connect(done)
+        if not panel.run():
+            finish(2, f"--why {args.why}: the panel's inputs cannot run")
 
     def save() -> None:
         if "saving" in outcome:

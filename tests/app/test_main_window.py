@@ -195,6 +195,20 @@ def test_cli_screenshot_on_the_tiny_model(qapp, tmp_path, tiny_dir):
     assert timeline.read_text().lstrip().startswith(("<?xml", "<svg"))
 
 
+def test_cli_why_runs_the_experiment_into_the_picture_and_the_session(qapp, tmp_path, tiny_dir):
+    from engine.formats.session_file import load_session
+
+    shot, session = tmp_path / "why.png", tmp_path / "why.ilab"
+    r = run_cli("--model", str(tiny_dir.gguf), "--prompt", "hello there", "--max-new-tokens", "3", "--greedy",
+                "--why", "heads", "--screenshot", str(shot), "--save-session", str(session), timeout=240)
+    assert r.returncode == 0, r.stderr
+    _check_png(shot)
+    saved = load_session(session, with_tokenizer=False).settings["why"]
+    heads = next(r["result"] for r in saved if r["kind"] == "heads")
+    n_layers = len(heads["scores"]["induction"])
+    assert n_layers >= 1 and {"previous_token", "duplicate_token", "induction", "sink"} <= set(heads["scores"])
+
+
 @pytest.mark.slow
 def test_cli_screenshot_on_the_real_model(qapp, tmp_path):
     shot = tmp_path / "shot.png"
