@@ -32,7 +32,8 @@ def measure_choices(dtype: str, counts: list[int], rounds: int, remeasure: bool)
     from engine.loaders import load
     from engine.model import kernels
 
-    lm = load(None, device="cpu", dtype=dtype)  # tunes at load: the engine's own choice, cached or measured
+    with kernels.keeping_forms():  # every quantized form stays, to be measured against the choice
+        lm = load(None, device="cpu", dtype=dtype)  # tunes at load: the engine's own choice, cached or measured
     if remeasure:
         lm.model.tune_kernels(remeasure=True)
     groups = lm.model.decode_products()
@@ -64,7 +65,8 @@ def measure_choices(dtype: str, counts: list[int], rounds: int, remeasure: bool)
                     chain["int8 weights (_weight_int8pack_mm)"] = _int8_chain(groups, rounds)
                 out[str(n)] = {"threads": n, "shapes": shapes, "chain_s": chain,
                                "weight_bytes": sum(p[0][0].numel() * p[0][0].element_size() * len(p)
-                                                   for p in groups.values())}
+                                                   for p in groups.values()),
+                               "bytes_read_chosen": lm.model.decode_weight_bytes_read(n)}  # quantized forms: fewer
     finally:
         torch.set_num_threads(before)
     return out
@@ -140,15 +142,16 @@ def _print(res: dict) -> None:
             print(f"  {'weight (out × in)':<18}{'count':>6}  {'chosen':<8}{'fastest':<9}{'chosen ÷ fastest':>17}"
                   + "".join(f"{n:>10}" for n in names))
             for s in r["shapes"]:
-                shape = f"{s['shape'][0]} × {s['shape'][1]}"
+                shape = f"{s['shape'][0]} × {s['shape'][1]}" + (" q4" if s["quantized"] else "")
                 mark = "" if s["chosen_over_fastest"] <= 1.10 else "  over 10 %"
                 ratio = s["chosen_over_fastest"]
                 print(f"  {shape:<18}{s['count']:>6}  {s['chosen']:<8}{s['fastest']:<9}{ratio:>16.2f}×"
                       + "".join(f"{s['seconds'][n] * 1e6:>10.0f}" if n in s["seconds"] else f"{'—':>10}"
                                 for n in names) + mark)
             chosen = r["chain_s"]["chosen"]
-            print(f"  the step's chain of products ({r['weight_bytes'] / 1e6:.0f} MB of weights): chosen "
-                  f"{chosen * 1e3:.1f} ms ({r['weight_bytes'] / chosen / 1e9:.1f} GB/s); " + "; ".join(
+            read = r.get("bytes_read_chosen", r["weight_bytes"])
+            print(f"  the step's chain of products ({r['weight_bytes'] / 1e6:.0f} MB of float weights): chosen "
+                  f"{chosen * 1e3:.1f} ms, reading {read / 1e6:.0f} MB ({read / chosen / 1e9:.1f} GB/s); " + "; ".join(
                       f"{k} {v * 1e3:.1f} ms ({v / chosen:.2f}×)" for k, v in r["chain_s"].items()
                       if k != "chosen" and v is not None))
     worst = max((s["chosen_over_fastest"] for d in res["kernels"].values() for r in d.values() for s in r["shapes"]),
