@@ -246,3 +246,22 @@ def test_forms_the_tuner_did_not_choose_are_freed_and_a_later_measurement_is_not
     after = kernel_cache.read(tmp_path / "k.json")
     assert {k: e.seconds.keys() for k, e in after.items() if e.weights == kernel_cache.Q4} == {
         k: e.seconds.keys() for k, e in before.items() if e.weights == kernel_cache.Q4}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "gemma3"])
+def test_blocks_follow_their_weights_rows_in_other_layouts(family, tmp_path):
+    """qwen3 and gemma3 files keep q/k rows in rotate-halves order (the loader reorders them, blocks too); phi3
+    fuses q/k/v and gate/up in the file (the loader splits them, blocks too): each form still multiplies by its
+    projection's own weight."""
+    from tests.tiny_families import write_checkpoint
+
+    src = write_checkpoint(tmp_path, family).gguf
+    requantize(src, tmp_path / "q4.gguf", "Q4_0")
+    with kernels.keeping_forms():
+        lm = load(tmp_path / "q4.gguf", device="cpu", dtype="float32", use_cache=False)
+    linears = {n: m for n, m in lm.model.named_modules() if isinstance(m, Linear) and n != "output"}
+    assert len(linears) == 4 * lm.cfg.n_layers
+    for name, m in linears.items():
+        assert m.quant is not None and m.quant.int4 is not None, name
+        assert_close(kernel_weight(m.quant.int4, m.weight.shape[1], "int4"), m.weight, rtol=0,
+                     atol=2 ** -7 * float(m.weight.abs().max()), msg=name)
