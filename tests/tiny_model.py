@@ -7,6 +7,7 @@ key/value heads repeated for GQA, a full causal forward over the whole sequence 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,12 +163,18 @@ def write_tiny_checkpoints(directory: Path) -> TinyCheckpoints:
 
 # ---- the independent reference ---------------------------------------------------------------------------------
 def reference_logits(
-    w: dict[str, torch.Tensor], ids: list[int], cfg: dict = CFG, attention: dict[int, torch.Tensor] | None = None
+    w: dict[str, torch.Tensor], ids: list[int], cfg: dict = CFG, attention: dict[int, torch.Tensor] | None = None,
+    edit: Callable[[str, int, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Logits (T, V) of a full causal forward, Hugging Face conventions, float64, no cache.
 
-    `attention`, when given, receives each layer's attention weights (H, T, T).
+    `attention`, when given, receives each layer's attention weights (H, T, T). `edit(site, layer, value)`, when
+    given, is called on each site's value and returns the value the pass goes on with (engine/why's tests):
+        "resid" (T, d) the residual stream entering layer L (L = n_layers: entering the final norm)
+        "z"     (T, H, hd) every head's output of layer L, before o_proj
+        "attn"  (T, d) what attention adds to the residual;  "mlp" (T, d) what the MLP adds
     """
+    ed = edit or (lambda _site, _layer, value: value)
     d, H, KV = cfg["d_model"], cfg["n_heads"], cfg["n_kv_heads"]
     hd = d // H
     W = {k: v.double() for k, v in w.items()}
@@ -188,6 +195,7 @@ def reference_logits(
     mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)
     for i in range(cfg["n_layers"]):
         p = f"model.layers.{i}."
+        x = ed("resid", i, x)
         h = rms(x, W[p + "input_layernorm.weight"])
         q = h @ W[p + "self_attn.q_proj.weight"].T + W.get(p + "self_attn.q_proj.bias", 0)
         k = h @ W[p + "self_attn.k_proj.weight"].T + W.get(p + "self_attn.k_proj.bias", 0)
@@ -202,12 +210,12 @@ def reference_logits(
         att = torch.softmax(q @ k.transpose(-1, -2) / hd**0.5 + mask, dim=-1)
         if attention is not None:
             attention[i] = att
-        o = (att @ v).transpose(0, 1).reshape(T, d)
-        x = x + o @ W[p + "self_attn.o_proj.weight"].T
+        z = ed("z", i, (att @ v).transpose(0, 1))  # (T, H, hd)
+        x = x + ed("attn", i, z.reshape(T, d) @ W[p + "self_attn.o_proj.weight"].T)
         h = rms(x, W[p + "post_attention_layernorm.weight"])
         g = h @ W[p + "mlp.gate_proj.weight"].T
         u = h @ W[p + "mlp.up_proj.weight"].T
-        x = x + (torch.nn.functional.silu(g) * u) @ W[p + "mlp.down_proj.weight"].T
-    x = rms(x, W["model.norm.weight"])
+        x = x + ed("mlp", i, (torch.nn.functional.silu(g) * u) @ W[p + "mlp.down_proj.weight"].T)
+    x = rms(ed("resid", cfg["n_layers"], x), W["model.norm.weight"])
     head = W.get("lm_head.weight", W["model.embed_tokens.weight"])
     return x @ head.T
