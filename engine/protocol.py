@@ -98,6 +98,29 @@ class GenerateRequest:
     forced: tuple[tuple[int, int], ...] = ()  # (step, token id) pairs put in place of sampling (a fork: ((0, id),))
     regex: str | None = None  # the output must match this regular expression (engine.run.constrain)
     json_schema: str | None = None  # … or be JSON valid under this schema (JSON text)
+    ablation: Ablated | None = None  # run every forward pass with these parts ablated (the local torch engine only)
+
+
+@dataclass(frozen=True)
+class Ablated:
+    """The parts of the model a generation runs without: zero-ablated, or with `mean` replaced by their mean over
+    the prompt's positions in the clean run (engine.why.ablate, kept on for every step of the generation)."""
+
+    heads: tuple[tuple[int, int], ...] = ()  # (layer, head)
+    attn_layers: tuple[int, ...] = ()
+    mlp_layers: tuple[int, ...] = ()
+    mean: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.heads or self.attn_layers or self.mlp_layers):
+            raise ValueError("nothing to ablate: name at least one head, attention layer or MLP layer")
+
+    @property
+    def label(self) -> str:
+        """A run's name for it, e.g. "ablated 18:6, MLP 3" ("mean-ablated …" with `mean`)."""
+        parts = ([f"{layer}:{head}" for layer, head in self.heads] + [f"attn {i}" for i in self.attn_layers]
+                 + [f"MLP {i}" for i in self.mlp_layers])
+        return f"{'mean-' if self.mean else ''}ablated {', '.join(parts)}"
 
 
 class Command:
@@ -263,6 +286,11 @@ class AblateParams:
     mean: bool = False
     chat: bool = False
     tokens: tuple[int, int] | None = None  # two token ids whose logit difference is reported before and after
+
+    @property
+    def ablated(self) -> Ablated:
+        """The same parts, for a generation that continues from the ablated model (GenerateRequest.ablation)."""
+        return Ablated(self.heads, self.attn_layers, self.mlp_layers, self.mean)
 
 
 @dataclass(frozen=True)

@@ -262,8 +262,14 @@ class EngineServer:
             self.send(State("idle"))
             return
         try:
-            gen = self.backend.generate(req)
-        except ValueError as e:
+            # a backend that cannot edit its forward pass (a server) must refuse an ablation, not ignore it
+            if req.ablation is None:
+                gen = self.backend.generate(req)
+            else:
+                from engine.run.ablated import generate_ablated
+
+                gen = generate_ablated(self.backend, req)
+        except (ValueError, Unsupported) as e:
             self.send(Failed(message=str(e)))
             self.send(State("idle"))
             return

@@ -23,6 +23,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from app.panels.base import Panel, spin_box
+from app.run_store import store_for
 from app.theme import (
     ACCENT,
     BACKGROUND,
@@ -43,10 +44,12 @@ from app.units import fmt_bytes
 from engine.events import ModelInfo
 from engine.model.config import ModelConfig
 from engine.protocol import (
+    Ablated,
     AblateParams,
     AttributeParams,
     CompareParams,
     ExperimentDone,
+    GenerateRequest,
     HeadsParams,
     PatchParams,
 )
@@ -201,7 +204,8 @@ class WhyPanel(Panel):
     title = "Why"
     object_name = "panel_why"
     shortcut = "Ctrl+Alt+6"
-    subscriptions = {"sig_why_progress": "_on_progress", "sig_why_done": "_on_done"}
+    subscriptions = {"sig_why_progress": "_on_progress", "sig_why_done": "_on_done", "sig_failed": "_on_failed",
+                     "sig_run_started": "_on_run_started"}
     sig_show_head = QtCore.Signal(int, int)
     """The user clicked a head in the head-roles heatmaps: (layer, head), for the Attention panel."""
     help_text = (
@@ -213,7 +217,9 @@ class WhyPanel(Panel):
         "lets a model continue a pattern it saw once), and the first position (a sink). Click a head to see its "
         "attention in the Attention panel. Ablate: set chosen heads, attention outputs or MLP outputs to zero (or "
         "to their mean over the prompt) and compare the next-token distribution with the untouched one (KL "
-        "divergence in nats, whether the top token changed). Patch: run a clean and a corrupted prompt of equal "
+        "divergence in nats, whether the top token changed); Continue as a branch then generates from the same "
+        "prompt with the same parts ablated, as a new run in the Branches panel, with the current sampling "
+        "settings and max tokens. Patch: run a clean and a corrupted prompt of equal "
         "token length, then re-run the corrupted one with the clean residual stream copied in after one layer at "
         "one position; each cell is the share of the clean-minus-corrupted logit difference of the answer over the "
         "wrong token that this one copy restores (1 = all of it, 0 = none). Attribute: which prompt tokens drove "
@@ -245,6 +251,8 @@ class WhyPanel(Panel):
         self._status = ""  # a failure or a cancellation, for the mode it happened in
         self._status_kind = ""
         self._selected_head: tuple[int, int] | None = None  # (layer, head) framed in the head-role maps
+        self.branch_label: str | None = None  # the ablated branch asked for, until it starts or is refused
+        self._branch_started = ""  # the last ablated branch that started, named in the summary
         self._build()
         self.clear()
 
@@ -437,8 +445,10 @@ class WhyPanel(Panel):
 
     def _ablate_view(self) -> QtWidgets.QWidget:
         w = QtWidgets.QWidget()
-        lay = QtWidgets.QHBoxLayout(w)
-        lay.setContentsMargins(0, 0, 0, 0)
+        outer = QtWidgets.QVBoxLayout(w)
+        outer.setContentsMargins(0, 0, 0, 0)
+        lay = QtWidgets.QHBoxLayout()
+        outer.addLayout(lay, 1)
         self.ablate_tables: dict[str, QtWidgets.QTableWidget] = {}
         for side, label in (("before", "before"), ("after", "after the ablation")):
             box = QtWidgets.QVBoxLayout()
@@ -452,6 +462,11 @@ class WhyPanel(Panel):
             box.addWidget(table, 1)
             lay.addLayout(box, 1)
             self.ablate_tables[side] = table
+        self.branch_button = QtWidgets.QPushButton("Continue as a branch")
+        self.branch_button.setToolTip("Generate from the same prompt with the same parts ablated in every step, as a "
+                                      "new run (Branches panel), with the current sampling settings and max tokens")
+        self.branch_button.clicked.connect(lambda: self.continue_branch())
+        outer.addWidget(self.branch_button, 0, QtCore.Qt.AlignmentFlag.AlignLeft)
         return w
 
     def _patch_view(self) -> QtWidgets.QWidget:
@@ -613,6 +628,56 @@ class WhyPanel(Panel):
         self.cancel_button.setEnabled(True)
         self.mark_dirty()
         return True
+
+    def continue_branch(self) -> bool:
+        """Generate from the shown ablation's prompt with the same parts ablated in every forward pass, as a new
+        run named after them, with the current sampling settings and max tokens; False (and a sentence) when it
+        cannot start now. A runtime that cannot keep an ablation on (llama.cpp, a server) refuses in the engine
+        process, and its sentence shows here."""
+        entry, info = self.results.get("ablate"), self.bridge.info
+        try:
+            if entry is None:
+                raise ValueError("run an ablation first, then continue from it")
+            if info is None:
+                raise ValueError("load a model first")
+            if entry.get("model") and entry["model"] != info.name:
+                raise ValueError(f"this ablation ran on {entry['model']}: run it again on {info.name} first")
+            if self.bridge.state != "idle" or self.branch_label is not None:
+                raise ValueError("wait for the running generation to end")
+            prompt, chat, ablated = ablation_of(entry)
+        except ValueError as e:
+            self._status, self._status_kind = str(e), "ablate"
+            self.mark_dirty()
+            return False
+        gen = self._generation_panel()
+        req = GenerateRequest(
+            text=prompt, chat=chat, max_new_tokens=gen.max_tokens.value() if gen is not None else 64,
+            params=self.bridge.params, ignore_eos=bool(gen.ignore_eos) if gen is not None else False,
+            ablation=ablated, **({"capture": gen.capture_for(prompt, chat)} if gen is not None else {}))
+        store = store_for(self.bridge)
+        if store is not None:  # parent -1 is no run: a run of its own, named after what it runs without
+            store.expect_fork(-1, 0, -1, ablated.label)
+        self.branch_label = ablated.label
+        self._status, self._status_kind = "", ""
+        self.bridge.generate(req)
+        self.mark_dirty()
+        return True
+
+    def _generation_panel(self):
+        return getattr(self.window(), "panels", {}).get("generation")
+
+    @QtCore.Slot(str)
+    def _on_failed(self, message: str) -> None:
+        if self.branch_label is not None:  # the engine refused the ablated generation (it starts no run)
+            self.branch_label = None
+            self._status, self._status_kind = f"Cannot continue as a branch: {message}", "ablate"
+            self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_run_started(self, _ev: object) -> None:
+        if self.branch_label is not None:
+            self._branch_started, self.branch_label = self.branch_label, None
+            self.mark_dirty()
 
     def cancel(self) -> None:
         if self.running is not None:
@@ -783,6 +848,9 @@ class WhyPanel(Panel):
                              "it shows.</span>")
             return "<br>".join(parts)
         parts.append(self._result_line(kind, entry))
+        if kind == "ablate" and self._branch_started:
+            parts.append(f"<span style='color:{MUTED}'>Continued as the run “{html.escape(self._branch_started)}” "
+                         "(Branches panel).</span>")
         return "<br>".join(parts)
 
     def _result_line(self, kind: str, entry: dict) -> str:
@@ -890,6 +958,7 @@ class WhyPanel(Panel):
             self.heads_note.setVisible(False)
 
     def _draw_ablate(self, entry: dict | None) -> None:
+        self.branch_button.setEnabled(entry is not None and self.branch_label is None)
         for side, table in self.ablate_tables.items():
             d = entry["result"][side] if entry is not None else {"tokens": [], "probs": [], "ids": []}
             tokens, probs, ids = d["tokens"], d["probs"], list(d.get("ids", []))
@@ -897,10 +966,12 @@ class WhyPanel(Panel):
             top = entry["result"]["before"]["tokens"][0] if entry is not None and entry["result"]["before"][
                 "tokens"] else None
             for i, t in enumerate(tokens):
-                item = table.item(i, 0) or QtWidgets.QTableWidgetItem()
+                item = table.item(i, 0)
+                if item is None:  # setItem on an item the table already holds only warns
+                    item = QtWidgets.QTableWidgetItem()
+                    table.setItem(i, 0, item)
                 item.setText(_piece(t))
                 item.setForeground(QtGui.QColor(ACCENT if t == top else FOREGROUND))
-                table.setItem(i, 0, item)
                 set_number_cell(table, i, 1, str(ids[i]) if i < len(ids) else "")
                 set_number_cell(table, i, 2, f"{float(probs[i]):.4f}")
 
@@ -1028,6 +1099,22 @@ def _flip_text(flips: Any) -> str:
         elif isinstance(f, int):
             items.append(f"step {f}")
     return "; ".join(items)
+
+
+def ablation_of(entry: dict) -> tuple[str, bool, Ablated]:
+    """The prompt, chat flag and ablated parts of an ablation result (the engine's own `ablated` description, so a
+    result reopened from a session continues too); ValueError in one sentence when the result lacks them."""
+    params, ab = entry.get("params"), entry.get("result", {}).get("ablated")
+    try:
+        prompt, chat = params["prompt"], bool(params.get("chat", False))
+        heads = tuple((int(h[0]), int(h[1])) for h in ab["heads"] if len(h) == 2)
+        ablated = Ablated(heads, tuple(int(i) for i in ab["attn_layers"]), tuple(int(i) for i in ab["mlp_layers"]),
+                          bool(ab["mean"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"this ablation result does not say what was ablated ({e})") from None
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError("this ablation result has no prompt")
+    return prompt, chat, ablated
 
 
 def _plain(params: object) -> dict:

@@ -205,6 +205,105 @@ def test_ablate_patch_attribute_and_compare_round_trips_are_drawn(qtbot, why_win
     assert set(panel.results) == {"ablate", "patch", "attribute", "compare"}
 
 
+def _hf_ablated_greedy(hf_dir, ids: list[int], heads, mlp_layers, n: int) -> tuple[np.ndarray, list[int]]:
+    """By hand on Hugging Face transformers' Llama: the first step's probabilities and `n` greedy tokens with the
+    heads' outputs (o_proj's input slices) and the MLPs' outputs zeroed in every forward pass."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hd = hf.config.hidden_size // hf.config.num_attention_heads
+    hooks = []
+    for layer, head in heads:
+        def zero_head(_m, args, head=head):
+            x = args[0].clone()
+            x[..., head * hd:(head + 1) * hd] = 0.0
+            return (x,)
+        hooks.append(hf.model.layers[layer].self_attn.o_proj.register_forward_pre_hook(zero_head))
+    for layer in mlp_layers:
+        hooks.append(hf.model.layers[layer].mlp.register_forward_hook(lambda _m, _a, out: torch.zeros_like(out)))
+    seq, first = list(ids), None
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(torch.tensor([seq]), use_cache=False).logits[0, -1].double()
+            if first is None:
+                first = torch.softmax(logits, -1).numpy()
+            seq.append(int(logits.argmax()))
+    for h in hooks:
+        h.remove()
+    return first, seq[len(ids):]
+
+
+def test_an_ablation_continues_as_a_labelled_branch_from_the_ablated_model(qtbot, why_window, tiny_dir):
+    """Continue as a branch generates from the ablation's prompt with the same parts ablated in every step: its first
+    token's distribution is the result's `after`, and its greedy tokens are those of the same ablation done by hand
+    on transformers' Llama, not those of the intact model; the run is named after what it lacks."""
+    w = why_window()
+    panel: WhyPanel = w.panels["why"]
+    gen = w.panels["generation"]
+    gen.max_tokens.setValue(4)
+    gen.ignore_eos = True
+    w.bridge.set_params(P.SamplingParams.greedy_params())
+    assert not panel.continue_branch() and "run an ablation first" in panel._status
+
+    # zeroing heads 1:2 and 0:1 and layer 0's MLP changes the tiny model's top-1 after this prompt
+    panel.ablate_prompt.setText("the cat sat on the")
+    panel.ablate_heads.setText("1:2, 0:1")
+    panel.ablate_mlp.setText("0")
+    panel.diff_a.setText("")  # no logit difference asked for
+    done = run_and_wait(qtbot, panel, "ablate")
+    assert done.ok and done.result["top1_changed"], done.result
+    w.tick_panels(flush=True)
+    assert panel.branch_button.isEnabled()
+
+    store = w.run_store
+    with qtbot.waitSignal(store.sig_finished, timeout=60_000):
+        qtbot.mouseClick(panel.branch_button, QtCore.Qt.MouseButton.LeftButton)
+    run = store.run(store.recording)
+    assert run.name == "ablated 1:2, 0:1, MLP 0" and run.parent is None
+    ids = [int(i) for i in run.prompt.ids]
+    tokens = [t.token_id for t in run.tokens]
+    assert len(tokens) == 4 and tokens[0] == done.result["after"]["ids"][0] != done.result["before"]["ids"][0]
+    f = run.tokens[0].funnel
+    after = dict(zip(done.result["after"]["ids"], done.result["after"]["probs"], strict=True))
+    np.testing.assert_allclose([float(f.p_raw[list(f.ids).index(i)]) for i in after], list(after.values()),
+                               rtol=1e-4, atol=1e-7)
+    first, greedy = _hf_ablated_greedy(tiny_dir.hf_dir, ids, ((1, 2), (0, 1)), (0,), 4)
+    assert tokens == greedy
+    np.testing.assert_allclose(f.p_raw, first[f.ids], rtol=1e-3, atol=1e-6)
+    w.tick_panels(flush=True)
+    assert "ablated 1:2, 0:1, MLP 0" in panel.summary.text()
+
+    # the same prompt without the ablation: the intact model's greedy tokens, which differ from the branch's
+    with qtbot.waitSignal(store.sig_finished, timeout=60_000):
+        w.bridge.generate(P.GenerateRequest("the cat sat on the", chat=False, max_new_tokens=4,
+                                            params=P.SamplingParams.greedy_params(), ignore_eos=True))
+    plain = [t.token_id for t in store.run(store.recording).tokens]
+    assert plain[0] == done.result["before"]["ids"][0] and plain != tokens
+    assert store.run(store.recording).name.startswith("run ")
+
+
+def test_a_runtime_that_cannot_keep_an_ablation_on_refuses_the_branch_in_one_line(tiny_dir):
+    from engine.events import Failed, TokenSampled
+    from tests.engine.test_server import Client
+
+    c = Client()
+    try:
+        c.send(P.Load(str(tiny_dir.gguf), "cpu", "float32", backend="llama.cpp"))
+        loaded = c.until(lambda m: isinstance(m, (P.Loaded, P.LoadFailed)))[-1]
+        assert isinstance(loaded, P.Loaded) and loaded.runtime == "llama.cpp", loaded
+        c.send(P.Generate(P.GenerateRequest("the cat sat on the", chat=False, max_new_tokens=2,
+                                            ablation=P.Ablated(mlp_layers=(0,)))))
+        got = c.until(lambda m: isinstance(m, Failed)) + c.quiet()
+        failed = [m for m in got if isinstance(m, Failed)]
+        assert len(failed) == 1 and "\n" not in failed[0].message, got
+        assert "torch runtime" in failed[0].message and "llama.cpp" in failed[0].message
+        assert not any(isinstance(m, TokenSampled) for m in got)
+    finally:
+        c.send(P.Quit())
+        c.thread.join(30)
+
+
 def test_a_failure_comes_back_as_one_line(qtbot, why_window):
     w = why_window()
     panel: WhyPanel = w.panels["why"]

@@ -1,0 +1,66 @@
+"""A generation from an ablated model: engine.why.ablate's ablation kept on for every forward pass of a local run
+(the Why panel's "Continue as a branch").
+
+The engine process (engine.server) starts it; it is not a LocalBackend method because engine.why.ablate reaches the
+runtimes through the CLI's argument helpers, and the local backend must not import what imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+from engine.backend import Backend, Run, Unsupported
+from engine.events import Event
+from engine.protocol import Capture, GenerateRequest, SamplingParams
+from engine.run.session import Session
+from engine.why.ablate import Ablation, ablation
+
+
+def generate_ablated(backend: Backend, req: GenerateRequest) -> Run:
+    """Start `req` with req.ablation on in every forward pass; Unsupported (one sentence) on a runtime whose forward
+    pass cannot be edited for a whole run, ValueError (one sentence) for a part not in the model."""
+    a = req.ablation
+    if a is None:
+        raise ValueError("this request names nothing to ablate")
+    s = backend.why_session()  # a server refuses here: nothing of its forward pass is ours
+    if not isinstance(s, Session):  # llama.cpp gives an ablation's before and after, but keeps no hooks for a run
+        raise Unsupported(f"generating from an ablated model needs the torch runtime, and this model runs on "
+                          f"{'llama.cpp' if type(s).__name__ == 'LlamaCppSession' else type(s).__name__}: load it "
+                          "with the torch runtime to continue as a branch")
+    spec = Ablation(a.heads, a.attn_layers, a.mlp_layers, a.mean)
+    prompt_ids = list(req.prompt_ids) if req.prompt_ids else s.tokenize(req.text, req.chat).ids
+    spec.check(s.cfg, len(prompt_ids))
+    return AblatedRun(s, backend.generate(replace(req, ablation=None)), spec, prompt_ids)
+
+
+class AblatedRun:
+    """A local run with an ablation on: the hooks go on when the first event is asked for and come off when the run
+    ends, and the KV cache is forgotten both times, so no key or value of the intact model serves the ablated one
+    or the other way round."""
+
+    def __init__(self, session: Session, run: Run, spec: Ablation, prompt_ids: list[int]) -> None:
+        self._session, self._run, self._spec, self._prompt_ids = session, run, spec, prompt_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self._run.params
+
+    @params.setter
+    def params(self, value: SamplingParams) -> None:  # the sampling panel's knobs act between tokens, as on any run
+        self._run.params = value
+
+    @property
+    def capture(self) -> Capture:
+        return self._run.capture
+
+    @capture.setter
+    def capture(self, value: Capture) -> None:
+        self._run.capture = value
+
+    def stop(self) -> None:
+        self._run.stop()
+
+    def __iter__(self) -> Iterator[Event]:
+        with ablation(self._session, self._spec, self._prompt_ids):
+            yield from self._run
