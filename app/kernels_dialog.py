@@ -11,7 +11,9 @@ from PySide6 import QtCore, QtWidgets
 
 from engine.model import kernel_cache
 
-FIXED = ("dtype", "threads", "weight (out × in)", "count", "chosen")
+FIXED = ("dtype", "threads", "weight (out × in)", "weights", "count", "chosen")
+# a measured group's weights: float only, or with a GGUF's Q4 blocks (then the int4 and int8 candidates were timed too)
+WEIGHTS = {kernel_cache.FLOAT: "float", kernel_cache.Q4: "float + Q4 blocks"}
 
 
 def table_rows(entries: list[kernel_cache.Entry]) -> tuple[list[str], list[list[str]]]:
@@ -23,7 +25,8 @@ def table_rows(entries: list[kernel_cache.Entry]) -> tuple[list[str], list[list[
     for r in rows:
         times = [f"{r['seconds'][n] * 1e6:,.0f} µs ({r['vs_fastest'][n]:.2f}×)" if n in r["seconds"] else "—"
                  for n in names]
-        cells.append([r["dtype"], str(r["threads"]), f"{r['shape'][0]:,} × {r['shape'][1]:,}", str(r["count"]),
+        cells.append([r["dtype"], str(r["threads"]), f"{r['shape'][0]:,} × {r['shape'][1]:,}",
+                      WEIGHTS.get(r.get("weights", kernel_cache.FLOAT), str(r.get("weights"))), str(r["count"]),
                       r["choice"], *times, f"{r['torch']} ({r['capability']})", r["measured"]])
     return header, cells
 

@@ -16,9 +16,9 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / kernel_cache.CACHE_FILE
 
 
-def _entry(cpu: str, cores: int, shape=(960, 576), seconds=None) -> Entry:
+def _entry(cpu: str, cores: int, shape=(960, 576), seconds=None, weights=kernel_cache.FLOAT) -> Entry:
     return Entry(Machine(cpu, cores, "2.13.0+cpu", "AVX2"), "float32", 2, shape,
-                 seconds or {"linear": 80e-6, "split": 40e-6, "onednn": 60e-6}, 30, 5, time.time())
+                 seconds or {"linear": 80e-6, "split": 40e-6, "onednn": 60e-6}, 30, 5, time.time(), weights)
 
 
 def test_the_dialog_lists_this_cpus_shapes_with_every_candidate(qtbot, cache):
@@ -33,12 +33,29 @@ def test_the_dialog_lists_this_cpus_shapes_with_every_candidate(qtbot, cache):
     header = [t.horizontalHeaderItem(j).text() for j in range(t.columnCount())]
     cells = [[t.item(i, j).text() for j in range(t.columnCount())] for i in range(t.rowCount())]
     assert t.rowCount() == 2  # the other CPU's measurement is not this machine's
-    assert header[:5] == ["dtype", "threads", "weight (out × in)", "count", "chosen"]
+    assert header[:6] == ["dtype", "threads", "weight (out × in)", "weights", "count", "chosen"]
     first = dict(zip(header, cells[0], strict=True))  # the larger weight first
     assert first["weight (out × in)"] == "49,152 × 576" and first["chosen"] == "linear"
     assert first["onednn"] == "—"  # not measured for that shape
     second = dict(zip(header, cells[1], strict=True))
     assert second["chosen"] == "split" and second["linear"] == "80 µs (2.00×)" and second["split"] == "40 µs (1.00×)"
+
+
+def test_a_shape_measured_with_q4_blocks_is_its_own_row(qtbot, cache):
+    from app.kernels_dialog import KernelsDialog
+
+    cpu, cores = kernel_cache.this_cpu()
+    q4 = {"linear": 80e-6, "split": 70e-6, "int4": 50e-6, "int8": 60e-6}
+    kernel_cache.write([_entry(cpu, cores), _entry(cpu, cores, seconds=q4, weights=kernel_cache.Q4)], cache)
+    dlg = KernelsDialog()
+    qtbot.addWidget(dlg)
+    t = dlg.table
+    header = [t.horizontalHeaderItem(j).text() for j in range(t.columnCount())]
+    rows = [dict(zip(header, [t.item(i, j).text() for j in range(t.columnCount())], strict=True))
+            for i in range(t.rowCount())]
+    by_weights = {r["weights"]: r for r in rows}  # the same shape twice, told apart
+    assert by_weights.keys() == {"float", "float + Q4 blocks"}
+    assert by_weights["float + Q4 blocks"]["chosen"] == "int4" and by_weights["float"]["int4"] == "—"
 
 
 def test_with_nothing_measured_it_says_so(qtbot, cache):
