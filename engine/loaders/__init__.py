@@ -249,7 +249,8 @@ def load(
         file_bits_per_weight={k: round(8 * b / n, 4) for k, (b, n) in files.items() if n},
         decode_weight_bytes_file=round(costs.step_weight_bytes_file(
             cfg, file_bytes, meta.get("file_embedding_bytes", 0), rows=1)) if files else 0,
-        decode_weight_bytes=round(costs.step_weight_bytes(cfg, dname, rows=1)),
+        # at the bytes the chosen decode kernels stream (a Q4 file's int4 form where that kernel won here)
+        decode_weight_bytes=round(costs.step_weight_bytes(cfg, dname, rows=1)) - net.decode_bytes_saved(),
         sha256=_sha256(path, use_cache),
     )
     from engine.formats.discover import remember

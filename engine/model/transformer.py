@@ -328,6 +328,13 @@ class Transformer(nn.Module):
                 total += sum(t.numel() * t.element_size() for t in form) if form else w.numel() * w.element_size()
         return total
 
+    def decode_bytes_saved(self, threads: int | None = None) -> int:
+        """Bytes of weights a decode step does not stream because a quantized form runs in place of the float weight
+        (0 where none does): the float products' bytes minus decode_weight_bytes_read. engine.costs prices a step
+        with every weight in the model's dtype; this is what to take off that figure."""
+        float_bytes = sum(w.numel() * w.element_size() for ps in self.decode_products().values() for w, *_ in ps)
+        return float_bytes - self.decode_weight_bytes_read(threads)
+
     def tune_kernels(self, remeasure: bool = False, drop_unused: bool = True) -> list:
         """Choose each decode product's kernel by measuring this machine (engine.model.kernels), or by reading what
         was measured before; the entries, one per shape and thread count ([] off the CPU).

@@ -133,7 +133,21 @@ class Session:
         self.cache: KVCache | None = None
         self.cached_ids: list[int] = []  # the tokens whose K/V the cache holds, positions 0..len-1
         self.dtype_name = str(lm.dtype).removeprefix("torch.")
+        self._bytes_saved: dict[tuple[int, str | None], int] = {}  # (threads, forced kernel) -> decode_bytes_saved
         self.stop_ids = frozenset(self.tokenizer.eos_ids) | frozenset(self.cfg.eos_token_ids)
+
+    def decode_weight_bytes(self) -> float:
+        """Weights one decode step streams with the kernels in use now, in bytes: engine.costs' figure for the
+        model's dtype, less what a quantized form saves where its kernel runs (engine.model.kernels)."""
+        formula = costs.step_weight_bytes(self.cfg, self.dtype_name, rows=1)
+        if self.lm.device.type != "cpu":
+            return formula
+        from engine.model import kernels
+
+        key = (torch.get_num_threads(), kernels.forced_name())
+        if key not in self._bytes_saved:  # a walk over the model's products: once per thread count
+            self._bytes_saved[key] = self.lm.model.decode_bytes_saved(key[0])
+        return formula - self._bytes_saved[key]
 
     # ---- prompts ---------------------------------------------------------------------------------------------
     def prompt_text(self, text: str, chat: bool = False) -> str:
@@ -439,7 +453,8 @@ class Generation:
                 if step == 0:
                     cost = costs.prefill_cost(cfg, len(feed), start=start, weight_dtype=s.dtype_name)
                 else:
-                    cost = costs.decode_cost(cfg, pos, weight_dtype=s.dtype_name)
+                    cost = replace(costs.decode_cost(cfg, pos, weight_dtype=s.dtype_name),
+                                   weight_bytes=s.decode_weight_bytes())
                 every: list | None = [] if step == 0 and capture.prompt_scores else None
                 logits = s._forward(feed, start, probe, every)
                 token, condensed, grammar_done, force = loop.pick(logits, params, capture, s.make_funnel)

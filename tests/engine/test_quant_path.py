@@ -229,6 +229,25 @@ def test_a_decode_step_reads_the_chosen_forms_bytes(q4_lm):
             assert q4_lm.model.decode_weight_bytes_read() == want, name
 
 
+def test_a_decode_steps_cost_counts_the_bytes_its_kernels_read(q4_lm):
+    """The roofline's bytes: a generation's decode steps are priced at the int4 form's bytes when it runs."""
+    from engine.costs import formulas as costs
+    from engine.events import TokenSampled
+    from engine.run.session import Capture, SamplingParams, Session
+
+    linears = [m for m in q4_lm.model.modules() if isinstance(m, Linear)]
+    float32 = sum(4 * m.weight.numel() for m in linears)
+    int4 = sum(m.weight.numel() // 2 + 2 * 2 * m.weight.numel() // 32 if m.weight.shape[0] % 16 == 0
+               else 4 * m.weight.numel() for m in linears)
+    formula = costs.step_weight_bytes(q4_lm.cfg, "float32", rows=1)
+    s = Session(q4_lm, threads=1)
+    for name, want in (("linear", formula), ("int4", formula - float32 + int4)):
+        with kernels.forced(name):
+            steps = [e for e in s.generate([5, 6, 7], SamplingParams(temperature=0.0), 3, Capture(), ignore_eos=True)
+                     if isinstance(e, TokenSampled)]
+        assert [e.cost.weight_bytes for e in steps[1:]] == [want, want], name  # the two decode steps
+
+
 def test_forms_the_tuner_did_not_choose_are_freed_and_a_later_measurement_is_not_cached(q4_file, tmp_path,
                                                                                         monkeypatch):
     monkeypatch.setattr(kernels, "_CHOSEN", {})
