@@ -222,7 +222,8 @@ class WhyPanel(Panel):
         "settings and max tokens. Patch: run a clean and a corrupted prompt of equal "
         "token length, then re-run the corrupted one with the clean residual stream copied in after one layer at "
         "one position; each cell is the share of the clean-minus-corrupted logit difference of the answer over the "
-        "wrong token that this one copy restores (1 = all of it, 0 = none). Attribute: which prompt tokens drove "
+        "wrong token that this one copy restores (1 = all of it, 0 = none); click a cell of the per-head grid to see "
+        "that head's attention in the Attention panel. Attribute: which prompt tokens drove "
         "the next token, as gradient × input, integrated gradients (the gradient averaged along a straight path "
         "from a neutral baseline input to the prompt, times the difference; the scores add up to the change in the "
         "target's log-probability between the two), or "
@@ -493,6 +494,7 @@ class WhyPanel(Panel):
         self.patch_plot.addItem(self.patch_bar, row=0, col=2)
         self._heads_shown = False
         self.patch_plot.scene().sigMouseMoved.connect(self._on_patch_hover)
+        self.patch_plot.scene().sigMouseClicked.connect(self._on_patch_clicked)
         self.patch_hover = QtWidgets.QLabel(" ")
         w = QtWidgets.QWidget()
         lay = QtWidgets.QVBoxLayout(w)
@@ -813,23 +815,42 @@ class WhyPanel(Panel):
         self.mark_dirty()
         self.sig_show_head.emit(int(layer), int(head))
 
-    def _on_patch_hover(self, pos: QtCore.QPointF) -> None:
+    def patch_cell_at(self, scene_pos: QtCore.QPointF) -> tuple[str, int, int] | None:
+        """("restored", stream row, position) or ("restored_heads", layer, head) of the patching cell under a scene
+        point, or None."""
         entry = self.results.get("patch")
         if entry is None:
-            return
+            return None
         r = entry["result"]
         for item, key in ((self.patch_item, "restored"), (self.patch_heads_item, "restored_heads")):
             vb = item.getViewBox()
-            if r.get(key) is None or item.scene() is None or not vb.sceneBoundingRect().contains(pos):
+            if r.get(key) is None or item.scene() is None or not vb.sceneBoundingRect().contains(scene_pos):
                 continue
-            p = vb.mapSceneToView(pos)
+            p = vb.mapSceneToView(scene_pos)
             row, col = int(math.floor(p.y())), int(math.floor(p.x()))
-            m = np.asarray(r[key], dtype=float)
-            if not (0 <= row < m.shape[0] and 0 <= col < m.shape[1]):
-                continue
-            where = (f"the stream after {row} layer{'s' if row != 1 else ''}, position {col} "
-                     f"({patch_labels(r)[col]})" if key == "restored" else f"head {row}:{col}'s output")
-            self.patch_hover.setText(f"{where}: {m[row, col]:+.3f} of the logit difference restored")
+            shape = np.shape(r[key])
+            if len(shape) == 2 and 0 <= row < shape[0] and 0 <= col < shape[1]:
+                return key, row, col
+        return None
+
+    def _on_patch_hover(self, pos: QtCore.QPointF) -> None:
+        hit = self.patch_cell_at(pos)
+        if hit is None:
+            return
+        key, row, col = hit
+        r = self.results["patch"]["result"]
+        value = float(np.asarray(r[key], dtype=float)[row, col])
+        where = (f"the stream after {row} layer{'s' if row != 1 else ''}, position {col} "
+                 f"({patch_labels(r)[col]})" if key == "restored" else f"head {row}:{col}'s output (click: its "
+                 "attention)")
+        self.patch_hover.setText(f"{where}: {value:+.3f} of the logit difference restored")
+
+    def _on_patch_clicked(self, event) -> None:
+        if event.button() != QtCore.Qt.MouseButton.LeftButton:
+            return
+        hit = self.patch_cell_at(event.scenePos())
+        if hit is not None and hit[0] == "restored_heads":  # a head's cell: its attention in the Attention panel
+            self.select_head(hit[1], hit[2])
 
     # ---- drawing -------------------------------------------------------------------------------------------------
     def summary_html(self) -> str:

@@ -177,6 +177,18 @@ def test_ablate_patch_attribute_and_compare_round_trips_are_drawn(qtbot, why_win
     ticks = [label for _x, label in panel.patch_item.getAxis("bottom")._tickLevels[0]]
     assert ticks[:4] == ["t", "he", "·c\n·m", "at"] and len(ticks) == 9, ticks
     assert "largest restore" in panel.summary.text()
+    # a real click on the per-head grid's cell (layer 1, head 3) shows that head in the Attention panel
+    attention = w.panels["attention"]
+    w.tick_panels(flush=True)
+    qtbot.wait(50)
+    scene_pos = panel.patch_heads_item.getViewBox().mapViewToScene(QtCore.QPointF(3.5, 1.5))
+    assert panel.patch_cell_at(scene_pos) == ("restored_heads", 1, 3)
+    view = panel.patch_plot
+    with qtbot.waitSignal(panel.sig_show_head, timeout=2_000) as clicked:
+        qtbot.mouseClick(view.viewport(), QtCore.Qt.MouseButton.LeftButton, pos=view.mapFromScene(scene_pos))
+    assert clicked.args == [1, 3] and (attention.layer(), attention.head()) == (1, 3)
+    grid_pos = panel.patch_item.getViewBox().mapViewToScene(QtCore.QPointF(2.5, 1.5))
+    assert panel.patch_cell_at(grid_pos) == ("restored", 1, 2)
 
     panel.attr_prompt.setText("the cat sat on the")
     panel.method_combo.setCurrentIndex(panel.method_combo.findData("grad-input"))
