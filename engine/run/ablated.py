@@ -23,7 +23,11 @@ def generate_ablated(backend: Backend, req: GenerateRequest) -> Run:
     a = req.ablation
     if a is None:
         raise ValueError("this request names nothing to ablate")
-    s = backend.why_session()  # a server refuses here: nothing of its forward pass is ours
+    try:
+        s = backend.why_session()
+    except Unsupported:  # a server: nothing of its forward pass is ours to edit
+        raise Unsupported("generating from an ablated model edits the model's forward pass, which a server does not "
+                          "expose: disconnect from the server to continue as a branch") from None
     if not isinstance(s, Session):  # llama.cpp gives an ablation's before and after, but keeps no hooks for a run
         raise Unsupported(f"generating from an ablated model needs the torch runtime, and this model runs on "
                           f"{'llama.cpp' if type(s).__name__ == 'LlamaCppSession' else type(s).__name__}: load it "

@@ -225,3 +225,34 @@ def test_a_measurement_asked_for_during_a_generation_runs_after_it(client, monke
     msgs = client.until(lambda m: isinstance(m, P.Done) and m.job == "measure", timeout=120)
     kinds = [type(m).__name__ for m in msgs]
     assert kinds.index("Finished") < kinds.index("ThisMachine") and msgs[-1] == P.Done("measure")
+
+
+def test_an_ablated_generation_is_checked_and_ends_with_the_model_intact(client):
+    """An ablation names a part the model lacks: one line, no run. A valid one runs; the next plain generation of
+    the same prompt is the intact model's again (the hooks came off and the ablated KV cache was not reused)."""
+    def tokens(req):
+        client.send(P.Generate(req))
+        msgs = client.until(lambda m: isinstance(m, (Finished, Failed)))
+        return msgs[-1], [m.token_id for m in msgs if isinstance(m, TokenSampled)]
+
+    greedy = dict(chat=False, max_new_tokens=3, ignore_eos=True, params=SamplingParams.greedy_params())
+    end, got = tokens(GenerateRequest("the cat sat on the", ablation=P.Ablated(mlp_layers=(2,)), **greedy))
+    assert isinstance(end, Failed) and got == [] and "MLP layer 2 is not in this model" in end.message
+    _, intact = tokens(GenerateRequest("the cat sat on the", **greedy))
+    _, ablated = tokens(GenerateRequest("the cat sat on the", ablation=P.Ablated(mlp_layers=(0,)), **greedy))
+    _, again = tokens(GenerateRequest("the cat sat on the", **greedy))
+    assert ablated != intact and again == intact
+    with pytest.raises(ValueError, match="nothing to ablate"):
+        P.Ablated()
+    assert P.Ablated(((18, 6),), mlp_layers=(3,), mean=True).label == "mean-ablated 18:6, MLP 3"
+
+
+def test_a_server_refuses_an_ablated_generation_in_one_sentence():
+    from engine.backend import Backend, Unsupported
+    from engine.run.ablated import generate_ablated
+
+    class Remote(Backend):  # what the base class answers for a backend with no model of ours (a server)
+        source = generate = preview = tokenize = None
+
+    with pytest.raises(Unsupported, match="disconnect from the server to continue as a branch"):
+        generate_ablated(Remote(), GenerateRequest("the cat", ablation=P.Ablated(mlp_layers=(0,))))
