@@ -285,6 +285,8 @@ def test_an_ablation_continues_as_a_labelled_branch_from_the_ablated_model(qtbot
     np.testing.assert_allclose(f.p_raw, first[f.ids], rtol=1e-3, atol=1e-6)
     w.tick_panels(flush=True)
     assert "ablated 1:2, 0:1, MLP 0" in panel.summary.text()
+    tree = w.panels["branches"].tree
+    assert [tree.topLevelItem(i).text(0) for i in range(tree.topLevelItemCount())] == ["ablated 1:2, 0:1, MLP 0"]
 
     # the same prompt without the ablation: the intact model's greedy tokens, which differ from the branch's
     with qtbot.waitSignal(store.sig_finished, timeout=60_000):
