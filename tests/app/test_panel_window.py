@@ -16,7 +16,9 @@ from engine.protocol import Loaded
 @pytest.fixture
 def windowed(bridge, tiny_lm):
     cfg = dataclasses.replace(tiny_lm.cfg, sliding_window=4, layer_types=("local", "global"))
-    info = dataclasses.replace(tiny_lm.info, sliding_window=4, layer_types=("local", "global"))
+    per_layer = tiny_lm.info.kv_bytes_per_token_global // tiny_lm.cfg.n_layers  # the tiny model's layers are global
+    info = dataclasses.replace(tiny_lm.info, sliding_window=4, layer_types=("local", "global"),
+                               kv_bytes_per_token_global=per_layer, kv_bytes_per_token_local=per_layer)
     bridge.replay(Loaded(info, tiny_lm.tokenizer, cfg))
     return bridge
 
