@@ -1,4 +1,5 @@
-"""What the why-experiments cost on the default model: `python -m benchmarks.why [--threads N] [--repeats R]`.
+"""What the why-experiments cost on the default model: `python -m benchmarks.why [--threads N] [--repeats R]`, and
+`python -m benchmarks.why --gui`: the app's GUI thread while the Why panel runs its default patching grid.
 
 Prints the machine (CPU model, the kernel set ATen dispatches to, cores, load average), then the median seconds of
   - the head-role scan (engine.why.heads.head_roles: one prefill of 48 tokens with every layer's attention captured);
@@ -46,11 +47,66 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
+def gui() -> int:
+    """The window as users run it (settings on, every panel laid out), the Why panel's default patching grid run in
+    the engine process, and the GUI thread probed by a 10 ms timer: a stall is a gap between its ticks minus 10 ms."""
+    import tempfile
+
+    import numpy as np
+
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    with tempfile.TemporaryDirectory(prefix="ilab-bench-why-") as settings_dir:
+        os.environ["INFERENCE_LAB_SETTINGS"] = os.path.join(settings_dir, "inference-lab.ini")
+        from PySide6 import QtCore
+
+        from benchmarks.gui import open_window, show_every_panel
+
+        app, win = open_window(None)
+        if win is None:
+            return 1
+        show_every_panel(win)
+        panel = win.panels["why"]
+        panel.set_mode("patch")
+        gaps: list[float] = []
+        last = [time.perf_counter()]
+
+        def probe() -> None:
+            now = time.perf_counter()
+            gaps.append((now - last[0]) * 1e3)
+            last[0] = now
+
+        timer = QtCore.QTimer()
+        timer.setTimerType(QtCore.Qt.TimerType.PreciseTimer)
+        timer.setInterval(10)
+        timer.timeout.connect(probe)
+        loop, done = QtCore.QEventLoop(), []
+        win.bridge.sig_why_done.connect(lambda ev: (done.append(ev), loop.quit()))
+        timer.start()
+        t0 = time.perf_counter()
+        if not panel.run():
+            return 1
+        loop.exec()
+        seconds = time.perf_counter() - t0
+        timer.stop()
+        stalls = np.maximum(np.array(gaps) - 10.0, 0.0)
+        ev = done[0]
+        print(machine(), flush=True)
+        print(f"Why panel, patching (its default prompts), {'done' if ev.result else ev.failure or 'cancelled'} in "
+              f"{seconds:.1f} s; GUI stall p99 {np.percentile(stalls, 99):.1f} ms, worst {stalls.max():.0f} ms "
+              f"({len(gaps)} ticks)", flush=True)
+        win.close()
+        app.processEvents()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.why")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the median is printed")
+    p.add_argument("--gui", action="store_true", help="the app's GUI stalls while the Why panel patches")
     a = p.parse_args(argv)
+    if a.gui:
+        return gui()
     import torch
 
     from engine.loaders import load
