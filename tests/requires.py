@@ -2,8 +2,9 @@
 
 A test that needs one calls missing(name, what) when it is absent, or import_required(module) for a package. Run by
 hand, a missing dependency skips the test and says how to get it. `make test` (and so CI) sets
-INFERENCE_LAB_REQUIRE=servers,gemma,transformers,default-model,llamacpp,references: there a missing one fails with one line saying what
-is missing and how to get it, and any other skip fails too (conftest.py), so that run cannot pass by skipping.
+INFERENCE_LAB_REQUIRE=servers,gemma,transformers,default-model,llamacpp,references: there a missing one fails with
+one line saying what is missing and how to get it, and any other skip fails too (conftest.py), so that run cannot
+pass by skipping.
 
 A package that is installed but fails to import is a broken install: that is an error everywhere, never a skip
 (pytest.importorskip would hide it).
