@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from engine.backend import Backend, Progress, Run, ShouldStop
+from engine.costs.memory import LAB_MEMORY_SHARE
 from engine.events import ModelInfo, PromptTokenized, RunSource
 from engine.protocol import BatchRow, GenerateRequest, PreviewResult, SamplingParams
 from engine.run.sampling import funnel
@@ -80,7 +81,7 @@ class LocalBackend(Backend):
         from engine.run.scheduler import schedule
 
         for ev in schedule(self.session, config, should_stop,
-                           memory_limit_bytes=psutil.virtual_memory().available * 0.5):
+                           memory_limit_bytes=psutil.virtual_memory().available * LAB_MEMORY_SHARE):
             send(ev)
 
     def batch_bench(self, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int, progress: Progress,
@@ -90,7 +91,7 @@ class LocalBackend(Backend):
         from engine.run.batching import bench_batch
 
         bench_batch(self.session, batches, prompt_tokens, new_tokens, progress=progress, should_stop=should_stop,
-                    memory_limit_bytes=psutil.virtual_memory().available * 0.5, on_row=on_row)
+                    memory_limit_bytes=psutil.virtual_memory().available * LAB_MEMORY_SHARE, on_row=on_row)
 
     def why_session(self) -> object:
         return self.session
