@@ -103,25 +103,24 @@ def parse_layers(text: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def _matrix(x: Any, name: str) -> np.ndarray:
-    """A 2-D float array from a result's list of lists, or ResultError."""
+def _numbers(x: Any, name: str, ndim: int) -> np.ndarray:
+    """A float array of `ndim` dimensions from a result's (nested) lists, or ResultError."""
+    what = "table" if ndim == 2 else "list"
     try:
         a = np.asarray(x, dtype=float)
     except (TypeError, ValueError):
-        raise ResultError(f"its {name} is not a table of numbers") from None
-    if a.ndim != 2 or a.size > MAX_CELLS:
-        raise ResultError(f"its {name} is not a table of numbers")
+        raise ResultError(f"its {name} is not a {what} of numbers") from None
+    if a.ndim != ndim or a.size > MAX_CELLS:
+        raise ResultError(f"its {name} is not a {what} of numbers")
     return a
+
+
+def _matrix(x: Any, name: str) -> np.ndarray:
+    return _numbers(x, name, 2)
 
 
 def _vector(x: Any, name: str) -> np.ndarray:
-    try:
-        a = np.asarray(x, dtype=float)
-    except (TypeError, ValueError):
-        raise ResultError(f"its {name} is not a list of numbers") from None
-    if a.ndim != 1 or a.size > MAX_CELLS:
-        raise ResultError(f"its {name} is not a list of numbers")
-    return a
+    return _numbers(x, name, 1)
 
 
 def _strings(x: Any, name: str) -> list[str]:

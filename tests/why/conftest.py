@@ -36,3 +36,15 @@ def engine_logits(model: torch.nn.Module, ids: list[list[int]] | list[int]) -> t
     with torch.inference_mode():
         out = model(torch.tensor(rows), 0, cache, all_logits=True)
     return out if rows is ids else out[0]
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """`python -m engine ARGV` in this process: (exit code, stdout, stderr); argparse's exit counts as the code."""
+    from engine.__main__ import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err

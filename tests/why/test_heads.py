@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.__main__ import main
 from engine.run.session import Session
 from engine.why.heads import SCORES, ablation_loss, confirm_induction, head_roles, random_repeated, top_heads
 from tests.requires import import_required, missing
+from tests.why.conftest import run_cli
 from tests.why.tl_reference import boot, export_default
 
 TL_NAMES = {"previous_token": "previous_token_head", "duplicate_token": "duplicate_token_head",
@@ -112,17 +112,8 @@ def test_ablation_loss_equals_transformer_lens_zeroing_hook_z(tiny_session, tiny
     assert ablation_loss(tiny_session, tokens, 12, heads) == pytest.approx(ref, abs=1e-4)
 
 
-def _cli(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_cli_json(tiny_dir, capsys):
-    code, out, err = _cli(capsys, "heads", "--model", str(tiny_dir.gguf), "--backend", "torch", "--repeat", "6",
+    code, out, err = run_cli(capsys, "heads", "--model", str(tiny_dir.gguf), "--backend", "torch", "--repeat", "6",
                           "--seed", "2", "--threads", "1", "--json", "--ablate-top", "2")
     assert code == 0, err
     d = json.loads(out)
@@ -141,7 +132,7 @@ def test_cli_json(tiny_dir, capsys):
     (["--ablate-top", "9"], "more than this model's 8 heads"),
 ])
 def test_cli_refuses_bad_input_in_one_line(tiny_dir, capsys, argv, needle):
-    code, _, err = _cli(capsys, "heads", "--model", str(tiny_dir.gguf), "--backend", "torch", *argv)
+    code, _, err = run_cli(capsys, "heads", "--model", str(tiny_dir.gguf), "--backend", "torch", *argv)
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
 
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.__main__ import main
 from engine.run.session import Session
 from engine.why import Cancelled
 from engine.why.patch import patch
 from tests.requires import import_required
+from tests.why.conftest import run_cli
 from tests.why.tl_reference import boot, export_default
 
 CLEAN, CORRUPT, ANSWER, WRONG = "zq vx kj wy", "zq vx kb wy", "k", "j"  # 10 tokens each on the tiny vocabulary
@@ -121,17 +121,8 @@ def test_progress_and_cancel(tiny_session):
     assert len(calls) == 5  # it stopped at the fifth forward, not at the end
 
 
-def _cli(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_cli_json(tiny_dir, capsys):
-    code, out, err = _cli(capsys, "patch", "--model", str(tiny_dir.gguf), "--backend", "torch", "--threads", "1",
+    code, out, err = run_cli(capsys, "patch", "--model", str(tiny_dir.gguf), "--backend", "torch", "--threads", "1",
                           "--clean", CLEAN, "--corrupt", CORRUPT, "--answer", ANSWER, "--wrong", WRONG, "--json")
     assert code == 0, err
     d = json.loads(out)
@@ -151,7 +142,7 @@ def test_cli_refuses_in_one_line(tiny_dir, capsys, argv, code, needle):
     args = {"--clean": CLEAN, "--corrupt": CORRUPT, "--answer": ANSWER, "--wrong": WRONG, "--backend": "torch"}
     for flag, value in zip(argv[::2], argv[1::2], strict=True):
         args[flag] = value
-    got, _, err = _cli(capsys, "patch", "--model", str(tiny_dir.gguf), *[s for kv in args.items() for s in kv])
+    got, _, err = run_cli(capsys, "patch", "--model", str(tiny_dir.gguf), *[s for kv in args.items() for s in kv])
     assert got == code and needle in err and len(err.strip().splitlines()) == 1, err
 
 
