@@ -66,7 +66,7 @@ class LocalBackend(Backend):
             self.session.threads = controller
 
     def speculate(self, cmd, send: Callable[[object], None], should_stop: ShouldStop) -> None:
-        from engine.run.speculative import SpecConfig, speculate, sweep
+        from engine.labs.speculative import SpecConfig, speculate, sweep
 
         s = self.session
         prompt = s.prompt_text(cmd.text, cmd.chat)
@@ -78,7 +78,7 @@ class LocalBackend(Backend):
     def schedule(self, config, send: Callable[[object], None], should_stop: ShouldStop) -> None:
         import psutil
 
-        from engine.run.scheduler import schedule
+        from engine.labs.scheduler import schedule
 
         for ev in schedule(self.session, config, should_stop,
                            memory_limit_bytes=psutil.virtual_memory().available * LAB_MEMORY_SHARE):
@@ -88,7 +88,7 @@ class LocalBackend(Backend):
                     should_stop: ShouldStop, on_row: Callable[[BatchRow], None]) -> None:
         import psutil
 
-        from engine.run.batching import bench_batch
+        from engine.labs.batching import bench_batch
 
         bench_batch(self.session, batches, prompt_tokens, new_tokens, progress=progress, should_stop=should_stop,
                     memory_limit_bytes=psutil.virtual_memory().available * LAB_MEMORY_SHARE, on_row=on_row)

@@ -1,4 +1,4 @@
-"""The events of speculative decoding (engine.run.speculative): frozen dataclasses of plain numbers and numpy
+"""The events of speculative decoding (engine.labs.speculative): frozen dataclasses of plain numbers and numpy
 arrays. Kept apart from the loop so the app's process can read them without importing torch."""
 
 from __future__ import annotations

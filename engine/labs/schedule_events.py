@@ -1,6 +1,6 @@
 """The scheduling lab's settings, workload and events: plain data, no torch (the GUI process reads them).
 
-engine.run.scheduler runs the lab on the loaded model and yields these; the app's Scheduling panel and the
+engine.labs.scheduler runs the lab on the loaded model and yields these; the app's Scheduling panel and the
 `python -m engine schedule` command only read them.
 
 Definitions follow `vllm bench serve`:

@@ -42,10 +42,7 @@ import torch
 
 from engine.backend import Unsupported
 from engine.events import Failed, Finished
-from engine.loaders import LoadedModel
-from engine.run.sampling import SamplingParams, apply_penalties, choose, draw, funnel, make_generator
-from engine.run.session import Session
-from engine.run.spec_events import (  # noqa: F401 — the events are part of this module's interface
+from engine.labs.spec_events import (  # noqa: F401 — the events are part of this module's interface
     Divergence,
     SpecBaseline,
     SpecEvent,
@@ -56,6 +53,9 @@ from engine.run.spec_events import (  # noqa: F401 — the events are part of th
     SweepPoint,
     SweepStarted,
 )
+from engine.loaders import LoadedModel
+from engine.run.sampling import SamplingParams, apply_penalties, choose, draw, funnel, make_generator
+from engine.run.session import Session
 from engine.runtime import Row, Runtime, runtime_class, runtime_of
 from engine.tokenizer import StreamDecoder
 

@@ -1,6 +1,6 @@
 """`python -m engine schedule`: the scheduling lab on the command line, a table per policy (or JSON).
 
-Kept apart from engine.run.scheduler so that building the CLI's parser does not import torch.
+Kept apart from engine.labs.scheduler so that building the CLI's parser does not import torch.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import sys
 from dataclasses import asdict
 
-from engine.run.schedule_events import (
+from engine.labs.schedule_events import (
     MAX_BATCH,
     MAX_REQUESTS,
     POLICIES,
@@ -65,8 +65,8 @@ def _cmd(a: argparse.Namespace) -> int:
 
     from engine.backends import choose
     from engine.cliargs import session_from_args
+    from engine.labs.scheduler import schedule
     from engine.loaders import ModelLoadError, load
-    from engine.run.scheduler import schedule
 
     cfg = SchedConfig(policy=a.policy, n_requests=a.requests, rate=a.rate, burstiness=a.burstiness,
                       prompt_len=a.prompt_len, output_len=a.output_len, range_ratio=a.range_ratio,

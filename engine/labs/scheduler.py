@@ -1,6 +1,6 @@
 """The scheduling lab: static against continuous batching, served by the loaded model, with a paged KV cache.
 
-Requests arrive on a clock (engine.run.schedule_events.make_requests: a rate and a burstiness, lengths from a
+Requests arrive on a clock (engine.labs.schedule_events.make_requests: a rate and a burstiness, lengths from a
 range) and are served by real forward steps whose time is measured; the clock advances by each step's measured
 time and jumps over idle gaps to the next arrival, so a run takes only as long as its steps.
 
@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.loaders import LoadedModel
-from engine.run.schedule_events import (  # noqa: F401 — re-exported: the lab's events live with their generator
+from engine.labs.schedule_events import (  # noqa: F401 — re-exported: the lab's events live with their generator
     PREFILL_MODE,
     Percentiles,
     RequestSpec,
@@ -43,6 +42,7 @@ from engine.run.schedule_events import (  # noqa: F401 — re-exported: the lab'
     make_requests,
     summarize,
 )
+from engine.loaders import LoadedModel
 from engine.runtime import Row, Runtime, runtime_of
 from engine.runtime.paged import PagedKVCache
 

@@ -43,7 +43,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 def _source(text: str) -> str:
     """--source (and --draft, in its long form): a draft source's name, checked as it is parsed."""
-    from engine.run.speculative import parse_source  # torch: only when speculate's own arguments are parsed
+    from engine.labs.speculative import parse_source  # torch: only when speculate's own arguments are parsed
 
     try:
         parse_source(text)
@@ -66,8 +66,8 @@ def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
     from engine.backend import Unsupported
     from engine.cliargs import UsageError, check_bias
     from engine.events import Failed
+    from engine.labs import speculative as sp
     from engine.loaders import ModelLoadError, load
-    from engine.run import speculative as sp
 
     def fail(message: str) -> int:
         print(f"error: {message}", file=sys.stderr)
@@ -169,7 +169,7 @@ def _pct(x: float) -> str:
 
 
 def _print(ev, doc: dict, as_json: bool, tok) -> None:
-    from engine.run import speculative as sp
+    from engine.labs import speculative as sp
 
     if isinstance(ev, sp.SpecStarted):
         doc["config"] = {"k": ev.k, "source": ev.source, "source_label": ev.source_label, "greedy": ev.greedy,
