@@ -45,10 +45,8 @@ from engine.events import (
     RunStarted,
     TokenSampled,
 )
-from engine.protocol import GenerateRequest, PreviewResult, SamplingParams
-from engine.remote.backend import ServerMetricsSampled
-from engine.run.schedule_events import SchedPlan, SchedRequestDone, SchedStep, SchedSummary
-from engine.run.spec_events import (
+from engine.labs.schedule_events import SchedPlan, SchedRequestDone, SchedStep, SchedSummary
+from engine.labs.spec_events import (
     SpecBaseline,
     SpecFinished,
     SpecPrefilled,
@@ -57,6 +55,8 @@ from engine.run.spec_events import (
     SweepPoint,
     SweepStarted,
 )
+from engine.protocol import GenerateRequest, PreviewResult, SamplingParams
+from engine.remote.backend import ServerMetricsSampled
 from engine.server import serve
 
 SCHED_EVENTS = (SchedPlan, SchedStep, SchedRequestDone, SchedSummary)
@@ -279,7 +279,7 @@ class Bridge(QtCore.QObject):
     sig_batch_progress = QtCore.Signal(float, str)
     """Batching lab: fraction done and what is being measured."""
     sig_batch_row = QtCore.Signal(object)
-    """Batching lab: one measured engine.run.batching.BatchRow."""
+    """Batching lab: one measured engine.labs.batching.BatchRow."""
     sig_batch_done = QtCore.Signal(str)
     """Batching lab ended: "" when complete, else why it stopped ("cancelled", an error)."""
     sig_this_machine = QtCore.Signal(object)
@@ -305,11 +305,11 @@ class Bridge(QtCore.QObject):
     sig_serving_done = QtCore.Signal(str)
     """Serve this model ended: "" when the server answers and the app is connected to it, else why not."""
     sig_spec = QtCore.Signal(object)
-    """Speculative-decoding lab: one event of engine.run.spec_events (a pass, the baseline, a sweep point)."""
+    """Speculative-decoding lab: one event of engine.labs.spec_events (a pass, the baseline, a sweep point)."""
     sig_spec_done = QtCore.Signal(str)
     """Speculative-decoding lab ended: "" when complete, else why it stopped."""
     sig_sched = QtCore.Signal(object)
-    """Scheduling lab: one event of engine.run.schedule_events (the plan, a step, a finished request, a summary)."""
+    """Scheduling lab: one event of engine.labs.schedule_events (the plan, a step, a finished request, a summary)."""
     sig_sched_done = QtCore.Signal(str)
     """Scheduling lab ended: "" when complete, else why it stopped."""
     sig_pong = QtCore.Signal(int)

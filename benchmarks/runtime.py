@@ -3,7 +3,7 @@
 For the model it prints
   - llama.cpp passes of 1 sequence × 1 token, 1 sequence × B tokens and B sequences × 1 token (B the largest batch);
   - the torch runtime's decode step (paged cache) over the model's contiguous-cache step (Session's path);
-  - batched decode (engine.run.batching.bench_batch) on the torch runtime (float32; left out for `1b`) and on the
+  - batched decode (engine.labs.batching.bench_batch) on the torch runtime (float32; left out for `1b`) and on the
     llama.cpp runtime: TPOT and system tokens/s at each batch, the llama.cpp / torch TPOT ratio and each runtime's
     system tokens/s at batch B over batch 1;
   - the batching lab's batch-1 TPOT on llama.cpp over a plain generation's (LlamaCppSession.generate) on the file;
@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.backends.llamacpp import LlamaCppSession
     from engine.formats.locate import default_model_path
+    from engine.labs import speculative as sp
+    from engine.labs.batching import bench_batch
     from engine.loaders import load
-    from engine.run import speculative as sp
-    from engine.run.batching import bench_batch
     from engine.run.sampling import SamplingParams
 
     torch.set_num_threads(a.threads)

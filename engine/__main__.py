@@ -254,8 +254,8 @@ def cmd_bench_batch(a: argparse.Namespace) -> int:
     import psutil
 
     from engine.backends import choose
+    from engine.labs.batching import bench_batch
     from engine.loaders import ModelLoadError, load
-    from engine.run.batching import bench_batch
 
     batches = a.batches
     if a.threads != "auto":  # a batch's products are large: no per-step adaptation here, a fixed count if asked
@@ -373,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.remote import cli as remote_cli
 
     remote_cli.add_subcommand(sub)
-    from engine.run import schedule_cli, spec_cli
+    from engine.labs import schedule_cli, spec_cli
 
     spec_cli.add_subcommand(sub)
     schedule_cli.add_subcommand(sub)

@@ -71,7 +71,7 @@ class Backend(ABC):
         raise Unsupported("the speculative-decoding lab runs on the local model: disconnect from the server to use it")
 
     def schedule(self, config: object, send: Callable[[object], None], should_stop: ShouldStop) -> None:
-        """The scheduling lab (engine.run.scheduler): static and continuous batching with real batched steps."""
+        """The scheduling lab (engine.labs.scheduler): static and continuous batching with real batched steps."""
         raise Unsupported("the scheduling lab runs on the local model: disconnect from the server to use it")
 
     def serve_bench(self, config: dict, send: Callable[[object], None], should_stop: ShouldStop) -> None:

@@ -244,7 +244,7 @@ class ServeBench(Command):
 
 @dataclass(frozen=True)
 class Speculate(Command):
-    """The speculative-decoding lab on the local model (engine.run.speculative): one run, or a sweep of k; its
+    """The speculative-decoding lab on the local model (engine.labs.speculative): one run, or a sweep of k; its
     events go out as they come, then Done("spec")."""
 
     text: str
@@ -259,10 +259,10 @@ class Speculate(Command):
 
 @dataclass(frozen=True)
 class Schedule(Command):
-    """The scheduling lab on the local model (engine.run.scheduler): static against continuous batching on the same
+    """The scheduling lab on the local model (engine.labs.scheduler): static against continuous batching on the same
     arrivals, with a paged KV cache; its events go out as they come, then Done("sched")."""
 
-    config: object  # engine.run.schedule_events.SchedConfig
+    config: object  # engine.labs.schedule_events.SchedConfig
 
 
 # -- why-experiments (engine.why): one request, one outcome; the params' type says which experiment

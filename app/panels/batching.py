@@ -1,6 +1,6 @@
 """Batching lab: batched decode measured on the loaded model, one batch size after another.
 
-The measurement runs in the engine process (engine.run.batching.bench_batch via bridge.run_batch_bench); rows
+The measurement runs in the engine process (engine.labs.batching.bench_batch via bridge.run_batch_bench); rows
 arrive one by one through sig_batch_row and are only stored here, then drawn on the app's tick. The roofs of the
 roofline plot are this machine's cached measurement (engine.costs.hardware.load_cached) or a catalogue chip the user
 picks; nothing is made up when neither is chosen: the measured points are then drawn without a roof.

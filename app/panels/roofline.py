@@ -33,11 +33,11 @@ from app.units import fmt_amount, fmt_bandwidth, fmt_bytes, fmt_flops, fmt_fract
 from engine.costs import formulas as costs
 from engine.costs.catalog import Hardware, canonical_dtype, hardware_presets, model_presets
 from engine.events import ModelInfo, PrefillDone, PromptTokenized, StepCost, TokenSampled
+from engine.labs.spec_events import SpecStarted, SpecStep
 from engine.model import dtypes
 from engine.model.config import ModelConfig
 from engine.remote.backend import RemoteTokenSampled
 from engine.remote.shapes import MeasuredDecode, measured_decode
-from engine.run.spec_events import SpecStarted, SpecStep
 
 FONT_PT = 9
 THIS_MACHINE = "this-machine"

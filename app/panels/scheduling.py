@@ -1,7 +1,7 @@
 """Scheduling lab: static against continuous batching on the loaded model, and a paged KV cache against a
 contiguous one.
 
-The lab runs in the engine process (engine.run.scheduler.schedule); its events (engine.run.schedule_events:
+The lab runs in the engine process (engine.labs.scheduler.schedule); its events (engine.labs.schedule_events:
 SchedPlan, SchedStep, SchedRequestDone, SchedSummary) reach this panel through `on_event`, which only stores them.
 Pressing Run emits `sig_run_requested(SchedConfig)` and Cancel `sig_cancel_requested()`; whoever owns the engine
 (the bridge) starts and stops the run, and calls `finish(reason)` if it ends without its last summary (cancelled,
@@ -37,8 +37,7 @@ from engine.costs import formulas as costs
 from engine.costs.memory import LabMemory, lab_memory, size
 from engine.events import ModelInfo
 from engine.formats.discover import memory_available
-from engine.model.config import ModelConfig
-from engine.run.schedule_events import (
+from engine.labs.schedule_events import (
     POLICIES,
     SchedConfig,
     SchedPlan,
@@ -46,6 +45,7 @@ from engine.run.schedule_events import (
     SchedStep,
     SchedSummary,
 )
+from engine.model.config import ModelConfig
 
 FONT_PT = 9
 QUEUED_COLOR = "#5a6070"
@@ -130,7 +130,7 @@ class SchedulingPanel(Panel):
     )
 
     sig_run_requested = QtCore.Signal(object)
-    """The user pressed Run: start engine.run.scheduler.schedule with this SchedConfig."""
+    """The user pressed Run: start engine.labs.scheduler.schedule with this SchedConfig."""
     sig_cancel_requested = QtCore.Signal()
     """The user pressed Cancel: make the run's should_stop() true."""
 
@@ -367,7 +367,7 @@ class SchedulingPanel(Panel):
     # ---- events --------------------------------------------------------------------------------------------------
     @QtCore.Slot(object)
     def on_event(self, ev: object) -> None:
-        """Store one event of the lab (engine.run.schedule_events); drawn on the next tick."""
+        """Store one event of the lab (engine.labs.schedule_events); drawn on the next tick."""
         if isinstance(ev, SchedPlan):
             self.plan, self.running = ev, True
             self._reset()

@@ -1,6 +1,6 @@
 """Speculative decoding: per full pass the drafted tokens, kept (green) or rejected (red), and the model's own token;
 tokens gained per pass; acceptance by draft position; the speedup over plain decoding, and speedup against k after a
-sweep. Fed by `on_spec_event` with the events of engine.run.speculative (engine.run.spec_events, no torch)."""
+sweep. Fed by `on_spec_event` with the events of engine.labs.speculative (engine.labs.spec_events, no torch)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,7 @@ from app.units import fmt_amount, fmt_bytes
 from engine.costs import formulas as costs
 from engine.costs.memory import LabMemory, lab_memory
 from engine.events import Failed, ModelInfo
-from engine.model.config import ModelConfig
-from engine.protocol import Speculate
-from engine.run.spec_events import (
+from engine.labs.spec_events import (
     SpecBaseline,
     SpecFinished,
     SpecPrefilled,
@@ -40,6 +38,8 @@ from engine.run.spec_events import (
     SweepPoint,
     SweepStarted,
 )
+from engine.model.config import ModelConfig
+from engine.protocol import Speculate
 
 DEFAULT_PROMPT = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
                   "    return a * b\n\ndef div(a, b):\n")
@@ -203,7 +203,7 @@ class SpeculativePanel(Panel):
 
     # ---- events ------------------------------------------------------------------------------------------------
     def on_spec_event(self, ev: object) -> None:
-        """Store one event of engine.run.speculative (speculate or sweep); drawing waits for the tick."""
+        """Store one event of engine.labs.speculative (speculate or sweep); drawing waits for the tick."""
         if isinstance(ev, SpecStarted):
             self.clear()
             self._started = ev

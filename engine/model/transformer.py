@@ -368,7 +368,7 @@ class Transformer(nn.Module):
 
         `start` may be a tensor (B,) on the model's device: row b's tokens then sit at start[b]..start[b]+T-1 (rows
         of a continuous batch, each at its own length); the cache must then write and return each row's own keys
-        (engine.run.scheduler.PagedKVCache) and no probe listens.
+        (engine.labs.scheduler.PagedKVCache) and no probe listens.
         Returns float32 logits of the last position (B, V), or of every position (B, T, V) if all_logits.
         """
         B, T = tokens.shape

@@ -15,8 +15,8 @@ import pytest
 from app.panels import batching, capacity
 from engine.costs import formulas as costs
 from engine.costs.catalog import Hardware
+from engine.labs.batching import BatchRow
 from engine.protocol import Loaded, ThisMachine
-from engine.run.batching import BatchRow
 
 PANEL_SIZE = (700, 450)
 

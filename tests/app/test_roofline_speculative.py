@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.labs import speculative as sp
 from engine.protocol import Loaded
-from engine.run import speculative as sp
 from engine.run.sampling import SamplingParams
 from tests.engine.test_speculative import REPEATS
 

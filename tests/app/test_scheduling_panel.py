@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from app.panels import scheduling
-from engine.run.schedule_events import SchedConfig, SchedPlan, SchedRequestDone, SchedStep, SchedSummary
+from engine.labs.schedule_events import SchedConfig, SchedPlan, SchedRequestDone, SchedStep, SchedSummary
 
 CFG = SchedConfig(n_requests=6, rate=math.inf, prompt_len=10, output_len=6, max_batch=3, page_size=4, seed=2)
 
 
 @pytest.fixture(scope="module")
 def events(tiny_lm):
-    from engine.run.scheduler import schedule
+    from engine.labs.scheduler import schedule
 
     return list(schedule(tiny_lm, CFG))
 

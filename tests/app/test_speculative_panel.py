@@ -11,8 +11,8 @@ import pytest
 from app.panels.speculative import SpeculativePanel
 from app.theme import BACKGROUND, ERROR_COLOR, OK_COLOR, visible_whitespace
 from engine.events import Failed
+from engine.labs import speculative as sp
 from engine.protocol import Loaded
-from engine.run import speculative as sp
 from engine.run.sampling import SamplingParams
 from tests.engine.test_speculative import REPEATS
 

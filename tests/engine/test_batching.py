@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.run.batching import bench_batch, generate_batch
+from engine.labs.batching import bench_batch, generate_batch
 
 
 def _alone(lm, prompt: list[int], n: int) -> list[int]:

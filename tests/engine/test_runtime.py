@@ -15,10 +15,10 @@ import torch
 from torch.testing import assert_close
 
 from engine.events import Finished
+from engine.labs import speculative as sp
+from engine.labs.batching import generate_batch
 from engine.model.kv_cache import KVCache
 from engine.protocol import SamplingParams
-from engine.run import speculative as sp
-from engine.run.batching import generate_batch
 from engine.runtime import Row
 from engine.runtime.torch import TorchRuntime
 
@@ -198,8 +198,8 @@ def test_llamacpp_scheduling_lab(lcpp):
     cache holds cells of the positions in use, under a contiguous reservation."""
     import math
 
-    from engine.run.schedule_events import SchedConfig
-    from engine.run.scheduler import SchedPlan, SchedRequestDone, SchedStep, SchedSummary, schedule
+    from engine.labs.schedule_events import SchedConfig
+    from engine.labs.scheduler import SchedPlan, SchedRequestDone, SchedStep, SchedSummary, schedule
 
     cfg = SchedConfig(n_requests=6, rate=math.inf, prompt_len=8, output_len=6, range_ratio=0.5, max_batch=3, seed=1)
     events = list(schedule(lcpp, cfg))

@@ -18,9 +18,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from engine.model.kv_cache import KVCache
-from engine.run.schedule_events import SchedConfig, make_requests
-from engine.run.scheduler import (
+from engine.labs.schedule_events import SchedConfig, make_requests
+from engine.labs.scheduler import (
     PagedKVCache,
     SchedPlan,
     SchedRequestDone,
@@ -29,6 +28,7 @@ from engine.run.scheduler import (
     forward_rows,
     schedule,
 )
+from engine.model.kv_cache import KVCache
 
 ROOT = Path(__file__).resolve().parents[2]
 

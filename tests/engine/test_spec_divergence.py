@@ -16,10 +16,10 @@ import torch
 
 from engine.__main__ import main
 from engine.events import TokenSampled
+from engine.labs import speculative as sp
+from engine.labs.spec_events import Divergence
 from engine.protocol import Capture
-from engine.run import speculative as sp
 from engine.run.session import Session
-from engine.run.spec_events import Divergence
 from tests.engine.test_speculative import GREEDY, REPEATS
 
 N = 12

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine.events import Failed, Finished
+from engine.labs import speculative as sp
 from engine.loaders import load
-from engine.run import speculative as sp
 from engine.run.sampling import SamplingParams
 from engine.run.session import Session
 from tests.engine.test_cli import cli
