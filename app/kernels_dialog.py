@@ -10,6 +10,9 @@ from __future__ import annotations
 from PySide6 import QtCore, QtWidgets
 
 from engine.model import kernel_cache
+from engine.run import threads
+
+SHOWN_CHAINS = 4  # the newest chain timings shown (one per model and dtype loaded on this machine)
 
 FIXED = ("dtype", "threads", "weight (out × in)", "weights", "count", "chosen")
 # a measured group's weights: float only, or with a GGUF's Q4 blocks (then the int4 and int8 candidates were timed too)
@@ -29,6 +32,13 @@ def table_rows(entries: list[kernel_cache.Entry]) -> tuple[list[str], list[list[
                       WEIGHTS.get(r.get("weights", kernel_cache.FLOAT), str(r.get("weights"))), str(r["count"]),
                       r["choice"], *times, f"{r['torch']} ({r['capability']})", r["measured"]])
     return header, cells
+
+
+def thread_lines(records: list[threads.ChainTiming], cpu: str, cores: int) -> list[str]:
+    """The newest chain timings measured on this CPU: each thread count's time for a decode step's products with
+    that count's chosen kernels, and the most threads `--threads auto` uses by it."""
+    mine = [t for t in records if t.cpu == cpu and t.cores == cores]
+    return [t.summary() for t in sorted(mine, key=lambda t: -t.measured_at)[:SHOWN_CHAINS]]
 
 
 class KernelsDialog(QtWidgets.QDialog):
@@ -63,6 +73,10 @@ class KernelsDialog(QtWidgets.QDialog):
             + (f" {kernel_cache.KERNEL_ENV}={forced}: every decode product is forced through it." if forced else "")
             + f" Measure again on a quiet machine with: python -m engine kernels --remeasure "
               f"(cache: {kernel_cache.cache_path()})")
+        lines = thread_lines(list(threads.read_chains().values()), cpu, cores)
+        self.chains = QtWidgets.QLabel("\n".join(["Threads, newest first:", *lines]) if lines else "")
+        self.chains.setWordWrap(True)
+        self.chains.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
         note.setWordWrap(True)
         note.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
         buttons = QtWidgets.QDialogButtonBox(QtWidgets.QDialogButtonBox.StandardButton.Close, parent=self)
@@ -70,5 +84,6 @@ class KernelsDialog(QtWidgets.QDialog):
         layout = QtWidgets.QVBoxLayout(self)
         layout.addWidget(intro)
         layout.addWidget(self.table, 1)
+        layout.addWidget(self.chains)
         layout.addWidget(note)
         layout.addWidget(buttons)

@@ -24,11 +24,18 @@ both with bfloat16 activations. They are measured like the others and win only w
 AVX2-only CPU they were not; on Intel AMX the int8 kernel took half the float products' time). Their results
 differ from the float products by the quantization (engine.model.quant states by how much), so a shape measured
 with quantized forms is a different key from the same shape without them.
+
+Threads: with each count's kernels chosen, the tuner times the step's whole chain of products (each by the kernel
+that count dispatches to) at every count `--threads auto` may use, interleaved like the candidates, and records it
+with other processes' CPU use meanwhile (engine.run.threads.ChainTiming, keyed by the machine, the dtype and the
+chain). Measured quiet, `auto` never decodes at more threads than the fastest count of that chain, so a machine
+whose products run slower on two threads than on one decodes on one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import statistics
 import time
@@ -39,11 +46,15 @@ import torch.nn.functional as F
 
 from engine.model import kernel_cache, quant
 from engine.model.kernel_cache import KERNEL_ENV, Entry, Machine
+from engine.run import threads as thread_count
 from engine.run.threads import decode_thread_counts
 
 ROUNDS = 5  # interleaved rounds after the warm-up (the median of these)
 MIN_ROUNDS = 3
 BUDGET_S = 0.12  # measuring time per shape and thread count, past which fewer rounds are run (at least MIN_ROUNDS)
+CHAIN_ROUNDS = 5  # interleaved rounds of the whole chain at each thread count
+CHAIN_MAX_ROUNDS = 15
+CHAIN_BUDGET_S = 1.0  # measuring time for the chain, past which fewer rounds are run (at least MIN_ROUNDS)
 PRUNE = 2.0  # a candidate this many times slower than the fastest in both the warm-up and the first round is not
 # run again (its first round is its time): with another program on a core, the multi-threaded candidates ran many
 # times slower, and measuring them every round made a first load several times longer (BENCHMARKS.md, "Decode
@@ -148,6 +159,8 @@ def applicable(name: str, weight: torch.Tensor, packed: torch.Tensor | None, thr
 # ---- dispatch -----------------------------------------------------------------------------------------------------
 # (out, in, dtype, threads, has quantized forms) -> the measured fastest
 _CHOSEN: dict[tuple[int, int, torch.dtype, int, bool], Kernel] = {}
+_MEASURED_AT: dict[tuple[int, int, torch.dtype, bool], dict[int, str]] = {}  # the measured counts' choices
+_TOP: list[int] = [1]  # the most threads any choice was measured at: more threads run that count's choice
 _FORCED: list[Kernel] = []  # at most one: the kernel every decode product runs (for comparisons)
 
 
@@ -158,7 +171,8 @@ def decode_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, pac
     if _FORCED:
         return _FORCED[0](x, w, b, packed, q)
     out_f, in_f = w.shape
-    return _CHOSEN.get((out_f, in_f, w.dtype, torch.get_num_threads(), q is not None), plain)(x, w, b, packed, q)
+    n = min(torch.get_num_threads(), _TOP[0])
+    return _CHOSEN.get((out_f, in_f, w.dtype, n, q is not None), plain)(x, w, b, packed, q)
 
 
 def _name(f: Kernel) -> str:
@@ -170,7 +184,7 @@ def chosen(shape: tuple[int, int], dtype: torch.dtype, threads: int, quantized: 
     quantized: of a weight that has quantized forms."""
     if _FORCED:
         return _name(_FORCED[0])
-    f = _CHOSEN.get((*shape, dtype, threads, quantized))
+    f = _CHOSEN.get((*shape, dtype, min(threads, _TOP[0]), quantized))
     return None if f is None else _name(f)
 
 
@@ -280,12 +294,16 @@ def _works(name: str, products: list[Product]) -> bool:
 
 def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = False,
          counts: Sequence[int] | None = None, time_once: Callable[[list[Product], str], float] | None = None,
-         path: os.PathLike | None = None) -> list[Entry]:
+         path: os.PathLike | None = None, others_cores: Callable[[], float | None] | None = None,
+         chain_path: os.PathLike | None = None) -> list[Entry]:
     """Measure (or read from the cache) the fastest candidate for every shape group at every thread count, and use
-    it from now on. groups: (out, in, quantized) -> the model's products of that weight shape, all one dtype on the
-    CPU, all with quantized forms (quantized True) or none (engine.model.transformer.Transformer.decode_products).
+    it from now on; then the whole chain at each count (measure_chain), which caps `--threads auto`.
+    groups: (out, in, quantized) -> the model's products of that weight shape, all one dtype on the CPU, all with
+    quantized forms (quantized True) or none (engine.model.transformer.Transformer.decode_products).
 
-    remeasure: measure even what the cache holds. time_once(products, name): replaces the clock (tests).
+    remeasure: measure even what the caches hold. time_once(products, name): replaces the clock (tests); the chain
+    at a count is then the sum of its chosen products' times. others_cores(): other processes' cores while the
+    chain was measured (tests; default engine.run.threads.CpuMeter). path, chain_path: the caches' files.
     Returns the entries, measured or read, one per shape and thread count.
     """
     if not groups:
@@ -319,17 +337,101 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
     if measured:
         kernel_cache.write(measured, path)
     use(entries)
+    thread_count.use_chain(measure_chain(groups, counts, machine, remeasure=remeasure, time_once=time_once,
+                                         others_cores=others_cores, path=chain_path))
     return entries
+
+
+def chain_key(groups: dict[tuple[int, int, bool], list[Product]], counts: Sequence[int], machine: Machine) -> str:
+    """What a chain's time depends on: the machine, the dtype, and for every shape its count of weights and the
+    kernel each thread count dispatches it to now (a different choice or a forced kernel is another chain)."""
+    dtype = str(next(iter(groups.values()))[0][0].dtype).removeprefix("torch.")
+    parts = []
+    for (out_f, in_f, quantized), products in sorted(groups.items()):
+        names = [forced_name() or chosen((out_f, in_f), products[0][0].dtype, n, quantized) or "linear"
+                 for n in counts]
+        parts.append(f"{out_f}x{in_f}{' q4' if quantized else ''}*{len(products)}:{'/'.join(names)}")
+    return (f"{machine.cpu}|{machine.cores} cores|torch {machine.torch}|{machine.capability}|{dtype}|"
+            f"threads {'/'.join(map(str, counts))}|{' '.join(parts)}")
+
+
+def measure_chain(groups: dict[tuple[int, int, bool], list[Product]], counts: Sequence[int], machine: Machine, *,
+                  remeasure: bool = False, time_once: Callable[[list[Product], str], float] | None = None,
+                  others_cores: Callable[[], float | None] | None = None,
+                  path: os.PathLike | None = None) -> thread_count.ChainTiming | None:
+    """The decode step's chain of products, each by the kernel dispatched at that count, timed at each count in
+    interleaved rounds (choose), or read from the cache; None off the CPU or with no groups."""
+    if not groups or next(iter(groups.values()))[0][0].device.type != "cpu":
+        return None
+    counts = sorted(set(counts))
+    key = chain_key(groups, counts, machine)
+    cached = None if remeasure else thread_count.read_chains(path).get(key)
+    if cached is not None:
+        return cached
+    meter = None if others_cores is not None else thread_count.CpuMeter()
+    before = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            clock = _chain_timer(groups) if time_once is None else _chain_sum(groups, time_once)
+            once = clock(str(counts[-1]))  # also a first warm-up
+            # rounds enough for the CPU meter's shortest window (it cannot tell load from idle in less), within
+            # the budget; a tiny model's chain stays too short for it (unknown load: no cap)
+            rounds = max(CHAIN_ROUNDS, min(CHAIN_MAX_ROUNDS, math.ceil(
+                1.2 * thread_count.MIN_WINDOW_S / (len(counts) * max(once, 1e-9)))))
+            seconds, rounds = choose([str(n) for n in counts], clock, rounds=rounds, budget_s=CHAIN_BUDGET_S)
+    finally:
+        torch.set_num_threads(before)
+    others = others_cores() if others_cores is not None else meter.others_cores()
+    dtype = str(next(iter(groups.values()))[0][0].dtype).removeprefix("torch.")
+    t = thread_count.ChainTiming(key, machine.cpu, machine.cores, dtype, {int(n): s for n, s in seconds.items()},
+                                 others, rounds, time.time())
+    thread_count.write_chain(t, path)
+    return t
+
+
+def _chain_timer(groups: dict[tuple[int, int, bool], list[Product]]) -> Callable[[str], float]:
+    """time_once for the chain: every product of a step (decode_product: the dispatched kernel) at a count."""
+    xs = {in_f: torch.randn(1, in_f, generator=torch.Generator().manual_seed(in_f)).to(ps[0][0].dtype)
+          for (_, in_f, _), ps in groups.items()}
+    chain = [(xs[p[0].shape[1]], *p) for ps in groups.values() for p in ps]
+
+    def time_once(count: str) -> float:
+        torch.set_num_threads(int(count))
+        t = time.perf_counter()
+        for x, w, b, p, q in chain:
+            decode_product(x, w, b, p, q)
+        return time.perf_counter() - t
+
+    return time_once
+
+
+def _chain_sum(groups: dict[tuple[int, int, bool], list[Product]],
+               time_once: Callable[[list[Product], str], float]) -> Callable[[str], float]:
+    """The chain at a count from an injected per-product clock: Σ count × the dispatched kernel's time."""
+    def chain(count: str) -> float:
+        n = int(count)
+        torch.set_num_threads(n)
+        total = 0.0
+        for (out_f, in_f, quantized), products in groups.items():
+            name = forced_name() or chosen((out_f, in_f), products[0][0].dtype, n, quantized) or "linear"
+            total += time_once(products, name) * len(products)
+        return total
+
+    return chain
 
 
 def use(entries: list[Entry]) -> None:
     """Dispatch each entry's shape and dtype to its fastest kernel, at its thread count and (for counts between
-    the measured ones, as a fixed --threads N may set) at the nearest measured count below."""
-    by_shape: dict[tuple[int, int, torch.dtype, bool], dict[int, str]] = {}
+    or above the measured ones, as a fixed --threads N may set) at the nearest measured count below."""
     for e in entries:
-        by_shape.setdefault((*e.shape, getattr(torch, e.dtype), e.weights == kernel_cache.Q4), {})[e.threads] = e.choice
-    for (out_f, in_f, dtype, quantized), choice_at in by_shape.items():
-        for n in range(1, max(max(choice_at), torch.get_num_threads()) + 1):
-            below = [c for c in choice_at if c <= n]
+        at = _MEASURED_AT.setdefault((*e.shape, getattr(torch, e.dtype), e.weights == kernel_cache.Q4), {})
+        at[e.threads] = e.choice
+    if not _MEASURED_AT:
+        return
+    _TOP[0] = max(n for at in _MEASURED_AT.values() for n in at)
+    _CHOSEN.clear()
+    for (out_f, in_f, dtype, quantized), at in _MEASURED_AT.items():
+        for n in range(1, _TOP[0] + 1):
+            below = [c for c in at if c <= n]
             if below:
-                _CHOSEN[(out_f, in_f, dtype, n, quantized)] = KERNELS[choice_at[max(below)]]
+                _CHOSEN[(out_f, in_f, dtype, n, quantized)] = KERNELS[at[max(below)]]

@@ -1,5 +1,7 @@
 """`python -m engine kernels`: which decode product the engine chose for each of the model's weight shapes on this
-machine, with every candidate's measured time (engine.model.kernels), and `--remeasure` to measure again.
+machine, with every candidate's measured time (engine.model.kernels), the step's chain of products at each thread
+count with the most threads `--threads auto` may use by it (engine.run.threads.ChainTiming), and `--remeasure` to
+measure again.
 
     python -m engine kernels [--model M] [--dtype float32|bfloat16] [--remeasure] [--json]
 
@@ -55,6 +57,7 @@ def _text(doc: dict) -> str:
                  "fastest (over 2 ×: its first round only, not measured further); count: the model's weights of that "
                  "shape; q4: weights the file stores as Q4_0/Q4_1 blocks, which the int4 and int8 candidates use")
     lines.extend(f"  {n}: {kernel_cache.DESCRIPTIONS[n]}" for n in names)
+    lines.extend(t["summary"] for t in doc["threads"])
     return "\n".join(lines)
 
 
@@ -64,12 +67,13 @@ def cmd_kernels(a: argparse.Namespace) -> int:
     from engine.cliargs import CliError
     from engine.loaders import ModelLoadError, load
     from engine.model import kernels
+    from engine.run import threads
 
     forced = os.environ.get(kernel_cache.KERNEL_ENV, "").strip()
     if forced and forced.lower() not in kernel_cache.NAMES:
         raise CliError(f"{kernel_cache.KERNEL_ENV}={forced} is not a kernel (valid: {', '.join(kernel_cache.NAMES)}); "
                        "the engine ignores it and runs the measured choice")
-    entries = []
+    entries, chains = [], []
     for dtype in [a.dtype] if a.dtype else ["float32", "bfloat16"]:
         try:
             with kernels.keeping_forms():  # --remeasure measures the quantized candidates again
@@ -77,10 +81,15 @@ def cmd_kernels(a: argparse.Namespace) -> int:
         except ModelLoadError as e:
             raise CliError(str(e)) from None
         entries += lm.model.tune_kernels(remeasure=a.remeasure)
+        chain = threads.measured_chain()  # the step's products at each thread count, as tune_kernels measured them
+        if chain is not None:
+            chains.append({"dtype": chain.dtype, "seconds": {str(n): s for n, s in sorted(chain.seconds.items())},
+                           "others_cores": chain.others_cores, "quiet": chain.quiet, "fastest": chain.fastest(),
+                           "auto_cap": chain.cap(), "rounds": chain.rounds, "summary": chain.summary()})
         del lm
     doc = {"machine": asdict(kernels.this_machine()), "cache": str(kernel_cache.cache_path()),
            "forced": kernels.forced_name(),
-           "rows": kernel_cache.rows(entries)}
+           "rows": kernel_cache.rows(entries), "threads": chains}
     print(json.dumps(doc, indent=2) if a.json else _text(doc))
     return 0
 

@@ -17,14 +17,26 @@ on a quiet machine two threads are ~1.9 × faster. No fixed setting is right, so
 
 `torch.set_num_threads` changes the count between regions, so switching costs microseconds; OMP_WAIT_POLICY
 cannot change after OpenMP starts, which is why the count is the knob.
+
+Some machines are slower with more threads even when nobody else runs (an Intel Xeon with AVX-512, 2 cores: 88.5 ms
+a token with two, 69.0 ms with one; issue 27). So at a model's first load the kernel tuner (engine.model.kernels)
+also times the decode step's whole chain of products, each by the kernel chosen for that thread count, at every
+count `auto` may use: a `ChainTiming`, cached in `threads.json` beside the kernels' cache and keyed by the machine,
+the dtype and the chain itself (its shapes and the kernel each runs at each count). Where that was measured while
+the other cores were idle, `auto` never goes above the fastest measured count (`ChainTiming.fastest`); measured
+under other processes' load, it says nothing about the machine and `auto` adapts as above. A fixed `--threads N` is
+always N.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 SLOWER_THAN_ONE = 0.9  # many threads must beat this fraction of one thread's time per byte, or one thread wins
 SUDDEN_SLOWDOWN = 1.5  # a many-thread step this much slower than the best recent ones → probe one thread
@@ -125,6 +137,122 @@ def decode_thread_counts() -> list[int]:
     return sorted({1, max(1, min(_configured_threads(torch), available_cores()))})
 
 
+# ---- the measured chain: the cap on `auto` ---------------------------------------------------------------------
+CHAIN_FILE = "threads.json"
+CHAIN_FORMAT = 1
+MAX_CHAINS = 100  # the oldest go first
+
+
+@dataclass(frozen=True)
+class ChainTiming:
+    """A decode step's chain of products timed at each thread count, with the kernels chosen for that count."""
+
+    key: str  # machine, dtype and chain (engine.model.kernels.chain_key): anything changing measures again
+    cpu: str
+    cores: int
+    dtype: str
+    seconds: dict[int, float]  # thread count -> median seconds of the whole chain
+    others_cores: float | None  # other processes' CPU use while it was measured (None: unknown)
+    rounds: int
+    measured_at: float  # time.time()
+
+    @property
+    def quiet(self) -> bool:
+        """Measured while other processes left the other cores mostly idle (the same test `auto` uses at run time):
+        only then do the times say what this machine does with more threads."""
+        top = max(self.seconds)
+        return self.others_cores is not None and (top == 1 or self.others_cores <= IDLE_SHARE * (top - 1))
+
+    def fastest(self) -> int:
+        """The count to decode with: more threads only where they beat SLOWER_THAN_ONE × the best fewer threads'
+        time (the margin `auto` asks at run time; a near tie goes to fewer threads, which no other process slows)."""
+        best = min(self.seconds)
+        for n in sorted(self.seconds):
+            if self.seconds[n] < SLOWER_THAN_ONE * self.seconds[best]:
+                best = n
+        return best
+
+    def cap(self) -> int | None:
+        """The most threads `auto` may use by this measurement (None: measured under load, no cap)."""
+        return self.fastest() if self.quiet else None
+
+    def summary(self) -> str:
+        """One line for `python -m engine kernels` and Engine → Decode kernels."""
+        times = ", ".join(f"{n} thread{'s' * (n > 1)} {s * 1e3:.1f} ms" for n, s in sorted(self.seconds.items()))
+        others = "unknown" if self.others_cores is None else f"{self.others_cores:.2f} cores"
+        head = f"{self.dtype}, the decode step's products: {times} (median of {self.rounds}; other processes {others})"
+        if self.cap() is None:
+            return f"{head}: measured under load, so --threads auto adapts at run time without a cap"
+        n = self.fastest()
+        return f"{head}: --threads auto uses at most {n} thread{'s' * (n > 1)}"
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["seconds"] = {str(n): s for n, s in self.seconds.items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: object) -> ChainTiming | None:
+        """The record, or None where `d` is not one this code wrote."""
+        try:
+            seconds = {int(n): float(s) for n, s in d["seconds"].items()}
+            others = d["others_cores"]
+            t = cls(str(d["key"]), str(d["cpu"]), int(d["cores"]), str(d["dtype"]), seconds,
+                    None if others is None else float(others), int(d["rounds"]), float(d["measured_at"]))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        ok = seconds and all(n >= 1 and 0 < s < float("inf") for n, s in seconds.items())
+        return t if ok and (t.others_cores is None or t.others_cores >= 0) else None
+
+
+def chain_path() -> Path:
+    from engine.formats.locate import cache_root
+
+    return cache_root() / CHAIN_FILE
+
+
+def read_chains(path: Path | None = None) -> dict[str, ChainTiming]:
+    """Every valid record of the file by key; {} when it is missing, unreadable or not this format."""
+    path = path or chain_path()
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    if not isinstance(doc, dict) or doc.get("format") != CHAIN_FORMAT or not isinstance(doc.get("chains"), list):
+        return {}
+    records = (ChainTiming.from_json(d) for d in doc["chains"])
+    return {t.key: t for t in records if t is not None}
+
+
+def write_chain(t: ChainTiming, path: Path | None = None) -> None:
+    """Merge `t` into the file, atomically; a read-only disk only costs the next start a measurement."""
+    path = path or chain_path()
+    records = read_chains(path)
+    records[t.key] = t
+    keep = sorted(records.values(), key=lambda r: r.measured_at)[-MAX_CHAINS:]
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"format": CHAIN_FORMAT, "chains": [r.to_json() for r in keep]}, indent=1),
+                       encoding="utf-8")
+        tmp.replace(path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+_MEASURED: list[ChainTiming] = []  # the loaded model's (the last tuned): what `auto` controllers made now obey
+
+
+def use_chain(t: ChainTiming | None) -> None:
+    """From now on, `auto` controllers are capped by `t` (None: by nothing)."""
+    _MEASURED[:] = [] if t is None else [t]
+
+
+def measured_chain() -> ChainTiming | None:
+    """The chain timing in use (engine.model.kernels.tune sets it at each model's load)."""
+    return _MEASURED[0] if _MEASURED else None
+
+
 def _median(xs) -> float | None:
     s = sorted(xs)
     return s[len(s) // 2] if s else None
@@ -144,8 +272,11 @@ class AdaptiveThreads:
             raise ValueError(f"threads must be 'auto' or a positive integer, got {setting!r}")
         self.auto = setting == "auto"
         configured = _configured_threads(torch)  # read before this or any controller sets a count
+        chain = measured_chain()
+        self.cap = None if chain is None else chain.cap()  # the fastest count measured quiet, if any
         if self.auto:
-            self.max = max(1, min(max_threads or configured, available_cores()))
+            limits = [max_threads or configured, available_cores()] + ([self.cap] if self.cap else [])
+            self.max = max(1, min(limits))
         else:
             self.max = int(setting)
             torch.set_num_threads(self.max)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from engine.model import kernel_cache, kernels
 from engine.model.kernel_cache import Entry, Machine, entry_key
 from engine.model.transformer import linear, pack_for_decode
+from engine.run import threads as thread_count
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}  # relative: accumulation order; one bf16 rounding
@@ -27,7 +28,10 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}  # relative: accumula
 def clean_dispatch(monkeypatch):
     """Measured choices made by a test do not outlive it."""
     monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(kernels, "_MEASURED_AT", {})
+    monkeypatch.setattr(kernels, "_TOP", [1])
     monkeypatch.setattr(kernels, "_FORCED", [])
+    monkeypatch.setattr(thread_count, "_MEASURED", [])
 
 
 def runnable(dtype: torch.dtype, threads: int) -> list[str]:
