@@ -13,13 +13,17 @@ Part 2, decode end to end in the same dtype (each a fresh `benchmarks bench-one`
 and at all threads, and Hugging Face transformers at all threads (its default) and at one. Prints the engine's
 decode tokens/s (1 / mean TPOT) against HF's (target ≥ 1.4 ×): `auto` against HF at all threads and at its faster
 count (which a busy machine makes one), and each fixed count against HF at the same; and two threads against one
-(target: never slower).
+(target: never slower). `--decode-rounds R` runs the configurations R times in rotated order and keeps each one's
+best (on a shared machine a change of load then hits each alike); `--no-kernels` skips part 1. It also prints the
+CPU's flags, the load average at the start and the end, and the engine's own measurement of the step's products at
+each thread count, which caps `--threads auto` (engine.run.threads.ChainTiming).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -94,26 +98,37 @@ def _int8_chain(groups: dict, rounds: int) -> float | None:
     return total
 
 
-def decode_end_to_end(dtype: str, new_tokens: int, repeats: int) -> dict:
-    """The engine at auto / 1 / all threads and HF at all threads, each in a fresh process (benchmarks bench-one)."""
+def decode_end_to_end(dtype: str, new_tokens: int, repeats: int, rounds: int = 1) -> dict:
+    """The engine at auto / 1 / all threads and HF at all threads and at one, each in a fresh process (benchmarks
+    bench-one). `rounds` > 1 runs the configurations again in rotated order (a change of load on a shared machine
+    then hits each alike) and keeps each one's best run."""
     from benchmarks.bench import _child
     from engine.run.threads import available_cores
 
     base = ["--dtype", dtype, "--new-tokens", str(new_tokens), "--repeats", str(repeats)]
     cores = str(available_cores())
-    runs = {}
-    for name, args in [("ours auto", ["--impl", "ours", "--threads", "auto"]),
-                       ("ours 1 thread", ["--impl", "ours", "--threads", "1"]),
-                       (f"ours {cores} threads", ["--impl", "ours", "--threads", cores]),
-                       (f"hf {cores} threads", ["--impl", "hf", "--threads", cores]),
-                       ("hf 1 thread", ["--impl", "hf", "--threads", "1"]),
-                       ("ours auto, again", ["--impl", "ours", "--threads", "auto"])]:
-        print(f"  decode: {name} …", file=sys.stderr)
-        r = _child([*args, *base])
-        runs[name] = None if r is None else {"tpot_s": r["tpot_s"]["mean"], "ttft_s": r["ttft_s"],
-                                             "threads_at_end": r.get("threads_at_end"), "text": r.get("text")}
+    configs = [("ours auto", ["--impl", "ours", "--threads", "auto"]),
+               ("ours 1 thread", ["--impl", "ours", "--threads", "1"]),
+               (f"ours {cores} threads", ["--impl", "ours", "--threads", cores]),
+               (f"hf {cores} threads", ["--impl", "hf", "--threads", cores]),
+               ("hf 1 thread", ["--impl", "hf", "--threads", "1"])]
+    if rounds == 1:
+        configs.append(("ours auto, again", ["--impl", "ours", "--threads", "auto"]))
+    runs: dict[str, dict | None] = {name: None for name, _ in configs}
+    every: dict[str, list[float]] = {name: [] for name, _ in configs}
+    for r in range(rounds):
+        for name, args in [*configs[r % len(configs):], *configs[: r % len(configs)]]:
+            print(f"  decode: {name} (round {r + 1} of {rounds}, load average {os.getloadavg()[0]:.1f}) …",
+                  file=sys.stderr)
+            got = _child([*args, *base])
+            if got is None:
+                continue
+            every[name].append(got["tpot_s"]["mean"])
+            if runs[name] is None or got["tpot_s"]["mean"] < runs[name]["tpot_s"]:
+                runs[name] = {"tpot_s": got["tpot_s"]["mean"], "ttft_s": got["ttft_s"],
+                              "threads_at_end": got.get("threads_at_end"), "text": got.get("text")}
     ratios = {}
-    auto = [runs[k]["tpot_s"] for k in ("ours auto", "ours auto, again") if runs[k]]
+    auto = [runs[k]["tpot_s"] for k in ("ours auto", "ours auto, again") if runs.get(k)]
     hf, one, many = runs[f"hf {cores} threads"], runs["ours 1 thread"], runs[f"ours {cores} threads"]
     if auto and hf:
         ratios["decode_tokens_per_s_vs_hf"] = hf["tpot_s"] / statistics.mean(auto)
@@ -129,12 +144,36 @@ def decode_end_to_end(dtype: str, new_tokens: int, repeats: int) -> dict:
         ratios["tpot_all_threads_over_one"] = many["tpot_s"] / one["tpot_s"]
     if one and auto:
         ratios["tpot_auto_over_one"] = statistics.mean(auto) / one["tpot_s"]
-    return {"dtype": dtype, "new_tokens": new_tokens, "runs": runs, "ratios": ratios}
+    return {"dtype": dtype, "new_tokens": new_tokens, "rounds": rounds, "runs": runs, "every_tpot_s": every,
+            "ratios": ratios, "threads": _thread_choice(dtype)}
+
+
+def _thread_choice(dtype: str) -> str | None:
+    """The engine's own measurement of the step's products at each thread count (what caps `auto`), as its children
+    made or read it at load: the newest on this CPU in this dtype (engine.run.threads.ChainTiming)."""
+    from engine.model.kernel_cache import this_cpu
+    from engine.run import threads
+
+    cpu, cores = this_cpu()
+    mine = [t for t in threads.read_chains().values() if t.cpu == cpu and t.cores == cores and t.dtype == dtype]
+    return max(mine, key=lambda t: t.measured_at).summary() if mine else None
+
+
+def _machine_line() -> str:
+    """The CPU, its vector flags (benchmarks.llamacpp.cpu_flags), cores and the load average."""
+    from benchmarks.llamacpp import cpu_flags
+    from engine.model.kernel_cache import this_cpu
+    from engine.run.threads import available_cores
+
+    one, five, _ = os.getloadavg()
+    return (f"CPU: {this_cpu()[0]}; flags: {cpu_flags()}; {available_cores()} cores; load average {one:.1f} (1 min), "
+            f"{five:.1f} (5 min)")
 
 
 def _print(res: dict) -> None:
     m = res["machine"]
     print(f"bench-gemv on {m['cpu']} ({m['cores']} cores, {m['capability']} kernels), torch {m['torch']}")
+    print(res["machine_at_start"])
     for dtype, by_threads in res["kernels"].items():
         for r in by_threads.values():
             names = [k for k in res["candidates"] if any(k in s["seconds"] for s in r["shapes"])]
@@ -160,13 +199,19 @@ def _print(res: dict) -> None:
         print(f"\nworst chosen ÷ fastest over every shape: {worst:.2f}× (target ≤ 1.10×)")
     e = res.get("decode")
     if e:
-        print(f"\ndecode end to end, {e['dtype']}, {e['new_tokens']} greedy tokens (mean TPOT of the best run):")
+        print(f"\ndecode end to end, {e['dtype']}, {e['new_tokens']} greedy tokens, {e.get('rounds', 1)} round(s) "
+              "(mean TPOT of the best run):")
         for name, r in e["runs"].items():
+            every = ", ".join(f"{t * 1e3:.0f}" for t in e.get("every_tpot_s", {}).get(name, []))
             print(f"  {name:<22}" + ("failed" if r is None else
-                                      f"TPOT {r['tpot_s'] * 1e3:6.1f} ms  ({1 / r['tpot_s']:5.1f} tokens/s)"))
+                                      f"TPOT {r['tpot_s'] * 1e3:6.1f} ms  ({1 / r['tpot_s']:5.1f} tokens/s)"
+                                      f"  ended on {r['threads_at_end']} thread(s); every run: {every} ms"))
+        if e.get("threads"):
+            print(f"  the engine's thread measurement: {e['threads']}")
         for k, v in e["ratios"].items():
             print(f"  {k:<40}{v:6.2f}")
         print("  targets: decode_tokens_per_s_vs_hf… ≥ 1.4; tpot_all_threads_over_one ≤ 1.0")
+    print(res["machine_at_end"])
     print(f"other processes used {res['other_processes_cores']:.2f} cores during the run", file=sys.stderr)
 
 
@@ -181,11 +226,15 @@ def cmd_bench_gemv(a: argparse.Namespace) -> int:
     busy = BusyMeter()
     rounds = 3 if a.smoke else a.rounds
     dtypes = [a.dtype] if a.dtype else ["float32", "bfloat16"]
-    res = {"machine": asdict(kernels.this_machine()), "rounds": rounds, "candidates": list(kernels.KERNELS),
-           "kernels": {dt: measure_choices(dt, decode_thread_counts(), rounds, a.remeasure) for dt in dtypes}}
+    res = {"machine": asdict(kernels.this_machine()), "machine_at_start": _machine_line(), "rounds": rounds,
+           "candidates": list(kernels.KERNELS),
+           "kernels": {} if a.no_kernels else {dt: measure_choices(dt, decode_thread_counts(), rounds, a.remeasure)
+                                               for dt in dtypes}}
     if not a.smoke and not a.no_decode:
-        res["decode"] = decode_end_to_end(a.decode_dtype or preferred_dtype("cpu"), a.new_tokens, a.repeats)
+        res["decode"] = decode_end_to_end(a.decode_dtype or preferred_dtype("cpu"), a.new_tokens, a.repeats,
+                                          a.decode_rounds)
     res["other_processes_cores"] = busy.cores_used()
+    res["machine_at_end"] = _machine_line()
     if a.json:
         print(json.dumps(res, indent=2))
     else:
@@ -200,6 +249,9 @@ def add_subcommand(sub) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="kernels: default both")
     p.add_argument("--remeasure", action="store_true", help="let the engine measure its choice again first")
     p.add_argument("--no-decode", action="store_true", help="skip the end-to-end decode comparison")
+    p.add_argument("--no-kernels", action="store_true", help="skip the per-shape kernels (part 1): decode only")
+    p.add_argument("--decode-rounds", type=int, default=1,
+                   help="end to end: run every configuration this many times in rotated order, keep each one's best")
     p.add_argument("--decode-dtype", default=None, choices=["float32", "bfloat16"],
                    help="end to end: default the app's dtype on this CPU")
     p.add_argument("--new-tokens", type=int, default=128)

@@ -373,7 +373,7 @@ def measure_chain(groups: dict[tuple[int, int, bool], list[Product]], counts: Se
     try:
         with torch.inference_mode():
             clock = _chain_timer(groups) if time_once is None else _chain_sum(groups, time_once)
-            once = clock(str(counts[-1]))  # also a first warm-up
+            once = clock(str(counts[0]))  # also a first warm-up (at one thread, which no other process slows)
             # rounds enough for the CPU meter's shortest window (it cannot tell load from idle in less), within
             # the budget; a tiny model's chain stays too short for it (unknown load: no cap)
             rounds = max(CHAIN_ROUNDS, min(CHAIN_MAX_ROUNDS, math.ceil(

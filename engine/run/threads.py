@@ -180,7 +180,8 @@ class ChainTiming:
         """One line for `python -m engine kernels` and Engine → Decode kernels."""
         times = ", ".join(f"{n} thread{'s' * (n > 1)} {s * 1e3:.1f} ms" for n, s in sorted(self.seconds.items()))
         others = "unknown" if self.others_cores is None else f"{self.others_cores:.2f} cores"
-        head = f"{self.dtype}, the decode step's products: {times} (median of {self.rounds}; other processes {others})"
+        head = (f"{self.dtype}, the decode step's products: {times} (median of up to {self.rounds} rounds; other "
+                f"processes {others})")
         if self.cap() is None:
             return f"{head}: measured under load, so --threads auto adapts at run time without a cap"
         n = self.fastest()
