@@ -369,6 +369,20 @@ class Tokenize(Command):
 
 
 @dataclass(frozen=True)
+class Recompute(Command):
+    """A step's attention (and lens) run again from the live run's KV cache (engine.run.recompute), for a step whose
+    capture the app let go: `ids` are the run's tokens at positions 0…p, the last one the step's query. Answered by
+    Recomputed, between two tokens when a generation runs."""
+
+    request_id: int
+    step: int
+    ids: tuple[int, ...]
+    layers: frozenset[int]
+    lens_top: int = 0  # top tokens per layer of the logit lens (0: no lens)
+    token: int = -1  # the token the step chose (the lens gives its probability), -1: not known
+
+
+@dataclass(frozen=True)
 class Ping(Command):
     """Answered by Pong once every command sent before it has been handled: a test's way to know the engine is idle."""
 
@@ -496,6 +510,23 @@ class ExperimentDone(Notice):
     @property
     def ok(self) -> bool:
         return self.result is not None
+
+
+@dataclass(frozen=True)
+class Recomputed(Notice):
+    """The answer to a Recompute: the step's AttentionCaptured per layer (and its LensCaptured), or one sentence
+    saying why not (the cache holds another run now; the runtime keeps its cache to itself)."""
+
+    request_id: int
+    step: int
+    attention: tuple = ()  # engine.events.AttentionCaptured, one per layer asked for
+    lens: object = None  # engine.events.LensCaptured, when lens_top asked for it
+    error: str = ""
+    seconds: float = 0.0  # wall time in the engine process
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
 
 
 @dataclass(frozen=True)

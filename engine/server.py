@@ -52,6 +52,8 @@ from engine.protocol import (
     Preview,
     Progress,
     Quit,
+    Recompute,
+    Recomputed,
     Resume,
     SamplingParams,
     Schedule,
@@ -96,7 +98,7 @@ class EngineServer:
             SetThreads: self.set_threads, Connect: self.connect, Disconnect: self.disconnect,
             ServeBench: self.serve_bench, Tokenize: self.tokenize, Ping: self.ping, ServeModel: self.serve_model,
             StopServing: self.stop_serving, Speculate: self.speculate, Schedule: self.schedule,
-            Experiment: self.experiment,
+            Experiment: self.experiment, Recompute: self.recompute,
         }
         self.served = None  # the server this process started for the loaded model (engine.remote.launch)
         self.served_backend: Backend | None = None  # the connection to it
@@ -167,7 +169,7 @@ class EngineServer:
             cmd = self.next_command(None)
             if cmd is None:
                 continue
-            if isinstance(cmd, (Preview, Tokenize)):
+            if isinstance(cmd, (Preview, Tokenize, Recompute)):  # only the newest of each kind is wanted
                 cmd = self.latest(cmd)
             handler = self._handlers.get(type(cmd))
             if handler is None:
@@ -243,6 +245,18 @@ class EngineServer:
         result = self.backend.preview(cmd.request_id, cmd.text, cmd.chat, cmd.top, self.params)
         if result is not None:
             self.send(result)
+
+    def recompute(self, cmd: Recompute, ablated: bool = False) -> None:
+        """A step's attention (and lens) run again from the loaded model's KV cache (engine.run.recompute); it reads
+        the cache and writes nothing, so it may run between two tokens of a generation."""
+        from engine.run.recompute import answer
+
+        if self.local is None or ablated:  # an ablated run's cache holds the ablated model's keys and values
+            self.send(Recomputed(cmd.request_id, cmd.step, error="load a model first" if self.local is None else
+                                 "an ablated run's dropped steps cannot be recomputed: its KV cache holds the "
+                                 "ablated model's keys and values"))
+            return
+        self.send(answer(self.local.session, cmd))
 
     def ping(self, cmd: Ping) -> None:
         self.send(Pong(cmd.token))
@@ -325,6 +339,8 @@ class EngineServer:
                         gen.params = p if p.seed != gen.params.seed else replace(p, seed=gen.params.seed)
                     elif isinstance(c, Ping):
                         self.ping(c)
+                    elif isinstance(c, Recompute):  # between two tokens the cache holds every step so far
+                        self.recompute(c, ablated=req.ablation is not None)
                     elif isinstance(c, (Preview, Tokenize)):
                         deferred[type(c)] = (self.current, c)  # the KV cache (or connection) is the run's until it ends
                     elif isinstance(c, (Generate, Load, BatchBench)):

@@ -1,0 +1,134 @@
+"""A step's attention (and logit lens) recomputed on demand from the KV cache the live run left in the session.
+
+A long run cannot keep every step's attention (heads × position × layers a step: it grows with the square of the
+run), so the app keeps a bounded part and asks for the rest when a step is selected. The session's cache still
+holds the keys and values of every position of the live run, so the token fed at position p can be run again
+through the model's own forward pass, one token at position p, reading the cached keys and values 0…p: its query at
+every layer meets exactly the keys it met in the step, and the probe records the same weights a capture would have.
+
+Nothing is written: the cache is read through `ReadOnlyCache`, which hands the model views of the positions the
+step read (a sliding-window layer's band, as in the forward pass) and ignores the new key and value (they equal the
+ones cached at p: the same token through the same weights at the same position).
+
+Cost: one decode step's weights plus attention over p + 1 keys per layer, and with the lens L + 1 LM-head products
+(`python -m benchmarks.recompute` measures it at 7,000 positions).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from engine.backend import Unsupported
+from engine.events import AttentionCaptured, LensCaptured
+from engine.model.kv_cache import KVCache
+from engine.model.probe import RESID_STREAM, Probe, attn_point
+from engine.protocol import Recompute, Recomputed
+from engine.run.lens import lens_event
+
+LLAMACPP_REFUSAL = ("kept steps only on llama.cpp: its KV cache lives inside llama.cpp, where a step cannot be run "
+                    "again without changing it")
+
+
+class CacheGone(ValueError):
+    """The session's KV cache no longer holds what the step read (the message says why, in one sentence)."""
+
+
+class ReadOnlyCache:
+    """The KV cache as a one-token forward pass at position p reads it: views of the keys and values the step read,
+    nothing written, nothing advanced (the interface Attention and Transformer use: update, first_position,
+    advance)."""
+
+    def __init__(self, cache: KVCache, p: int) -> None:
+        self.cache, self.p = cache, p
+        self.first = [0] * len(cache.k)
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c, p = self.cache, self.p
+        if start != p or k.shape[2] != 1:
+            raise ValueError(f"a read-only cache serves one query at position {p}, not {k.shape[2]} at {start}")
+        base = c.base[layer] if c.local[layer] else 0
+        first = max(0, p - c.window + 1) if c.local[layer] else 0  # the band a sliding-window query reads
+        self.first[layer] = first
+        held = slice(first - base, p + 1 - base)  # positions first…p in this layer's slots
+        return c.k[layer][:, :, held], c.v[layer][:, :, held]  # (1, KV, S, hd) views
+
+    def first_position(self, layer: int) -> int:
+        return self.first[layer]
+
+    def advance(self, n: int) -> None:
+        pass
+
+
+def check_cache(session: object, ids: Sequence[int]) -> int:
+    """The query position p = len(ids) − 1 when the session's cache holds exactly these tokens at 0…p (and every
+    layer still holds the keys position p read); else CacheGone, or Unsupported on a runtime other than torch's."""
+    from engine.run.session import Session
+
+    if not isinstance(session, Session):
+        raise Unsupported(LLAMACPP_REFUSAL if type(session).__name__ == "LlamaCppSession" else
+                          f"a step is recomputed only on the torch runtime, not on {type(session).__name__}")
+    p = len(ids) - 1
+    cache = session.cache
+    if p < 0:
+        raise ValueError("no position to recompute: the step's context is empty")
+    if cache is None or cache.batch != 1 or cache.pos <= p or session.cached_ids[:p + 1] != [int(i) for i in ids]:
+        raise CacheGone("the engine's KV cache no longer holds this run (another run, a preview or an experiment "
+                        "replaced it): only the steps the app kept can be shown")
+    first = max(0, p - cache.window + 1)
+    lost = [i for i, local in enumerate(cache.local) if local and first < cache.base[i]]
+    if lost:
+        raise CacheGone(f"the sliding-window layers of the KV cache keep only their last {cache.local_slots:,} "
+                        f"positions, and no longer hold the {cache.window:,} keys position {p:,} read")
+    return p
+
+
+@torch.inference_mode()
+def recompute(
+    session: object, ids: Sequence[int], step: int, layers: Iterable[int], lens_top: int = 0, token: int = -1,
+) -> tuple[list[AttentionCaptured], LensCaptured | None]:
+    """The attention of `layers` (and the logit lens, lens_top > 0) of the step whose query is the last of `ids`
+    (the run's tokens at positions 0…p), exactly as a capture at that step gives them: each AttentionCaptured is
+    (heads, 1, keys) at query_start p, keys = p + 1 (a sliding-window layer: its window). `token` is the token the
+    step chose (the lens gives its probability in every row; −1: not known). The cache is left as it was."""
+    p = check_cache(session, ids)
+    cfg, model = session.cfg, session.lm.model
+    wanted = sorted({int(i) for i in layers})
+    outside = [i for i in wanted if not 0 <= i < cfg.n_layers]
+    if outside:
+        raise ValueError(f"layer {outside[0]} is not in this model (layers 0…{cfg.n_layers - 1})")
+    if lens_top < 0:
+        raise ValueError(f"lens_top must be 0 (no lens) or a positive number of tokens, got {lens_top}")
+    probe = Probe.for_capture(wanted, residual_stream=lens_top > 0)
+    tokens = torch.tensor([[int(ids[p])]], dtype=torch.long, device=session.lm.device)  # (1, 1)
+    # The decode kernel of each product is chosen per thread count (engine.model.kernels: int4 at one thread, int8 at
+    # two, for some of SmolLM2's), so the step is run at the count the run's steps use now; a step that ran at
+    # another count (threads "auto" switches) differs from its capture by the two kernels' rounding only.
+    before = torch.get_num_threads()
+    if session.threads is not None:
+        torch.set_num_threads(session.threads.current)
+    try:
+        logits = model(tokens, p, ReadOnlyCache(session.cache, p), probe)[0]  # (V,)
+    finally:
+        torch.set_num_threads(before)
+    phase = "prefill" if step == 0 else "decode"
+    attention = [AttentionCaptured(step=step, phase=phase, layer=i, query_start=p,
+                                   weights=probe.values[attn_point(i)][0], group_size=cfg.group_size)
+                 for i in wanted]  # batch row 0: (H, 1, S)
+    lens = None
+    if lens_top:
+        lens = lens_event(model, session.tokenizer, step, p, probe.values[RESID_STREAM][0], logits, lens_top,
+                          None if token < 0 else token)
+    return attention, lens
+
+
+def answer(session: object, cmd: Recompute) -> Recomputed:
+    """The engine process's reply to a Recompute: the events, or one sentence saying why not."""
+    t0 = time.perf_counter()
+    try:
+        attention, lens = recompute(session, cmd.ids, cmd.step, cmd.layers, cmd.lens_top, cmd.token)
+    except (Unsupported, ValueError) as e:
+        return Recomputed(cmd.request_id, cmd.step, error=str(e), seconds=time.perf_counter() - t0)
+    return Recomputed(cmd.request_id, cmd.step, tuple(attention), lens, seconds=time.perf_counter() - t0)

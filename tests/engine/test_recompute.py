@@ -1,0 +1,174 @@
+"""A step's attention and lens recomputed from the live run's KV cache (engine.run.recompute) equal what a capture at
+that step gave, and an independent reference (tests/tiny_model.py's float64 forward; transformers' Gemma 3); the
+cache is left exactly as it was; a cache that no longer holds the run, and llama.cpp, say so in one sentence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.backend import Unsupported
+from engine.events import AttentionCaptured, LensCaptured, TokenSampled
+from engine.protocol import Capture, Recompute, SamplingParams
+from engine.run.recompute import CacheGone, answer, recompute
+from engine.run.session import Session
+from tests.tiny_model import reference_logits
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = [int(i) for i in np.random.default_rng(7).integers(3, 300, size=11)]
+
+
+def generate_everything(lm, prompt, n: int, lens_top: int = 5, threads: int = 1) -> tuple[Session, list, list[int]]:
+    """A generation capturing every layer's attention and the lens; (session, events, tokens at positions 0…).
+
+    At a fixed thread count: each count may run its own decode kernels (engine.model.kernels), and "auto" switches
+    counts between steps, so a step and its recompute run the same kernels only at a fixed count."""
+    s = Session(lm, threads=threads)
+    cap = Capture(attention_layers=frozenset(range(lm.cfg.n_layers)), lens_top=lens_top)
+    events = list(s.generate(prompt, GREEDY, n, cap, ignore_eos=True))
+    out = [e.token_id for e in events if isinstance(e, TokenSampled)]
+    return s, events, list(prompt) + out
+
+
+def captured(events, step: int) -> tuple[dict[int, AttentionCaptured], LensCaptured]:
+    att = {e.layer: e for e in events if isinstance(e, AttentionCaptured) and e.step == step}
+    lens = next(e for e in events if isinstance(e, LensCaptured) and e.step == step)
+    return att, lens
+
+
+def context(ids: list[int], n_prompt: int, step: int) -> list[int]:
+    """The tokens at positions 0…p of decode step `step`, whose query is the token fed at p = n_prompt + step − 1."""
+    return ids[:n_prompt + step]
+
+
+def snapshot(s: Session) -> tuple:
+    c = s.cache
+    return c.pos, list(c.base), list(s.cached_ids), [k.clone() for k in c.k], [v.clone() for v in c.v]
+
+
+def assert_unchanged(s: Session, before: tuple) -> None:
+    pos, base, ids, ks, vs = before
+    c = s.cache
+    assert (c.pos, c.base, s.cached_ids) == (pos, base, ids)
+    assert all(torch.equal(a[:, :, :pos], b[:, :, :pos]) for a, b in zip(ks, c.k, strict=True))
+    assert all(torch.equal(a[:, :, :pos], b[:, :, :pos]) for a, b in zip(vs, c.v, strict=True))
+
+
+def test_every_layer_of_old_and_new_steps_equals_its_capture_and_the_reference(tiny_lm, tiny_dir, threads):
+    n = 10
+    s, events, ids = generate_everything(tiny_lm, PROMPT, n, threads=threads)
+    ref: dict = {}
+    reference_logits(tiny_dir.hf_weights, ids[:-1], attention=ref)  # every position the run fed, float64
+    before = snapshot(s)
+    L, P = tiny_lm.cfg.n_layers, len(PROMPT)
+    for step in (1, 4, n - 1):
+        p = P + step - 1
+        att, lens = recompute(s, context(ids, P, step), step, range(L), lens_top=5, token=ids[p + 1])
+        cap_att, cap_lens = captured(events, step)
+        for ev in att:
+            want = cap_att[ev.layer]
+            assert (ev.step, ev.phase, ev.query_start, ev.weights.shape) == (step, "decode", p, want.weights.shape)
+            np.testing.assert_allclose(ev.weights, want.weights, atol=1e-5, rtol=0)
+            np.testing.assert_allclose(ev.weights[:, 0], ref[ev.layer][:, p, :p + 1].numpy(), atol=2e-5, rtol=0)
+        assert lens.position == cap_lens.position == p and lens.token_id == cap_lens.token_id
+        np.testing.assert_array_equal(lens.ids, cap_lens.ids)
+        np.testing.assert_allclose(lens.probs, cap_lens.probs, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(lens.token_probs, cap_lens.token_probs, atol=1e-5, rtol=0)
+    assert_unchanged(s, before)
+    # the run goes on from the cache as if nothing had happened: the same tokens as an untouched session
+    more = [e.token_id for e in s.generate(ids, GREEDY, 3, ignore_eos=True) if isinstance(e, TokenSampled)]
+    fresh = [e.token_id for e in Session(tiny_lm).generate(ids, GREEDY, 3, ignore_eos=True)
+             if isinstance(e, TokenSampled)]
+    assert more == fresh
+
+
+def test_a_cache_that_holds_another_run_says_so(tiny_lm):
+    s, _, ids = generate_everything(tiny_lm, PROMPT, 6, lens_top=0)
+    ctx = context(ids, len(PROMPT), 3)
+    assert recompute(s, ctx, 3, [0])[0]  # held
+    list(s.generate([5, 6, 7, 8], GREEDY, 2, ignore_eos=True))  # another run replaces the cache
+    with pytest.raises(CacheGone, match="no longer holds this run"):
+        recompute(s, ctx, 3, [0])
+    s.forget_cache()  # an experiment forgets it
+    reply = answer(s, Recompute(1, 3, tuple(ctx), frozenset({0})))
+    assert not reply.ok and "no longer holds this run" in reply.error and reply.attention == ()
+    list(s.generate(PROMPT, GREEDY, 2, ignore_eos=True))
+    with pytest.raises(ValueError, match="layer 9 is not in this model"):
+        recompute(s, PROMPT, 0, [9])
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    from tests.requires import import_required
+
+    import_required("transformers")
+    from engine.loaders import load
+    from tests.tiny_families import write_checkpoint
+
+    ck = write_checkpoint(tmp_path_factory.mktemp("gemma"), "gemma3")
+    return ck, load(ck.hf_dir, device="cpu", dtype="float32", use_cache=False)
+
+
+def test_sliding_window_layers_read_their_window_and_old_steps_are_refused(gemma):
+    """Tiny Gemma 3: window 4, so its local layers keep at most 8 positions and, just after they move their newest
+    to the front, only the last 4 (engine.model.kv_cache); the newest step reads its band exactly as the capture
+    and transformers' eager attention do; a step whose band the local layers have let go is refused."""
+    ck, lm = gemma
+    cfg = lm.cfg
+    prompt = PROMPT[:6]
+    n = 14
+    s, events, ids = generate_everything(lm, prompt, n)
+    with torch.no_grad():
+        out = ck.model(torch.tensor([ids[:-1]]), use_cache=False, output_attentions=True)
+    before = snapshot(s)
+    step = n - 1
+    p = len(prompt) + step - 1
+    att, lens = recompute(s, context(ids, len(prompt), step), step, range(cfg.n_layers), lens_top=5,
+                          token=ids[p + 1])
+    cap_att, cap_lens = captured(events, step)
+    for ev in att:
+        keys = cfg.sliding_window if cfg.is_local(ev.layer) else p + 1
+        assert ev.weights.shape == cap_att[ev.layer].weights.shape == (cfg.n_heads, 1, keys)
+        np.testing.assert_allclose(ev.weights, cap_att[ev.layer].weights, atol=1e-5, rtol=0)
+        hf = out.attentions[ev.layer][0, :, p, p + 1 - keys:p + 1].numpy()
+        np.testing.assert_allclose(ev.weights[:, 0], hf, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(lens.probs, cap_lens.probs, atol=1e-5, rtol=0)
+    assert_unchanged(s, before)
+    with pytest.raises(CacheGone, match="sliding-window layers"):  # a global layer reads the local ones' output
+        recompute(s, context(ids, len(prompt), 2), 2, [cfg.layer_types.index("global")])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_threads", [1, 2])
+def test_smollm2_every_layer_equals_its_capture(real_lm, n_threads):
+    """SmolLM2's Q4_1 weights run int4 decode kernels at one thread and int8 at two here: each matches itself."""
+    n = 24
+    prompt = real_lm.tokenizer.encode("The KV cache keeps the keys and values of every past position, so").ids
+    s, events, ids = generate_everything(real_lm, prompt, n, threads=n_threads)
+    before = snapshot(s)
+    for step in (1, 11, n - 1):
+        p = len(prompt) + step - 1
+        att, lens = recompute(s, context(ids, len(prompt), step), step, range(real_lm.cfg.n_layers), lens_top=5,
+                              token=ids[p + 1])
+        cap_att, cap_lens = captured(events, step)
+        assert len(att) == real_lm.cfg.n_layers
+        for ev in att:
+            np.testing.assert_allclose(ev.weights, cap_att[ev.layer].weights, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(lens.ids[:, 0], cap_lens.ids[:, 0])
+        np.testing.assert_allclose(lens.probs, cap_lens.probs, atol=1e-5, rtol=0)
+    assert_unchanged(s, before)
+
+
+def test_llama_cpp_refuses_in_one_sentence(tiny_dir):
+    from tests.requires import import_required
+
+    import_required("llama_cpp", name="llamacpp", dist="llama-cpp-python")
+    from engine.backends.llamacpp import LlamaCppSession
+
+    s = LlamaCppSession(tiny_dir.gguf, n_ctx=64)
+    list(s.generate(PROMPT, GREEDY, 3, ignore_eos=True))
+    with pytest.raises(Unsupported, match="kept steps only on llama.cpp"):
+        recompute(s, PROMPT, 0, [0])
+    reply = answer(s, Recompute(2, 0, tuple(PROMPT), frozenset({0})))
+    assert reply.error.startswith("kept steps only on llama.cpp") and "\n" not in reply.error
