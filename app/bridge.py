@@ -280,8 +280,8 @@ class Bridge(QtCore.QObject):
     """Batching lab: fraction done and what is being measured."""
     sig_batch_row = QtCore.Signal(object)
     """Batching lab: one measured engine.labs.batching.BatchRow."""
-    sig_batch_done = QtCore.Signal(str)
-    """Batching lab ended: "" when complete, else why it stopped ("cancelled", an error)."""
+    sig_batch_done = QtCore.Signal(object)
+    """Batching lab ended: engine.protocol.LabDone (done, cancelled, failed or unsupported, and why)."""
     sig_this_machine = QtCore.Signal(object)
     """(device, dtype, Hardware or None): this machine's cached or new measurement, from the engine process."""
     sig_measure_progress = QtCore.Signal(float, str)
@@ -306,12 +306,12 @@ class Bridge(QtCore.QObject):
     """Serve this model ended: "" when the server answers and the app is connected to it, else why not."""
     sig_spec = QtCore.Signal(object)
     """Speculative-decoding lab: one event of engine.labs.spec_events (a pass, the baseline, a sweep point)."""
-    sig_spec_done = QtCore.Signal(str)
-    """Speculative-decoding lab ended: "" when complete, else why it stopped."""
+    sig_spec_done = QtCore.Signal(object)
+    """Speculative-decoding lab ended: engine.protocol.LabDone."""
     sig_sched = QtCore.Signal(object)
     """Scheduling lab: one event of engine.labs.schedule_events (the plan, a step, a finished request, a summary)."""
-    sig_sched_done = QtCore.Signal(str)
-    """Scheduling lab ended: "" when complete, else why it stopped."""
+    sig_sched_done = QtCore.Signal(object)
+    """Scheduling lab ended: engine.protocol.LabDone."""
     sig_pong = QtCore.Signal(int)
     """The engine handled every command sent before the Ping with this token (ping())."""
     sig_serve_progress = QtCore.Signal(float, str)
@@ -320,8 +320,8 @@ class Bridge(QtCore.QObject):
     """Load lab: one finished request (engine.remote.loadlab.RequestResult)."""
     sig_serve_run = QtCore.Signal(object)
     """Load lab: the figures of one concurrency level (a dict with `vllm bench serve`'s keys)."""
-    sig_serve_done = QtCore.Signal(str)
-    """Load lab ended: "" when complete, else why it stopped."""
+    sig_serve_done = QtCore.Signal(object)
+    """Load lab ended: engine.protocol.LabDone."""
     sig_server_tokens = QtCore.Signal(object)
     """engine.protocol.Tokenized: the connected server's own tokenization of a prompt (and of its chat form)."""
     sig_why_progress = QtCore.Signal(float, str)
@@ -333,6 +333,8 @@ class Bridge(QtCore.QObject):
     """EngineLost: the engine process died (why, whether it is being restarted, an offer of the torch runtime)."""
     sig_engine_restarted = QtCore.Signal(object)
     """The engine started again after dying and has the same model loaded: its ModelInfo (panels keep their run)."""
+    sig_recomputed = QtCore.Signal(object)
+    """engine.protocol.Recomputed: a step's attention (and lens) run again from the live run's KV cache, or why not."""
 
     def __init__(self, parent: QtCore.QObject | None = None) -> None:
         super().__init__(parent)
@@ -350,6 +352,7 @@ class Bridge(QtCore.QObject):
         self._ping = 0
         self._experiment_id = 0
         self._experiment: P.Experiment | None = None  # the newest experiment sent and not yet done
+        self._recompute_id = 0
         self._machine: dict[tuple[str, str], object] = {}  # (device, dtype) → the engine's answer (None: none)
         self._answered: set[tuple[str, str]] = set()  # keys the engine has answered for
         # What a new engine process needs to stand in for one that died, and what the app knows of the dead one.
@@ -374,6 +377,7 @@ class Bridge(QtCore.QObject):
             PrefillDone: self.sig_prefill.emit, TokenSampled: self._on_token, Finished: self._on_finished,
             ServerMetricsSampled: self.sig_server_metrics.emit, Failed: lambda m: self.sig_failed.emit(m.message),
             PreviewResult: self.sig_preview.emit, P.Progress: self._on_progress, P.Done: self._on_done,
+            P.LabDone: self._on_lab_done,
             P.Loaded: self._on_loaded, P.LoadFailed: self._on_load_failed, _EngineGone: self._on_engine_gone,
             P.State: self._on_state, P.BatchMeasured: lambda m: self.sig_batch_row.emit(m.row),
             P.ThisMachine: self._on_this_machine, P.Connected: self._on_connected,
@@ -387,12 +391,14 @@ class Bridge(QtCore.QObject):
             self._routes[cls] = self.sig_spec.emit
         for cls in SCHED_EVENTS:
             self._routes[cls] = self.sig_sched.emit
+        self._routes[P.Recomputed] = self.sig_recomputed.emit
         self._progress = {"load": self.sig_load_progress, "batch": self.sig_batch_progress,
                           "measure": self.sig_measure_progress, "serve": self.sig_serve_progress,
                           "serve_model": self.sig_serving_progress, "why": self.sig_why_progress}
-        self._done = {"batch": self.sig_batch_done, "measure": self.sig_measure_done, "serve": self.sig_serve_done,
-                      "serve_model": self.sig_serving_done, "spec": self.sig_spec_done,
-                      "sched": self.sig_sched_done, "why": self._sig_why_lost}
+        self._done = {"measure": self.sig_measure_done, "serve_model": self.sig_serving_done,
+                      "why": self._sig_why_lost}
+        self._lab_done = {"batch": self.sig_batch_done, "spec": self.sig_spec_done, "sched": self.sig_sched_done,
+                          "serve": self.sig_serve_done}  # engine.protocol.LAB_JOBS' names
         self._sig_why_lost.connect(self._on_why_lost)
         self._start_engine()
 
@@ -486,10 +492,15 @@ class Bridge(QtCore.QObject):
         self._post(P.SetParams(params))
         self.sig_params.emit(params)
 
+    def run_lab(self, request: P.Lab) -> None:
+        """Run a lab in the engine process (after any generation): its events come on the lab's signals, and its
+        end, as an engine.protocol.LabDone, on the lab's sig_…_done."""
+        self._jobs.add(P.LAB_JOBS[type(request)])
+        self._post(request)
+
     def run_batch_bench(self, batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32), prompt_tokens: int = 32,
                         new_tokens: int = 16) -> None:
-        self._jobs.add("batch")
-        self._post(P.BatchBench(tuple(batches), prompt_tokens, new_tokens))
+        self.run_lab(P.BatchBench(tuple(batches), prompt_tokens, new_tokens))
 
     def cancel_batch_bench(self) -> None:
         self._post(P.Cancel())
@@ -538,13 +549,11 @@ class Bridge(QtCore.QObject):
 
     def speculate(self, cmd: P.Speculate) -> None:
         """Run the speculative-decoding lab (sig_spec for each event, sig_spec_done at the end)."""
-        self._jobs.add("spec")
-        self._post(cmd)
+        self.run_lab(cmd)
 
     def schedule(self, config: object) -> None:
         """Run the scheduling lab (sig_sched for each event, sig_sched_done at the end)."""
-        self._jobs.add("sched")
-        self._post(P.Schedule(config))
+        self.run_lab(P.Schedule(config))
 
     def cancel_lab(self) -> None:
         self._post(P.Cancel())
@@ -565,8 +574,7 @@ class Bridge(QtCore.QObject):
 
     def run_serve_bench(self, config: dict) -> None:
         """Load lab: `config` holds concurrency (list), num_prompts, max_new_tokens, request_rate, time_limit_s."""
-        self._jobs.add("serve")
-        self._post(P.ServeBench(dict(config)))
+        self.run_lab(P.ServeBench(dict(config)))
 
     def cancel_serve_bench(self) -> None:
         self._post(P.Cancel())
@@ -580,6 +588,16 @@ class Bridge(QtCore.QObject):
 
     def select_step(self, step: int) -> None:
         self.sig_step_selected.emit(int(step))
+
+    def recompute(self, step: int, ids: Iterable[int], layers: Iterable[int] = (), lens_top: int = 0,
+                  token: int = -1) -> int:
+        """Ask the engine to run step `step` again from its KV cache (`ids`: the run's tokens at positions 0…p, the
+        step's query last): these layers' attention, and the lens when lens_top > 0 (`token`: the step's chosen
+        one). sig_recomputed answers, between two tokens if a generation runs. Returns the request's id."""
+        self._recompute_id += 1
+        self._post(P.Recompute(self._recompute_id, int(step), tuple(int(i) for i in ids),
+                               frozenset(int(i) for i in layers), int(lens_top), int(token)))
+        return self._recompute_id
 
     def show_model(self, info: ModelInfo | None, cfg, tokenizer, announce: bool = True) -> None:
         """Stand a model's facts in for the loaded one (a session opened without its model) and tell the panels;
@@ -640,7 +658,7 @@ class Bridge(QtCore.QObject):
         if not self._replaying:
             self._live = _LiveRun()
         self.run_source = ev.source
-        self.run_server = self.server if ev.source.kind == "server" else None
+        self.run_server = self.server if ev.source.measured_by_server else None
         self.sig_run_started.emit(ev)
 
     def _on_prompt(self, ev: PromptTokenized) -> None:
@@ -675,6 +693,10 @@ class Bridge(QtCore.QObject):
         sig = self._done.get(m.job)
         if sig is not None:
             sig.emit(m.message)
+
+    def _on_lab_done(self, m: P.LabDone) -> None:
+        self._jobs.discard(m.job)
+        self._lab_done[m.job].emit(m)
 
     def _on_experiment_done(self, m: P.ExperimentDone) -> None:
         if self._experiment is not None and m.request_id == self._experiment.request_id:
@@ -750,7 +772,10 @@ class Bridge(QtCore.QObject):
         if live is not None and live.prompt_ids:  # the same path as a run's end: panels, run store, autosave
             self.sig_finished.emit(_interrupted(live))
         for job in sorted(self._jobs):
-            self._done[job].emit(f"the engine process stopped: {cause}")
+            if job in self._lab_done:
+                self._lab_done[job].emit(P.LabDone(job, "failed", f"the engine process stopped: {cause}"))
+            else:
+                self._done[job].emit(f"the engine process stopped: {cause}")
         self._jobs.clear()
         self._machine = {k: v for k, v in self._machine.items() if v is not None or k in self._answered}
         self.state = "idle"

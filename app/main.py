@@ -263,7 +263,8 @@ def _run_headless(app, args: argparse.Namespace) -> int:
             return
         window.docks["load_lab"].show()
         window.docks["load_lab"].raise_()
-        window.bridge.sig_serve_done.connect(lambda msg: finish(1, msg) if msg else QtCore.QTimer.singleShot(0, save))
+        window.bridge.sig_serve_done.connect(lambda done: QtCore.QTimer.singleShot(0, save) if done.ok else
+                                             finish(1, done.message or f"the load lab was {done.outcome}"))
         lab.run({"concurrency": levels, "num_prompts": 8, "max_new_tokens": args.max_new_tokens or 32,
                  "request_rate": None, "burstiness": 1.0, "time_limit_s": 120.0})
 

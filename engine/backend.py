@@ -3,8 +3,9 @@
 A backend is the local model (engine.run.local.LocalBackend) or a server (engine.remote.served.ServerBackend); a
 third (another local runtime) is one more subclass. The engine process (engine.server) holds one backend and never
 asks which kind it is: it asks the backend, and a backend that cannot do something says so in one sentence
-(Unsupported). Every generation starts with RunStarted, whose RunSource says where it ran and what it could not
-report, so a panel draws a replayed or disconnected run as what it was.
+(Unsupported). The labs come as one typed request (engine.protocol.Lab) to one method, run_lab, and end with one
+typed outcome (engine.protocol.LabDone). Every generation starts with RunStarted, whose RunSource says where it ran
+and what it could and could not report, so a panel draws a replayed or disconnected run as what it was.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from engine.events import Event, PromptTokenized, RunSource
-from engine.protocol import BatchRow, GenerateRequest, PreviewResult, SamplingParams
+from engine.protocol import LAB_JOBS, LAB_NAMES, GenerateRequest, Lab, PreviewResult, SamplingParams
 
 
 class Unsupported(Exception):
@@ -61,22 +62,12 @@ class Backend(ABC):
         """Use this thread controller (engine.run.threads.AdaptiveThreads) from the next step on."""
         return None  # a backend whose threads are not ours (a server) ignores it
 
-    def batch_bench(self, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int, progress: Progress,
-                    should_stop: ShouldStop, on_row: Callable[[BatchRow], None]) -> None:
-        """The batching lab: batched decode measured at each batch size."""
-        raise Unsupported("the batching lab runs the local model: disconnect from the server to use it")
-
-    def speculate(self, cmd: object, send: Callable[[object], None], should_stop: ShouldStop) -> None:
-        """The speculative-decoding lab (engine.protocol.Speculate): drafts verified by the model's own passes."""
-        raise Unsupported("the speculative-decoding lab runs on the local model: disconnect from the server to use it")
-
-    def schedule(self, config: object, send: Callable[[object], None], should_stop: ShouldStop) -> None:
-        """The scheduling lab (engine.labs.scheduler): static and continuous batching with real batched steps."""
-        raise Unsupported("the scheduling lab runs on the local model: disconnect from the server to use it")
-
-    def serve_bench(self, config: dict, send: Callable[[object], None], should_stop: ShouldStop) -> None:
-        """The load lab: concurrent requests against a server, with its metrics."""
-        raise Unsupported("the load lab measures a server: connect to one first (File → Connect to server…)")
+    def run_lab(self, request: Lab, send: Callable[[object], None], should_stop: ShouldStop) -> None:
+        """Run one lab (engine.protocol.Lab: BatchBench, Speculate, Schedule or ServeBench): its events, progress
+        and rows go out through `send` as they come; `should_stop` is polled between steps. Returns when done; a lab
+        stopped early raises (any exception once should_stop() is true is a cancellation), a bad setting raises
+        ValueError with one sentence, and a lab this backend cannot run raises Unsupported with one sentence."""
+        raise Unsupported(f"{LAB_NAMES[LAB_JOBS[type(request)]]} does not run on {self.source.name}")
 
     def why_session(self) -> object:
         """The loaded model's session the why-experiments run on (engine.server.run_experiment): the torch engine's

@@ -73,11 +73,26 @@ CAPABILITIES: tuple[Capability, ...] = ("attention", "residual_norms", "costs", 
 @dataclass(frozen=True, kw_only=True)
 class RunSource:
     """Where a run came from: the local model or a server, named as the user would recognise it (a URL is shown
-    without credentials), and what that source could not report."""
+    without credentials), what that source could not report, and how to read what it did report. The app asks these
+    facts, never `kind` (tests/test_seams.py holds it): a third source states its own."""
 
-    kind: Literal["local", "server"]
+    kind: Literal["local", "server"]  # for the record; ask the facts below
     name: str  # the model's name; for a server "model @ host:port"
     cannot: tuple[Capability, ...] = ()
+    # The token ids index the loaded model's vocabulary (its tokenizer can name them); a server's ids belong to its
+    # own tokenizer, and are -1 where it names none.
+    token_ids_are_local: bool | None = None
+    # The run's times and figures were measured by a server, not by this engine: each token's seconds is the gap
+    # between its stream's chunks (0 for the later tokens of a chunk), and the server's /metrics describe its KV.
+    measured_by_server: bool | None = None
+
+    def __post_init__(self) -> None:
+        # A run recorded before a source stated these facts: the facts of its kind's backends then
+        remote = self.kind == "server"
+        if self.token_ids_are_local is None:
+            object.__setattr__(self, "token_ids_are_local", not remote)
+        if self.measured_by_server is None:
+            object.__setattr__(self, "measured_by_server", remote)
 
     def can(self, what: Capability) -> bool:
         return what not in self.cannot

@@ -7,6 +7,7 @@ it).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Literal, get_args
 
 FUNNEL_TOP = 20  # candidates kept in each step's sampling funnel by the app and the benchmark
 ATTENTION_MAX_BYTES = 16 * 2**20  # float32 attention weights kept per layer and step
@@ -245,7 +246,7 @@ class ServeBench(Command):
 @dataclass(frozen=True)
 class Speculate(Command):
     """The speculative-decoding lab on the local model (engine.labs.speculative): one run, or a sweep of k; its
-    events go out as they come, then Done("spec")."""
+    events go out as they come, then LabDone("spec")."""
 
     text: str
     chat: bool = False
@@ -260,9 +261,16 @@ class Speculate(Command):
 @dataclass(frozen=True)
 class Schedule(Command):
     """The scheduling lab on the local model (engine.labs.scheduler): static against continuous batching on the same
-    arrivals, with a paged KV cache; its events go out as they come, then Done("sched")."""
+    arrivals, with a paged KV cache; its events go out as they come, then LabDone("sched")."""
 
     config: object  # engine.labs.schedule_events.SchedConfig
+
+
+# -- labs: one request type each, run by Backend.run_lab; each ends with one LabDone
+Lab = BatchBench | Speculate | Schedule | ServeBench
+LAB_JOBS: dict[type, str] = {BatchBench: "batch", Speculate: "spec", Schedule: "sched", ServeBench: "serve"}
+LAB_NAMES: dict[str, str] = {"batch": "the batching lab", "spec": "the speculative-decoding lab",
+                             "sched": "the scheduling lab", "serve": "the load lab"}
 
 
 # -- why-experiments (engine.why): one request, one outcome; the params' type says which experiment
@@ -401,7 +409,8 @@ class Progress(Notice):
 
 @dataclass(frozen=True)
 class Done(Notice):
-    """A long job ended: message "" when complete, else why it stopped ("cancelled", an error sentence)."""
+    """A long job that is not a lab ended (measure, serve_model): message "" when complete, else why it stopped
+    ("cancelled", an error sentence). A lab ends with LabDone."""
 
     job: str
     message: str = ""
@@ -527,6 +536,32 @@ class Recomputed(Notice):
     @property
     def ok(self) -> bool:
         return not self.error
+
+
+LabOutcome = Literal["done", "cancelled", "failed", "unsupported"]
+LAB_OUTCOMES: tuple[LabOutcome, ...] = get_args(LabOutcome)
+
+
+@dataclass(frozen=True)
+class LabDone(Notice):
+    """How a lab (a Lab request) ended, in the shape of ExperimentDone: done; cancelled (Cancel, Stop or Quit);
+    failed, with why in one sentence; or unsupported: this runtime cannot run it at all, the sentence says why and
+    what to do instead. Panels read the outcome, never the message's words."""
+
+    job: str  # LAB_JOBS' name of the lab: "batch", "spec", "sched" or "serve"
+    outcome: LabOutcome = "done"
+    message: str = ""  # one sentence when failed or unsupported
+    seconds: float = 0.0  # wall time of the lab in the engine process
+
+    def __post_init__(self) -> None:
+        if self.job not in LAB_NAMES:
+            raise ValueError(f"not a lab: {self.job!r} (choose {', '.join(LAB_NAMES)})")
+        if self.outcome not in LAB_OUTCOMES:
+            raise ValueError(f"not a lab outcome: {self.outcome!r} (choose {', '.join(LAB_OUTCOMES)})")
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "done"
 
 
 @dataclass(frozen=True)

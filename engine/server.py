@@ -27,9 +27,9 @@ from engine.backend import Backend, Run, ShouldStop, Unsupported
 from engine.backend import Progress as ReportProgress
 from engine.events import Failed, TokenSampled
 from engine.protocol import (
+    LAB_JOBS,
     AskThisMachine,
     BatchBench,
-    BatchMeasured,
     Cancel,
     CaptureAttention,
     Command,
@@ -42,6 +42,9 @@ from engine.protocol import (
     Experiment,
     ExperimentDone,
     Generate,
+    Lab,
+    LabDone,
+    LabOutcome,
     Load,
     Loaded,
     LoadFailed,
@@ -56,12 +59,10 @@ from engine.protocol import (
     Recomputed,
     Resume,
     SamplingParams,
-    Schedule,
     ServeBench,
     ServeModel,
     SetParams,
     SetThreads,
-    Speculate,
     State,
     Step,
     Stop,
@@ -93,13 +94,14 @@ class EngineServer:
         self._after_generation: list[tuple[int, Command]] = []  # work that yielded to a generation, resumed after
         self._send_lock = threading.Lock()  # the load lab sends from its own thread
         self._handlers = {
-            Load: self.load, Generate: self.generate, Preview: self.preview, BatchBench: self.batch_bench,
+            Load: self.load, Generate: self.generate, Preview: self.preview,
             AskThisMachine: self.this_machine, Measure: self.measure, SetParams: self.set_params,
             SetThreads: self.set_threads, Connect: self.connect, Disconnect: self.disconnect,
-            ServeBench: self.serve_bench, Tokenize: self.tokenize, Ping: self.ping, ServeModel: self.serve_model,
-            StopServing: self.stop_serving, Speculate: self.speculate, Schedule: self.schedule,
+            Tokenize: self.tokenize, Ping: self.ping, ServeModel: self.serve_model,
+            StopServing: self.stop_serving,
             Experiment: self.experiment, Recompute: self.recompute,
         }
+        self._handlers.update(dict.fromkeys(LAB_JOBS, self.lab))  # every lab: one request type, one handler
         self.served = None  # the server this process started for the loaded model (engine.remote.launch)
         self.served_backend: Backend | None = None  # the connection to it
         # Pause, Resume, Step, Stop, CaptureAttention and Cancel act inside a generation or a job; outside one there
@@ -169,7 +171,7 @@ class EngineServer:
             cmd = self.next_command(None)
             if cmd is None:
                 continue
-            if isinstance(cmd, (Preview, Tokenize, Recompute)):  # only the newest of each kind is wanted
+            if isinstance(cmd, (Preview, Tokenize)):
                 cmd = self.latest(cmd)
             handler = self._handlers.get(type(cmd))
             if handler is None:
@@ -361,8 +363,17 @@ class EngineServer:
         self.pending.extend(deferred.values())
 
     def _job(self, job: str, run, quiet=lambda: False) -> None:
-        """Run a long job that reports Progress; Cancel, Stop or Quit end it; its Done says how it ended (unless
-        quiet() says the job will go on later)."""
+        """Run a long job that is not a lab (a measurement) and reports Progress; Cancel, Stop or Quit end it; its
+        Done says how it ended (unless quiet() says the job will go on later)."""
+        outcome, message = self._outcome(job, run)
+        if outcome != "done" or not quiet():
+            self.send(Done(job, {"done": "", "cancelled": "cancelled", "failed": f"failed: {message}"}.get(outcome,
+                                                                                                   message)))
+
+    def _outcome(self, job: str, run) -> tuple[LabOutcome, str]:
+        """Run `run(progress, should_stop)` and say how it ended: done, cancelled (Cancel, Stop or Quit came after
+        the command that started it), failed (one sentence: a ValueError's own, else the exception's type and
+        message) or unsupported (the backend's Unsupported sentence)."""
         number = self.current
 
         def should_stop() -> bool:
@@ -371,33 +382,26 @@ class EngineServer:
         try:
             run(lambda f, m: self.send(Progress(job, f, m)), should_stop)
         except Unsupported as e:
-            self.send(Done(job, str(e)))
+            return "unsupported", str(e)
         except Exception as e:  # noqa: BLE001 — the panel must learn that the run ended
-            cancelled = should_stop() or type(e).__name__ in ("Cancelled", "MeasurementCancelled")
-            self.send(Done(job, "cancelled" if cancelled else f"failed: {type(e).__name__}: {e}"))
-        else:
-            if not quiet():
-                self.send(Done(job, "cancelled" if should_stop() else ""))
+            if should_stop() or type(e).__name__ in ("Cancelled", "MeasurementCancelled"):
+                return "cancelled", ""
+            return "failed", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        return ("cancelled" if should_stop() else "done"), ""
 
-    def batch_bench(self, cmd: BatchBench) -> None:
-        if self.backend is None:
-            self.send(Done("batch", "the model is not loaded yet"))
-            return
-        self._job("batch", lambda progress, should_stop: self.backend.batch_bench(
-            cmd.batches, cmd.prompt_tokens, cmd.new_tokens, progress, should_stop,
-            lambda row: self.send(BatchMeasured(row))))
+    def lab(self, cmd: Lab) -> None:
+        """One lab (BatchBench, Speculate, Schedule, ServeBench) on the backend in use: its events go out as they
+        come, then one LabDone says how it ended."""
+        import time
 
-    def speculate(self, cmd: Speculate) -> None:
+        job, t0 = LAB_JOBS[type(cmd)], time.perf_counter()
         if self.backend is None:
-            self.send(Done("spec", "load a model first"))
+            self.send(LabDone(job, "failed", "connect to a server first (File → Connect to server…)"
+                              if isinstance(cmd, ServeBench) else "load a model first"))
             return
-        self._job("spec", lambda progress, should_stop: self.backend.speculate(cmd, self.send, should_stop))
-
-    def schedule(self, cmd: Schedule) -> None:
-        if self.backend is None:
-            self.send(Done("sched", "load a model first"))
-            return
-        self._job("sched", lambda progress, should_stop: self.backend.schedule(cmd.config, self.send, should_stop))
+        outcome, message = self._outcome(job, lambda _progress, should_stop: self.backend.run_lab(cmd, self.send,
+                                                                                                   should_stop))
+        self.send(LabDone(job, outcome, message, seconds=time.perf_counter() - t0))
 
     def experiment(self, cmd: Experiment) -> None:
         """A why-experiment on the loaded model, with Progress("why", …); its ExperimentDone carries the result, or
@@ -448,13 +452,6 @@ class EngineServer:
             return Session(load(model, device=info.device, dtype=info.dtype), threads=self.threads)
         except ModelLoadError as e:
             raise ValueError(f"cannot load the other model: {e}") from None
-
-    def serve_bench(self, cmd: ServeBench) -> None:
-        if self.backend is None:
-            self.send(Done("serve", "connect to a server first (File → Connect to server…)"))
-            return
-        self._job("serve", lambda progress, should_stop: self.backend.serve_bench(cmd.config, self.send,
-                                                                                    should_stop))
 
     def this_machine(self, cmd: AskThisMachine) -> None:
         """Answer with this machine's cached measurement for (device, dtype), or None; never measures."""

@@ -120,3 +120,69 @@ def test_the_readme_lists_every_panel_by_its_title():
         module = __import__(f"app.panels.{name}", fromlist=["PANEL"])
         panel = module.PANEL
         assert f"| {panel.title} ({panel.shortcut}) |" in table, f"README's panel table lacks {panel.title}"
+
+
+# Files whose owners still have to swap `src.kind != "server"` for `not src.measured_by_server` (one line each):
+# they are held to the rule as soon as the line is gone (the test below fails while an allowance is unused).
+KIND_SWITCH_PENDING = {"app/panels/timeline.py", "app/panels/kv_cache.py"}
+
+
+def _kind_switches(tree: ast.AST) -> list[tuple[int, str]]:
+    """Where code asks a run's source (or an event) what kind it is instead of what it can report: `….kind` compared
+    with "server" or "local", and isinstance(…, Remote…)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            kinds = [s for s in sides if isinstance(s, ast.Attribute) and s.attr == "kind"]
+            words = [s.value for s in sides if isinstance(s, ast.Constant) and s.value in ("server", "local")]
+            if kinds and words:
+                found.append((node.lineno, f".kind compared with {words[0]!r}"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance" \
+                and len(node.args) == 2:
+            classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            for c in classes:
+                name = c.id if isinstance(c, ast.Name) else c.attr if isinstance(c, ast.Attribute) else ""
+                if name.startswith("Remote"):
+                    found.append((node.lineno, f"isinstance(…, {name})"))
+    return found
+
+
+def test_the_app_asks_a_run_source_what_it_can_report_never_its_kind():
+    """RunSource says what a run can report (cannot, token_ids_are_local, measured_by_server): a panel or the bridge
+    that switches on `kind == "server"` or on a server's event classes leans around the seam, and a third source
+    (another runtime, a remote engine) would be drawn wrong."""
+    offenders, pending = [], set()
+    for path in sorted((ROOT / "app").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for line, what in _kind_switches(ast.parse(path.read_text(encoding="utf-8"))):
+            if rel in KIND_SWITCH_PENDING:
+                pending.add(rel)
+            else:
+                offenders.append(f"{rel}:{line} {what}")
+    assert not offenders, offenders
+    assert pending == KIND_SWITCH_PENDING, f"these no longer switch on kind: {KIND_SWITCH_PENDING - pending}"
+
+
+def test_the_rule_finds_a_switch_on_kind():
+    """The check above is not blind: it finds each form it forbids, and passes the questions it asks instead."""
+    bad = ('if src.kind == "server": pass\nif "local" != run.source.kind: pass\n'
+           'if isinstance(ev, RemoteTokenSampled): pass\nif isinstance(ev, (Finished, remote.RemoteGeneration)): pass')
+    assert [line for line, _ in _kind_switches(ast.parse(bad))] == [1, 2, 3, 4]
+    good = 'if src.measured_by_server: pass\nif not src.token_ids_are_local: pass\nif kind == "heads": pass'
+    assert _kind_switches(ast.parse(good)) == []
+
+
+def test_the_backend_takes_one_lab_request_not_a_method_per_lab():
+    """Labs reach a backend through run_lab(request, send, should_stop) and end in one typed LabDone: no backend
+    grows a method of its own per lab again."""
+    lab_methods = {"batch_bench", "speculate", "schedule", "serve_bench"}
+    offenders = []
+    for path in sorted((ROOT / "engine").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(b, ast.Name) and b.id.endswith("Backend") for b in node.bases) or (
+                    isinstance(node, ast.ClassDef) and node.name == "Backend"):
+                offenders += [f"{path.relative_to(ROOT)}:{f.lineno} {node.name}.{f.name}" for f in node.body
+                              if isinstance(f, ast.FunctionDef) and f.name in lab_methods]
+    assert not offenders, offenders

@@ -39,7 +39,7 @@ from engine.costs.catalog import Hardware, canonical_dtype, hardware_presets
 from engine.costs.memory import LabMemory, lab_memory, size
 from engine.events import ModelInfo
 from engine.formats.discover import memory_available
-from engine.protocol import BatchRow
+from engine.protocol import BatchRow, LabDone
 
 FONT_PT = 9
 BATCH_CHOICES = (1, 2, 4, 8, 16, 32)
@@ -92,7 +92,6 @@ class BatchingPanel(Panel):
         "sig_batch_progress": "_on_progress",
         "sig_batch_row": "_on_row",
         "sig_batch_done": "_on_done",
-        "sig_failed": "_on_failed",
     }
     help_text = (
         "A real measurement, not a formula: the loaded model decodes B random prompts together, for each batch "
@@ -116,6 +115,7 @@ class BatchingPanel(Panel):
         self.rows: list[BatchRow] = []
         self.running = False
         self.status = ""
+        self.outcome: str = ""  # how the last run ended (engine.protocol.LabOutcome; "" none yet; refused here: failed)
         self.presets: dict[str, Hardware] = hardware_presets()
         self.this_machine: Hardware | None = None
         self._requested: tuple[int, ...] = ()
@@ -381,14 +381,14 @@ class BatchingPanel(Panel):
                 box.setChecked(b in batches)
         why = self.refusal(batches, prompt, new)
         if why is not None:  # refused before it starts: nothing is sent to the engine
-            self.status = f"failed: {why}"
+            self.status, self.outcome = f"failed: {why}", "failed"
             self._progress = (0.0, why)
             self.mark_dirty()
             return
         self.refresh_this_machine()
         self.rows, self._requested = [], batches
         self.running, self._started, self._cancel_pending = True, False, False
-        self.status = ""
+        self.status, self.outcome = "", ""
         self._progress = (0.0, "starting…")
         self.bridge.run_batch_bench(batches, prompt, new)
         self._update_buttons()
@@ -411,7 +411,7 @@ class BatchingPanel(Panel):
         if cfg is not None:
             self.new_spin.setMaximum(max(2, min(1024, cfg.context_length - 1)))
             self.prompt_spin.setMaximum(max(1, min(4096, cfg.context_length - 2)))
-        self.rows, self.status = [], ""
+        self.rows, self.status, self.outcome = [], "", ""
         self._progress = (0.0, f"{info.name}: ready")
         self.show_memory()
         self.refresh_this_machine()
@@ -434,36 +434,34 @@ class BatchingPanel(Panel):
         self.rows.append(row)
         self.mark_dirty()
 
-    @QtCore.Slot(str)
-    def _on_done(self, reason: str) -> None:
-        self._finish(reason)
-
-    @QtCore.Slot(str)
-    def _on_failed(self, message: str) -> None:
-        # A bench that raises ends with sig_failed instead of sig_batch_done (the engine reports any exception).
-        if self.running:
-            self._finish(f"failed: {message}")
-
-    def _finish(self, reason: str) -> None:
-        self.running = False
+    @QtCore.Slot(object)
+    def _on_done(self, done: LabDone) -> None:
+        """The run ended (engine.protocol.LabDone): done, cancelled, failed or unsupported on this runtime."""
+        self.running, self.outcome = False, done.outcome
         n, asked = len(self.rows), len(self._requested)
-        if reason == "":
+        if done.outcome == "done":
             skipped = asked - n
             self.status = (f"done: {n} batch sizes" if not skipped
                            else f"done: {n} of {asked} batch sizes (the rest would not fit in memory)")
             self._progress = (1.0, self.status)
-        elif reason == "cancelled":
+        elif done.outcome == "cancelled":
             self.status = f"cancelled after {n} of {asked} batch sizes"
             self._progress = (self._progress[0], self.status)
         else:
-            self.status = reason
-            self._progress = (self._progress[0], reason)
+            # unsupported: the runtime's one sentence as it is; failed: said to be a failure
+            self.status = done.message if done.outcome == "unsupported" else f"failed: {done.message}"
+            self._progress = (self._progress[0], self.status)
         self._update_buttons()
         self.mark_dirty()
 
+    @property
+    def failed(self) -> bool:
+        """The last run (or its refusal) ended without measuring: the status says why."""
+        return self.outcome in ("failed", "unsupported")
+
     def clear(self) -> None:
         if not self.running:
-            self.rows, self.status = [], ""
+            self.rows, self.status, self.outcome = [], "", ""
         super().clear()
 
     # ---- drawing -------------------------------------------------------------------------------------------------
@@ -473,14 +471,14 @@ class BatchingPanel(Panel):
         if message or self.bridge.info is not None:
             self.progress.setFormat(message[:80])
         self.progress.setToolTip(message)
-        colour = ERROR_COLOR if self.status.startswith("failed") else FOREGROUND
+        colour = ERROR_COLOR if self.failed else FOREGROUND
         self.summary.setStyleSheet(f"color: {colour};")
         rows = sorted(self.rows, key=lambda r: r.batch)
         roofs = self.roofs()
         self._draw_table(rows, roofs)
         self._draw_speed(rows)
         self._draw_roofline(rows, roofs)
-        if self.status.startswith("failed"):
+        if self.failed:
             self.summary.setText(self.status)
         elif rows:
             self.summary.setText(summarize(rows, roofs))

@@ -32,7 +32,6 @@ from engine.costs.catalog import Hardware, hardware_presets, model_presets
 from engine.costs.estimate import estimate
 from engine.events import ModelInfo
 from engine.model.config import ModelConfig
-from engine.remote.backend import RemoteTokenSampled
 
 FONT_PT = 9
 LOADED = "__loaded__"
@@ -365,7 +364,8 @@ class CapacityPanel(Panel):
 
     @QtCore.Slot(object)
     def _on_token(self, ev: object) -> None:
-        if isinstance(ev, RemoteTokenSampled) and ev.phase == "decode":
+        src = self.bridge.run_source
+        if src is not None and src.measured_by_server and ev.phase == "decode":
             self._server_gaps.append(ev.seconds)  # 0 inside a chunk: the chunk's gap covers its tokens
             self.mark_dirty()
 

@@ -385,7 +385,7 @@ class GenerationPanel(Panel):
         """Per the local tokenizer; a server's ids (-1 when it names none) belong to its vocabulary, not ours."""
         tok = self.bridge.tokenizer
         source = self.bridge.run_source
-        if tok is None or (source is not None and source.kind == "server") or not 0 <= token_id < tok.vocab_size:
+        if tok is None or (source is not None and not source.token_ids_are_local) or not 0 <= token_id < tok.vocab_size:
             return False
         return tok.is_special(token_id)
 

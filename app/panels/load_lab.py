@@ -19,6 +19,7 @@ from PySide6 import QtCore, QtWidgets
 from app import theme
 from app.bridge import Bridge
 from app.panels.base import Panel, spin_box
+from engine.protocol import LabDone
 
 COLUMNS = ("conc.", "ok", "fail", "tok/s system", "tok/s stream", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
            "ITL p99", "E2EL p99", "req/s", "goodput")
@@ -91,6 +92,7 @@ class LoadLabPanel(Panel):
         self._cfg: dict = {}
         self.metrics: list[tuple[float, float | None, float | None, float | None]] = []  # t, kv, running, waiting
         self.running = False
+        self.outcome = ""  # how the last run ended (engine.protocol.LabOutcome; "" while none has)
         self.status = "Connect to a server (File → Connect to server…) or press Serve this model, then Run."
         self.progress_value = 0.0
         self._t_offset = 0.0
@@ -236,7 +238,7 @@ class LoadLabPanel(Panel):
             return False
         self.runs, self.metrics, self.requests, self.level_requests = [], [], 0, []
         self.levels, self._cfg = list(cfg["concurrency"]), dict(cfg)
-        self.running, self.progress_value = True, 0.0
+        self.running, self.progress_value, self.outcome = True, 0.0, ""
         self._t_offset, self._last_t = 0.0, 0.0
         self.status = f"Running {len(cfg['concurrency'])} levels × {cfg['num_prompts']} requests…"
         self.bridge.run_serve_bench(cfg)
@@ -339,14 +341,17 @@ class LoadLabPanel(Panel):
         self.metrics.append((t + self._t_offset, m.kv_usage, m.running, m.waiting))
         self.mark_dirty()
 
-    @QtCore.Slot(str)
-    def _on_done(self, message: str) -> None:
-        self.running = False
-        if message:
-            self.status = f"Stopped: {message}." if message == "cancelled" else f"⚠ {message}"
-        else:
+    @QtCore.Slot(object)
+    def _on_done(self, done: LabDone) -> None:
+        """The run ended (engine.protocol.LabDone): the levels measured stay, whatever the outcome."""
+        self.running, self.outcome = False, done.outcome
+        if done.outcome == "done":
             self.progress_value = 1.0
             self.status = summarize(self.runs) or "Done."
+        elif done.outcome == "cancelled":
+            self.status = f"Stopped: cancelled after {len(self.runs)} of {len(self.levels)} levels."
+        else:
+            self.status = f"⚠ {done.message or f'the load lab {done.outcome}'}"
         self._update_buttons()
         self.mark_dirty()
 

@@ -36,7 +36,6 @@ from engine.events import ModelInfo, PrefillDone, PromptTokenized, StepCost, Tok
 from engine.labs.spec_events import SpecStarted, SpecStep
 from engine.model import dtypes
 from engine.model.config import ModelConfig
-from engine.remote.backend import RemoteTokenSampled
 from engine.remote.shapes import MeasuredDecode, measured_decode
 
 FONT_PT = 9
@@ -455,7 +454,8 @@ class RooflinePanel(Panel):
     @QtCore.Slot(object)
     def _on_token(self, ev: TokenSampled) -> None:
         self._context = max(self._context, ev.position + 1)
-        if isinstance(ev, RemoteTokenSampled):
+        src = self.bridge.run_source
+        if src is not None and src.measured_by_server:  # its seconds are chunk arrival gaps, not steps
             if ev.phase == "decode":
                 self._server_gaps.append(ev.seconds)  # 0 inside a chunk: the chunk's gap covers its tokens
                 self.mark_dirty()

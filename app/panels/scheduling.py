@@ -4,8 +4,8 @@ contiguous one.
 The lab runs in the engine process (engine.labs.scheduler.schedule); its events (engine.labs.schedule_events:
 SchedPlan, SchedStep, SchedRequestDone, SchedSummary) reach this panel through `on_event`, which only stores them.
 Pressing Run emits `sig_run_requested(SchedConfig)` and Cancel `sig_cancel_requested()`; whoever owns the engine
-(the bridge) starts and stops the run, and calls `finish(reason)` if it ends without its last summary (cancelled,
-failed). Nothing here imports torch.
+(the bridge) starts and stops the run, and its end comes to `finish` as an engine.protocol.LabDone (done,
+cancelled, failed or unsupported on this runtime). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from engine.labs.schedule_events import (
     SchedSummary,
 )
 from engine.model.config import ModelConfig
+from engine.protocol import LabDone
 
 FONT_PT = 9
 QUEUED_COLOR = "#5a6070"
@@ -140,7 +141,8 @@ class SchedulingPanel(Panel):
         self.plan: SchedPlan | None = None
         self._base = SchedConfig()
         self.running = False
-        self.status = ""
+        self.status = ""  # what the summary line says of the last run's end
+        self.outcome = ""  # how it ended (engine.protocol.LabOutcome; "" while none has; refused here: failed)
         # the Load lab's last run against a real server: (server, peak KV use 0–1, running at that peak, peak
         # use per running request), None until one reports its KV cache use
         self.served: tuple[str, float, float, float] | None = None
@@ -312,16 +314,16 @@ class SchedulingPanel(Panel):
         try:
             cfg.validate(self.bridge.cfg.context_length if self.bridge.cfg is not None else None)
         except ValueError as e:
-            self.status = f"failed: {e}"
+            self.status, self.outcome = f"failed: {e}", "failed"
             self.mark_dirty()
             return
         mem = self.memory_of(cfg)
         why = mem.refusal(self.memory_available(), f"{mem.n_seq} sequences") if mem is not None else None
         if why is not None:  # refused before it starts: nothing is sent to the engine
-            self.status = f"failed: {why}"
+            self.status, self.outcome = f"failed: {why}", "failed"
             self.mark_dirty()
             return
-        self.plan, self.running, self.status = None, True, ""
+        self.plan, self.running, self.status, self.outcome = None, True, "", ""
         self._reset()
         self._update_buttons()
         self.sig_run_requested.emit(cfg)
@@ -348,10 +350,15 @@ class SchedulingPanel(Panel):
             self.status = "cancelling…"
             self.mark_dirty()
 
-    def finish(self, reason: str = "") -> None:
-        """The run ended: "" done, "cancelled", or a failure's message."""
-        self.running = False
-        self.status = "done" if not reason else reason if reason == "cancelled" else f"failed: {reason}"
+    @QtCore.Slot(object)
+    def finish(self, done: LabDone) -> None:
+        """The run ended (engine.protocol.LabDone). Its last summary has already said "done"; a failure after it
+        (none is expected) still says so."""
+        if not self.running and done.ok:
+            return
+        self.running, self.outcome = False, done.outcome
+        self.status = {"done": "done", "cancelled": "cancelled", "failed": f"failed: {done.message}"}.get(
+            done.outcome, done.message)  # unsupported: the runtime's one sentence as it is
         self._update_buttons()
         self.mark_dirty()
 
@@ -386,7 +393,7 @@ class SchedulingPanel(Panel):
         elif isinstance(ev, SchedSummary):
             self.summaries[ev.policy] = ev
             if self.plan is not None and set(self.summaries) >= set(self.plan.policies):
-                self.finish("")
+                self.finish(LabDone("sched"))  # every policy summarised: the lab's end needs no more
         else:
             return
         self.mark_dirty()
@@ -412,8 +419,8 @@ class SchedulingPanel(Panel):
             self.served = (name, peak, at, max(best, per))
         self.mark_dirty()
 
-    @QtCore.Slot(str)
-    def _on_served_done(self, _message: str) -> None:
+    @QtCore.Slot(object)
+    def _on_served_done(self, _done: LabDone) -> None:
         self._served_over = True
 
     def served_text(self) -> str:
@@ -433,7 +440,7 @@ class SchedulingPanel(Panel):
 
     def clear(self) -> None:
         if not self.running:
-            self.plan, self.status = None, ""
+            self.plan, self.status, self.outcome = None, "", ""
             self._reset()
         super().clear()
 
@@ -459,9 +466,9 @@ class SchedulingPanel(Panel):
         served = self.served_text()
         self.served_note.setText(served)
         self.served_note.setVisible(bool(served))
-        failed = self.status.startswith("failed")
+        failed = self.outcome in ("failed", "unsupported")
         self.summary.setStyleSheet(f"color: {ERROR_COLOR if failed else FOREGROUND};")
-        if failed or self.status in ("cancelled", "cancelling…"):
+        if failed or self.outcome == "cancelled" or (self.running and self.status):
             self.summary.setText(self.status)
         elif self.summaries:
             self.summary.setText(summarize(self.summaries))

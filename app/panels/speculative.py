@@ -39,7 +39,7 @@ from engine.labs.spec_events import (
     SweepStarted,
 )
 from engine.model.config import ModelConfig
-from engine.protocol import Speculate
+from engine.protocol import LabDone, Speculate
 
 DEFAULT_PROMPT = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
                   "    return a * b\n\ndef div(a, b):\n")
@@ -51,7 +51,7 @@ class SpeculativePanel(Panel):
     title = "Speculative decoding"
     object_name = "panel_speculative"
     shortcut = "Ctrl+Alt+3"
-    subscriptions = {"sig_spec": "on_spec_event", "sig_spec_done": "_on_done", "sig_failed": "_on_failed"}
+    subscriptions = {"sig_spec": "on_spec_event", "sig_spec_done": "_on_done"}
     help_text = (
         "Speculative decoding attacks the one-token-per-pass rhythm of decode. A cheap drafter guesses the next k "
         "tokens: prompt lookup copies what followed the last matching n-gram of the text so far, early exit asks "
@@ -84,6 +84,7 @@ class SpeculativePanel(Panel):
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)
         self.running = False
+        self.outcome = ""  # how the last run ended (engine.protocol.LabOutcome; "" while none has)
         self._sweep_started: SweepStarted | None = None
         self._sweep: list[SweepPoint] = []
         self._build()
@@ -179,27 +180,23 @@ class SpeculativePanel(Panel):
             return False
         self.clear()
         self._sweep_started, self._sweep = None, []
-        self.running = True
+        self.running, self.outcome = True, ""
         self.run_button.setEnabled(False)
         self.cancel_button.setEnabled(True)
         self.bridge.speculate(Speculate(text=text, k=self.k_spin.value(), source=self.source_combo.currentData(),
                                         max_new_tokens=self.tokens_spin.value(), sweep=self.sweep_box.isChecked()))
         return True
 
-    @QtCore.Slot(str)
-    def _on_done(self, message: str) -> None:
-        self.running = False
+    @QtCore.Slot(object)
+    def _on_done(self, done: LabDone) -> None:
+        """The run ended (engine.protocol.LabDone): what it measured stays; a failure or a refusal (early-exit
+        drafting on llama.cpp) is said in its one sentence instead."""
+        self.running, self.outcome = False, done.outcome
         self.run_button.setEnabled(True)
         self.cancel_button.setEnabled(False)
-        if message:
-            self._failed = message
+        if done.outcome in ("failed", "unsupported"):
+            self._failed = done.message or f"the speculative-decoding lab {done.outcome}"
         self.mark_dirty()
-
-    @QtCore.Slot(str)
-    def _on_failed(self, message: str) -> None:
-        if self.running:  # the lab's own failure, not a generation's
-            self._failed = message
-            self.mark_dirty()
 
     # ---- events ------------------------------------------------------------------------------------------------
     def on_spec_event(self, ev: object) -> None:

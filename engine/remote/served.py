@@ -11,13 +11,17 @@ import time
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
-from engine.backend import Backend, Run, ShouldStop
+from engine.backend import Backend, Run, ShouldStop, Unsupported
 from engine.events import CAPABILITIES, Event, PromptTokenized, RunSource, RunStarted
 from engine.protocol import (
+    LAB_JOBS,
+    LAB_NAMES,
     GenerateRequest,
+    Lab,
     PreviewResult,
     Progress,
     SamplingParams,
+    ServeBench,
     ServeLevelDone,
     ServeMetrics,
     ServeRequestDone,
@@ -71,7 +75,8 @@ class ServerBackend(Backend):
     def source(self) -> RunSource:
         u = urlsplit(self.info.url)
         host = f"{u.hostname}:{u.port}" if u.port else (u.hostname or self.info.url)
-        return RunSource(kind="server", name=f"{self.info.model} @ {host}", cannot=SERVER_CANNOT)
+        return RunSource(kind="server", name=f"{self.info.model} @ {host}", cannot=SERVER_CANNOT,
+                         token_ids_are_local=False, measured_by_server=True)
 
     def generate(self, req: GenerateRequest) -> Run:
         if req.forced:
@@ -106,7 +111,15 @@ class ServerBackend(Backend):
         except (KeyError, TypeError, ValueError) as e:
             raise RemoteError(f"the server's tokenize answer was not understood ({e})") from None
 
-    def serve_bench(self, config: dict, send: Callable[[object], None], should_stop: ShouldStop) -> None:
+    def run_lab(self, request: Lab, send: Callable[[object], None], should_stop: ShouldStop) -> None:
+        """The load lab measures this server; the other labs run the model's own forward passes, which a server
+        does not expose."""
+        if not isinstance(request, ServeBench):
+            name = LAB_NAMES[LAB_JOBS[type(request)]]
+            raise Unsupported(f"{name} runs on the local model: disconnect from the server to use it")
+        self._serve_bench(request.config, send, should_stop)
+
+    def _serve_bench(self, config: dict, send: Callable[[object], None], should_stop: ShouldStop) -> None:
         """Run the load benchmark in a thread while this one watches for Cancel, so Cancel acts at once."""
         from engine.remote import loadlab
 
@@ -115,7 +128,7 @@ class ServerBackend(Backend):
         n = int(config.get("num_prompts", 8))
         total = len(levels) * n
         done = [0]
-        error: list[str] = []
+        error: list[Exception] = []
 
         def on_request(r) -> None:
             done[0] += 1
@@ -138,7 +151,7 @@ class ServerBackend(Backend):
                     if not cancel.is_set():
                         send(ServeLevelDone(d))
             except Exception as e:  # noqa: BLE001 — the panel must learn that the run ended
-                error.append(f"failed: {type(e).__name__}: {e}")
+                error.append(e)  # raised again in this thread: the lab's outcome says it failed, and why
 
         t = threading.Thread(target=work, daemon=True, name="serve-bench")
         t.start()
@@ -149,4 +162,4 @@ class ServerBackend(Backend):
         if cancel.is_set():
             raise InterruptedError("cancelled")
         if error:
-            raise RuntimeError(error[0])
+            raise error[0]

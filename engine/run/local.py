@@ -1,5 +1,5 @@
 """The local model as a backend (engine.backend): a Session, its KV cache kept between runs, and the labs that run
-on the model itself (batched decode)."""
+on the model itself (batched decode, speculative decoding, scheduling)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,21 @@ from collections.abc import Callable
 
 import torch
 
-from engine.backend import Backend, Progress, Run, ShouldStop
+from engine.backend import Backend, Run, ShouldStop, Unsupported
 from engine.costs.memory import LAB_MEMORY_SHARE
-from engine.events import ModelInfo, PromptTokenized, RunSource
-from engine.protocol import BatchRow, GenerateRequest, PreviewResult, SamplingParams
+from engine.events import Failed, ModelInfo, PromptTokenized, RunSource
+from engine.protocol import (
+    BatchBench,
+    BatchMeasured,
+    GenerateRequest,
+    Lab,
+    PreviewResult,
+    Progress,
+    SamplingParams,
+    Schedule,
+    ServeBench,
+    Speculate,
+)
 from engine.run.sampling import funnel
 from engine.run.session import Session, prompt_event
 
@@ -28,7 +39,7 @@ class LocalBackend(Backend):
 
     @property
     def source(self) -> RunSource:
-        return RunSource(kind="local", name=self.info.name)
+        return RunSource(kind="local", name=self.info.name, token_ids_are_local=True, measured_by_server=False)
 
     def generate(self, req: GenerateRequest) -> Run:
         if req.ablation is not None:  # the hooks that keep it on wrap the run: engine.run.ablated
@@ -65,33 +76,38 @@ class LocalBackend(Backend):
         if self.session.threads is not None:  # None on a GPU: torch's own threads only feed it
             self.session.threads = controller
 
-    def speculate(self, cmd, send: Callable[[object], None], should_stop: ShouldStop) -> None:
-        from engine.labs.speculative import SpecConfig, speculate, sweep
-
-        s = self.session
-        prompt = s.prompt_text(cmd.text, cmd.chat)
-        cfg = SpecConfig(k=cmd.k, source=cmd.source, exit_layer=cmd.exit_layer)
-        run = sweep if cmd.sweep else speculate
-        for ev in run(s, prompt, cfg, cmd.params, cmd.max_new_tokens, should_stop=should_stop):
-            send(ev)
-
-    def schedule(self, config, send: Callable[[object], None], should_stop: ShouldStop) -> None:
+    def run_lab(self, request: Lab, send: Callable[[object], None], should_stop: ShouldStop) -> None:
+        """The batching, speculative-decoding and scheduling labs on this model (the torch engine's or a runtime's:
+        engine.runtime picks the one the session runs on); the load lab measures a server, not this model."""
         import psutil
 
-        from engine.labs.scheduler import schedule
+        memory_limit = psutil.virtual_memory().available * LAB_MEMORY_SHARE
+        if isinstance(request, BatchBench):
+            from engine.labs.batching import bench_batch
 
-        for ev in schedule(self.session, config, should_stop,
-                           memory_limit_bytes=psutil.virtual_memory().available * LAB_MEMORY_SHARE):
-            send(ev)
+            bench_batch(self.session, request.batches, request.prompt_tokens, request.new_tokens,
+                        progress=lambda f, m: send(Progress("batch", f, m)), should_stop=should_stop,
+                        memory_limit_bytes=memory_limit, on_row=lambda row: send(BatchMeasured(row)))
+        elif isinstance(request, Speculate):
+            from engine.labs.speculative import SpecConfig, speculate, sweep
 
-    def batch_bench(self, batches: tuple[int, ...], prompt_tokens: int, new_tokens: int, progress: Progress,
-                    should_stop: ShouldStop, on_row: Callable[[BatchRow], None]) -> None:
-        import psutil
+            s = self.session
+            cfg = SpecConfig(k=request.k, source=request.source, exit_layer=request.exit_layer)
+            run = sweep if request.sweep else speculate
+            for ev in run(s, s.prompt_text(request.text, request.chat), cfg, request.params, request.max_new_tokens,
+                          should_stop=should_stop):
+                if isinstance(ev, Failed):  # the lab's own sentence: its outcome, not a generation's failure
+                    raise ValueError(ev.message)
+                send(ev)
+        elif isinstance(request, Schedule):
+            from engine.labs.scheduler import schedule
 
-        from engine.labs.batching import bench_batch
-
-        bench_batch(self.session, batches, prompt_tokens, new_tokens, progress=progress, should_stop=should_stop,
-                    memory_limit_bytes=psutil.virtual_memory().available * LAB_MEMORY_SHARE, on_row=on_row)
+            for ev in schedule(self.session, request.config, should_stop, memory_limit_bytes=memory_limit):
+                send(ev)
+        elif isinstance(request, ServeBench):
+            raise Unsupported("the load lab measures a server: connect to one first (File → Connect to server…)")
+        else:
+            super().run_lab(request, send, should_stop)
 
     def why_session(self) -> object:
         return self.session

@@ -150,7 +150,7 @@ def test_batching_run_on_tiny_model(qtbot, loaded_bridge, tmp_path):
     with qtbot.waitSignal(bridge.sig_batch_done, timeout=60_000) as done:
         panel.run((1, 2, 4), prompt_tokens=8, new_tokens=5)
         assert panel.running and not panel.run_button.isEnabled() and panel.cancel_button.isEnabled()
-    assert done.args == [""]
+    assert done.args[0].outcome == "done" and panel.outcome == "done"
     panel.flush()
     assert not panel.running and panel.run_button.isEnabled() and not panel.cancel_button.isEnabled()
     assert [r.batch for r in panel.rows] == [1, 2, 4]
@@ -192,7 +192,7 @@ def test_cancel_before_the_run_starts(qtbot, loaded_bridge):
     with qtbot.waitSignal(bridge.sig_batch_done, timeout=60_000) as done:
         panel.run(batches, prompt_tokens=8, new_tokens=200)
         panel.cancel()
-    assert done.args == ["cancelled"]
+    assert done.args[0].outcome == "cancelled" and panel.outcome == "cancelled"
     panel.flush()
     assert panel.status.startswith("cancelled") and len(panel.rows) < len(batches)
     assert panel.run_button.isEnabled() and not panel.cancel_button.isEnabled()
@@ -206,7 +206,7 @@ def test_cancel_mid_run(qtbot, loaded_bridge):
         panel.run(batches, prompt_tokens=8, new_tokens=200)
     with qtbot.waitSignal(bridge.sig_batch_done, timeout=60_000) as done:
         qtbot.mouseClick(panel.cancel_button, batching.QtCore.Qt.MouseButton.LeftButton)
-    assert done.args == ["cancelled"]
+    assert done.args[0].outcome == "cancelled"
     assert 1 <= len(panel.rows) < len(batches)
 
 

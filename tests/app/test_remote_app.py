@@ -73,7 +73,7 @@ def test_load_lab_cancel(qtbot, window, stub):
                             "burstiness": 1.0, "time_limit_s": 240.0})
         lab.cancel()
     window.bridge.sig_serve_request.disconnect(done.append)
-    assert blocker.args[0] == "cancelled" and not lab.running
+    assert blocker.args[0].outcome == "cancelled" and lab.outcome == "cancelled" and not lab.running
     assert 1 <= len(done) < 400
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from app.panels import scheduling
 from engine.labs.schedule_events import SchedConfig, SchedPlan, SchedRequestDone, SchedStep, SchedSummary
+from engine.protocol import LabDone
 
 CFG = SchedConfig(n_requests=6, rate=math.inf, prompt_len=10, output_len=6, max_batch=3, page_size=4, seed=2)
 
@@ -112,12 +113,12 @@ def test_run_asks_with_the_controls_settings_and_cancel(qtbot, panel, tiny_lm, e
         qtbot.mouseClick(panel.cancel_button, scheduling.QtCore.Qt.MouseButton.LeftButton)
     for ev in events[:4]:
         panel.on_event(ev)
-    panel.finish("cancelled")
+    panel.finish(LabDone("sched", "cancelled"))
     panel.flush()
     assert not panel.running and panel.run_button.isEnabled() and panel.summary.text() == "cancelled"
-    panel.finish("the engine process stopped")
+    panel.finish(LabDone("sched", "failed", "the engine process stopped"))
     panel.flush()
-    assert panel.summary.text() == "failed: the engine process stopped"
+    assert panel.summary.text() == "failed: the engine process stopped" and panel.outcome == "failed"
 
 
 def test_settings_the_model_cannot_serve_are_refused_in_one_line(qtbot, panel, tiny_lm):
@@ -140,7 +141,7 @@ def test_run_goes_through_the_engine_process(qtbot, window):
     panel.batch_spin.setValue(2)
     with qtbot.waitSignal(window.bridge.sig_sched_done, timeout=180_000) as done:
         panel.run()
-    assert done.args == [""]
+    assert done.args[0].outcome == "done" and panel.outcome == "done"
     qtbot.waitUntil(lambda: set(panel.summaries) == {"static", "continuous"}, timeout=10_000)
     assert all(s.n_requests == 4 for s in panel.summaries.values())
     assert not panel.running and panel.run_button.isEnabled()
@@ -172,7 +173,7 @@ def test_a_real_servers_kv_use_sits_beside_the_labs(panel, bridge, events):
     assert "at most 12.5% in use" in text and "with 5 requests running" in text and "6.00% of its cache" in text
     co = panel.summaries["continuous"]
     assert f"peaked at {co.peak_paged_bytes / scheduling.MIB:.2f} MiB" in text
-    bridge.sig_serve_done.emit("")  # the Load lab's next run replaces the figures
+    bridge.sig_serve_done.emit(LabDone("serve"))  # the Load lab's next run replaces the figures
     bridge.sig_serve_metrics.emit(vllm_scrape(0.5, 0.01, 1))
     panel.flush()
     assert "at most 1.0% in use" in panel.served_note.text()

@@ -244,13 +244,14 @@ def test_the_engine_process_runs_a_model_on_llamacpp_behind_the_backend_seam(tin
                                                      ignore_eos=True)][-1]
         assert seen[-1].ids.tolist() == ref.ids.tolist()
         c.send(P.BatchBench((1, 2), 4, 2))
-        msgs = c.until(lambda m: isinstance(m, P.Done))
+        msgs = c.until(lambda m: isinstance(m, P.LabDone))
         rows = [m.row for m in msgs if isinstance(m, P.BatchMeasured)]
-        assert msgs[-1].job == "batch" and msgs[-1].message == ""
+        assert msgs[-1].job == "batch" and msgs[-1].outcome == "done"
         assert [r.batch for r in rows] == [1, 2] and all(r.tpot_s > 0 for r in rows)
         c.send(P.Speculate("the cat sat", source="early-exit", max_new_tokens=4))
-        done = c.until(lambda m: isinstance(m, P.Done))[-1]
-        assert done.job == "spec" and "early-exit drafting needs the model's own layers" in done.message
+        done = c.until(lambda m: isinstance(m, P.LabDone))[-1]
+        assert (done.job, done.outcome) == ("spec", "unsupported")
+        assert "early-exit drafting needs the model's own layers" in done.message
         assert "\n" not in done.message
     finally:
         c.send(P.Quit())

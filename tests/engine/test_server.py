@@ -104,11 +104,13 @@ def test_stale_previews_are_dropped(client):
 
 def test_batch_bench_rows_and_cancel(client):
     client.send(P.BatchBench((1, 2), 6, 3))
-    msgs = client.until(lambda m: isinstance(m, P.Done))
-    assert [m.row.batch for m in msgs if isinstance(m, P.BatchMeasured)] == [1, 2] and msgs[-1] == P.Done("batch")
+    msgs = client.until(lambda m: isinstance(m, P.LabDone))
+    assert [m.row.batch for m in msgs if isinstance(m, P.BatchMeasured)] == [1, 2]
+    assert (msgs[-1].job, msgs[-1].outcome, msgs[-1].message) == ("batch", "done", "") and msgs[-1].seconds > 0
     client.send(P.BatchBench((1, 2, 4, 8, 16), 6, 40))
     client.send(P.Cancel())
-    assert client.until(lambda m: isinstance(m, P.Done))[-1] == P.Done("batch", "cancelled")
+    done = client.until(lambda m: isinstance(m, P.LabDone))[-1]
+    assert (done.job, done.outcome) == ("batch", "cancelled")
 
 
 def test_commands_during_a_bench_wait_for_it(client):
@@ -117,7 +119,8 @@ def test_commands_during_a_bench_wait_for_it(client):
     client.send(P.SetParams(SamplingParams(temperature=0.5)))
     client.send(P.Preview(7, "the cat", False, 5))
     msgs = client.until(lambda m: isinstance(m, PreviewResult), timeout=60)
-    assert P.Done("batch") in msgs and msgs.index(P.Done("batch")) < len(msgs) - 1
+    ends = [i for i, m in enumerate(msgs) if isinstance(m, P.LabDone)]
+    assert len(ends) == 1 and msgs[ends[0]].outcome == "done" and ends[0] < len(msgs) - 1
     assert msgs[-1].request_id == 7
 
 
