@@ -215,5 +215,11 @@ def test_llamacpp_scheduling_lab(lcpp):
         assert list(done["continuous"][rid]) == plain(lcpp, prompts[rid], len(done["continuous"][rid]))
     steps = [e for e in events if isinstance(e, SchedStep)]
     assert all(s.used_bytes == s.paged_bytes <= s.contiguous_bytes for s in steps)  # a page is one cell
+    # Continuous batching's first tokens come sooner. Counted in forward steps waited, not seconds: the steps are
+    # timed on a shared machine, and a busy neighbour can stretch one policy's steps more than the other's.
+    waited = {p: sorted(sum(1 for s in steps if s.policy == p and s.start_s < d.first_token_s)
+                        for d in events if isinstance(d, SchedRequestDone) and d.policy == p)
+              for p in plan.policies}
+    assert np.median(waited["continuous"]) < np.median(waited["static"])
     summary = {e.policy: e for e in events if isinstance(e, SchedSummary)}
-    assert summary["continuous"].ttft.p50 < summary["static"].ttft.p50
+    assert summary["continuous"].decode_steps < summary["static"].decode_steps
