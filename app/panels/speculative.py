@@ -246,9 +246,12 @@ class SpeculativePanel(Panel):
     def summary_html(self) -> str:
         if self._failed:
             return f"<span style='color:{ERROR_COLOR}'>{html.escape(self._failed)}</span>"
+        cancelled = self.outcome == "cancelled"
         if self._started is None:
             if self._sweep_started is not None:
-                return self._sweep_html()
+                return ("cancelled · " if cancelled else "") + self._sweep_html()
+            if cancelled:
+                return "Cancelled before the first pass." + self.memory_html()
             return "Run speculative decoding to see each pass's guesses and the speedup." + self.memory_html()
         st, steps = self._started, self._steps
         gained = sum(e.tokens_gained for e in steps)
@@ -266,7 +269,9 @@ class SpeculativePanel(Panel):
         elif fin is not None:
             parts.append(f"speculative {fin.tokens_per_s:.1f} tok/s (no plain run to compare)")
         elif steps:
-            parts.append("running…")
+            parts.append("cancelled" if cancelled else "running…")
+        elif cancelled:
+            parts.append("cancelled before the first pass")
         if self._sweep:
             parts.append(self._sweep_html())
         return "<br>".join(parts)
