@@ -8,6 +8,11 @@ the first rows were left out. A layer's matrix is held within MATRIX_BYTES: on a
 draw costs the same at step 8,000 as at step 800). In a window only the shown layer is held, and another one is
 rebuilt from the window's run store, which keeps its own bounded record of every captured layer (app.run_store; the
 status line says which steps it holds); a panel on its own keeps each captured layer.
+
+A decode step whose row is not held (let go to bound memory, or a layer not captured) is recomputed when selected:
+while the shown run is the engine's live one, its KV cache still holds every key and value of the run, so the
+engine runs that step's token again over them (engine.run.recompute) and the panel draws the row it sends. A run
+opened from a session file has no cache behind it: its status line says which steps it holds.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from app.run_store import store_for
 from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, placeholder, show_empty, style_plot
 from engine.events import AttentionCaptured, ModelInfo, PromptTokenized, ResidualNorms, TokenSampled
 from engine.model.config import ModelConfig
+from engine.protocol import Recomputed
 
 FONT_PT = 9
 MASK_COLOR = "#3c3c3c"  # the causal mask: cells a query may not read
@@ -31,6 +37,7 @@ GROUP_COLORS = ("#e5c07b", "#61afef", "#c678dd", "#98c379", "#e06c75", "#56b6c2"
 CMAP = pg.colormap.get("viridis")
 EMPTY_TOKENS = 8  # the heat map's size before anything is captured (at least the prompt's length)
 MATRIX_BYTES = 32 << 20  # the shown layer's float32 matrix, capacity included; its oldest rows go past it
+RECOMPUTED_ROWS = 32  # recomputed (step, layer) rows kept (9 heads × 8,000 keys × 4 bytes each on SmolLM2)
 
 
 def _readable(piece: str) -> str:
@@ -130,6 +137,7 @@ class AttentionPanel(Panel):
         "sig_token": "_on_token",
         "sig_norms": "_on_norms",
         "sig_step_selected": "_on_step_selected",
+        "sig_recomputed": "_on_recomputed",
     }
     help_text = (
         "Attention weights of one layer: each row is a query token (the one being computed), each column a key "
@@ -180,6 +188,9 @@ class AttentionPanel(Panel):
         self._n_prompt = 0
         self._norms: dict[int, np.ndarray] = {}
         self._selected_step: int | None = None
+        # rows recomputed from the engine's KV cache: (step, layer) → the step's AttentionCaptured, or why not
+        self._recomputed: dict[tuple[int, int], AttentionCaptured | str] = {}
+        self._asked: dict[int, tuple[int, int]] = {}  # request id → (step, layer), not yet answered
         self._grid_key: tuple[int, int] | None = None
         self._font = QtGui.QFont()
         self._font.setPointSize(FONT_PT)
@@ -317,6 +328,7 @@ class AttentionPanel(Panel):
                 for ev in run.events:
                     if isinstance(ev, AttentionCaptured) and ev.layer == layer:
                         self._add(ev)
+        self._maybe_recompute()
         self.mark_dirty()
 
     @QtCore.Slot(object)
@@ -327,6 +339,8 @@ class AttentionPanel(Panel):
         self._pieces = [_readable(p) for p in ev.pieces]
         self._n_prompt = len(ev.pieces)
         self._selected_step = None
+        self._recomputed.clear()
+        self._asked.clear()
         self.mark_dirty()
 
     @QtCore.Slot(object)
@@ -361,12 +375,71 @@ class AttentionPanel(Panel):
     @QtCore.Slot(int)
     def _on_step_selected(self, step: int) -> None:
         self._selected_step = step
+        self._maybe_recompute()
         self.mark_dirty()
+
+    # ---- rows recomputed from the KV cache -----------------------------------------------------------------------
+    def _live_run(self):
+        """The window's shown run when it is the engine's live one (recorded in this window, not opened from a
+        file), else None."""
+        store = store_for(self.bridge)
+        run = store.shown_run() if store is not None else None
+        return run if run is not None and store.recording == run.id else None
+
+    def row_held(self, step: int) -> bool:
+        """Whether the shown layer's matrix holds the query rows of `step`."""
+        m = self._matrices.get(self.layer())
+        r0, r1 = self.rows_of_step(step)
+        return m is not None and m.size > 0 and m.first_row <= r0 and r1 <= m.size
+
+    def _maybe_recompute(self) -> None:
+        """Ask the engine for the selected decode step's row of the shown layer when the panel does not hold it and
+        the run is the engine's live one (the answer comes as sig_recomputed)."""
+        step, layer = self._selected_step, self.layer()
+        if step is None or step < 1 or self.row_held(step) or (step, layer) in self._recomputed \
+                or (step, layer) in self._asked.values():
+            return
+        run = self._live_run()
+        started = run.source if run is not None else None  # its RunStarted
+        if run is None or step >= run.n_tokens or (started is not None and not started.source.can("attention")):
+            return
+        self._asked[self.bridge.recompute(step, run.context_ids(step), [layer])] = (step, layer)
+
+    @QtCore.Slot(object)
+    def _on_recomputed(self, msg: Recomputed) -> None:
+        where = self._asked.pop(msg.request_id, None)
+        if where is None:  # another panel's, or a run that is no longer shown
+            return
+        ev = next((e for e in msg.attention if e.layer == where[1]), None)
+        self._recomputed[where] = ev if ev is not None else (msg.error or "the engine sent no weights")
+        while len(self._recomputed) > RECOMPUTED_ROWS:
+            del self._recomputed[next(iter(self._recomputed))]
+        self.mark_dirty()
+
+    def recomputed_row(self) -> AttentionCaptured | None:
+        """The selected step's recomputed row of the shown layer, when the matrix does not hold that step."""
+        step = self._selected_step
+        if step is None or self.row_held(step):
+            return None
+        ev = self._recomputed.get((step, self.layer()))
+        return ev if isinstance(ev, AttentionCaptured) else None
+
+    def _recompute_note(self) -> str:
+        """What became of the selected step's recompute ("" when none was asked for)."""
+        step, layer = self._selected_step, self.layer()
+        if step is None or self.row_held(step):
+            return ""
+        if (step, layer) in self._asked.values():
+            return f"step {step:,} is not held: recomputing its row from the engine's KV cache…"
+        why = self._recomputed.get((step, layer))
+        return f"step {step:,} is not held, and cannot be recomputed: {why}" if isinstance(why, str) else ""
 
     def clear(self) -> None:
         self._matrices.clear()
         self._captured.clear()
         self._norms.clear()
+        self._recomputed.clear()
+        self._asked.clear()
         self._pieces, self._n_prompt, self._selected_step = [], 0, None
         super().clear()
 
@@ -447,7 +520,11 @@ class AttentionPanel(Panel):
         store = store_for(self.bridge)
         run = store.shown_run() if store is not None else None
         kept = run.attention_note() if run is not None else ""
-        if m is None:
+        recomputed = self.recomputed_row()
+        pending = self._recompute_note()
+        if recomputed is not None:
+            self._draw_recomputed(recomputed, kept)
+        elif m is None:
             captured = sorted(self._captured)
             src = self.bridge.run_source
             self.status.setText(
@@ -460,7 +537,8 @@ class AttentionPanel(Panel):
                 f"Layer {self.layer()} was not captured in this run (captured: {', '.join(map(str, captured))}); "
                 "generate again to capture it." if self.layer() not in captured else
                 f"Layer {self.layer()}'s weights of this run are no longer held "
-                f"({kept or 'the panel holds the layer shown, the window keeps the others'}).")
+                f"({kept or 'the panel holds the layer shown, the window keeps the others'})."
+                + (f" ⚠ {pending}." if pending else ""))
             self.image.clear()
             for img in self.grid_images:
                 img.clear()
@@ -486,6 +564,8 @@ class AttentionPanel(Panel):
                              f"at most {MATRIX_BYTES >> 20} MiB of one layer")
             if kept:
                 notes.append(kept)
+            if pending:
+                notes.append(pending)
             w = am.window
             mask = ("Dark grey = causal mask." if not w else
                     f"Local layer: each query reads only the last {w:,} positions (sliding window); dark grey = "
@@ -511,6 +591,33 @@ class AttentionPanel(Panel):
             self._draw_labels(s, r0)
             self._draw_selection(s, r0)
         self._draw_norms()
+
+    def _draw_recomputed(self, ev: AttentionCaptured, kept: str) -> None:
+        """The selected step's one row, recomputed from the KV cache: (heads, 1, keys) at query position p."""
+        p, n_keys = ev.query_start, ev.weights.shape[2]
+        s = p + 1
+        row = np.full((ev.weights.shape[0], 1, s), np.nan, dtype=np.float32)
+        row[:, :, s - n_keys:] = ev.weights  # a local layer sends its window's keys, the last ones
+        self.heat_note.setVisible(False)
+        self.heat.getPlotItem().getViewBox().enableAutoRange()  # onto the one row, wherever the view was
+        head = min(self.head(), row.shape[0] - 1)
+        self.image.setImage(self._display(row[head]), levels=(0.0, 1.0), autoLevels=False)
+        self.image.setRect(QtCore.QRectF(0, p, s, 1))
+        self._build_grid()
+        for h, img in enumerate(self.grid_images):
+            if h < row.shape[0]:
+                img.setImage(self._display(row[h]), levels=(0.0, 1.0), autoLevels=False)
+                img.setRect(QtCore.QRectF(0, p, s, 1))
+                self.grid_boxes[h].setRange(xRange=(0, s), yRange=(p, s), padding=0)
+        self.window_edge.setData([], [])
+        w = self.sliding_window(ev.layer)
+        self.status.setText(
+            f"Layer {ev.layer}, step {ev.step:,}: query position {p:,} reading {n_keys:,} keys"
+            + (f" (local layer: the last {w:,} positions)" if w else "")
+            + " — recomputed from the KV cache: the run's capture of this step is not held"
+            + (f" ({kept})" if kept else "") + ". Select a held step to see the matrix again.")
+        self._draw_labels(s, p)
+        self._draw_selection(s, p)
 
     def _draw_labels(self, s: int, first_row: int = 0) -> None:
         pi = self.heat.getPlotItem()

@@ -1,7 +1,9 @@
 """Logit lens: the next-token guess the model would make if it stopped after each layer, for the selected step.
 
 A long run holds the lens of its first LENS_FIRST steps and its newest ones, LENS_STEPS in all: the run store
-(app.run_store) bounds what it keeps the same way, and the header says when a selected step's lens is gone.
+(app.run_store) bounds what it keeps the same way, and the header says when a selected step's lens is gone. While
+the shown run is the engine's live one, a selected step whose lens is not held (let go, or never captured) is
+recomputed from the engine's KV cache (engine.run.recompute) and drawn when it arrives.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from app.run_store import store_for
 from app.theme import ACCENT, BACKGROUND, MUTED, WARNING_COLOR, style_plot
 from engine.events import LensCaptured, ModelInfo, PromptTokenized, TokenSampled
 from engine.model.config import ModelConfig
+from engine.protocol import Recomputed
 
 LENS_TOP = 5  # top tokens per layer the generation captures while this panel exists
 LENS_STEPS = 1024  # steps whose lens the panel holds: the first LENS_FIRST and the newest
 LENS_FIRST = 64
+RECOMPUTED_STEPS = 64  # steps whose recomputed lens the panel keeps
 FONT_PT = 9
 AXIS_WIDTH = 48
 ENTROPY_COLOR = WARNING_COLOR
@@ -43,6 +47,7 @@ class LensPanel(Panel):
         "sig_lens": "_on_lens",
         "sig_token": "_on_token",
         "sig_step_selected": "_on_step_selected",
+        "sig_recomputed": "_on_recomputed",
     }
     help_text = (
         "The logit lens reads the residual stream of the newest token after the embedding and after every layer "
@@ -66,6 +71,8 @@ class LensPanel(Panel):
         self.pieces: dict[int, str] = {}  # step → the chosen token's piece
         self.selected: int | None = None  # None: follow the newest step
         self.dropped: tuple[int, int] | None = None  # (first, last) step whose lens this panel let go
+        self.recomputed: dict[int, LensCaptured | str] = {}  # step → its lens from the KV cache, or why not
+        self._asked: dict[int, int] = {}  # request id → step, not yet answered
         self._build()
         self.mark_dirty()
 
@@ -154,6 +161,30 @@ class LensPanel(Panel):
     @QtCore.Slot(int)
     def _on_step_selected(self, step: int) -> None:
         self.selected = step if step >= 0 else None
+        self._maybe_recompute()
+        self.mark_dirty()
+
+    def _maybe_recompute(self) -> None:
+        """Ask the engine for the selected step's lens when the panel does not hold it and the shown run is the
+        engine's live one (recorded in this window, not opened from a file); sig_recomputed answers."""
+        step = self.selected
+        if step is None or step in self.lens or step in self.recomputed or step in self._asked.values():
+            return
+        store = store_for(self.bridge)
+        run = store.shown_run() if store is not None else None
+        if run is None or store.recording != run.id or step >= run.n_tokens:
+            return
+        chosen = int(run.context_ids(step + 1)[-1])  # the token the step chose: its probability in every row
+        self._asked[self.bridge.recompute(step, run.context_ids(step), (), LENS_TOP, chosen)] = step
+
+    @QtCore.Slot(object)
+    def _on_recomputed(self, msg: Recomputed) -> None:
+        step = self._asked.pop(msg.request_id, None)
+        if step is None:  # another panel's, or a run no longer shown
+            return
+        self.recomputed[step] = msg.lens if msg.lens is not None else (msg.error or "the engine sent no lens")
+        while len(self.recomputed) > RECOMPUTED_STEPS:
+            del self.recomputed[next(iter(self.recomputed))]
         self.mark_dirty()
 
     def clear(self) -> None:
@@ -161,6 +192,8 @@ class LensPanel(Panel):
         self.pieces.clear()
         self.selected = None
         self.dropped = None
+        self.recomputed.clear()
+        self._asked.clear()
         super().clear()
 
     def shown_step(self) -> int | None:
@@ -170,19 +203,32 @@ class LensPanel(Panel):
 
     # ---- drawing ----
     def draw(self) -> None:
+        again = self.recomputed.get(self.selected) if self.selected not in self.lens else None
+        if isinstance(again, LensCaptured):
+            self._draw_lens(again, " · <b>recomputed from the KV cache</b> (the run's capture of this step is not "
+                                   "held)")
+            return
+        if self.selected is not None and self.selected in self._asked.values():
+            self.header.setText(f"Step {self.selected:,}'s lens is not held: recomputing it from the engine's KV "
+                                "cache…")
+            return
+        why = f" It cannot be recomputed: {html.escape(again)}." if isinstance(again, str) else ""
         step = self.shown_step()
         if step is None:
             self.p_curve.setData([], [])
             self.h_curve.setData([], [])
             self.table.setRowCount(0)
             self.header.setText(EMPTY if self.selected is None
-                                else f"No lens was captured for step {self.selected}.")
+                                else f"No lens was captured for step {self.selected}.{why}")
             return
         gone = self._gone_note(self.selected) if self.selected is not None and self.selected != step else ""
         if gone:  # the selected step's lens was let go
-            self.header.setText(gone)
+            self.header.setText(gone + why)
             return
-        ev = self.lens[step]
+        self._draw_lens(self.lens[step])
+
+    def _draw_lens(self, ev: LensCaptured, note: str = "") -> None:
+        step = ev.step
         n = ev.ids.shape[0]
         x = np.arange(n)
         if ev.token_probs is not None:
@@ -197,7 +243,7 @@ class LensPanel(Panel):
                 first = f" · first on top at <b>{row_name(int(top1[0]), n)}</b>"
         phase = "prefill" if step == 0 else f"decode step {step}"
         self.header.setText(
-            f"<b>{phase}</b> · position {ev.position} · chose <b>{html.escape(repr(chosen))}</b>{first}"
+            f"<b>{phase}</b> · position {ev.position} · chose <b>{html.escape(repr(chosen))}</b>{first}{note}"
             f" <span style='color:{MUTED}'>(click a token in Generation to pick a step)</span>")
         self._fill_table(ev)
 

@@ -172,3 +172,43 @@ def test_llama_cpp_refuses_in_one_sentence(tiny_dir):
         recompute(s, PROMPT, 0, [0])
     reply = answer(s, Recompute(2, 0, tuple(PROMPT), frozenset({0})))
     assert reply.error.startswith("kept steps only on llama.cpp") and "\n" not in reply.error
+
+
+def test_the_engine_process_answers_between_tokens_and_the_run_goes_on_unchanged(tiny_dir, tiny_lm):
+    from engine import protocol as P
+    from engine.protocol import GenerateRequest, Recomputed
+    from tests.engine.test_server import Client
+
+    c = Client()
+    try:
+        c.send(P.Load(str(tiny_dir.gguf), "cpu", "float32"))
+        assert isinstance(c.until(lambda m: isinstance(m, (P.Loaded, P.LoadFailed)))[-1], P.Loaded)
+        req = GenerateRequest("", chat=False, max_new_tokens=12, params=GREEDY, ignore_eos=True, start_paused=True,
+                              prompt_ids=tuple(PROMPT), capture=Capture(attention_layers=frozenset({1})))
+        c.send(P.Generate(req))
+        for _ in range(5):  # paused after the prefill: five more steps, one at a time
+            c.until(lambda m: isinstance(m, TokenSampled))
+            c.send(P.Step())
+        c.until(lambda m: isinstance(m, TokenSampled))
+        ids = list(PROMPT) + [m.token_id for m in c.seen if isinstance(m, TokenSampled)]
+        ctx, chosen = tuple(ids[:len(PROMPT) + 3]), ids[len(PROMPT) + 3]  # step 3: its query, its token
+        c.send(P.Recompute(7, 3, ctx, frozenset({0, 1}), lens_top=3, token=chosen))
+        reply = c.until(lambda m: isinstance(m, Recomputed))[-1]
+        assert reply.ok and reply.request_id == 7 and [e.layer for e in reply.attention] == [0, 1]
+        captured_3 = next(m for m in c.seen if isinstance(m, AttentionCaptured) and m.step == 3)
+        np.testing.assert_allclose(reply.attention[1].weights, captured_3.weights, atol=1e-5, rtol=0)
+        assert reply.lens is not None and reply.lens.position == len(PROMPT) + 2
+        c.send(P.Resume())
+        fin = c.until(lambda m: isinstance(m, P.State) and m.state == "idle")
+        out = [m.token_id for m in c.seen if isinstance(m, TokenSampled)]
+        fresh = [e.token_id for e in Session(tiny_lm).generate(PROMPT, GREEDY, 12, ignore_eos=True)
+                 if isinstance(e, TokenSampled)]
+        assert out == fresh and fin
+        c.send(P.Preview(1, "something else entirely", False, 3))  # a preview takes the cache over
+        c.until(lambda m: isinstance(m, P.PreviewResult))
+        c.send(P.Recompute(8, 3, ctx, frozenset({0})))
+        gone = c.until(lambda m: isinstance(m, Recomputed))[-1]
+        assert not gone.ok and "no longer holds this run" in gone.error
+    finally:
+        c.send(P.Quit())
+        c.thread.join(10)
