@@ -11,8 +11,9 @@ scale 1/√head_dim (1/√(d_model / n_heads) for the 27B model) and GELU-tanh; 
 weights as 1 + w, which is what the engine's plain x / rms(x) · w needs. phi3 fuses q, k and v into `attn_qkv`
 and gate and up into `ffn_up` (gate first); they are split here.
 
-A projection stored as Q4_0 or Q4_1 also keeps its raw blocks beside its float weight (engine.model.quant): the
-int4 decode candidate multiplies by them as they are in the file.
+A projection stored as Q4_0, Q4_1 or Q4_K also keeps its raw blocks beside its float weight (engine.model.quant): the
+int4 decode candidate multiplies by them as they are in the file. A projection stored in another quantized type
+(Q5_0, Q8_0, Q6_K, …) keeps an empty marker instead: it gets the int8 candidate, requantized from its float weight.
 """
 
 from __future__ import annotations
@@ -192,8 +193,9 @@ def read_weights(
 ) -> dict[str, torch.Tensor]:
     """Dequantize every tensor to float32 and name it as the engine does (unfused).
 
-    A projection stored as Q4_0/Q4_1 also gets its raw blocks (out, in/32, bytes) uint8 under
-    quant.block_name(weight name, kind), with the same rows as its float weight (split and reordered alike).
+    A projection stored as Q4_0/Q4_1/Q4_K also gets its raw blocks (out, in/32, bytes) uint8 under
+    quant.block_name(weight name, kind), with the same rows as its float weight (split and reordered alike); one
+    stored in another quantized type an empty quant.requant_marker under quant.block_name(weight name, REQUANT).
     """
     import gguf
 
@@ -213,9 +215,12 @@ def read_weights(
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 tensors are read-only file maps
         kind = t.tensor_type.name.lower()
         blocks = None
-        if kind in quant.KINDS and len(shape) == 2 and name != "tok_embeddings.weight":  # a projection
-            raw = np.array(t.data, dtype=np.uint8, copy=True)  # (out, bytes per row), off the file map
-            blocks = torch.from_numpy(raw).reshape(shape[0], shape[1] // quant.GROUP, quant.BLOCK_BYTES[kind])
+        if len(shape) == 2 and name != "tok_embeddings.weight":  # a projection
+            if kind in quant.INT4_KINDS:
+                raw = np.array(t.data, dtype=np.uint8, copy=True)  # (out, bytes per row), off the file map
+                blocks = torch.from_numpy(raw).reshape(shape[0], shape[1] // quant.GROUP, quant.BLOCK_BYTES[kind])
+            elif t.tensor_type.name not in quant.FLOAT_TYPES:
+                kind, blocks = quant.REQUANT, quant.requant_marker(*shape)
         for x, suffix in ((w, ""), (blocks, f".{kind}")):  # the float weight, then its blocks: the same rows
             if x is None:
                 continue
