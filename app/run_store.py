@@ -162,6 +162,11 @@ class Run:
         return (f"this run holds {held}: steps {lo:,}–{hi:,} were dropped to bound memory ({ATTENTION_BYTES >> 20} "
                 f"MiB a run, {ATTENTION_TOTAL >> 20} MiB for all runs)")
 
+    def first_steps_upto(self) -> int:
+        """The last of the first steps kept (-1: none yet): their captures stay for the run's life (unless other
+        runs need the room), so a session writer may encode them ahead of the save."""
+        return self._first[-1][0] if self._first else -1
+
     def _add_capture(self, ev: AttentionCaptured | LensCaptured) -> int:
         """Append a capture, grouped with its step's others; its bytes."""
         first = not self._rest and (bool(self._first) and self._first[-1][0] == ev.step
@@ -363,25 +368,37 @@ class RunStore(QtCore.QObject):
     def load(self, records: list[dict], shown: int | None = None) -> None:
         """Replace every run with those of an opened session: [{"name", "parent" (index), "step", "token",
         "events"}, …]; `shown` is the index of the run the panels show (default: the last)."""
+        for _ in self.loading(records, shown):
+            pass
+
+    def loading(self, records: list[dict], shown: int | None = None, every: int = 256) -> Iterator[int]:
+        """`load` in slices: yields the number of events taken in so far after every `every` of them, so that the
+        GUI thread can turn its event loop between slices (app.session_io.Replay). Until it ends no run is shown
+        and sig_runs_changed is not emitted; closed early, the store keeps the runs taken in so far."""
         self.clear(notify=False)
-        for i, rec in enumerate(records):
-            parent = rec.get("parent")
-            parent = int(parent) if isinstance(parent, int) and 0 <= parent < i else None
-            r = Run(i, str(rec.get("name") or f"run {i + 1}"), parent, int(rec.get("step", 0)),
-                    int(rec.get("token", -1)))
-            self.runs.append(r)  # before its events: the caps find the run by its id as they trim
-            for ev in rec.get("events", []):
-                self._append(r, ev)
-            if rec.get("dropped") is not None:  # steps whose captures the recording store had dropped
-                lo, hi = (int(x) for x in rec["dropped"])
-                a, b = r.dropped or (lo, hi)
-                r.dropped = (min(a, lo), max(b, hi))
-            self._roots += parent is None
-        self._next_id = len(records)
-        if self.runs:
-            self.shown = self.runs[shown if shown is not None and 0 <= shown < len(self.runs) else -1].id
-        self._evict()
-        self.sig_runs_changed.emit()
+        done = 0
+        try:
+            for i, rec in enumerate(records):
+                parent = rec.get("parent")
+                parent = int(parent) if isinstance(parent, int) and 0 <= parent < i else None
+                r = Run(i, str(rec.get("name") or f"run {i + 1}"), parent, int(rec.get("step", 0)),
+                        int(rec.get("token", -1)))
+                self.runs.append(r)  # before its events: the caps find the run by its id as they trim
+                if rec.get("dropped") is not None:  # steps whose captures the recording store had dropped (this
+                    lo, hi = (int(x) for x in rec["dropped"])  # store widens the range if it drops more)
+                    r.dropped = (lo, hi)
+                self._roots += parent is None
+                for ev in rec.get("events", []):
+                    self._append(r, ev)
+                    done += 1
+                    if done % every == 0:
+                        yield done
+        finally:
+            self._next_id = len(self.runs)
+            if self.runs:
+                self.shown = self.runs[shown if shown is not None and 0 <= shown < len(self.runs) else -1].id
+            self._evict()
+            self.sig_runs_changed.emit()
 
     def records(self) -> list[dict]:
         """Every run as a plain record for a session file (parent as an index; references, not copies)."""

@@ -20,16 +20,25 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from PySide6 import QtCore
+from PySide6 import QtCore, QtWidgets
 
+from app.guard import guarded
 from app.run_store import RunStore
 from app.settings import ENV_FILE
 from engine.events import Finished
-from engine.formats.session_file import SavedSession, load_session, model_identity, same_model, save_session
+from engine.formats.session_file import (
+    EncodedEvents,
+    SavedSession,
+    load_session,
+    model_identity,
+    same_model,
+    save_session,
+)
 
 AUTOSAVE_NAME = "autosave.ilab"
 
@@ -43,9 +52,13 @@ def autosave_path() -> Path:
     return Path(base or Path.home() / ".inference-lab") / AUTOSAVE_NAME
 
 
+SLICE_S = 0.010  # GUI-thread time a replay takes before the event loop turns again (paints, input, Esc)
+WARM_EVERY = 64  # tokens of a live run between two warm-ups of the autosave's encoding
+
+
 def replay_events(bridge, events: list, store: RunStore | None = None) -> None:
     """Send saved events through the bridge's routing, as if they had just arrived (the store does not record
-    them again)."""
+    them again), all at once: for short lists; a session or a branch goes through `Replay`, in slices."""
     if store is None:
         for ev in events:
             bridge.replay(ev)
@@ -53,6 +66,132 @@ def replay_events(bridge, events: list, store: RunStore | None = None) -> None:
     with store.replay():
         for ev in events:
             bridge.replay(ev)
+
+
+class Replay(QtCore.QObject):
+    """Work on the GUI thread (loading a session's runs into the store, sending a run's events through the
+    bridge) done in slices of about SLICE_S, one per turn of the event loop, with progress in the status bar.
+
+    Esc cancels: the panels then show the run up to the event reached, as they would a run stopped there. A live
+    generation starting cancels it too; so does a newer replay. `done(completed)` runs once at the end.
+    """
+
+    def __init__(self, window, work: Iterator[int], total: int, what: str,
+                 done: Callable[[bool], None] | None = None) -> None:
+        super().__init__(window)
+        self.window, self.work, self.total, self.what, self._done = window, work, max(1, total), what, done
+        self.reached = 0  # units of work done (events loaded, then events replayed)
+        self.slices = 0
+        self.active = False
+        self.completed = False
+        self._timer = QtCore.QTimer(self)
+        self._timer.setSingleShot(True)
+        self._timer.setInterval(0)
+        self._timer.timeout.connect(self._slice)
+
+    def start(self) -> Replay:
+        old = getattr(self.window, "replay_job", None)
+        if old is not None and old.active:
+            old.cancel()
+        self.window.replay_job = self
+        self.active = True
+        QtWidgets.QApplication.instance().installEventFilter(self)
+        self.window.bridge.sig_state.connect(self._on_state)
+        self.window.progress.setValue(0)
+        self.window.progress.show()
+        self._say()
+        self._timer.start()
+        return self
+
+    def finish_now(self) -> None:
+        """Do the rest at once (headless callers and tests that need the panels filled before going on)."""
+        if not self.active:
+            return
+        self._timer.stop()
+        store = self.window.run_store
+        with store.replay():
+            for reached in self.work:
+                self.reached = reached
+        self._end(True)
+
+    def cancel(self) -> None:
+        if not self.active:
+            return
+        self._timer.stop()
+        self.work.close()
+        self._end(False)
+
+    @QtCore.Slot()
+    @guarded
+    def _slice(self) -> None:
+        if not self.active:
+            return
+        self.slices += 1
+        t0 = time.perf_counter()
+        try:
+            with self.window.run_store.replay():
+                while time.perf_counter() - t0 < SLICE_S:
+                    self.reached = next(self.work)
+        except StopIteration:
+            self._end(True)
+            return
+        except Exception:
+            self.work.close()
+            self._end(False)
+            raise  # the guard logs it and shows it in the status bar
+        self._say()
+        self._timer.start()
+
+    def _say(self) -> None:
+        self.window.progress.setValue(int(100 * min(self.reached, self.total) / self.total))
+        self.window.set_message(f"{self.what}: {min(self.reached, self.total):,} of {self.total:,} events (Esc "
+                                "cancels)")
+
+    def _end(self, completed: bool) -> None:
+        self.active, self.completed = False, completed
+        QtWidgets.QApplication.instance().removeEventFilter(self)
+        try:
+            self.window.bridge.sig_state.disconnect(self._on_state)
+        except (RuntimeError, TypeError):
+            pass
+        self.window.progress.hide()
+        if not completed:
+            self.window.set_message(f"{self.what}: stopped at event {self.reached:,} of {self.total:,}; the panels "
+                                    "show the run up to there.")
+        self.window.tick_panels(flush=True)
+        if self._done is not None:
+            self._done(completed)
+
+    @QtCore.Slot(str)
+    def _on_state(self, state: str) -> None:
+        if state != "idle":  # a live generation: its events must not mix with replayed ones
+            self.cancel()
+
+    @guarded(default=False)
+    def eventFilter(self, obj: QtCore.QObject, event: QtCore.QEvent) -> bool:  # noqa: N802 — Qt's name
+        if (event.type() in (QtCore.QEvent.Type.ShortcutOverride, QtCore.QEvent.Type.KeyPress)
+                and event.key() == QtCore.Qt.Key.Key_Escape and self.active):
+            self.cancel()
+        return False
+
+
+def replay_run(window, events: list, what: str, done: Callable[[bool], None] | None = None) -> Replay:
+    """Send a stored run's events into the panels in slices (a branch switch)."""
+    bridge, n = window.bridge, len(events)
+
+    def work() -> Iterator[int]:
+        for i, ev in enumerate(events, 1):
+            bridge.replay(ev)
+            yield i
+
+    return Replay(window, work(), n, what, done).start()
+
+
+def finish_replay(window) -> None:
+    """Complete the replay in progress at once, if any."""
+    job = getattr(window, "replay_job", None)
+    if job is not None:
+        job.finish_now()
 
 
 # ---- the tokenizer, serialised once ---------------------------------------------------------------------------
@@ -134,12 +273,13 @@ def current_session(window) -> SavedSession:
     return s
 
 
-def write(path: str | os.PathLike[str], session: SavedSession) -> None:
-    """Write a snapshot (any thread): OSError or TypeError with one sentence when it cannot."""
+def write(path: str | os.PathLike[str], session: SavedSession, memo: EncodedEvents | None = None) -> None:
+    """Write a snapshot (any thread): OSError or TypeError with one sentence when it cannot. `memo`: the writer
+    thread's events encoded before (see EncodedEvents)."""
     if not session.model and session.info is not None:
         session.model = model_identity(session.info)
     session.tokenizer = tokenizer_files(session.tokenizer, session.info.path if session.info is not None else "")
-    save_session(path, session)
+    save_session(path, session, memo)
 
 
 # ---- the writer thread ------------------------------------------------------------------------------------------
@@ -147,7 +287,7 @@ def write(path: str | os.PathLike[str], session: SavedSession) -> None:
 class Job:
     """One file to write or read in the writer thread; `done` runs on the GUI thread with (result, error)."""
 
-    kind: str  # "save", "autosave" or "open"
+    kind: str  # "save", "autosave", "open" or "warm" (encode a live run's events ahead of its autosave)
     path: Path
     session: SavedSession | None = None
     info: object = None  # open: the loaded model's facts, to compare with the session's
@@ -156,15 +296,21 @@ class Job:
     error: str | None = None
     finished: threading.Event = field(default_factory=threading.Event)
     handled: bool = False
+    memo: EncodedEvents | None = None  # the writer's (SessionWriter.submit)
+    captures_upto: int = -1  # warm: the last step whose attention and lens the store keeps for good
+    should_stop: Callable[[], bool] | None = None  # warm: another job is waiting
 
     def run(self) -> None:
         if self.kind == "open":
             saved = load_session(self.path)
             self.result = (saved, same_model(saved.model, self.info))
+        elif self.kind == "warm":
+            if self.memo is not None:
+                self.result = self.memo.warm(self.session.events, self.captures_upto, self.should_stop)
         else:
             if self.kind == "autosave":
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-            write(self.path, self.session)
+            write(self.path, self.session, self.memo)
 
 
 class SessionWriter(QtCore.QObject):
@@ -178,13 +324,20 @@ class SessionWriter(QtCore.QObject):
         self._pending: list[Job] = []
         self._thread: threading.Thread | None = None
         self.closed = False  # the window exited cleanly: no more autosaves
+        # the runs' events as the last saves encoded them: the autosave after each run encodes only what is new
+        # (and a live run's settled events are encoded while it runs: `warm`). Touched by the worker thread only.
+        self.memo = EncodedEvents()
         self.sig_done.connect(self._on_done, QtCore.Qt.ConnectionType.QueuedConnection)
 
     def submit(self, job: Job) -> Job:
-        """Queue a job (GUI thread); a new autosave replaces one still waiting."""
+        """Queue a job (GUI thread); a new autosave replaces one still waiting, a new warm-up likewise."""
+        if job.kind in ("save", "autosave", "warm"):
+            job.memo = self.memo
+        if job.kind == "warm":
+            job.should_stop = lambda: self.closed or any(j.kind != "warm" for j in self._pending)
         with self._lock:
-            if job.kind == "autosave":
-                self._pending = [j for j in self._pending if j.kind != "autosave"]
+            if job.kind in ("autosave", "warm"):
+                self._pending = [j for j in self._pending if j.kind != job.kind]
             self._pending.append(job)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="inference-lab-sessions", daemon=True)
@@ -215,7 +368,7 @@ class SessionWriter(QtCore.QObject):
         """Block until `job` (None: every job) is done; cancel_autosave drops an autosave not yet started."""
         with self._lock:
             if cancel_autosave:
-                self._pending = [j for j in self._pending if j.kind != "autosave"]
+                self._pending = [j for j in self._pending if j.kind not in ("autosave", "warm")]
             thread = self._thread
         if job is not None:
             job.finished.wait()
@@ -244,6 +397,8 @@ def install(window) -> None:
     window.run_store = RunStore(window.bridge, window)
     window.session_writer = SessionWriter(window)
     window.run_store.sig_finished.connect(lambda _id: autosave(window))
+    window.run_store.sig_run_updated.connect(lambda run_id: _warm(window, run_id))
+    window.replay_job = None
     for panel in window.panels.values():
         attach = getattr(panel, "attach_store", None)
         if attach is not None:
@@ -276,16 +431,24 @@ def install(window) -> None:
         window.bridge.sig_load_failed.connect(offer)
 
 
-def replay(window, saved: SavedSession, warning: str | None = None) -> None:
+def replay(window, saved: SavedSession, warning: str | None = None, wait: bool = True,
+           done: Callable[[bool], None] | None = None) -> Replay:
     """Show a saved session in every panel of `window` (GUI thread); `warning`: it is from another model.
 
     Without a loaded model the session's model facts, config and tokenizer stand in for it; with another model
-    loaded the panels show the session and the loaded model stays for the next generation.
+    loaded the panels show the session and the loaded model stays for the next generation. The runs are loaded
+    and the shown one replayed in slices (`Replay`); `wait`: all of it before returning. `done(completed)` runs
+    at the end.
     """
     bridge = window.bridge
     store: RunStore = window.run_store
     loaded = (bridge.info, bridge.cfg, bridge.tokenizer)
     prompt, gen = window.panels.get("prompt"), window.panels.get("generation")
+
+    def put_back() -> None:
+        if warning and loaded[0] is not None:
+            bridge.show_model(*loaded, announce=False)
+
     try:
         if bridge.info is None or warning:
             if saved.info is not None:
@@ -302,18 +465,36 @@ def replay(window, saved: SavedSession, warning: str | None = None) -> None:
         params = saved.settings.get("params")
         if params is not None:
             bridge.set_params(params)
-        if saved.branches:
-            shown = next((i for i, r in enumerate(saved.branches) if r.get("shown")), None)
-            store.load(saved.branches, shown)
-        else:
-            store.load([{"name": "run 1", "events": saved.events, "dropped": saved.dropped}])
-        replay_events(bridge, store.events(), store)
-        why = window.panels.get("why")
-        if why is not None:  # the why-experiments' results the session kept (none: the panel is cleared)
-            why.restore_results(saved.settings.get("why"))
-    finally:
-        if warning and loaded[0] is not None:
-            bridge.show_model(*loaded, announce=False)
+    except BaseException:
+        put_back()
+        raise
+    if saved.branches:
+        records, shown = saved.branches, next((i for i, r in enumerate(saved.branches) if r.get("shown")), None)
+    else:
+        records, shown = [{"name": "run 1", "events": saved.events, "dropped": saved.dropped}], None
+    n_load = sum(len(r.get("events", [])) for r in records)
+    n_shown = len(records[shown if shown is not None else -1].get("events", []))
+
+    def work() -> Iterator[int]:
+        yield from store.loading(records, shown)
+        for i, ev in enumerate(store.events(), 1):
+            bridge.replay(ev)
+            yield n_load + i
+
+    def end(completed: bool) -> None:
+        try:
+            why = window.panels.get("why")
+            if why is not None:  # the why-experiments' results the session kept (none: the panel is cleared)
+                why.restore_results(saved.settings.get("why"))
+        finally:
+            put_back()
+        if done is not None:
+            done(completed)
+
+    job = Replay(window, work(), n_load + n_shown, "Opening the session", end).start()
+    if wait:
+        job.finish_now()
+    return job
 
 
 def describe(saved: SavedSession) -> str:
@@ -350,7 +531,8 @@ def open_session_from(window, path: str | os.PathLike[str], wait: bool = True) -
     cannot be read shows why and changes nothing. `wait`: block until shown and return whether it was, else
     return at once (True)."""
     path = Path(path)
-    job = Job("open", path, info=window.bridge.info, done=lambda result, error: _opened(window, path, result, error))
+    job = Job("open", path, info=window.bridge.info,
+              done=lambda result, error: _opened(window, path, result, error, wait))
     window.session_writer.submit(job)
     if not wait:
         window.set_message(f"Opening {path.name}…")
@@ -360,18 +542,35 @@ def open_session_from(window, path: str | os.PathLike[str], wait: bool = True) -
     return job.error is None
 
 
-def _opened(window, path: Path, result, error: str | None) -> None:
+def _opened(window, path: Path, result, error: str | None, wait: bool = True) -> None:
     if error:
         window.show_error(error, title="Open failed", box=window.interactive)
         return
     saved, warning = result
-    replay(window, saved, warning)
-    window.tick_panels(flush=True)
-    if warning:
-        window.show_error(f"{path.name}: {warning}", title="A session from another model", box=window.interactive)
-    else:
-        window.last_error = ""
-        window.set_message(f"Opened {path.name} ({describe(saved)})")
+
+    def shown(completed: bool) -> None:
+        if warning:
+            window.show_error(f"{path.name}: {warning}", title="A session from another model",
+                              box=window.interactive)
+        elif completed:
+            window.last_error = ""
+            window.set_message(f"Opened {path.name} ({describe(saved)})")
+
+    replay(window, saved, warning, wait=wait, done=shown)
+
+
+def _warm(window, run_id: int) -> None:
+    """Every WARM_EVERY tokens of a live run, have the writer thread encode its events so far (those that will
+    not change), so that the autosave at its end has only the rest to do."""
+    store: RunStore = window.run_store
+    writer: SessionWriter = window.session_writer
+    if window.settings is None or writer.closed or run_id != store.recording:
+        return
+    run = store.run(run_id)
+    if run is None or run.finished is not None or run.n_tokens % WARM_EVERY:
+        return
+    writer.submit(Job("warm", autosave_path(), SavedSession(events=list(run.events)),
+                      captures_upto=run.first_steps_upto()))
 
 
 def autosave(window) -> None:

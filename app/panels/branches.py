@@ -292,14 +292,19 @@ class BranchesPanel(Panel):
 
     # ---- switching and comparing ----
     def show_branch(self, index: int) -> None:
-        """Show branch `index` in every panel (its events go through the bridge again)."""
+        """Show branch `index` in every panel: its events go through the bridge again, in slices of the GUI
+        thread's event loop with progress in the status bar (app.session_io.Replay)."""
         if not 0 <= index < len(self.branches) or self.bridge.state != "idle":
             return
-        from app.session_io import replay_events
+        from app import session_io
 
         run = self.branches[index]
         self.store.show(run.id)
-        replay_events(self.bridge, run.kept_events(), self.store)
+        window = self.window()
+        if hasattr(window, "replay_job"):  # the app's window: in slices, with progress, Esc cancels
+            session_io.replay_run(window, run.kept_events(), f"Showing {run.name}")
+        else:
+            session_io.replay_events(self.bridge, run.kept_events(), self.store)
 
     def compare_ticked(self) -> QtWidgets.QDialog | None:
         ticked = [int(self._item(i).data(0, QtCore.Qt.ItemDataRole.UserRole))

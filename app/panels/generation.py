@@ -6,17 +6,18 @@ up at once (amber). Decode then produces one token per forward pass, and each ap
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
-import numpy as np
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from app import theme
 from app.bridge import GenerateRequest
 from app.chat_toggle import fit_chat_box
+from app.guard import guarded
 from app.panels.base import Panel
 from app.settings import DEFAULT_MAX_NEW_TOKENS
-from app.token_view import Segments, TokenTextEdit, char_format, segments, utf16_len
+from app.token_view import Segments, TokenHighlighter, TokenTextEdit, char_format, segments, utf16_len
 from engine.events import Finished, PrefillDone, PromptTokenized, TokenSampled
 from engine.protocol import FUNNEL_TOP, Capture
 
@@ -48,6 +49,31 @@ def _formats() -> list[QtGui.QTextCharFormat]:
         char_format(theme.qcolor(theme.SPECIAL_TOKEN_COLOR).darker(160), "#f2dcff", bold=True),
         char_format(theme.PREFILL_COLOR, "#1a1a1a", bold=True),
     ]
+
+
+class OutputHighlighter(TokenHighlighter):
+    """Paints the prompt's segments only (the first `painted`). A generated token is inserted with its format in
+    the document itself, so a new token never makes the highlighter repaint every token of the paragraph it ends
+    (a long run written as one paragraph cost a Python call per token of it, per draw)."""
+
+    painted = 0
+
+    @guarded
+    def highlightBlock(self, text: str) -> None:  # noqa: N802 — Qt's name
+        n = min(self.painted, len(self.starts))
+        if not n:
+            return
+        block = self.currentBlock()
+        b0 = block.position()
+        b1 = b0 + block.length()
+        i = bisect.bisect_right(self.ends, b0, 0, n)
+        j = bisect.bisect_left(self.starts, b1, 0, n)
+        starts, ends, kinds, formats = self.starts, self.ends, self.kinds, self.formats
+        for k in range(i, j):
+            s = max(starts[k], b0)
+            e = min(ends[k], b1)
+            if e > s:
+                self.setFormat(s - b0, e - s, formats[kinds[k]])
 
 
 class GenerationPanel(Panel):
@@ -95,6 +121,8 @@ class GenerationPanel(Panel):
         self._lit = False
         self._rendered = 0
         self._doc_len = 0
+        self._decode_s = 0.0  # the decode steps' seconds so far, and how many: the status line without a walk
+        self._decode_n = 0
 
         self.generate_btn = QtWidgets.QPushButton("Generate")
         self.generate_btn.setToolTip("Prefill the prompt and decode until the end (Ctrl+Enter)")
@@ -128,6 +156,8 @@ class GenerationPanel(Panel):
         self.notice.hide()
         self.lost = None  # the bridge's EngineLost shown in the notice
         self.output = TokenTextEdit(self, read_only=True)
+        self.output.highlighter.setDocument(None)
+        self.output.highlighter = OutputHighlighter(self.output.document())
         self.output.setPlaceholderText("Generated tokens appear here, one by one.")
         self.output.set_formats(_formats())
         self.output.tooltip_for = self._tooltip
@@ -296,6 +326,7 @@ class GenerationPanel(Panel):
     def _on_prompt(self, ev: PromptTokenized) -> None:
         self.prompt, self.prefill, self.finished = ev, None, None
         self.tokens = []
+        self._decode_s, self._decode_n = 0.0, 0
         self.selected_step = None
         self._reset_view = True
         self.mark_dirty()
@@ -310,6 +341,9 @@ class GenerationPanel(Panel):
         special = self._is_special(ev.token_id)
         shown = ev.text or (ev.piece if special else "")
         self.tokens.append(OutToken(ev.step, ev.phase, ev.position, ev.token_id, ev.piece, shown, ev.seconds))
+        if ev.step > 0:
+            self._decode_s += ev.seconds
+            self._decode_n += 1
         self.mark_dirty()
 
     @QtCore.Slot(object)
@@ -336,6 +370,7 @@ class GenerationPanel(Panel):
     def clear(self) -> None:
         self.prompt = self.prefill = self.finished = None
         self.tokens = []
+        self._decode_s, self._decode_n = 0.0, 0
         self.selected_step = None
         self._reset_view = True
         super().clear()
@@ -404,11 +439,13 @@ class GenerationPanel(Panel):
             self._lit, self._rendered, self._doc_len = False, 0, 0
             hl.clear_segments(rehighlight=False)
             out.setExtraSelections([])
+            hl.painted = 0
             if self.prompt is None:
                 out.clear()
             else:
                 self._lit = self.prefill is not None
                 hl.set_segments(*self._prompt_segments(self._lit), rehighlight=False)
+                hl.painted = len(hl.starts)
                 out.setPlainText(self.prompt.text)  # highlights as it lays out
                 self._doc_len = utf16_len(self.prompt.text)
         if self.prompt is not None and self.prefill is not None and not self._lit:
@@ -418,7 +455,7 @@ class GenerationPanel(Panel):
             hl.rehighlight()
         if self._rendered < len(self.tokens):
             new = self.tokens[self._rendered:]
-            starts, ends, kinds, parts = [], [], [], []
+            starts, ends, kinds = [], [], []
             pos = self._doc_len
             first = self._n_prompt_tokens() + self._rendered
             for i, t in enumerate(new, start=self._rendered):
@@ -426,13 +463,22 @@ class GenerationPanel(Panel):
                 starts.append(pos)
                 ends.append(pos + n)
                 kinds.append(self._token_kind(t, i))
-                parts.append(t.shown)
                 pos += n
             hl.append_segments(Segments(starts, ends, [(first + j,) for j in range(len(new))], [()] * len(new)),
                                kinds)
+            # each token's text goes in with its format (one insertion per run of tokens of one kind): the
+            # highlighter leaves generated text alone, so this costs the new tokens only
             cursor = QtGui.QTextCursor(out.document())
             cursor.movePosition(QtGui.QTextCursor.MoveOperation.End)
-            cursor.insertText("".join(parts))  # the highlighter paints the blocks this touches
+            cursor.beginEditBlock()
+            j = 0
+            while j < len(new):
+                k = j + 1
+                while k < len(new) and kinds[k] == kinds[j]:
+                    k += 1
+                cursor.insertText("".join(t.shown for t in new[j:k]), hl.formats[kinds[j]])
+                j = k
+            cursor.endEditBlock()
             self._doc_len = pos
             self._rendered = len(self.tokens)
             bar = out.verticalScrollBar()
@@ -470,16 +516,16 @@ class GenerationPanel(Panel):
             self.prefill_label.setText("")
             return
         n = len(self.tokens)
-        decode = [t.seconds for t in self.tokens if t.step > 0]
         state = {"starting": "starting…"}.get(self._state, self._state)
         if self.finished is not None and self._state == "idle":
             state = f"finished ({self.finished.reason})"
         parts = [f"<b>{state}</b>", f"{n} token{'s' if n != 1 else ''} generated"]
         if self.prefill is not None:
             parts.append(f"TTFT {1e3 * self.prefill.seconds:.1f} ms")
-        if decode:
-            parts.append(f"TPOT {1e3 * decode[-1]:.1f} ms (mean {1e3 * float(np.mean(decode)):.1f} ms, "
-                         f"{len(decode) / sum(decode):.1f} tok/s)")
+        if self._decode_n:
+            last = next(t.seconds for t in reversed(self.tokens) if t.step > 0)
+            parts.append(f"TPOT {1e3 * last:.1f} ms (mean {1e3 * self._decode_s / self._decode_n:.1f} ms, "
+                         f"{self._decode_n / self._decode_s:.1f} tok/s)")
         self.status.setText(" · ".join(parts))
         if self.prompt is None:
             self.prefill_label.setText("")

@@ -32,7 +32,9 @@ import tempfile
 import time
 import types
 import typing
+import weakref
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -188,11 +190,80 @@ def same_model(saved: dict, info: ev_mod.ModelInfo | None) -> str | None:
 
 
 # ---- encoding ------------------------------------------------------------------------------------------------
-class _Encoder:
+class EncodedEvents:
+    """Events encoded by earlier saves (or ahead of one, `warm`), kept for the next save of the same runs.
+
+    An event is frozen, so its JSON text and its arrays' names stay right for as long as the event itself lives; a
+    session saved after every run (the autosave) then encodes only what is new since the last. Events and arrays
+    are held by weak reference: what the run store lets go (a step's attention it drops, a token it replaces by one
+    without its logits) is freed as before, and its entry goes at the next sweep. Used by one thread at a time (the
+    app's session writer thread).
+    """
+
+    MAX_KEY = 5_000_000  # array names stay within the reader's a0…a9999999
+
     def __init__(self) -> None:
+        # id of an event → (weak reference to it, its JSON text, its arrays' names and weak references)
+        self.events: dict[int, tuple[weakref.ref, str, tuple[tuple[str, weakref.ref], ...]]] = {}
+        self.arrays: dict[int, tuple[weakref.ref, str]] = {}  # id of an array → (weak reference, its name)
+        self.next_key = 0
+
+    def get(self, e: Any) -> tuple[str, tuple[tuple[str, weakref.ref], ...]] | None:
+        hit = self.events.get(id(e))
+        return (hit[1], hit[2]) if hit is not None and hit[0]() is e else None
+
+    def warm(self, events: list, captures_upto: int = -1, should_stop: Callable[[], bool] | None = None) -> int:
+        """Encode the events not encoded yet, ahead of the save that will need them; how many. Left for the save:
+        a token still carrying its full logits (the store soon replaces it by one without) and a step's attention
+        or lens past step `captures_upto` (the store drops most of those before the run ends)."""
+        self.sweep()
+        enc, n = _Encoder(self), 0
+        captures = (ev_mod.AttentionCaptured, ev_mod.LensCaptured)
+        for e in events:
+            if should_stop is not None and should_stop():
+                break
+            if e is None or self.get(e) or (isinstance(e, ev_mod.TokenSampled) and e.logits is not None) or (
+                    isinstance(e, captures) and e.step > captures_upto):
+                continue
+            enc.event(e)
+            n += 1
+        return n
+
+    def sweep(self) -> None:
+        """Forget the events and arrays that are gone; start afresh when the names run high."""
+        self.events = {k: v for k, v in self.events.items() if v[0]() is not None}
+        self.arrays = {k: v for k, v in self.arrays.items() if v[0]() is not None}
+        if self.next_key > self.MAX_KEY:
+            self.events, self.arrays, self.next_key = {}, {}, 0
+
+
+def _weak(x: Any) -> weakref.ref:
+    return weakref.ref(x)
+
+
+class _Encoder:
+    def __init__(self, memo: EncodedEvents | None = None) -> None:
         self.arrays: dict[str, np.ndarray] = {}
-        self._keys: dict[int, str] = {}  # id of an array stored → its key: an event in two lists is stored once
+        self.memo = memo if memo is not None else EncodedEvents()
+        self._named: list[tuple[str, weakref.ref]] | None = None  # the arrays of the event being encoded
         self.types = readable_types()
+
+    def event(self, e: Any) -> str:
+        """One event as JSON text, from the memo when an earlier save or warm-up encoded it."""
+        hit = self.memo.get(e)
+        if hit is None:
+            self._named = []
+            text = json.dumps(self(e), ensure_ascii=False)
+            hit = (text, tuple(self._named))
+            self._named = None
+            try:
+                self.memo.events[id(e)] = (_weak(e), *hit)
+            except TypeError:  # a record without weak references is encoded each time
+                pass
+        else:
+            for key, ref in hit[1]:
+                self.arrays[key] = ref()  # alive: the event holds it
+        return hit[0]
 
     def __call__(self, x: Any) -> Any:
         if x is None or isinstance(x, (bool, int, float, str)):
@@ -200,11 +271,16 @@ class _Encoder:
         if isinstance(x, np.ndarray):
             if x.dtype.kind not in "biufc":
                 raise TypeError(f"cannot store an array of dtype {x.dtype}")
-            key = self._keys.get(id(x))  # `arrays` holds every array stored, so an id is never reused meanwhile
-            if key is None:
-                key = self._keys[id(x)] = f"a{len(self.arrays)}"
-                self.arrays[key] = x
-            return {"$array": key}
+            # an array keeps its name while it lives (an event in two lists, or two saves, stores it under one); the
+            # weak reference tells a new array from a dead one whose id it took
+            known = self.memo.arrays.get(id(x))
+            if known is None or known[0]() is not x:
+                known = self.memo.arrays[id(x)] = (_weak(x), f"a{self.memo.next_key}")
+                self.memo.next_key += 1
+            self.arrays[known[1]] = x
+            if self._named is not None:
+                self._named.append((known[1], known[0]))
+            return {"$array": known[1]}
         if isinstance(x, np.generic):
             return x.item()
         if isinstance(x, tuple):
@@ -218,10 +294,19 @@ class _Encoder:
                 raise TypeError("only dicts with string keys (not starting with $) can be stored")
             return {k: self(v) for k, v in x.items()}
         name = type(x).__name__
-        if dataclasses.is_dataclass(x) and self.types.get(name) is type(x):
-            return {"$type": name,
-                    "fields": {f.name: self(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}}
+        if self.types.get(name) is type(x):
+            return {"$type": name, "fields": {f: self(getattr(x, f)) for f in _init_fields(type(x))}}
         raise TypeError(f"cannot store a {type(x).__module__}.{name} in a session file")
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _init_fields(cls: type) -> tuple[str, ...]:
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+    return names
 
 
 # ---- decoding: every value checked against what the record declares ------------------------------------------
@@ -416,7 +501,7 @@ def _write_document(out: Any, head: dict, s: SavedSession, enc: _Encoder) -> Non
     def events(evs: list) -> None:
         put("[")
         for i, e in enumerate(evs):
-            put(("," if i else "") + json.dumps(enc(e), ensure_ascii=False))
+            put(("," if i else "") + enc.event(e))
         put("]")
 
     put("{")
@@ -437,14 +522,92 @@ def _write_document(out: Any, head: dict, s: SavedSession, enc: _Encoder) -> Non
     out.write("".join(parts).encode("utf-8"))
 
 
-def save_session(path: str | os.PathLike[str], s: SavedSession) -> None:
+_NPY_HEADERS: dict[tuple[np.dtype, tuple[int, ...]], tuple[bytes, int]] = {}
+_ZIP64_LIMIT = (1 << 32) - 1
+_LOCAL = struct.Struct(zipfile.structFileHeader)
+_CENTRAL = struct.Struct(zipfile.structCentralDir)
+
+
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> tuple[bytes, int]:
+    """The .npy header numpy writes for a C-ordered array of this dtype and shape, and its CRC-32 (remembered: a
+    run's arrays come in a few shapes)."""
+    key = (dtype, shape)
+    h = _NPY_HEADERS.get(key)
+    if h is None:
+        f = io.BytesIO()
+        np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                                 "fortran_order": False, "shape": shape})
+        h = (f.getvalue(), zlib.crc32(f.getvalue()))
+        if len(_NPY_HEADERS) < 65536:
+            _NPY_HEADERS[key] = h
+    return h
+
+
+def _write_npz(out: Any, arrays: dict[str, np.ndarray]) -> None:
+    """arrays.npz as np.savez writes it uncompressed (a zip of .npy members, read by np.load and by `_read_arrays`),
+    without np.savez's cost of about 0.2 ms an array: a long run stores tens of thousands of small ones (each
+    step's funnel), which made the autosave take seconds. Small members are gathered into one write."""
+    total = sum(a.nbytes + 256 for a in arrays.values())
+    if total >= _ZIP64_LIMIT:  # offsets past 4 GiB need zip64 entries: zipfile's writer makes them
+        np.savez(out, **arrays)
+        return
+    t = time.localtime()
+    dos_time, dos_date = t[5] // 2 | t[4] << 5 | t[3] << 11, t[2] | t[1] << 5 | (t[0] - 1980) << 9
+    version = zipfile.DEFAULT_VERSION
+    central = bytearray()
+    buf = bytearray()
+    offset = 0
+    for key, a in arrays.items():
+        if not a.flags.c_contiguous:
+            a = np.ascontiguousarray(a)
+        header, header_crc = _npy_header(a.dtype, a.shape)
+        data = memoryview(a).cast("B")
+        name = f"{key}.npy".encode()
+        size = len(header) + data.nbytes
+        crc = zlib.crc32(data, header_crc)
+        buf += _LOCAL.pack(zipfile.stringFileHeader, version, 0, 0, 0, dos_time, dos_date, crc, size, size,
+                           len(name), 0)
+        buf += name
+        buf += header
+        central += _CENTRAL.pack(zipfile.stringCentralDir, version, 3, version, 0, 0, 0, dos_time, dos_date, crc,
+                                 size, size, len(name), 0, 0, 0, 0, 0o600 << 16, offset)
+        central += name
+        if data.nbytes > CHUNK // 4:
+            out.write(buf)
+            buf.clear()
+            out.write(data)
+        else:
+            buf += data
+            if len(buf) >= CHUNK:
+                out.write(buf)
+                buf.clear()
+        offset += _LOCAL.size + len(name) + size
+    cd_start, cd_size, n = offset, len(central), len(arrays)
+    buf += central
+    if n > 0xFFFF:  # more members than the plain end record counts: the zip64 end record and its locator
+        buf += struct.pack(zipfile.structEndArchive64, zipfile.stringEndArchive64, 44, zipfile.ZIP64_VERSION,
+                           zipfile.ZIP64_VERSION, 0, 0, n, n, cd_size, cd_start)
+        buf += struct.pack(zipfile.structEndArchive64Locator, zipfile.stringEndArchive64Locator, 0,
+                           cd_start + cd_size, 1)
+    buf += struct.pack(zipfile.structEndArchive, zipfile.stringEndArchive, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
+                       cd_size, cd_start, 0)
+    out.write(buf)
+
+
+def save_session(path: str | os.PathLike[str], s: SavedSession, memo: EncodedEvents | None = None) -> None:
     """Write `s` to `path` (write to a temporary file, then rename: an existing file is never left half-written).
 
     Nothing is written outside the folder of `path`. OSError with one sentence naming the path when it cannot be
-    written; TypeError when `s` holds something a session file cannot.
+    written; TypeError when `s` holds something a session file cannot. `memo`: the events earlier saves encoded,
+    reused and updated (the app's autosave after every run re-encodes only what is new).
     """
     path = Path(path)
-    enc = _Encoder()
+    if memo is not None:
+        memo.sweep()
+    _save(path, s, _Encoder(memo))
+
+
+def _save(path: Path, s: SavedSession, enc: _Encoder) -> None:
     head = {
         "format": FORMAT, "version": VERSION, "created": s.created or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": s.model, "prompt": s.prompt, "chat": s.chat, "settings": enc(s.settings),
@@ -460,7 +623,9 @@ def save_session(path: str | os.PathLike[str], s: SavedSession) -> None:
     except OSError as e:
         raise OSError(f"cannot save the session to {path}: {e.strerror or e}") from None
     try:
-        with os.fdopen(fd, "wb") as fh, zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED) as z:
+        # session.json deflated fast (level 1): most of a long run's JSON is repeated field names, which any level
+        # shrinks several-fold, and level 6 took a second of the autosave on a long run
+        with os.fdopen(fd, "wb") as fh, zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
             doc = zipfile.ZipInfo("session.json", time.localtime()[:6])
             doc.compress_type = zipfile.ZIP_DEFLATED
             with z.open(doc, "w", force_zip64=True) as out:
@@ -470,7 +635,7 @@ def save_session(path: str | os.PathLike[str], s: SavedSession) -> None:
             with z.open(member, "w", force_zip64=True) as npz:
                 # Not deflated: a run's float32 logits are most of it and hardly shrink, while deflating them cost
                 # the autosave seconds of a core after every run (BENCHMARKS.md, "The app on an AVX2-only CPU").
-                np.savez(npz, **enc.arrays)
+                _write_npz(npz, enc.arrays)
             if s.tokenizer is not None:
                 with tempfile.TemporaryDirectory(prefix=".ilab-", dir=folder) as td:  # beside the file, not in /tmp
                     s.tokenizer.save(td)
@@ -479,7 +644,16 @@ def save_session(path: str | os.PathLike[str], s: SavedSession) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it private; a saved session is an ordinary document
+        # the file it replaces goes after the new one is in place: freeing a long run's hundreds of megabytes
+        # took a third of a second of the rename here
+        old = Path(tmp + ".old")
+        try:
+            os.link(path, old)
+        except OSError:
+            old = None
         os.replace(tmp, path)
+        if old is not None:
+            old.unlink(missing_ok=True)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
         raise OSError(f"cannot save the session to {path}: {e.strerror or e}") from None

@@ -65,8 +65,8 @@ def test_fork_from_an_alternative_then_switch_and_compare(qtbot, window, tmp_pat
     gen = window.panels["generation"]
     assert [t.token_id for t in gen.tokens] == [t.token_id for t in fork.tokens]
 
-    panel.show_branch(0)  # every panel shows the first run again
-    window.tick_panels(flush=True)
+    panel.show_branch(0)  # every panel shows the first run again (replayed in slices: done at once here)
+    session_io.finish_replay(window)
     assert [t.token_id for t in gen.tokens] == [t.token_id for t in toks]
     assert len(panel.branches) == 2 and panel.shown == 0
 
