@@ -29,7 +29,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,30 +41,25 @@ from engine.backends import isa
 from engine.backends.rule import DEFAULT_CONTEXT
 from engine.costs import formulas as costs
 from engine.events import (
-    AttentionCaptured,
     Capability,
-    Event,
     Funnel,
     KVCacheGrew,
     ModelInfo,
-    ResidualNorms,
     RunSource,
-    RunStarted,
     StepCost,
 )
 from engine.formats.locate import ModelLoadError, cache_root, load_tokenizer, resolve_model_path
 from engine.model.config import ModelConfig
 from engine.model.dtypes import lookup as dtype_lookup
-from engine.model.probe import Probe
 from engine.protocol import Capture
 from engine.run.branching import check_forced, tokenization_of
 from engine.run.constrain import Constraint
-from engine.run.lens import lens_event
 from engine.run.local import LocalBackend
 from engine.run.sampling import FunnelStages, SamplingParams
-from engine.run.session import Generation, NonFiniteLogits, RunLoop, condense_funnel, prompt_event, score_prompt
+from engine.run.session import Generation, check_finite, condense_funnel
 from engine.run.threads import available_cores
-from engine.runtime.llamacpp import free_context
+from engine.runtime.base import Row
+from engine.runtime.llamacpp import LlamaCppRuntime, free_context
 from engine.tokenizer import Tokenization
 
 HEADER_CACHE_VERSION = "2"  # bump when read_config, tensor_stats, _lens_places or file_type_name change their answer
@@ -361,9 +356,6 @@ class LlamaCppSession:
         self._mem = L.llama_get_memory(self._ctx)
         self._batch = L.llama_batch_init(cp.n_batch, 0, 1)
         self._batch_size = cp.n_batch
-        for i in range(cp.n_batch):  # every token belongs to sequence 0
-            self._batch.seq_id[i][0] = 0
-        self.cached_ids: list[int] = []
         self.stop_ids = frozenset(self.tokenizer.eos_ids) | frozenset(self.cfg.eos_token_ids)
         self._lens: _LensHead | None = None
         self.cannot: tuple[Capability, ...] = ("attention",) if flash_attn else ()
@@ -389,7 +381,8 @@ class LlamaCppSession:
             file_params_by_type={k: n for k, (_, n) in files.items()},
             file_bits_per_weight={k: round(8 * b / n, 4) for k, (b, n) in files.items() if n},
             decode_weight_bytes_file=decode_file, decode_weight_bytes=decode_file, sha256=_sha256(self.path),
-        )
+        )  # the one ModelInfo of this model: every runtime made over it (engine.runtime.llamacpp) reuses it
+        self._runtime = LlamaCppRuntime.of_session(self)  # generations: sequence 0 of this context, watched
 
     @staticmethod
     def _read_header(path: Path) -> tuple[ModelConfig, dict, str]:
@@ -462,60 +455,48 @@ class LlamaCppSession:
                 f"the prompt holds token id {outside}, outside this model's vocabulary (0…{self.cfg.vocab_size - 1})")
 
     # ---- the cache and one forward step ------------------------------------------------------------------------
+    device = torch.device("cpu")
+
+    @property
+    def cached_ids(self) -> list[int]:
+        """The tokens whose K/V the context holds, positions 0…len − 1 (its runtime's own record)."""
+        return self._runtime.held(0)
+
+    def runtime(self, capacity: int | None = None) -> LlamaCppRuntime:
+        """The one-sequence runtime generations run on: this session's own context (allocated whole at load)."""
+        return self._runtime
+
+    def source(self) -> RunSource:
+        """What a generation on this session says it runs on (RunStarted)."""
+        return RunSource(kind="local", name=f"{self.info.name} (llama.cpp)", cannot=self.cannot)
+
     def forget_cache(self) -> None:
-        self.llama.llama_memory_clear(self._mem, True)
-        self.cached_ids = []
+        self._runtime.clear()
 
     def _reuse(self, ids: Sequence[int]) -> int:
         """Keep the cached positions that start `ids` (never its last token: it gives the logits); drop the rest."""
-        reuse, limit = 0, min(len(self.cached_ids), len(ids) - 1)
-        while reuse < limit and self.cached_ids[reuse] == ids[reuse]:
-            reuse += 1
-        if reuse < len(self.cached_ids):
-            if not self.llama.llama_memory_seq_rm(self._mem, 0, reuse, -1):
-                self.llama.llama_memory_clear(self._mem, True)
-                reuse = 0
-            del self.cached_ids[reuse:]
-        return reuse
+        return self._runtime.reuse(0, ids)
 
     def _forward(self, new_ids: Sequence[int], start: int, every: bool = False) -> np.ndarray:
-        """Logits (V,) of the last new token, or (T, V) of every one with `every`, as float32 copies."""
-        L, b = self.llama, self._batch
-        n, V = len(new_ids), self.cfg.vocab_size
-        if n > self._batch_size or start + n > self.n_ctx:
-            raise ValueError(f"{start + n} positions do not fit this context of {self.n_ctx}")
-        b.n_tokens = n
-        np.ctypeslib.as_array(b.token, shape=(n,))[:] = new_ids
-        np.ctypeslib.as_array(b.pos, shape=(n,))[:] = np.arange(start, start + n)
-        np.ctypeslib.as_array(b.n_seq_id, shape=(n,))[:] = 1
-        outputs = np.ctypeslib.as_array(b.logits, shape=(n,))
-        outputs[:] = 1 if every else 0
-        outputs[-1] = 1
-        rc = L.llama_decode(self._ctx, b)
-        if rc != 0:
+        """Logits (V,) of the last new token, or (T, V) of every one with `every`, as float32 copies; `start` must
+        be where the cache ends. A step by hand, for engine.why's own loops (which may have begun the tap)."""
+        rt = self._runtime
+        if start != rt.length(0):  # one count of positions: the context's
+            raise ValueError(f"a step at position {start}, but the cache holds {rt.length(0)} positions")
+        try:
+            logits = rt.forward([Row(0, list(new_ids), every)])[0]
+            check_finite(logits[-1] if every else logits, start + len(new_ids) - 1, rt.kv_dtype)
+        except Exception:
             self.forget_cache()
-            raise RuntimeError(f"llama_decode returned {rc} at positions {start}…{start + n - 1}")
-        self.cached_ids.extend(int(i) for i in new_ids)
-        if every:
-            logits = np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(n, V)).copy()
-        else:
-            logits = np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, -1), shape=(V,)).copy()
-        if not np.isfinite(logits[-1]).all():
-            self.forget_cache()
-            raise NonFiniteLogits(f"the model produced NaN or infinite logits at position {start + n - 1}")
-        return logits
+            raise
+        return logits.numpy()
 
     def step_cost(self, n_tokens: int, start: int, all_logits: bool = False) -> StepCost:
         """engine.costs.formulas' step, with the weights at the file's own bytes (what llama.cpp streams)."""
-        c = costs.prefill_cost(self.cfg, n_tokens, start=start, kv_dtype=self.kv_dtype, all_logits=all_logits)
-        return replace(c, weight_bytes=costs.step_weight_bytes_file(
-            self.cfg, self.file_bytes, self.embedding_file_bytes, rows=n_tokens))
+        return self._runtime.step_cost(n_tokens, start, all_logits=all_logits)
 
     def kv_event(self, step: int) -> KVCacheGrew:
-        per_position = costs.kv_bytes_per_token(self.cfg, self.kv_dtype)
-        n = len(self.cached_ids)
-        return KVCacheGrew(step=step, n_tokens=n, bytes_used=round(per_position * n),
-                           bytes_allocated=round(per_position * self.n_ctx))
+        return self._runtime.kv_event(step)
 
     def lens_head(self) -> _LensHead:
         """The final norm (float32) and the output matrix (float16), dequantized from the file on first use."""
@@ -554,7 +535,7 @@ class LlamaCppSession:
         self, prompt: str | Tokenization | Sequence[int], params: SamplingParams | None = None,
         max_new_tokens: int = 64, capture: Capture | None = None, chat: bool = False, ignore_eos: bool = False,
         forced: Mapping[int, int] | None = None, constraint: Constraint | None = None,
-    ) -> LlamaCppGeneration:
+    ) -> Generation:
         """Start a generation; iterate it to run. The prompt is checked now (ValueError on bad input)."""
         if isinstance(prompt, Tokenization):
             tok = prompt
@@ -564,105 +545,19 @@ class LlamaCppSession:
             tok = tokenization_of(self.tokenizer, prompt)
         self.check_prompt(tok.ids, max_new_tokens)
         force = check_forced(forced or {}, self.cfg.vocab_size, max_new_tokens)
-        return LlamaCppGeneration(self, tok, params or SamplingParams(), max_new_tokens, capture or Capture(),
-                                  ignore_eos, force, constraint)
+        return Generation(self, tok, params or SamplingParams(), max_new_tokens, capture or Capture(), ignore_eos,
+                          force, constraint)
 
     def fork(
         self, prompt_ids: Sequence[int], generated_ids: Sequence[int], step: int, token: int,
         params: SamplingParams | None = None, max_new_tokens: int = 64, capture: Capture | None = None,
         ignore_eos: bool = False,
-    ) -> LlamaCppGeneration:
+    ) -> Generation:
         """Branch a generation at `step` with `token` (see Session.fork): the cached prefix is kept."""
         if not 0 <= step <= len(generated_ids):
             raise ValueError(f"cannot fork at step {step}: the generation has steps 0..{len(generated_ids) - 1}")
         prefix = [int(i) for i in prompt_ids] + [int(i) for i in generated_ids[:step]]
         return self.generate(prefix, params, max_new_tokens, capture, ignore_eos=ignore_eos, forced={0: token})
-
-
-class LlamaCppGeneration(Generation):
-    """One running generation on llama.cpp: the torch engine's knobs and step bookkeeping (engine.run.session), with
-    llama.cpp computing each step's logits and the graph callback handing over the captures."""
-
-    def _captured(self, step: int, phase: str, query_start: int, n_queries: int,
-                  stream: np.ndarray | None) -> Iterator[Event]:
-        s, tap = self.session, self.session.tap
-        if tap.error is not None:
-            raise RuntimeError(f"reading llama.cpp's tensor {tap.error}")
-        n_keys = query_start + n_queries
-        for layer in sorted(self.capture.attention_layers):
-            parts = tap.attn.get(layer)
-            if not parts:
-                continue
-            rows = sum(p.shape[1] for p in parts)
-            w = np.zeros((s.cfg.n_heads, rows, n_keys), dtype=np.float32)  # (H, n, S)
-            r = 0
-            for p in parts:  # a piece holds the keys cached when it ran: a real prefix of n_keys, padded beyond
-                k = min(n_keys, p.shape[2])
-                w[:, r:r + p.shape[1], :k] = p[:, :, :k]
-                r += p.shape[1]
-            skipped = n_queries - rows
-            yield AttentionCaptured(step=step, phase=phase, layer=layer, query_start=query_start + skipped,
-                                    weights=w, group_size=s.cfg.group_size, rows_skipped=skipped)
-        if self.capture.residual_norms and stream is not None:
-            yield ResidualNorms(step=step, norms=np.linalg.norm(stream, axis=-1).astype(np.float32))
-
-    def _run(self) -> Iterator[Event]:
-        s = self.session
-        cfg, tap = s.cfg, s.tap
-        yield RunStarted(source=RunSource(kind="local", name=f"{s.info.name} (llama.cpp)", cannot=s.cannot))
-        yield prompt_event(self.prompt)
-        loop = RunLoop(self, s.tokenizer, cfg.context_length)
-        ids = loop.ids
-        try:
-            reuse = s._reuse(ids)
-            if self.capture.prompt_scores and reuse:  # scoring needs every prompt position's logits
-                s.forget_cache()
-                reuse = 0
-            while True:
-                phase, params, capture = loop.begin_step()
-                step = loop.step
-                feed, start = loop.feed(reuse)
-                every = step == 0 and capture.prompt_scores
-                cost = s.step_cost(len(feed), start, all_logits=every)
-                layers = frozenset() if "attention" in s.cannot else frozenset(capture.attention_layers)
-                residual = capture.residual_norms or capture.lens_top > 0
-                keep = Probe(max_attention_bytes=capture.attention_max_bytes).attention_rows(
-                    cfg.n_heads, len(feed), start + len(feed))
-                tap.begin(layers, residual, len(feed), keep)
-                t0 = time.perf_counter()
-                try:
-                    out = s._forward(feed, start, every)
-                finally:
-                    tap.end()
-                logits = torch.from_numpy(out[-1] if every else out)
-                token, condensed, grammar_done, force = loop.pick(logits, params, capture, s.make_funnel)
-                raw = logits.numpy() if capture.logits else None
-                seconds = time.perf_counter() - t0
-                stream = None
-                if residual and len(tap.resid) == cfg.n_layers + 1:
-                    stream = np.stack([tap.resid[i] for i in range(cfg.n_layers + 1)])  # (L + 1, d)
-                yield from loop.untimed(self._after(step, phase, start, feed, out if every else None,
-                                                    ids[:loop.n_prompt], stream, logits, token))
-                yield from loop.emit(s.kv_event(step))
-                reason = yield from loop.end_step(
-                    phase=phase, token=token, seconds=seconds, cost=cost, n_fed=len(feed), reuse=reuse,
-                    funnel=condensed, logits=raw, params=params, forced=force is not None, grammar_done=grammar_done)
-                if reason is not None:
-                    yield loop.finished(reason)
-                    return
-        except Exception as e:  # noqa: BLE001 — the consumer gets one clear message instead of a dead thread
-            yield loop.failed(s, e)
-
-    def _after(self, step: int, phase: str, start: int, feed: list[int], every: np.ndarray | None,
-               prompt: list[int], stream: np.ndarray | None, logits: torch.Tensor, token: int) -> Iterator[Event]:
-        """The step's events besides its token: prompt scores, attention and norms, the logit lens."""
-        if every is not None:
-            yield score_prompt(torch.from_numpy(every), prompt, start)
-        yield from self._captured(step, phase, start, len(feed), stream)
-        if stream is not None and self.capture.lens_top:
-            s = self.session
-            yield lens_event(s.lens_head(), s.tokenizer, step, start + len(feed) - 1, stream, logits,
-                             self.capture.lens_top, token)
 
 
 class LlamaCppBackend(LocalBackend):

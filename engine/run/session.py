@@ -7,6 +7,10 @@ and its sampling settings and capture can change between tokens.
 
 A `Session` keeps the KV cache between runs: when a new prompt starts with the tokens already cached, their keys
 and values are reused and only the new tokens are prefilled (prefix caching).
+
+`Generation._run` is the engine's one generation loop, on either runtime: it is written against engine.runtime's
+Runtime (a step forwards the ids past what the cache holds, with the captures asked for, and reads them back), and
+the llama.cpp backend's session hands it llama.cpp's runtime instead of the torch engine's.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ from engine.events import (
     Failed,
     Finished,
     Funnel,
-    KVCacheGrew,
     PrefillDone,
     PromptScored,
     PromptTokenized,
@@ -38,13 +41,15 @@ from engine.events import (
 )
 from engine.loaders import LoadedModel
 from engine.model.kv_cache import KVCache
-from engine.model.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
+from engine.model.probe import Probe
 from engine.protocol import ATTENTION_MAX_BYTES, FUNNEL_TOP, Capture  # noqa: F401 — constants re-exported
 from engine.run.branching import check_forced, tokenization_of
 from engine.run.constrain import Constraint
 from engine.run.lens import lens_event
 from engine.run.sampling import FunnelStages, SamplingParams, choose, make_generator, sample
 from engine.run.threads import AdaptiveThreads
+from engine.runtime.base import Row, Runtime
+from engine.runtime.torch import ContiguousRuntime
 from engine.tokenizer import StreamDecoder, Tokenization, Tokenizer
 
 CACHE_GRANULE = 256  # the cache grows in steps of this many positions, so it is rarely reallocated
@@ -122,19 +127,45 @@ class NonFiniteLogits(ValueError):
     """A forward pass gave NaN or infinite logits; the message says where."""
 
 
+def check_finite(logits: torch.Tensor, position: int, dtype_name: str) -> None:
+    """NonFiniteLogits when a step's logits hold NaN or ±∞: sampling would fail obscurely, argmax pick garbage."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogits(
+            f"the model produced NaN or infinite logits at position {position} "
+            f"(damaged weights, or values beyond {dtype_name}'s range)"
+        )
+
+
 class Session:
-    """A loaded model plus the KV cache it keeps between generations."""
+    """A loaded model plus the KV cache it keeps between generations: a one-sequence runtime over the contiguous
+    cache (engine.runtime.torch.ContiguousRuntime), whose positions are the only count of what it holds."""
 
     def __init__(self, lm: LoadedModel, threads: int | str = "auto") -> None:
         self.lm = lm
         self.threads = AdaptiveThreads(threads) if lm.device.type == "cpu" else None
         self.cfg = lm.cfg
         self.tokenizer = lm.tokenizer
-        self.cache: KVCache | None = None
-        self.cached_ids: list[int] = []  # the tokens whose K/V the cache holds, positions 0..len-1
+        self._rt: ContiguousRuntime | None = None
         self.dtype_name = str(lm.dtype).removeprefix("torch.")
         self._bytes_saved: dict[tuple[int, str | None], int] = {}  # (threads, forced kernel) -> decode_bytes_saved
         self.stop_ids = frozenset(self.tokenizer.eos_ids) | frozenset(self.cfg.eos_token_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm.device
+
+    def source(self) -> RunSource:
+        """What a generation on this session says it runs on (RunStarted)."""
+        return RunSource(kind="local", name=self.lm.info.name)
+
+    @property
+    def cache(self) -> KVCache | None:
+        return None if self._rt is None else self._rt.cache
+
+    @property
+    def cached_ids(self) -> list[int]:
+        """The tokens whose K/V the cache holds, positions 0…len − 1 (the runtime's own record)."""
+        return [] if self._rt is None else self._rt.ids
 
     def decode_weight_bytes(self) -> float:
         """Weights one decode step streams with the kernels in use now, in bytes: engine.costs' figure for the
@@ -173,19 +204,17 @@ class Session:
             )
 
     # ---- the cache ---------------------------------------------------------------------------------------------
+    def runtime(self, capacity: int) -> ContiguousRuntime:
+        """The one-sequence runtime generations run on, with room for `capacity` positions (kept when it has it)."""
+        capacity = min(self.cfg.context_length, -(-capacity // CACHE_GRANULE) * CACHE_GRANULE)
+        if self._rt is None or not self._rt.fits(capacity):
+            with torch.inference_mode():
+                self._rt = ContiguousRuntime(self.lm, capacity, self.decode_weight_bytes)
+        return self._rt
+
     def _prepare_cache(self, ids: Sequence[int], capacity: int) -> int:
         """Make room for `capacity` positions; return how many leading prompt tokens are reused from the cache."""
-        capacity = min(self.cfg.context_length, -(-capacity // CACHE_GRANULE) * CACHE_GRANULE)
-        if self.cache is None or not self.cache.fits(1, capacity, self.lm.dtype, self.lm.device):
-            self.cache = KVCache(self.cfg, 1, capacity, self.lm.dtype, self.lm.device)
-            self.cached_ids = []
-        reuse = 0
-        limit = min(len(self.cached_ids), len(ids) - 1)  # the last prompt token is always run: it gives the logits
-        while reuse < limit and self.cached_ids[reuse] == ids[reuse]:
-            reuse += 1
-        reuse = self.cache.truncate(reuse)  # a sliding-window layer may not reach back that far
-        del self.cached_ids[reuse:]
-        return reuse
+        return self.runtime(capacity).reuse(0, ids)
 
     def warm_up(self) -> float:
         """Pay the first-call costs (kernel choice, thread pools, buffers) once, so the first TTFT shown is honest.
@@ -202,24 +231,25 @@ class Session:
         return time.perf_counter() - t0
 
     def forget_cache(self) -> None:
-        self.cache, self.cached_ids = None, []
+        self._rt = None
 
     def _forward(self, new_ids: Sequence[int], start: int, probe: Probe | None,
                  every: list | None = None) -> torch.Tensor:
-        """Logits (V,) of the last new token; with `every` (a list), also append every position's (T, V) to it."""
-        tokens = torch.tensor([list(new_ids)], dtype=torch.long, device=self.lm.device)  # (1, T)
-        if every is None:
-            logits = self.lm.model(tokens, start, self.cache, probe)[0]  # (V,)
-        else:
-            every.append(self.lm.model(tokens, start, self.cache, probe, all_logits=True)[0])  # (T, V)
-            logits = every[-1][-1]
-        self.cached_ids.extend(int(i) for i in new_ids)
-        if not bool(torch.isfinite(logits).all()):  # sampling would fail obscurely, argmax would pick garbage
+        """Logits (V,) of the last new token, run at `start` (which must be where the cache ends); with `every` (a
+        list), also append every position's (T, V) to it. A step by hand, for engine.why's own loops."""
+        rt = self._rt
+        held = 0 if rt is None else rt.length(0)
+        if rt is None or start != held:  # one count of positions: the cache's
+            raise ValueError(f"a step at position {start}, but the cache holds {held} positions")
+        logits = rt.run(new_ids, probe, all_logits=every is not None)
+        if every is not None:
+            every.append(logits)
+            logits = logits[-1]
+        try:
+            check_finite(logits, start + len(new_ids) - 1, self.dtype_name)
+        except NonFiniteLogits:
             self.forget_cache()
-            raise NonFiniteLogits(
-                f"the model produced NaN or infinite logits at position {start + len(new_ids) - 1} "
-                f"(damaged weights, or values beyond {self.dtype_name}'s range)"
-            )
+            raise
         return logits
 
     # ---- one-off next-token preview ----------------------------------------------------------------------------
@@ -309,10 +339,6 @@ class RunLoop:
         if params.seed != self.seed_used:  # a new seed restarts the random stream from here
             self.generator, self.seed_used = make_generator(params.seed, self.device), params.seed
         return ("prefill" if self.step == 0 else "decode"), params, self.gen.capture
-
-    def feed(self, reuse: int) -> tuple[list[int], int]:
-        """(ids to run, position of the first): the prompt past the reused cache, then the last token."""
-        return (self.ids[reuse:], reuse) if self.step == 0 else (self.ids[-1:], self.pos - 1)
 
     def pick(self, logits: torch.Tensor, params: SamplingParams, capture: Capture,
              make_funnel) -> tuple[int, Funnel | None, bool, int | None]:
@@ -411,62 +437,40 @@ class Generation:
     def __next__(self) -> Event:
         return next(self._events)
 
-    def _captured(
-        self, probe: Probe | None, step: int, phase: str, query_start: int, n_queries: int
-    ) -> Iterator[Event]:
-        if probe is None:
-            return
-        g = self.session.cfg.group_size
-        for layer in sorted(self.capture.attention_layers):
-            w = probe.values.get(attn_point(layer))
-            if w is not None:
-                skipped = n_queries - w.shape[2]  # a long prefill keeps its last rows only (engine.model.probe)
-                yield AttentionCaptured(
-                    step=step, phase=phase, layer=layer, query_start=query_start + skipped, weights=w[0],
-                    group_size=g, rows_skipped=skipped,
-                )  # batch row 0: (H, n, S)
-        if RESID_NORMS in probe.values:
-            yield ResidualNorms(step=step, norms=probe.values[RESID_NORMS][0])
-
     @torch.inference_mode()
     def _run(self) -> Iterator[Event]:
+        """The one generation loop, on the session's one-sequence runtime (engine.runtime: the torch engine's or
+        llama.cpp's): each step forwards the ids past what the cache holds, at the position where it ends."""
         s = self.session
-        lm, cfg = s.lm, s.cfg
-        yield RunStarted(source=RunSource(kind="local", name=lm.info.name))
+        yield RunStarted(source=s.source())
         yield prompt_event(self.prompt)
-        loop = RunLoop(self, s.tokenizer, cfg.context_length, lm.device)
+        loop = RunLoop(self, s.tokenizer, s.cfg.context_length, s.device)
         ids = loop.ids
         try:
-            reuse = s._prepare_cache(ids, loop.capacity + 1)
-            if self.capture.prompt_scores and reuse:  # scoring needs every prompt position's logits: run them all
-                s.cache.truncate(0)
-                del s.cached_ids[:]
-                reuse = 0
+            rt = s.runtime(loop.capacity + 1)
+            if self.capture.prompt_scores:  # scoring needs every prompt position's logits: run them all
+                rt.remove(0)
+            reuse = rt.reuse(0, ids)
             while True:
                 phase, params, capture = loop.begin_step()
-                step, pos = loop.step, loop.pos
-                probe = Probe.for_request(capture)
+                step = loop.step
                 if s.threads is not None:
                     s.threads.begin_step()
                 t0 = time.perf_counter()
-                feed, start = loop.feed(reuse)
-                if step == 0:
-                    cost = costs.prefill_cost(cfg, len(feed), start=start, weight_dtype=s.dtype_name)
-                else:
-                    cost = replace(costs.decode_cost(cfg, pos, weight_dtype=s.dtype_name),
-                                   weight_bytes=s.decode_weight_bytes())
-                every: list | None = [] if step == 0 and capture.prompt_scores else None
-                logits = s._forward(feed, start, probe, every)
+                start = rt.length(0)  # the one count of positions: the cache's
+                feed = ids[start:]
+                every = step == 0 and capture.prompt_scores
+                cost = rt.step_cost(len(feed), start, all_logits=every)
+                out = rt.forward([Row(0, feed, every, capture if self._captures(capture) else None)])[0]
+                logits = out[-1] if every else out
+                check_finite(logits, start + len(feed) - 1, rt.kv_dtype)
                 token, condensed, grammar_done, force = loop.pick(logits, params, capture, s.make_funnel)
                 raw = logits.cpu().numpy() if capture.logits else None
-                _sync(lm.device)
+                _sync(rt.device)
                 seconds = time.perf_counter() - t0
-                yield from loop.untimed(self._after(probe, step, phase, start, feed, every, ids[:loop.n_prompt],
-                                                    logits, token))
-                kv = s.cache
-                yield from loop.emit(KVCacheGrew(
-                    step=step, n_tokens=kv.pos, bytes_used=kv.bytes_used(), bytes_allocated=kv.bytes_allocated()
-                ))
+                yield from loop.untimed(self._after(rt, capture, step, phase, start, feed, out if every else None,
+                                                    ids[:loop.n_prompt], logits, token))
+                yield from loop.emit(rt.kv_event(step))
                 if step > 0 and s.threads is not None:
                     s.threads.end_step(seconds, cost.bytes)
                 reason = yield from loop.end_step(
@@ -478,15 +482,27 @@ class Generation:
         except Exception as e:  # noqa: BLE001 — the consumer gets one clear message instead of a dead thread
             yield loop.failed(s, e)
 
-    def _after(self, probe: Probe | None, step: int, phase: str, start: int, feed: list[int], every: list | None,
-               prompt: list[int], logits: torch.Tensor, token: int) -> Iterator[Event]:
+    @staticmethod
+    def _captures(capture: Capture) -> bool:
+        """Whether a step must record anything in its forward pass (attention, norms, the lens's stream)."""
+        return bool(capture.attention_layers) or capture.residual_norms or capture.lens_top > 0
+
+    def _after(self, rt: Runtime, capture: Capture, step: int, phase: str, start: int, feed: list[int],
+               every: torch.Tensor | None, prompt: list[int], logits: torch.Tensor, token: int) -> Iterator[Event]:
         """The step's events besides its token: prompt scores, attention and norms, the logit lens."""
-        if every:
-            yield score_prompt(every[0], prompt, start)
-        yield from self._captured(probe, step, phase, start, len(feed))
-        if probe is not None and RESID_STREAM in probe.values and self.capture.lens_top:
-            yield lens_event(self.session.lm.model, self.session.tokenizer, step, start + len(feed) - 1,
-                             probe.values[RESID_STREAM][0], logits, self.capture.lens_top, token)
+        if every is not None:
+            yield score_prompt(every, prompt, start)
+        if not self._captures(capture):
+            return
+        got = rt.captured(0)
+        for layer, (w, skipped) in sorted(got.attention.items()):
+            yield AttentionCaptured(step=step, phase=phase, layer=layer, query_start=start + skipped, weights=w,
+                                    group_size=rt.cfg.group_size, rows_skipped=skipped)  # (H, n, S)
+        if capture.residual_norms and got.norms is not None:
+            yield ResidualNorms(step=step, norms=got.norms)
+        if got.stream is not None and capture.lens_top:
+            yield lens_event(rt.lens_head(), rt.tokenizer, step, start + len(feed) - 1, got.stream, logits,
+                             capture.lens_top, token)
 
 
 def score_prompt(every: torch.Tensor, prompt: Sequence[int], start: int) -> PromptScored:

@@ -6,21 +6,29 @@ sequence id with the tokens that follow what the cache holds of that sequence. T
 drift from the cache's. The KV verbs change what a sequence holds: `remove` forgets its positions from a point on
 (rejected draft tokens), `copy` gives another sequence a prefix (a fork), `keep` drops every other sequence.
 
-Implementations: engine.runtime.torch (this engine's model over a paged cache) and engine.runtime.llamacpp
-(llama.cpp's batch of several sequence ids over its own sequence-tagged cache).
+A row may also ask for captures (a Capture: attention weights, residual norms, the residual stream for the lens);
+`captured(seq)` then hands over what its last forward pass recorded, in the shapes the events carry. A generation
+(engine.run.session.Generation) is a loop of one-row forwards with captures on a one-sequence runtime; the labs
+(engine.labs) loop over batches of rows without them. Neither keeps a count of positions of its own.
+
+Implementations: engine.runtime.torch (this engine's model over a paged cache; a generation's one sequence over the
+contiguous cache, whose step is the faster) and engine.runtime.llamacpp (llama.cpp's batch of several sequence ids
+over its own sequence-tagged cache; a generation's over the session's own context, whose graph callback captures).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from engine.costs import formulas as costs
-from engine.events import ModelInfo, StepCost
+from engine.events import Capability, KVCacheGrew, ModelInfo, StepCost
 from engine.model.config import ModelConfig
+from engine.protocol import Capture
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,21 @@ class Row:
     seq: int
     tokens: Sequence[int]
     all_logits: bool = False
+    capture: Capture | None = None  # what the pass records for this row (`Runtime.captured`); None: nothing
+
+
+@dataclass(frozen=True)
+class Captured:
+    """What one row's forward pass recorded, as the events carry it.
+
+    attention: layer -> ((H, rows, keys) float32 weights of the step's last `rows` queries, query rows left out
+    before them); norms: the residual stream's norm after the embedding and after each layer (L + 1,); stream: the
+    residual stream itself at the newest position (L + 1, d), which the lens projects. None: not asked for.
+    """
+
+    attention: Mapping[int, tuple[np.ndarray, int]]
+    norms: np.ndarray | None = None
+    stream: np.ndarray | torch.Tensor | None = None
 
 
 class Runtime(ABC):
@@ -46,6 +69,7 @@ class Runtime(ABC):
     dtype_name: str  # what a user reads as the model's precision (float32, bfloat16, Q4_K_M…)
     device: torch.device  # where the logits `forward` returns live
     page_size: int  # positions the cache hands a sequence at a time (llama.cpp's cells: 1)
+    cannot: tuple[Capability, ...] = ()  # captures this runtime cannot make (llama.cpp's fused attention)
 
     @abstractmethod
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor]:
@@ -71,6 +95,36 @@ class Runtime(ABC):
     @abstractmethod
     def pages_in_use(self) -> int:
         """Pages (of `page_size` positions) the cache has handed to sequences."""
+
+    def held(self, seq: int) -> list[int]:
+        """The tokens whose keys and values the cache holds for `seq`, positions 0…length − 1 (a generation's
+        runtime keeps them for prefix reuse; a lab's does not)."""
+        raise NotImplementedError(f"{type(self).__name__} does not keep its sequences' tokens")
+
+    def reuse(self, seq: int, ids: Sequence[int]) -> int:
+        """Keep the positions of `seq` that start `ids` (never its last token: it gives the logits), forget the
+        rest; returns how many are kept (the cache may keep fewer: a sliding window that moved on)."""
+        held = self.held(seq)
+        n, limit = 0, min(len(held), len(ids) - 1)
+        while n < limit and held[n] == ids[n]:
+            n += 1
+        self.remove(seq, n)
+        return self.length(seq)
+
+    def captured(self, seq: int) -> Captured:
+        """What `seq`'s row of the last forward pass recorded (its Row.capture)."""
+        raise NotImplementedError(f"{type(self).__name__} records no captures")
+
+    def lens_head(self) -> torch.nn.Module:
+        """The module whose `head` takes the residual stream to logits (the final norm and the output matrix)."""
+        raise NotImplementedError(f"{type(self).__name__} has no lens head")
+
+    def kv_event(self, step: int, seq: int = 0) -> KVCacheGrew:
+        """The KV cache after a step of `seq`: positions held, bytes they use and bytes the cache reserves."""
+        per_position = self.kv_bytes_per_position()
+        n = self.length(seq)
+        return KVCacheGrew(step=step, n_tokens=n, bytes_used=round(per_position * n),
+                           bytes_allocated=round(per_position * self.capacity))
 
     def close(self) -> None:
         """Free what the runtime holds beyond the model (its cache, a context)."""

@@ -8,6 +8,9 @@ time, as the scheduling lab's paged cache does. A forward
 pass is one `llama_batch` whose tokens carry their sequence id and position; each row's logits are read with
 `llama_get_logits_ith`. The KV verbs are llama.cpp's own sequence operations (llama_memory_seq_rm / seq_cp /
 seq_keep). No graph callback is set: the labs that run here ask for no captures.
+
+A generation's runtime (`LlamaCppRuntime.of_session`) is instead the session's own context of one sequence, whose
+graph callback (the session's `_Tap`) records what a row's Capture asks for; `captured` reads it out.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import torch
 
 from engine.costs import formulas as costs
 from engine.costs.memory import STREAM_GRANULE, cells_reserved
-from engine.runtime.base import Row, Runtime
+from engine.events import KVCacheGrew
+from engine.model.probe import Probe
+from engine.runtime.base import Captured, Row, Runtime
 
 
 def free_context(owner: object) -> None:
@@ -65,10 +70,26 @@ class LlamaCppRuntime(Runtime):
             raise ValueError(f"llama.cpp could not make a context of {n_seq} sequences × {per_seq} positions")
         self._mem = L.llama_get_memory(self._ctx)
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
-        self._lengths: dict[int, int] = {}
+        self.n_cells = cp.n_ctx
+        self._ids: dict[int, list[int]] = {}  # the tokens each sequence holds: its length is the one count
+        self.tap, self._owned, self._asked = None, True, None
+
+    @classmethod
+    def of_session(cls, session) -> LlamaCppRuntime:
+        """One sequence over the session's own context (freed with the session, not here): a generation's runtime,
+        whose steps the session's graph callback can watch."""
+        rt = cls.__new__(cls)
+        rt.session, rt.info, rt.cfg, rt.tokenizer = session, session.info, session.cfg, session.tokenizer
+        rt.n_seq, rt.capacity, rt.device, rt.page_size = 1, session.cfg.context_length, torch.device("cpu"), 1
+        rt.weight_dtype, rt.kv_dtype, rt.dtype_name = session.info.dtype, session.kv_dtype, session.info.file_type
+        rt.llama, rt._ctx, rt._mem, rt._batch = session.llama, session._ctx, session._mem, session._batch
+        rt.n_batch, rt.n_cells, rt.cannot = session._batch_size, session.n_ctx, session.cannot
+        rt._ids, rt.tap, rt._owned, rt._asked = {}, session.tap, False, None
+        return rt
 
     def close(self) -> None:
-        free_context(self)
+        if self._owned:
+            free_context(self)
 
     def __del__(self) -> None:
         if not sys.is_finalizing():  # at exit the module's globals (free_context) may be gone; the OS frees it
@@ -107,7 +128,7 @@ class LlamaCppRuntime(Runtime):
         np.ctypeslib.as_array(b.n_seq_id, shape=(n,))[:] = 1
         spans, i = [], 0
         for r in rows:
-            t, start = len(r.tokens), self._lengths.get(r.seq, 0)
+            t, start = len(r.tokens), self.length(r.seq)
             tokens[i:i + t] = r.tokens
             pos[i:i + t] = np.arange(start, start + t)
             wants[i:i + t] = 1 if r.all_logits else 0
@@ -117,20 +138,90 @@ class LlamaCppRuntime(Runtime):
             spans.append((i, t))
             i += t
         b.n_tokens = n
-        rc = L.llama_decode(self._ctx, b)
+        asked = [r for r in rows if r.capture is not None]
+        self._asked = None
+        if asked:
+            self._begin_tap(asked, len(rows))
+        try:
+            rc = L.llama_decode(self._ctx, b)
+        finally:
+            if asked:
+                self.tap.end()
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc} for a batch of {len(rows)} sequences ({n} tokens)")
         out = []
         for r, (i, t) in zip(rows, spans, strict=True):
-            self._lengths[r.seq] = self._lengths.get(r.seq, 0) + t
-            first = i if r.all_logits else i + t - 1
-            logits = np.stack([np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, j), shape=(V,))
-                               for j in range(first, i + t)])  # copies: the buffer is reused by the next call
-            out.append(torch.from_numpy(logits if r.all_logits else logits[0]))
+            self._ids.setdefault(r.seq, []).extend(int(x) for x in r.tokens)
+            if r.all_logits and len(rows) == 1:  # one sequence: its outputs are the whole buffer, in order
+                out.append(torch.from_numpy(np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(t, V)).copy()))
+            elif r.all_logits:
+                out.append(torch.from_numpy(np.stack([np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, j),
+                                                                             shape=(V,)) for j in range(i, i + t)])))
+            else:  # a copy: the buffer is reused by the next call
+                out.append(torch.from_numpy(np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, i + t - 1),
+                                                                  shape=(V,)).copy()))
         return out
 
+    # ---- captures: the session's graph callback ------------------------------------------------------------------
+    def _begin_tap(self, asked: list[Row], n_rows: int) -> None:
+        if self.tap is None:
+            raise ValueError("this llama.cpp context has no graph callback: only a session's own runtime captures")
+        if n_rows != 1:
+            raise ValueError("captures need a forward pass of one sequence")
+        (row,) = asked
+        c, n, start = row.capture, len(row.tokens), self.length(row.seq)
+        layers = frozenset() if "attention" in self.cannot else frozenset(c.attention_layers)
+        residual = c.residual_norms or c.lens_top > 0
+        keep = Probe(max_attention_bytes=c.attention_max_bytes).attention_rows(self.cfg.n_heads, n, start + n)
+        self.tap.begin(layers, residual, n, keep)
+        self._asked = (row.seq, c, start, n)
+
+    def captured(self, seq: int = 0) -> Captured:
+        """What the graph callback recorded for `seq`'s row: attention rows as (H, rows, keys) over the keys the
+        step saw (a prefill in micro-batches arrives in pieces, each over the keys cached when it ran), the
+        residual stream of the newest position (L + 1, d) and its norms."""
+        if self._asked is None or self._asked[0] != seq:
+            return Captured(attention={})
+        tap, (_, c, start, n_queries) = self.tap, self._asked
+        if tap.error is not None:
+            raise RuntimeError(f"reading llama.cpp's tensor {tap.error}")
+        n_keys = start + n_queries
+        attention = {}
+        for layer in sorted(c.attention_layers):
+            parts = tap.attn.get(layer)
+            if not parts:
+                continue
+            rows = sum(p.shape[1] for p in parts)
+            w = np.zeros((self.cfg.n_heads, rows, n_keys), dtype=np.float32)  # (H, n, S)
+            r = 0
+            for p in parts:  # a piece holds the keys cached when it ran: a real prefix of n_keys, padded beyond
+                k = min(n_keys, p.shape[2])
+                w[:, r:r + p.shape[1], :k] = p[:, :, :k]
+                r += p.shape[1]
+            attention[layer] = (w, n_queries - rows)
+        L = self.cfg.n_layers
+        stream = None
+        if len(tap.resid) == L + 1:
+            stream = np.stack([tap.resid[i] for i in range(L + 1)])  # (L + 1, d)
+        norms = np.linalg.norm(stream, axis=-1).astype(np.float32) if stream is not None else None
+        return Captured(attention=attention, norms=norms if c.residual_norms else None,
+                        stream=stream if c.lens_top else None)
+
+    def lens_head(self) -> torch.nn.Module:
+        return self.session.lens_head()
+
+    def kv_event(self, step: int, seq: int = 0) -> KVCacheGrew:
+        per_position = self.kv_bytes_per_position()  # llama.cpp's own cache type (float16 by default)
+        n = self.length(seq)
+        return KVCacheGrew(step=step, n_tokens=n, bytes_used=round(per_position * n),
+                           bytes_allocated=round(per_position * self.n_cells))
+
+    # ---- positions and the KV verbs ------------------------------------------------------------------------------
     def length(self, seq: int) -> int:
-        return self._lengths.get(seq, 0)
+        return len(self._ids.get(seq, ()))
+
+    def held(self, seq: int) -> list[int]:
+        return self._ids.setdefault(seq, [])
 
     def remove(self, seq: int, start: int = 0) -> None:
         start = max(0, start)
@@ -139,9 +230,14 @@ class LlamaCppRuntime(Runtime):
         if not self.llama.llama_memory_seq_rm(self._mem, seq, start, -1):
             raise RuntimeError(f"llama.cpp could not forget positions {start}… of sequence {seq}")
         if start:
-            self._lengths[seq] = start
+            del self._ids[seq][start:]
         else:
-            self._lengths.pop(seq, None)
+            self._ids.pop(seq, None)
+
+    def clear(self) -> None:
+        """Forget every sequence, the cache's data included (after a failed step nothing in it is trusted)."""
+        self.llama.llama_memory_clear(self._mem, True)
+        self._ids = {}
 
     def copy(self, src: int, dst: int, n: int) -> None:
         n = min(n, self.length(src))
@@ -149,12 +245,12 @@ class LlamaCppRuntime(Runtime):
         if n:
             # between two sequences' own streams llama.cpp copies only a whole sequence (it aborts on a range)
             self.llama.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
-            self._lengths[dst] = self.length(src)
+            self._ids[dst] = list(self._ids[src])
             self.remove(dst, n)
 
     def pages_in_use(self) -> int:
-        return sum(self._lengths.values())  # a cell per position held
+        return sum(len(v) for v in self._ids.values())  # a cell per position held
 
     def keep(self, seq: int) -> None:
         self.llama.llama_memory_seq_keep(self._mem, seq)
-        self._lengths = {seq: self._lengths[seq]} if seq in self._lengths else {}
+        self._ids = {seq: self._ids[seq]} if seq in self._ids else {}

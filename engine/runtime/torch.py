@@ -1,4 +1,5 @@
-"""The torch runtime: this engine's own model (engine.model.transformer) over a paged KV cache.
+"""The torch runtimes: this engine's own model (engine.model.transformer) over a paged KV cache (TorchRuntime, the
+labs' sequences), or over the contiguous one of a single sequence (ContiguousRuntime, a generation's).
 
 Rows of one forward pass may sit at different positions: the model takes a start per row and the paged cache
 (engine.runtime.paged) writes and returns each row's own keys. Rows with different token counts run as one pass per
@@ -7,13 +8,16 @@ count (a batch tensor is rectangular); a decode step of many sequences is one pa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from engine.events import KVCacheGrew
 from engine.loaders import LoadedModel
+from engine.model.kv_cache import KVCache
+from engine.model.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
 from engine.model.transformer import ROPE_ROWS
-from engine.runtime.base import Row, Runtime
+from engine.runtime.base import Captured, Row, Runtime
 from engine.runtime.paged import PagedKVCache
 
 PAGE_SIZE = 16
@@ -87,3 +91,91 @@ class TorchRuntime(Runtime):
     def keep(self, seq: int) -> None:
         for other in [s for s in self.cache.tables if s != seq]:
             self.cache.release(other)
+
+
+class ContiguousRuntime(Runtime):
+    """`lm` with one sequence (0) of up to `capacity` positions in the contiguous KVCache: a generation's runtime.
+
+    A paged step gathers every layer's keys into a new tensor each step; the contiguous cache hands the model views
+    of one preallocated buffer, and its decode step is the faster (BENCHMARKS.md, "One runtime"), so the one
+    sequence a generation runs keeps it. `cache.pos` is the one count of positions: a step's tokens go there, and
+    the tokens held are recorded only once the model has written them (a failed step leaves both as they were).
+    `decode_weight_bytes`: what one decode step streams with the kernels in use (the session's figure).
+    """
+
+    def __init__(self, lm: LoadedModel, capacity: int,
+                 decode_weight_bytes: Callable[[], float] | None = None) -> None:
+        if not 1 <= capacity <= lm.cfg.context_length:
+            raise ValueError(f"a runtime needs 1…{lm.cfg.context_length} positions, got {capacity}")
+        self.lm, self.info, self.cfg, self.tokenizer = lm, lm.info, lm.cfg, lm.tokenizer
+        self.n_seq, self.capacity, self.device, self.page_size = 1, capacity, lm.device, capacity
+        self.weight_dtype = self.kv_dtype = self.dtype_name = str(lm.dtype).removeprefix("torch.")
+        self._decode_bytes = decode_weight_bytes
+        self.cache = KVCache(lm.cfg, 1, capacity, lm.dtype, lm.device)
+        self.ids: list[int] = []  # the tokens at positions 0…cache.pos − 1
+        self._probe: Probe | None = None  # the last forward's, with its row's length and attention layers
+        self._n_fed, self._layers = 0, frozenset()
+
+    def fits(self, capacity: int) -> bool:
+        """Whether this runtime's cache holds `capacity` positions of the model's dtype and device as it is."""
+        return self.cache.fits(1, capacity, self.lm.dtype, self.lm.device)
+
+    def forward(self, rows: Sequence[Row]) -> list[torch.Tensor]:
+        self.check_fits(rows)
+        (row,) = rows  # check_fits: one sequence, once
+        probe = Probe.for_request(row.capture) if row.capture is not None else None
+        self._probe, self._n_fed = probe, len(row.tokens)
+        self._layers = row.capture.attention_layers if probe is not None else frozenset()
+        return [self.run(row.tokens, probe, row.all_logits)]
+
+    @torch.inference_mode()
+    def run(self, tokens: Sequence[int], probe: Probe | None = None, all_logits: bool = False) -> torch.Tensor:
+        """`tokens` at the next positions, `probe` listening: logits (V,) of the last, or (T, V) of each."""
+        x = torch.tensor([list(tokens)], dtype=torch.long, device=self.lm.device)  # (1, T)
+        logits = self.lm.model(x, self.cache.pos, self.cache, probe, all_logits=all_logits)[0]
+        self.ids.extend(int(i) for i in tokens)
+        return logits
+
+    def captured(self, seq: int = 0) -> Captured:
+        p, n = self._probe, self._n_fed
+        if p is None:
+            return Captured(attention={})
+        attention = {}
+        for layer in sorted(self._layers):
+            w = p.values.get(attn_point(layer))
+            if w is not None:  # batch row 0: (H, rows, S); a long prefill keeps its last rows (engine.model.probe)
+                attention[layer] = (w[0], n - w.shape[2])
+        norms, stream = p.values.get(RESID_NORMS), p.values.get(RESID_STREAM)
+        return Captured(attention=attention, norms=None if norms is None else norms[0],
+                        stream=None if stream is None else stream[0])
+
+    def lens_head(self) -> torch.nn.Module:
+        return self.lm.model
+
+    def step_weight_bytes(self, rows: int) -> float:
+        if rows == 1 and self._decode_bytes is not None:  # a decode step: its kernels' own bytes
+            return self._decode_bytes()
+        return super().step_weight_bytes(rows)
+
+    def kv_event(self, step: int, seq: int = 0) -> KVCacheGrew:
+        kv = self.cache  # local layers hold at most their window: the cache's own count, not the formula's
+        return KVCacheGrew(step=step, n_tokens=kv.pos, bytes_used=kv.bytes_used(), bytes_allocated=kv.bytes_allocated())
+
+    def length(self, seq: int = 0) -> int:
+        return self.cache.pos
+
+    def held(self, seq: int = 0) -> list[int]:
+        return self.ids
+
+    def remove(self, seq: int = 0, start: int = 0) -> None:
+        self.cache.truncate(max(0, start))  # a sliding-window layer may keep less than asked: pos says
+        del self.ids[self.cache.pos:]
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        raise ValueError("a generation's runtime holds one sequence: there is none to copy to")
+
+    def keep(self, seq: int) -> None:
+        return None  # it holds one sequence
+
+    def pages_in_use(self) -> int:
+        return 1
