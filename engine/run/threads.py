@@ -296,7 +296,10 @@ class AdaptiveThreads:
         self._started = False
 
     def describe(self) -> str:
-        return f"auto ({self.current} of {self.max})" if self.auto else str(self.max)
+        if not self.auto:
+            return str(self.max)
+        capped = self.cap is not None and self.cap == self.max < available_cores()
+        return f"auto ({self.current} of {self.max}{': more measured slower' if capped else ''})"
 
     def begin_step(self) -> int:
         """Set and return the thread count for the next step (prefill or decode)."""

@@ -80,7 +80,7 @@ def test_where_two_threads_measure_slower_auto_uses_one(tmp_path):
     assert chain.seconds == {1: 3 * 2 * 1.0, 2: 3 * 2 * 1.3}  # both shapes, 3 weights each, the chosen kernel
     assert chain.quiet and chain.fastest() == 1 and chain.cap() == 1
     c = _auto()
-    assert c.max == 1
+    assert c.max == 1 and c.describe() == "auto (1 of 1: more measured slower)"
     used = []
     for _ in range(600):  # a quiet machine's steps: `auto` would otherwise try two threads again and again
         used.append(c.begin_step())
@@ -94,7 +94,7 @@ def test_where_two_threads_measure_faster_auto_uses_two(tmp_path):
     chain = th.measured_chain()
     assert chain.seconds == {1: 6.0, 2: 3.0} and chain.fastest() == 2
     c = _auto()
-    assert c.max == 2 and c.begin_step() == 2
+    assert c.max == 2 and c.begin_step() == 2 and c.describe() == "auto (2 of 2)"
 
 
 def test_a_chain_measured_under_load_does_not_cap_auto(tmp_path):
