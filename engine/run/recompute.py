@@ -10,8 +10,9 @@ Nothing is written: the cache is read through `ReadOnlyCache`, which hands the m
 step read (a sliding-window layer's band, as in the forward pass) and ignores the new key and value (they equal the
 ones cached at p: the same token through the same weights at the same position).
 
-Cost: one decode step's weights plus attention over p + 1 keys per layer, and with the lens L + 1 LM-head products
-(`python -m benchmarks.recompute` measures it at 7,000 positions).
+Cost: the weights of the layers up to the last one asked for, plus attention over p + 1 keys per layer; with the
+lens, one whole decode step and L + 1 LM-head products (`python -m benchmarks.recompute` measures it at 7,000
+positions).
 """
 
 from __future__ import annotations
@@ -62,6 +63,20 @@ class ReadOnlyCache:
         pass
 
 
+def run_layers(model: torch.nn.Module, tokens: torch.Tensor, p: int, cache: ReadOnlyCache, probe: Probe,
+               last: int) -> None:
+    """The first layers 0…last of the model's own forward pass (Transformer.forward up to the layer asked for) for
+    one token at position p: an attention capture needs nothing after its layer, so the later layers and the LM
+    head (a fifth of SmolLM2's weights) are not run."""
+    cfg = model.cfg
+    x = model.tok_embeddings(tokens)  # (1, 1, d)
+    if cfg.embedding_scale != 1.0:
+        x = x * cfg.embedding_scale
+    ropes = (model.rope[p:p + 1], model.rope_local[p:p + 1])  # (1, hd/2) global, local
+    for layer in model.layers[:last + 1]:
+        x = layer(x, p, ropes, cache, probe)
+
+
 def check_cache(session: object, ids: Sequence[int]) -> int:
     """The query position p = len(ids) − 1 when the session's cache holds exactly these tokens at 0…p (and every
     layer still holds the keys position p read); else CacheGone, or Unsupported on a runtime other than torch's."""
@@ -109,8 +124,12 @@ def recompute(
     before = torch.get_num_threads()
     if session.threads is not None:
         torch.set_num_threads(session.threads.current)
+    cache = ReadOnlyCache(session.cache, p)
     try:
-        logits = model(tokens, p, ReadOnlyCache(session.cache, p), probe)[0]  # (V,)
+        if lens_top or model.rope is None or model.rope.shape[0] <= p:
+            logits = model(tokens, p, cache, probe)[0]  # (V,): the lens needs every layer and the output
+        else:
+            run_layers(model, tokens, p, cache, probe, wanted[-1] if wanted else -1)
     finally:
         torch.set_num_threads(before)
     phase = "prefill" if step == 0 else "decode"

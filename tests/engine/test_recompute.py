@@ -71,6 +71,10 @@ def test_every_layer_of_old_and_new_steps_equals_its_capture_and_the_reference(t
             assert (ev.step, ev.phase, ev.query_start, ev.weights.shape) == (step, "decode", p, want.weights.shape)
             np.testing.assert_allclose(ev.weights, want.weights, atol=1e-5, rtol=0)
             np.testing.assert_allclose(ev.weights[:, 0], ref[ev.layer][:, p, :p + 1].numpy(), atol=2e-5, rtol=0)
+        for layer in range(L):  # one layer, without the lens: only the layers up to it run
+            alone, no_lens = recompute(s, context(ids, P, step), step, [layer])
+            assert no_lens is None and [e.layer for e in alone] == [layer]
+            np.testing.assert_allclose(alone[0].weights, cap_att[layer].weights, atol=1e-5, rtol=0)
         assert lens.position == cap_lens.position == p and lens.token_id == cap_lens.token_id
         np.testing.assert_array_equal(lens.ids, cap_lens.ids)
         np.testing.assert_allclose(lens.probs, cap_lens.probs, atol=1e-5, rtol=0)
@@ -134,6 +138,9 @@ def test_sliding_window_layers_read_their_window_and_old_steps_are_refused(gemma
         hf = out.attentions[ev.layer][0, :, p, p + 1 - keys:p + 1].numpy()
         np.testing.assert_allclose(ev.weights[:, 0], hf, atol=2e-5, rtol=0)
     np.testing.assert_allclose(lens.probs, cap_lens.probs, atol=1e-5, rtol=0)
+    for layer in range(cfg.n_layers):  # each alone: the embedding's √d scale and the windows up to it
+        alone = recompute(s, context(ids, len(prompt), step), step, [layer])[0][0]
+        np.testing.assert_allclose(alone.weights, cap_att[layer].weights, atol=1e-5, rtol=0)
     assert_unchanged(s, before)
     with pytest.raises(CacheGone, match="sliding-window layers"):  # a global layer reads the local ones' output
         recompute(s, context(ids, len(prompt), 2), 2, [cfg.layer_types.index("global")])
@@ -155,6 +162,9 @@ def test_smollm2_every_layer_equals_its_capture(real_lm, n_threads):
         assert len(att) == real_lm.cfg.n_layers
         for ev in att:
             np.testing.assert_allclose(ev.weights, cap_att[ev.layer].weights, atol=1e-5, rtol=0)
+        middle = real_lm.cfg.n_layers // 2  # alone: the layers after it and the LM head are not run
+        alone = recompute(s, context(ids, len(prompt), step), step, [middle])[0][0]
+        np.testing.assert_allclose(alone.weights, cap_att[middle].weights, atol=1e-5, rtol=0)
         np.testing.assert_array_equal(lens.ids[:, 0], cap_lens.ids[:, 0])
         np.testing.assert_allclose(lens.probs, cap_lens.probs, atol=1e-5, rtol=0)
     assert_unchanged(s, before)
