@@ -286,3 +286,13 @@ def test_gemma3_quantized_path_logits_and_greedy_tokens_as_the_float_path():
                 logits = np.asarray(want_ev[parted].logits, dtype=np.float64)
                 margin = logits[want[parted]] - logits[got[parted]]
                 assert margin < NEAR_TIE, (name, prompt, parted, margin)
+
+
+@pytest.mark.xfail(strict=True, reason="engine.loaders._read_cache holds the cache to hf.check_safetensors, which "
+                   "refuses uint8 tensors (the blocks and markers): every load of a quantized file converts again")
+def test_a_quantized_files_weight_cache_is_read_back(k_file):
+    first = load(k_file, device="cpu", dtype="float32")
+    again = load(k_file, device="cpu", dtype="float32")
+    assert not first.info.from_cache and again.info.from_cache
+    blocks = [m.quant for m in again.model.modules() if isinstance(m, Linear) and m.quant is not None]
+    assert len(blocks) == len([m for m in first.model.modules() if isinstance(m, Linear) and m.quant is not None])
