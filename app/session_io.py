@@ -91,8 +91,9 @@ class Replay(QtCore.QObject):
 
     def start(self) -> Replay:
         old = getattr(self.window, "replay_job", None)
-        if old is not None and old.active:
+        if old is not None:
             old.cancel()
+            old.deleteLater()
         self.window.replay_job = self
         self.active = True
         QtWidgets.QApplication.instance().installEventFilter(self)
@@ -108,10 +109,14 @@ class Replay(QtCore.QObject):
         if not self.active:
             return
         self._timer.stop()
-        store = self.window.run_store
-        with store.replay():
-            for reached in self.work:
-                self.reached = reached
+        try:
+            with self.window.run_store.replay():
+                for reached in self.work:
+                    self.reached = reached
+        except Exception:
+            self.work.close()
+            self._end(False)
+            raise
         self._end(True)
 
     def cancel(self) -> None:
@@ -155,12 +160,15 @@ class Replay(QtCore.QObject):
         except (RuntimeError, TypeError):
             pass
         self.window.progress.hide()
-        if not completed:
+        if completed:
+            self.window.set_message(f"{self.what}: done.")
+        else:
             self.window.set_message(f"{self.what}: stopped at event {self.reached:,} of {self.total:,}; the panels "
                                     "show the run up to there.")
         self.window.tick_panels(flush=True)
-        if self._done is not None:
-            self._done(completed)
+        done, self._done, self.work = self._done, None, iter(())  # what they hold (a run's events) may go now
+        if done is not None:
+            done(completed)
 
     @QtCore.Slot(str)
     def _on_state(self, state: str) -> None:

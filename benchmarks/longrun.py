@@ -11,7 +11,8 @@ app.panels.generation.ALL_LAYERS_BELOW prompt tokens). It reports:
 - the GUI thread's stalls: a 10 ms QTimer probe records the gaps between its ticks, a stall is a gap minus the
   10 ms; p99 in each tenth of the run (by tokens received) and in the S seconds after, and the worst one;
 - the app's TPOT (the Finished event's step times) in the first and in the last tenth of the decode steps;
-- when the autosave file was complete after Finished.
+- when the autosave file was complete after Finished;
+- the load average at the start and at the end (other work on the cores inflates TPOT and the stalls).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def _measure(model: str | None, n_new: int, after_s: float) -> int:
     win.bridge.sig_finished.connect(lambda ev: (finished.setdefault("ev", ev), done.quit()))
     win.bridge.sig_failed.connect(lambda m: (finished.setdefault("error", m), done.quit()))
     rss0 = (gui.memory_info().rss, engine.memory_info().rss)
+    load0 = os.getloadavg()[0]
     t_wall = time.time()
     last[0] = time.perf_counter()
     timer.start()
@@ -140,6 +142,8 @@ def _measure(model: str | None, n_new: int, after_s: float) -> int:
         "run_s": float(t_end - (t[0] if t.size else t_end)),
         "autosave_done_after_finished_s": autosave_s,  # None: not written within --after seconds
         "after_s": after_s,
+        # other processes on the cores inflate TPOT and the stalls: the 1-minute load average at the start and end
+        "load_average_start": load0, "load_average_end": os.getloadavg()[0],
     }
     win.close()
     print(json.dumps(result))
