@@ -103,3 +103,22 @@ def test_early_exit_on_llamacpp_is_unsupported_in_the_speculative_panel(qtbot, b
     assert not panel.running and panel.run_button.isEnabled()
     text = shown("spec", panel)
     assert text.startswith("early-exit drafting needs the model's own layers") and "\n" not in text
+
+
+def test_an_engine_that_dies_mid_lab_ends_the_lab_as_failed(qtbot, bridge, tiny_dir):
+    """The engine killed while the batching lab runs: the panel gets a LabDone saying it failed, and why."""
+    import os
+    import signal
+
+    panel = panels_on(qtbot, bridge)["batch"]
+    with qtbot.waitSignal(bridge.sig_model_loaded, timeout=60_000):
+        bridge.load_model(str(tiny_dir.gguf), "cpu", "float32", backend="torch")
+    with qtbot.waitSignal(bridge.sig_batch_row, timeout=60_000):
+        panel.run((4,) * 40, prompt_tokens=8, new_tokens=200)
+    with qtbot.waitSignal(bridge.sig_batch_done, timeout=60_000) as got:
+        os.kill(bridge.process.pid, signal.SIGKILL)
+    done = got.args[0]
+    assert (done.job, done.outcome) == ("batch", "failed") and done.message.startswith("the engine process stopped")
+    assert panel.outcome == "failed" and not panel.running and done.message in shown("batch", panel)
+    with qtbot.waitSignal(bridge.sig_engine_restarted, timeout=60_000):
+        pass  # the new engine has the model again before the fixture shuts it down
