@@ -122,11 +122,6 @@ def test_the_readme_lists_every_panel_by_its_title():
         assert f"| {panel.title} ({panel.shortcut}) |" in table, f"README's panel table lacks {panel.title}"
 
 
-# Files whose owners still have to swap `src.kind != "server"` for `not src.measured_by_server` (one line each):
-# they are held to the rule as soon as the line is gone (the test below fails while an allowance is unused).
-KIND_SWITCH_PENDING = {"app/panels/timeline.py", "app/panels/kv_cache.py"}
-
-
 def _kind_switches(tree: ast.AST) -> list[tuple[int, str]]:
     """Where code asks a run's source (or an event) what kind it is instead of what it can report: `….kind` compared
     with "server" or "local", and isinstance(…, Remote…)."""
@@ -152,16 +147,11 @@ def test_the_app_asks_a_run_source_what_it_can_report_never_its_kind():
     """RunSource says what a run can report (cannot, token_ids_are_local, measured_by_server): a panel or the bridge
     that switches on `kind == "server"` or on a server's event classes leans around the seam, and a third source
     (another runtime, a remote engine) would be drawn wrong."""
-    offenders, pending = [], set()
+    offenders = []
     for path in sorted((ROOT / "app").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        for line, what in _kind_switches(ast.parse(path.read_text(encoding="utf-8"))):
-            if rel in KIND_SWITCH_PENDING:
-                pending.add(rel)
-            else:
-                offenders.append(f"{rel}:{line} {what}")
+        offenders += [f"{rel}:{line} {what}" for line, what in _kind_switches(ast.parse(path.read_text("utf-8")))]
     assert not offenders, offenders
-    assert pending == KIND_SWITCH_PENDING, f"these no longer switch on kind: {KIND_SWITCH_PENDING - pending}"
 
 
 def test_the_rule_finds_a_switch_on_kind():

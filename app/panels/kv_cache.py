@@ -156,7 +156,7 @@ class KVCachePanel(Panel):
     def server_text(self) -> str:
         """The server's own KV figures (vLLM /metrics), or what it cannot say."""
         src, server = self.bridge.run_source, self.bridge.run_server
-        if src is None or src.kind != "server":
+        if src is None or not src.measured_by_server:
             return ""
         m = self.server_metrics if server is not None else None
         kind = server.kind if server is not None else src.name

@@ -226,7 +226,7 @@ class TimelinePanel(Panel):
     def _server_line(self) -> str:
         """On a server: bars are chunk arrival gaps (0 for the later tokens of a chunk), beside its own means."""
         src, server = self.bridge.run_source, self.bridge.run_server
-        if src is None or src.kind != "server":
+        if src is None or not src.measured_by_server:
             return ""
         m = self.server_metrics if server is not None else None
         own = ("" if m is None or m.mean_ttft_s is None else
