@@ -205,8 +205,7 @@ class LensPanel(Panel):
     def draw(self) -> None:
         again = self.recomputed.get(self.selected) if self.selected not in self.lens else None
         if isinstance(again, LensCaptured):
-            self._draw_lens(again, " · <b>recomputed from the KV cache</b> (the run's capture of this step is not "
-                                   "held)")
+            self._draw_lens(again, " · <b>recomputed from the KV cache</b> (the panel holds no lens of this step)")
             return
         if self.selected is not None and self.selected in self._asked.values():
             self.header.setText(f"Step {self.selected:,}'s lens is not held: recomputing it from the engine's KV "
