@@ -45,13 +45,16 @@ DEFAULT_PROMPT = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    retur
                   "    return a * b\n\ndef div(a, b):\n")
 STRIP_PASSES = 40  # passes shown in the token strip (the newest last); the plots keep every pass
 HELP_K, HELP_CONTEXT = 4, 512  # the verify pass the model-specific help sentence prices
+EARLY_EXIT_REFUSED = ("Early exit needs the model's own first layers, which the {runtime} runtime runs as one graph: "
+                      "load the model on the torch runtime to draft with them.")
 
 
 class SpeculativePanel(Panel):
     title = "Speculative decoding"
     object_name = "panel_speculative"
     shortcut = "Ctrl+Alt+3"
-    subscriptions = {"sig_spec": "on_spec_event", "sig_spec_done": "_on_done"}
+    subscriptions = {"sig_spec": "on_spec_event", "sig_spec_done": "_on_done", "sig_model_loaded": "_offer_sources",
+                     "sig_engine_restarted": "_offer_sources"}
     help_text = (
         "Speculative decoding attacks the one-token-per-pass rhythm of decode. A cheap drafter guesses the next k "
         "tokens: prompt lookup copies what followed the last matching n-gram of the text so far, early exit asks "
@@ -88,6 +91,7 @@ class SpeculativePanel(Panel):
         self._sweep_started: SweepStarted | None = None
         self._sweep: list[SweepPoint] = []
         self._build()
+        self._offer_sources()
         self.clear()
 
     def _build(self) -> None:
@@ -169,6 +173,17 @@ class SpeculativePanel(Panel):
         layout.addWidget(self.summary)
         layout.addWidget(self.strip, 1)
         layout.addLayout(plots, 2)
+
+    def _offer_sources(self, _info: object = None) -> None:
+        """Offer early-exit drafting only where it can run: it reads the model's own first layers, which only the
+        torch runtime runs one by one (the engine refuses it elsewhere; this says so before Run, not after)."""
+        runtime = self.bridge.runtime  # from the engine's Loaded notice; "" before a model is loaded
+        item = self.source_combo.model().item(self.source_combo.findData("early-exit"))
+        usable = runtime in ("", "torch")
+        item.setEnabled(usable)
+        item.setToolTip("" if usable else EARLY_EXIT_REFUSED.format(runtime=runtime))
+        if not usable and self.source_combo.currentData() == "early-exit":
+            self.source_combo.setCurrentIndex(self.source_combo.findData("lookup"))
 
     # ---- running -------------------------------------------------------------------------------------------------
     def run(self) -> bool:

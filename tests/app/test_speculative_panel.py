@@ -119,3 +119,35 @@ def test_a_run_that_differs_says_where_and_why_in_one_sentence(panel, tiny_lm, m
     text = panel.summary.text()
     assert html.escape("Plain greedy decoding " + d.sentence()) in text and f"color:{ERROR_COLOR}" in text
     assert "the same tokens" not in text
+
+
+def _source_item(panel: SpeculativePanel, key: str):
+    return panel.source_combo.model().item(panel.source_combo.findData(key))
+
+
+def test_early_exit_is_offered_only_where_the_runtime_runs_it(qtbot, bridge, tiny_lm):
+    """On the llama.cpp runtime early-exit drafting cannot run (one graph, no first-J-layer logits): the choice is
+    disabled before Run, with one sentence saying why, and a panel left on it moves to prompt lookup; loading a
+    model on the torch runtime offers it again."""
+    p = SpeculativePanel(bridge)
+    qtbot.addWidget(p)
+    p.source_combo.setCurrentIndex(p.source_combo.findData("early-exit"))
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg, runtime="llama.cpp"))
+    item = _source_item(p, "early-exit")
+    assert not item.isEnabled() and _source_item(p, "lookup").isEnabled()
+    assert p.source_combo.currentData() == "lookup"
+    tip = item.toolTip()
+    assert "llama.cpp runtime" in tip and "own first layers" in tip and tip.endswith(".") and ". " not in tip
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg, runtime="torch"))
+    assert item.isEnabled() and item.toolTip() == ""
+    # a panel opened after the model loaded (a dock shown later) knows too
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg, runtime="llama.cpp"))
+    later = SpeculativePanel(bridge)
+    qtbot.addWidget(later)
+    assert not _source_item(later, "early-exit").isEnabled()
+
+
+def test_early_exit_is_offered_on_the_torch_runtime(panel):
+    assert panel.bridge.runtime == "torch" and _source_item(panel, "early-exit").isEnabled()
+    panel.source_combo.setCurrentIndex(panel.source_combo.findData("early-exit"))
+    assert panel.source_combo.currentData() == "early-exit"
