@@ -224,18 +224,23 @@ def test_export_leaves_the_blocks_and_markers_out(tmp_path):
 @pytest.mark.slow
 def test_gemma3_q4_k_tensors_are_the_int4_form_bit_for_bit():
     """Every Q4_K tensor of the real file: the int4 form's float32 formula is gguf's dequantization exactly, and
-    the bf16 form the candidate runs within BF16_FORM (measured: 0.52 % of a tensor's largest |w| at most)."""
+    the bf16 form the candidate runs within BF16_FORM (measured: 0.52 % of a tensor's largest |w| at most; read off
+    the kernel for the first tensor of each shape, minutes for all of them on a 2-core machine)."""
     from tests.requires import gemma3
 
     reader = gg.open_reader(gemma3())
     tensors = [t for t in reader.tensors if t.tensor_type == Q.Q4_K]
     assert len(tensors) == 27  # every attn_output and half the ffn_down
+    seen: set[tuple[int, ...]] = set()
     for t in tensors:
         shape = tuple(int(x) for x in reversed(t.shape))
-        raw = np.asarray(t.data)
+        raw = np.array(t.data)  # off the read-only file map
         ref = ggufs(raw, Q.Q4_K, shape)
         q, d, m = quant.split_q4_blocks(as_blocks(raw), "q4_k")
         assert_close(quant.dequantize_int4(q, *quant.int4_scale_zero(d, m)), ref, rtol=0, atol=0, msg=t.name)
+        if shape in seen:
+            continue
+        seen.add(shape)
         fast = quant.int4_from_blocks(as_blocks(raw), "q4_k")
         assert_close(kernel_weight(fast, shape[1], "int4"), ref, rtol=0,
                      atol=BF16_FORM * float(ref.abs().max()), msg=t.name)
