@@ -206,14 +206,14 @@ class SlowWriter:
         self.most = 0
         self.lock = threading.Lock()
 
-    def __call__(self, path, session) -> None:
+    def __call__(self, path, session, memo=None) -> None:
         with self.lock:
             self.running += 1
             self.most = max(self.most, self.running)
             self.calls.append((str(path), threading.get_ident(), session))
         try:
             assert self.release.wait(30)
-            save_session(path, session)
+            save_session(path, session, memo)
         finally:
             with self.lock:
                 self.running -= 1
