@@ -176,9 +176,9 @@ def _write_cache(directory: Path, cfg: ModelConfig, sd: dict[str, torch.Tensor],
 def _read_cache(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, dict]:
     from safetensors.torch import load_file
 
-    from engine.loaders.hf import check_safetensors
+    from engine.loaders.hf import CACHE_DTYPES, check_safetensors
 
-    check_safetensors(directory / "model.safetensors")
+    check_safetensors(directory / "model.safetensors", CACHE_DTYPES)
     cfg = ModelConfig.from_dict(json.loads((directory / "config.json").read_text()))
     meta = json.loads((directory / "meta.json").read_text())
     return cfg, load_file(str(directory / "model.safetensors")), Tokenizer.load(directory / "tokenizer"), meta

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -183,11 +184,14 @@ def read_config(directory: Path) -> ModelConfig:
 
 # safetensors dtypes this engine takes weights in, with their sizes in bytes.
 WEIGHT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+# The converted-weight cache (engine.loaders) also holds a quantized file's own blocks, as bytes.
+CACHE_DTYPES = {**WEIGHT_DTYPES, "U8": 1}
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 
-def check_safetensors(path: Path) -> None:
-    """Hold every claim of a safetensors header against the file before anything is read or allocated.
+def check_safetensors(path: Path, dtypes: Mapping[str, int] = WEIGHT_DTYPES) -> None:
+    """Hold every claim of a safetensors header against the file before anything is read or allocated; `dtypes`
+    maps the tensor types allowed to their bytes per value.
 
     Layout: an 8-byte little-endian header length N, N bytes of JSON {name: {dtype, shape, data_offsets}}, then the
     data; each tensor's [begin, end) is relative to the data and must hold exactly prod(shape) · itemsize bytes.
@@ -224,15 +228,15 @@ def check_safetensors(path: Path) -> None:
         if not isinstance(t, dict) or not {"dtype", "shape", "data_offsets"} <= set(t):
             raise ValueError(f"{path.name}: the header entry for {name!r} lacks dtype, shape or data_offsets")
         dtype, shape, offsets = t["dtype"], t["shape"], t["data_offsets"]
-        if dtype not in WEIGHT_DTYPES:
+        if dtype not in dtypes:
             raise ValueError(f"{path.name}: tensor {name!r} has dtype {dtype!r}; weights must be one of "
-                             f"{', '.join(WEIGHT_DTYPES)}")
+                             f"{', '.join(dtypes)}")
         ints = isinstance(shape, list) and isinstance(offsets, list) and len(offsets) == 2 and all(
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in [*shape, *offsets])
         if not ints or len(shape) > 4:
             raise ValueError(f"{path.name}: tensor {name!r} has a malformed shape or data_offsets")
         begin, end = offsets
-        need = math.prod(shape) * WEIGHT_DTYPES[dtype]
+        need = math.prod(shape) * dtypes[dtype]
         if end < begin or end - begin != need:
             raise ValueError(f"{path.name}: tensor {name!r} of shape {tuple(shape)} needs {need:,} bytes, "
                              f"its data_offsets give {end - begin:,}")
