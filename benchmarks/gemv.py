@@ -155,7 +155,9 @@ def _thread_choice(dtype: str) -> str | None:
     from engine.run import threads
 
     cpu, cores = this_cpu()
-    mine = [t for t in threads.read_chains().values() if t.cpu == cpu and t.cores == cores and t.dtype == dtype]
+    counts = set(threads.decode_thread_counts())  # not a chain of a process that had fewer threads
+    mine = [t for t in threads.read_chains().values()
+            if t.cpu == cpu and t.cores == cores and t.dtype == dtype and set(t.seconds) == counts]
     return max(mine, key=lambda t: t.measured_at).summary() if mine else None
 
 

@@ -182,6 +182,8 @@ class ChainTiming:
         others = "unknown" if self.others_cores is None else f"{self.others_cores:.2f} cores"
         head = (f"{self.dtype}, the decode step's products: {times} (median of up to {self.rounds} rounds; other "
                 f"processes {others})")
+        if len(self.seconds) == 1:
+            return f"{head}: one thread count only, nothing to choose"
         if self.cap() is None:
             return f"{head}: measured under load, so --threads auto adapts at run time without a cap"
         n = self.fastest()

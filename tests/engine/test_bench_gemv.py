@@ -64,7 +64,9 @@ def test_the_engine_thread_measurement_is_the_newest_of_this_cpu_and_dtype(tmp_p
     old = th.ChainTiming("a", cpu, cores, "float32", {1: 0.03, 2: 0.04}, 0.0, 5, 1.0)
     new = th.ChainTiming("b", cpu, cores, "float32", {1: 0.03, 2: 0.016}, 0.0, 5, 2.0)
     bf16 = th.ChainTiming("c", cpu, cores, "bfloat16", {1: 0.03, 2: 0.04}, 0.0, 5, 3.0)
-    for t in (old, new, bf16):
+    one = th.ChainTiming("d", cpu, cores, "float32", {1: 0.03}, 0.0, 5, 4.0)  # a process held to one thread
+    monkeypatch.setattr(th, "decode_thread_counts", lambda: [1, 2])
+    for t in (old, new, bf16, one):
         th.write_chain(t)
     assert gemv._thread_choice("float32") == new.summary()
 

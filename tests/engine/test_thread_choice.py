@@ -162,7 +162,8 @@ def test_a_damaged_chain_cache_is_ignored(tmp_path, damage):
     assert th.read_chains(tmp_path / "threads.json") == {}
     _tune(tmp_path, TWO_SLOWER)
     assert th.measured_chain().fastest() == 1
-    assert json.loads((tmp_path / "threads.json").read_text())["chains"][0]["seconds"] == pytest.approx({"1": 6.0, "2": 7.8})
+    written = json.loads((tmp_path / "threads.json").read_text())["chains"][0]["seconds"]
+    assert written == pytest.approx({"1": 6.0, "2": 7.8})
 
 
 def test_every_chosen_kernel_is_within_ten_percent_of_the_fastest_of_its_own_measurement(tmp_path):
@@ -241,6 +242,8 @@ def test_the_dialog_lines_are_this_cpus_newest_chains():
     assert lines == [new.summary(), old.summary()] and SHOWN_CHAINS >= 2
     assert lines[1].endswith("--threads auto uses at most 1 thread")
     assert "measured under load" in lines[0]
+    single = th.ChainTiming("d", "cpu", 1, "float32", {1: 0.03}, 0.0, 5, 4.0)
+    assert single.summary().endswith("one thread count only, nothing to choose")
 
 
 def test_the_kernel_cache_and_the_chain_cache_are_apart(tmp_path):
