@@ -15,8 +15,8 @@ from engine.run import threads
 SHOWN_CHAINS = 4  # the newest chain timings shown (one per model and dtype loaded on this machine)
 
 FIXED = ("dtype", "threads", "weight (out × in)", "weights", "count", "chosen")
-# a measured group's weights: float only, or with a GGUF's Q4 blocks (then the int4 and int8 candidates were timed too)
-WEIGHTS = {kernel_cache.FLOAT: "float", kernel_cache.Q4: "float + Q4 blocks"}
+# a measured group's weights: float only, or with a GGUF's quantized forms (then int4 and/or int8 were timed too)
+WEIGHTS = {kernel_cache.FLOAT: "float", kernel_cache.Q4: "float + quantized forms"}
 
 
 def table_rows(entries: list[kernel_cache.Entry]) -> tuple[list[str], list[list[str]]]:

@@ -18,8 +18,9 @@ wrong on a quiet machine). $INFERENCE_LAB_KERNEL or `--kernel NAME` forces one c
 Only decode products (up to transformer.SPLIT_MAX_ROWS rows; measured with one) are tuned; prefill and larger
 batches are compute-bound products that oneDNN's float32 kernel or F.linear run (engine.model.transformer.linear).
 
-Where the weights came from a GGUF file's Q4_0/Q4_1 blocks, two more candidates multiply by quantized forms of them
-(engine.model.quant): torch's int4 kernel on the file's own blocks and its int8 kernel on a per-row requantization,
+Where the weights came from a GGUF file's quantized blocks, more candidates multiply by quantized forms of them
+(engine.model.quant): torch's int4 kernel on the file's own Q4_0/Q4_1/Q4_K blocks and its int8 kernel on a per-row
+requantization (any quantized type),
 both with bfloat16 activations. They are measured like the others and win only where they are faster (on an
 AVX2-only CPU they were not; on Intel AMX the int8 kernel took half the float products' time). Their results
 differ from the float products by the quantization (engine.model.quant states by how much), so a shape measured
@@ -112,7 +113,8 @@ def onednn_packed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, pack
 
 def int4(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None,
          q: quant.QuantForms | None = None) -> torch.Tensor:
-    """torch's CPU int4 weight-only kernel on the file's Q4 blocks (engine.model.quant), bf16 activations."""
+    """torch's CPU int4 weight-only kernel on the file's Q4_0/Q4_1/Q4_K blocks (engine.model.quant), bf16
+    activations."""
     if q is None or q.int4 is None:
         return F.linear(x, w, b)
     out_f, in_f = w.shape

@@ -285,8 +285,9 @@ class Transformer(nn.Module):
         return self.head_packed is not None
 
     def attach_quant(self, blocks: dict[str, tuple[torch.Tensor, str]]) -> int:
-        """Give each projection stored as Q4_0/Q4_1 blocks its int4 and int8 forms (engine.model.quant); blocks:
-        weight name -> (blocks (out, in/32, bytes), kind), from quant.take_blocks. Returns the forms' bytes.
+        """Give each projection a GGUF stored quantized its int4 (Q4_0/Q4_1/Q4_K blocks) and int8 forms
+        (engine.model.quant); blocks: weight name -> (blocks (out, in/32, bytes), kind), from quant.take_blocks.
+        Returns the forms' bytes.
 
         They cost 1.625 bytes per weight value beside the float weight (0.625 int4, 1 int8); tune_kernels drops
         a form the tuner did not choose.

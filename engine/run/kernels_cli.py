@@ -55,7 +55,8 @@ def _text(doc: dict) -> str:
         lines.append(f"{r['dtype']:<9}{r['threads']:>8}  {shape:<18}{r['count']:>6}  {r['choice']:<8}{cells}")
     lines.append("times: median µs for one product of one row (its weight streamed from memory), and ÷ the "
                  "fastest (over 2 ×: its first round only, not measured further); count: the model's weights of that "
-                 "shape; q4: weights the file stores as Q4_0/Q4_1 blocks, which the int4 and int8 candidates use")
+                 "shape; q4: weights the file stores quantized, which the int4 (Q4_0/Q4_1/Q4_K) and int8 "
+                 "candidates use")
     lines.extend(f"  {n}: {kernel_cache.DESCRIPTIONS[n]}" for n in names)
     lines.extend(t["summary"] for t in doc["threads"])
     return "\n".join(lines)

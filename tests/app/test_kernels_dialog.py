@@ -54,8 +54,8 @@ def test_a_shape_measured_with_q4_blocks_is_its_own_row(qtbot, cache):
     rows = [dict(zip(header, [t.item(i, j).text() for j in range(t.columnCount())], strict=True))
             for i in range(t.rowCount())]
     by_weights = {r["weights"]: r for r in rows}  # the same shape twice, told apart
-    assert by_weights.keys() == {"float", "float + Q4 blocks"}
-    assert by_weights["float + Q4 blocks"]["chosen"] == "int4" and by_weights["float"]["int4"] == "—"
+    assert by_weights.keys() == {"float", "float + quantized forms"}
+    assert by_weights["float + quantized forms"]["chosen"] == "int4" and by_weights["float"]["int4"] == "—"
 
 
 def test_with_nothing_measured_it_says_so(qtbot, cache):
