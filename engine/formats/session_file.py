@@ -873,13 +873,85 @@ def _read_arrays(z: zipfile.ZipFile, info: zipfile.ZipInfo, fh: Any) -> dict[str
     with _open_zip(source, MAX_ARRAYS, "arrays.npz is not an .npz archive", entry_bytes=96) as npz:
         arrays: dict[str, np.ndarray] = {}
         budget = MAX_ARRAY_BYTES
+        headers: dict[bytes, tuple[tuple[int, ...], bool, np.dtype]] = {}
         for member in npz.infolist():
             if not re.fullmatch(r"a[0-9]{1,7}\.npy", member.filename):
                 raise SessionFileError(f"arrays.npz holds an unexpected member {_short(member.filename)}")
-            a = _read_npy(npz, member, budget)
+            a = _read_stored_npy(source, member, budget, headers) if isinstance(source, _Window) else None
+            if a is None:
+                a = _read_npy(npz, member, budget)
             budget -= a.nbytes
             arrays[member.filename[:-4]] = a
     return arrays
+
+
+_NPY_PREFIX = 512  # bytes read at once: a member's local header, its name and the .npy header of a session's arrays
+
+
+def _parsed_npy_header(prefix: bytes, name: str, headers: dict) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """An .npy header (the bytes after the magic and version) parsed, checked, and remembered by its bytes: a long
+    run's arrays share a few headers, and parsing one (ast.literal_eval) costs more than reading its data."""
+    known = headers.get(prefix)
+    if known is not None:
+        return known
+    read = np.lib.format.read_array_header_1_0 if len(prefix) - 2 == struct.unpack("<H", prefix[:2])[0] \
+        else np.lib.format.read_array_header_2_0
+    try:
+        shape, fortran, dtype = read(io.BytesIO(prefix))
+    except ValueError as e:
+        raise SessionFileError(f"{name} has a damaged .npy header ({_one_line(str(e), 80)})") from None
+    if dtype.hasobject or dtype.kind not in "biufc":
+        raise SessionFileError(f"{name} holds {dtype} values, not numbers (Python objects are never read)")
+    if len(headers) < 4096:
+        headers[prefix] = (shape, fortran, dtype)
+    return shape, fortran, dtype
+
+
+def _read_stored_npy(window: _Window, member: zipfile.ZipInfo, budget: int, headers: dict) -> np.ndarray | None:
+    """One stored .npy member read straight from the file: its local header and .npy header from one read, then its
+    data into the array, with the checks _read_npy makes (the CRC included). None: not this simple case (compressed,
+    or a header longer than one read), for _read_npy."""
+    if member.compress_type != zipfile.ZIP_STORED or member.flag_bits & 0x1:
+        return None
+    _check_entry(member, budget)
+    name = f"arrays.npz's {member.filename}"
+    window.seek(member.header_offset)
+    head = window.read(_NPY_PREFIX)
+    if len(head) < 30 or head[:4] != b"PK\x03\x04" or struct.unpack("<H", head[8:10])[0] != 0:
+        return None
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    at = 30 + name_len + extra_len  # where the member's bytes (the .npy file) begin
+    if head[30:30 + name_len] != member.filename.encode() or len(head) < at + 10:
+        return None
+    npy = head[at:]
+    if npy[:6] != b"\x93NUMPY" or npy[6] not in (1, 2):
+        raise SessionFileError(f"{name} is not an .npy array")
+    length_bytes = 2 if npy[6] == 1 else 4
+    header_len = int.from_bytes(npy[8:8 + length_bytes], "little")
+    data_at = 8 + length_bytes + header_len  # within the member
+    if data_at > len(npy):
+        return None
+    shape, fortran, dtype = _parsed_npy_header(npy[8:data_at], name, headers)
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
+    if nbytes > budget or data_at + nbytes != member.file_size:
+        raise SessionFileError(f"{name} claims {count:,} values, not what its {member.file_size:,} bytes hold")
+    if member.header_offset + at + member.file_size > window.size:
+        raise SessionFileError(f"{name} is cut short")
+    flat = np.empty(count, dtype)
+    view = memoryview(flat.view(np.uint8)) if count else memoryview(b"")
+    done = min(nbytes, len(npy) - data_at)  # a small array came with the headers
+    if done:
+        view[:done] = npy[data_at:data_at + done]
+    window.seek(member.header_offset + at + data_at + done)
+    while done < nbytes:
+        got = window.readinto(view[done:done + CHUNK])
+        if not got:
+            raise SessionFileError(f"{name} is cut short")
+        done += got
+    if zlib.crc32(view, zlib.crc32(npy[:data_at])) != member.CRC:
+        raise SessionFileError(f"{name} is damaged (its checksum does not match)")
+    return flat.reshape(shape[::-1]).transpose() if fortran else flat.reshape(shape)
 
 
 def _read_npy(npz: zipfile.ZipFile, member: zipfile.ZipInfo, budget: int) -> np.ndarray:

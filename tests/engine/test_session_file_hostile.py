@@ -311,6 +311,15 @@ def corrupted_member(path: Path) -> Path:
     return path
 
 
+def flipped_array_value(path: Path) -> Path:
+    """One byte of an array's values changed inside the stored arrays.npz: only its checksum can tell."""
+    arrays = bytearray(arrays_of_valid())
+    member = zipfile.ZipFile(io.BytesIO(bytes(arrays))).infolist()[0]
+    name_len, extra_len = struct.unpack("<HH", arrays[member.header_offset + 26:member.header_offset + 30])
+    arrays[member.header_offset + 30 + name_len + extra_len + member.file_size - 1] ^= 0xFF
+    return with_doc(path, valid_doc(), bytes(arrays))
+
+
 def truncated(fraction: float):
     def build(path: Path) -> Path:
         data = valid_file_bytes().getvalue()
@@ -329,7 +338,7 @@ def _set(where, key, value):
 
 CASES = [
     bomb_json, lying_bomb_json, bomb_npz_member, nested_npz_bomb, huge_npy_header, pickled_objects, many_members,
-    many_arrays, deep_nesting, nesting_past_the_limit, zip_slip_tokenizer, corrupted_member,
+    many_arrays, deep_nesting, nesting_past_the_limit, zip_slip_tokenizer, corrupted_member, flipped_array_value,
     *(truncated(f) for f in (0.1, 0.5, 0.9, 0.99)),
     list_document,
     edit(_set(lambda d: d, "events", 5)), edit(_set(lambda d: d, "prompt", 5)), edit(_set(lambda d: d, "chat", "y")),
