@@ -4,9 +4,15 @@ Both dequantize the same blocks to float32, so the logits must agree to float32 
 must be the same tokens. transformers takes ~40 s (more on a busy machine) to convert the file; it runs once per
 module. The prompt ids are transformers' tokenization of the prompts; the CLI tests tokenize with the engine's own
 tokenizer and must reach the same ids and continuations.
+
+The products run through F.linear on the float weights here (kernel "linear", forced): the file's Q4_K blocks are
+also a quantized decode form the tuner may choose, whose logits move within their own tolerance (held in
+tests/engine/test_quant_k.py) and may flip a near-tie this comparison with transformers would call a mismatch.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -17,6 +23,8 @@ from tests.requires import gemma3, import_required
 import_required("transformers")
 
 from engine.loaders import load  # noqa: E402
+from engine.model import kernels  # noqa: E402
+from engine.model.kernel_cache import KERNEL_ENV  # noqa: E402
 from engine.model.kv_cache import KVCache  # noqa: E402
 from tests.engine.test_cli import cli  # noqa: E402
 
@@ -30,6 +38,19 @@ PROMPTS = {
     ],
 }
 NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def float_products():
+    """The float path, in this process and in the CLI's (see the module's docstring)."""
+    before = os.environ.get(KERNEL_ENV)
+    os.environ[KERNEL_ENV] = "linear"
+    with kernels.forced("linear"):
+        yield
+    if before is None:
+        del os.environ[KERNEL_ENV]
+    else:
+        os.environ[KERNEL_ENV] = before
 
 
 @pytest.fixture(scope="module")

@@ -293,8 +293,6 @@ def test_gemma3_quantized_path_logits_and_greedy_tokens_as_the_float_path():
                 assert margin < NEAR_TIE, (name, prompt, parted, margin)
 
 
-@pytest.mark.xfail(strict=True, reason="engine.loaders._read_cache holds the cache to hf.check_safetensors, which "
-                   "refuses uint8 tensors (the blocks and markers): every load of a quantized file converts again")
 def test_a_quantized_files_weight_cache_is_read_back(k_file):
     first = load(k_file, device="cpu", dtype="float32")
     again = load(k_file, device="cpu", dtype="float32")
