@@ -102,6 +102,13 @@ class KVCache:
         same_device = want.type == have.type and (want.index or 0) == (have.index or 0)  # "cuda" is "cuda:0"
         return self.batch == batch and self.capacity >= capacity and self.dtype == dtype and same_device
 
+    def reads_back(self, p: int) -> bool:
+        """Whether every layer still holds the keys a query at position p < pos read (a sliding-window layer keeps
+        only its newest positions)."""
+        first = max(0, p - self.window + 1) if self.window else 0
+        return p < self.pos and not any(local and first < base for local, base in zip(self.local, self.base,
+                                                                                        strict=True))
+
     def positions_held(self, layer: int) -> int:
         """Positions whose keys/values this layer still holds: pos, or at most its slots for a local layer."""
         return self.pos - self.base[layer] if self.local[layer] else self.pos
@@ -113,3 +120,29 @@ class KVCache:
     def bytes_allocated(self) -> int:
         """Bytes reserved by the preallocated buffers (local layers reserve at most twice the window)."""
         return self._bytes_per_slot * sum(self.slots)
+
+
+class ReadOnlyCache:
+    """The KV cache as a one-token forward pass at position p reads it: views of the keys and values the step read,
+    nothing written, nothing advanced (the interface Attention and Transformer use: update, first_position,
+    advance)."""
+
+    def __init__(self, cache: KVCache, p: int) -> None:
+        self.cache, self.p = cache, p
+        self.first = [0] * len(cache.k)
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c, p = self.cache, self.p
+        if start != p or k.shape[2] != 1:
+            raise ValueError(f"a read-only cache serves one query at position {p}, not {k.shape[2]} at {start}")
+        base = c.base[layer] if c.local[layer] else 0
+        first = max(0, p - c.window + 1) if c.local[layer] else 0  # the band a sliding-window query reads
+        self.first[layer] = first
+        held = slice(first - base, p + 1 - base)  # positions first…p in this layer's slots
+        return c.k[layer][:, :, held], c.v[layer][:, :, held]  # (1, KV, S, hd) views
+
+    def first_position(self, layer: int) -> int:
+        return self.first[layer]
+
+    def advance(self, n: int) -> None:
+        pass

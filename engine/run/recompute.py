@@ -24,7 +24,7 @@ import torch
 
 from engine.backend import Unsupported
 from engine.events import AttentionCaptured, LensCaptured
-from engine.model.kv_cache import KVCache
+from engine.model.kv_cache import ReadOnlyCache
 from engine.model.probe import RESID_STREAM, Probe, attn_point
 from engine.protocol import Recompute, Recomputed
 from engine.run.lens import lens_event
@@ -35,32 +35,6 @@ LLAMACPP_REFUSAL = ("kept steps only on llama.cpp: its KV cache lives inside lla
 
 class CacheGone(ValueError):
     """The session's KV cache no longer holds what the step read (the message says why, in one sentence)."""
-
-
-class ReadOnlyCache:
-    """The KV cache as a one-token forward pass at position p reads it: views of the keys and values the step read,
-    nothing written, nothing advanced (the interface Attention and Transformer use: update, first_position,
-    advance)."""
-
-    def __init__(self, cache: KVCache, p: int) -> None:
-        self.cache, self.p = cache, p
-        self.first = [0] * len(cache.k)
-
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        c, p = self.cache, self.p
-        if start != p or k.shape[2] != 1:
-            raise ValueError(f"a read-only cache serves one query at position {p}, not {k.shape[2]} at {start}")
-        base = c.base[layer] if c.local[layer] else 0
-        first = max(0, p - c.window + 1) if c.local[layer] else 0  # the band a sliding-window query reads
-        self.first[layer] = first
-        held = slice(first - base, p + 1 - base)  # positions first…p in this layer's slots
-        return c.k[layer][:, :, held], c.v[layer][:, :, held]  # (1, KV, S, hd) views
-
-    def first_position(self, layer: int) -> int:
-        return self.first[layer]
-
-    def advance(self, n: int) -> None:
-        pass
 
 
 def run_layers(model: torch.nn.Module, tokens: torch.Tensor, p: int, cache: ReadOnlyCache, probe: Probe,
@@ -92,9 +66,7 @@ def check_cache(session: object, ids: Sequence[int]) -> int:
     if cache is None or cache.batch != 1 or cache.pos <= p or session.cached_ids[:p + 1] != [int(i) for i in ids]:
         raise CacheGone("the engine's KV cache no longer holds this run (another run, a preview or an experiment "
                         "replaced it): only the steps the app kept can be shown")
-    first = max(0, p - cache.window + 1)
-    lost = [i for i, local in enumerate(cache.local) if local and first < cache.base[i]]
-    if lost:
+    if not cache.reads_back(p):
         raise CacheGone(f"the sliding-window layers of the KV cache keep only their last {cache.local_slots:,} "
                         f"positions, and no longer hold the {cache.window:,} keys position {p:,} read")
     return p
@@ -116,7 +88,13 @@ def recompute(
         raise ValueError(f"layer {outside[0]} is not in this model (layers 0…{cfg.n_layers - 1})")
     if lens_top < 0:
         raise ValueError(f"lens_top must be 0 (no lens) or a positive number of tokens, got {lens_top}")
-    probe = Probe.for_capture(wanted, residual_stream=lens_top > 0)
+    # Every layer the pass runs is probed, not only the wanted ones: a probed layer computes its attention weights
+    # explicitly, an unprobed one through the fused kernel, and the two round differently; a run that captured every
+    # layer (the app does for a prompt under 64 tokens) is matched only when each layer runs as it ran then (the
+    # bfloat16 activations of the int4/int8 decode kernels amplify the difference to ~1e-3).
+    full = bool(lens_top) or model.rope is None or model.rope.shape[0] <= p
+    last = cfg.n_layers - 1 if full else (wanted[-1] if wanted else -1)
+    probe = Probe.for_capture(range(last + 1), residual_stream=lens_top > 0)
     tokens = torch.tensor([[int(ids[p])]], dtype=torch.long, device=session.lm.device)  # (1, 1)
     # The decode kernel of each product is chosen per thread count (engine.model.kernels: int4 at one thread, int8 at
     # two, for some of SmolLM2's), so the step is run at the count the run's steps use now; a step that ran at
@@ -126,10 +104,10 @@ def recompute(
         torch.set_num_threads(session.threads.current)
     cache = ReadOnlyCache(session.cache, p)
     try:
-        if lens_top or model.rope is None or model.rope.shape[0] <= p:
+        if full:
             logits = model(tokens, p, cache, probe)[0]  # (V,): the lens needs every layer and the output
         else:
-            run_layers(model, tokens, p, cache, probe, wanted[-1] if wanted else -1)
+            run_layers(model, tokens, p, cache, probe, last)
     finally:
         torch.set_num_threads(before)
     phase = "prefill" if step == 0 else "decode"

@@ -40,7 +40,7 @@ from engine.events import (
     TokenSampled,
 )
 from engine.loaders import LoadedModel
-from engine.model.kv_cache import KVCache
+from engine.model.kv_cache import KVCache, ReadOnlyCache
 from engine.model.probe import Probe
 from engine.protocol import ATTENTION_MAX_BYTES, FUNNEL_TOP, Capture  # noqa: F401 — constants re-exported
 from engine.run.branching import check_forced, tokenization_of
@@ -258,6 +258,15 @@ class Session:
         """Logits for the token after `ids`, reusing the cached prefix; returns (logits, tokens reused, seconds)."""
         self.check_prompt(ids)
         t0 = time.perf_counter()
+        p, cache = len(ids) - 1, self.cache
+        if cache is not None and cache.batch == 1 and len(self.cached_ids) > len(ids) and cache.reads_back(p) \
+                and self.cached_ids[:len(ids)] == [int(i) for i in ids]:
+            # The cache holds these tokens and more (a preview of the prompt after its run): read it and write
+            # nothing, so the run's cache stays whole for recomputing its steps and for the next Generate to reuse.
+            tokens = torch.tensor([[int(ids[-1])]], dtype=torch.long, device=self.lm.device)
+            logits = self.lm.model(tokens, p, ReadOnlyCache(cache, p), None)[0]
+            _sync(self.lm.device)
+            return logits, p, time.perf_counter() - t0
         reuse = self._prepare_cache(ids, len(ids) + 1)
         logits = self._forward(ids[reuse:], reuse, None)
         _sync(self.lm.device)

@@ -102,6 +102,24 @@ def test_a_cache_that_holds_another_run_says_so(tiny_lm):
         recompute(s, PROMPT, 0, [9])
 
 
+def test_a_preview_of_the_prompt_after_the_run_leaves_its_cache_whole(tiny_lm, tiny_dir):
+    """Typing or moving a sampling control after a run previews the prompt's next token: it reads the run's cache
+    (the same logits as a fresh forward) and writes nothing, so the run's steps can still be recomputed and the next
+    Generate still reuses every position."""
+    s, _, ids = generate_everything(tiny_lm, PROMPT, 6, lens_top=0)
+    before = snapshot(s)
+    logits, reused, _ = s.next_token_logits(PROMPT)
+    want = reference_logits(tiny_dir.hf_weights, PROMPT)[-1]
+    np.testing.assert_allclose(logits.double().numpy(), want.numpy(), atol=2e-4, rtol=0)
+    assert reused == len(PROMPT) - 1
+    assert_unchanged(s, before)
+    assert recompute(s, context(ids, len(PROMPT), 5), 5, [0])[0]  # still the live run's cache
+    other = [9, 8, 7, 6]  # a prompt the cache does not hold is previewed as before: the cache follows it
+    np.testing.assert_allclose(s.next_token_logits(other)[0].double().numpy(),
+                               reference_logits(tiny_dir.hf_weights, other)[-1].numpy(), atol=2e-4, rtol=0)
+    assert s.cached_ids == other
+
+
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     from tests.requires import import_required
