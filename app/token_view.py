@@ -149,15 +149,18 @@ class TokenHighlighter(QtGui.QSyntaxHighlighter):
         self.tokens.extend(seg.tokens)
         self.lost.extend(seg.lost)
 
+    painted: int | None = None  # paint only the first this many segments (None: all)
+
     @guarded
     def highlightBlock(self, text: str) -> None:  # noqa: N802 — Qt's name
-        if not self.starts:
+        n = len(self.starts) if self.painted is None else min(self.painted, len(self.starts))
+        if not n:
             return
         block = self.currentBlock()
         b0 = block.position()
         b1 = b0 + block.length()
-        i = bisect.bisect_right(self.ends, b0)
-        j = bisect.bisect_left(self.starts, b1)
+        i = bisect.bisect_right(self.ends, b0, 0, n)
+        j = bisect.bisect_left(self.starts, b1, 0, n)
         starts, ends, kinds, formats = self.starts, self.ends, self.kinds, self.formats
         for k in range(i, j):
             s = max(starts[k], b0)

@@ -6,7 +6,6 @@ up at once (amber). Decode then produces one token per forward pass, and each ap
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 from PySide6 import QtCore, QtGui, QtWidgets
@@ -14,7 +13,6 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app import theme
 from app.bridge import GenerateRequest
 from app.chat_toggle import fit_chat_box
-from app.guard import guarded
 from app.panels.base import Panel
 from app.settings import DEFAULT_MAX_NEW_TOKENS
 from app.token_view import Segments, TokenHighlighter, TokenTextEdit, char_format, segments, utf16_len
@@ -57,23 +55,6 @@ class OutputHighlighter(TokenHighlighter):
     (a long run written as one paragraph cost a Python call per token of it, per draw)."""
 
     painted = 0
-
-    @guarded
-    def highlightBlock(self, text: str) -> None:  # noqa: N802 — Qt's name
-        n = min(self.painted, len(self.starts))
-        if not n:
-            return
-        block = self.currentBlock()
-        b0 = block.position()
-        b1 = b0 + block.length()
-        i = bisect.bisect_right(self.ends, b0, 0, n)
-        j = bisect.bisect_left(self.starts, b1, 0, n)
-        starts, ends, kinds, formats = self.starts, self.ends, self.kinds, self.formats
-        for k in range(i, j):
-            s = max(starts[k], b0)
-            e = min(ends[k], b1)
-            if e > s:
-                self.setFormat(s - b0, e - s, formats[kinds[k]])
 
 
 class GenerationPanel(Panel):
