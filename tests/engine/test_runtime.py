@@ -223,3 +223,65 @@ def test_llamacpp_scheduling_lab(lcpp):
     assert np.median(waited["continuous"]) < np.median(waited["static"])
     summary = {e.policy: e for e in events if isinstance(e, SchedSummary)}
     assert summary["continuous"].decode_steps < summary["static"].decode_steps
+
+
+@pytest.mark.slow
+def test_llamacpp_speculative_greedy_equals_plain_greedy_on_gemma3():
+    """Gemma 3's own GGUF (Q4_K_M, sliding-window layers) on llama.cpp: prompt-lookup drafting gives the tokens of
+    plain greedy decoding, and the same file as its own draft model too."""
+    from engine.backends.llamacpp import LlamaCppSession
+    from tests.requires import gemma3, import_required
+
+    import_required("llama_cpp", name="llamacpp", dist="llama-cpp-python")
+    target, draft = LlamaCppSession(gemma3(), n_ctx=256), LlamaCppSession(gemma3(), n_ctx=256)
+    try:
+        want = plain(target, REPEATS, 20)
+        lookup = sp.SpecConfig(k=4, source="lookup", baseline=False, ignore_eos=True)
+        fin = list(sp.speculate(target, REPEATS, lookup, GREEDY, 20))[-1]
+        assert isinstance(fin, sp.SpecFinished), fin
+        assert fin.ids.tolist() == want and fin.n_passes < 20  # the repeating text's guesses were taken
+        model = sp.SpecConfig(k=3, source="draft-model", draft=draft, baseline=False, ignore_eos=True)
+        fin = list(sp.speculate(target, REPEATS, model, GREEDY, 20))[-1]
+        assert isinstance(fin, sp.SpecFinished), fin
+        assert fin.ids.tolist() == want
+    finally:
+        target.close()
+        draft.close()
+
+
+@pytest.mark.slow
+def test_llamacpp_sampled_tokens_follow_the_models_exact_distribution(tiny_dir, tmp_path):
+    """The acceptance rule on llama.cpp keeps the target's distribution: 1,000 sampled runs of the tiny GGUF drafted
+    by another GGUF (its weights plus noise: guesses accepted sometimes, rejected sometimes) against the float64
+    reference's exact joint distribution of the first three tokens (the torch lab's test,
+    tests/engine/test_speculative.py)."""
+    from engine.backends.llamacpp import LlamaCppSession
+    from tests.engine.test_speculative import RUNS, SAMPLING, chi_square_p, exact_joint
+    from tests.requires import import_required
+    from tests.tiny_model import random_hf_weights, write_gguf
+
+    import_required("llama_cpp", name="llamacpp", dist="llama-cpp-python")
+    g = torch.Generator().manual_seed(1)
+    noisy = {k: v + 0.3 * v.std() * torch.randn(v.shape, generator=g) for k, v in random_hf_weights(0).items()}
+    prompt = [5, 77, 140, 5, 77, 140, 5, 77]
+    s = LlamaCppSession(tiny_dir.gguf, n_ctx=64)
+    draft = LlamaCppSession(write_gguf(tmp_path / "draft.gguf", noisy), n_ctx=64)
+    cfg = sp.SpecConfig(k=2, source="draft-model", draft=draft, baseline=False, ignore_eos=True)
+    counts: dict[tuple, int] = {}
+    judged = accepted = 0
+    try:
+        for seed in range(RUNS):
+            events = list(sp.speculate(s, prompt, cfg, SamplingParams(**SAMPLING, seed=seed), 4))
+            for e in events:
+                if isinstance(e, sp.SpecStep):
+                    judged += len(e.accept_probs)
+                    accepted += e.n_accepted
+            key = tuple(events[-1].ids.tolist()[:3])
+            counts[key] = counts.get(key, 0) + 1
+    finally:
+        s.close()
+        draft.close()
+    assert 0.05 * judged < accepted < 0.95 * judged, (accepted, judged)  # both branches of the rule were taken
+    expected = exact_joint(tiny_dir.hf_weights, prompt, 3, threshold=5 / RUNS)
+    assert len(expected) >= 20 and sum(expected.values()) > 0.95
+    assert chi_square_p(counts, expected, RUNS) > 1e-3
