@@ -237,9 +237,16 @@ CODE = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\
 @pytest.mark.slow
 @pytest.mark.parametrize("source", ["lookup", "early-exit:20"])
 def test_real_model_greedy_equals_plain_greedy(real_lm, source):
+    """At one fixed thread count: each count runs its own measured decode kernels (SmolLM2's Q4_1 projections: int4
+    at one thread, int8 at two, engine.model.kernels), and "auto" moves between counts with the machine's load, so
+    two runs under "auto" may round differently and part at a near-tie (tests/engine/test_spec_divergence.py says
+    where and by how much)."""
     name, layer = sp.parse_source(source)
-    fin = run(real_lm, CODE, sp.SpecConfig(k=4, source=name, exit_layer=layer, baseline=False), n=48)[-1]
-    assert fin.ids.tolist() == plain(real_lm, CODE, 48)
+    cfg = sp.SpecConfig(k=4, source=name, exit_layer=layer, baseline=False)
+    fin = run(Session(real_lm, threads=1), CODE, cfg, n=48)[-1]
+    want = list(Session(real_lm, threads=1).generate(CODE, GREEDY, 48))[-1]
+    assert isinstance(want, Finished)
+    assert fin.ids.tolist() == want.ids.tolist()
     if name == "lookup":  # code repeats itself: most passes gain more than one token
         assert fin.tokens_per_pass > 1.5 and fin.acceptance_by_position[0] > 0.5
 
