@@ -170,7 +170,7 @@ def test_context_limit_ends_generation(session):
 
 @pytest.mark.slow
 def test_real_model_greedy_chat_is_deterministic_english(real_lm):
-    s = Session(real_lm)
+    s = Session(real_lm, threads=1)  # "auto" may move between thread counts, each with its own measured kernels
     prompt = "Explain what a KV cache is in two sentences."
     assert len(s.tokenize(prompt, chat=True).ids) == 41
     a = run(s.generate(prompt, GREEDY, 24, chat=True))[-1]
@@ -188,10 +188,12 @@ def test_real_model_greedy_tokens_match_transformers(real_lm):
     AutoModelForCausalLM = import_required("transformers").AutoModelForCausalLM  # noqa: N806
 
     from engine.loaders import default_model_path
+    from engine.model import kernels
 
     s = Session(real_lm)
     prompt = s.tokenize("Explain what a KV cache is in two sentences.", chat=True).ids
-    ours = run(s.generate(prompt, GREEDY, 8, ignore_eos=True))[-1].ids.tolist()
+    with kernels.forced("linear"):  # the float products: a quantized decode form is held to its own tolerance
+        ours = run(s.generate(prompt, GREEDY, 8, ignore_eos=True))[-1].ids.tolist()
     path = default_model_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
     with torch.inference_mode():
