@@ -256,7 +256,7 @@ def test_llamacpp_sampled_tokens_follow_the_models_exact_distribution(tiny_dir, 
     reference's exact joint distribution of the first three tokens (the torch lab's test,
     tests/engine/test_speculative.py)."""
     from engine.backends.llamacpp import LlamaCppSession
-    from tests.engine.test_speculative import RUNS, SAMPLING, chi_square_p, exact_joint
+    from tests.engine.test_speculative import RUNS, chi_square_p, exact_joint, sampled_runs
     from tests.requires import import_required
     from tests.tiny_model import random_hf_weights, write_gguf
 
@@ -267,17 +267,8 @@ def test_llamacpp_sampled_tokens_follow_the_models_exact_distribution(tiny_dir, 
     s = LlamaCppSession(tiny_dir.gguf, n_ctx=64)
     draft = LlamaCppSession(write_gguf(tmp_path / "draft.gguf", noisy), n_ctx=64)
     cfg = sp.SpecConfig(k=2, source="draft-model", draft=draft, baseline=False, ignore_eos=True)
-    counts: dict[tuple, int] = {}
-    judged = accepted = 0
     try:
-        for seed in range(RUNS):
-            events = list(sp.speculate(s, prompt, cfg, SamplingParams(**SAMPLING, seed=seed), 4))
-            for e in events:
-                if isinstance(e, sp.SpecStep):
-                    judged += len(e.accept_probs)
-                    accepted += e.n_accepted
-            key = tuple(events[-1].ids.tolist()[:3])
-            counts[key] = counts.get(key, 0) + 1
+        counts, judged, accepted = sampled_runs(s, prompt, cfg)
     finally:
         s.close()
         draft.close()

@@ -179,26 +179,31 @@ def chi_square_p(observed: dict, expected: dict, n: int) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-# The rule sees a one-hot guess the same way wherever it came from; early exit after the last layer guesses the
-# model's argmax, which is accepted often but not always (p < 1), so both branches are taken. The draft model gives
-# a full q.
-@pytest.mark.parametrize("source,layer", [("early-exit", 2), ("draft-model", 0)])
-def test_sampled_tokens_follow_the_models_exact_distribution(tiny_dir, tiny_lm, draft_lm, source, layer):
-    prompt = [5, 77, 140, 5, 77, 140, 5, 77]
-    params = [SamplingParams(**SAMPLING, seed=seed) for seed in range(RUNS)]
-    cfg = sp.SpecConfig(k=2, source=source, exit_layer=layer, draft=draft_lm if source == "draft-model" else None,
-                        baseline=False, ignore_eos=True)
-    s = Session(tiny_lm)
+def sampled_runs(session, prompt, cfg, runs: int = RUNS) -> tuple[dict[tuple, int], int, int]:
+    """`runs` sampled speculative runs (seeds 0…runs − 1) of 4 tokens: how often each first three tokens came out,
+    and how many guesses were judged and accepted in all."""
     counts: dict[tuple, int] = {}
     judged = accepted = 0
-    for p in params:
-        events = list(sp.speculate(s, prompt, cfg, p, 4))
+    for seed in range(runs):
+        events = list(sp.speculate(session, prompt, cfg, SamplingParams(**SAMPLING, seed=seed), 4))
         for e in events:
             if isinstance(e, sp.SpecStep):
                 judged += len(e.accept_probs)
                 accepted += e.n_accepted
         key = tuple(events[-1].ids.tolist()[:3])
         counts[key] = counts.get(key, 0) + 1
+    return counts, judged, accepted
+
+
+# The rule sees a one-hot guess the same way wherever it came from; early exit after the last layer guesses the
+# model's argmax, which is accepted often but not always (p < 1), so both branches are taken. The draft model gives
+# a full q.
+@pytest.mark.parametrize("source,layer", [("early-exit", 2), ("draft-model", 0)])
+def test_sampled_tokens_follow_the_models_exact_distribution(tiny_dir, tiny_lm, draft_lm, source, layer):
+    prompt = [5, 77, 140, 5, 77, 140, 5, 77]
+    cfg = sp.SpecConfig(k=2, source=source, exit_layer=layer, draft=draft_lm if source == "draft-model" else None,
+                        baseline=False, ignore_eos=True)
+    counts, judged, accepted = sampled_runs(Session(tiny_lm), prompt, cfg)
     assert 0.05 * judged < accepted < 0.9 * judged, (accepted, judged)  # both branches of the rule were taken
     expected = exact_joint(tiny_dir.hf_weights, prompt, 3, threshold=5 / RUNS)
     assert len(expected) >= 20 and sum(expected.values()) > 0.95
@@ -217,13 +222,8 @@ def test_chi_square_rejects_a_wrong_rule(tiny_dir, tiny_lm, monkeypatch):
     monkeypatch.setattr(sp, "_accept", always)
     prompt = [5, 77, 140, 5, 77, 140, 5, 77]
     cfg = sp.SpecConfig(k=2, source="early-exit", exit_layer=2, baseline=False, ignore_eos=True)
-    counts: dict[tuple, int] = {}
-    s = Session(tiny_lm)
     runs = 400
-    for seed in range(runs):
-        key = tuple(list(sp.speculate(s, prompt, cfg, SamplingParams(**SAMPLING, seed=seed), 4))[-1]
-                    .ids.tolist()[:3])
-        counts[key] = counts.get(key, 0) + 1
+    counts, _, _ = sampled_runs(Session(tiny_lm), prompt, cfg, runs)
     expected = exact_joint(tiny_dir.hf_weights, prompt, 3, threshold=5 / runs)
     assert chi_square_p(counts, expected, runs) < 1e-6
 
