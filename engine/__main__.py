@@ -22,6 +22,7 @@ from engine.cliargs import (
     check_bias,
     int_in,
     int_list,
+    lab_model_from_args,
     regex,
     sampling_params,
     session_from_args,
@@ -253,20 +254,10 @@ def cmd_models(a: argparse.Namespace) -> int:
 def cmd_bench_batch(a: argparse.Namespace) -> int:
     import psutil
 
-    from engine.backends import choose
     from engine.labs.batching import bench_batch
-    from engine.loaders import ModelLoadError, load
 
     batches = a.batches
-    if a.threads != "auto":  # a batch's products are large: no per-step adaptation here, a fixed count if asked
-        import torch
-
-        torch.set_num_threads(a.threads)
-    try:
-        lm = session_from_args(a) if choose(a.model, a.backend) == "llama.cpp" else load(a.model, a.device, a.dtype)
-    except ModelLoadError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    lm = lab_model_from_args(a)
     if a.prompt_tokens + a.new_tokens > lm.cfg.context_length:
         raise UsageError(f"--prompt-tokens {a.prompt_tokens} and --new-tokens {a.new_tokens} make "
                          f"{a.prompt_tokens + a.new_tokens} positions, past this model's context of "

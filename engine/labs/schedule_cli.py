@@ -61,12 +61,9 @@ def _table(plan: SchedPlan, summaries: list[SchedSummary]) -> str:
 
 def _cmd(a: argparse.Namespace) -> int:
     import psutil
-    import torch
 
-    from engine.backends import choose
-    from engine.cliargs import session_from_args
+    from engine.cliargs import lab_model_from_args
     from engine.labs.scheduler import schedule
-    from engine.loaders import ModelLoadError, load
 
     cfg = SchedConfig(policy=a.policy, n_requests=a.requests, rate=a.rate, burstiness=a.burstiness,
                       prompt_len=a.prompt_len, output_len=a.output_len, range_ratio=a.range_ratio,
@@ -77,13 +74,7 @@ def _cmd(a: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if a.threads != "auto":
-        torch.set_num_threads(a.threads)
-    try:
-        lm = session_from_args(a) if choose(a.model, a.backend) == "llama.cpp" else load(a.model, a.device, a.dtype)
-    except ModelLoadError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    lm = lab_model_from_args(a)
     plan, summaries, done = None, [], []
     try:
         for ev in schedule(lm, cfg, memory_limit_bytes=psutil.virtual_memory().available * 0.5):
