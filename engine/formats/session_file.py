@@ -545,8 +545,9 @@ def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> tuple[bytes, int]:
 
 def _write_npz(out: Any, arrays: dict[str, np.ndarray]) -> None:
     """arrays.npz as np.savez writes it uncompressed (a zip of .npy members, read by np.load and by `_read_arrays`),
-    without np.savez's cost of about 0.2 ms an array: a long run stores tens of thousands of small ones (each
-    step's funnel), which made the autosave take seconds. Small members are gathered into one write."""
+    without np.savez's cost per array: a long run stores tens of thousands of small ones (each step's funnel),
+    which made the autosave take seconds (BENCHMARKS.md "Long runs", the autosave). Small members are gathered
+    into one write."""
     total = sum(a.nbytes + 256 for a in arrays.values())
     if total >= _ZIP64_LIMIT:  # offsets past 4 GiB need zip64 entries: zipfile's writer makes them
         np.savez(out, **arrays)

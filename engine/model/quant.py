@@ -15,8 +15,8 @@ float one; the tuner measures them beside the float candidates and uses one only
   float16 significand times a 6-bit integer). Held to gguf.quants.dequantize bit for bit in float32
   (tests/engine/test_quant_k.py) wherever zero = 8·d·sc − dmin·mn is itself exact in float32 (all of Gemma 3
   270M's Q4_K blocks); the kernel then rounds scale and zero to bfloat16 (below), which moves a weight by at most
-  2⁻⁹ · (|q − 8|·|scale| + |zero|) + the output's own bf16 rounding: measured on Gemma 3 270M's Q4_K tensors, at
-  most 0.52 % of each tensor's largest |w| (the tests allow 2⁻⁷ = 0.78 %).
+  2⁻⁹ · (|q − 8|·|scale| + |zero|) + the output's own bf16 rounding (measured on Gemma 3 270M: BENCHMARKS.md
+  "K-quants: Gemma 3's Q4_K_M"; the tests allow 2⁻⁷ of each tensor's largest |w|).
 - int8: torch._weight_int8pack_mm(x, q, scale) computes x·(q · scale[:, None])ᵀ with one scale per output row;
   built by requantizing the float weight (symmetric, scale = max|w_row| / 127), so each weight moves by at most
   half a step, 0.5 · scale (INT8_STEP_ERROR), on top of the file's own quantization. Every projection the file
@@ -29,9 +29,8 @@ float one; the tuner measures them beside the float candidates and uses one only
 Both kernels are fast only with bfloat16 activations (float32 ones took 4–19 × longer on an AVX2 CPU), and need the
 scales in the activations' dtype: the forms keep bfloat16 scales and the candidates run x in bfloat16, so a float32
 model's product is rounded once more (x and the scales to bfloat16's 8 bits). The logits through these candidates
-stay within LOGIT_TOLERANCE of the float path (tests/engine/test_quant_path.py, test_quant_k.py). On Gemma 3
-270M (Q4_K_M), 16 decode steps: int4 forced (its Q4_K projections) 0.43 % of the largest |logit| off the float
-path, int8 forced (every quantized projection but the Q6_K ones) 3.6 %; greedy tokens differed only at near-ties.
+stay within LOGIT_TOLERANCE of the float path (tests/engine/test_quant_path.py, test_quant_k.py; Gemma 3's
+figures: BENCHMARKS.md "K-quants: Gemma 3's Q4_K_M"); greedy tokens differ only at near-ties.
 
 Memory, per weight value: int4 0.5 byte (two q per byte) + 4 bytes of bfloat16 scale and zero per 32 values
 = 0.625 byte, as the file's Q4_1 blocks (Q4_0 and Q4_K store 0.5625); int8 1 byte + 2 bytes per row. Beside a

@@ -18,8 +18,8 @@ on a quiet machine two threads are ~1.9 × faster. No fixed setting is right, so
 `torch.set_num_threads` changes the count between regions, so switching costs microseconds; OMP_WAIT_POLICY
 cannot change after OpenMP starts, which is why the count is the knob.
 
-Some machines are slower with more threads even when nobody else runs (an Intel Xeon with AVX-512, 2 cores: 88.5 ms
-a token with two, 69.0 ms with one; issue 27). So at a model's first load the kernel tuner (engine.model.kernels)
+Some machines are slower with more threads even when nobody else runs (an Intel Xeon with AVX-512 and 2 cores was,
+in issue 27's measurement). So at a model's first load the kernel tuner (engine.model.kernels)
 also times the decode step's whole chain of products, each by the kernel chosen for that thread count, at every
 count `auto` may use: a `ChainTiming`, cached in `threads.json` beside the kernels' cache and keyed by the machine,
 the dtype and the chain itself (its shapes and the kernel each runs at each count). Where that was measured while
