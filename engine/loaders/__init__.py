@@ -40,7 +40,7 @@ from engine.model.config import ModelConfig
 from engine.model.transformer import Transformer, build_model, fuse_state_dict
 from engine.tokenizer import Tokenizer
 
-CACHE_VERSION = "6"  # bump when the converted weights or the tokenizer change (6: Q4_K blocks, REQUANT markers)
+CACHE_VERSION = "7"  # bump when the converted weights or the tokenizer change (7: a tied head's blocks)
 
 Progress = Callable[[float, str], None]
 

@@ -14,6 +14,7 @@ and gate and up into `ffn_up` (gate first); they are split here.
 A projection stored as Q4_0, Q4_1 or Q4_K also keeps its raw blocks beside its float weight (engine.model.quant): the
 int4 decode candidate multiplies by them as they are in the file. A projection stored in another quantized type
 (Q5_0, Q8_0, Q6_K, …) keeps an empty marker instead: it gets the int8 candidate, requantized from its float weight.
+A tied model's token table is its LM head, so it keeps its blocks or marker the same way.
 """
 
 from __future__ import annotations
@@ -196,6 +197,7 @@ def read_weights(
     A projection stored as Q4_0/Q4_1/Q4_K also gets its raw blocks (out, in/32, bytes) uint8 under
     quant.block_name(weight name, kind), with the same rows as its float weight (split and reordered alike); one
     stored in another quantized type an empty quant.requant_marker under quant.block_name(weight name, REQUANT).
+    A tied model's token table is its LM head, a projection too.
     """
     import gguf
 
@@ -215,7 +217,9 @@ def read_weights(
         w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())  # F32 tensors are read-only file maps
         kind = t.tensor_type.name.lower()
         blocks = None
-        if len(shape) == 2 and name != "tok_embeddings.weight":  # a projection
+        # a projection, or the token table where it is also the LM head (tied): the head multiplies by it every
+        # decode step, while the embedding lookup gathers rows of the float weight
+        if len(shape) == 2 and (name != "tok_embeddings.weight" or cfg.tied_embeddings):
             if kind in quant.INT4_KINDS:
                 raw = np.array(t.data, dtype=np.uint8, copy=True)  # (out, bytes per row), off the file map
                 blocks = torch.from_numpy(raw).reshape(shape[0], shape[1] // quant.GROUP, quant.BLOCK_BYTES[kind])

@@ -35,7 +35,7 @@ DESCRIPTIONS: dict[str, str] = {
     "split": "a batched product over row blocks of W, one block per thread (torch.bmm)",
     "onednn": "oneDNN's linear on the plain weight",
     "packed": "oneDNN's linear on a bf16 weight reordered once at load",
-    "int4": "torch's int4 weight-only kernel on the file's Q4_0/Q4_1 blocks (bf16 activations)",
+    "int4": "torch's int4 weight-only kernel on the file's Q4_0/Q4_1/Q4_K blocks (bf16 activations)",
     "int8": "torch's int8 weight-only kernel on the weight requantized per row (bf16 activations)",
 }
 NAMES: tuple[str, ...] = tuple(DESCRIPTIONS)

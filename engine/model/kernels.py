@@ -21,7 +21,8 @@ batches are compute-bound products that oneDNN's float32 kernel or F.linear run 
 Where the weights came from a GGUF file's quantized blocks, more candidates multiply by quantized forms of them
 (engine.model.quant): torch's int4 kernel on the file's own Q4_0/Q4_1/Q4_K blocks and its int8 kernel on a per-row
 requantization (any quantized type),
-both with bfloat16 activations. They are measured like the others and win only where they are faster (on an
+both with bfloat16 activations. A tied LM head (the token table) gets them from the table's type as a projection
+does. They are measured like the others and win only where they are faster (on an
 AVX2-only CPU they were not; on Intel AMX the int8 kernel took half the float products' time). Their results
 differ from the float products by the quantization (engine.model.quant states by how much), so a shape measured
 with quantized forms is a different key from the same shape without them.
@@ -188,6 +189,15 @@ def chosen(shape: tuple[int, int], dtype: torch.dtype, threads: int, quantized: 
         return _name(_FORCED[0])
     f = _CHOSEN.get((*shape, dtype, min(threads, _TOP[0]), quantized))
     return None if f is None else _name(f)
+
+
+def runs_form(w: torch.Tensor, q: quant.QuantForms | None) -> bool:
+    """Whether a decode product by weight `w` with forms `q` multiplies by one of those forms now (at this thread
+    count, or forced), not by the float weight."""
+    if q is None:
+        return False
+    name = chosen(tuple(w.shape), w.dtype, torch.get_num_threads(), True)
+    return name in QUANTIZED and getattr(q, name) is not None
 
 
 def forced_name() -> str | None:

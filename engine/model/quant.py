@@ -22,6 +22,8 @@ float one; the tuner measures them beside the float candidates and uses one only
   half a step, 0.5 · scale (INT8_STEP_ERROR), on top of the file's own quantization. Every projection the file
   stores in a quantized type gets it: the int4 kinds above, and the others (Q5_0, Q8_0, Q6_K, …: no exact int4
   form, their steps are per 32 or 16 values and finer than 4 bits) from their dequantized float weight.
+  A tied LM head is the token table: it gets the forms of the table's type as any projection does (Gemma 3 270M's
+  Q8_0 table an int8 form, SmolLM2's too), and the embedding lookup keeps the float table.
   One exception: where a weight shape also has int4 forms (Gemma's Q4_K_M stores half its ffn_down as Q6_K and
   half as Q4_K), those others get no form and run float, because the tuner measures one set of forms per shape
   (take_blocks).

@@ -260,6 +260,7 @@ class Transformer(nn.Module):
         self.rope: torch.Tensor | None = None  # built by init_rope() once the weights are on their device
         self.rope_local: torch.Tensor | None = None  # local layers' table (their own base, no scaling)
         self.head_packed: torch.Tensor | None = None  # pack_for_decode(lm_head)
+        self.tied_head_quant: quant.QuantForms | None = None  # a tied head's forms (an untied one's: output.quant)
 
     def init_rope(self, rows: int = ROPE_ROWS) -> None:
         """Build the RoPE tables for the first `rows` positions; forward grows them when a step needs more.
@@ -287,21 +288,33 @@ class Transformer(nn.Module):
     def attach_quant(self, blocks: dict[str, tuple[torch.Tensor, str]]) -> int:
         """Give each projection a GGUF stored quantized its int4 (Q4_0/Q4_1/Q4_K blocks) and int8 forms
         (engine.model.quant); blocks: weight name -> (blocks (out, in/32, bytes), kind), from quant.take_blocks.
-        Returns the forms' bytes.
+        A tied model's token table is its LM head: its forms serve the head (head_quant), while the embedding
+        lookup keeps gathering rows of the float weight. Returns the forms' bytes.
 
         They cost 1.625 bytes per weight value beside the float weight (0.625 int4, 1 int8); tune_kernels drops
         a form the tuner did not choose.
         """
         total = 0
         for name, (b, kind) in blocks.items():
-            m = self.get_submodule(name.removesuffix(".weight"))
+            tied = name == "tok_embeddings.weight" and self.output is None
+            m = self.tok_embeddings if tied else self.get_submodule(name.removesuffix(".weight"))
             out_f, in_f = m.weight.shape
-            if not isinstance(m, Linear) or tuple(b.shape) != (out_f, in_f // quant.GROUP, quant.BLOCK_BYTES[kind]):
+            if (not (tied or isinstance(m, Linear))
+                    or tuple(b.shape) != (out_f, in_f // quant.GROUP, quant.BLOCK_BYTES[kind])):
                 raise ValueError(f"the {kind} blocks of {name!r} have shape {tuple(b.shape)}, "
                                  f"its weight {(out_f, in_f)}")
-            m.quant = quant.q4_forms(b, kind, m.weight)
-            total += m.quant.nbytes()
+            forms = quant.q4_forms(b, kind, m.weight)
+            if tied:
+                self.tied_head_quant = forms
+            else:
+                m.quant = forms
+            total += forms.nbytes()
         return total
+
+    @property
+    def head_quant(self) -> quant.QuantForms | None:
+        """The LM head's quantized forms: the untied output projection's, or the tied token table's."""
+        return self.tied_head_quant if self.output is None else self.output.quant
 
     def decode_products(self) -> dict[tuple[int, int, bool], list[kernels.Product]]:
         """Every (weight, bias, packed, quantized forms) a decode step multiplies a row by, grouped by weight shape
@@ -311,7 +324,7 @@ class Transformer(nn.Module):
             if isinstance(m, Linear) and m is not self.output:
                 groups.setdefault((*m.weight.shape, m.quant is not None), []).append(
                     (m.weight, m.bias, m.packed, m.quant))
-        head_q = None if self.output is None else self.output.quant
+        head_q = self.head_quant
         groups.setdefault((*self.lm_head.shape, head_q is not None), []).append(
             (self.lm_head, None, self.head_packed, head_q))
         return groups
@@ -345,15 +358,15 @@ class Transformer(nn.Module):
         """
         if self.lm_head.device.type != "cpu":
             return []
-        entries = kernels.tune(self.decode_products(), remeasure=remeasure)
+        groups = self.decode_products()
+        entries = kernels.tune(groups, remeasure=remeasure)
         if drop_unused and not kernels.KEEP_FORMS:
             used = {(e.shape, e.choice) for e in entries if e.weights == kernel_cache.Q4}
-            for m in self.modules():
-                if isinstance(m, Linear) and m.quant is not None:
-                    for name in kernels.QUANTIZED:
-                        if kernels.forced_name() != name and (tuple(m.weight.shape), name) not in used:
-                            m.quant.dropped |= getattr(m.quant, name) is not None
-                            setattr(m.quant, name, None)
+            for w, _, _, forms in (p for ps in groups.values() for p in ps):
+                for name in kernels.QUANTIZED if forms is not None else ():
+                    if kernels.forced_name() != name and (tuple(w.shape), name) not in used:
+                        forms.dropped |= getattr(forms, name) is not None
+                        setattr(forms, name, None)
         return entries
 
     @property
@@ -413,11 +426,15 @@ class Transformer(nn.Module):
         In bfloat16 a logit near 25 is rounded to steps of 0.125, coarser than the gap between the two best
         candidates of many prompts (0.09 for "The" and "L" after "What is the capital of France?"), so ties and
         flips against float32 come from the output's rounding alone. The HEAD_RESCORE best candidates are therefore
-        recomputed in float32 from the same hidden state (a 64 × d product, ~0.1 ms).
+        recomputed in float32 from the same hidden state (a 64 × d product, ~0.1 ms); so are they where the head
+        ran a quantized form (engine.model.quant: bf16 activations, requantized or 4-bit weights), so that the
+        argmax among them is the float weight's, whatever the head's kernel.
         """
         h = self.norm(x)
-        y = linear(h, self.lm_head, packed=self.head_packed, q=None if self.output is None else self.output.quant)
-        if y.dtype == torch.float32 or h.numel() // h.shape[-1] > HEAD_RESCORE_MAX_ROWS:
+        q, rows = self.head_quant, h.numel() // h.shape[-1]
+        y = linear(h, self.lm_head, packed=self.head_packed, q=q)
+        quantized = h.device.type == "cpu" and rows <= SPLIT_MAX_ROWS and kernels.runs_form(self.lm_head, q)
+        if (y.dtype == torch.float32 and not quantized) or rows > HEAD_RESCORE_MAX_ROWS:
             return y.float()
         top = torch.topk(y, min(HEAD_RESCORE, y.shape[-1]), dim=-1).indices  # (…, k)
         exact = torch.einsum("...d,...kd->...k", h.float(), self.lm_head[top].float())  # (…, k)

@@ -14,10 +14,10 @@ from torch.testing import assert_close
 
 from engine.loaders import gguf as gg
 from engine.loaders import load
-from engine.model import kernels, quant
-from engine.model.transformer import Linear
+from engine.model import kernel_cache, kernels, quant
+from engine.model.transformer import HEAD_RESCORE, Linear
 from tests.engine.test_bf16_decode import NEAR_TIE, decode_logits
-from tests.engine.test_quant_path import LOGIT_TOLERANCE, kernel_weight
+from tests.engine.test_quant_path import LOGIT_TOLERANCE, assert_int8_form_is, kernel_weight, token_table
 
 Q = gguf.GGMLQuantizationType
 BF16_FORM = 2 ** -7  # the int4 form with bf16 scale, zero and output, as a share of the tensor's largest |w|
@@ -178,7 +178,7 @@ def test_the_loader_keeps_q4_k_blocks_that_are_the_files_weights(k_file):
         assert_close(quant.dequantize_int4(q, *quant.int4_scale_zero(d, m)), sd[name.removesuffix(".q4_k")],
                      rtol=0, atol=0, msg=name)  # the float weight is gguf's dequantization of the same bytes
     assert sd["layers.0.attn.wq.weight.requant"].shape == (64, 8, 0)  # a Q5_0 projection: its marker, no bytes
-    assert "tok_embeddings.weight.requant" not in sd  # the Q8_0 embedding is no projection
+    assert sd["tok_embeddings.weight.requant"].shape == (300, 8, 0)  # the Q8_0 table is the tied head: its marker
 
 
 def test_each_projection_gets_the_forms_of_its_type(k_lm):
@@ -207,6 +207,75 @@ def test_forced_quantized_decode_of_a_k_quant_file_stays_near_the_float_path(k_l
         got = decode_logits(k_lm, ids)
     assert_close(got, ref, rtol=0, atol=LOGIT_TOLERANCE[name] * float(ref.abs().max()))
     assert float((got - ref).abs().max()) > 0  # the quantized kernels ran
+
+
+def test_the_tied_head_gets_the_int8_form_of_its_q8_0_table(k_file, k_lm):
+    model = k_lm.model
+    raw, kind = token_table(k_file)
+    assert kind == Q.Q8_0 and model.output is None
+    ref = ggufs(raw, kind, tuple(model.lm_head.shape))
+    forms = model.head_quant
+    assert forms is not None and forms.int4 is None  # Q8_0: no exact int4 form
+    assert_int8_form_is(forms, ref)
+    assert_close(model.tok_embeddings.weight, ref, rtol=0, atol=0)  # the lookup gathers the float table
+    assert model.decode_products()[(*ref.shape, True)][0][3] is forms  # the head is a quantized decode product
+
+
+def test_the_quantized_head_runs_its_form_and_rescores_its_best_candidates_in_float32(k_lm, monkeypatch):
+    """Forced int8, the head multiplies by its int8 form; the HEAD_RESCORE best are then recomputed from the float
+    table, so they (and the argmax) are float64's to float32 rounding, the rest the form's approximation."""
+    model = k_lm.model
+    h = torch.randn(1, model.cfg.d_model, generator=torch.Generator().manual_seed(7))
+    exact = (model.norm(h).double() @ model.lm_head.double().T)[0]  # (V,) the float table in float64
+    heads = []
+    real = torch._weight_int8pack_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm",
+                        lambda x, q, s: heads.append(q is model.head_quant.int8[0]) or real(x, q, s))
+    with kernels.forced("int8"):
+        got = model.head(h)[0].double()
+    assert heads == [True]
+    top = got.topk(HEAD_RESCORE).indices
+    assert_close(got[top], exact[top], rtol=1e-5, atol=1e-5 * float(exact.abs().max()))
+    assert int(got.argmax()) == int(exact.argmax())
+    rest = torch.ones_like(got, dtype=torch.bool).index_fill(0, top, False)
+    assert float((got - exact)[rest].abs().max()) > 1e-5 * float(exact.abs().max())  # the int8 product ran
+    assert_close(got, exact, rtol=0, atol=LOGIT_TOLERANCE["int8"] * float(exact.abs().max()))
+
+
+def test_a_decode_step_reads_the_tied_heads_form_not_its_float_table(k_lm, monkeypatch):
+    """Forced int8: the head is priced at its int8 bytes (V·d + 2·V), by hand from the shape; were the head left
+    float (no forms), the step would read 4·V·d for it."""
+    model = k_lm.model
+    V, d = model.lm_head.shape
+    with kernels.forced("int8"):
+        with_form = model.decode_weight_bytes_read()
+        monkeypatch.setattr(model, "tied_head_quant", None)
+        without = model.decode_weight_bytes_read()
+    assert without - with_form == 4 * V * d - (V * d + 2 * V)
+
+
+def test_the_tuner_measures_the_tied_heads_forms_and_drops_them_where_float_wins(k_file, tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(kernels, "_FORCED", [])
+    monkeypatch.setattr(kernel_cache, "cache_path", lambda: tmp_path / "k.json")
+    with kernels.keeping_forms():
+        lm = load(k_file, device="cpu", dtype="float32", use_cache=False)
+    head = tuple(lm.model.lm_head.shape)
+    for int8_cost, want in ((1.0, "int8"), (9.0, "linear")):
+        costs = {"linear": 3.0, "split": 4.0, "onednn": 5.0, "packed": 5.0, "int4": 2.0, "int8": int8_cost}
+        entries = kernels.tune(lm.model.decode_products(), counts=[1], remeasure=True,
+                               time_once=lambda products, name, c=costs: c[name])
+        e = next(e for e in entries if e.shape == head)
+        assert e.weights == kernel_cache.Q4 and e.key.endswith("|q4")  # keyed apart from the float head's
+        assert "int8" in e.seconds and "int4" not in e.seconds and e.choice == want
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    lm.model.tune_kernels()  # reads the last choice (float): the head's int8 form goes
+    forms = lm.model.head_quant
+    assert forms.int8 is None and forms.dropped and not kernels.runs_form(lm.model.lm_head, forms)
+    with kernels.forced("int8"):  # nothing left to run for the head: it reads its float table
+        kept = lm.model.decode_weight_bytes_read()
+        monkeypatch.setattr(lm.model, "tied_head_quant", None)
+        assert lm.model.decode_weight_bytes_read() == kept
 
 
 def test_export_leaves_the_blocks_and_markers_out(tmp_path):
@@ -265,6 +334,10 @@ def test_gemma3_quantized_path_logits_and_greedy_tokens_as_the_float_path():
     assert sum(x.mlp.w_down.quant is None for x in layers) == 9  # the Q6_K ones: float
     assert all(x.attn.wqkv.quant.int4 is None and x.attn.wqkv.quant.int8 is not None for x in layers)  # Q5_0/Q8_0
     assert all(x.mlp.w_gate_up.quant.int4 is None and x.mlp.w_gate_up.quant.int8 is not None for x in layers)
+    raw, kind = token_table(gemma3())  # the tied head: its table's type gives it the int8 form only
+    assert kind == Q.Q8_0 and lm.model.output is None
+    assert lm.model.head_quant.int4 is None and lm.model.head_quant.int8 is not None
+    assert_int8_form_is(lm.model.head_quant, ggufs(raw, kind, tuple(lm.model.lm_head.shape)), rows=4096)
     ids = lm.tokenizer.encode("The capital of France is Paris, and the capital of Italy is").ids[:16]
     with kernels.forced("linear"):
         ref = decode_logits(lm, ids)

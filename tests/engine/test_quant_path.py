@@ -34,6 +34,29 @@ def kernel_weight(form: tuple[torch.Tensor, torch.Tensor], in_f: int, name: str)
     return torch._weight_int8pack_mm(eye, form[0], form[1]).float().T
 
 
+def token_table(path) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """The file's token_embd bytes and type (a tied model's LM head), off gguf's own reader."""
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
+    return np.array(t.data), t.tensor_type
+
+
+def dequantized(raw: np.ndarray, kind: gguf.GGMLQuantizationType, shape: tuple[int, int]) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, kind), np.float32).reshape(shape))
+
+
+def assert_int8_form_is(forms: quant.QuantForms, ref: torch.Tensor, rows: int | None = None) -> None:
+    """forms' int8 weight q·scale within half a step of `ref` (gguf's dequantization), the step no coarser than
+    the row needs; and the kernel multiplying by q·scale (read off it, on the first `rows` rows; None: all), to its
+    bf16 output rounding."""
+    q, scale = forms.int8
+    step = scale.float()[:, None]
+    assert bool(((q.float() * step - ref).abs() <= quant.INT8_STEP_ERROR * step * (1 + 2 ** -7)).all())
+    assert bool((step[:, 0] <= ref.abs().amax(1) / 127 * (1 + 2 ** -7)).all())
+    n = rows or q.shape[0]
+    got = kernel_weight((q[:n], scale[:n]), ref.shape[1], "int8")
+    assert_close(got, q[:n].float() * step[:n], rtol=2 ** -8, atol=0)
+
+
 def test_torchs_int4_kernel_computes_q_minus_8_times_scale_plus_zero():
     g = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (48, 96), generator=g, dtype=torch.int32)
@@ -188,11 +211,20 @@ def test_real_model_forced_quantized_greedy_continuations_equal_float(real_lm):
     from engine.protocol import Capture
     from engine.run.sampling import SamplingParams
     from engine.run.session import Session
+    from tests.requires import default_model
 
     with kernels.keeping_forms():
         lm = load(None, device="cpu", dtype="float32")
     forms = [m.quant for m in lm.model.modules() if isinstance(m, Linear)]
     assert sum(f is not None and f.int4 is not None for f in forms) == len(forms) == 4 * lm.cfg.n_layers  # tied head
+    raw, kind = token_table(default_model())  # the tied head: a Q8_0 table, so the int8 form only
+    assert kind == gguf.GGMLQuantizationType.Q8_0 and lm.model.output is None
+    assert lm.model.head_quant.int4 is None
+    assert_int8_form_is(lm.model.head_quant, dequantized(raw, kind, tuple(lm.model.lm_head.shape)), rows=4096)
+    V, d = lm.model.lm_head.shape
+    with kernels.forced("int8"):  # the head is priced at its int8 form's bytes, not its float table's
+        assert lm.model.decode_bytes_saved() == sum(4 * w.numel() - w.numel() - 2 * w.shape[0] for ps in
+                                                    lm.model.decode_products().values() for w, *_ in ps)
     ids = lm.tokenizer.encode(TEST_PROMPTS[0]).ids[:16]
     with kernels.forced("linear"):
         ref = decode_logits(lm, ids)
@@ -284,3 +316,42 @@ def test_blocks_follow_their_weights_rows_in_other_layouts(family, tmp_path):
         assert m.quant is not None and m.quant.int4 is not None, name
         assert_close(kernel_weight(m.quant.int4, m.weight.shape[1], "int4"), m.weight, rtol=0,
                      atol=2 ** -7 * float(m.weight.abs().max()), msg=name)
+
+
+def test_a_tied_heads_q4_0_table_gives_the_head_its_int4_form(tmp_path):
+    """A tied model's Q4_0 token table (320 rows: a multiple of the int4 packing's 16) is its head's int4 form,
+    as gguf dequantizes it; the lookup keeps the float table; forced through either form, every decode step's head
+    multiplies by it and the logits stay within the tolerance."""
+    from tests.tiny_families import write_checkpoint
+
+    src = write_checkpoint(tmp_path, "gemma3", vocab_size=320).gguf
+    requantize(src, tmp_path / "q4.gguf", "Q4_0")
+    with kernels.keeping_forms():
+        lm = load(tmp_path / "q4.gguf", device="cpu", dtype="float32", use_cache=False)
+    raw, kind = token_table(tmp_path / "q4.gguf")
+    ref = dequantized(raw, kind, (320, lm.cfg.d_model))
+    forms = lm.model.head_quant
+    assert kind == gguf.GGMLQuantizationType.Q4_0 and lm.model.output is None and lm.cfg.vocab_size == 320
+    assert forms.int4 is not None and forms.int8 is not None
+    assert_close(kernel_weight(forms.int4, lm.cfg.d_model, "int4"), ref, rtol=0, atol=2 ** -7 * float(ref.abs().max()))
+    assert_int8_form_is(forms, ref)
+    assert_close(lm.model.tok_embeddings.weight, ref, rtol=0, atol=0)
+    ids = [1, 17, 42, 99, 3, 250, 7, 64, 128, 5, 33, 200]
+    with kernels.forced("linear"):
+        want = decode_logits(lm, ids)
+    for name, op in (("int4", "_weight_int4pack_mm_for_cpu"), ("int8", "_weight_int8pack_mm")):
+        heads: list[bool] = []
+        form, real = getattr(forms, name)[0], getattr(torch, op)
+
+        def counted(x, w, *a, form=form, real=real, seen=heads):
+            seen.append(w is form)
+            return real(x, w, *a)
+
+        with kernels.forced(name), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch, op, counted)
+            got = decode_logits(lm, ids)
+        assert sum(heads) == len(ids), name  # the head ran its form at every step
+        assert_close(got, want, rtol=0, atol=LOGIT_TOLERANCE[name] * float(want.abs().max()), msg=name)
+        margin = want.topk(2, dim=-1).values.diff(dim=-1).abs()[:, 0]
+        clear = margin > 2 * LOGIT_TOLERANCE[name] * float(want.abs().max())
+        assert bool((got.argmax(-1) == want.argmax(-1))[clear].all()), name  # greedy equal but at near-ties
