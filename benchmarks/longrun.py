@@ -13,6 +13,11 @@ app.panels.generation.ALL_LAYERS_BELOW prompt tokens). It reports:
 - the app's TPOT (the Finished event's step times) in the first and in the last tenth of the decode steps;
 - when the autosave file was complete after Finished;
 - the load average at the start and at the end (other work on the cores inflates TPOT and the stalls).
+
+With --stacks, a watcher thread samples the GUI thread's Python stack (sys._current_frames) every few ms while a
+tick is late, and the line gains "stall_stacks": for each stall over STALL_MS, when it happened, how long it was and
+the stacks seen during it (innermost frames first, with how many samples each). A stack that ends in the event
+loop's exec() means Qt's own C++ work (painting, layout) with no Python frame of ours.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import numpy as np
 
 PROMPT = "Write a long story about a lighthouse keeper."
 PROBE_MS = 10.0
+STALL_MS = 33.0  # the issue's p99 target: a stall longer than this gets its stacks (--stacks)
+SAMPLE_S = 0.004  # how often the watcher looks at the GUI thread while a tick is late
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,21 +45,99 @@ def main(argv: list[str] | None = None) -> int:
     n_new = int(opt("--tokens", "2000"))
     model = opt("--model", None)  # default: the app's (SmolLM2-135M)
     after_s = float(opt("--after", "10"))
+    stacks = "--stacks" in argv
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     with tempfile.TemporaryDirectory(prefix="ilab-bench-longrun-") as settings_dir:
         os.environ["INFERENCE_LAB_SETTINGS"] = os.path.join(settings_dir, "inference-lab.ini")
-        return _measure(model, n_new, after_s)
+        return _measure(model, n_new, after_s, stacks)
 
 
-def _measure(model: str | None, n_new: int, after_s: float) -> int:
+class StallStacks:
+    """Samples the GUI thread's Python stack from another thread while the GUI's probe tick is late.
+
+    `late_since()` returns the time of the last tick; the watcher samples only when that is more than STALL_MS ago,
+    so a responsive GUI pays nothing but a wake-up every SAMPLE_S. Samples are keyed by the tick they follow, and
+    `take(tick)` hands them over when the next tick arrives."""
+
+    def __init__(self, last_tick: list[float]) -> None:
+        import threading
+
+        self._last = last_tick
+        self._gui = threading.main_thread().ident
+        self._samples: dict[float, dict[str, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-stacks", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import traceback
+
+        while not self._stop.wait(SAMPLE_S):
+            since = self._last[0]
+            if (time.perf_counter() - since) * 1e3 < STALL_MS:
+                continue
+            frame = sys._current_frames().get(self._gui)
+            if frame is None:
+                continue
+            frames = traceback.extract_stack(frame)[::-1][:14]
+            key = " < ".join(f"{os.path.relpath(f.filename)}:{f.lineno}:{f.name}" for f in frames)
+            per = self._samples.setdefault(since, {})
+            per[key] = per.get(key, 0) + 1
+
+    def take(self, tick: float) -> dict[str, int]:
+        return self._samples.pop(tick, {})
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def time_paints(owner: dict[int, str]) -> dict[str, list[float]]:
+    """Time every paint of each panel's plots (pyqtgraph's GraphicsView.paintEvent, wrapped for this process before
+    any view exists: PySide binds the override when a view is made): {panel name: [paints, total ms, worst ms,
+    resizes]}, the name from `owner` (id of the view → panel name, filled in once the window exists)."""
+    import pyqtgraph as pg
+
+    out: dict[str, list[float]] = {}
+    resized: list[tuple[float, str]] = []
+    out["resized"] = resized  # type: ignore[assignment]  # (time, panel) of each resize
+    original = pg.GraphicsView.paintEvent
+
+    def timed(view, ev):
+        t = time.perf_counter()
+        try:
+            return original(view, ev)
+        finally:
+            ms = (time.perf_counter() - t) * 1e3
+            rec = out.setdefault(owner.get(id(view), type(view).__name__), [0, 0.0, 0.0, 0])
+            rec[0] += 1
+            rec[1] += ms
+            rec[2] = max(rec[2], ms)
+
+    original_resize = pg.GraphicsView.resizeEvent
+
+    def counted(view, ev):
+        rec = out.setdefault(owner.get(id(view), type(view).__name__), [0, 0.0, 0.0, 0])
+        rec[3] += 1  # resizes: a layout change that makes a plot paint again in full
+        resized.append((time.perf_counter(), owner.get(id(view), type(view).__name__)))
+        return original_resize(view, ev)
+
+    pg.GraphicsView.paintEvent = timed
+    pg.GraphicsView.resizeEvent = counted
+    return out
+
+
+def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False) -> int:
     from dataclasses import replace
 
     import psutil
-    from PySide6 import QtCore
+    from PySide6 import QtCore, QtWidgets
 
     from app import session_io
     from benchmarks.gui import open_window, run_on_watching_autosave, show_every_panel
 
+    owner: dict[int, str] = {}
+    paints = time_paints(owner) if stacks else {}
     app, win = open_window(model)
     if win is None:
         return 1
@@ -77,12 +162,34 @@ def _measure(model: str | None, n_new: int, after_s: float) -> int:
     win.bridge.sig_kv.connect(lambda ev: kv.__setitem__(0, ev.bytes_allocated))
     ticks: list[tuple[float, float, int]] = []  # (time, gap ms, tokens received by then)
     last = [time.perf_counter()]
+    stall_stacks: list[dict] = []
+    sampler: StallStacks | None = None
 
     def probe() -> None:
         now = time.perf_counter()
-        ticks.append((now, (now - last[0]) * 1e3, tokens[0]))
+        gap = (now - last[0]) * 1e3
+        ticks.append((now, gap, tokens[0]))
+        if sampler is not None:
+            seen = sampler.take(last[0])
+            if gap - PROBE_MS > STALL_MS:
+                stall_stacks.append({"at_s": last[0], "ms": gap - PROBE_MS, "tokens": tokens[0],
+                                     "stacks": sorted(seen.items(), key=lambda kv: -kv[1])[:4]})
         last[0] = now
 
+    hints: dict[str, tuple[int, int]] = {}
+    hint_changes: list[tuple[float, str, tuple[int, int], tuple[int, int]]] = []
+
+    def watch_hints() -> None:  # a dock whose minimum size changes lays the whole window out again
+        for name, dock in win.docks.items():
+            h = dock.minimumSizeHint()
+            now = (h.width(), h.height())
+            if name in hints and hints[name] != now:
+                hint_changes.append((round(time.perf_counter() - t_start, 3), name, hints[name], now))
+            hints[name] = now
+
+    hint_timer = QtCore.QTimer()
+    hint_timer.setInterval(100)
+    hint_timer.timeout.connect(watch_hints)
     timer = QtCore.QTimer()
     timer.setTimerType(QtCore.Qt.TimerType.PreciseTimer)
     timer.setInterval(int(PROBE_MS))
@@ -95,6 +202,14 @@ def _measure(model: str | None, n_new: int, after_s: float) -> int:
     load0 = os.getloadavg()[0]
     t_wall = time.time()
     last[0] = time.perf_counter()
+    t_start = last[0]
+    if stacks:
+        hint_timer.start()
+        sampler = StallStacks(last)
+        owner.update({id(v): name for name, panel in win.panels.items()
+                      for v in panel.findChildren(QtWidgets.QGraphicsView)})
+        for key in [k for k in paints if k != "resized"]:
+            del paints[key]
     timer.start()
     if not gen.generate():
         return 1
@@ -103,6 +218,8 @@ def _measure(model: str | None, n_new: int, after_s: float) -> int:
     rss_end = (gui.memory_info().rss, engine.memory_info().rss)
     autosave_s = run_on_watching_autosave(session_io.autosave_path(), t_wall, after_s)
     timer.stop()
+    if sampler is not None:
+        sampler.stop()
     rss_after = (gui.memory_info().rss, engine.memory_info().rss)
     if "ev" not in finished:
         print(finished.get("error", "generation failed"), file=sys.stderr)
@@ -145,6 +262,16 @@ def _measure(model: str | None, n_new: int, after_s: float) -> int:
         # other processes on the cores inflate TPOT and the stalls: the 1-minute load average at the start and end
         "load_average_start": load0, "load_average_end": os.getloadavg()[0],
     }
+    if stacks:  # when (s from Generate; "after": past Finished), how long, and what the GUI thread was doing
+        for st in stall_stacks:
+            st["after"] = st["at_s"] > t_end
+            st["at_s"] = round(st["at_s"] - t_start, 3)
+            st["ms"] = round(st["ms"], 1)
+        result["stall_stacks"] = stall_stacks
+        resized = paints.pop("resized")
+        result["plot_paints"] = {k: [int(v[0]), round(v[1], 1), round(v[2], 1), int(v[3])] for k, v in paints.items()}
+        result["dock_min_size_changes"] = hint_changes
+        result["plot_resizes"] = [(round(t - t_start, 3), name) for t, name in resized if t >= t_start]
     win.close()
     print(json.dumps(result))
     return 0
