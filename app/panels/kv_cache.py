@@ -115,7 +115,7 @@ class KVCachePanel(Panel):
                                      symbolPen=None)
         self.total_text = pg.TextItem("", color="#e0e0e0", anchor=(1, 1))
         self.total_text.setFont(self._font)
-        pi.addItem(self.total_text)
+        pi.addItem(self.total_text, ignoreBounds=True)  # a label: the range fits the data only
         self.empty_note = placeholder(pi)
 
         self.table = QtWidgets.QTableWidget(len(TABLE_DTYPES) * len(TABLE_BATCHES), 4)
