@@ -90,7 +90,10 @@ class AttentionMatrix:
                 if end - first > rows_cap:  # let the oldest rows go: half the room stays free for the next ones
                     first = max(first, ev.query_start + nq - max(nq, rows_cap // 2))
                     self.rows_dropped += first - self.first_row
-            self._reshape(first, rows_cap, keys_cap)
+            if (rows_cap, keys_cap) == self._w.shape[1:] and first > self.first_row:
+                self._drop_rows(first)  # at the budget: the same array, its oldest rows let go
+            else:
+                self._reshape(first, rows_cap, keys_cap)
         r = ev.query_start - self.first_row
         if nq == 1 and nk == ev.query_start + 1 and not self.window:  # a decode row: nothing to mask
             self._w[:, r, :nk] = ev.weights[:, 0]
@@ -114,6 +117,19 @@ class AttentionMatrix:
             grown[:, lo - first_row : hi - first_row, : self.size] = \
                 self._w[:, lo - self.first_row : hi - self.first_row, : self.size]
         self._w, self.first_row = grown, first_row
+
+    def _drop_rows(self, first_row: int) -> None:
+        """Let the rows before first_row go in place: the rows kept move up and the freed ones become NaN again.
+
+        At the budget this happens every few dozen tokens of a long run; a new array of the budget's size each time
+        (its pages faulted in, filled, copied) held the GUI thread for tens of ms, moving half of it does not."""
+        drop, w = first_row - self.first_row, self._w
+        keep = max(0, min(self.size - first_row, w.shape[1] - drop))
+        for a in range(0, keep, drop):  # blocks of at most `drop` rows: a source never overlaps its destination
+            b = min(keep, a + drop)
+            w[:, a:b, : self.size] = w[:, a + drop : b + drop, : self.size]
+        w[:, keep:, : self.size] = np.nan
+        self.first_row = first_row
 
     @property
     def nbytes(self) -> int:

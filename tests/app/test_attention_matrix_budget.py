@@ -1,0 +1,43 @@
+"""The Attention panel's matrix at its budget on a long run: the oldest rows go in place (no new array of the
+budget's size every few dozen tokens, which held the GUI thread), and what it keeps equals a plain reference."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from app.panels.attention import AttentionMatrix
+from engine.events import AttentionCaptured
+
+
+def decode_rows(heads: int, prompt: int, steps: int):
+    rng = np.random.default_rng(1)
+    q = np.arange(prompt)[:, None]
+    block = np.where(np.arange(prompt)[None, :] <= q, rng.random((heads, prompt, prompt)), 0).astype(np.float32)
+    yield AttentionCaptured(step=0, phase="prefill", layer=0, query_start=0, weights=block, group_size=1)
+    for step in range(1, steps + 1):
+        pos = prompt + step - 1
+        yield AttentionCaptured(step=step, phase="decode", layer=0, query_start=pos,
+                                weights=rng.random((heads, 1, pos + 1), dtype=np.float32), group_size=1)
+
+
+def test_rows_past_the_budget_go_in_place_and_the_rest_is_kept_exactly():
+    heads, prompt, steps = 3, 5, 400
+    m = AttentionMatrix(heads, max_bytes=4 * heads * 300 * 40)  # about 40 rows of 300 keys
+    reference = np.full((heads, prompt + steps, prompt + steps), np.nan, dtype=np.float32)
+    arrays, in_place = set(), 0
+    for ev in decode_rows(heads, prompt, steps):
+        before, dropped = id(m._w), m.rows_dropped
+        m.add(ev)
+        h, nq, nk = ev.weights.shape
+        block = ev.weights.copy()
+        if nq > 1:
+            block[:, np.arange(nk)[None, :] > np.arange(nq)[:, None]] = np.nan
+        reference[:, ev.query_start: ev.query_start + nq, :nk] = block
+        arrays.add(id(m._w))
+        in_place += m.rows_dropped > dropped and id(m._w) == before
+        assert m.nbytes <= m.max_bytes * 1.01 or m.weights.shape[1] <= 1
+    assert m.rows_dropped > 0 and m.first_row > prompt
+    assert in_place >= 5  # most drops reuse the array; only a wider key range needs a new one
+    kept = m.weights
+    np.testing.assert_array_equal(kept, reference[:, m.first_row: m.size, : m.size])
+    assert m.first_row == m.rows_dropped + (0 if m.rows_skipped == 0 else m.rows_skipped)
