@@ -55,6 +55,9 @@ class PreviewPanel(Panel):
         self.info = QtWidgets.QLabel("Waiting for the model…")
         self.info.setWordWrap(True)
         self.info.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        # the lines a result's text takes in a narrow dock, from the start: a label that grows when the first result
+        # arrives makes the whole window lay itself out and repaint every plot at once
+        self.info.setMinimumHeight(3 * self.info.fontMetrics().lineSpacing() + 2)
         self.plot = pg.PlotWidget()
         self.plot.setMenuEnabled(False)
         self.plot.setMouseEnabled(x=False, y=False)

@@ -157,6 +157,9 @@ class SamplingPanel(Panel):
         self.summary = QtWidgets.QLabel("Generate to see the sampling funnel of each step.")
         self.summary.setWordWrap(True)
         self.summary.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        # the two lines a step's summary takes, from the start: a label that grows at the first token makes the
+        # whole window lay itself out and repaint every plot at once
+        self.summary.setMinimumHeight(2 * self.summary.fontMetrics().lineSpacing() + 2)
 
         self.legend = QtWidgets.QLabel(" ".join(
             f"<span style='color:{c}'>■</span> {n}" for n, _a, c in STAGES
