@@ -68,7 +68,8 @@ UBATCH = 512  # tokens per graph evaluation during a prefill (llama.cpp splits a
 # weights' type: a Q4 file still keeps float16 keys and values); GGML_TYPE_BF16 (30) is not exported by llama_cpp
 KV_TYPES = {0: "float32", 1: "float16", 30: "bfloat16", 8: "q8_0", 3: "q4_1"}
 LENS_ROWS = 1024  # rows of the output matrix dequantized at a time (the gguf package's temporaries: a few MiB each)
-HEAD_ROWS = 512  # rows of the lens's float16 output matrix widened to float32 at a time (a few MiB, cache-sized)
+HEAD_CHUNK = 1 << 20  # values of the lens's float16 output matrix widened to float32 at a time (4 MiB, held in
+# the last-level cache until the product reads it; a row count by values keeps a narrow model's loop short)
 GGML_F32, GGML_F16 = 0, 1
 
 
@@ -209,7 +210,7 @@ class _LensHead(torch.nn.Module):
     """The final norm and the LM head read from the file: what engine.run.lens projects through.
 
     The (V, d) output matrix is kept in float16, half the memory of float32 (on a 1B-scale model 0.2 GB of the
-    0.4), and widened to float32 HEAD_ROWS rows at a time as it multiplies; the quantized file's values fit float16's
+    0.4), and widened to float32 HEAD_CHUNK values at a time as it multiplies; the quantized file's values fit float16's
     11-bit mantissa closely (BENCHMARKS.md, "The lens's memory"). A matrix float16 cannot hold stays float32.
     """
 
@@ -223,8 +224,11 @@ class _LensHead(torch.nn.Module):
         h = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), self.norm_weight.float(), self.eps)
         h2 = h.reshape(-1, h.shape[-1])
         out = h2.new_empty(h2.shape[0], self.output.shape[0])
-        for i in range(0, self.output.shape[0], HEAD_ROWS):
-            torch.mm(h2, self.output[i:i + HEAD_ROWS].float().T, out=out[:, i:i + HEAD_ROWS])
+        if self.output.dtype == torch.float32:  # a matrix float16 could not hold: one product
+            return torch.mm(h2, self.output.T, out=out).reshape(*h.shape[:-1], -1)
+        rows = max(1, HEAD_CHUNK // self.output.shape[1])
+        for i in range(0, self.output.shape[0], rows):  # every layer's row at once, a slice of the vocabulary each
+            torch.mm(h2, self.output[i:i + rows].float().T, out=out[:, i:i + rows])
         return out.reshape(*h.shape[:-1], -1)
 
 

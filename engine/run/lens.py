@@ -20,16 +20,29 @@ LN2 = math.log(2.0)
 
 
 def entropy_bits(p: torch.Tensor) -> torch.Tensor:
-    """H(p) = −Σ p·log₂ p over the last axis, in bits (0·log 0 = 0)."""
-    return torch.special.entr(p.double()).sum(-1).div(LN2).float()
+    """H(p) = −Σ p·log₂ p over the last axis, in bits (0·log 0 = 0), in float32."""
+    p = p.float()
+    return torch.where(p > 0, p * p.log(), 0.0).sum(-1).neg_().div_(LN2)
+
+
+def entropy_bits_of_logits(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """H of p = softmax(logits) in bits, with log p = logits − logsumexp(logits): no logarithm per entry (a
+    float32 sum over even a 262,144-token vocabulary errs far below the 1e-3 bits the lens shows)."""
+    log_p = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    return torch.where(p > 0, p * log_p, 0.0).sum(-1).neg_().div_(LN2)
+
+
+def lens_logits(model: torch.nn.Module, stream: torch.Tensor, final_logits: torch.Tensor) -> torch.Tensor:
+    """stream (L + 1, d) residual vectors, final_logits (V,) → (L + 2, V) float32 logits, the model's own last: one
+    product of every layer's row with the head."""
+    w = next(model.parameters())
+    x = stream.to(device=w.device, dtype=w.dtype)
+    return torch.cat([model.head(x).float(), final_logits.float().reshape(1, -1).to(w.device)], dim=0)
 
 
 def lens_probs(model: torch.nn.Module, stream: torch.Tensor, final_logits: torch.Tensor) -> torch.Tensor:
     """stream (L + 1, d) residual vectors, final_logits (V,) → (L + 2, V) probabilities, the model's own last."""
-    w = next(model.parameters())
-    x = stream.to(device=w.device, dtype=w.dtype)
-    logits = torch.cat([model.head(x), final_logits.float().reshape(1, -1)], dim=0)  # (L + 2, V)
-    return torch.softmax(logits, dim=-1)
+    return torch.softmax(lens_logits(model, stream, final_logits), dim=-1)
 
 
 def lens_event(
@@ -40,12 +53,13 @@ def lens_event(
 
     `token` (the token the step chose) gets its probability in every row, wherever it ranks.
     """
-    p = lens_probs(model, torch.as_tensor(stream), final_logits)
+    logits = lens_logits(model, torch.as_tensor(stream), final_logits)
+    p = torch.softmax(logits, dim=-1)
     vals, idx = torch.topk(p, min(top, p.shape[-1]), dim=-1)  # (L + 2, N)
     ids = idx.cpu().numpy().astype(np.int64)
     return LensCaptured(
         step=step, position=position, ids=ids, probs=vals.cpu().numpy().astype(np.float32),
-        entropy_bits=entropy_bits(p).cpu().numpy(),
+        entropy_bits=entropy_bits_of_logits(logits, p).cpu().numpy(),
         pieces=tuple(tuple(tokenizer.piece(int(i)) for i in row) for row in ids),
         token_id=-1 if token is None else int(token),
         token_probs=None if token is None else p[:, int(token)].cpu().numpy().astype(np.float32),

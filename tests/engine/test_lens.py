@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.events import LensCaptured, TokenSampled
-from engine.run.lens import entropy_bits
+from engine.run.lens import entropy_bits, entropy_bits_of_logits
 from engine.run.sampling import SamplingParams
 from engine.run.session import Capture, Session
 from tests.engine.test_cli import cli
@@ -42,7 +42,7 @@ def test_last_row_is_the_models_own_distribution(tiny_lm):
         vals, idx = torch.topk(p, 8)
         assert np.array_equal(ev.ids[-1], idx.numpy()) and np.array_equal(ev.probs[-1], vals.numpy())
         assert ev.ids[-1][0] == tok.token_id  # greedy: the output row's top token is the one chosen
-        assert ev.entropy_bits[-1] == entropy_bits(p).item()
+        assert ev.entropy_bits[-1] == pytest.approx(entropy_bits(p).item(), abs=1e-5)  # log p two ways
         np.testing.assert_allclose(ev.probs[-2], ev.probs[-1], atol=1e-5)  # the last layer through the head
         assert ev.token_id == tok.token_id and ev.token_probs[-1] == p[tok.token_id].item()
         for row in range(ev.ids.shape[0]):  # where the chosen token is among a row's top, the two agree
@@ -54,6 +54,22 @@ def test_last_row_is_the_models_own_distribution(tiny_lm):
 def test_entropy_bits_of_known_distributions():
     assert entropy_bits(torch.full((8,), 1 / 8)).item() == pytest.approx(3.0)
     assert entropy_bits(torch.tensor([1.0, 0.0, 0.0])).item() == 0.0
+
+
+def test_entropy_from_logits_matches_a_float64_reference():
+    """The lens's float32 entropy (log p from logsumexp) against float64 −Σ p·log₂ p, on a vocabulary of Gemma's
+    size with logits of a real model's spread, a peaked row and a row with a −inf entry."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(3, 262144, generator=g) * 4
+    z[1, 7] = 60.0  # nearly all the mass on one token
+    z[2, 11] = float("-inf")
+    p = torch.softmax(z, -1)
+    z64 = z.double()
+    p64 = torch.softmax(z64, -1)
+    want = -(torch.where(p64 > 0, p64 * torch.log2(p64), 0.0)).sum(-1)
+    got = entropy_bits_of_logits(z, p)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-3)
+    np.testing.assert_allclose(entropy_bits(p).numpy(), want.numpy(), atol=1e-3)
 
 
 @pytest.mark.slow
