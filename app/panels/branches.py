@@ -181,6 +181,7 @@ class BranchesPanel(Panel):
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)
         self.store: RunStore | None = None
+        self._summaries: dict[int, tuple[tuple[int, int, bool], str]] = {}  # run id → (which, its length, ended)
         self._page: tuple | None = None  # what the text shows (run, mode, tokenizer, prompt, scores) and its tokens
         self._page_tokens = 0
         self._build()
@@ -337,16 +338,27 @@ class BranchesPanel(Panel):
     def _item(self, i: int) -> QtWidgets.QTreeWidgetItem:
         return self.tree.topLevelItem(i)
 
+    def _summary(self, run: Run) -> str:
+        """run_summary, computed again only when the run changed: the tree is rebuilt whenever any run is recorded,
+        and summing a long run's probabilities for every branch each time held the GUI thread at a run's end."""
+        key = (id(run.events), run.n_tokens, run.finished is not None)
+        cached = self._summaries.get(run.id)
+        if cached is None or cached[0] != key:
+            cached = self._summaries[run.id] = (key, run_summary(run))
+        return cached[1]
+
     def _rebuild_tree(self) -> None:
         ticked = {i for i in range(self.tree.topLevelItemCount())
                   if self._item(i).checkState(0) == QtCore.Qt.CheckState.Checked}
         self.tree.clear()
         shown = self.shown
+        live = {b.id for b in self.branches}
+        self._summaries = {k: v for k, v in self._summaries.items() if k in live}
         for i, b in enumerate(self.branches):
             depth, p = 0, self.store.run(b.parent)
             while p is not None:
                 depth, p = depth + 1, self.store.run(p.parent)
-            item = QtWidgets.QTreeWidgetItem([("  " * depth) + ("└ " if depth else "") + b.name, run_summary(b)])
+            item = QtWidgets.QTreeWidgetItem([("  " * depth) + ("└ " if depth else "") + b.name, self._summary(b)])
             item.setData(0, QtCore.Qt.ItemDataRole.UserRole, i)
             item.setCheckState(0, QtCore.Qt.CheckState.Checked if i in ticked else QtCore.Qt.CheckState.Unchecked)
             if i == shown:
