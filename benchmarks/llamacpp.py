@@ -1,7 +1,9 @@
 """The llama.cpp backend against this engine's own Session and plain llama-cpp-python, in one run:
 `python -m benchmarks.llamacpp [--models smollm2,1b,8b] [--tokens 32] [--repeats 2]`.
 
-For each model it prints the decode TPOT (median step), TTFT and peak RSS of
+For each model it prints the decode TPOT (median step), the time per token end to end (the wall time from the
+first token to the last as the caller receives them, over the tokens between: the work outside the steps, such
+as the lens, included), TTFT and peak RSS of
   session      this engine's Session, float32 (every GGUF weight dequantized);
   lcpp-none    engine.backends.llamacpp with nothing captured (the callback answers "no" to every node);
   lcpp-all     the same with Capture.everything: attention of every layer, residual norms, funnel, raw logits;
@@ -216,7 +218,7 @@ def run_one(config: str, model: str, tokens: int, n_ctx: int, threads: int) -> d
         llm = Llama(model_path=model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
         load_s, rss_loaded = time.perf_counter() - t0, _rss()
 
-        def generate(n: int) -> tuple[float, list[float]]:
+        def generate(n: int) -> tuple[float, list[float], float]:
             llm.reset()  # no prefix reuse: every configuration prefills the whole prompt
             stamps = [time.perf_counter()]
             for i, _ in enumerate(llm.generate(ids, top_k=1, temp=0.0, reset=True)):
@@ -224,9 +226,9 @@ def run_one(config: str, model: str, tokens: int, n_ctx: int, threads: int) -> d
                 if i + 1 >= n:
                     break
             gaps = np.diff(stamps)
-            return float(gaps[0]), list(gaps[1:])
+            return float(gaps[0]), list(gaps[1:]), (stamps[-1] - stamps[1]) / (len(stamps) - 2)
     else:
-        from engine.events import Finished
+        from engine.events import Finished, TokenSampled
         from engine.protocol import Capture, SamplingParams
 
         if config == "session":
@@ -243,17 +245,21 @@ def run_one(config: str, model: str, tokens: int, n_ctx: int, threads: int) -> d
         capture = {"session": Capture(), "lcpp-none": Capture(), "lcpp-all": Capture.everything(n_layers),
                    "lcpp-lens": replace(Capture.everything(n_layers), lens_top=5)}[config]
 
-        def generate(n: int) -> tuple[float, list[float]]:
+        def generate(n: int) -> tuple[float, list[float], float]:
             session.forget_cache()
-            fin = [e for e in session.generate(ids, SamplingParams.greedy_params(), n, capture, ignore_eos=True)
-                   if isinstance(e, Finished)]
-            if not fin:
+            fin, stamps = None, []
+            for e in session.generate(ids, SamplingParams.greedy_params(), n, capture, ignore_eos=True):
+                if isinstance(e, TokenSampled):  # as the app sees a token: after the step and its captures' events
+                    stamps.append(time.perf_counter())
+                elif isinstance(e, Finished):
+                    fin = e
+            if fin is None or len(stamps) < 2:
                 raise RuntimeError(f"{config}: the generation failed")
-            return fin[0].ttft_s, list(fin[0].step_seconds)
+            return fin.ttft_s, list(fin.step_seconds), (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
     generate(4)  # first-call costs (graph allocation, thread start, kernel choice) are not what TPOT measures
-    ttft, steps = generate(tokens)
-    return {"config": config, "tpot_s": float(np.median(steps)), "ttft_s": ttft, "load_s": load_s,
+    ttft, steps, e2e = generate(tokens)
+    return {"config": config, "tpot_s": float(np.median(steps)), "e2e_s": e2e, "ttft_s": ttft, "load_s": load_s,
             "rss_loaded": rss_loaded, "peak_rss": _peak_rss()}
 
 
@@ -285,15 +291,16 @@ def bench_model(name: str, model: str, args: argparse.Namespace, threads: int) -
     size = Path(model).stat().st_size
     print(f"\n{name}: {Path(model).name} ({_gb(size)}), {args.tokens} new tokens, n_ctx {args.n_ctx}, "
           f"median of {args.repeats} interleaved runs")
-    print(f"  {'config':<10} {'TPOT ms':>9} {'tok/s':>7} {'TTFT ms':>9} {'load s':>7} {'RSS loaded':>11} "
-          f"{'peak RSS':>10} {'peak/file':>9}")
+    print(f"  {'config':<10} {'TPOT ms':>9} {'e2e ms':>8} {'tok/s':>7} {'TTFT ms':>9} {'load s':>7} "
+          f"{'RSS loaded':>11} {'peak RSS':>10} {'peak/file':>9}")
     med: dict[str, dict] = {}
     for c, rs in runs.items():
-        m = {k: float(np.median([r[k] for r in rs])) for k in ("tpot_s", "ttft_s", "load_s", "rss_loaded")}
+        m = {k: float(np.median([r[k] for r in rs])) for k in ("tpot_s", "e2e_s", "ttft_s", "load_s", "rss_loaded")}
         m["peak_rss"] = max(r["peak_rss"] for r in rs)
         med[c] = m
-        print(f"  {c:<10} {m['tpot_s'] * 1e3:9.1f} {1 / m['tpot_s']:7.1f} {m['ttft_s'] * 1e3:9.1f} "
-              f"{m['load_s']:7.2f} {_gb(m['rss_loaded']):>11} {_gb(m['peak_rss']):>10} {m['peak_rss'] / size:9.2f}")
+        print(f"  {c:<10} {m['tpot_s'] * 1e3:9.1f} {m['e2e_s'] * 1e3:8.1f} {1 / m['tpot_s']:7.1f} "
+              f"{m['ttft_s'] * 1e3:9.1f} {m['load_s']:7.2f} {_gb(m['rss_loaded']):>11} {_gb(m['peak_rss']):>10} "
+              f"{m['peak_rss'] / size:9.2f}")
 
     def ratio(a: str, b: str, what: str, label: str) -> None:
         if a in med and b in med:
@@ -304,6 +311,9 @@ def bench_model(name: str, model: str, args: argparse.Namespace, threads: int) -
     ratio("lcpp-none", "Llama", "tpot_s", "TPOT lcpp-none / Llama (cost of the engine's loop)")
     ratio("lcpp-all", "lcpp-none", "tpot_s", "TPOT lcpp-all / lcpp-none (cost of every capture)")
     ratio("lcpp-lens", "lcpp-none", "tpot_s", "TPOT lcpp-lens / lcpp-none (captures and the lens)")
+    ratio("lcpp-none", "Llama", "e2e_s", "end to end lcpp-none / Llama (wall time per token)")
+    ratio("lcpp-all", "Llama", "e2e_s", "end to end lcpp-all / Llama (every capture but the lens)")
+    ratio("lcpp-lens", "Llama", "e2e_s", "end to end lcpp-lens / Llama (every capture and the lens)")
     ratio("session", "lcpp-none", "peak_rss", "peak RSS session / lcpp-none")
     ratio("lcpp-none", "Llama", "peak_rss", "peak RSS lcpp-none / Llama")
     ratio("lcpp-all", "lcpp-none", "peak_rss", "peak RSS lcpp-all / lcpp-none")
