@@ -46,6 +46,25 @@ def fmt_s(seconds: float) -> str:
     return f"{seconds * 1000:,.0f} ms" if seconds < 1.0 else f"{seconds:,.2f} s"
 
 
+BARS_PER_PIXEL = 2  # past this many steps per pixel of the plot's width, neighbouring steps share a bar
+
+
+def bars_for(steps: np.ndarray, secs: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray, float | np.ndarray]:
+    """(x, height, width) of the bars for these steps: one bar a step while they are at most `most`, else groups of
+    neighbouring steps as one bar each, as tall as the group's longest step (a stall stays visible). A plot cannot
+    show more bars than its pixels, and painting thousands of them cost the GUI thread more the longer the run."""
+    n = len(steps)
+    if n <= most:
+        return steps, secs, 0.8
+    k = -(-n // most)  # steps per bar
+    m = -(-n // k)
+    padded = np.full(m * k, -np.inf)
+    padded[:n] = secs
+    first = steps[::k]
+    last = steps[np.minimum(np.arange(m) * k + k - 1, n - 1)]
+    return (first + last) / 2, padded.reshape(m, k).max(axis=1), (last - first) + 0.8
+
+
 class TimelinePanel(Panel):
     title = "Timeline"
     object_name = "panel_timeline"
@@ -236,7 +255,8 @@ class TimelinePanel(Panel):
     # ---- drawing -----------------------------------------------------------------------------------------------
     def draw(self) -> None:
         steps, secs = self._arrays()
-        self.bars.setOpts(x=steps, height=secs, width=0.8)
+        x, h, w = bars_for(steps, secs, max(1, BARS_PER_PIXEL * self.plot.width()))
+        self.bars.setOpts(x=x, height=h, width=w)
         for bar, step in ((self.prefill_bar, 0), (self.selected_bar, self._selected)):
             t = self._seconds.get(step) if step is not None else None
             bar.setOpts(x=[step] if t is not None else [], height=[t] if t is not None else [], width=0.8)
@@ -254,7 +274,8 @@ class TimelinePanel(Panel):
                        "then one bar per decode step (TPOT)", EMPTY_STEPS, EMPTY_SECONDS)
 
     def bar_data(self) -> tuple[np.ndarray, np.ndarray]:
-        """(steps, seconds) of the bars shown."""
+        """(steps, seconds) of the bars shown (on a run longer than the plot has pixels for, each bar is the
+        longest step of its group: bars_for)."""
         return np.asarray(self.bars.opts["x"], dtype=float), np.asarray(self.bars.opts["height"], dtype=float)
 
     # ---- export ------------------------------------------------------------------------------------------------
