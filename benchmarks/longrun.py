@@ -33,6 +33,7 @@ import numpy as np
 PROMPT = "Write a long story about a lighthouse keeper."
 PROBE_MS = 10.0
 STALL_MS = 33.0  # the p99 target: a stall longer than this gets its stacks (--stacks)
+IDLE_FUNCTIONS = {"wait", "poll", "_poll", "select", "recv", "_recv", "_recv_bytes", "accept", "sleep", "get"}
 SAMPLE_S = 0.004  # how often the watcher looks at the GUI thread while a tick is late
 
 
@@ -70,17 +71,28 @@ class StallStacks:
         self._thread.start()
 
     def _run(self) -> None:
+        import threading
         import traceback
 
         while not self._stop.wait(SAMPLE_S):
             since = self._last[0]
             if (time.perf_counter() - since) * 1e3 < STALL_MS:
                 continue
-            frame = sys._current_frames().get(self._gui)
+            frames_now = sys._current_frames()
+            frame = frames_now.get(self._gui)
             if frame is None:
                 continue
             frames = traceback.extract_stack(frame)[::-1][:14]
             key = " < ".join(f"{os.path.relpath(f.filename)}:{f.lineno}:{f.name}" for f in frames)
+            # another Python thread that runs meanwhile (not one waiting on a lock or a pipe) may hold the GIL the
+            # GUI thread waits for: its innermost frames join the key
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, other in frames_now.items():
+                if ident in (self._gui, threading.get_ident()) or other.f_code.co_name in IDLE_FUNCTIONS:
+                    continue
+                inner = traceback.extract_stack(other)[::-1][:4]
+                key += f" || {names.get(ident, ident)}: " + " < ".join(
+                    f"{os.path.relpath(f.filename)}:{f.lineno}:{f.name}" for f in inner)
             per = self._samples.setdefault(since, {})
             per[key] = per.get(key, 0) + 1
 
@@ -101,6 +113,11 @@ def time_paints(owner: dict[int, str]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     resized: list[tuple[float, str]] = []
     out["resized"] = resized  # type: ignore[assignment]  # (time, panel) of each resize
+    since_tick: list[tuple[str, float]] = []
+    out["since_tick"] = since_tick  # type: ignore[assignment]  # (panel, ms) of the paints since the probe's last tick
+
+    def rec_name(view) -> str:
+        return owner.get(id(view), type(view).__name__)
     original = pg.GraphicsView.paintEvent
 
     def timed(view, ev):
@@ -109,10 +126,11 @@ def time_paints(owner: dict[int, str]) -> dict[str, list[float]]:
             return original(view, ev)
         finally:
             ms = (time.perf_counter() - t) * 1e3
-            rec = out.setdefault(owner.get(id(view), type(view).__name__), [0, 0.0, 0.0, 0])
+            rec = out.setdefault(rec_name(view), [0, 0.0, 0.0, 0])
             rec[0] += 1
             rec[1] += ms
             rec[2] = max(rec[2], ms)
+            since_tick.append((rec_name(view), round(ms, 1)))
 
     original_resize = pg.GraphicsView.resizeEvent
 
@@ -171,9 +189,12 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
         ticks.append((now, gap, tokens[0]))
         if sampler is not None:
             seen = sampler.take(last[0])
+            painted = paints.get("since_tick", [])
             if gap - PROBE_MS > STALL_MS:
                 stall_stacks.append({"at_s": last[0], "ms": gap - PROBE_MS, "tokens": tokens[0],
+                                     "plots_painted": list(painted),
                                      "stacks": sorted(seen.items(), key=lambda kv: -kv[1])[:4]})
+            painted.clear()
         last[0] = now
 
     hints: dict[str, tuple[int, int]] = {}
@@ -203,12 +224,26 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
     t_wall = time.time()
     last[0] = time.perf_counter()
     t_start = last[0]
+    collections: list[tuple[float, int, float]] = []  # (s from Generate, generation, ms) of each garbage collection
+    gc_began = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_began[0] = time.perf_counter()
+        elif info["generation"] >= 1:
+            now = time.perf_counter()
+            took = round((now - gc_began[0]) * 1e3, 1)
+            collections.append((round(gc_began[0] - t_start, 3), info["generation"], took))
+
     if stacks:
+        import gc
+
+        gc.callbacks.append(on_gc)
         hint_timer.start()
         sampler = StallStacks(last)
         owner.update({id(v): name for name, panel in win.panels.items()
                       for v in panel.findChildren(QtWidgets.QGraphicsView)})
-        for key in [k for k in paints if k != "resized"]:
+        for key in [k for k in paints if k not in ("resized", "since_tick")]:
             del paints[key]
     timer.start()
     if not gen.generate():
@@ -269,8 +304,10 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
             st["ms"] = round(st["ms"], 1)
         result["stall_stacks"] = stall_stacks
         resized = paints.pop("resized")
+        paints.pop("since_tick")
         result["plot_paints"] = {k: [int(v[0]), round(v[1], 1), round(v[2], 1), int(v[3])] for k, v in paints.items()}
         result["dock_min_size_changes"] = hint_changes
+        result["gc_collections"] = collections  # the oldest generation's walks hold the GIL for all they take
         result["plot_resizes"] = [(round(t - t_start, 3), name) for t, name in resized if t >= t_start]
     win.close()
     print(json.dumps(result))
