@@ -229,11 +229,54 @@ def tokenizer_files(tokenizer, model_path: str = "") -> TokenizerFiles | None:
         if _tok_cache[0] is not tokenizer:
             files = _cached_tokenizer_files(model_path)
             if files is None:
+                files = _files_from_child(model_path, tokenizer)
+            if files is None:
                 with tempfile.TemporaryDirectory() as td:
                     tokenizer.save(td)
                     files = {f.name: f.read_bytes() for f in sorted(Path(td).iterdir()) if f.is_file()}
             _tok_cache[:] = [tokenizer, TokenizerFiles(files)]
         return _tok_cache[1]
+
+
+def _files_from_child(model_path: str, tokenizer) -> dict[str, bytes] | None:
+    """The model file's tokenizer written by a child process (its own GIL: this process's GUI thread keeps running
+    while it serialises), or None when there is no model file or the child's tokenizer is not this one."""
+    import subprocess
+    import sys
+
+    if not model_path or not Path(model_path).exists():
+        return None
+    code = ("import sys; from engine.formats.locate import load_tokenizer; "
+            "load_tokenizer(sys.argv[1]).save(sys.argv[2])")
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as td:
+        try:
+            done = subprocess.run([sys.executable, "-c", code, model_path, td], cwd=root, capture_output=True,
+                                  timeout=120, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if done.returncode != 0:
+            return None
+        files = {f.name: f.read_bytes() for f in sorted(Path(td).iterdir()) if f.is_file()}
+    return files if _same_tokenizer(files, tokenizer) else None
+
+
+def _same_tokenizer(files: dict[str, bytes], tokenizer) -> bool:
+    """The files hold `tokenizer`'s vocabulary: every token's bytes, in order (a model file changed since it was
+    loaded would not)."""
+    import io
+
+    import numpy as np
+
+    from engine.tokenizer.cache import CACHE_BYTES
+
+    try:
+        with io.BytesIO(files[CACHE_BYTES]) as f:
+            lengths = np.load(f)
+            blob = np.load(f)
+        return np.array_equal(lengths, tokenizer._lengths) and blob.tobytes() == b"".join(tokenizer._token_bytes)
+    except (KeyError, ValueError, OSError, AttributeError):
+        return False
 
 
 def _cached_tokenizer_files(model_path: str) -> dict[str, bytes] | None:
@@ -313,6 +356,8 @@ class Job:
             saved = load_session(self.path)
             self.result = (saved, same_model(saved.model, self.info))
         elif self.kind == "warm":
+            if self.session.tokenizer is not None:  # ready before the run ends: its autosave does not wait for it
+                tokenizer_files(self.session.tokenizer, self.session.info.path if self.session.info else "")
             if self.memo is not None:
                 self.result = self.memo.warm(self.session.events, self.captures_upto, self.should_stop)
         else:
@@ -577,7 +622,8 @@ def _warm(window, run_id: int) -> None:
     run = store.run(run_id)
     if run is None or run.finished is not None or run.n_tokens % WARM_EVERY:
         return
-    writer.submit(Job("warm", autosave_path(), SavedSession(events=list(run.events)),
+    writer.submit(Job("warm", autosave_path(), SavedSession(events=list(run.events), tokenizer=window.bridge.tokenizer,
+                                                           info=window.bridge.info),
                       captures_upto=run.first_steps_upto()))
 
 
