@@ -266,13 +266,15 @@ def test_autosaves_coalesce_one_writer_at_a_time_and_a_clean_exit_waits(qtbot, m
 
 def test_the_tokenizer_is_serialised_once_per_model(qtbot, window, tmp_path, monkeypatch):
     generate(qtbot, window, n=2)
+    window.session_writer.wait()  # the run's autosave has its tokenizer files before this test counts
     tok = window.bridge.tokenizer
     calls = []
     real = type(tok).save
     monkeypatch.setattr(type(tok), "save", lambda self, d: (calls.append(d), real(self, d))[1])
     monkeypatch.setattr(session_io, "_tok_cache", [None, None])
     cached = session_io._cached_tokenizer_files
-    monkeypatch.setattr(session_io, "_cached_tokenizer_files", lambda _p: None)  # no engine cache: serialised
+    monkeypatch.setattr(session_io, "_cached_tokenizer_files", lambda _p: None)  # no engine cache…
+    monkeypatch.setattr(session_io, "_files_from_child", lambda _p, _t: None)  # …nor a child's: serialised here
     for name in ("a.ilab", "b.ilab"):
         assert session_io.save_session_to(window, tmp_path / name), window.last_error
     assert len(calls) == 1
