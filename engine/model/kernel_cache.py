@@ -78,6 +78,9 @@ class Entry:
     rounds: int  # interleaved rounds the medians are over
     measured_at: float  # time.time()
     weights: str = FLOAT  # Q4: the weights had quantized forms, so the int4 and int8 candidates were measured too
+    # other processes' CPU use while it was measured, in cores (None: unknown): a multi-thread choice made under load
+    # is measured again at a later load that finds the machine quiet (engine.model.kernels.tune)
+    others_cores: float | None = None
 
     @property
     def key(self) -> str:
@@ -105,7 +108,8 @@ class Entry:
             seconds = {str(k): float(v) for k, v in d["seconds"].items()}
             out_f, in_f = (int(v) for v in d["shape"])
             e = cls(machine, str(d["dtype"]), int(d["threads"]), (out_f, in_f), seconds, int(d["count"]),
-                    int(d["rounds"]), float(d["measured_at"]), str(d.get("weights", FLOAT)))
+                    int(d["rounds"]), float(d["measured_at"]), str(d.get("weights", FLOAT)),
+                    None if d.get("others_cores") is None else float(d["others_cores"]))
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
         ok = (seconds and all(k in DESCRIPTIONS and 0 < v < float("inf") for k, v in seconds.items())

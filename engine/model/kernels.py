@@ -42,6 +42,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -323,6 +324,7 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
     machine = this_machine()
     cached = {} if remeasure else kernel_cache.read(path)
     counts = list(counts or decode_thread_counts())
+    load = _Load(others_cores)
     before = torch.get_num_threads()
     entries, measured = [], []
     try:
@@ -334,6 +336,8 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
                 for n in counts:
                     key = kernel_cache.entry_key(machine, dtype, n, shape, weights)
                     e = cached.get(key)
+                    if e is not None and _spoiled(e.others_cores, n) and load.quiet_now(n):
+                        e = None  # chosen while another program held a core: measured again now it is quiet
                     if e is None:
                         torch.set_num_threads(n)
                         names = [k for k in KERNELS if applicable(k, products[0][0], products[0][2], n,
@@ -347,11 +351,46 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
     finally:
         torch.set_num_threads(before)
     if measured:
+        others = load.since_start()
+        measured = [replace(e, others_cores=others) for e in measured]
+        entries = [next((m for m in measured if m.key == e.key), e) for e in entries]
         kernel_cache.write(measured, path)
     use(entries)
     thread_count.use_chain(measure_chain(groups, counts, machine, remeasure=remeasure, time_once=time_once,
-                                         others_cores=others_cores, path=chain_path))
+                                         others_cores=others_cores, path=chain_path, load=load))
     return entries
+
+
+def _spoiled(others_cores: float | None, threads: int) -> bool:
+    """A timing known to be made under load at more than one thread (unknown load: trusted, as before)."""
+    return others_cores is not None and not thread_count.measured_quiet(others_cores, threads)
+
+
+class _Load:
+    """Other processes' CPU use, for the tuner: over its whole measurement (since_start), and whether the machine
+    is quiet now, asked once per tuning (quiet_now: waits out the meter's shortest window, a quarter second, only
+    when a cached timing made under load would otherwise be reused)."""
+
+    def __init__(self, others_cores: Callable[[], float | None] | None) -> None:
+        self._injected = others_cores
+        self._meter = None if others_cores is not None else thread_count.CpuMeter()
+        self._start = None if others_cores is not None else self._meter._last
+        self._now: bool | None = None
+
+    def since_start(self) -> float | None:
+        if self._injected is not None:
+            return self._injected()
+        return thread_count.CpuMeter(since=self._start).others_cores()
+
+    def quiet_now(self, threads: int) -> bool:
+        if self._now is None:
+            if self._injected is not None:
+                others = self._injected()
+            else:
+                time.sleep(max(0.0, 1.05 * thread_count.MIN_WINDOW_S - self._meter.elapsed()))
+                others = self._meter.others_cores()
+            self._now = others is not None and thread_count.measured_quiet(others, threads)
+        return self._now
 
 
 def chain_key(groups: dict[tuple[int, int, bool], list[Product]], counts: Sequence[int], machine: Machine) -> str:
@@ -370,7 +409,7 @@ def chain_key(groups: dict[tuple[int, int, bool], list[Product]], counts: Sequen
 def measure_chain(groups: dict[tuple[int, int, bool], list[Product]], counts: Sequence[int], machine: Machine, *,
                   remeasure: bool = False, time_once: Callable[[list[Product], str], float] | None = None,
                   others_cores: Callable[[], float | None] | None = None,
-                  path: os.PathLike | None = None) -> thread_count.ChainTiming | None:
+                  path: os.PathLike | None = None, load: _Load | None = None) -> thread_count.ChainTiming | None:
     """The decode step's chain of products, each by the kernel dispatched at that count, timed at each count in
     interleaved rounds (choose), or read from the cache; None off the CPU or with no groups."""
     if not groups or next(iter(groups.values()))[0][0].device.type != "cpu":
@@ -378,8 +417,9 @@ def measure_chain(groups: dict[tuple[int, int, bool], list[Product]], counts: Se
     counts = sorted(set(counts))
     key = chain_key(groups, counts, machine)
     cached = None if remeasure else thread_count.read_chains(path).get(key)
-    if cached is not None:
-        return cached
+    if cached is not None and not (_spoiled(cached.others_cores, max(cached.seconds))
+                                   and (load or _Load(others_cores)).quiet_now(max(cached.seconds))):
+        return cached  # (one timed under load is measured again once a load finds the machine quiet)
     meter = None if others_cores is not None else thread_count.CpuMeter()
     before = torch.get_num_threads()
     try:

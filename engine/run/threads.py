@@ -76,6 +76,13 @@ def threads_arg(value: str) -> int | str:
     return n
 
 
+def measured_quiet(others_cores: float | None, threads: int) -> bool:
+    """Whether a timing at `threads` threads, made while other processes used `others_cores` cores (None: unknown),
+    says what this machine does: one thread always (another program rarely takes its core from it), more only where
+    the others left the cores the timing needed mostly idle (at most IDLE_SHARE of each, the test `auto` uses)."""
+    return threads == 1 or (others_cores is not None and others_cores <= IDLE_SHARE * (threads - 1))
+
+
 class CpuMeter:
     """CPU time other processes used since the last `others_cores()` call, in cores (0 = idle, 1 = one core busy).
 
@@ -160,8 +167,7 @@ class ChainTiming:
     def quiet(self) -> bool:
         """Measured while other processes left the other cores mostly idle (the same test `auto` uses at run time):
         only then do the times say what this machine does with more threads."""
-        top = max(self.seconds)
-        return self.others_cores is not None and (top == 1 or self.others_cores <= IDLE_SHARE * (top - 1))
+        return measured_quiet(self.others_cores, max(self.seconds))
 
     def fastest(self) -> int:
         """The count to decode with: more threads only where they beat SLOWER_THAN_ONE × the best fewer threads'

@@ -251,3 +251,25 @@ def test_the_kernel_cache_and_the_chain_cache_are_apart(tmp_path):
     _tune(tmp_path, TWO_SLOWER)
     doc = json.loads((tmp_path / "kernels.json").read_text())
     assert set(doc) == {"format", "entries"} and kernel_cache.read(tmp_path / "kernels.json")
+
+
+def test_choices_made_under_load_are_measured_again_once_a_load_finds_the_machine_quiet(tmp_path):
+    """On a 2-core Zen 3 the first load, made while another program held a core, kept two-thread choices (F.linear)
+    that decoded at twice one thread's time once the machine was quiet; a cached timing made under load is now
+    measured again by the first load that finds the machine quiet, and kept while it stays busy."""
+    # under load, two threads look best with F.linear; quiet, the split is twice as fast
+    busy = {1: {"linear": 1.0, "split": 1.2, "onednn": 2.0}, 2: {"linear": 1.3, "split": 4.0, "onednn": 5.0}}
+    _tune(tmp_path, busy, others=1.0)
+    assert kernels.chosen((96, 64), torch.float32, 2) == "linear"
+    assert not th.measured_chain().quiet
+    calls: list[str] = []
+    _tune(tmp_path, TWO_FASTER, others=0.9, calls=calls)  # still busy: the cache is used, nothing measured
+    assert calls == [] and kernels.chosen((96, 64), torch.float32, 2) == "linear"
+    _tune(tmp_path, TWO_FASTER, others=0.0, calls=calls)  # quiet now: the two-thread shapes and the chain again
+    assert calls and kernels.chosen((96, 64), torch.float32, 2) == "split"
+    assert th.measured_chain().quiet and th.measured_chain().cap() == 2
+    cached = kernel_cache.read(tmp_path / "kernels.json")
+    assert {e.threads: e.others_cores for e in cached.values()} == {1: 1.0, 2: 0.0}  # one thread: kept as measured
+    calls.clear()
+    _tune(tmp_path, TWO_FASTER, others=0.0, calls=calls)  # measured quiet: read from the cache from now on
+    assert calls == []
