@@ -57,6 +57,7 @@ def patch(session, clean: str, corrupt: str, answer: str, wrong: str, heads: boo
     """
     import torch
 
+    from engine.model import kernels
     from engine.model.kv_cache import KVCache
     from engine.why.hooks import Edit, Point, edited
 
@@ -90,7 +91,9 @@ def patch(session, clean: str, corrupt: str, answer: str, wrong: str, heads: boo
             progress(done / n_forwards, f"forward {done + 1} of {n_forwards}")
         tokens = torch.tensor([list(ids)] * rows, dtype=torch.long, device=device)  # (B, T)
         cache = KVCache(cfg, rows, T, lm.dtype, device)
-        with edited(model, edits, record) as rec:
+        # the float products: a one-row forward would otherwise take the tuner's quantized head (engine.model.quant),
+        # and the grid is held to TransformerLens's float32 model
+        with edited(model, edits, record) as rec, kernels.forced("linear"):
             logits = model(tokens, 0, cache, None)  # (B, V) float32, the last position
         done += 1
         return logits, rec

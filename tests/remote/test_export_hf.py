@@ -34,12 +34,16 @@ def test_files_and_config(exported_hf):
 def test_same_logits_as_gguf(exported_hf, real_lm):
     """Our HF loader on the exported directory gives the GGUF's logits (same float32 values, RoPE layout undone)."""
     from engine.loaders import load
+    from engine.model import kernels
     from engine.run.session import Session
 
     hf = load(exported_hf, device="cpu", dtype="float32")
     ids = real_lm.tokenizer.encode(real_lm.tokenizer.chat_prompt("Explain what a KV cache is.")).ids
-    a, _, _ = Session(real_lm).next_token_logits(ids)
-    b, _, _ = Session(hf).next_token_logits(ids)
+    # the float products on both: the GGUF's weights keep quantized decode forms (the LM head's int8 one may be the
+    # tuner's choice for its last row), held to their own tolerance in tests/engine/test_quant_*.py
+    with kernels.forced("linear"):
+        a, _, _ = Session(real_lm).next_token_logits(ids)
+        b, _, _ = Session(hf).next_token_logits(ids)
     torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
     assert int(a.argmax()) == int(b.argmax())
 
