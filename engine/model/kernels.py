@@ -373,14 +373,13 @@ class _Load:
 
     def __init__(self, others_cores: Callable[[], float | None] | None) -> None:
         self._injected = others_cores
-        self._meter = None if others_cores is not None else thread_count.CpuMeter()
-        self._start = None if others_cores is not None else self._meter._last
+        # two windows from the start: quiet_now's reading restarts its meter's window, the whole one must not
+        self._whole, self._meter = (None, None) if others_cores is not None else (thread_count.CpuMeter(),
+                                                                                   thread_count.CpuMeter())
         self._now: bool | None = None
 
     def since_start(self) -> float | None:
-        if self._injected is not None:
-            return self._injected()
-        return thread_count.CpuMeter(since=self._start).others_cores()
+        return self._injected() if self._injected is not None else self._whole.others_cores()
 
     def quiet_now(self, threads: int) -> bool:
         if self._now is None:
