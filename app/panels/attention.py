@@ -346,6 +346,7 @@ class AttentionPanel(Panel):
                         self._add(ev)
         self._maybe_recompute()
         self.mark_dirty()
+        self._draw_now()
 
     @QtCore.Slot(object)
     def _on_prompt(self, ev: PromptTokenized) -> None:
@@ -393,6 +394,14 @@ class AttentionPanel(Panel):
         self._selected_step = step
         self._maybe_recompute()
         self.mark_dirty()
+        self._draw_now()
+
+    def _draw_now(self) -> None:
+        """Answer a user's choice (a step clicked in any panel, a layer, a recomputed row arriving) with this draw,
+        not at the panel's turn among the window's draws: one panel per tick, each held back by its last draw's
+        cost, which put the click's answer up to a second later."""
+        if self.isVisible():
+            self.flush()
 
     # ---- rows recomputed from the KV cache -----------------------------------------------------------------------
     def _live_run(self):
@@ -431,6 +440,8 @@ class AttentionPanel(Panel):
         while len(self._recomputed) > RECOMPUTED_ROWS:
             del self._recomputed[next(iter(self._recomputed))]
         self.mark_dirty()
+        if where == (self._selected_step, self.layer()):
+            self._draw_now()
 
     def recomputed_row(self) -> AttentionCaptured | None:
         """The selected step's recomputed row of the shown layer, when the matrix does not hold that step."""
