@@ -16,7 +16,7 @@ import time
 from typing import ClassVar
 
 import pyqtgraph as pg
-from PySide6 import QtWidgets
+from PySide6 import QtCore, QtWidgets
 
 from app.bridge import Bridge
 from engine.events import ModelInfo
@@ -107,6 +107,17 @@ class Panel(QtWidgets.QWidget):
     def clear(self) -> None:
         """Forget the data of the previous generation."""
         self.mark_dirty()
+
+
+def reserve_lines(label: QtWidgets.QLabel, lines: int) -> None:
+    """Give a word-wrapped label room for `lines` lines from the start, whatever its text. A wrapped label asks for
+    its height at the width it is given (height for width), so new text that wraps once more made its dock taller
+    in the middle of a run, and the whole window was laid out and repainted again."""
+    policy = label.sizePolicy()
+    policy.setHeightForWidth(False)
+    label.setSizePolicy(policy)
+    label.setMinimumHeight(lines * label.fontMetrics().lineSpacing() + 2)
+    label.setAlignment(QtCore.Qt.AlignmentFlag.AlignLeft | QtCore.Qt.AlignmentFlag.AlignTop)
 
 
 def spin_box(lo: float, hi: float, value: float, tip: str, decimals: int = 0) -> QtWidgets.QAbstractSpinBox:

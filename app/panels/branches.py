@@ -191,10 +191,11 @@ class BranchesPanel(Panel):
         self.mode = QtWidgets.QComboBox()
         self.mode.addItem("colour by probability", "prob")
         self.mode.addItem("colour by entropy", "entropy")
-        self.mode.currentIndexChanged.connect(lambda _i: self.mark_dirty())
+        self.mode.currentIndexChanged.connect(lambda _i: (self._set_legend(), self.mark_dirty()))
         self.legend = QtWidgets.QLabel()
         self.legend.setTextFormat(QtCore.Qt.TextFormat.RichText)
         self.legend.setWordWrap(True)  # the panel shares a row of the window: its legend wraps, not widens it
+        self._set_legend()
         self.score_box = QtWidgets.QCheckBox("Score the prompt")
         self.score_box.setToolTip("Next generation: colour each prompt token by its probability under the model")
         self.score_box.toggled.connect(self._on_score_toggled)
@@ -439,15 +440,19 @@ class BranchesPanel(Panel):
         return menu
 
     # ---- drawing ----
-    def draw(self) -> None:
-        mode = self.mode.currentData()
+    def _set_legend(self) -> None:
+        """The colour key of the shown mode; set when the panel is made (so its room is known before any run, and the
+        window is not laid out again when the first run is drawn) and when the mode changes."""
         swatches = "".join(
             f"<span style='background:{confidence_color((i + 0.5) / BINS).name()}'>&nbsp;&nbsp;&nbsp;</span>"
             for i in range(BINS))
-        ends = ("p 0", "p 1") if mode == "prob" else ("≥ 8 bits", "0 bits")
+        ends = ("p 0", "p 1") if self.mode.currentData() == "prob" else ("≥ 8 bits", "0 bits")
         self.legend.setText(f"{ends[0]} {swatches} {ends[1]} "
                             f"<span style='color:{theme.MUTED}'>· underlined: forced · hover: alternatives · "
                             f"click: fork</span>")
+
+    def draw(self) -> None:
+        mode = self.mode.currentData()
         if self.shown is None:
             self.view.clear()
             self._page = None

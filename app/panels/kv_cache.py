@@ -15,7 +15,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app import units
 from app.bridge import Bridge
-from app.panels.base import Panel
+from app.panels.base import Panel, reserve_lines
 from app.theme import (
     ACCENT,
     BACKGROUND,
@@ -102,6 +102,7 @@ class KVCachePanel(Panel):
         self.formula.setTextFormat(QtCore.Qt.TextFormat.RichText)
         self.formula.setWordWrap(True)
         self.formula.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        reserve_lines(self.formula, 4)  # the formula, the local layers (Gemma 3), the bytes now, a server's figures
         self.plot = pg.PlotWidget(background=BACKGROUND)
         pi = self.plot.getPlotItem()
         style_plot(pi, left=("KV cache", "B"), bottom=("tokens in the cache", None))

@@ -11,7 +11,7 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtWidgets
 
 from app.bridge import Bridge
-from app.panels.base import Panel
+from app.panels.base import Panel, reserve_lines
 from app.theme import (
     ACCENT,
     BACKGROUND,
@@ -134,6 +134,7 @@ class SpeculativePanel(Panel):
         self.summary = QtWidgets.QLabel()
         self.summary.setWordWrap(True)
         self.summary.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        reserve_lines(self.summary, 3)  # what the run did, its speed against plain decoding, the memory it takes
         self.strip = QtWidgets.QTextBrowser()
         self.strip.setMinimumHeight(90)
 

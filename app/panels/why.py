@@ -22,7 +22,7 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
-from app.panels.base import Panel, spin_box
+from app.panels.base import Panel, reserve_lines, spin_box
 from app.run_store import store_for
 from app.theme import (
     ACCENT,
@@ -291,6 +291,7 @@ class WhyPanel(Panel):
         self.summary.setWordWrap(True)
         self.summary.setTextFormat(QtCore.Qt.TextFormat.RichText)
         self.summary.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        reserve_lines(self.summary, 3)
 
         self.views = QtWidgets.QStackedWidget()
         self.views.addWidget(self._heads_view())
@@ -436,6 +437,7 @@ class WhyPanel(Panel):
         self.definitions = QtWidgets.QLabel()
         self.definitions.setWordWrap(True)
         self.definitions.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        reserve_lines(self.definitions, len(SCORES))
         w = QtWidgets.QWidget()
         lay = QtWidgets.QVBoxLayout(w)
         lay.setContentsMargins(0, 0, 0, 0)
@@ -529,6 +531,7 @@ class WhyPanel(Panel):
         self.flips_label = QtWidgets.QLabel()
         self.flips_label.setWordWrap(True)
         self.flips_label.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        reserve_lines(self.flips_label, 2)
         w = QtWidgets.QWidget()
         lay = QtWidgets.QVBoxLayout(w)
         lay.setContentsMargins(0, 0, 0, 0)
