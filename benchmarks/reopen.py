@@ -1,12 +1,14 @@
 """A long run's session reopened, and a late step of the live run selected, in the app (issue 26): each prints one
 JSON line.
 
-`python -m benchmarks.reopen --make FILE.ilab [--tokens N] [--step K] [--model M] [--layers 0,15,29]` runs the app
-as users run it (settings on, every dock laid out side by side, offscreen: benchmarks.gui), generates N new tokens
-(greedy, --ignore-eos, the short chat prompt of benchmarks.longrun, so every layer's attention is captured), copies
-the run's autosave to FILE.ilab (keep it outside the repository: it is large), then, with the run still live in the
-engine, selects step K as a click on the heat map does (`Bridge.select_step`) and times until the Attention panel
-has drawn that step and its heat map has painted:
+`python -m benchmarks.reopen --make FILE.ilab [--tokens N] [--step K] [--model M] [--layers 0,15,29]
+[--long-prompt]` runs the app as users run it (settings on, every dock laid out side by side, offscreen:
+benchmarks.gui), generates N new tokens (greedy, --ignore-eos, the short chat prompt of benchmarks.longrun, so every
+layer's attention is captured; --long-prompt: that prompt eight times, so only the shown layer is; --prompt-tokens P:
+a plain-text prompt of P tokens, a KV cache of P positions at once, only the shown layer captured), copies the run's
+autosave to FILE.ilab (keep it outside the repository: it is large), then, with the run still live in the engine,
+selects step K as a click on the heat map does (`Bridge.select_step`) and times until the Attention panel has drawn
+that step and its heat map has painted:
 - for each of --layers (default: first, middle, last), head 0 … the model's last head in turn: layer and head set
   first, another step selected, then step K; a step whose row the window let go is recomputed by the engine from
   the live KV cache (engine.run.recompute), so this is click → request → engine → reply → draw → paint;
@@ -50,8 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     layers = opt("--layers", None)
     with tempfile.TemporaryDirectory(prefix="ilab-bench-reopen-") as settings_dir:
         os.environ["INFERENCE_LAB_SETTINGS"] = os.path.join(settings_dir, "inference-lab.ini")
-        return make(opt("--make", ""), int(opt("--tokens", "7001")), int(opt("--step", "7000")), opt("--model", None),
-                    [int(x) for x in layers.split(",")] if layers else None)
+        return make(opt("--make", ""), int(opt("--tokens", "7200")), int(opt("--step", "7000")), opt("--model", None),
+                    [int(x) for x in layers.split(",")] if layers else None, "--long-prompt" in argv,
+                    int(opt("--prompt-tokens", "0")))
 
 
 def _rss_mib() -> tuple[float, float]:
@@ -130,12 +133,14 @@ def _select_and_time(app, win, step: int, layer: int, head: int, painted: Painte
     return out
 
 
-def make(path: str, n_new: int, step: int, model: str | None, layers: list[int] | None) -> int:
+def make(path: str, n_new: int, step: int, model: str | None, layers: list[int] | None,
+         long_prompt: bool = False, prompt_tokens: int = 0) -> int:
     from dataclasses import replace
 
     from app import session_io
     from benchmarks.gui import open_window, run_on_watching_autosave, show_every_panel
     from benchmarks.longrun import PROMPT
+    from benchmarks.recompute import TEXT
 
     if not path:
         print("--make needs a file to write the session to", file=sys.stderr)
@@ -144,11 +149,17 @@ def make(path: str, n_new: int, step: int, model: str | None, layers: list[int] 
     if win is None:
         return 1
     show_every_panel(win)
-    win.panels["prompt"].set_text(PROMPT)
+    # --long-prompt: the prompt repeated past ALL_LAYERS_BELOW tokens, so only the shown layer is captured (a run
+    # that captures every layer costs several times as long to make; the step's recompute costs the same)
+    win.panels["prompt"].set_text(" ".join([PROMPT] * 8) if long_prompt else PROMPT)
     gen = win.panels["generation"]
+    if prompt_tokens:  # --prompt-tokens P: a plain-text prompt of P tokens, its KV cache filled by one prefill
+        ids = win.bridge.tokenizer.encode(TEXT * (prompt_tokens // 20 + 1)).ids[:prompt_tokens]
+        win.panels["prompt"].set_text(win.bridge.tokenizer.decode(ids))
+        gen.set_chat(False)
     try:  # a base model (Gemma 3 270M) has no chat template: its prompt goes as plain text
         win.bridge.tokenizer.chat_prompt(PROMPT)
-        gen.set_chat(True)
+        gen.set_chat(not prompt_tokens)
     except ValueError:
         gen.set_chat(False)
     gen.set_max_new_tokens(n_new)
