@@ -203,8 +203,9 @@ def make(path: str, n_new: int, step: int, model: str | None, layers: list[int] 
         panel.head_spin.setValue(head)
         cases.append(_select_and_time(app, win, newest, layer, head, painted))  # another step first: a held one
         cases.append(_select_and_time(app, win, step, layer, head, painted))
-    other = next(i for i in range(cfg.n_layers - 1, -1, -1) if i not in layers)
-    cases.append(_select_and_time(app, win, step, other, panel.head(), painted, how="layer"))
+    other = next((i for i in range(cfg.n_layers - 1, -1, -1) if i not in layers), None)
+    if other is not None:
+        cases.append(_select_and_time(app, win, step, other, panel.head(), painted, how="layer"))
     result = {
         "what": "select a step of the live run in the app", "model": win.bridge.info.name,
         "dtype": win.bridge.info.dtype, "tokens": len(fin.ids), "prompt_tokens": len(fin.prompt_ids),
