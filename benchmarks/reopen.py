@@ -129,7 +129,7 @@ def _select_and_time(app, win, step: int, layer: int, head: int, painted: Painte
     if ok:
         out.update(shown=drawn["how"], drawn_ms=round((drawn["t"] - t0) * 1e3, 1),
                    painted_ms=round((painted.last - t0) * 1e3, 1))
-        out["status"] = panel.status.text()[:300]
+    out["status"] = panel.status.text()[:300]
     return out
 
 
