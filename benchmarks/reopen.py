@@ -9,11 +9,12 @@ a plain-text prompt of P tokens, a KV cache of P positions at once, only the sho
 autosave to FILE.ilab (keep it outside the repository: it is large), then, with the run still live in the engine,
 selects step K as a click on the heat map does (`Bridge.select_step`) and times until the Attention panel has drawn
 that step and its heat map has painted:
-- for each of --layers (default: first, middle, last), head 0 … the model's last head in turn: layer and head set
-  first, another step selected, then step K; a step whose row the window let go is recomputed by the engine from
-  the live KV cache (engine.run.recompute), so this is click → request → engine → reply → draw → paint;
+- for each of --layers (default: first, middle, last), head 0 … the model's last head in turn: the newest step
+  selected, layer and head set (and what that asks of the engine answered), then step K; a step whose row the
+  window let go is recomputed by the engine from the live KV cache (engine.run.recompute), so this is click →
+  request → engine → reply → draw → paint;
 - then, step K still selected, a layer switch to a layer not yet asked for (the other way a user reaches a step);
-- and a step the panel holds (the newest), for comparison.
+- and a step the panel holds (the newest, of the captured layer), for comparison.
 
 `python -m benchmarks.reopen --open FILE.ilab` is the reopening, in this fresh process, without the model (as
 `python -m app --open-session` does): window built, File → Open session's path (read in the writer thread, replayed in
@@ -196,16 +197,26 @@ def make(path: str, n_new: int, step: int, model: str | None, layers: list[int] 
     panel = win.panels["attention"]
     painted = Painted(panel.heat.viewport())
     newest = run.n_tokens - 1
+    shown_layer = panel.layer()  # the layer the run captured
     cases = []
+
+    def settled() -> None:  # a layer or head chosen with a step selected asks for that step at once: not timed
+        _wait(app, lambda: not panel._asked, 60)
+
+    win.bridge.select_step(newest)
     for i, layer in enumerate(layers):
         head = (cfg.n_heads - 1) * i // max(1, len(layers) - 1)
+        win.bridge.select_step(newest)
         panel.layer_spin.setValue(layer)
         panel.head_spin.setValue(head)
-        cases.append(_select_and_time(app, win, newest, layer, head, painted))  # another step first: a held one
+        settled()
         cases.append(_select_and_time(app, win, step, layer, head, painted))
     other = next((i for i in range(cfg.n_layers - 1, -1, -1) if i not in layers), None)
-    if other is not None:
+    if other is not None:  # step K still selected: another layer chosen
         cases.append(_select_and_time(app, win, step, other, panel.head(), painted, how="layer"))
+    panel.layer_spin.setValue(shown_layer)
+    settled()
+    cases.append(_select_and_time(app, win, newest, shown_layer, panel.head(), painted))  # held: for comparison
     result = {
         "what": "select a step of the live run in the app", "model": win.bridge.info.name,
         "dtype": win.bridge.info.dtype, "tokens": len(fin.ids), "prompt_tokens": len(fin.prompt_ids),

@@ -78,8 +78,8 @@ def test_the_reopen_benchmark_runs_end_to_end(tiny_dir, tmp_path):
     made = json.loads(r.stdout.strip().splitlines()[-1])
     assert made["tokens"] == 20 and path.stat().st_size == made["session_bytes"]
     assert made["cases"] and all(c["ok"] and c["painted_ms"] >= c["drawn_ms"] > 0 for c in made["cases"])
-    assert [(c["step"], c["layer"], c["action"]) for c in made["cases"]] == [(19, 0, "select"), (10, 0, "select"),
-                                                                             (10, 1, "layer")]
+    assert [(c["step"], c["layer"], c["action"]) for c in made["cases"]] == [(10, 0, "select"), (10, 1, "layer"),
+                                                                             (19, 1, "select")]
     r = subprocess.run([sys.executable, "-m", "benchmarks.reopen", "--open", str(path)], capture_output=True,
                        text=True, env=env, cwd=root, timeout=300)
     assert r.returncode == 0, "\n".join(ln for ln in r.stderr.splitlines() if "propagateSizeHints" not in ln)[-2000:]
