@@ -11,6 +11,7 @@ app.panels.generation.ALL_LAYERS_BELOW prompt tokens). It reports:
 - the GUI thread's stalls: a 10 ms QTimer probe records the gaps between its ticks, a stall is a gap minus the
   10 ms; p99 in each tenth of the run (by tokens received) and in the S seconds after, and the worst one;
 - the app's TPOT (the Finished event's step times) in the first and in the last tenth of the decode steps;
+- the GUI process's and the engine process's CPU time per token from Generate to Finished;
 - when the autosave file was complete after Finished;
 - the load average at the start and at the end (other work on the cores inflates TPOT and the stalls).
 
@@ -220,6 +221,7 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
     win.bridge.sig_finished.connect(lambda ev: (finished.setdefault("ev", ev), done.quit()))
     win.bridge.sig_failed.connect(lambda m: (finished.setdefault("error", m), done.quit()))
     rss0 = (gui.memory_info().rss, engine.memory_info().rss)
+    cpu0 = (sum(gui.cpu_times()[:2]), sum(engine.cpu_times()[:2]))
     load0 = os.getloadavg()[0]
     t_wall = time.time()
     last[0] = time.perf_counter()
@@ -251,6 +253,7 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
     done.exec()
     t_end = time.perf_counter()
     rss_end = (gui.memory_info().rss, engine.memory_info().rss)
+    cpu_end = (sum(gui.cpu_times()[:2]), sum(engine.cpu_times()[:2]))
     autosave_s = run_on_watching_autosave(session_io.autosave_path(), t_wall, after_s)
     timer.stop()
     if sampler is not None:
@@ -282,6 +285,9 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
         "engine_rss_growth_mib_at_finish": (rss_end[1] - rss0[1]) * mib,
         "engine_rss_growth_mib_after": (rss_after[1] - rss0[1]) * mib,
         "kv_cache_allocated_mib": kv[0] * mib,
+        # user + system CPU from Generate to Finished, per token received (the GUI's includes this probe's ticks)
+        "gui_cpu_ms_per_token": (cpu_end[0] - cpu0[0]) * 1e3 / max(n, 1),
+        "engine_cpu_ms_per_token": (cpu_end[1] - cpu0[1]) * 1e3 / max(n, 1),
         "stall_p99_ms_per_tenth": p99,
         "stall_max_ms_per_tenth": worst_tenth,
         "stall_p99_ms_after": float(np.percentile(stalls[~during], 99)) if np.any(~during) else None,

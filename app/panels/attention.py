@@ -37,6 +37,7 @@ GROUP_COLORS = ("#e5c07b", "#61afef", "#c678dd", "#98c379", "#e06c75", "#56b6c2"
 CMAP = pg.colormap.get("viridis")
 EMPTY_TOKENS = 8  # the heat map's size before anything is captured (at least the prompt's length)
 MATRIX_BYTES = 32 << 20  # the shown layer's float32 matrix, capacity included; its oldest rows go past it
+DOWNSAMPLE_FROM = 2  # cells per screen pixel from which the heat map is reduced before it is drawn
 RECOMPUTED_ROWS = 32  # recomputed (step, layer) rows kept (9 heads × 8,000 keys × 4 bytes each on SmolLM2)
 
 
@@ -140,6 +141,27 @@ class AttentionMatrix:
     def weights(self) -> np.ndarray:
         """(heads, S − first_row, S) view of the filled part: row i is query position first_row + i."""
         return self._w[:, : max(0, self.size - self.first_row), : self.size]
+
+
+def fit_to_pixels(w: np.ndarray, fy: int, fx: int) -> np.ndarray:
+    """(R, S) weights reduced by blocks of fy × fx cells to their largest weight (NaN only where a whole block is
+    masked): drawing costs what the screen shows, not the square of the run, and a lone strong weight (a previous-
+    token head's diagonal) stays visible instead of being averaged away."""
+    if fy <= 1 and fx <= 1:
+        return w
+    r, s = w.shape
+    pad = np.full((-(-r // fy) * fy, -(-s // fx) * fx), np.nan, dtype=w.dtype)
+    pad[:r, :s] = w
+    blocks = pad.reshape(pad.shape[0] // fy, fy, pad.shape[1] // fx, fx)
+    return np.fmax.reduce(np.fmax.reduce(blocks, axis=3), axis=1)
+
+
+def per_pixel(cells: float, pixels: float) -> int:
+    """How many cells of a heat map one pixel shows, as fit_to_pixels' block size (1 below DOWNSAMPLE_FROM)."""
+    if pixels < 50:  # not laid out yet (a tab behind another): drawn whole
+        return 1
+    n = cells / pixels
+    return int(n) if n >= DOWNSAMPLE_FROM else 1
 
 
 class AttentionPanel(Panel):
@@ -252,6 +274,9 @@ class AttentionPanel(Panel):
         self.image = pg.ImageItem(axisOrder="row-major")
         self.image.setColorMap(CMAP)
         pi.addItem(self.image)
+        self._fit_factors = (1, 1)  # the heat map is drawn at the view's resolution (fit_to_pixels): again when
+        vb.sigResized.connect(self._on_view_changed)  # a resize or a zoom changes how many cells share a pixel
+        vb.sigRangeChangedManually.connect(self._on_view_changed)
         self.colorbar = pg.ColorBarItem(values=(0, 1), colorMap=CMAP, interactive=False, width=12)
         self.colorbar.setImageItem(self.image, insert_in=pi)
         self.colorbar.axis.setStyle(tickFont=self._font)
@@ -530,6 +555,21 @@ class AttentionPanel(Panel):
         m = self._matrices.get(self.layer())
         return 0 if m is None else m.first_row
 
+    def _factors(self) -> tuple[int, int]:
+        """(rows, keys) of the matrix that share one pixel of the heat map as it is sized and zoomed now."""
+        vb = self.heat.getPlotItem().getViewBox()
+        (x0, x1), (y0, y1) = vb.viewRange()
+        return per_pixel(y1 - y0, vb.height()), per_pixel(x1 - x0, vb.width())
+
+    def _on_view_changed(self, *_args) -> None:
+        if self._factors() != self._fit_factors:
+            self.mark_dirty()
+
+    def _fit(self, w: np.ndarray) -> np.ndarray:
+        """The matrix reduced to the heat map's pixels (whole while fewer than DOWNSAMPLE_FROM cells share one)."""
+        self._fit_factors = self._factors()
+        return fit_to_pixels(w, *self._fit_factors)
+
     def _display(self, w: np.ndarray) -> np.ndarray:
         return np.sqrt(np.clip(w, 0.0, None)) if self.sqrt_check.isChecked() else w
 
@@ -606,13 +646,15 @@ class AttentionPanel(Panel):
                 self.window_edge.setData([float(top - w + 1), float(s - w + 1)], [float(top), float(s)])
             else:
                 self.window_edge.setData([], [])
-            self.image.setImage(self._display(m[head]), levels=(0.0, 1.0), autoLevels=False)
+            self.image.setImage(self._display(self._fit(m[head])), levels=(0.0, 1.0), autoLevels=False)
             self.image.setRect(QtCore.QRectF(0, r0, s, s - r0))
             if self.tabs.currentIndex() == 1 or not self.grid_images:
                 self._build_grid()
                 for h, img in enumerate(self.grid_images):
                     if h < m.shape[0]:
-                        img.setImage(self._display(m[h]), levels=(0.0, 1.0), autoLevels=False)
+                        vb = self.grid_boxes[h]
+                        fy, fx = (per_pixel(m.shape[1], vb.height()), per_pixel(s, vb.width()))
+                        img.setImage(self._display(fit_to_pixels(m[h], fy, fx)), levels=(0.0, 1.0), autoLevels=False)
                         img.setRect(QtCore.QRectF(0, r0, s, s - r0))
                         self.grid_boxes[h].setRange(xRange=(0, s), yRange=(r0, s), padding=0)
             self._draw_labels(s, r0)

@@ -41,6 +41,7 @@ TABLE_DTYPES = ("fp32", "fp16", "int8")
 TABLE_BATCHES = (1, 8, 32)
 EMPTY_TOKENS = (0.0, 1024.0)  # the axes before any model is loaded
 EMPTY_BYTES = 1e6
+MARKED_STEPS = 128
 
 
 def fmt_bytes(n: float) -> str:
@@ -282,6 +283,11 @@ class KVCachePanel(Panel):
         used = self._used[: self._n]
         if p is not None and self._n:
             used = np.concatenate([[(p.n_tokens, p.bytes_used)], used])
+        # a marker per decode step while they can be told apart; past that, the line alone (a marker each is a
+        # paint each, and a long run's draw would cost more with every token)
+        symbol = "o" if self._n <= MARKED_STEPS else None
+        if self.used_curve.opts["symbol"] != symbol:
+            self.used_curve.setSymbol(symbol)
         self.used_curve.setData(used[:, 0] if self._n else [], used[:, 1] if self._n else [])
         # allocated: a staircase (it only grows in blocks)
         self.alloc_curve.setData(self._ax + [evs[-1].n_tokens], self._ay + [evs[-1].bytes_allocated])

@@ -39,6 +39,7 @@ from engine.model.config import ModelConfig
 from engine.remote.shapes import MeasuredDecode, measured_decode
 
 FONT_PT = 9
+TRAIL_POINTS = 256  # decode steps drawn on the roofline at most (see _draw_measured)
 THIS_MACHINE = "this-machine"
 LOADED = "loaded"  # the model selector's entry for the engine's model (bridge.cfg)
 DEFAULT_PROMPT = 512  # prompt length of the analytic points before any prompt arrives
@@ -678,7 +679,10 @@ class RooflinePanel(Panel):
     def _draw_measured(self, measured: dict, trail: list[tuple[float, float]],
                        roofs: tuple[float, float] | None, mid: float) -> None:
         if trail:
-            pts = np.array(trail)
+            # at most TRAIL_POINTS of the steps, evenly spread and the newest always among them: a long run's
+            # thousands of nearly equal points cost a paint per point and add nothing the eye can tell apart
+            picks = np.unique(np.linspace(0, len(trail) - 1, min(len(trail), TRAIL_POINTS)).round().astype(int))
+            pts = np.array([trail[i] for i in picks])
             self.measured_decode.setData(pts[:, 0], pts[:, 1])
         else:
             self.measured_decode.setData([], [])

@@ -73,7 +73,16 @@ def test_long_prefill_keeps_the_panel_small_and_draws_the_last_rows(qtbot, loade
     assert m.shape == (h, kept + 5, S + 5)
     assert np.isnan(m[:, -1, S + 5:]).all() and np.allclose(np.nansum(m[:, -1], -1), 1.0)
     assert panel._matrices[layer].nbytes < 3 * ev.weights.nbytes < full / 10  # capacity grew for the new rows
-    assert panel.grid_images[0].image.shape == (kept + 5, S + 5)
+    # each small multiple is drawn at its own pixels: a block of fy × fx weights shows its largest
+    vb = panel.grid_boxes[0]
+    fy, fx = attention.per_pixel(kept + 5, vb.height()), attention.per_pixel(S + 5, vb.width())
+    assert fx > 1
+    drawn = panel.grid_images[0].image
+    assert drawn.shape == (-(-(kept + 5) // fy), -(-(S + 5) // fx))
+    for i, j in ((0, 0), (drawn.shape[0] - 1, drawn.shape[1] - 1), (drawn.shape[0] // 2, 3)):
+        block = m[0, i * fy:(i + 1) * fy, j * fx:(j + 1) * fx].astype(np.float64)
+        want = np.nan if np.isnan(block).all() else np.sqrt(np.nanmax(block))  # the panel's √ scale
+        np.testing.assert_allclose(drawn[i, j], want, rtol=1e-6)
     img = panel.grab().toImage()
     assert not img.isNull() and img.width() > 0
 
