@@ -18,8 +18,9 @@ user's own are never touched), hence with the autosave after every generation.
 - the generation's own TPOT with the GUI running, and the CPU time the GUI process and the engine process spent
   per token.
 
-`python -m benchmarks.gui --compare [--rounds N] [--output F] [--model M] [--dtype D]` is the app-against-the-CLI
-benchmark:
+`python -m benchmarks.gui --compare [--rounds N] [--conditions quiet,busy] [--output F [--append LABEL]] [--model M]
+[--dtype D]` is the app-against-the-CLI benchmark (--append adds this run to F's runs under LABEL instead of
+replacing the file):
 on a quiet machine and next to one `yes` busy loop, each round runs the CLI, the app (this module, in a fresh
 process) and the CLI again on the same prompt, dtype and thread setting, and prints the app's TPOT over the CLI's
 mean of the same round, with the app's stalls. --dtype sets both (default: what the app chooses on this CPU). To
@@ -56,6 +57,9 @@ PARAGRAPH = ("The key and value vectors of every past token never change during 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:  # not a run: a measurement started by asking for help disturbs others
+        print(__doc__)
+        return 0
     if "--compare" in argv:
         return compare(argv)
     smoke = "--smoke" in argv  # a short run that only checks it works
@@ -344,6 +348,10 @@ def compare(argv: list[str]) -> int:
 
     rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 2
     output = argv[argv.index("--output") + 1] if "--output" in argv else None
+    append = argv[argv.index("--append") + 1] if "--append" in argv else None  # a label: add to --output's runs
+    conditions = argv[argv.index("--conditions") + 1].split(",") if "--conditions" in argv else ["quiet", "busy"]
+    if set(conditions) - {"quiet", "busy"}:
+        raise SystemExit(f"--conditions takes quiet, busy or both, got {','.join(conditions)}")
     model = ["--model", argv[argv.index("--model") + 1]] if "--model" in argv else []
     from benchmarks.bench import prompt_ids
     from engine.formats.locate import load_tokenizer
@@ -359,7 +367,7 @@ def compare(argv: list[str]) -> int:
         command = f"ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']} {command}"
     out: dict = {"command": command, "rounds": rounds,
                  "dtype": dtype, "cpu_capability": _cpu_capability(), "conditions": {}}
-    for condition in ("quiet", "busy"):
+    for condition in conditions:
         rows = []
         for r in range(rounds):
             comp = Competitor(condition if condition == "busy" else "none", limit=900)
@@ -387,10 +395,27 @@ def compare(argv: list[str]) -> int:
             "stall_p99_ms_max": max(x["app"]["stall_p99_ms"] for x in rows),
         }
     print(json.dumps({c: {k: v for k, v in d.items() if k != "rounds"} for c, d in out["conditions"].items()}))
-    if output:
+    if output and append:
+        _append_run(output, append, out)
+    elif output:
         with open(output, "w") as f:
             json.dump(out, f, indent=1)
     return 0
+
+
+def _append_run(path: str, label: str, run: dict) -> None:
+    """Add `run` under `label` to the file's "runs", keeping what it held (an older file's single run becomes the
+    first of its runs, labelled "earlier")."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        doc = {"runs": []}
+    if "runs" not in doc:
+        doc = {"runs": [{"label": "earlier", **doc}]}
+    doc["runs"].append({"label": label, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **run})
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
 
 
 def _cpu_capability() -> str:
