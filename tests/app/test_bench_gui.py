@@ -26,3 +26,22 @@ def test_bench_gui_smoke():
     assert d["panels_painted"] == d["panels"]
     for name in ("sampling", "attention", "kv_cache", "timeline", "roofline"):  # the live ones repaint as it runs
         assert d["paints_per_panel"][name] > 0 and d["draws_per_panel"][name] > 0, name
+
+
+def test_bench_gui_help_runs_nothing():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), QT_QPA_PLATFORM="offscreen")
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gui", "--help"], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=60)
+    assert r.returncode == 0 and "--compare" in r.stdout and "tpot_ms_with_gui" not in r.stdout
+
+
+def test_compare_append_keeps_the_earlier_run(tmp_path):
+    from benchmarks.gui import _append_run
+
+    path = tmp_path / "gui.json"
+    path.write_text(json.dumps({"command": "old", "conditions": {"quiet": {}}}))
+    _append_run(str(path), "after", {"command": "new", "conditions": {"busy": {}}})
+    _append_run(str(path), "again", {"command": "newer", "conditions": {}})
+    runs = json.loads(path.read_text())["runs"]
+    assert [r["label"] for r in runs] == ["earlier", "after", "again"]
+    assert [r["command"] for r in runs] == ["old", "new", "newer"] and runs[1]["conditions"] == {"busy": {}}
