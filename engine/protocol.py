@@ -6,7 +6,7 @@ it).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal, get_args
 
 FUNNEL_TOP = 20  # candidates kept in each step's sampling funnel by the app and the benchmark
@@ -56,6 +56,16 @@ class Capture:
     logits: bool = False  # the full raw logits, so a UI can re-run the funnel with other settings
     lens_top: int = 0  # top tokens per layer in each step's logit lens (0 = no lens; it costs L + 1 LM heads)
     prompt_scores: bool = False  # the prefill keeps every position's logits: each prompt token's probability
+    # Every layer's attention, besides attention_layers, for steps whose first query position is below this: a short
+    # run keeps all layers at hand, while a long one stops paying L layers × its context a token (a step no longer
+    # captured in a layer is recomputed from the KV cache when a panel asks for it).
+    every_layer_below: int = 0
+
+    def at(self, position: int, n_layers: int) -> Capture:
+        """The capture of a step whose first query position is `position`."""
+        if position < self.every_layer_below and len(self.attention_layers) < n_layers:
+            return replace(self, attention_layers=frozenset(range(n_layers)))
+        return self
 
     @classmethod
     def everything(cls, n_layers: int, funnel_top: int = FUNNEL_TOP) -> Capture:

@@ -22,6 +22,7 @@ from engine.protocol import FUNNEL_TOP, Capture
 # Format kinds of the output view.
 PENDING, PREFILL_A, PREFILL_B, DECODE_A, DECODE_B, SPECIAL, FIRST = range(7)
 ALL_LAYERS_BELOW = 64  # capture attention of every layer for prompts shorter than this, else only the last layer
+EVERY_LAYER_POSITIONS = 512  # …and only while the context is shorter than this: past it, the layers a panel shows
 
 
 @dataclass(frozen=True)
@@ -197,11 +198,14 @@ class GenerationPanel(Panel):
 
     # ---- commands ----
     def capture_for(self, text: str, chat: bool) -> Capture:
-        """What to record: the attention layers a panel asked for, and every layer when the prompt is short (so
-        switching layers afterwards shows the whole run). The engine bounds each layer's capture of a long prefill
-        to its last query rows (Capture.attention_max_bytes); the attention panel says when rows were left out."""
+        """What to record: the attention layers a panel asked for, and every layer while a short prompt's run is
+        short (so switching layers afterwards shows the whole run; a long run's other layers are recomputed when
+        asked for, since capturing L layers × the context every token would grow with the run). The engine bounds
+        each layer's capture of a long prefill to its last query rows (Capture.attention_max_bytes); the attention
+        panel says when rows were left out."""
         layers = set(self.bridge.options.attention_layers)
         cfg = self.bridge.cfg
+        every_below = 0
         if cfg is not None:
             try:
                 n_prompt = len(self.bridge.tokenizer.encode(
@@ -209,11 +213,12 @@ class GenerationPanel(Panel):
             except ValueError:
                 n_prompt = ALL_LAYERS_BELOW
             if n_prompt < ALL_LAYERS_BELOW:
-                layers |= set(range(cfg.n_layers))
-            elif not layers:
+                every_below = EVERY_LAYER_POSITIONS
+            if not layers:
                 layers = {cfg.n_layers - 1}
         return Capture(attention_layers=frozenset(layers), residual_norms=True, funnel_top=FUNNEL_TOP, logits=True,
-                       lens_top=self.bridge.options.lens_top, prompt_scores=self.bridge.options.score_prompt)
+                       lens_top=self.bridge.options.lens_top, prompt_scores=self.bridge.options.score_prompt,
+                       every_layer_below=every_below)
 
     def generate(self, start_paused: bool = False) -> bool:
         """Start a generation of the current prompt; returns False when one cannot start now."""

@@ -467,6 +467,7 @@ class Generation:
                     s.threads.begin_step()
                 t0 = time.perf_counter()
                 start = rt.length(0)  # the one count of positions: the cache's
+                capture = capture.at(start, s.cfg.n_layers)
                 feed = ids[start:]
                 every = step == 0 and capture.prompt_scores
                 cost = rt.step_cost(len(feed), start, all_logits=every)

@@ -205,7 +205,7 @@ def test_generate_yields_tokens_and_lights_up_prefill(qtbot, window):
 
 
 def test_generate_request_uses_bridge_params_and_capture(qtbot, window):
-    from app.panels.generation import ALL_LAYERS_BELOW
+    from app.panels.generation import ALL_LAYERS_BELOW, EVERY_LAYER_POSITIONS
     from engine.run.sampling import SamplingParams
 
     n_layers = window.bridge.info.n_layers
@@ -215,7 +215,10 @@ def test_generate_request_uses_bridge_params_and_capture(qtbot, window):
     req = gen.last_request
     assert req.params.temperature == 0.0 and req.max_new_tokens == 3 and not req.chat
     assert req.capture.funnel_top == 20 and req.capture.logits and req.capture.residual_norms
-    assert req.capture.attention_layers == frozenset(range(n_layers))  # a short prompt: every layer
+    # A short prompt: every layer while the run is short, then the layer the attention panel shows.
+    assert req.capture.at(0, n_layers).attention_layers == frozenset(range(n_layers))
+    assert req.capture.at(EVERY_LAYER_POSITIONS - 1, n_layers).attention_layers == frozenset(range(n_layers))
+    assert req.capture.at(EVERY_LAYER_POSITIONS, n_layers).attention_layers == frozenset({n_layers - 1})
     # A long prompt: only the layer the attention panel shows (the last one after loading).
     qtbot.waitUntil(lambda: gen.state == "idle", timeout=5_000)
     setup_generation(window, text="the cat " * ALL_LAYERS_BELOW, max_new=2)

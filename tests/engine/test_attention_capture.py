@@ -57,3 +57,19 @@ def test_the_default_budget_bounds_the_issue_s_case() -> None:
     rows = Probe().attention_rows(9, 4054, 4054)
     assert 1 <= rows < 4054 and rows * 9 * 4054 * 4 <= ATTENTION_MAX_BYTES
     assert Probe().attention_rows(9, 1, 4054) == 1  # a decode step always keeps its one row
+
+
+def test_every_layer_is_captured_only_while_the_context_is_short(tiny_lm, reference):
+    """A short run captures every layer; past `every_layer_below` positions only the layers asked for, so a long
+    run's capture does not grow with layers × context (the rest is recomputed on demand)."""
+    L, T = tiny_lm.cfg.n_layers, len(PROMPT)
+    capture = Capture(attention_layers=frozenset({1}), every_layer_below=T + 2)
+    events = list(Session(tiny_lm).generate(PROMPT, GREEDY, 5, capture, ignore_eos=True))
+    layers: dict[int, set[int]] = {}
+    for e in events:
+        if isinstance(e, AttentionCaptured):
+            layers.setdefault(e.step, set()).add(e.layer)
+    # step 0 is the prefill (positions 0…T−1), step k ≥ 1 queries position T + k − 1
+    assert layers == {0: set(range(L)), 1: set(range(L)), 2: set(range(L)), 3: {1}, 4: {1}}
+    prefill = {e.layer: e for e in events if isinstance(e, AttentionCaptured) and e.step == 0}
+    np.testing.assert_allclose(prefill[0].weights, reference[0], atol=2e-5)  # an extra layer is the real one
