@@ -40,6 +40,9 @@ SAMPLE_S = 0.004  # how often the watcher looks at the GUI thread while a tick i
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):  # a request for the usage must not start a minutes-long measurement
+        print(__doc__)
+        return 0
 
     def opt(name: str, default: str | None) -> str | None:
         return argv[argv.index(name) + 1] if name in argv else default
