@@ -51,6 +51,7 @@ BENCH_LAYOUT = {
     "bottom": ("kv_cache", "roofline", "capacity", "batching"),
 }
 PROMPT = "Explain what a KV cache is in two sentences."
+PROBE_MS = 10.0  # the stall probe's interval
 PARAGRAPH = ("The key and value vectors of every past token never change during decoding, so an inference engine "
              "keeps them in a cache and appends one row per step; numbers like 2024 or 3.14159 split into digits. ")
 
@@ -127,21 +128,7 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
     for _ in range(5):  # the user typed and toggled before pressing Generate: that relayout is not the run's
         app.processEvents()
     size_before = win.size().toTuple()
-    gaps: list[float] = []
-    last = [time.perf_counter()]
-
-    ticks: list[float] = []
-
-    def probe() -> None:
-        now = time.perf_counter()
-        gaps.append((now - last[0]) * 1e3)
-        ticks.append(now)
-        last[0] = now
-
-    timer = QtCore.QTimer()
-    timer.setTimerType(QtCore.Qt.TimerType.PreciseTimer)
-    timer.setInterval(10)
-    timer.timeout.connect(probe)
+    probe = TickProbe()
     finished = {}
     done = QtCore.QEventLoop()
     win.bridge.sig_finished.connect(lambda ev: (finished.setdefault("ev", ev), done.quit()))
@@ -161,8 +148,7 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
     cpu0 = (_cpu_s(), sum(engine_proc.cpu_times()[:2]))
     t_start = time.perf_counter()
     t_start_wall = time.time()
-    last[0] = t_start
-    timer.start()
+    probe.start()
     paints.start(app)
     if not gen.generate():
         return 1
@@ -171,7 +157,7 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
     # The probe goes on: the end of the run (the Finished event's handlers, the autosave) is what users wait through.
     t_end = time.perf_counter()
     autosave_s = run_on_watching_autosave(session_io.autosave_path(), t_start_wall, END_S)
-    timer.stop()
+    probe.stop()
     # What arrived with the last tokens is drawn now (a short run can end between two ticks of the shared timer,
     # and a panel's last update would otherwise go uncounted: the smoke test then saw a panel with no draw).
     win.tick_panels(flush=True)
@@ -184,8 +170,8 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
         print(finished.get("error", "generation failed"), file=sys.stderr)
         return 1
     fin = finished["ev"]
-    stalls = np.maximum(np.asarray(gaps) - 10.0, 0.0)
-    n_during = int(np.searchsorted(np.asarray(ticks), last_token[0], side="right"))  # gaps ended by the last token
+    stalls = probe.stalls()
+    n_during = int(np.searchsorted(np.asarray(probe.ticks), last_token[0], side="right"))  # gaps the last token ended
     draws = {k: p.draw_count - draws0[k] for k, p in win.panels.items()}
     result = {
         "tokens": int(len(fin.ids)), "tpot_ms_with_gui": fin.tpot_s * 1e3, "ttft_ms_with_gui": fin.ttft_s * 1e3,
@@ -295,6 +281,38 @@ def show_every_panel(win) -> None:
 def on_screen(widget) -> bool:
     """Visible and not covered: some of the widget is really drawn in the window."""
     return widget.isVisible() and not widget.visibleRegion().isEmpty()
+
+
+class TickProbe:
+    """A PROBE_MS QTimer on the GUI thread: the gaps between its ticks, less the interval, are the GUI's stalls."""
+
+    def __init__(self) -> None:
+        from PySide6 import QtCore
+
+        self.gaps: list[float] = []  # ms between ticks
+        self.ticks: list[float] = []  # perf_counter of each tick
+        self.last = time.perf_counter()
+        self.timer = QtCore.QTimer()
+        self.timer.setTimerType(QtCore.Qt.TimerType.PreciseTimer)
+        self.timer.setInterval(int(PROBE_MS))
+        self.timer.timeout.connect(self._tick)
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        self.gaps.append((now - self.last) * 1e3)
+        self.ticks.append(now)
+        self.last = now
+
+    def start(self) -> None:
+        self.last = time.perf_counter()
+        self.timer.start()
+
+    def stop(self) -> None:
+        self.timer.stop()
+
+    def stalls(self) -> np.ndarray:
+        """Each gap less the interval (ms): 0 for a tick on time."""
+        return np.maximum(np.asarray(self.gaps) - PROBE_MS, 0.0)
 
 
 class PaintCounter:

@@ -27,7 +27,7 @@ def run_app(label: str, generations: int = 2) -> None:
     import psutil
     from PySide6 import QtCore
 
-    from benchmarks.gui import PROMPT, open_window, show_every_panel
+    from benchmarks.gui import PROMPT, TickProbe, open_window, show_every_panel
 
     app, win = open_window(None, dtype="float32")
     show_every_panel(win)
@@ -43,30 +43,19 @@ def run_app(label: str, generations: int = 2) -> None:
     win.bridge.set_params(replace(win.bridge.params, temperature=0.0))
     engine = psutil.Process(win.bridge.process.pid)
     for r in range(generations):
-        gaps, last = [], [time.perf_counter()]
-
-        def probe(gaps: list = gaps, last: list = last) -> None:
-            now = time.perf_counter()
-            gaps.append((now - last[0]) * 1e3)
-            last[0] = now
-
-        timer = QtCore.QTimer()
-        timer.setTimerType(QtCore.Qt.TimerType.PreciseTimer)
-        timer.setInterval(10)
-        timer.timeout.connect(probe)
+        probe = TickProbe()
         done, fin = QtCore.QEventLoop(), {}
         conn = win.bridge.sig_finished.connect(lambda ev, fin=fin, done=done: (fin.setdefault("ev", ev), done.quit()))
         c0, g0 = sum(engine.cpu_times()[:2]), sum(os.times()[:2])
-        last[0] = time.perf_counter()
-        timer.start()
+        probe.start()
         gen.generate()
         done.exec()
-        timer.stop()
+        probe.stop()
         c1, g1 = sum(engine.cpu_times()[:2]), sum(os.times()[:2])
         win.bridge.sig_finished.disconnect(conn)
         ev = fin["ev"]
         n = len(ev.ids)
-        stalls = np.maximum(np.asarray(gaps) - 10, 0)
+        stalls = probe.stalls()
         print(json.dumps({"label": label, "rep": r, "tpot_ms": round(ev.tpot_s * 1e3, 2),
                           "engine_cpu_ms_per_token": round((c1 - c0) / n * 1e3, 1),
                           "gui_cpu_ms_per_token": round((g1 - g0) / n * 1e3, 1),

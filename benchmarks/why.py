@@ -59,7 +59,7 @@ def gui() -> int:
         os.environ["INFERENCE_LAB_SETTINGS"] = os.path.join(settings_dir, "inference-lab.ini")
         from PySide6 import QtCore
 
-        from benchmarks.gui import open_window, show_every_panel
+        from benchmarks.gui import TickProbe, open_window, show_every_panel
 
         app, win = open_window(None)
         if win is None:
@@ -67,33 +67,22 @@ def gui() -> int:
         show_every_panel(win)
         panel = win.panels["why"]
         panel.set_mode("patch")
-        gaps: list[float] = []
-        last = [time.perf_counter()]
-
-        def probe() -> None:
-            now = time.perf_counter()
-            gaps.append((now - last[0]) * 1e3)
-            last[0] = now
-
-        timer = QtCore.QTimer()
-        timer.setTimerType(QtCore.Qt.TimerType.PreciseTimer)
-        timer.setInterval(10)
-        timer.timeout.connect(probe)
+        probe = TickProbe()
         loop, done = QtCore.QEventLoop(), []
         win.bridge.sig_why_done.connect(lambda ev: (done.append(ev), loop.quit()))
-        timer.start()
+        probe.start()
         t0 = time.perf_counter()
         if not panel.run():
             return 1
         loop.exec()
         seconds = time.perf_counter() - t0
-        timer.stop()
-        stalls = np.maximum(np.array(gaps) - 10.0, 0.0)
+        probe.stop()
+        stalls = probe.stalls()
         ev = done[0]
         print(machine(), flush=True)
         print(f"Why panel, patching (its default prompts), {'done' if ev.result else ev.failure or 'cancelled'} in "
               f"{seconds:.1f} s; GUI stall p99 {np.percentile(stalls, 99):.1f} ms, worst {stalls.max():.0f} ms "
-              f"({len(gaps)} ticks)", flush=True)
+              f"({len(probe.gaps)} ticks)", flush=True)
         win.close()
         app.processEvents()
     return 0
