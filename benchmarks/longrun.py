@@ -57,6 +57,23 @@ def main(argv: list[str] | None = None) -> int:
         return _measure(model, n_new, after_s, stacks)
 
 
+def greedy_run(app, win, n_new: int, chat: bool) -> None:
+    """Set the window up for a greedy run of n_new tokens past end-of-text, in chat form where asked and the model
+    has a chat template (a base model, such as Gemma 3 270M, gets its prompt as plain text)."""
+    from dataclasses import replace
+
+    gen = win.panels["generation"]
+    try:
+        win.bridge.tokenizer.chat_prompt(PROMPT)
+        gen.set_chat(chat)
+    except ValueError:
+        gen.set_chat(False)
+    gen.set_max_new_tokens(n_new)
+    gen.ignore_eos = True
+    win.bridge.set_params(replace(win.bridge.params, temperature=0.0))
+    for _ in range(5):
+        app.processEvents()
+
 class StallStacks:
     """Samples the GUI thread's Python stack from another thread while the GUI's probe tick is late.
 
@@ -150,8 +167,6 @@ def time_paints(owner: dict[int, str]) -> dict[str, list[float]]:
 
 
 def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False) -> int:
-    from dataclasses import replace
-
     import psutil
     from PySide6 import QtCore, QtWidgets
 
@@ -165,17 +180,7 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
         return 1
     show_every_panel(win)
     win.panels["prompt"].set_text(PROMPT)
-    gen = win.panels["generation"]
-    try:  # a base model (Gemma 3 270M) has no chat template: its prompt goes as plain text
-        win.bridge.tokenizer.chat_prompt(PROMPT)
-        gen.set_chat(True)
-    except ValueError:
-        gen.set_chat(False)
-    gen.set_max_new_tokens(n_new)
-    gen.ignore_eos = True
-    win.bridge.set_params(replace(win.bridge.params, temperature=0.0))
-    for _ in range(5):
-        app.processEvents()
+    greedy_run(app, win, n_new, chat=True)
 
     gui, engine = psutil.Process(), psutil.Process(win.bridge.process.pid)
     tokens = [0]
@@ -251,7 +256,7 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
         for key in [k for k in paints if k not in ("resized", "since_tick")]:
             del paints[key]
     timer.start()
-    if not gen.generate():
+    if not win.panels["generation"].generate():
         return 1
     done.exec()
     t_end = time.perf_counter()

@@ -136,11 +136,9 @@ def _select_and_time(app, win, step: int, layer: int, head: int, painted: Painte
 
 def make(path: str, n_new: int, step: int, model: str | None, layers: list[int] | None,
          long_prompt: bool = False, prompt_tokens: int = 0) -> int:
-    from dataclasses import replace
-
     from app import session_io
     from benchmarks.gui import open_window, run_on_watching_autosave, show_every_panel
-    from benchmarks.longrun import PROMPT
+    from benchmarks.longrun import PROMPT, greedy_run
     from benchmarks.recompute import TEXT
 
     if not path:
@@ -157,17 +155,7 @@ def make(path: str, n_new: int, step: int, model: str | None, layers: list[int] 
     if prompt_tokens:  # --prompt-tokens P: a plain-text prompt of P tokens, its KV cache filled by one prefill
         ids = win.bridge.tokenizer.encode(TEXT * (prompt_tokens // 20 + 1)).ids[:prompt_tokens]
         win.panels["prompt"].set_text(win.bridge.tokenizer.decode(ids))
-        gen.set_chat(False)
-    try:  # a base model (Gemma 3 270M) has no chat template: its prompt goes as plain text
-        win.bridge.tokenizer.chat_prompt(PROMPT)
-        gen.set_chat(not prompt_tokens)
-    except ValueError:
-        gen.set_chat(False)
-    gen.set_max_new_tokens(n_new)
-    gen.ignore_eos = True
-    win.bridge.set_params(replace(win.bridge.params, temperature=0.0))
-    for _ in range(5):
-        app.processEvents()
+    greedy_run(app, win, n_new, chat=not prompt_tokens)
     finished: dict = {}
     win.bridge.sig_finished.connect(lambda ev: finished.setdefault("ev", ev))
     win.bridge.sig_failed.connect(lambda m: finished.setdefault("error", m))
