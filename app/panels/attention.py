@@ -274,9 +274,9 @@ class AttentionPanel(Panel):
         self.image = pg.ImageItem(axisOrder="row-major")
         self.image.setColorMap(CMAP)
         pi.addItem(self.image)
-        self._fit_factors = (1, 1)  # the heat map is drawn at the view's resolution (fit_to_pixels): again when
-        vb.sigResized.connect(self._on_view_changed)  # a resize or a zoom changes how many cells share a pixel
-        vb.sigRangeChangedManually.connect(self._on_view_changed)
+        self._fit_factors = (1, 1)  # the heat map is drawn at the view's resolution (fit_to_pixels): again when a
+        vb.sigResized.connect(self._on_view_changed)  # resize changes how many cells share a pixel (a zoom redraws
+        # anyway: sigRangeChanged marks the panel dirty below)
         self.colorbar = pg.ColorBarItem(values=(0, 1), colorMap=CMAP, interactive=False, width=12)
         self.colorbar.setImageItem(self.image, insert_in=pi)
         self.colorbar.axis.setStyle(tickFont=self._font)
