@@ -15,6 +15,9 @@ app.panels.generation.ALL_LAYERS_BELOW prompt tokens). It reports:
 - when the autosave file was complete after Finished;
 - the load average at the start and at the end (other work on the cores inflates TPOT and the stalls).
 
+With --keep-session FILE.ilab, the run's autosave is copied there (keep it outside the repository: it is large), for
+`python -m benchmarks.reopen --open FILE.ilab`.
+
 With --stacks, a watcher thread samples the GUI thread's Python stack (sys._current_frames) every few ms while a
 tick is late, and the line gains "stall_stacks": for each stall over STALL_MS, when it happened, how long it was and
 the stacks seen during it (innermost frames first, with how many samples each). A stack that ends in the event
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -51,10 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     model = opt("--model", None)  # default: the app's (SmolLM2-135M)
     after_s = float(opt("--after", "10"))
     stacks = "--stacks" in argv
+    keep = opt("--keep-session", None)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     with tempfile.TemporaryDirectory(prefix="ilab-bench-longrun-") as settings_dir:
         os.environ["INFERENCE_LAB_SETTINGS"] = os.path.join(settings_dir, "inference-lab.ini")
-        return _measure(model, n_new, after_s, stacks)
+        return _measure(model, n_new, after_s, stacks, keep)
 
 
 def greedy_run(app, win, n_new: int, chat: bool) -> None:
@@ -166,7 +171,7 @@ def time_paints(owner: dict[int, str]) -> dict[str, list[float]]:
     return out
 
 
-def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False) -> int:
+def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False, keep: str | None = None) -> int:
     import psutil
     from PySide6 import QtCore, QtWidgets
 
@@ -324,6 +329,9 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
         result["gc_collections"] = collections  # the oldest generation's walks hold the GIL for all they take
         result["plot_resizes"] = [(round(t - t_start, 3), name) for t, name in resized if t >= t_start]
     win.close()
+    if keep and autosave_s is not None:
+        shutil.copyfile(session_io.autosave_path(), keep)
+        result["session_file"], result["session_mib"] = keep, os.path.getsize(keep) / 2**20
     print(json.dumps(result))
     return 0
 
