@@ -17,6 +17,7 @@ opened from a session file has no cache behind it: its status line says which st
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -25,7 +26,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from app.panels.base import Panel
-from app.run_store import store_for
+from app.run_store import Run, store_for
 from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, placeholder, show_empty, style_plot
 from engine.events import AttentionCaptured, ModelInfo, PromptTokenized, ResidualNorms, TokenSampled
 from engine.model.config import ModelConfig
@@ -108,6 +109,12 @@ class AttentionMatrix:
             block[:, q - k >= self.window] = np.nan  # outside the sliding window
         self._w[:, r : r + nq, :nk] = block
         self.size = end
+
+    def reserve(self, first_row: int, end: int, keys: int) -> None:
+        """Make room for query rows first_row … end − 1 over `keys` keys before the first add (a layer rebuilt from
+        stored captures) when they fit the byte budget; the adds grow the matrix otherwise."""
+        if self.first_step is None and 0 < end - first_row <= self.max_bytes // (4 * self.n_heads * keys):
+            self._reshape(first_row, end - first_row, keys)
 
     def _reshape(self, first_row: int, rows_cap: int, keys_cap: int) -> None:
         """Re-allocate as rows first_row … first_row + rows_cap − 1 by keys_cap keys, keeping the rows held there."""
@@ -366,12 +373,44 @@ class AttentionPanel(Panel):
             self._matrices.clear()
             run = store.shown_run()
             if run is not None and layer in self._captured:
-                for ev in run.events:
-                    if isinstance(ev, AttentionCaptured) and ev.layer == layer:
-                        self._add(ev)
+                self._rebuild(run, int(layer))
         self._maybe_recompute()
         self.mark_dirty()
         self._draw_now()
+
+    def _rebuild(self, run: Run, layer: int) -> None:
+        """The layer's matrix from the run store's captures of it, newest first and only as far back as the matrix
+        holds: the older rows it would let go again at once. A layer switch late in a long run then costs what the
+        panel shows, not the run (every held capture added in turn, the matrix growing and dropping rows as it did
+        live, held the GUI thread for a large part of a second)."""
+        found: list[AttentionCaptured] = []
+        room = None  # the first query row the matrix holds at the newest capture's width
+        for _step, where in itertools.chain(reversed(run._rest), reversed(run._first)):
+            ev = next((e for e in (run.events[i] for i in where)
+                       if isinstance(e, AttentionCaptured) and e.layer == layer), None)
+            if ev is None:
+                continue
+            if room is None:
+                h, nq, nk = ev.weights.shape
+                end, keys = ev.query_start + nq, max(nk, ev.query_start + nq)
+                room = end - max(1, MATRIX_BYTES // (4 * h * keys))
+            found.append(ev)
+            if ev.query_start <= room:
+                break
+        if not found:
+            return
+        m = self._matrices[layer] = AttentionMatrix(h, self.sliding_window(layer))
+        m.reserve(found[-1].query_start, end, keys)  # one allocation, not one per growth
+        for ev in reversed(found):
+            self._add(ev)
+        if found[-1].query_start > room:  # every held capture of the layer is in
+            return
+        # the oldest held capture says where the layer's capture began (step 0, or the step it was asked for)
+        groups = itertools.chain(run._first, run._rest)
+        first = next(e for _step, where in groups for e in (run.events[i] for i in where)
+                     if isinstance(e, AttentionCaptured) and e.layer == layer)
+        m.first_step = first.step
+        m.rows_dropped += m.first_row - first.query_start
 
     @QtCore.Slot(object)
     def _on_prompt(self, ev: PromptTokenized) -> None:
