@@ -328,10 +328,10 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
         result["dock_min_size_changes"] = hint_changes
         result["gc_collections"] = collections  # the oldest generation's walks hold the GIL for all they take
         result["plot_resizes"] = [(round(t - t_start, 3), name) for t, name in resized if t >= t_start]
-    win.close()
-    if keep and autosave_s is not None:
+    if keep and autosave_s is not None:  # before the close, which removes the autosave (session_io.clean_exit)
         shutil.copyfile(session_io.autosave_path(), keep)
         result["session_file"], result["session_mib"] = keep, os.path.getsize(keep) / 2**20
+    win.close()
     print(json.dumps(result))
     return 0
 
