@@ -59,18 +59,41 @@ def token_prob(ev: TokenSampled) -> tuple[float | None, float | None]:
     return float(f.p_raw[hit[0]]), float(f.p_final[hit[0]])
 
 
+class Confidence:
+    """A run's chosen-token probabilities summed as its tokens arrive, so that its summary late in a long run costs
+    the tokens added since the last one, not the run (summing them all held the GUI thread at a long run's end)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0  # tokens read so far
+        self.n = 0  # of them with a probability (their step's funnel was captured)
+        self.sum_p = 0.0
+        self.sum_log_p = 0.0
+
+    def add(self, tokens: list[TokenSampled]) -> Confidence:
+        for t in tokens:
+            p = token_prob(t)[0]
+            if p is not None:
+                self.n += 1
+                self.sum_p += p
+                self.sum_log_p += math.log(max(p, 1e-12))
+        self.tokens += len(tokens)
+        return self
+
+    def summary(self, run: Run) -> str:
+        """Tokens, mean probability, perplexity and timing of `run`, whose first `tokens` tokens were added."""
+        parts = [f"{run.n_tokens} tokens"]
+        if self.n:
+            parts.append(f"mean p {self.sum_p / self.n:.2f}")
+            parts.append(f"perplexity {math.exp(-self.sum_log_p / self.n):.2f}")
+        fin = run.finished
+        if fin is not None:
+            parts.append(f"TTFT {1e3 * fin.ttft_s:.0f} ms · TPOT {1e3 * fin.tpot_s:.1f} ms")
+        return " · ".join(parts)
+
+
 def run_summary(run: Run) -> str:
     """Tokens, mean probability, perplexity and timing of a run, in one line."""
-    toks = run.tokens
-    probs = [p for p in (token_prob(t)[0] for t in toks) if p is not None]
-    fin = run.finished
-    parts = [f"{len(toks)} tokens"]
-    if probs:
-        parts.append(f"mean p {np.mean(probs):.2f}")
-        parts.append(f"perplexity {math.exp(-np.mean(np.log(np.maximum(probs, 1e-12)))):.2f}")
-    if fin is not None:
-        parts.append(f"TTFT {1e3 * fin.ttft_s:.0f} ms · TPOT {1e3 * fin.tpot_s:.1f} ms")
-    return " · ".join(parts)
+    return Confidence().add(run.tokens).summary(run)
 
 
 def token_look(t: TokenSampled, mode: str, tokenizer=None) -> tuple[str, str] | None:
@@ -181,7 +204,7 @@ class BranchesPanel(Panel):
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)
         self.store: RunStore | None = None
-        self._summaries: dict[int, tuple[tuple[int, int, bool], str]] = {}  # run id → (which, its length, ended)
+        self._confidence: dict[int, tuple[int, Confidence]] = {}  # run id → (which run: id of its events, its sums)
         self._page: tuple | None = None  # what the text shows (run, mode, tokenizer, prompt, scores) and its tokens
         self._page_tokens = 0
         self._build()
@@ -260,6 +283,9 @@ class BranchesPanel(Panel):
 
     @QtCore.Slot(int)
     def _on_run_updated(self, run_id: int) -> None:
+        run = self.store.run(run_id) if self.store is not None else None
+        if run is not None:
+            self._confidence_of(run)  # the new token's probability, now rather than all of them at the run's end
         if self.store is not None and run_id == self.store.shown:
             self.mark_dirty()
 
@@ -339,14 +365,18 @@ class BranchesPanel(Panel):
     def _item(self, i: int) -> QtWidgets.QTreeWidgetItem:
         return self.tree.topLevelItem(i)
 
+    def _confidence_of(self, run: Run) -> Confidence:
+        """The run's Confidence, brought up to its newest token."""
+        which, conf = self._confidence.get(run.id, (None, None))
+        if conf is None or which != id(run.events) or conf.tokens > run.n_tokens:  # another run under this id
+            conf = Confidence()
+            self._confidence[run.id] = (id(run.events), conf)
+        if conf.tokens < run.n_tokens:
+            conf.add(run.tokens_from(conf.tokens))
+        return conf
+
     def _summary(self, run: Run) -> str:
-        """run_summary, computed again only when the run changed: the tree is rebuilt whenever any run is recorded,
-        and summing a long run's probabilities for every branch each time held the GUI thread at a run's end."""
-        key = (id(run.events), run.n_tokens, run.finished is not None)
-        cached = self._summaries.get(run.id)
-        if cached is None or cached[0] != key:
-            cached = self._summaries[run.id] = (key, run_summary(run))
-        return cached[1]
+        return self._confidence_of(run).summary(run)
 
     def _rebuild_tree(self) -> None:
         ticked = {i for i in range(self.tree.topLevelItemCount())
@@ -354,7 +384,7 @@ class BranchesPanel(Panel):
         self.tree.clear()
         shown = self.shown
         live = {b.id for b in self.branches}
-        self._summaries = {k: v for k, v in self._summaries.items() if k in live}
+        self._confidence = {k: v for k, v in self._confidence.items() if k in live}
         for i, b in enumerate(self.branches):
             depth, p = 0, self.store.run(b.parent)
             while p is not None:
