@@ -17,6 +17,7 @@ opened from a session file has no cache behind it: its status line says which st
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 
@@ -486,7 +487,7 @@ class AttentionPanel(Panel):
         the run is the engine's live one (the answer comes as sig_recomputed)."""
         step, layer = self._selected_step, self.layer()
         if step is None or step < 1 or self.row_held(step) or (step, layer) in self._recomputed \
-                or (step, layer) in self._asked.values():
+                or (step, layer) in self._asked.values() or self.stored_row(step) is not None:
             return
         run = self._live_run()
         started = run.source if run is not None else None  # its RunStarted
@@ -508,12 +509,31 @@ class AttentionPanel(Panel):
             self._draw_now()
 
     def recomputed_row(self) -> AttentionCaptured | None:
-        """The selected step's recomputed row of the shown layer, when the matrix does not hold that step."""
+        """The selected step's row of the shown layer when the matrix does not hold that step: as the run store kept
+        it, else as the engine recomputed it."""
         step = self._selected_step
         if step is None or self.row_held(step):
             return None
-        ev = self._recomputed.get((step, self.layer()))
+        ev = self.stored_row(step)
+        if ev is None:
+            ev = self._recomputed.get((step, self.layer()))
         return ev if isinstance(ev, AttentionCaptured) else None
+
+    def stored_row(self, step: int) -> AttentionCaptured | None:
+        """Decode step `step`'s row of the shown layer as the window's run store kept it (the run's first steps
+        stay there for its life, and more of its steps than the panel's matrix holds), or None. A run opened from a
+        file has no KV cache to recompute from: this is how its kept steps outside the matrix are shown."""
+        store = store_for(self.bridge)
+        run = store.shown_run() if store is not None else None
+        if run is None or step < 1:
+            return None
+        layer = self.layer()
+        for groups in (run._first, run._rest):  # each (step, indices of its captures in run.events), in step order
+            i = bisect.bisect_left(groups, step, key=lambda g: g[0])
+            if i < len(groups) and groups[i][0] == step:
+                return next((e for e in (run.events[j] for j in groups[i][1]) if isinstance(e, AttentionCaptured)
+                             and e.layer == layer and e.weights.shape[1] == 1), None)
+        return None
 
     def _recompute_note(self) -> str:
         """What became of the selected step's recompute ("" when none was asked for)."""
@@ -629,7 +649,7 @@ class AttentionPanel(Panel):
         recomputed = self.recomputed_row()
         pending = self._recompute_note()
         if recomputed is not None:
-            self._draw_recomputed(recomputed, kept)
+            self._draw_recomputed(recomputed, kept, stored=recomputed is self.stored_row(recomputed.step))
         elif m is None:
             captured = sorted(self._captured)
             src = self.bridge.run_source
@@ -700,8 +720,9 @@ class AttentionPanel(Panel):
             self._draw_selection(s, r0)
         self._draw_norms()
 
-    def _draw_recomputed(self, ev: AttentionCaptured, kept: str) -> None:
-        """The selected step's one row, recomputed from the KV cache: (heads, 1, keys) at query position p."""
+    def _draw_recomputed(self, ev: AttentionCaptured, kept: str, stored: bool = False) -> None:
+        """The selected step's one row, recomputed from the KV cache (or as the run store kept it): (heads, 1, keys)
+        at query position p."""
         p, n_keys = ev.query_start, ev.weights.shape[2]
         s = p + 1
         row = np.full((ev.weights.shape[0], 1, s), np.nan, dtype=np.float32)
@@ -722,7 +743,8 @@ class AttentionPanel(Panel):
         self.status.setText(
             f"Layer {ev.layer}, step {ev.step:,}: query position {p:,} reading {n_keys:,} keys"
             + (f" (local layer: the last {w:,} positions)" if w else "")
-            + " — recomputed from the KV cache: the run's capture of this step is not held"
+            + (" — as captured in the run, which keeps this step; the heat map holds the newest rows only"
+               if stored else " — recomputed from the KV cache: the run's capture of this step is not held")
             + (f" ({kept})" if kept else "") + ". Select a held step to see the matrix again.")
         self._draw_labels(s, p)
         self._draw_selection(s, p)

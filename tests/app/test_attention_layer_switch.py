@@ -136,3 +136,38 @@ def test_a_layer_asked_for_mid_run_still_says_so_after_a_switch(qtbot, bridge, t
     shown.flush()
     assert shown.first_row() == N_PROMPT + since - 1
     assert "query rows are shown" not in shown.status.text()
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_a_step_the_store_kept_but_the_matrix_let_go_is_drawn_as_captured(qtbot, bridge, tiny_lm, monkeypatch, live):
+    """An early step of a long run (the store keeps a run's first steps for its life) outside the panel's matrix: drawn
+    from the store's capture at once, with nothing asked of the engine; in a run opened from a file (no KV cache
+    behind it) this is the only way to see it."""
+    from app.panels import attention
+
+    n_steps, rows_held = 300, 32
+    heads, layers = tiny_lm.cfg.n_heads, tiny_lm.cfg.n_layers
+    s_end = N_PROMPT + n_steps - 1
+    monkeypatch.setattr(attention, "MATRIX_BYTES", rows_held * 4 * heads * s_end)
+    bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
+    store = RunStore(bridge)
+    shown = panel_on(bridge, layers - 1, qtbot)
+    for ev in random_run(n_steps, layers, heads):
+        bridge.replay(ev)
+    if not live:  # as a session file opens: the same runs, no engine run behind them
+        store.load(store.records())
+        assert store.recording is None
+    asked = []
+    monkeypatch.setattr(bridge, "recompute", lambda *a, **k: asked.append(a) or 0)
+    step = 5
+    assert not shown.row_held(step)
+    bridge.select_step(step)
+    shown.flush()
+    ev = shown.recomputed_row()
+    assert ev is not None and (ev.step, ev.layer, ev.query_start) == (step, layers - 1, N_PROMPT + step - 1)
+    sent = next(e for e in random_run(n_steps, layers, heads)
+                if isinstance(e, AttentionCaptured) and e.step == step and e.layer == layers - 1)
+    np.testing.assert_array_equal(ev.weights, sent.weights)
+    drawn = np.sqrt(np.clip(sent.weights[shown.head(), 0], 0, None))  # the panel's √ scale
+    np.testing.assert_allclose(shown.image.image, drawn[None, :], rtol=1e-6)
+    assert not asked and "as captured in the run" in shown.status.text()
