@@ -30,6 +30,12 @@ ROPE_ROWS = 4096  # positions of the RoPE table built at load; it doubles as a g
 HEAD_RESCORE = 64  # candidates whose logits a bf16/fp16 head recomputes in float32 (see Transformer.head)
 HEAD_RESCORE_MAX_ROWS = 64  # positions it does that for (decode and last-position prefill; not long all-logits)
 UPCAST_MAX_KEYS = 3072  # a bf16 decode query's attention runs in float32 up to this many keys (Attention.forward)
+# Past UPCAST_MAX_KEYS, a bf16 decode query's two products run in bf16 over the keys up to a multiple of KEY_BLOCK
+# and in float32 over the rest: oneDNN builds (JIT-compiles) a kernel for every new product shape and never gives its
+# memory back, so a key count that grows by one each step cost a compile and ~1 MB per product per step (an engine
+# that grew by 3 GB over an 8,000-token run: BENCHMARKS.md, "Intel Xeon with AVX-512 and AMX"); in blocks, a new shape
+# comes once every KEY_BLOCK steps.
+KEY_BLOCK = 256
 SPLIT_MAX_ROWS = 4  # up to this many rows a product is a decode product: the kernel measured for it runs
 
 
@@ -159,6 +165,27 @@ def explicit_attention(
     return out.reshape(B, H, T, hd), weights.reshape(B, H, T, S)
 
 
+def key_blocked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_size: int, scale: float,
+    mask: torch.Tensor | None, block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """explicit_attention for a low-precision q, k, v whose key count S changes every step: the products over the
+    first S // block · block keys run in the inputs' dtype (one product shape per block of steps), the rest in
+    float32 on upcast copies, and the softmax over all of them in float32. Same arguments and results."""
+    B, H, T, hd = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    block = block or KEY_BLOCK
+    m = S // block * block
+    qg = q.reshape(B, KV, group_size * T, hd)  # (B, KV, G·T, hd)
+    scores = torch.cat([(qg @ k[:, :, :m].transpose(-1, -2)).float(),
+                        qg.float() @ k[:, :, m:].float().transpose(-1, -2)], dim=-1) * scale  # (B, KV, G·T, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.repeat(*(1,) * (mask.dim() - 2), group_size, 1), float("-inf"))
+    weights = torch.softmax(scores, dim=-1)  # float32
+    out = (weights[..., :m].to(q.dtype) @ v[:, :, :m]).float() + weights[..., m:] @ v[:, :, m:].float()
+    return out.to(q.dtype).reshape(B, H, T, hd), weights.to(q.dtype).reshape(B, H, T, S)
+
+
 def sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
     plain_causal: bool = False,
@@ -211,8 +238,11 @@ class Attention(nn.Module):
                  and (not self.window or T <= self.window))  # a square causal mask
         if low_precision_decode or (capture and n == T):  # the weights, when a panel wants them, come for free
             upcast = low_precision_decode and S <= UPCAST_MAX_KEYS
-            y, weights = explicit_attention(*(t.float() if upcast else t for t in (q, k_all, v_all)),
-                                            cfg.group_size, cfg.softmax_scale, mask)
+            if low_precision_decode and not upcast:
+                y, weights = key_blocked_attention(q, k_all, v_all, cfg.group_size, cfg.softmax_scale, mask)
+            else:
+                y, weights = explicit_attention(*(t.float() if upcast else t for t in (q, k_all, v_all)),
+                                                cfg.group_size, cfg.softmax_scale, mask)
             if upcast:
                 y = y.to(q.dtype)
             if capture:

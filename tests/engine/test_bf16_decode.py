@@ -134,3 +134,51 @@ def test_real_model_bf16_greedy_continuations_equal_float32(real_lm):
             logits = np.asarray(ref[parted].logits, dtype=np.float64)
             margin = logits[want[parted]] - logits[got[parted]]
             assert margin < NEAR_TIE, (prompt, parted, margin)
+
+
+def _attention_f64(q, k, v, group_size, scale, mask):
+    """softmax(q·kᵀ·scale + mask)·v in float64 on the same (rounded) inputs, each query head reading its group's KV."""
+    q, k, v = (t.double() for t in (q, k, v))
+    k, v = k.repeat_interleave(group_size, 1), v.repeat_interleave(group_size, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    w = torch.softmax(s, -1)
+    return w @ v, w
+
+
+@pytest.mark.parametrize("S", [8 * 3 - 1, 8 * 3, 8 * 3 + 5, 5])
+@pytest.mark.parametrize("window", [0, 9])
+def test_key_blocked_attention_matches_float64(S, window):
+    """A long bf16 decode query's attention runs its products in bf16 up to a block boundary and in float32 past it
+    (so oneDNN sees a new shape once per block, not every step): the output and the weights stay within bf16's
+    rounding of float64 on the same inputs, whatever the key count's remainder, with a sliding-window band too."""
+    g = torch.Generator().manual_seed(S + window)
+    G, KV, hd = 3, 2, 16
+    q = torch.randn(1, G * KV, 1, hd, generator=g).bfloat16()
+    k = torch.randn(1, KV, S, hd, generator=g).bfloat16()
+    v = torch.randn(1, KV, S, hd, generator=g).bfloat16()
+    mask = (torch.arange(S) > S - 1 - window)[None] if window else None  # the band of the newest `window` keys
+    y, w = model.key_blocked_attention(q, k, v, G, hd ** -0.5, mask, block=8)
+    y64, w64 = _attention_f64(q, k, v, G, hd ** -0.5, mask)
+    assert y.dtype == w.dtype == torch.bfloat16 and w.shape == (1, G * KV, 1, S)
+    assert_close(w.double(), w64, atol=4e-3, rtol=1e-2)
+    assert_close(y.double(), y64, atol=2e-2 * float(v.abs().max()), rtol=2e-2)
+    if window:
+        assert (w[..., : max(0, S - window)] == 0).all()  # no query reads outside its band
+
+
+def test_tiny_model_bf16_decode_past_the_upcast_limit(monkeypatch, tiny_dir, tiny_lm):
+    """With the float32 copies' limit below the context, the tiny model's bf16 decode runs the key-blocked products
+    (blocks smaller than the prompt, so both parts are used) and stays as close to its float32 decode as before."""
+    monkeypatch.setattr(model, "UPCAST_MAX_KEYS", 3)
+    monkeypatch.setattr(model, "KEY_BLOCK", 4)
+    called = []
+    real = model.key_blocked_attention
+    monkeypatch.setattr(model, "key_blocked_attention", lambda *a, **kw: called.append(a[1].shape[2]) or real(*a, **kw))
+    ids = [1, 17, 42, 99, 3, 250, 7, 64, 128, 5, 33, 200]
+    bf = load(tiny_dir.gguf, device="cpu", dtype="bfloat16", use_cache=False)
+    lf, lb = decode_logits(tiny_lm, ids), decode_logits(bf, ids)
+    assert max(called) > 4 and any(s % 4 for s in called)  # a full block and a remainder were both used
+    assert (lf.argmax(-1) == lb.argmax(-1)).float().mean() > 0.8
+    assert_close(lb, lf, atol=0.3, rtol=0.1)
