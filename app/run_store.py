@@ -162,11 +162,6 @@ class Run:
         return (f"this run holds {held}: steps {lo:,}–{hi:,} were dropped to bound memory ({ATTENTION_BYTES >> 20} "
                 f"MiB a run, {ATTENTION_TOTAL >> 20} MiB for all runs)")
 
-    def first_steps_upto(self) -> int:
-        """The last of the first steps kept (-1: none yet): their captures stay for the run's life (unless other
-        runs need the room), so a session writer may encode them ahead of the save."""
-        return self._first[-1][0] if self._first else -1
-
     def _add_capture(self, ev: AttentionCaptured | LensCaptured) -> int:
         """Append a capture, grouped with its step's others; its bytes."""
         first = not self._rest and (bool(self._first) and self._first[-1][0] == ev.step

@@ -32,7 +32,6 @@ from app.run_store import RunStore
 from app.settings import ENV_FILE
 from engine.events import Finished
 from engine.formats.session_file import (
-    EncodedEvents,
     SavedSession,
     load_session,
     model_identity,
@@ -53,7 +52,6 @@ def autosave_path() -> Path:
 
 
 SLICE_S = 0.010  # GUI-thread time a replay takes before the event loop turns again (paints, input, Esc)
-WARM_EVERY = 64  # tokens of a live run between two warm-ups of the autosave's encoding
 
 
 def replay_events(bridge, events: list, store: RunStore | None = None) -> None:
@@ -324,13 +322,12 @@ def current_session(window) -> SavedSession:
     return s
 
 
-def write(path: str | os.PathLike[str], session: SavedSession, memo: EncodedEvents | None = None) -> None:
-    """Write a snapshot (any thread): OSError or TypeError with one sentence when it cannot. `memo`: the writer
-    thread's events encoded before (see EncodedEvents)."""
+def write(path: str | os.PathLike[str], session: SavedSession) -> None:
+    """Write a snapshot (any thread): OSError or TypeError with one sentence when it cannot."""
     if not session.model and session.info is not None:
         session.model = model_identity(session.info)
     session.tokenizer = tokenizer_files(session.tokenizer, session.info.path if session.info is not None else "")
-    save_session(path, session, memo)
+    save_session(path, session)
 
 
 # ---- the writer thread ------------------------------------------------------------------------------------------
@@ -338,7 +335,7 @@ def write(path: str | os.PathLike[str], session: SavedSession, memo: EncodedEven
 class Job:
     """One file to write or read in the writer thread; `done` runs on the GUI thread with (result, error)."""
 
-    kind: str  # "save", "autosave", "open" or "warm" (encode a live run's events ahead of its autosave)
+    kind: str  # "save", "autosave", "open" or "warm" (a live run's tokenizer files made ahead of its autosave)
     path: Path
     session: SavedSession | None = None
     info: object = None  # open: the loaded model's facts, to compare with the session's
@@ -347,9 +344,6 @@ class Job:
     error: str | None = None
     finished: threading.Event = field(default_factory=threading.Event)
     handled: bool = False
-    memo: EncodedEvents | None = None  # the writer's (SessionWriter.submit)
-    captures_upto: int = -1  # warm: the last step whose attention and lens the store keeps for good
-    should_stop: Callable[[], bool] | None = None  # warm: another job is waiting
 
     def run(self) -> None:
         if self.kind == "open":
@@ -358,12 +352,10 @@ class Job:
         elif self.kind == "warm":
             if self.session.tokenizer is not None:  # ready before the run ends: its autosave does not wait for it
                 tokenizer_files(self.session.tokenizer, self.session.info.path if self.session.info else "")
-            if self.memo is not None:
-                self.result = self.memo.warm(self.session.events, self.captures_upto, self.should_stop)
         else:
             if self.kind == "autosave":
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-            write(self.path, self.session, self.memo)
+            write(self.path, self.session)
 
 
 class SessionWriter(QtCore.QObject):
@@ -377,17 +369,10 @@ class SessionWriter(QtCore.QObject):
         self._pending: list[Job] = []
         self._thread: threading.Thread | None = None
         self.closed = False  # the window exited cleanly: no more autosaves
-        # the runs' events as the last saves encoded them: the autosave after each run encodes only what is new
-        # (and a live run's settled events are encoded while it runs: `warm`). Touched by the worker thread only.
-        self.memo = EncodedEvents()
         self.sig_done.connect(self._on_done, QtCore.Qt.ConnectionType.QueuedConnection)
 
     def submit(self, job: Job) -> Job:
         """Queue a job (GUI thread); a new autosave replaces one still waiting, a new warm-up likewise."""
-        if job.kind in ("save", "autosave", "warm"):
-            job.memo = self.memo
-        if job.kind == "warm":
-            job.should_stop = lambda: self.closed or any(j.kind != "warm" for j in self._pending)
         with self._lock:
             if job.kind in ("autosave", "warm"):
                 self._pending = [j for j in self._pending if j.kind != job.kind]
@@ -613,18 +598,17 @@ def _opened(window, path: Path, result, error: str | None, wait: bool = True) ->
 
 
 def _warm(window, run_id: int) -> None:
-    """Every WARM_EVERY tokens of a live run, have the writer thread encode its events so far (those that will
-    not change), so that the autosave at its end has only the rest to do."""
+    """At a live run's first token, have the writer thread make the tokenizer's files (the first time for this
+    tokenizer), so that the autosave at the run's end does not wait for them."""
     store: RunStore = window.run_store
     writer: SessionWriter = window.session_writer
     if window.settings is None or writer.closed or run_id != store.recording:
         return
     run = store.run(run_id)
-    if run is None or run.finished is not None or run.n_tokens % WARM_EVERY:
+    if run is None or run.finished is not None or run.n_tokens != 1:
         return
-    writer.submit(Job("warm", autosave_path(), SavedSession(events=list(run.events), tokenizer=window.bridge.tokenizer,
-                                                           info=window.bridge.info),
-                      captures_upto=run.first_steps_upto()))
+    bridge = window.bridge
+    writer.submit(Job("warm", autosave_path(), SavedSession(tokenizer=bridge.tokenizer, info=bridge.info)))
 
 
 def autosave(window) -> None:

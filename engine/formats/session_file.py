@@ -2,20 +2,26 @@
 
 The format is open and holds no pickle: a zip archive with
     session.json     format version, model identity (name, path, SHA-256 of the weights file), prompt, settings,
-                     the model's config and facts, and every event in order, as JSON
-    arrays.npz       every numpy array the events carry, named a0, a1, … and referenced from session.json as
-                     {"$array": "a0"}: an ordinary uncompressed .npz, stored in the archive as it is (so it is
-                     read in place)
+                     the model's config and facts, and every event in order, as JSON: each kind of event as
+                     columns, one list per field (see "version 2" below)
+    arrays/0.npy …   every numpy array the events carry, packed: one 1-D .npy per dtype (and one more for the large
+                     arrays) holding the arrays one after another, an array named in session.json by
+                     [pack, offset, *shape]; stored in the archive as they are, so each is read in place at once
     tokenizer/       the model's tokenizer (tokenizer.json and its metadata), so pieces can be drawn
-Objects in session.json are tagged: {"$type": "TokenSampled", "fields": {...}} for the dataclasses listed in
-`readable_types()` (the engine's events, a server run's events, settings and configs), {"$tuple": [...]},
-{"$frozenset": [...]}.
+Settings and configs in session.json are tagged: {"$type": "SamplingParams", "fields": {...}} for the dataclasses
+listed in `readable_types()` (the engine's events, a server run's events, settings and configs), {"$tuple": [...]},
+{"$frozenset": [...]}, {"$array": [pack, offset, *shape]}.
+
+Version 1 (still read; written with `version=1`) held every event tagged one by one, and arrays.npz with one
+member per array, named a0, a1, … ({"$array": "a0"}): reading a long run's tens of thousands of both one at a time
+was most of the time it took to reopen.
 
 A session file may come from anyone, so reading one is bounded before anything is inflated: how many members,
 how large each says it is and how far it is compressed (checked in the zip directory and again while reading, in
-chunks, so a lying header gains nothing), each array's .npy header (shape × item size, no object dtypes), the JSON's
-size and nesting depth; then every record's fields are checked against its annotations and the per-step arrays
-against each other. Whatever is wrong, the reader raises SessionFileError with one sentence.
+chunks, so a lying header gains nothing), each pack's or array's .npy header (shape × item size, no object dtypes,
+its size the member's), every array's place inside its pack, the JSON's size and nesting depth; then every record's
+fields are checked against its annotations (a column at once) and the per-step arrays against each other. Whatever
+is wrong, the reader raises SessionFileError with one sentence.
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import itertools
 import json
 import math
+import operator
 import os
 import re
 import struct
@@ -32,7 +40,6 @@ import tempfile
 import time
 import types
 import typing
-import weakref
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -47,7 +54,7 @@ from engine.model.config import ModelConfig
 from engine.protocol import Capture, SamplingParams  # plain data: the GUI process reads session files, torch-free
 
 FORMAT = "inference-lab-session"
-VERSION = 1
+VERSION = 2
 SUFFIX = ".ilab"
 
 # ---- what a file may make the reader hold -------------------------------------------------------------------
@@ -101,12 +108,31 @@ _CHECKS: dict[type, dict[str, tuple[Callable[[Any], bool], str]]] = {}
 def _checks(cls: type) -> dict[str, tuple[Callable[[Any], bool], str]]:
     """For each field of a record type, a test of whether a decoded value fits its annotation, and its name."""
     if cls not in _CHECKS:
-        try:
-            hints = typing.get_type_hints(cls)
-        except Exception:  # noqa: BLE001 — annotations that cannot be resolved are not checked
-            hints = {}
-        _CHECKS[cls] = {name: (_checker(h), _label(h)) for name, h in hints.items()}
+        _CHECKS[cls] = {name: (_checker(h), _label(h)) for name, h in _hints(cls).items()}
     return _CHECKS[cls]
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 — annotations that cannot be resolved are not checked
+        return {}
+
+
+_BY_TYPE: dict[type, frozenset[str]] = {}
+
+
+def _checked_by_type(cls: type) -> frozenset[str]:
+    """The fields whose check looks only at a value's type (not at a Literal's value or a container's items): a
+    column of them is checked with one value of each type it holds."""
+    if cls not in _BY_TYPE:
+        def by_type(h: Any) -> bool:
+            origin = typing.get_origin(h)
+            if origin is typing.Union or origin is types.UnionType:
+                return all(by_type(a) for a in typing.get_args(h))
+            return origin is None and (h is None or isinstance(h, type))
+        _BY_TYPE[cls] = frozenset(name for name, h in _hints(cls).items() if by_type(h))
+    return _BY_TYPE[cls]
 
 
 @dataclass
@@ -190,80 +216,17 @@ def same_model(saved: dict, info: ev_mod.ModelInfo | None) -> str | None:
 
 
 # ---- encoding ------------------------------------------------------------------------------------------------
-class EncodedEvents:
-    """Events encoded by earlier saves (or ahead of one, `warm`), kept for the next save of the same runs.
-
-    An event is frozen, so its JSON text and its arrays' names stay right for as long as the event itself lives; a
-    session saved after every run (the autosave) then encodes only what is new since the last. Events and arrays
-    are held by weak reference: what the run store lets go (a step's attention it drops, a token it replaces by one
-    without its logits) is freed as before, and its entry goes at the next sweep. Used by one thread at a time (the
-    app's session writer thread).
-    """
-
-    MAX_KEY = 5_000_000  # array names stay within the reader's a0…a9999999
-
-    def __init__(self) -> None:
-        # id of an event → (weak reference to it, its JSON text, its arrays' names and weak references)
-        self.events: dict[int, tuple[weakref.ref, str, tuple[tuple[str, weakref.ref], ...]]] = {}
-        self.arrays: dict[int, tuple[weakref.ref, str]] = {}  # id of an array → (weak reference, its name)
-        self.next_key = 0
-
-    def get(self, e: Any) -> tuple[str, tuple[tuple[str, weakref.ref], ...]] | None:
-        hit = self.events.get(id(e))
-        return (hit[1], hit[2]) if hit is not None and hit[0]() is e else None
-
-    def warm(self, events: list, captures_upto: int = -1, should_stop: Callable[[], bool] | None = None) -> int:
-        """Encode the events not encoded yet, ahead of the save that will need them; how many. Left for the save:
-        a token still carrying its full logits (the store soon replaces it by one without) and a step's attention
-        or lens past step `captures_upto` (the store drops most of those before the run ends)."""
-        self.sweep()
-        enc, n = _Encoder(self), 0
-        captures = (ev_mod.AttentionCaptured, ev_mod.LensCaptured)
-        for e in events:
-            if should_stop is not None and should_stop():
-                break
-            if e is None or self.get(e) or (isinstance(e, ev_mod.TokenSampled) and e.logits is not None) or (
-                    isinstance(e, captures) and e.step > captures_upto):
-                continue
-            enc.event(e)
-            n += 1
-        return n
-
-    def sweep(self) -> None:
-        """Forget the events and arrays that are gone; start afresh when the names run high."""
-        self.events = {k: v for k, v in self.events.items() if v[0]() is not None}
-        self.arrays = {k: v for k, v in self.arrays.items() if v[0]() is not None}
-        if self.next_key > self.MAX_KEY:
-            self.events, self.arrays, self.next_key = {}, {}, 0
-
-
-def _weak(x: Any) -> weakref.ref:
-    return weakref.ref(x)
-
-
 class _Encoder:
-    def __init__(self, memo: EncodedEvents | None = None) -> None:
-        self.arrays: dict[str, np.ndarray] = {}
-        self.memo = memo if memo is not None else EncodedEvents()
-        self._named: list[tuple[str, weakref.ref]] | None = None  # the arrays of the event being encoded
+    """Values as tagged JSON (version 1's records, and in version 2 what is not a column: settings, configs)."""
+
+    def __init__(self, packs: _Packs | None = None) -> None:
+        self.arrays: dict[str, np.ndarray] = {}  # version 1: the arrays by name, for arrays.npz
+        self.names: dict[int, str] = {}  # id of an array → its name (an array two events share is stored once)
+        self.packs = packs  # version 2: an array is a place in a pack
         self.types = readable_types()
 
     def event(self, e: Any) -> str:
-        """One event as JSON text, from the memo when an earlier save or warm-up encoded it."""
-        hit = self.memo.get(e)
-        if hit is None:
-            self._named = []
-            text = json.dumps(self(e), ensure_ascii=False)
-            hit = (text, tuple(self._named))
-            self._named = None
-            try:
-                self.memo.events[id(e)] = (_weak(e), *hit)
-            except TypeError:  # a record without weak references is encoded each time
-                pass
-        else:
-            for key, ref in hit[1]:
-                self.arrays[key] = ref()  # alive: the event holds it
-        return hit[0]
+        return json.dumps(self(e), ensure_ascii=False)
 
     def __call__(self, x: Any) -> Any:
         if x is None or isinstance(x, (bool, int, float, str)):
@@ -271,16 +234,13 @@ class _Encoder:
         if isinstance(x, np.ndarray):
             if x.dtype.kind not in "biufc":
                 raise TypeError(f"cannot store an array of dtype {x.dtype}")
-            # an array keeps its name while it lives (an event in two lists, or two saves, stores it under one); the
-            # weak reference tells a new array from a dead one whose id it took
-            known = self.memo.arrays.get(id(x))
-            if known is None or known[0]() is not x:
-                known = self.memo.arrays[id(x)] = (_weak(x), f"a{self.memo.next_key}")
-                self.memo.next_key += 1
-            self.arrays[known[1]] = x
-            if self._named is not None:
-                self._named.append((known[1], known[0]))
-            return {"$array": known[1]}
+            if self.packs is not None:
+                return {"$array": self.packs.ref(x)}
+            name = self.names.get(id(x))
+            if name is None:
+                name = self.names[id(x)] = f"a{len(self.names)}"
+                self.arrays[name] = x  # held: its id stays its own for the whole save
+            return {"$array": name}
         if isinstance(x, np.generic):
             return x.item()
         if isinstance(x, tuple):
@@ -360,8 +320,8 @@ _TAGS = ("$array", "$tuple", "$frozenset", "$type", "fields")
 
 
 class _Decoder:
-    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
-        self.arrays = arrays
+    def __init__(self, arrays: dict[str, np.ndarray] | Callable[[Any], np.ndarray]) -> None:
+        self.arrays = arrays  # version 1: arrays by name; version 2: a reference into the packs resolved
         self.types = readable_types()
 
     def __call__(self, x: Any, depth: int = 0) -> Any:
@@ -378,6 +338,8 @@ class _Decoder:
             raise SessionFileError(f"session.json holds a malformed tagged value with keys {_short(sorted(x))}")
         tag, value = tags[0], x[tags[0]]
         if tag == "$array":
+            if callable(self.arrays):
+                return self.arrays(value)
             if not isinstance(value, str) or value not in self.arrays:
                 raise SessionFileError(f"session.json names an array {_short(value)} that arrays.npz lacks")
             return self.arrays[value]
@@ -456,13 +418,27 @@ _SHAPES: tuple[tuple[type, dict[str, tuple[tuple[Any, ...], str]]], ...] = (
 )
 
 
+_SPECS: dict[type, list[dict[str, tuple[tuple[Any, ...], str]]]] = {}
+
+
+def _specs(cls: type) -> list[dict[str, tuple[tuple[Any, ...], str]]]:
+    """The array shapes a record of this type must have (from _SHAPES)."""
+    if cls not in _SPECS:
+        _SPECS[cls] = [spec for c, spec in _SHAPES if issubclass(cls, c)]
+    return _SPECS[cls]
+
+
 def _inconsistent(obj: Any) -> str | None:
     """What a panel would trip over in a record whose fields each have the right type, or None."""
-    for cls, spec in _SHAPES:
-        if isinstance(obj, cls):
-            problem = _shape_problem(obj, spec)
-            if problem:
-                return problem
+    for spec in _specs(type(obj)):
+        problem = _shape_problem(obj, spec)
+        if problem:
+            return problem
+    return _other_problem(obj)
+
+
+def _other_problem(obj: Any) -> str | None:
+    """`_inconsistent` but for the arrays' shapes."""
     if isinstance(obj, ev_mod.PromptTokenized) and len(obj.pieces) != len(obj.ids):
         return f"{len(obj.pieces)} pieces for {len(obj.ids)} tokens"
     if isinstance(obj, ev_mod.Funnel) and len(obj.pieces) != len(obj.ids):
@@ -477,6 +453,407 @@ def _inconsistent(obj: Any) -> str | None:
     if type(obj).__name__ == "ServerInfo" and not (obj.config is None or isinstance(obj.config, ModelConfig)):
         return "its model config is not a model config"
     return None
+
+
+# ---- version 2: records as columns, arrays packed -----------------------------------------------------------
+# A long run is thousands of records of a few kinds, each with a few small arrays: version 1 stored one tagged JSON
+# object per record and one .npy member per array, and reading them one by one was most of reopening a long run.
+# Version 2 stores each kind's records as columns (one JSON list per field, checked once per column) and every
+# array in one pack per dtype (arrays/<n>.npy, a 1-D .npy read in place); an array is [pack, offset, *shape].
+# A column is one of:
+#   {"v": [...]}              plain JSON values (numbers, text, true/false, null)
+#   {"t": [[...], ...]}       tuples of plain values
+#   {"a": [p, o, *shape, …], "d": ndim}   arrays, each a reference into a pack
+#   {"r": type, "f": {field: column}}     records of one type, field by field
+#   {"k": [types], "i": [kind of each row], "c": [column of each kind]}   records of several types, in order
+#   {"n": [rows that are null], "c": column of the others}
+#   {"x": [...]}              anything else, each value tagged as in version 1 ({"$array": [p, o, *shape]})
+# A list of records (the events, a branch's events) is {"rows": n, "c": column}.
+_PLAIN = frozenset({type(None), bool, int, float, str})
+MAX_PACKS = 32  # one per dtype: a run has about five
+_PACK_NAME = re.compile(r"arrays/([0-9]{1,2})\.npy")
+_PACK_DTYPE = re.compile(r"[<>|][biufc][0-9]{1,2}")
+
+
+OWN_BUFFER = 16 << 10  # an array this large (a step's attention, its logits) is read into a buffer of its own
+
+
+class _Packs:
+    """The arrays of one save, gathered into one pack per dtype (and one more for the large ones); an array stored
+    twice (an event in a branch and in the shown run) is stored once.
+
+    The reader's small arrays are views of their pack, the large ones copies: the run store lets a long run's
+    attention and logits go to bound memory, and a view would keep its whole pack alive."""
+
+    def __init__(self) -> None:
+        self.by_dtype: dict[str, int] = {}
+        self.parts: list[list[np.ndarray]] = []
+        self.counts: list[int] = []
+        self.seen: dict[int, tuple[np.ndarray, list[int]]] = {}  # id → (the array, kept alive; its reference)
+
+    def ref(self, a: np.ndarray) -> list[int]:
+        hit = self.seen.get(id(a))
+        if hit is not None:
+            return hit[1]
+        if a.dtype.kind not in "biufc":
+            raise TypeError(f"cannot store an array of dtype {a.dtype}")
+        key = a.dtype.str + ("+" if a.nbytes >= OWN_BUFFER else "")
+        p = self.by_dtype.get(key)
+        if p is None:
+            p = self.by_dtype[key] = len(self.parts)
+            self.parts.append([])
+            self.counts.append(0)
+        ref = [p, self.counts[p], *a.shape]
+        self.parts[p].append(a)
+        self.counts[p] += a.size
+        self.seen[id(a)] = (a, ref)
+        return ref
+
+
+class _Columns:
+    """Values as a column (see above)."""
+
+    def __init__(self, packs: _Packs, tagged: _Encoder) -> None:
+        self.packs, self.tagged, self.types = packs, tagged, readable_types()
+
+    def rows(self, values: list) -> dict:
+        return {"rows": len(values), "c": self(values)}
+
+    def __call__(self, values: list) -> dict:
+        kinds = set(map(type, values))
+        if kinds <= _PLAIN:
+            return {"v": values}
+        if any(issubclass(k, np.generic) for k in kinds):
+            values = [v.item() if isinstance(v, np.generic) else v for v in values]
+            return self(values)
+        if type(None) in kinds:
+            nulls = [i for i, v in enumerate(values) if v is None]
+            return {"n": nulls, "c": self([v for v in values if v is not None])}
+        if kinds == {np.ndarray} and len({a.ndim for a in values}) == 1:
+            flat: list[int] = []
+            for a in values:
+                flat += self.packs.ref(a)
+            return {"a": flat, "d": values[0].ndim}
+        if kinds == {tuple} and set(map(type, itertools.chain.from_iterable(values))) <= _PLAIN:
+            return {"t": values}
+        if all(self.types.get(k.__name__) is k for k in kinds):
+            if len(kinds) == 1:
+                cls = kinds.pop()
+                return {"r": cls.__name__,
+                        "f": {f: self(list(map(operator.attrgetter(f), values))) for f in _init_fields(cls)}}
+            order: dict[type, int] = {}
+            for v in values:
+                order.setdefault(type(v), len(order))
+            return {"k": [k.__name__ for k in order], "i": [order[type(v)] for v in values],
+                    "c": [self([v for v in values if type(v) is k]) for k in order]}
+        return {"x": [self.tagged(v) for v in values]}
+
+
+def _write_json(out: Any, doc: Any) -> None:
+    """A document written in pieces: a long list of plain values is dumped a slice at a time, so no one call holds
+    the GIL for long (the GUI thread keeps running while the writer thread saves)."""
+    parts: list[str] = []
+    size = 0
+
+    def put(text: str) -> None:
+        nonlocal size
+        parts.append(text)
+        size += len(text)
+        if size >= WRITE_CHUNK:
+            out.write("".join(parts).encode("utf-8"))
+            parts.clear()
+            size = 0
+
+    def dump(x: Any) -> None:
+        if isinstance(x, dict):
+            put("{")
+            for i, (k, v) in enumerate(x.items()):
+                put(("," if i else "") + json.dumps(k) + ":")
+                dump(v)
+            put("}")
+        elif isinstance(x, list) and dict in set(map(type, x)):
+            put("[")
+            for i, v in enumerate(x):
+                if i:
+                    put(",")
+                dump(v)
+            put("]")
+        elif isinstance(x, list) and len(x) > 4096:
+            put("[")
+            for i in range(0, len(x), 4096):
+                put(("," if i else "") + json.dumps(x[i:i + 4096], ensure_ascii=False)[1:-1])
+            put("]")
+        else:
+            put(json.dumps(x, ensure_ascii=False))
+
+    dump(doc)
+    out.write("".join(parts).encode("utf-8"))
+
+
+def _write_packs(z: zipfile.ZipFile, packs: _Packs) -> None:
+    """Each pack as a stored 1-D .npy member (read in place, never inflated): a run's float32 arrays hardly
+    shrink, and deflating them cost the autosave seconds of a core."""
+    for key, p in packs.by_dtype.items():
+        member = zipfile.ZipInfo(f"arrays/{p}.npy", time.localtime()[:6])
+        member.compress_type = zipfile.ZIP_STORED
+        with z.open(member, "w", force_zip64=True) as out:
+            buf = bytearray(_npy_header(np.dtype(key.rstrip("+")), (packs.counts[p],))[0])
+            for a in packs.parts[p]:
+                data = memoryview(np.ascontiguousarray(a)).cast("B")
+                if data.nbytes > CHUNK // 4:
+                    out.write(buf)
+                    buf.clear()
+                    out.write(data)
+                else:
+                    buf += data
+                    if len(buf) >= CHUNK:
+                        out.write(buf)
+                        buf.clear()
+            out.write(buf)
+
+
+def _read_packs(z: zipfile.ZipFile, infos: dict[str, zipfile.ZipInfo], fh: Any) -> list[np.ndarray]:
+    numbers = sorted(int(m.group(1)) for n in infos if (m := _PACK_NAME.fullmatch(n)))
+    if numbers != list(range(len(numbers))) or len(numbers) > MAX_PACKS or any(
+            n.startswith("arrays/") and not _PACK_NAME.fullmatch(n) for n in infos):
+        raise SessionFileError("the archive's arrays/ folder is not packs 0, 1, 2, …")
+    packs, budget = [], MAX_ARRAY_BYTES
+    for i in numbers:
+        a = _read_pack(z, infos[f"arrays/{i}.npy"], fh, budget)
+        budget -= a.nbytes
+        packs.append(a)
+    return packs
+
+
+def _read_pack(z: zipfile.ZipFile, info: zipfile.ZipInfo, fh: Any, budget: int) -> np.ndarray:
+    """One pack: its .npy header checked against the member's size and the budget before anything is allocated,
+    then its data read in chunks straight into the array (in place when stored), its checksum checked."""
+    name = info.filename
+    _check_entry(info, budget + 4096)
+    stored = info.compress_type == zipfile.ZIP_STORED
+    if stored:
+        fh.seek(info.header_offset)
+        local = fh.read(30)
+        if len(local) != 30 or local[:4] != b"PK\x03\x04":
+            raise SessionFileError(f"{name} is damaged (no local header)")
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        start = info.header_offset + 30 + name_len + extra_len
+        if start + info.file_size > os.fstat(fh.fileno()).st_size:
+            raise SessionFileError(f"{name} is cut short")
+        source: Any = _Window(fh, start, info.file_size)
+    else:
+        source = z.open(info)
+    with source:
+        head = source.read(10)
+        if len(head) < 10 or head[:6] != b"\x93NUMPY" or head[6] not in (1, 2):
+            raise SessionFileError(f"{name} is not an .npy array")
+        if head[6] == 2:
+            head += source.read(2)
+        header_len = int.from_bytes(head[8:], "little")
+        if len(head) + header_len > min(info.file_size, 4096):
+            raise SessionFileError(f"{name} has an .npy header longer than its member")
+        prefix = head[8:] + source.read(header_len)
+        shape, _fortran, dtype = _parsed_npy_header(prefix, name, {})
+        if len(shape) != 1 or not _PACK_DTYPE.fullmatch(dtype.str):
+            raise SessionFileError(f"{name} is not a pack (a 1-D array of numbers)")
+        count = shape[0]
+        nbytes = count * dtype.itemsize
+        if nbytes > budget or 8 + len(prefix) + nbytes != info.file_size:
+            raise SessionFileError(f"{name} claims {count:,} values, not what its {info.file_size:,} bytes hold")
+        flat = np.empty(count, dtype)
+        view = memoryview(flat.view(np.uint8)) if count else memoryview(b"")
+        done = 0
+        while done < nbytes:
+            got = source.readinto(view[done:done + CHUNK])
+            if not got:
+                raise SessionFileError(f"{name} is cut short")
+            done += got
+        if source.read(1):  # the zip reader checks a deflated member's CRC at its end
+            raise SessionFileError(f"{name} holds more bytes than its header says")
+    if stored and zlib.crc32(view, zlib.crc32(head[:8] + prefix)) != info.CRC:
+        raise SessionFileError(f"{name} is damaged (its checksum does not match)")
+    return flat
+
+
+def _ints(x: Any, what: str) -> np.ndarray:
+    """A JSON list of whole numbers as int64, or SessionFileError."""
+    if not isinstance(x, list) or not set(map(type, x)) <= {int}:
+        raise SessionFileError(f"session.json's {what} is not a list of whole numbers")
+    try:
+        return np.array(x, dtype=np.int64)
+    except OverflowError:
+        raise SessionFileError(f"session.json's {what} holds a number past 64 bits") from None
+
+
+class _ColumnDecoder:
+    """Columns back into values: every reference checked against its pack, every field against its annotation."""
+
+    def __init__(self, packs: list[np.ndarray], tagged: _Decoder | None) -> None:
+        self.packs, self.tagged, self.types = packs, tagged, readable_types()
+        self.shapes: tuple[np.ndarray, np.ndarray] | None = None  # the last column of arrays: (shapes, packs)
+
+    def rows(self, x: Any) -> list:
+        if not isinstance(x, dict) or set(x) != {"rows", "c"} or type(x["rows"]) is not int or x["rows"] < 0:
+            raise SessionFileError("session.json holds a list of records without its number of rows")
+        return self(x["c"], x["rows"], 1)
+
+    def __call__(self, col: Any, n: int, depth: int) -> list:
+        if depth > MAX_DEPTH:
+            raise SessionFileError(f"session.json is nested more than {MAX_DEPTH} deep, as no session is")
+        if not isinstance(col, dict) or not col:
+            raise SessionFileError(f"session.json holds a column that is not one: {_short(col)}")
+        kind = next(iter(col))
+        self.shapes = None
+        if kind == "v" and set(col) == {"v"}:
+            out = col["v"]
+            if not isinstance(out, list) or not set(map(type, out)) <= _PLAIN:
+                raise SessionFileError("session.json holds a column of values that are not plain values")
+        elif kind == "t" and set(col) == {"t"}:
+            rows = col["t"]
+            if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows) or not set(
+                    map(type, itertools.chain.from_iterable(rows))) <= _PLAIN:
+                raise SessionFileError("session.json holds a column of tuples that are not tuples of plain values")
+            out = list(map(tuple, rows))
+        elif kind == "a" and set(col) == {"a", "d"}:
+            out = self.arrays(col["a"], col["d"], n)
+        elif kind == "r" and set(col) == {"r", "f"}:
+            out = self.records(col["r"], col["f"], n, depth)
+        elif kind == "k" and set(col) == {"k", "i", "c"}:
+            out = self.union(col["k"], col["i"], col["c"], n, depth)
+        elif kind == "n" and set(col) == {"n", "c"}:
+            nulls = _ints(col["n"], "list of null rows")
+            if len(nulls) > n or len(nulls) and (nulls[0] < 0 or nulls[-1] >= n or np.any(np.diff(nulls) <= 0)):
+                raise SessionFileError("session.json's null rows are not rows of their column, in order")
+            rest = iter(self(col["c"], n - len(nulls), depth + 1))  # as many as the file holds: n is bounded
+            null = np.zeros(n, bool)
+            null[nulls] = True
+            out = [None if x else next(rest) for x in null.tolist()]
+        elif kind == "x" and set(col) == {"x"}:
+            if not isinstance(col["x"], list):
+                raise SessionFileError("session.json holds a column of tagged values that is not a list")
+            out = [self.tagged(v, depth + 1) for v in col["x"]]
+        else:
+            raise SessionFileError(f"session.json holds a column of an unknown kind, {_short(sorted(col))}")
+        if len(out) != n:
+            raise SessionFileError(f"session.json holds a column of {len(out):,} rows where {n:,} belong")
+        return out
+
+    def arrays(self, flat: Any, ndim: Any, n: int) -> list[np.ndarray]:
+        if type(ndim) is not int or not 0 <= ndim <= 32:
+            raise SessionFileError(f"session.json holds arrays of {_short(ndim)} dimensions")
+        refs = _ints(flat, "array references")
+        if len(refs) != n * (2 + ndim):
+            raise SessionFileError(f"session.json holds {len(refs):,} numbers for {n:,} array references")
+        refs = refs.reshape(n, 2 + ndim)
+        pack, at, shapes = refs[:, 0], refs[:, 1], refs[:, 2:]
+        if n and (pack.min() < 0 or pack.max() >= len(self.packs) or at.min() < 0 or shapes.min(initial=0) < 0):
+            raise SessionFileError("session.json names an array outside the file's packs")
+        lengths = np.array([len(p) for p in self.packs], np.int64)[pack] if n else np.zeros(0, np.int64)
+        # the product of a shape in floating point first: an int64 product of hostile sizes could wrap around
+        if n and np.any(np.prod(shapes.astype(np.float64), axis=1) > lengths):
+            raise SessionFileError("session.json names an array larger than its pack")
+        sizes = np.prod(shapes, axis=1)
+        if n and np.any(at + sizes > lengths):
+            raise SessionFileError("session.json names an array past the end of its pack")
+        packs = self.packs
+        self.shapes = (shapes, pack)
+        own = (sizes * np.array([p.itemsize for p in packs], np.int64)[pack] >= OWN_BUFFER).tolist() if n else []
+        rows = zip(pack.tolist(), at.tolist(), sizes.tolist(), map(tuple, shapes.tolist()), own, strict=True)
+        return [(packs[p][o:o + s].copy() if big else packs[p][o:o + s]).reshape(shape)
+                for p, o, s, shape, big in rows]
+
+    def array(self, ref: Any) -> np.ndarray:
+        """One array named in a tagged value: {"$array": [pack, offset, *shape]}."""
+        if not isinstance(ref, list) or len(ref) < 2:
+            raise SessionFileError(f"session.json names an array {_short(ref)}, not a place in a pack")
+        return self.arrays(ref, len(ref) - 2, 1)[0]
+
+    def union(self, names: Any, which: Any, cols: Any, n: int, depth: int) -> list:
+        if not isinstance(names, list) or not isinstance(cols, list) or len(names) != len(cols) or not all(
+                isinstance(c, dict) and c.get("r") == k for c, k in zip(cols, names, strict=True)):
+            raise SessionFileError("session.json holds records of several kinds without a column for each")
+        order = _ints(which, "order of records")
+        if len(order) != n or (n and (order.min() < 0 or order.max() >= len(names))):
+            raise SessionFileError("session.json's order of records names a kind it does not hold")
+        counts = np.bincount(order, minlength=len(names)).tolist() if n else [0] * len(names)
+        parts = [iter(self(c, k, depth + 1)) for c, k in zip(cols, counts, strict=True)]
+        return [next(parts[k]) for k in order.tolist()]
+
+    def records(self, name: Any, fields: Any, n: int, depth: int) -> list:
+        cls = self.types.get(name) if isinstance(name, str) else None
+        if cls is None:
+            raise SessionFileError(f"session.json holds an unknown kind of record, {_short(name)}")
+        if not isinstance(fields, dict):
+            raise SessionFileError(f"the saved {name}s have no fields object")
+        checks, by_type = _checks(cls), _checked_by_type(cls)
+        names, cols, shapes = [], [], {}
+        for f in _init_fields(cls):
+            if f not in fields:  # fields of a newer version are skipped; missing ones said below
+                continue
+            values = self(fields[f], n, depth + 1)
+            if self.shapes is not None:  # a column of arrays: their shapes and dtypes, for the check below
+                shapes[f], self.shapes = self.shapes, None
+            fits, label = checks.get(f, (None, ""))
+            if fits is not None and not all(map(fits, dict(zip(map(type, values), values, strict=True)).values()
+                                                if f in by_type else values)):
+                bad = next(v for v in values if not fits(v))
+                raise SessionFileError(f"a saved {name}'s {f} is {_short(bad)}, not {label}")
+            names.append(f)
+            cols.append(values)
+        if not cols and (_init_fields(cls) or n > MAX_ARRAYS):  # rows of nothing: their number bounds nothing
+            raise SessionFileError(f"session.json holds {n:,} saved {name}s without any of their fields")
+        try:
+            if tuple(names) == _init_fields(cls) and not any(f.kw_only for f in dataclasses.fields(cls)):
+                out = list(map(cls, *cols)) if cols else [cls() for _ in range(n)]
+            else:
+                out = [cls(**dict(zip(names, row, strict=True))) for row in zip(*cols, strict=True)] if cols \
+                    else [cls() for _ in range(n)]
+        except Exception as e:  # noqa: BLE001 — a missing field (TypeError) or a value __post_init__ refuses
+            raise SessionFileError(f"a saved {name} does not fit this version ({type(e).__name__}: {e})") from None
+        if _may_be_inconsistent(cls):
+            # the arrays' shapes checked column by column where every array the spec names came as one
+            check = _other_problem if _shapes_fit(_specs(cls), shapes, self.packs) else _inconsistent
+            for obj in out:
+                problem = check(obj)
+                if problem:
+                    raise SessionFileError(f"a saved {name} is inconsistent: {problem}")
+        return out
+
+
+def _shapes_fit(specs: list[dict[str, tuple[tuple[Any, ...], str]]], shapes: dict[str, tuple[np.ndarray, np.ndarray]],
+                packs: list[np.ndarray]) -> bool:
+    """`_shape_problem` for a whole column of records at once, from their arrays' references: True when every
+    array each spec names came in a column of arrays and every record fits (False: check record by record)."""
+    for spec in specs:
+        sizes: dict[str, np.ndarray] = {}
+        for name, (shape, kinds) in spec.items():
+            if name not in shapes:
+                return False
+            dims, pack = shapes[name]
+            if dims.shape[1] != len(shape):
+                return False
+            empty = np.prod(dims, axis=1) == 0
+            if any(packs[p].dtype.kind not in kinds for p in np.unique(pack[~empty]).tolist()):
+                return False
+            for want, got in zip(shape, dims.T, strict=True):
+                if isinstance(want, int):
+                    if np.any(got != want):
+                        return False
+                elif np.any(sizes.setdefault(want, got) != got):
+                    return False
+    return True
+
+
+_CHECKED = (ev_mod.PromptTokenized, ev_mod.Funnel, ev_mod.LensCaptured, ev_mod.AttentionCaptured,
+            ev_mod.TokenSampled, *(cls for cls, _spec in _SHAPES))
+_MAY: dict[type, bool] = {}
+
+
+def _may_be_inconsistent(cls: type) -> bool:
+    """Whether `_inconsistent` has anything to check in a record of this type."""
+    if cls not in _MAY:
+        _MAY[cls] = issubclass(cls, _CHECKED) or cls.__name__ == "ServerInfo"
+    return _MAY[cls]
 
 
 # ---- files ---------------------------------------------------------------------------------------------------
@@ -595,25 +972,34 @@ def _write_npz(out: Any, arrays: dict[str, np.ndarray]) -> None:
     out.write(buf)
 
 
-def save_session(path: str | os.PathLike[str], s: SavedSession, memo: EncodedEvents | None = None) -> None:
+def save_session(path: str | os.PathLike[str], s: SavedSession, version: int = VERSION) -> None:
     """Write `s` to `path` (write to a temporary file, then rename: an existing file is never left half-written).
 
     Nothing is written outside the folder of `path`. OSError with one sentence naming the path when it cannot be
-    written; TypeError when `s` holds something a session file cannot. `memo`: the events earlier saves encoded,
-    reused and updated (the app's autosave after every run re-encodes only what is new).
+    written; TypeError when `s` holds something a session file cannot. `version` 1: the format older versions of
+    the app read (session.json's records one by one, arrays.npz).
     """
-    path = Path(path)
-    if memo is not None:
-        memo.sweep()
-    _save(path, s, _Encoder(memo))
+    _save(Path(path), s, _Encoder(), version)
 
 
-def _save(path: Path, s: SavedSession, enc: _Encoder) -> None:
-    head = {
-        "format": FORMAT, "version": VERSION, "created": s.created or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "model": s.model, "prompt": s.prompt, "chat": s.chat, "settings": enc(s.settings),
-        "info": enc(s.info), "cfg": enc(s.cfg), **({"dropped": list(s.dropped)} if s.dropped else {}),
-    }
+def _save(path: Path, s: SavedSession, enc: _Encoder, version: int) -> None:
+    if version == 1:
+        head = {
+            "format": FORMAT, "version": 1, "created": s.created or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model": s.model, "prompt": s.prompt, "chat": s.chat, "settings": enc(s.settings),
+            "info": enc(s.info), "cfg": enc(s.cfg), **({"dropped": list(s.dropped)} if s.dropped else {}),
+        }
+    else:
+        packs = enc.packs = _Packs()
+        columns = _Columns(packs, enc)
+        head = {
+            "format": FORMAT, "version": VERSION, "created": s.created or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "model": s.model, "prompt": s.prompt, "chat": s.chat, "settings": enc(s.settings),
+            "info": enc(s.info), "cfg": enc(s.cfg), **({"dropped": list(s.dropped)} if s.dropped else {}),
+            "events": columns.rows(s.events),
+            "branches": [{**{k: v for k, v in b.items() if k != "events"}, "events": columns.rows(b.get("events", []))}
+                         for b in s.branches],
+        }
     for b in s.branches:  # what a branch holds besides its events is plain data: checked before anything is written
         json.dumps({k: v for k, v in b.items() if k != "events"})
     folder = path.parent if str(path.parent) else Path(".")
@@ -630,13 +1016,17 @@ def _save(path: Path, s: SavedSession, enc: _Encoder) -> None:
             doc = zipfile.ZipInfo("session.json", time.localtime()[:6])
             doc.compress_type = zipfile.ZIP_DEFLATED
             with z.open(doc, "w", force_zip64=True) as out:
-                _write_document(out, head, s, enc)
-            member = zipfile.ZipInfo("arrays.npz", time.localtime()[:6])
-            member.compress_type = zipfile.ZIP_STORED  # read in place, never inflated
-            with z.open(member, "w", force_zip64=True) as npz:
-                # Not deflated: a run's float32 logits are most of it and hardly shrink, while deflating them cost
-                # the autosave seconds of a core after every run (BENCHMARKS.md, "The app on an AVX2-only CPU").
-                _write_npz(npz, enc.arrays)
+                _write_document(out, head, s, enc) if version == 1 else _write_json(out, head)
+            if version == 1:
+                member = zipfile.ZipInfo("arrays.npz", time.localtime()[:6])
+                member.compress_type = zipfile.ZIP_STORED  # read in place, never inflated
+                with z.open(member, "w", force_zip64=True) as npz:
+                    # Not deflated: a run's float32 logits are most of it and hardly shrink, while deflating them
+                    # cost the autosave seconds of a core after every run (BENCHMARKS.md, "The app on an AVX2-only
+                    # CPU").
+                    _write_npz(npz, enc.arrays)
+            else:
+                _write_packs(z, packs)
             if s.tokenizer is not None:
                 with tempfile.TemporaryDirectory(prefix=".ilab-", dir=folder) as td:  # beside the file, not in /tmp
                     s.tokenizer.save(td)
@@ -700,18 +1090,28 @@ def _load(fh: io.BufferedReader, with_tokenizer: bool) -> SavedSession:
             raise SessionFileError("session.json has no format version")
         if version > VERSION:
             raise SessionFileError(f"written by a newer Inference Lab (format {version})")
-        _check_document(doc)
-        arrays = _read_arrays(z, infos["arrays.npz"], fh) if "arrays.npz" in infos else {}
+        _check_document(doc, version)
+        if version >= 2:
+            packs = _read_packs(z, infos, fh)
+        else:
+            arrays = _read_arrays(z, infos["arrays.npz"], fh) if "arrays.npz" in infos else {}
         tokenizer = None
         tok_files = [i for n, i in infos.items() if n.startswith("tokenizer/") and not n.endswith("/")]
         if with_tokenizer and tok_files:
             tokenizer = _read_tokenizer(z, tok_files)
-    dec = _Decoder(arrays)
+    if version >= 2:
+        columns = _ColumnDecoder(packs, None)
+        dec = columns.tagged = _Decoder(columns.array)
+        events: Callable[[Any], list] = columns.rows
+        empty: Any = {"rows": 0, "c": {"v": []}}
+    else:
+        dec = _Decoder(arrays)
+        events, empty = dec, []
     s = SavedSession(
-        events=dec(doc.get("events", [])), prompt=doc.get("prompt", ""), chat=doc.get("chat", False),
+        events=events(doc.get("events", empty)), prompt=doc.get("prompt", ""), chat=doc.get("chat", False),
         settings=dec(doc.get("settings", {})), model=doc.get("model", {}), info=dec(doc.get("info")),
         cfg=dec(doc.get("cfg")), tokenizer=tokenizer,
-        branches=[dict(b, events=dec(b.get("events", []))) for b in doc.get("branches", [])],
+        branches=[dict(b, events=events(b["events"] if "events" in b else empty)) for b in doc.get("branches", [])],
         created=doc.get("created", ""), dropped=doc.get("dropped"),
     )
     _check_session(s)
@@ -724,8 +1124,10 @@ _DOCUMENT = {"prompt": (str,), "chat": (bool,), "created": (str,), "model": (dic
 _JSON_NAMES = {str: "text", bool: "true or false", dict: "an object", list: "a list", type(None): "null"}
 
 
-def _check_document(doc: dict) -> None:
+def _check_document(doc: dict, version: int) -> None:
     for key, kinds in _DOCUMENT.items():
+        if version >= 2 and key == "events":
+            kinds = (dict,)
         if key in doc and not isinstance(doc[key], kinds):
             want = " or ".join(_JSON_NAMES[k] for k in kinds)
             raise SessionFileError(f"session.json's {key} is {_short(doc[key])}, not {want}")
@@ -733,7 +1135,7 @@ def _check_document(doc: dict) -> None:
         if not isinstance(v, (str, int, float, bool, type(None))):
             raise SessionFileError(f"session.json's model identity has a {type(v).__name__} for {_short(k)}")
     for b in doc.get("branches", []):
-        if not isinstance(b, dict) or not isinstance(b.get("events", []), list):
+        if not isinstance(b, dict) or not isinstance(b.get("events", []), dict if version >= 2 else list):
             raise SessionFileError("session.json's branches are not a list of branches")
 
 

@@ -218,11 +218,17 @@ def test_a_saved_long_run_says_which_steps_it_holds_when_reopened(qapp, tmp_path
         again = opened.runs[0]
         assert again.dropped == run.dropped and again.attention_note() == run.attention_note()
         assert sorted({e.step for e in again.events if isinstance(e, AttentionCaptured)}) == held
-    path = many
-    # the events and their branch share their arrays: each is stored once
-    n_arrays = len({id(e.weights) for e in run.events if isinstance(e, AttentionCaptured)}) + 4  # + the prompt's
-    with zipfile.ZipFile(path) as z, z.open("arrays.npz") as f, zipfile.ZipFile(f) as npz:
-        assert len(npz.namelist()) == n_arrays
+    # the events and their branch share their arrays: each is stored once, in the packs and in version 1's npz
+    weights = {id(e.weights): e.weights for e in run.events if isinstance(e, AttentionCaptured)}
+    prompt_ev = next(e for e in store.events() if isinstance(e, PromptTokenized))
+    prompt_bytes = sum(a.nbytes for a in (prompt_ev.ids, prompt_ev.offsets, prompt_ev.byte_offsets, prompt_ev.special))
+    with zipfile.ZipFile(many) as z:
+        packs = [n for n in z.namelist() if n.startswith("arrays/")]
+        stored = sum(z.getinfo(n).file_size - 128 for n in packs)  # each pack: a 128-byte .npy header, its values
+        assert stored == sum(w.nbytes for w in weights.values()) + prompt_bytes
+    save_session(many, SavedSession(events=store.events(), branches=store.records()), version=1)
+    with zipfile.ZipFile(many) as z, z.open("arrays.npz") as f, zipfile.ZipFile(f) as npz:
+        assert len(npz.namelist()) == len(weights) + 4  # + the prompt's
 
 
 def test_a_session_whose_dropped_steps_are_not_a_range_is_refused(tmp_path):

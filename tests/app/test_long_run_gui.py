@@ -1,7 +1,6 @@
 """Long runs (issue 26), the GUI's side: a session of thousands of events opens in slices of the event loop (with
-progress, Esc cancels), the autosave of a long run is encoded while the run goes and reopens equal, arrays.npz
-holds more members than a plain zip counts, and the Generation panel appends a token without repainting the
-paragraph it ends."""
+progress, Esc cancels), the autosave of a long run reopens equal, version 1's arrays.npz holds more members than a
+plain zip counts, and the Generation panel appends a token without repainting the paragraph it ends."""
 
 from __future__ import annotations
 
@@ -173,35 +172,29 @@ def test_a_branch_switch_replays_in_slices(qtbot, window, tmp_path):
     assert [t.token_id for t in gen.tokens] == [e.token_id for e in events if isinstance(e, TokenSampled)]
 
 
-def test_the_autosave_of_a_long_run_is_encoded_while_it_runs_and_reopens_equal(qtbot, window):
+def test_the_autosave_of_a_long_run_reopens_equal(qtbot, window):
     w = window  # keeps settings: autosaves after every run
     writer = w.session_writer
     events = run_events(w.bridge.cfg, w.bridge.tokenizer, 400)
     for ev in events[:-1]:
         w.run_store.record(ev)
     writer.wait()
-    # the writer thread encoded the run's settled events while it ran
-    run = w.run_store.shown_run()
-    warmed = [e for e in run.events if e is not None and writer.memo.get(e) is not None]
-    settled = [e for e in run.events if isinstance(e, (ResidualNorms, KVCacheGrew, AttentionCaptured))]
-    assert len(warmed) >= 0.9 * len(settled)  # all but the last WARM_EVERY steps' worth
-    assert not any(isinstance(e, TokenSampled) and e.logits is not None for e in warmed)
     w.run_store.record(events[-1])  # Finished: the autosave
     auto = session_io.autosave_path()
     qtbot.waitUntil(lambda: not writer.busy() and auto.is_file(), timeout=60_000)
     saved = load_session(auto)
     assert_same_events(saved.events, w.run_store.events())
-    # and a second save of the same runs (from the memo) writes the same file contents
+    # and a second save of the same runs writes the same events
     again = auto.with_name("again.ilab")
     assert session_io.save_session_to(w, again)
     assert_same_events(load_session(again).events, saved.events)
 
 
 def test_arrays_npz_with_more_members_than_a_plain_zip_counts(tmp_path):
-    """Past 65,535 arrays the end of arrays.npz is the zip64 record; numpy's own reader reads it too."""
+    """Version 1: past 65,535 arrays the end of arrays.npz is the zip64 record; numpy's own reader reads it too."""
     many = [np.full(i % 4, i, np.int32) for i in range(66_000)]
     path = tmp_path / "many.ilab"
-    save_session(path, SavedSession(events=[], settings={"many": many, "f": np.linspace(0, 1, 7)}))
+    save_session(path, SavedSession(events=[], settings={"many": many, "f": np.linspace(0, 1, 7)}), version=1)
     back = load_session(path, with_tokenizer=False)
     assert len(back.settings["many"]) == len(many)
     for a, b in zip(back.settings["many"], many, strict=True):

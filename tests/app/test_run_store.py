@@ -175,7 +175,7 @@ def test_a_session_saved_with_context_ids_still_opens(qtbot, window, tmp_path):
     """Files written before TokenSampled lost its context_ids field keep opening (the field is ignored)."""
     generate(qtbot, window, n=3)
     path, old = tmp_path / "new.ilab", tmp_path / "old.ilab"
-    save_session(path, session_io.current_session(window))
+    save_session(path, session_io.current_session(window), version=1)  # as those files were written
     with zipfile.ZipFile(path) as z:
         files = {n: z.read(n) for n in z.namelist()}
     doc = json.loads(files["session.json"])
@@ -206,14 +206,14 @@ class SlowWriter:
         self.most = 0
         self.lock = threading.Lock()
 
-    def __call__(self, path, session, memo=None) -> None:
+    def __call__(self, path, session) -> None:
         with self.lock:
             self.running += 1
             self.most = max(self.most, self.running)
             self.calls.append((str(path), threading.get_ident(), session))
         try:
             assert self.release.wait(30)
-            save_session(path, session, memo)
+            save_session(path, session)
         finally:
             with self.lock:
                 self.running -= 1

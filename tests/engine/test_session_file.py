@@ -38,6 +38,18 @@ def assert_same(a, b, where="event"):
         assert a == b, where
 
 
+def _arrays(x):
+    """Every numpy array a record holds, its nested records' included."""
+    if isinstance(x, np.ndarray):
+        yield x
+    elif dataclasses.is_dataclass(x):
+        for f in dataclasses.fields(x):
+            yield from _arrays(getattr(x, f.name))
+    elif isinstance(x, (tuple, list)):
+        for v in x:
+            yield from _arrays(v)
+
+
 @pytest.fixture(scope="module")
 def recorded(tiny_lm):
     cap = Capture(attention_layers=frozenset({0, 1}), residual_norms=True, funnel_top=8, logits=True, lens_top=4)
@@ -50,9 +62,10 @@ def recorded(tiny_lm):
                         branches=[{"name": "b1", "parent": None, "step": 2, "token": 9, "events": events[-3:]}])
 
 
-def test_round_trip_keeps_every_event(recorded, tmp_path):
+@pytest.mark.parametrize("version", [2, 1])  # 1: files written before the packed format are still read
+def test_round_trip_keeps_every_event(recorded, tmp_path, version):
     path = tmp_path / "run.ilab"
-    save_session(path, recorded)
+    save_session(path, recorded, version=version)
     back = load_session(path)
     assert len(back.events) == len(recorded.events)
     kinds = {type(e).__name__ for e in back.events}
@@ -71,17 +84,29 @@ def test_round_trip_keeps_every_event(recorded, tmp_path):
     assert isinstance(next(e for e in back.events if isinstance(e, LensCaptured)).pieces[0][0], str)
 
 
-def test_the_file_is_open_json_and_npz_without_pickle(recorded, tmp_path):
+def test_the_file_is_open_json_and_npy_without_pickle(recorded, tmp_path):
+    import io
+
     path = tmp_path / "run.ilab"
     save_session(path, recorded)
     with zipfile.ZipFile(path) as z:
         names = set(z.namelist())
-        assert {"session.json", "arrays.npz"} <= names and any(n.startswith("tokenizer/") for n in names)
+        packs = sorted(n for n in names if n.startswith("arrays/"))
+        assert "session.json" in names and any(n.startswith("tokenizer/") for n in names)
         doc = json.loads(z.read("session.json"))
-        assert doc["format"] == "inference-lab-session" and doc["prompt"] == "the cat sat"
-        import io
-
-        with np.load(io.BytesIO(z.read("arrays.npz")), allow_pickle=False) as npz:  # a pickle would raise here
+        assert doc["format"] == "inference-lab-session" and doc["version"] == 2 and doc["prompt"] == "the cat sat"
+        # one stored 1-D .npy per dtype, each readable by numpy without pickle, holding every array's values
+        assert packs == [f"arrays/{i}.npy" for i in range(len(packs))] and 2 <= len(packs) <= 4
+        stored = [np.load(io.BytesIO(z.read(n)), allow_pickle=False) for n in packs]  # a pickle would raise here
+        assert all(a.ndim == 1 and a.dtype != object for a in stored)
+        assert all(z.getinfo(n).compress_type == zipfile.ZIP_STORED for n in packs)
+    # every array the events hold is in a pack, each value once per array object
+    arrays = {id(a): a for e in recorded.events + recorded.branches[0]["events"] for a in _arrays(e)}
+    assert sum(a.nbytes for a in stored) == sum(a.nbytes for a in arrays.values())
+    save_session(tmp_path / "v1.ilab", recorded, version=1)
+    with zipfile.ZipFile(tmp_path / "v1.ilab") as z:
+        assert {"session.json", "arrays.npz"} <= set(z.namelist())
+        with np.load(io.BytesIO(z.read("arrays.npz")), allow_pickle=False) as npz:
             assert all(npz[k].dtype != object for k in npz.files)
     with pytest.raises(TypeError, match="dtype object"):
         save_session(tmp_path / "bad.ilab", SavedSession(events=[], settings={"x": np.array([object()])}))

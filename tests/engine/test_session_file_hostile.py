@@ -117,8 +117,12 @@ def valid_file_bytes() -> io.BytesIO:
                            cost=COST, funnel=funnel(3), logits=np.zeros(10, np.float32),
                            params=SamplingParams())
         with tempfile.TemporaryDirectory() as td:
-            save_session(Path(td) / "valid.ilab", SavedSession(events=[prompt_event(), tok], prompt="ab"))
+            # the cases below are edits of a version-1 file (session.json's records tagged one by one, arrays.npz):
+            # files written before the packed format; the version-2 cases follow them
+            save_session(Path(td) / "valid.ilab", SavedSession(events=[prompt_event(), tok], prompt="ab"), version=1)
             _VALID["v"] = (Path(td) / "valid.ilab").read_bytes()
+            save_session(Path(td) / "valid2.ilab", SavedSession(events=[prompt_event(), tok], prompt="ab"))
+            _VALID["v2"] = (Path(td) / "valid2.ilab").read_bytes()
     return io.BytesIO(_VALID["v"])
 
 
@@ -329,6 +333,184 @@ def truncated(fraction: float):
     return build
 
 
+# ---- version 2: records as columns, arrays in packs ----------------------------------------------------------
+def v2_members() -> dict[str, bytes]:
+    valid_file_bytes()
+    with zipfile.ZipFile(io.BytesIO(_VALID["v2"])) as z:
+        return {n: z.read(n) for n in z.namelist()}
+
+
+def v2_doc() -> dict:
+    return json.loads(v2_members()["session.json"])
+
+
+def pack_of(dtype: str) -> str:
+    """The member of the valid file's pack of this dtype."""
+    members = v2_members()
+    return next(n for n, data in members.items() if n.startswith("arrays/")
+                and np.load(io.BytesIO(data)).dtype == np.dtype(dtype))
+
+
+def write_v2(path: Path, doc: dict | None = None, replace: dict[str, bytes] | None = None,
+             deflated: tuple[str, ...] = ()) -> Path:
+    members = v2_members()
+    if doc is not None:
+        members["session.json"] = json.dumps(doc).encode()
+    members.update(replace or {})
+    stored = tuple(n for n in members if n.startswith("arrays/") and n not in deflated)
+    return write_ilab(path, members, stored=stored)
+
+
+def pack_lying_header(path: Path) -> Path:
+    """A pack whose .npy header claims 2⁴⁰ values in a member of a few bytes: refused before allocating."""
+    return write_v2(path, replace={pack_of("<f4"): npy_header((1 << 40,)) + bytes(64)})
+
+
+def pack_header_short_of_its_bytes(path: Path) -> Path:
+    return write_v2(path, replace={pack_of("<f4"): npy_header((2,)) + bytes(64)})
+
+
+def pack_deflated_bomb(path: Path) -> Path:
+    members = v2_members()
+    name = pack_of("<f4")
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for n, data in members.items():
+            if n != name:
+                z.writestr(n, data, zipfile.ZIP_STORED if n.startswith("arrays/") else zipfile.ZIP_DEFLATED)
+        zeros_member(z, name, 256 * MB, npy_header((64 * MB,)))
+    return path
+
+
+def pack_lying_directory(path: Path) -> Path:
+    """The bomb above with its directory entry claiming 1,000 bytes: the .npy header's 64 M values do not fit in
+    what the directory says, so nothing is allocated or inflated past it."""
+    pack_deflated_bomb(path)
+    data = bytearray(path.read_bytes())
+    name = pack_of("<f4").encode()
+    at = 0
+    while (at := data.find(b"PK\x01\x02", at + 1)) >= 0:
+        if data[at + 46:at + 46 + len(name)] == name:
+            struct.pack_into("<I", data, at + 24, 1000)
+            struct.pack_into("<I", data, at + 20, 1000)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def pack_of_objects(path: Path) -> Path:
+    f = io.BytesIO()
+    np.save(f, np.array([Payload(), 1], dtype=object), allow_pickle=True)
+    Payload.marker = str(path.with_suffix(".pwned"))
+    return write_v2(path, replace={pack_of("<f4"): f.getvalue()})
+
+
+def pack_2d(path: Path) -> Path:
+    f = io.BytesIO()
+    np.save(f, np.zeros((4, 8), np.float32))
+    return write_v2(path, replace={pack_of("<f4"): f.getvalue()})
+
+
+def pack_missing(path: Path) -> Path:
+    members = v2_members()
+    del members["arrays/0.npy"]
+    return write_ilab(path, members, stored=tuple(n for n in members if n.startswith("arrays/")))
+
+
+def pack_stray_member(path: Path) -> Path:
+    return write_v2(path, replace={"arrays/../a.npy": npy_header((1,)) + bytes(4)})
+
+
+def pack_flipped_value(path: Path) -> Path:
+    """One byte of a stored pack's values changed in the file: only its checksum can tell."""
+    write_v2(path)
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(pack_of("<f4"))
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:info.header_offset + 30])
+    data[info.header_offset + 30 + name_len + extra_len + info.file_size - 1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return path
+
+
+def kinds(doc):
+    return doc["events"]["c"]
+
+
+def token_columns(doc):
+    return kinds(doc)["c"][1]["f"]
+
+
+def prompt_columns(doc):
+    return kinds(doc)["c"][0]["f"]
+
+
+def edit2(change):
+    def build(path: Path) -> Path:
+        doc = v2_doc()
+        change(doc)
+        return write_v2(path, doc)
+    build.__name__ = "v2_" + change.__name__
+    return build
+
+
+def _put(where, key, value, name):
+    def change(doc):
+        where(doc)[key] = value
+    change.__name__ = name
+    return change
+
+
+V2_CASES = [
+    pack_lying_header, pack_header_short_of_its_bytes, pack_deflated_bomb, pack_lying_directory, pack_of_objects,
+    pack_2d, pack_missing, pack_stray_member, pack_flipped_value,
+    edit2(_put(lambda d: d, "events", [], "events_a_list")),
+    edit2(_put(lambda d: d, "events", {"rows": 3, "c": {"v": [1, 2]}}, "rows_miscounted")),
+    edit2(_put(lambda d: d["events"], "rows", "2", "rows_not_a_number")),
+    edit2(_put(kinds, "i", [0, 5], "order_names_a_missing_kind")),
+    edit2(_put(kinds, "k", ["PromptTokenized", "Popen"], "unknown_record_kind")),
+    edit2(_put(kinds, "c", [{"v": [1]}], "a_kind_without_its_column")),
+    edit2(_put(prompt_columns, "ids", {"z": [1]}, "unknown_column_kind")),
+    edit2(_put(prompt_columns, "ids", {"a": [0, 10 ** 9, 2], "d": 1}, "array_past_its_pack")),
+    edit2(_put(prompt_columns, "ids", {"a": [0, -1, 2], "d": 1}, "array_at_a_negative_offset")),
+    edit2(_put(prompt_columns, "ids", {"a": [9, 0, 2], "d": 1}, "array_in_a_missing_pack")),
+    edit2(_put(prompt_columns, "offsets", {"a": [0, 0, 1 << 62, 1 << 62], "d": 2}, "shape_whose_product_wraps")),
+    edit2(_put(prompt_columns, "ids", {"a": [0, 0, 1 << 70], "d": 1}, "number_past_64_bits")),
+    edit2(_put(prompt_columns, "ids", {"a": [0, 0, 2.5], "d": 1}, "reference_not_whole")),
+    edit2(_put(prompt_columns, "ids", {"a": [0, 0, 2, 0, 0, 2], "d": 1}, "column_longer_than_its_rows")),
+    edit2(_put(prompt_columns, "ids", {"a": [0, 0, 2], "d": 99}, "arrays_of_99_dimensions")),
+    edit2(_put(prompt_columns, "pieces", {"t": [[["a"], "b"]]}, "tuple_of_lists")),
+    edit2(_put(prompt_columns, "pieces", {"t": [["a"]]}, "pieces_not_matching_ids")),
+    edit2(_put(prompt_columns, "offsets", {"a": [0, 0, 2, 1], "d": 2}, "offsets_not_pairs")),
+    edit2(_put(token_columns, "step", {"v": ["x"]}, "step_is_text")),
+    edit2(_put(token_columns, "phase", {"v": ["sideways"]}, "phase_unknown")),
+    edit2(_put(token_columns, "step", {"v": [{"$type": "Popen"}]}, "plain_column_holding_an_object")),
+    edit2(_put(token_columns, "params", {"x": [{"$type": "SamplingParams", "fields": {"temperature": -1.0}}]},
+               "params_refused_by_their_own_check")),
+    edit2(_put(token_columns, "params", {"n": [3], "c": {"v": []}}, "null_row_outside_its_column")),
+    edit2(_put(token_columns, "logits", {"x": [{"$array": "a0"}]}, "version_1_array_name")),
+    edit2(_put(token_columns, "logits", {"x": [{"$array": 5}]}, "tagged_array_not_a_place")),
+    edit2(_put(lambda d: d, "events", {"rows": 1 << 40, "c": {"n": [], "c": {"r": "StepCost", "f": {}}}},
+               "a_trillion_rows_of_nothing")),
+    edit2(_put(lambda d: d, "events", {"rows": 1 << 40, "c": {"n": [0], "c": {"v": [1]}}},
+               "a_trillion_rows_mostly_null")),
+    edit2(lambda d: token_columns(d).pop("cost")),
+]
+V2_CASES[-1].__name__ = "v2_cost_column_missing"
+
+
+@pytest.mark.parametrize("build", V2_CASES, ids=lambda b: b.__name__)
+def test_a_hostile_packed_file_is_refused_in_one_sentence(build, tmp_path):
+    path = build(tmp_path / "hostile.ilab")
+    r = assert_refused(path)
+    print(f"{build.__name__}: {r['growth'] / MB:.0f} MB: {r['error']}")
+    assert not list(tmp_path.glob("*.pwned")) and not (tmp_path.parent / "a.npy").exists()
+
+
+def test_the_valid_packed_base_file_opens(tmp_path):
+    """The packed cases are edits of this file: it is accepted, and so is its document written again unchanged."""
+    assert open_in_child(write_v2(tmp_path / "valid2.ilab"))["error"] is None
+    assert open_in_child(write_v2(tmp_path / "rewritten2.ilab", v2_doc()))["error"] is None
+
+
 def _set(where, key, value):
     def change(doc):
         where(doc)[key] = value
@@ -426,10 +608,11 @@ def test_a_hostile_file_is_refused_in_one_sentence(build, tmp_path):
     assert not list(tmp_path.glob("*.pwned")) and not (tmp_path.parent / "evil.json").exists()
 
 
+@pytest.mark.parametrize("version", [2, 1])
 @pytest.mark.parametrize("name", sorted(LENGTH_CASES))
-def test_per_step_arrays_that_disagree_are_refused(name, tmp_path):
+def test_per_step_arrays_that_disagree_are_refused(name, version, tmp_path):
     path = tmp_path / f"{name}.ilab"
-    save_session(path, SavedSession(events=LENGTH_CASES[name]()))  # the writer stores what it is given
+    save_session(path, SavedSession(events=LENGTH_CASES[name]()), version=version)  # it stores what it is given
     with pytest.raises(SessionFileError) as e:
         load_session(path)
     assert "inconsistent" in str(e.value) and "\n" not in str(e.value)
