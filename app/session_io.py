@@ -72,6 +72,9 @@ class Replay(QtCore.QObject):
 
     Esc cancels: the panels then show the run up to the event reached, as they would a run stopped there. A live
     generation starting cancels it too; so does a newer replay. `done(completed)` runs once at the end.
+
+    The panels draw once, at the end (or at the cancel), not on the window's draw timer meanwhile: a long run's
+    panels cost the more a draw the longer the run, and each draw of a half-replayed run only delayed the whole.
     """
 
     def __init__(self, window, work: Iterator[int], total: int, what: str,
@@ -81,6 +84,7 @@ class Replay(QtCore.QObject):
         self.reached = 0  # units of work done (events loaded, then events replayed)
         self.slices = 0
         self.active = False
+        self._paused: QtCore.QTimer | None = None  # the window's draw timer, stopped while this runs
         self.completed = False
         self._timer = QtCore.QTimer(self)
         self._timer.setSingleShot(True)
@@ -94,6 +98,10 @@ class Replay(QtCore.QObject):
             old.deleteLater()
         self.window.replay_job = self
         self.active = True
+        timer = getattr(self.window, "draw_timer", None)
+        self._paused = timer if timer is not None and timer.isActive() else None
+        if self._paused is not None:
+            self._paused.stop()
         QtWidgets.QApplication.instance().installEventFilter(self)
         self.window.bridge.sig_state.connect(self._on_state)
         self.window.progress.setValue(0)
@@ -164,6 +172,9 @@ class Replay(QtCore.QObject):
             self.window.set_message(f"{self.what}: stopped at event {self.reached:,} of {self.total:,}; the panels "
                                     "show the run up to there.")
         self.window.tick_panels(flush=True)
+        if self._paused is not None:
+            self._paused.start()
+            self._paused = None
         done, self._done, self.work = self._done, None, iter(())  # what they hold (a run's events) may go now
         if done is not None:
             done(completed)
