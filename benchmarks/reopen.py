@@ -22,7 +22,11 @@ slices on the GUI thread) until the replay is done and the window has painted. I
 start and from the moment the window was ready (the open alone), the process's peak RSS, and what the Attention panel
 says: a step it kept (the newest) drawn, and the steps that were not kept named.
 
-Run both under /tmp/quiet.sh (or another quiet moment): the times are wall-clock and include waiting for a core.
+`python -m benchmarks.reopen --resave IN.ilab OUT.ilab` reads a session file of any version and writes it again in
+the current format (a file written before the packed format, version 2, measured as it is written now); it prints
+the seconds of each.
+
+Run them under /tmp/quiet.sh (or another quiet moment): the times are wall-clock and include waiting for a core.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     if "--open" in argv:
         return reopen(opt("--open", ""))
+    if "--resave" in argv:
+        i = argv.index("--resave")
+        return resave(*argv[i + 1:i + 3])
     if "--make" not in argv:
         print(__doc__, file=sys.stderr)
         return 2
@@ -215,6 +222,23 @@ def make(path: str, n_new: int, step: int, model: str | None, layers: list[int] 
     }
     win.close()
     print(json.dumps(result))
+    return 0
+
+
+def resave(source: str = "", target: str = "") -> int:
+    from engine.formats.session_file import VERSION, load_session, save_session
+
+    if not source or not target or not os.path.isfile(source):
+        print("--resave IN.ilab OUT.ilab: IN must be a session file", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    saved = load_session(source)
+    t1 = time.perf_counter()
+    save_session(target, saved)
+    t2 = time.perf_counter()
+    print(json.dumps({"what": "a session file written again", "source": source, "source_bytes": os.path.getsize(source),
+                      "read_s": round(t1 - t0, 3), "target": target, "target_bytes": os.path.getsize(target),
+                      "version": VERSION, "write_s": round(t2 - t1, 3), "events": len(saved.events)}))
     return 0
 
 

@@ -1,6 +1,6 @@
 """A long run's session reopened without the model (issue 26): the Attention panel draws a step it kept, weights held to
 the float64 reference, the moment the step is selected, and names the steps that were not kept; benchmarks.reopen
-runs end to end on the tiny model."""
+runs end to end on the tiny model (and rewrites an older file in the current format)."""
 
 from __future__ import annotations
 
@@ -88,3 +88,16 @@ def test_the_reopen_benchmark_runs_end_to_end(tiny_dir, tmp_path):
     assert opened["from_process_start_s"] > opened["open_s"] >= opened["replay_done_s"] >= opened["read_s"] > 0
     assert opened["peak_rss_mib"] >= opened["rss_window_ready_mib"] > 0
     assert opened["kept_step_selected"]["ok"] and opened["kept_step_selected"]["shown"] == "held"
+    # a file of the format before the packed one, written again in the current format: the same events
+    from engine.formats.session_file import VERSION, load_session, save_session
+    from tests.engine.test_session_file import assert_same
+
+    old, again = tmp_path / "v1.ilab", tmp_path / "again.ilab"
+    save_session(old, load_session(path), version=1)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.reopen", "--resave", str(old), str(again)],
+                       capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    resaved = json.loads(r.stdout.strip().splitlines()[-1])
+    assert resaved["version"] == VERSION == 2 and resaved["target_bytes"] == again.stat().st_size
+    for a, b in zip(load_session(old).events, load_session(again).events, strict=True):
+        assert_same(a, b)
