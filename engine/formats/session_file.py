@@ -549,20 +549,29 @@ class _Columns:
         return {"x": [self.tagged(v) for v in values]}
 
 
-def _write_json(out: Any, doc: Any) -> None:
-    """A document written in pieces: a long list of plain values is dumped a slice at a time, so no one call holds
-    the GIL for long (the GUI thread keeps running while the writer thread saves)."""
-    parts: list[str] = []
-    size = 0
+class _Chunked:
+    """Text written to a binary stream in pieces of about WRITE_CHUNK characters: many small json.dumps calls instead
+    of one for a whole document, so no one call holds the GIL for long (the GUI thread keeps running while the writer
+    thread saves)."""
 
-    def put(text: str) -> None:
-        nonlocal size
-        parts.append(text)
-        size += len(text)
-        if size >= WRITE_CHUNK:
-            out.write("".join(parts).encode("utf-8"))
-            parts.clear()
-            size = 0
+    def __init__(self, out: Any) -> None:
+        self.out, self.parts, self.size = out, [], 0
+
+    def __call__(self, text: str) -> None:
+        self.parts.append(text)
+        self.size += len(text)
+        if self.size >= WRITE_CHUNK:
+            self.flush()
+
+    def flush(self) -> None:
+        self.out.write("".join(self.parts).encode("utf-8"))
+        self.parts.clear()
+        self.size = 0
+
+
+def _write_json(out: Any, doc: Any) -> None:
+    """A document written in pieces: a long list of plain values is dumped a slice at a time."""
+    put = _Chunked(out)
 
     def dump(x: Any) -> None:
         if isinstance(x, dict):
@@ -587,7 +596,7 @@ def _write_json(out: Any, doc: Any) -> None:
             put(json.dumps(x, ensure_ascii=False))
 
     dump(doc)
-    out.write("".join(parts).encode("utf-8"))
+    put.flush()
 
 
 def _write_packs(z: zipfile.ZipFile, packs: _Packs) -> None:
@@ -863,17 +872,7 @@ WRITE_CHUNK = 1 << 20  # characters of session.json encoded before each write
 def _write_document(out: Any, head: dict, s: SavedSession, enc: _Encoder) -> None:
     """session.json, written event by event: one json.dumps of the whole document holds the GIL until it is done
     (seconds for a long run, the GUI thread frozen meanwhile); small ones let other threads run between them."""
-    parts: list[str] = []
-    size = 0
-
-    def put(text: str) -> None:
-        nonlocal size
-        parts.append(text)
-        size += len(text)
-        if size >= WRITE_CHUNK:
-            out.write("".join(parts).encode("utf-8"))
-            parts.clear()
-            size = 0
+    put = _Chunked(out)
 
     def events(evs: list) -> None:
         put("[")
@@ -896,7 +895,7 @@ def _write_document(out: Any, head: dict, s: SavedSession, enc: _Encoder) -> Non
         events(b.get("events", []))
         put("}")
     put("]}")
-    out.write("".join(parts).encode("utf-8"))
+    put.flush()
 
 
 _NPY_HEADERS: dict[tuple[np.dtype, tuple[int, ...]], tuple[bytes, int]] = {}
