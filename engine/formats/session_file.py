@@ -599,6 +599,19 @@ def _write_json(out: Any, doc: Any) -> None:
     put.flush()
 
 
+def _put_bytes(out: Any, buf: bytearray, data: memoryview) -> None:
+    """data to out through buf: small pieces gathered into writes of about CHUNK bytes, a large one written as is."""
+    if data.nbytes > CHUNK // 4:
+        out.write(buf)
+        buf.clear()
+        out.write(data)
+    else:
+        buf += data
+        if len(buf) >= CHUNK:
+            out.write(buf)
+            buf.clear()
+
+
 def _write_packs(z: zipfile.ZipFile, packs: _Packs) -> None:
     """Each pack as a stored 1-D .npy member (read in place, never inflated): a run's float32 arrays hardly
     shrink, and deflating them cost the autosave seconds of a core."""
@@ -608,16 +621,7 @@ def _write_packs(z: zipfile.ZipFile, packs: _Packs) -> None:
         with z.open(member, "w", force_zip64=True) as out:
             buf = bytearray(_npy_header(np.dtype(key.rstrip("+")), (packs.counts[p],))[0])
             for a in packs.parts[p]:
-                data = memoryview(np.ascontiguousarray(a)).cast("B")
-                if data.nbytes > CHUNK // 4:
-                    out.write(buf)
-                    buf.clear()
-                    out.write(data)
-                else:
-                    buf += data
-                    if len(buf) >= CHUNK:
-                        out.write(buf)
-                        buf.clear()
+                _put_bytes(out, buf, memoryview(np.ascontiguousarray(a)).cast("B"))
             out.write(buf)
 
 
@@ -949,15 +953,7 @@ def _write_npz(out: Any, arrays: dict[str, np.ndarray]) -> None:
         central += _CENTRAL.pack(zipfile.stringCentralDir, version, 3, version, 0, 0, 0, dos_time, dos_date, crc,
                                  size, size, len(name), 0, 0, 0, 0, 0o600 << 16, offset)
         central += name
-        if data.nbytes > CHUNK // 4:
-            out.write(buf)
-            buf.clear()
-            out.write(data)
-        else:
-            buf += data
-            if len(buf) >= CHUNK:
-                out.write(buf)
-                buf.clear()
+        _put_bytes(out, buf, data)
         offset += _LOCAL.size + len(name) + size
     cd_start, cd_size, n = offset, len(central), len(arrays)
     buf += central
