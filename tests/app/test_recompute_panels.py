@@ -73,10 +73,11 @@ def test_a_dropped_step_of_the_live_run_is_recomputed_and_drawn(qtbot, make_wind
     with qtbot.waitSignal(w.bridge.sig_preview, timeout=30_000):
         w.bridge.preview("something else entirely", False)
     w.bridge.select_step(step + 1)
-    qtbot.waitUntil(lambda: not att._asked, timeout=30_000)
+    qtbot.waitUntil(lambda: not att._asked and not lens._asked, timeout=30_000)  # both panels asked; both answered
     w.tick_panels(flush=True)
     assert att.recomputed_row() is None
     assert "cannot be recomputed: the engine's KV cache no longer holds this run" in att.status.text()
+    assert "KV cache no longer holds this run" in lens.header.text()  # (rich text: its apostrophe is escaped)
 
     # the same run opened from a session: no engine cache behind it, nothing is asked, the note stays
     store.load(store.records())

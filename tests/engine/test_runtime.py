@@ -14,11 +14,11 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from engine.events import Finished
+from engine.events import Finished, TokenSampled
 from engine.labs import speculative as sp
 from engine.labs.batching import generate_batch
 from engine.model.kv_cache import KVCache
-from engine.protocol import SamplingParams
+from engine.protocol import Capture, SamplingParams
 from engine.runtime import Row
 from engine.runtime.torch import TorchRuntime
 
@@ -120,6 +120,27 @@ def plain(s, prompt, n: int) -> list[int]:
     return fin.ids.tolist()
 
 
+# How far llama.cpp's logits of a sequence may move when other sequences' rows share its decode step in one unified
+# cache (the scheduling lab's pooled cells): its attention then runs as one product over several queries, another
+# kernel than a lone query's, and on some CPU classes it rounds otherwise (BENCHMARKS.md, "llama.cpp's unified
+# pool"; separate streams, as generate_batch runs, stay exact).
+POOLED_BATCH_NOISE = 1.0
+
+
+def greedy_within_noise(s, prompt: list[int], tokens: list[int]) -> None:
+    """Each of `tokens` is the greedy choice of llama.cpp's own one-sequence generation fed the same tokens before
+    it, up to POOLED_BATCH_NOISE: its logit there is within the noise of the largest (a token from another sequence's
+    context, or from a wrong position, is many logits below)."""
+    s.forget_cache()
+    gen = s.generate(prompt, GREEDY, len(tokens), capture=Capture(logits=True), ignore_eos=True,
+                     forced=dict(enumerate(tokens)))
+    steps = [e for e in gen if isinstance(e, TokenSampled)]
+    assert [e.token_id for e in steps] == tokens
+    for e in steps:
+        gap = float(e.logits.max() - e.logits[e.token_id])
+        assert gap <= POOLED_BATCH_NOISE, f"step {e.step}: token {e.token_id} is {gap:.2f} below the greedy choice"
+
+
 @pytest.mark.slow
 def test_llamacpp_batched_decode_equals_each_sequence_alone(lcpp):
     """B different prompts (of different lengths) decoded in one llama_batch per step give each the tokens of
@@ -194,8 +215,8 @@ def test_llamacpp_model_info_names_the_files_sha256(lcpp):
 @pytest.mark.slow
 def test_llamacpp_scheduling_lab(lcpp):
     """Static against continuous batching on llama.cpp's own cache: the same tokens under both policies, each
-    request's the greedy continuation of its prompt alone; continuous batching's first tokens come sooner; the
-    cache holds cells of the positions in use, under a contiguous reservation."""
+    request's the greedy continuation of its prompt alone (within POOLED_BATCH_NOISE); continuous batching's first
+    tokens come sooner; the cache holds cells of the positions in use, under a contiguous reservation."""
     import math
 
     from engine.labs.schedule_events import SchedConfig
@@ -212,7 +233,7 @@ def test_llamacpp_scheduling_lab(lcpp):
     rng = np.random.default_rng(cfg.seed + 1)
     prompts = [rng.integers(100, lcpp.cfg.vocab_size, size=r.prompt_len).tolist() for r in plan.requests]
     for rid in (0, 5):
-        assert list(done["continuous"][rid]) == plain(lcpp, prompts[rid], len(done["continuous"][rid]))
+        greedy_within_noise(lcpp, prompts[rid], list(done["continuous"][rid]))
     steps = [e for e in events if isinstance(e, SchedStep)]
     assert all(s.used_bytes == s.paged_bytes <= s.contiguous_bytes for s in steps)  # a page is one cell
     # Continuous batching's first tokens come sooner. Counted in forward steps waited, not seconds: the steps are
