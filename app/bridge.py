@@ -233,8 +233,22 @@ def settle_heap() -> None:
     """Collect once, then leave what survives (the tokenizer's vocabulary, the panels, the model's facts: about a
     million objects with a 262k-token vocabulary) out of later collections. Python's collector walks every tracked
     object when it collects the oldest generation, holding the GIL throughout: the GUI froze for that walk now and
-    then during a run. Frozen objects are still freed when nothing refers to them."""
+    then during a run. Frozen objects are still freed when nothing refers to them; a cycle frozen since (age_heap)
+    is collected here, at a model's load."""
+    gc.unfreeze()
     gc.collect()
+    gc.freeze()
+
+
+# Tokens of a live run between two age_heap calls. A run's events stay in the run store; unfrozen, they would join
+# the oldest generation, whose walk (triggered each time it grew by a quarter) takes longer the longer the run.
+AGE_EVERY = 256
+
+
+def age_heap() -> None:
+    """Collect the two young generations (a walk of the objects made since the last call, not of the run), then
+    freeze what survived: the run's events, kept until their run goes, are never walked again."""
+    gc.collect(1)
     gc.freeze()
 
 
@@ -683,11 +697,14 @@ class Bridge(QtCore.QObject):
             self._live.ids.append(int(ev.token_id))
             self._live.text.append(ev.text)
             self._live.seconds.append(float(ev.seconds))
+            if len(self._live.ids) % AGE_EVERY == 0:
+                age_heap()
         self.sig_token.emit(ev)
 
     def _on_finished(self, ev: Finished) -> None:
         if not self._replaying:
             self._live = None
+            age_heap()
             self.deaths = 0  # the model ran a generation to its end: its engine is sound
         self.sig_finished.emit(ev)
 

@@ -14,6 +14,9 @@ app.panels.generation.ALL_LAYERS_BELOW prompt tokens). It reports:
 - the GUI process's and the engine process's CPU time per token from Generate to Finished;
 - when the autosave file was complete after Finished;
 - the load average at the start and at the end (other work on the cores inflates TPOT and the stalls).
+- after that: step 7/8·N of the live run selected as a click does, then another layer, then another head, each timed
+  until the Attention panel has drawn its row (held, kept by the run store, or recomputed from the engine's cache);
+- the objects the bridge froze during the run (app.bridge.age_heap) that had become garbage by the end.
 
 With --keep-session FILE.ilab, the run's autosave is copied there (keep it outside the repository: it is large), for
 `python -m benchmarks.reopen --open FILE.ilab`.
@@ -169,6 +172,37 @@ def time_paints(owner: dict[int, str]) -> dict[str, list[float]]:
     pg.GraphicsView.paintEvent = timed
     pg.GraphicsView.resizeEvent = counted
     return out
+
+
+def time_live_selection(app, win, step: int, timeout_s: float = 30.0) -> dict:
+    """After the run: select `step` of the live run as a click does, then another layer, then another head, and time
+    each until the Attention panel has drawn that step's row (held, kept by the run store, or recomputed by the
+    engine from its KV cache): {"step", "how", "select_ms", "layer_ms", "head_ms"}."""
+    att = win.panels["attention"]
+
+    def shown() -> bool:
+        return att.row_held(step) or att.recomputed_row() is not None
+
+    def until(t: float, why: str) -> float:
+        while not shown():
+            app.processEvents()
+            if time.perf_counter() - t > timeout_s:
+                raise TimeoutError(f"step {step}'s row was not shown within {timeout_s:.0f} s ({why})")
+        win.tick_panels(flush=True)
+        return round((time.perf_counter() - t) * 1e3, 1)
+
+    t = time.perf_counter()
+    win.bridge.select_step(step)
+    select_ms = until(t, "select")
+    how = "held" if att.row_held(step) else "kept" if att.stored_row(step) is not None else "recomputed"
+    t = time.perf_counter()
+    att.layer_spin.setValue((att.layer() + 7) % (att.layer_spin.maximum() + 1))
+    layer_ms = until(t, "layer")
+    t = time.perf_counter()
+    att.head_spin.setValue((att.head() + 1) % (att.head_spin.maximum() + 1))
+    win.tick_panels(flush=True)
+    head_ms = round((time.perf_counter() - t) * 1e3, 1)
+    return {"step": step, "how": how, "select_ms": select_ms, "layer_ms": layer_ms, "head_ms": head_ms}
 
 
 def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False, keep: str | None = None) -> int:
@@ -328,6 +362,11 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
         result["dock_min_size_changes"] = hint_changes
         result["gc_collections"] = collections  # the oldest generation's walks hold the GIL for all they take
         result["plot_resizes"] = [(round(t - t_start, 3), name) for t, name in resized if t >= t_start]
+    result["select_live_step"] = time_live_selection(app, win, n * 7 // 8)
+    import gc
+
+    gc.unfreeze()  # what the bridge froze during the run (app.bridge.age_heap) that has since become garbage
+    result["frozen_garbage_objects"] = gc.collect()
     if keep and autosave_s is not None:  # before the close, which removes the autosave (session_io.clean_exit)
         shutil.copyfile(session_io.autosave_path(), keep)
         result["session_file"], result["session_mib"] = keep, os.path.getsize(keep) / 2**20

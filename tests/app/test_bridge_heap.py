@@ -20,3 +20,43 @@ def test_a_loaded_models_objects_are_frozen_out_of_later_collections(bridge, tin
         assert not any(o is tiny_lm.tokenizer.__dict__ for o in gc.get_objects())
     finally:
         gc.unfreeze()
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_runs_events_leave_the_collectors_walks_as_they_arrive_and_frozen_garbage_goes_at_the_next_load(
+        bridge, tiny_lm):
+    """An 8,000-token run's events stay in the run store: the oldest generation's walk grew with them, and with it
+    the GUI's stalls late in a run. They are frozen every AGE_EVERY tokens; a cycle frozen alive and dropped later
+    is freed when a model loads."""
+    import weakref
+
+    from app.bridge import AGE_EVERY
+    from tests.app.test_long_run_gui import run_events
+
+    gc.unfreeze()
+    try:
+        events = run_events(tiny_lm.cfg, tiny_lm.tokenizer, 2 * AGE_EVERY, logits=False)
+        cycle = _Cycle()
+        alive = weakref.ref(cycle)
+        tokens = [e for e in events if type(e).__name__ == "TokenSampled"]
+        for ev in events:
+            bridge._on_raw(ev)  # as the engine's messages arrive during a live run
+            if ev is tokens[AGE_EVERY - 2]:
+                assert gc.get_freeze_count() == 0  # nothing frozen yet
+            if ev is tokens[AGE_EVERY - 1]:
+                break
+        del ev
+        tracked = {id(o) for o in gc.get_objects()}
+        assert not any(id(e) in tracked for e in tokens[:AGE_EVERY])  # frozen: never walked again
+        del cycle
+        gc.collect()
+        assert alive() is not None  # frozen garbage: no collection frees it…
+        bridge._loads_sent.clear()
+        bridge.replay(Loaded(tiny_lm.info, tiny_lm.tokenizer, tiny_lm.cfg))
+        assert alive() is None  # …until a model loads
+    finally:
+        gc.unfreeze()
