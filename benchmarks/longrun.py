@@ -1,5 +1,6 @@
 """A long generation in the app, as users run it: `python -m benchmarks.longrun [--tokens N] [--model M]
-[--after S]` prints one JSON line.
+[--after S]` prints one JSON line; with --cli, the same run through `python -m engine generate` instead (its TPOT
+in the first and the last tenth: what the longer context costs without the app).
 
 The window runs with settings (a temporary settings file named by INFERENCE_LAB_SETTINGS, so the user's own are
 never touched; hence the autosave at the end), every dock laid out side by side (benchmarks.gui.show_every_panel),
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
     n_new = int(opt("--tokens", "2000"))
     model = opt("--model", None)  # default: the app's (SmolLM2-135M)
+    if "--cli" in argv:
+        return _measure_cli(model, n_new)
     after_s = float(opt("--after", "10"))
     stacks = "--stacks" in argv
     keep = opt("--keep-session", None)
@@ -63,6 +66,40 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ilab-bench-longrun-") as settings_dir:
         os.environ["INFERENCE_LAB_SETTINGS"] = os.path.join(settings_dir, "inference-lab.ini")
         return _measure(model, n_new, after_s, stacks, keep)
+
+
+def _tenths(step_seconds: list[float]) -> dict:
+    """The mean decode step in the first and in the last tenth of the run, in ms, and their ratio."""
+    decode = np.asarray(step_seconds, dtype=float)
+    d10 = max(1, decode.size // 10)
+    if not decode.size:
+        return {"tpot_ms_first_tenth": None, "tpot_ms_last_tenth": None, "tpot_last_over_first": None}
+    return {"tpot_ms_first_tenth": float(decode[:d10].mean() * 1e3),
+            "tpot_ms_last_tenth": float(decode[-d10:].mean() * 1e3),
+            "tpot_last_over_first": float(decode[-d10:].mean() / decode[:d10].mean())}
+
+
+def _measure_cli(model: str | None, n_new: int) -> int:
+    """--cli: the same prompt and tokens through `python -m engine generate` (no captures, no GUI): what the
+    attention over a longer context costs by itself."""
+    import subprocess
+
+    base = [sys.executable, "-m", "engine", "generate", "--prompt", PROMPT, "--greedy", "--ignore-eos",
+            "--max-new-tokens", str(n_new), "--json", *(["--model", model] if model else [])]
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    run = subprocess.run([*base, "--chat"], capture_output=True, text=True)
+    chat = run.returncode == 0
+    if not chat:  # a base model without a chat template gets its prompt as plain text, as greedy_run does
+        run = subprocess.run(base, capture_output=True, text=True)
+    if run.returncode != 0:
+        print(run.stderr.strip().splitlines()[-1] if run.stderr.strip() else "the CLI failed", file=sys.stderr)
+        return 1
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    print(json.dumps({"cli": True, "model": model or "smollm2", "chat": chat, "tokens": len(out["ids"]),
+                      "prompt_tokens": len(out["prompt_ids"]), **_tenths(out["step_seconds"]),
+                      "ttft_ms": out["ttft_s"] * 1e3, "run_s": time.perf_counter() - t0,
+                      "load_average_start": load0, "load_average_end": os.getloadavg()[0]}))
+    return 0
 
 
 def greedy_run(app, win, n_new: int, chat: bool) -> None:
@@ -319,8 +356,6 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
     p99 = [float(np.percentile(stalls[during & (tenth == k)], 99)) if np.any(during & (tenth == k)) else None
            for k in range(10)]
     worst_tenth = [float(stalls[during & (tenth == k)].max(initial=0.0)) for k in range(10)]
-    decode = np.asarray(fin.step_seconds, dtype=float)
-    d10 = max(1, decode.size // 10)
     mib = 1 / 2**20
     result = {
         "model": win.bridge.info.name, "dtype": win.bridge.info.dtype, "tokens": n,
@@ -340,9 +375,7 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
         "stall_p99_ms_after": float(np.percentile(stalls[~during], 99)) if np.any(~during) else None,
         "stall_max_ms_after": float(stalls[~during].max(initial=0.0)),
         "stall_max_ms": float(stalls.max(initial=0.0)),
-        "tpot_ms_first_tenth": float(decode[:d10].mean() * 1e3) if decode.size else None,
-        "tpot_ms_last_tenth": float(decode[-d10:].mean() * 1e3) if decode.size else None,
-        "tpot_last_over_first": float(decode[-d10:].mean() / decode[:d10].mean()) if decode.size else None,
+        **_tenths(fin.step_seconds),
         "ttft_ms": fin.ttft_s * 1e3,
         "run_s": float(t_end - (t[0] if t.size else t_end)),
         "autosave_done_after_finished_s": autosave_s,  # None: not written within --after seconds

@@ -176,6 +176,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                     "prompt_ids": ev.prompt_ids.tolist(), "ids": ev.ids.tolist(), "text": ev.text,
                     "ttft_s": ev.ttft_s, "tpot_s": ev.tpot_s, "tokens_per_s": ev.tokens_per_s,
                     "total_s": ev.total_s, "finish_reason": ev.reason, "forced": done_forced,
+                    "step_seconds": [round(float(x), 6) for x in ev.step_seconds],
                 }, ensure_ascii=False))
             else:
                 print()

@@ -52,6 +52,9 @@ def test_logits_and_generate_json():
     g = json.loads(r.stdout)
     assert {"prompt_ids", "ids", "text", "ttft_s", "tpot_s", "tokens_per_s", "finish_reason"} <= set(g)
     assert len(g["ids"]) == 12 and g["finish_reason"] == "length" and g["text"].strip()
+    steps = g["step_seconds"]  # each decode step's time: the first token is the prefill's (TTFT)
+    assert len(steps) == 11 and all(x > 0 for x in steps)
+    assert g["tpot_s"] == pytest.approx(sum(steps) / 11, rel=1e-3)
     one = json.loads(cli("generate", "--chat", "--greedy", "--prompt", "What is a KV cache?", "--max-new-tokens",
                          "12", "--threads", "1", "--json").stdout)
     assert one["ids"] == g["ids"]  # the thread count changes the speed, not the greedy continuation
