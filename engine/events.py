@@ -206,6 +206,7 @@ class KVCacheGrew:
     bytes_used: int
     bytes_allocated: int
     batch: int = 1
+    local_slots: int = 0  # positions a sliding-window layer's buffer holds (2 × window, or all); 0: none, or not said
 
 
 @dataclass(frozen=True, kw_only=True)

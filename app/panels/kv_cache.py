@@ -230,11 +230,15 @@ class KVCachePanel(Panel):
         alloc = self._events[-1].bytes_allocated if self._events else 0
         text = (f"per token = 2 (K, V) · {cfg.n_layers} layers · {cfg.n_kv_heads} KV heads · {cfg.head_dim} head "
                 f"dim · {bpv:g} B ({dtype}) = <b>{per_token:,.0f} bytes</b> ({fmt_bytes(per_token)})<br>")
-        full_local = self.bridge.runtime == "llama.cpp"  # swa_full: its local layers keep every position
+        llama = self.bridge.runtime == "llama.cpp"  # swa_full: its local layers keep every position
+        # engine.runtime.torch: a generation's local layers keep every position when that fits its budget
+        full_local = llama or bool(self._events) and self._events[-1].local_slots > 2 * cfg.sliding_window
         if cfg.n_local_layers and full_local:
+            why = ("llama.cpp keeps every position in them too (a full-size cache, so a cached prefix can be cut "
+                   "anywhere)" if llama else "this run's cache keeps every position in them too (it is short enough "
+                   "for the engine's budget, so any step of it can be recomputed for any layer)")
             text += (f"its {cfg.n_local_layers} local layers attend to the last {cfg.sliding_window:,} positions "
-                     "only, but llama.cpp keeps every position in them too (a full-size cache, so a cached prefix "
-                     f"can be cut anywhere)<br>now: {n:,} tokens × {per_token:,.0f} B = ")
+                     f"only, but {why}<br>now: {n:,} tokens × {per_token:,.0f} B = ")
         elif cfg.n_local_layers:
             g, loc = costs.kv_bytes(cfg, dtype, max(1, n))
             w = cfg.sliding_window

@@ -5,7 +5,9 @@ step writes one position. Nothing is allocated per step in the common case: `upd
 preallocated buffers and returns views of the part the new queries may read.
 
 Global layers keep every position (slots = capacity). Local (sliding-window) layers need only the last
-`window` positions, so their buffers hold `min(capacity, 2 · window)` slots: positions base..base+slots-1.
+`window` positions, so their buffers hold `min(capacity, 2 · window)` slots: positions base..base+slots-1 — or every
+position, when keeping them all costs at most `keep_all_bytes` more (a generation's cache: then any step of the run
+can be run again for any layer, engine.run.recompute).
 When a write would run past the end, the newest `window - 1` positions (and the ones being written) move to the
 front, once every ~window tokens, so memory stays bounded at any context. Keeping up to twice the window also
 lets prefix caching step back up to `window` positions without losing anything the next query needs.
@@ -22,12 +24,17 @@ class KVCache:
     """Keys and values for `n_layers` layers, with `pos` positions filled (the same for every sequence of the batch)."""
 
     def __init__(
-        self, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+        self, cfg: ModelConfig, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+        keep_all_bytes: int = 0,
     ) -> None:
         if capacity <= 0 or batch <= 0:
             raise ValueError(f"KV cache needs a positive batch and capacity, got {batch} and {capacity}")
         self.window = cfg.sliding_window
         self.local_slots = min(capacity, 2 * self.window) if self.window else capacity
+        n_local = sum(cfg.is_local(i) for i in range(cfg.n_layers))
+        slot_bytes = 2 * batch * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+        if n_local * (capacity - self.local_slots) * slot_bytes <= keep_all_bytes:
+            self.local_slots = capacity  # no ring: every position stays where it was written
         self.slots = [self.local_slots if cfg.is_local(i) else capacity for i in range(cfg.n_layers)]
         self.k = [torch.empty((batch, cfg.n_kv_heads, n, cfg.head_dim), dtype=dtype, device=device)
                   for n in self.slots]
@@ -118,7 +125,7 @@ class KVCache:
         return self._bytes_per_slot * sum(self.positions_held(i) for i in range(len(self.slots)))
 
     def bytes_allocated(self) -> int:
-        """Bytes reserved by the preallocated buffers (local layers reserve at most twice the window)."""
+        """Bytes reserved by the preallocated buffers (local layers reserve their `local_slots`)."""
         return self._bytes_per_slot * sum(self.slots)
 
 

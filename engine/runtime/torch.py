@@ -93,6 +93,12 @@ class TorchRuntime(Runtime):
             self.cache.release(other)
 
 
+# What a generation's sliding-window layers may reserve beyond their ring to keep every position, so that any step of
+# a long run can be recomputed for any layer (the Attention panel's rows not held): Gemma 3 270M's 8,192 positions
+# in float32 take 210 MiB more; a model whose full windows cost more keeps the ring and says which steps are gone.
+KEEP_ALL_WINDOW_BYTES = 256 << 20
+
+
 class ContiguousRuntime(Runtime):
     """`lm` with one sequence (0) of up to `capacity` positions in the contiguous KVCache: a generation's runtime.
 
@@ -111,7 +117,7 @@ class ContiguousRuntime(Runtime):
         self.n_seq, self.capacity, self.device, self.page_size = 1, capacity, lm.device, capacity
         self.weight_dtype = self.kv_dtype = self.dtype_name = str(lm.dtype).removeprefix("torch.")
         self._decode_bytes = decode_weight_bytes
-        self.cache = KVCache(lm.cfg, 1, capacity, lm.dtype, lm.device)
+        self.cache = KVCache(lm.cfg, 1, capacity, lm.dtype, lm.device, keep_all_bytes=KEEP_ALL_WINDOW_BYTES)
         self.ids: list[int] = []  # the tokens at positions 0…cache.pos − 1
         self._probe: Probe | None = None  # the last forward's, with its row's length and attention layers
         self._n_fed, self._layers = 0, frozenset()
@@ -159,7 +165,8 @@ class ContiguousRuntime(Runtime):
 
     def kv_event(self, step: int, seq: int = 0) -> KVCacheGrew:
         kv = self.cache  # local layers hold at most their window: the cache's own count, not the formula's
-        return KVCacheGrew(step=step, n_tokens=kv.pos, bytes_used=kv.bytes_used(), bytes_allocated=kv.bytes_allocated())
+        return KVCacheGrew(step=step, n_tokens=kv.pos, bytes_used=kv.bytes_used(), bytes_allocated=kv.bytes_allocated(),
+                           local_slots=kv.local_slots if kv.window else 0)
 
     def length(self, seq: int = 0) -> int:
         return self.cache.pos

@@ -101,3 +101,22 @@ def test_kv_cache_says_why_in_use_exceeds_the_formula(qtbot, windowed):
     windowed.sig_kv.emit(KVCacheGrew(step=1, n_tokens=7, bytes_used=2816, bytes_allocated=4096))
     panel.flush()
     assert "more than the formula" not in panel.formula.text()
+
+
+def test_kv_cache_says_when_the_run_keeps_every_position_of_its_local_layers(qtbot, windowed):
+    """A generation's local layers keep every position when that fits the engine's budget (engine.runtime.torch);
+    the panel then says so instead of explaining the excess by the ring of 2 × window."""
+    from app.panels import kv_cache
+    from engine.events import KVCacheGrew
+
+    panel = kv_cache.PANEL(windowed)
+    qtbot.addWidget(panel)
+    # 12 tokens, 256 B per layer and position, both layers holding all 12 of a 256-position cache: 6,144 B in use
+    windowed.sig_kv.emit(KVCacheGrew(step=0, n_tokens=12, bytes_used=6144, bytes_allocated=131072, local_slots=256))
+    panel.flush()
+    text = panel.formula.text()
+    assert "this run's cache keeps every position in them too" in text and "6.14 kB</b> in use" in text
+    assert "more than the formula" not in text
+    windowed.sig_kv.emit(KVCacheGrew(step=1, n_tokens=12, bytes_used=4096, bytes_allocated=67584, local_slots=8))
+    panel.flush()  # a ring of 2 × 4 positions that has rolled: 12 global + 4 local positions
+    assert "keeps every position" not in panel.formula.text()

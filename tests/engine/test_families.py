@@ -139,11 +139,16 @@ def test_captured_attention_shows_the_window_band(checkpoints):
     assert abs(local.sum(-1) - 1).max() < 1e-5
 
 
-def test_session_prefix_reuse_on_a_windowed_model(checkpoints):
+@pytest.mark.parametrize("keep_all", [True, False], ids=["every position kept", "ring"])
+def test_session_prefix_reuse_on_a_windowed_model(checkpoints, keep_all, monkeypatch):
     """The session's prefix caching asks the cache how far back it can resume: within the local layers' reach it
-    reuses the prefix, beyond it it recomputes; the logits are transformers' either way."""
+    reuses the prefix, beyond it it recomputes; a generation's local layers that keep every position (within
+    engine.runtime.torch.KEEP_ALL_WINDOW_BYTES) reach back to the start. The logits are transformers' either way."""
+    import engine.runtime.torch as rt
     from engine.run.session import Session
 
+    if not keep_all:
+        monkeypatch.setattr(rt, "KEEP_ALL_WINDOW_BYTES", 0)
     ck = checkpoints["gemma3"]
     s = Session(load(ck.gguf, device="cpu", dtype="float32", use_cache=False))
     ref = reference_logits(ck.model, IDS)
@@ -154,8 +159,8 @@ def test_session_prefix_reuse_on_a_windowed_model(checkpoints):
     assert reuse == 12
     assert_close(logits, ref[-1], atol=1e-4, rtol=1e-4)
     other = IDS[:5] + [9, 10, 11]
-    logits, reuse, _ = s.next_token_logits(other)  # local layers dropped positions < 7: start again
-    assert reuse == 0
+    logits, reuse, _ = s.next_token_logits(other)  # a ring's local layers dropped positions < 7: start again
+    assert reuse == (5 if keep_all else 0)
     assert_close(logits, reference_logits(ck.model, other)[-1], atol=1e-4, rtol=1e-4)
 
 

@@ -132,15 +132,24 @@ def gemma(tmp_path_factory):
     return ck, load(ck.hf_dir, device="cpu", dtype="float32", use_cache=False)
 
 
-def test_sliding_window_layers_read_their_window_and_old_steps_are_refused(gemma):
-    """Tiny Gemma 3: window 4, so its local layers keep at most 8 positions and, just after they move their newest
-    to the front, only the last 4 (engine.model.kv_cache); the newest step reads its band exactly as the capture
-    and transformers' eager attention do; a step whose band the local layers have let go is refused."""
+@pytest.mark.parametrize("keep_all", [True, False], ids=["every position kept", "ring"])
+def test_sliding_window_layers_read_their_window_and_old_steps_are_recomputed_or_refused(gemma, keep_all,
+                                                                                         monkeypatch):
+    """Tiny Gemma 3, window 4. A generation's local layers keep every position when that fits the runtime's budget
+    (engine.runtime.torch.KEEP_ALL_WINDOW_BYTES), and then an old step is recomputed as it was captured; with no
+    budget they keep at most 8 positions and, just after they move their newest to the front, only the last 4
+    (engine.model.kv_cache), and a step whose band they have let go is refused. Either way the newest step reads
+    its band exactly as the capture and transformers' eager attention do."""
+    import engine.runtime.torch as rt
+
+    if not keep_all:
+        monkeypatch.setattr(rt, "KEEP_ALL_WINDOW_BYTES", 0)
     ck, lm = gemma
     cfg = lm.cfg
     prompt = PROMPT[:6]
     n = 14
     s, events, ids = generate_everything(lm, prompt, n)
+    assert s.cache.local_slots == (s.cache.capacity if keep_all else 2 * cfg.sliding_window)
     with torch.no_grad():
         out = ck.model(torch.tensor([ids[:-1]]), use_cache=False, output_attentions=True)
     before = snapshot(s)
@@ -160,8 +169,18 @@ def test_sliding_window_layers_read_their_window_and_old_steps_are_refused(gemma
         alone = recompute(s, context(ids, len(prompt), step), step, [layer])[0][0]
         np.testing.assert_allclose(alone.weights, cap_att[layer].weights, atol=1e-5, rtol=0)
     assert_unchanged(s, before)
-    with pytest.raises(CacheGone, match="sliding-window layers"):  # a global layer reads the local ones' output
-        recompute(s, context(ids, len(prompt), 2), 2, [cfg.layer_types.index("global")])
+    glob = cfg.layer_types.index("global")  # a global layer reads the local ones' output
+    if not keep_all:
+        with pytest.raises(CacheGone, match="sliding-window layers"):
+            recompute(s, context(ids, len(prompt), 2), 2, [glob])
+        return
+    old_att = {ev.layer: ev for ev in recompute(s, context(ids, len(prompt), 2), 2, range(cfg.n_layers))[0]}
+    for layer, ev in captured(events, 2)[0].items():
+        np.testing.assert_allclose(old_att[layer].weights, ev.weights, atol=1e-5, rtol=0)
+    p2 = len(prompt) + 1
+    hf = out.attentions[glob][0, :, p2, :p2 + 1].numpy()
+    np.testing.assert_allclose(old_att[glob].weights[:, 0], hf, atol=2e-5, rtol=0)
+    assert_unchanged(s, before)
 
 
 @pytest.mark.slow
