@@ -40,6 +40,7 @@ from engine.formats.session_file import (
 )
 
 AUTOSAVE_NAME = "autosave.ilab"
+AUTOSAVE_AFTER_MS = 300  # from a run's end to its autosave: the window's last draws first (install)
 
 
 def autosave_path() -> Path:
@@ -381,6 +382,21 @@ class SessionWriter(QtCore.QObject):
         self._thread: threading.Thread | None = None
         self.closed = False  # the window exited cleanly: no more autosaves
         self.sig_done.connect(self._on_done, QtCore.Qt.ConnectionType.QueuedConnection)
+        self._later = QtCore.QTimer(self)  # a request to submit after a while (later): one at a time, the newest
+        self._later.setSingleShot(True)
+        self._later.timeout.connect(self._submit_later)
+        self._later_fn: Callable[[], object] | None = None
+
+    def later(self, fn: Callable[[], object], ms: int) -> None:
+        """Call `fn` (which submits a job) in `ms` ms on the GUI thread, replacing a call still waiting; wait()
+        calls it at once, and wait(cancel_autosave=True) drops it."""
+        self._later_fn = fn
+        self._later.start(ms)
+
+    def _submit_later(self) -> None:
+        fn, self._later_fn = self._later_fn, None
+        if fn is not None:
+            fn()
 
     def submit(self, job: Job) -> Job:
         """Queue a job (GUI thread); a new autosave replaces one still waiting, a new warm-up likewise."""
@@ -395,7 +411,7 @@ class SessionWriter(QtCore.QObject):
 
     def busy(self) -> bool:
         with self._lock:
-            return self._thread is not None
+            return self._thread is not None or self._later.isActive()
 
     def _work(self) -> None:
         while True:
@@ -415,6 +431,12 @@ class SessionWriter(QtCore.QObject):
 
     def wait(self, job: Job | None = None, cancel_autosave: bool = False) -> None:
         """Block until `job` (None: every job) is done; cancel_autosave drops an autosave not yet started."""
+        if self._later.isActive():
+            self._later.stop()
+            if cancel_autosave:
+                self._later_fn = None
+            else:
+                self._submit_later()
         with self._lock:
             if cancel_autosave:
                 self._pending = [j for j in self._pending if j.kind not in ("autosave", "warm")]
@@ -445,7 +467,10 @@ def install(window) -> None:
 
     window.run_store = RunStore(window.bridge, window)
     window.session_writer = SessionWriter(window)
-    window.run_store.sig_finished.connect(lambda _id: autosave(window))
+    # A run's end first lets the window draw its last state (every panel draws at Finished), then autosaves: the
+    # writer's encoding, in this process, would take turns with those draws for the GIL.
+    window.run_store.sig_finished.connect(lambda _id: window.session_writer.later(lambda: autosave(window),
+                                                                                   AUTOSAVE_AFTER_MS))
     window.run_store.sig_run_updated.connect(lambda run_id: _warm(window, run_id))
     window.replay_job = None
     for panel in window.panels.values():

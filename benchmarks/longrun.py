@@ -22,6 +22,10 @@ app.panels.generation.ALL_LAYERS_BELOW prompt tokens). It reports:
 With --keep-session FILE.ilab, the run's autosave is copied there (keep it outside the repository: it is large), for
 `python -m benchmarks.reopen --open FILE.ilab`.
 
+With --profile-finish, the GUI thread's work from two tokens before the end to 1.5 s after Finished is profiled
+(cProfile, wall time: waiting for the GIL counts against the function that waited) and printed to stderr, and so
+is selecting step 7/8·N, a layer and a head.
+
 With --stacks, a watcher thread samples the GUI thread's Python stack (sys._current_frames) every few ms while a
 tick is late, and the line gains "stall_stacks": for each stall over STALL_MS, when it happened, how long it was and
 the stacks seen during it (innermost frames first, with how many samples each). A stack that ends in the event
@@ -30,6 +34,7 @@ loop's exec() means Qt's own C++ work (painting, layout) with no Python frame of
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -65,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     with tempfile.TemporaryDirectory(prefix="ilab-bench-longrun-") as settings_dir:
         os.environ["INFERENCE_LAB_SETTINGS"] = os.path.join(settings_dir, "inference-lab.ini")
-        return _measure(model, n_new, after_s, stacks, keep)
+        return _measure(model, n_new, after_s, stacks, keep, "--profile-finish" in argv)
 
 
 def _tenths(step_seconds: list[float]) -> dict:
@@ -244,7 +249,8 @@ def time_live_selection(app, win, step: int, timeout_s: float = 30.0) -> dict:
     return {"step": step, "how": how, "select_ms": select_ms, "layer_ms": layer_ms, "head_ms": head_ms}
 
 
-def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False, keep: str | None = None) -> int:
+def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False, keep: str | None = None,
+             profile_finish: bool = False) -> int:
     import psutil
     from PySide6 import QtCore, QtWidgets
 
@@ -333,6 +339,28 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
                       for v in panel.findChildren(QtWidgets.QGraphicsView)})
         for key in [k for k in paints if k not in ("resized", "since_tick")]:
             del paints[key]
+    if profile_finish:  # the GUI thread's work from the last tokens to 1.5 s after Finished, by function
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+
+        def on_token_profile(_ev) -> None:
+            if tokens[0] == n_new - 2:
+                prof.enable()
+
+        def on_finished_profile(_ev) -> None:
+            def stop() -> None:
+                prof.disable()
+                out = io.StringIO()
+                st = pstats.Stats(prof, stream=out)
+                st.sort_stats("cumulative").print_stats(45)
+                st.sort_stats("tottime").print_stats(25)
+                print(out.getvalue(), file=sys.stderr)
+            QtCore.QTimer.singleShot(1500, stop)
+
+        win.bridge.sig_token.connect(on_token_profile)
+        win.bridge.sig_finished.connect(on_finished_profile)
     timer.start()
     if not win.panels["generation"].generate():
         return 1
@@ -398,7 +426,18 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
         result["gc_collections"] = collections  # the oldest generation's walks hold the GIL for all they take
         result["plot_resizes"] = [(round(t - t_start, 3), name) for t, name in resized if t >= t_start]
     try:
-        result["select_live_step"] = time_live_selection(app, win, n * 7 // 8)
+        if profile_finish:
+            import cProfile
+            import pstats
+
+            with cProfile.Profile() as sel:
+                result["select_live_step"] = time_live_selection(app, win, n * 7 // 8)
+            out = io.StringIO()
+            print("---- selecting a step, a layer, a head", file=out)
+            pstats.Stats(sel, stream=out).sort_stats("cumulative").print_stats(40)
+            print(out.getvalue(), file=sys.stderr)
+        else:
+            result["select_live_step"] = time_live_selection(app, win, n * 7 // 8)
     except TimeoutError as e:  # a step not shown (or refused) is a result to print, not a reason to lose the run's
         result["select_live_step"] = {"step": n * 7 // 8, "error": str(e)}
     import gc

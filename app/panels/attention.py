@@ -40,7 +40,8 @@ CMAP = pg.colormap.get("viridis")
 EMPTY_TOKENS = 8  # the heat map's size before anything is captured (at least the prompt's length)
 MATRIX_BYTES = 32 << 20  # the shown layer's float32 matrix, capacity included; its oldest rows go past it
 DOWNSAMPLE_FROM = 2  # cells per screen pixel from which the heat map is reduced before it is drawn
-RECOMPUTED_ROWS = 32  # recomputed (step, layer) rows kept (9 heads × 8,000 keys × 4 bytes each on SmolLM2)
+RECOMPUTED_BYTES = 32 << 20  # recomputed rows kept, the oldest let go past it (a step's 30 layers of SmolLM2 at
+# 8,000 keys: 8.6 MB)
 
 
 def _readable(piece: str) -> str:
@@ -236,7 +237,8 @@ class AttentionPanel(Panel):
         self._selected_step: int | None = None
         # rows recomputed from the engine's KV cache: (step, layer) → the step's AttentionCaptured, or why not
         self._recomputed: dict[tuple[int, int], AttentionCaptured | str] = {}
-        self._asked: dict[int, tuple[int, int]] = {}  # request id → (step, layer), not yet answered
+        self._recomputed_bytes = 0
+        self._asked: dict[int, tuple[int, int]] = {}  # request id → (step, last layer): layers 0…last, not answered
         self._grid_key: tuple[int, int] | None = None
         self._font = QtGui.QFont()
         self._font.setPointSize(FONT_PT)
@@ -422,6 +424,7 @@ class AttentionPanel(Panel):
         self._n_prompt = len(ev.pieces)
         self._selected_step = None
         self._recomputed.clear()
+        self._recomputed_bytes = 0
         self._asked.clear()
         self.mark_dirty()
 
@@ -482,31 +485,51 @@ class AttentionPanel(Panel):
         r0, r1 = self.rows_of_step(step)
         return m is not None and m.size > 0 and m.first_row <= r0 and r1 <= m.size
 
+    def _pending(self, step: int, layer: int) -> bool:
+        """Whether a recompute asked for covers this step's row of `layer` and has not been answered."""
+        return any(s == step and layer <= last for s, last in self._asked.values())
+
     def _maybe_recompute(self) -> None:
-        """Ask the engine for the selected decode step's row of the shown layer when the panel does not hold it and
-        the run is the engine's live one (the answer comes as sig_recomputed)."""
+        """Ask the engine for the selected decode step's rows of the shown layer and every layer below it when the
+        panel does not hold the shown one and the run is the engine's live one (the answer comes as
+        sig_recomputed). The engine runs and probes every layer up to the one asked for anyway (engine.run.recompute),
+        so the layers below come at no more cost than their transfer, and a switch down to one of them is drawn at
+        once."""
         step, layer = self._selected_step, self.layer()
         if step is None or step < 1 or self.row_held(step) or (step, layer) in self._recomputed \
-                or (step, layer) in self._asked.values() or self.stored_row(step) is not None:
+                or self._pending(step, layer) or self.stored_row(step) is not None:
             return
         run = self._live_run()
         started = run.source if run is not None else None  # its RunStarted
         if run is None or step >= run.n_tokens or (started is not None and not started.source.can("attention")):
             return
-        self._asked[self.bridge.recompute(step, run.context_ids(step), [layer])] = (step, layer)
+        self._asked[self.bridge.recompute(step, run.context_ids(step), range(layer + 1))] = (step, layer)
 
     @QtCore.Slot(object)
     def _on_recomputed(self, msg: Recomputed) -> None:
         where = self._asked.pop(msg.request_id, None)
         if where is None:  # another panel's, or a run that is no longer shown
             return
-        ev = next((e for e in msg.attention if e.layer == where[1]), None)
-        self._recomputed[where] = ev if ev is not None else (msg.error or "the engine sent no weights")
-        while len(self._recomputed) > RECOMPUTED_ROWS:
-            del self._recomputed[next(iter(self._recomputed))]
+        step, last = where
+        got = {e.layer: e for e in msg.attention}
+        for layer in range(last + 1):
+            self._keep_recomputed((step, layer), got.get(layer) or msg.error or "the engine sent no weights")
         self.mark_dirty()
-        if where == (self._selected_step, self.layer()):
+        if step == self._selected_step and self.layer() <= last:
             self._draw_now()
+
+    def _keep_recomputed(self, where: tuple[int, int], row: AttentionCaptured | str) -> None:
+        """Keep a recomputed row (or why there is none), letting the oldest go past RECOMPUTED_BYTES."""
+        old = self._recomputed.pop(where, None)
+        if isinstance(old, AttentionCaptured):
+            self._recomputed_bytes -= old.weights.nbytes
+        self._recomputed[where] = row
+        if isinstance(row, AttentionCaptured):
+            self._recomputed_bytes += row.weights.nbytes
+        while self._recomputed_bytes > RECOMPUTED_BYTES and len(self._recomputed) > 1:
+            gone = self._recomputed.pop(next(iter(self._recomputed)))
+            if isinstance(gone, AttentionCaptured):
+                self._recomputed_bytes -= gone.weights.nbytes
 
     def recomputed_row(self) -> AttentionCaptured | None:
         """The selected step's row of the shown layer when the matrix does not hold that step: as the run store kept
@@ -540,7 +563,7 @@ class AttentionPanel(Panel):
         step, layer = self._selected_step, self.layer()
         if step is None or self.row_held(step):
             return ""
-        if (step, layer) in self._asked.values():
+        if self._pending(step, layer):
             return f"step {step:,} is not held: recomputing its row from the engine's KV cache…"
         why = self._recomputed.get((step, layer))
         return f"step {step:,} is not held, and cannot be recomputed: {why}" if isinstance(why, str) else ""
@@ -550,6 +573,7 @@ class AttentionPanel(Panel):
         self._captured.clear()
         self._norms.clear()
         self._recomputed.clear()
+        self._recomputed_bytes = 0
         self._asked.clear()
         self._pieces, self._n_prompt, self._selected_step = [], 0, None
         super().clear()

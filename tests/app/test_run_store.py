@@ -264,6 +264,27 @@ def test_autosaves_coalesce_one_writer_at_a_time_and_a_clean_exit_waits(qtbot, m
     assert not session_io.autosave_path().exists()
 
 
+def test_a_runs_autosave_waits_for_the_windows_last_draws_and_a_clean_exit_drops_it(qtbot, make_window,
+                                                                                    monkeypatch):
+    """At a run's end the window draws first and the autosave starts AUTOSAVE_AFTER_MS later (its encoding, in this
+    process, would take turns with the draws for the GIL); meanwhile the writer says it is busy, waiting for it writes
+    it at once, and a clean exit drops it."""
+    monkeypatch.setattr(session_io, "AUTOSAVE_AFTER_MS", 60_000)  # so it would not start by itself during the test
+    w = make_window()  # keeps settings: autosaves
+    wait_loaded(qtbot, w)
+    auto = session_io.autosave_path()
+    generate(qtbot, w, n=2)
+    w.tick_panels(flush=True)
+    assert w.session_writer.busy() and not auto.exists()  # asked for, not started: the draws came first
+    w.session_writer.wait()
+    assert not w.session_writer.busy() and len(load_session(auto).events) == len(w.run_store.events())
+    auto.unlink()
+    generate(qtbot, w, n=2)
+    assert w.session_writer.busy()
+    w.close()  # a clean exit: the autosave not yet started is dropped, the file stays away
+    assert not w.session_writer.busy() and not auto.exists()
+
+
 def test_the_tokenizer_is_serialised_once_per_model(qtbot, window, tmp_path, monkeypatch):
     generate(qtbot, window, n=2)
     window.session_writer.wait()  # the run's autosave has its tokenizer files before this test counts
