@@ -256,6 +256,31 @@ def age_heap() -> None:
         _malloc_trim(0)
 
 
+def widen_pipe(conn) -> int:
+    """Let the engine's events pipe hold a few steps' messages (the most a pipe may hold here, Linux's
+    /proc/sys/fs/pipe-max-size, 1 MiB unless changed) instead of 64 KiB: a step's events (one layer's attention row
+    over the context, the logits) are larger, and a full pipe makes the engine's decode loop wait until the relay
+    thread has read them, a chunk at a time, each chunk waiting for the GIL while the GUI thread draws
+    (`python -m benchmarks.pipe_wait`). Returns the pipe's size in bytes (0: not known, not Linux)."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        return 0
+    set_size, get_size = getattr(fcntl, "F_SETPIPE_SZ", None), getattr(fcntl, "F_GETPIPE_SZ", None)
+    if set_size is None or get_size is None:
+        return 0
+    try:
+        with open("/proc/sys/fs/pipe-max-size") as f:
+            want = int(f.read())
+        fcntl.fcntl(conn.fileno(), set_size, want)
+    except (OSError, ValueError):  # no /proc, or a size the system refuses: the pipe stays as it was
+        pass
+    try:
+        return fcntl.fcntl(conn.fileno(), get_size)
+    except OSError:
+        return 0
+
+
 def _find_malloc_trim():
     """glibc's malloc_trim, or None (another C library, another system)."""
     if not sys.platform.startswith("linux"):
@@ -450,6 +475,7 @@ class Bridge(QtCore.QObject):
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs Qt threads
         cmd_recv, self._commands = ctx.Pipe(duplex=False)
         events_recv, events_send = ctx.Pipe(duplex=False)
+        widen_pipe(events_recv)
         self.process = ctx.Process(target=serve, args=(cmd_recv, events_send), name="inference-lab-engine",
                                    daemon=True)
         with _spawn_without_main():

@@ -219,7 +219,10 @@ def time_paints(owner: dict[int, str]) -> dict[str, list[float]]:
 def time_live_selection(app, win, step: int, timeout_s: float = 30.0) -> dict:
     """After the run: select `step` of the live run as a click does, then another layer, then another head, and time
     each until the Attention panel has drawn that step's row (held, kept by the run store, or recomputed by the
-    engine from its KV cache): {"step", "how", "select_ms", "layer_ms", "head_ms"}."""
+    engine from its KV cache): {"step", "how", "select_ms", "layer_ms", "head_ms", "engine_recompute_ms": the
+    engine's own time for each recompute answered meanwhile (the Attention panel's, the Logit lens panel's)}."""
+    from PySide6 import QtCore
+
     att = win.panels["attention"]
 
     def shown() -> bool:
@@ -227,7 +230,10 @@ def time_live_selection(app, win, step: int, timeout_s: float = 30.0) -> dict:
 
     def until(t: float, why: str) -> float:
         while not shown():
-            app.processEvents()
+            # wait in Qt's event loop as the app does, with the GIL released: a busy loop of processEvents() held
+            # it, and the bridge's relay thread, reading a large answer from the pipe a chunk at a time, waited for
+            # it at every chunk (an 8 MB answer took 0.6 s to arrive)
+            app.processEvents(QtCore.QEventLoop.ProcessEventsFlag.WaitForMoreEvents)
             if "cannot be recomputed" in att._recompute_note():  # the engine's one sentence, as the panel shows it
                 raise TimeoutError(att._recompute_note())
             if time.perf_counter() - t > timeout_s:
@@ -235,6 +241,8 @@ def time_live_selection(app, win, step: int, timeout_s: float = 30.0) -> dict:
         win.tick_panels(flush=True)
         return round((time.perf_counter() - t) * 1e3, 1)
 
+    engine_s: list[float] = []  # the engine's own seconds for each recompute answered meanwhile
+    win.bridge.sig_recomputed.connect(lambda msg: engine_s.append(round(msg.seconds * 1e3, 1)))
     t = time.perf_counter()
     win.bridge.select_step(step)
     select_ms = until(t, "select")
@@ -246,7 +254,8 @@ def time_live_selection(app, win, step: int, timeout_s: float = 30.0) -> dict:
     att.head_spin.setValue((att.head() + 1) % (att.head_spin.maximum() + 1))
     win.tick_panels(flush=True)
     head_ms = round((time.perf_counter() - t) * 1e3, 1)
-    return {"step": step, "how": how, "select_ms": select_ms, "layer_ms": layer_ms, "head_ms": head_ms}
+    return {"step": step, "how": how, "select_ms": select_ms, "layer_ms": layer_ms, "head_ms": head_ms,
+            "engine_recompute_ms": engine_s}
 
 
 def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False, keep: str | None = None,

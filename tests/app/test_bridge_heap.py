@@ -60,3 +60,38 @@ def test_a_runs_events_leave_the_collectors_walks_as_they_arrive_and_frozen_garb
         assert alive() is None  # …until a model loads
     finally:
         gc.unfreeze()
+
+
+def test_the_engine_hands_over_a_long_steps_events_without_waiting_for_the_relay(bridge):
+    """A step's events late in a long run (one layer's attention row over 8,000 keys, 288 KB, and the logits) fit in
+    the engine's events pipe at once, so its decode loop does not wait for the GUI process to read them: a 512 KiB
+    message is written with nobody reading."""
+    import multiprocessing
+    import sys
+    import threading
+
+    import numpy as np
+
+    from app.bridge import widen_pipe
+
+    assert sys.platform.startswith("linux")  # where these machines run; F_SETPIPE_SZ is Linux's
+    recv, send = multiprocessing.Pipe(duplex=False)
+    assert widen_pipe(recv) >= 1 << 20
+    sent = threading.Event()
+    payload = np.ones(128 << 10, dtype=np.float32)  # 512 KiB
+    threading.Thread(target=lambda: (send.send(payload), sent.set()), daemon=True).start()
+    assert sent.wait(10)
+    np.testing.assert_array_equal(recv.recv(), payload)
+    plain_recv, plain_send = multiprocessing.Pipe(duplex=False)  # as the system makes it: the writer waits
+    waiting = threading.Event()
+    threading.Thread(target=lambda: (plain_send.send(payload), waiting.set()), daemon=True).start()
+    assert not waiting.wait(1)
+    plain_recv.recv()
+    assert waiting.wait(10)
+    assert fcntl_size(bridge) >= 1 << 20  # the bridge's own events pipe
+
+
+def fcntl_size(bridge) -> int:
+    import fcntl
+
+    return fcntl.fcntl(bridge.relay.events.fileno(), fcntl.F_GETPIPE_SZ)
