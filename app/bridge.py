@@ -256,6 +256,9 @@ def age_heap() -> None:
         _malloc_trim(0)
 
 
+PIPE_BYTES_MAX = 4 << 20  # a system that allows more gets no more: a few steps' events is all the pipe is for
+
+
 def widen_pipe(conn) -> int:
     """Let the engine's events pipe hold a few steps' messages (the most a pipe may hold here, Linux's
     /proc/sys/fs/pipe-max-size, 1 MiB unless changed) instead of 64 KiB: a step's events (one layer's attention row
@@ -271,7 +274,7 @@ def widen_pipe(conn) -> int:
         return 0
     try:
         with open("/proc/sys/fs/pipe-max-size") as f:
-            want = int(f.read())
+            want = min(int(f.read()), PIPE_BYTES_MAX)
         fcntl.fcntl(conn.fileno(), set_size, want)
     except (OSError, ValueError):  # no /proc, or a size the system refuses: the pipe stays as it was
         pass
