@@ -31,9 +31,8 @@ class KVCache:
             raise ValueError(f"KV cache needs a positive batch and capacity, got {batch} and {capacity}")
         self.window = cfg.sliding_window
         self.local_slots = min(capacity, 2 * self.window) if self.window else capacity
-        n_local = sum(cfg.is_local(i) for i in range(cfg.n_layers))
-        slot_bytes = 2 * batch * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
-        if n_local * (capacity - self.local_slots) * slot_bytes <= keep_all_bytes:
+        self._bytes_per_slot = 2 * batch * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+        if cfg.n_local_layers * (capacity - self.local_slots) * self._bytes_per_slot <= keep_all_bytes:
             self.local_slots = capacity  # no ring: every position stays where it was written
         self.slots = [self.local_slots if cfg.is_local(i) else capacity for i in range(cfg.n_layers)]
         self.k = [torch.empty((batch, cfg.n_kv_heads, n, cfg.head_dim), dtype=dtype, device=device)
@@ -44,7 +43,6 @@ class KVCache:
         self.local = [cfg.is_local(i) for i in range(cfg.n_layers)]
         self.batch, self.capacity, self.pos = batch, capacity, 0
         self.dtype, self.device = dtype, self.k[0].device
-        self._bytes_per_slot = 2 * batch * cfg.n_kv_heads * cfg.head_dim * self.k[0].element_size()
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, n_kv, T, hd) at positions start..start+T-1; return the keys/values the new queries read.

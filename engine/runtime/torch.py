@@ -94,8 +94,8 @@ class TorchRuntime(Runtime):
 
 
 # What a generation's sliding-window layers may reserve beyond their ring to keep every position, so that any step of
-# a long run can be recomputed for any layer (the Attention panel's rows not held): Gemma 3 270M's 8,192 positions
-# in float32 take 210 MiB more; a model whose full windows cost more keeps the ring and says which steps are gone.
+# a long run can be recomputed for any layer (the Attention panel's rows not held); a model whose full windows cost
+# more keeps the ring, and a step it let go is refused in one sentence (BENCHMARKS.md, "Long runs again").
 KEEP_ALL_WINDOW_BYTES = 256 << 20
 
 
@@ -164,7 +164,7 @@ class ContiguousRuntime(Runtime):
         return super().step_weight_bytes(rows)
 
     def kv_event(self, step: int, seq: int = 0) -> KVCacheGrew:
-        kv = self.cache  # local layers hold at most their window: the cache's own count, not the formula's
+        kv = self.cache  # local layers hold their ring or every position: the cache's own count, not the formula's
         return KVCacheGrew(step=step, n_tokens=kv.pos, bytes_used=kv.bytes_used(), bytes_allocated=kv.bytes_allocated(),
                            local_slots=kv.local_slots if kv.window else 0)
 
