@@ -165,6 +165,19 @@ def explicit_attention(
     return out.reshape(B, H, T, hd), weights.reshape(B, H, T, S)
 
 
+def head_products(a: torch.Tensor, b: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """a @ b (a @ bᵀ with transpose) for a (B, KV, R, x) and b (B, KV, S, y), as one 2-D product per batch row and
+    KV head. The KV cache hands out views of its first S rows: each head's (S, hd) is contiguous, the heads are not
+    (a buffer holds `capacity` rows), and bmm in a low-precision dtype copies such an operand whole before each
+    product, which took most of a long run's decode step (BENCHMARKS.md, "Attention over the cache's views")."""
+    B, KV, R = a.shape[:3]
+    out = a.new_empty(B, KV, R, b.shape[2] if transpose else b.shape[3])
+    for i in range(B):
+        for h in range(KV):
+            torch.mm(a[i, h], b[i, h].T if transpose else b[i, h], out=out[i, h])
+    return out
+
+
 def key_blocked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_size: int, scale: float,
     mask: torch.Tensor | None, block: int | None = None,
@@ -177,12 +190,12 @@ def key_blocked_attention(
     block = block or KEY_BLOCK
     m = S // block * block
     qg = q.reshape(B, KV, group_size * T, hd)  # (B, KV, G·T, hd)
-    scores = torch.cat([(qg @ k[:, :, :m].transpose(-1, -2)).float(),
+    scores = torch.cat([head_products(qg, k[:, :, :m], transpose=True).float(),
                         qg.float() @ k[:, :, m:].float().transpose(-1, -2)], dim=-1) * scale  # (B, KV, G·T, S)
     if mask is not None:
         scores = scores.masked_fill(~mask.repeat(*(1,) * (mask.dim() - 2), group_size, 1), float("-inf"))
     weights = torch.softmax(scores, dim=-1)  # float32
-    out = (weights[..., :m].to(q.dtype) @ v[:, :, :m]).float() + weights[..., m:] @ v[:, :, m:].float()
+    out = head_products(weights[..., :m].to(q.dtype), v[:, :, :m]).float() + weights[..., m:] @ v[:, :, m:].float()
     return out.to(q.dtype).reshape(B, H, T, hd), weights.to(q.dtype).reshape(B, H, T, S)
 
 
