@@ -220,7 +220,8 @@ def time_live_selection(app, win, step: int, timeout_s: float = 30.0) -> dict:
     """After the run: select `step` of the live run as a click does, then another layer, then another head, and time
     each until the Attention panel has drawn that step's row (held, kept by the run store, or recomputed by the
     engine from its KV cache): {"step", "how", "select_ms", "layer_ms", "head_ms", "engine_recompute_ms": the
-    engine's own time for each recompute answered meanwhile (the Attention panel's, the Logit lens panel's)}."""
+    engine's own time for each recompute answered meanwhile (the Attention panel's, the Logit lens panel's),
+    "answer_arrived_ms": when each answer reached the GUI thread, after the click}."""
     from PySide6 import QtCore
 
     att = win.panels["attention"]
@@ -242,8 +243,16 @@ def time_live_selection(app, win, step: int, timeout_s: float = 30.0) -> dict:
         return round((time.perf_counter() - t) * 1e3, 1)
 
     engine_s: list[float] = []  # the engine's own seconds for each recompute answered meanwhile
-    win.bridge.sig_recomputed.connect(lambda msg: engine_s.append(round(msg.seconds * 1e3, 1)))
+    threads: list[int] = []  # the thread count each ran at
+    arrived: list[float] = []  # when each answer reached the GUI thread, ms after the click
     t = time.perf_counter()
+
+    def answered(msg) -> None:
+        engine_s.append(round(msg.seconds * 1e3, 1))
+        threads.append(msg.threads)
+        arrived.append(round((time.perf_counter() - t) * 1e3, 1))
+
+    win.bridge.sig_recomputed.connect(answered)
     win.bridge.select_step(step)
     select_ms = until(t, "select")
     how = "held" if att.row_held(step) else "kept" if att.stored_row(step) is not None else "recomputed"
@@ -255,7 +264,7 @@ def time_live_selection(app, win, step: int, timeout_s: float = 30.0) -> dict:
     win.tick_panels(flush=True)
     head_ms = round((time.perf_counter() - t) * 1e3, 1)
     return {"step": step, "how": how, "select_ms": select_ms, "layer_ms": layer_ms, "head_ms": head_ms,
-            "engine_recompute_ms": engine_s}
+            "engine_recompute_ms": engine_s, "engine_threads": threads, "answer_arrived_ms": arrived}
 
 
 def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False, keep: str | None = None,

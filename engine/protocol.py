@@ -542,6 +542,8 @@ class Recomputed(Notice):
     lens: object = None  # engine.events.LensCaptured, when lens_top asked for it
     error: str = ""
     seconds: float = 0.0  # wall time in the engine process
+    threads: int = 0  # the thread count it ran at: the one the step ran at (its kernels); 0: it did not run
+    reused: bool = False  # answered from the engine's record of the step's last recompute, without running the model
 
     @property
     def ok(self) -> bool:

@@ -40,8 +40,8 @@ CMAP = pg.colormap.get("viridis")
 EMPTY_TOKENS = 8  # the heat map's size before anything is captured (at least the prompt's length)
 MATRIX_BYTES = 32 << 20  # the shown layer's float32 matrix, capacity included; its oldest rows go past it
 DOWNSAMPLE_FROM = 2  # cells per screen pixel from which the heat map is reduced before it is drawn
-RECOMPUTED_BYTES = 32 << 20  # recomputed rows kept, the oldest let go past it (a step's 30 layers of SmolLM2 at
-# 8,000 keys: 8.6 MB)
+RECOMPUTED_BYTES = 32 << 20  # recomputed rows kept, the oldest let go past it (one row of SmolLM2 at 8,000 keys:
+# 0.3 MB)
 
 
 def _readable(piece: str) -> str:
@@ -486,15 +486,14 @@ class AttentionPanel(Panel):
         return m is not None and m.size > 0 and m.first_row <= r0 and r1 <= m.size
 
     def _pending(self, step: int, layer: int) -> bool:
-        """Whether a recompute asked for covers this step's row of `layer` and has not been answered."""
-        return any(s == step and layer <= last for s, last in self._asked.values())
+        """Whether a recompute of this step's row of `layer` was asked for and has not been answered."""
+        return (step, layer) in self._asked.values()
 
     def _maybe_recompute(self) -> None:
-        """Ask the engine for the selected decode step's rows of the shown layer and every layer below it when the
-        panel does not hold the shown one and the run is the engine's live one (the answer comes as
-        sig_recomputed). The engine runs and probes every layer up to the one asked for anyway (engine.run.recompute),
-        so the layers below come at no more cost than their transfer, and a switch down to one of them is drawn at
-        once."""
+        """Ask the engine for the selected decode step's row of the shown layer when the panel does not hold it and
+        the run is the engine's live one (the answer comes as sig_recomputed). Only that layer travels: the engine
+        keeps every layer its pass ran (engine.run.recompute.Recomputation), so a switch to another one is answered
+        from there without running the model again, and the answer to a click stays a fraction of a megabyte."""
         step, layer = self._selected_step, self.layer()
         if step is None or step < 1 or self.row_held(step) or (step, layer) in self._recomputed \
                 or self._pending(step, layer) or self.stored_row(step) is not None:
@@ -503,19 +502,18 @@ class AttentionPanel(Panel):
         started = run.source if run is not None else None  # its RunStarted
         if run is None or step >= run.n_tokens or (started is not None and not started.source.can("attention")):
             return
-        self._asked[self.bridge.recompute(step, run.context_ids(step), range(layer + 1))] = (step, layer)
+        self._asked[self.bridge.recompute(step, run.context_ids(step), (layer,))] = (step, layer)
 
     @QtCore.Slot(object)
     def _on_recomputed(self, msg: Recomputed) -> None:
         where = self._asked.pop(msg.request_id, None)
         if where is None:  # another panel's, or a run that is no longer shown
             return
-        step, last = where
-        got = {e.layer: e for e in msg.attention}
-        for layer in range(last + 1):
-            self._keep_recomputed((step, layer), got.get(layer) or msg.error or "the engine sent no weights")
+        step, layer = where
+        got = next((e for e in msg.attention if e.layer == layer), None)
+        self._keep_recomputed(where, got or msg.error or "the engine sent no weights")
         self.mark_dirty()
-        if step == self._selected_step and self.layer() <= last:
+        if step == self._selected_step and self.layer() == layer:
             self._draw_now()
 
     def _keep_recomputed(self, where: tuple[int, int], row: AttentionCaptured | str) -> None:

@@ -15,9 +15,13 @@ lets prefix caching step back up to `window` positions without losing anything t
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from engine.model.config import ModelConfig
+
+_EPOCHS = itertools.count(1)  # KVCache.epoch: unique across caches, so a new one never matches an old record
 
 
 class KVCache:
@@ -43,6 +47,7 @@ class KVCache:
         self.local = [cfg.is_local(i) for i in range(cfg.n_layers)]
         self.batch, self.capacity, self.pos = batch, capacity, 0
         self.dtype, self.device = dtype, self.k[0].device
+        self.epoch = next(_EPOCHS)  # new whenever a position it holds may be written again (a truncate, a new cache)
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, n_kv, T, hd) at positions start..start+T-1; return the keys/values the new queries read.
@@ -97,6 +102,7 @@ class KVCache:
         if pos == 0:
             self.base = [0] * len(self.base)
         self.pos = pos
+        self.epoch = next(_EPOCHS)
         return pos
 
     def reset(self) -> None:

@@ -143,6 +143,7 @@ class Session:
     def __init__(self, lm: LoadedModel, threads: int | str = "auto") -> None:
         self.lm = lm
         self.threads = AdaptiveThreads(threads) if lm.device.type == "cpu" else None
+        self.recomputed = None  # engine.run.recompute.Recomputation: the last step run again, every layer it ran
         self.cfg = lm.cfg
         self.tokenizer = lm.tokenizer
         self._rt: ContiguousRuntime | None = None
@@ -166,6 +167,11 @@ class Session:
     def cached_ids(self) -> list[int]:
         """The tokens whose K/V the cache holds, positions 0…len − 1 (the runtime's own record)."""
         return [] if self._rt is None else self._rt.ids
+
+    def threads_at(self, p: int) -> int | None:
+        """The thread count the step that wrote position p ran at (None: the cache does not hold p)."""
+        at = b"" if self._rt is None else self._rt.threads_at
+        return at[p] if 0 <= p < len(at) else None
 
     def decode_weight_bytes(self) -> float:
         """Weights one decode step streams with the kernels in use now, in bytes: engine.costs' figure for the

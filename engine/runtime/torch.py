@@ -119,6 +119,7 @@ class ContiguousRuntime(Runtime):
         self._decode_bytes = decode_weight_bytes
         self.cache = KVCache(lm.cfg, 1, capacity, lm.dtype, lm.device, keep_all_bytes=KEEP_ALL_WINDOW_BYTES)
         self.ids: list[int] = []  # the tokens at positions 0…cache.pos − 1
+        self.threads_at = bytearray()  # the thread count each position's step ran at (each count has its kernels)
         self._probe: Probe | None = None  # the last forward's, with its row's length and attention layers
         self._n_fed, self._layers = 0, frozenset()
 
@@ -140,6 +141,7 @@ class ContiguousRuntime(Runtime):
         x = torch.tensor([list(tokens)], dtype=torch.long, device=self.lm.device)  # (1, T)
         logits = self.lm.model(x, self.cache.pos, self.cache, probe, all_logits=all_logits)[0]
         self.ids.extend(int(i) for i in tokens)
+        self.threads_at.extend(bytes([min(torch.get_num_threads(), 255)]) * len(tokens))
         return logits
 
     def captured(self, seq: int = 0) -> Captured:
@@ -177,6 +179,7 @@ class ContiguousRuntime(Runtime):
     def remove(self, seq: int = 0, start: int = 0) -> None:
         self.cache.truncate(max(0, start))  # a sliding-window layer may keep less than asked: pos says
         del self.ids[self.cache.pos:]
+        del self.threads_at[self.cache.pos:]
 
     def copy(self, src: int, dst: int, n: int) -> None:
         raise ValueError("a generation's runtime holds one sequence: there is none to copy to")

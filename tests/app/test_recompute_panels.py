@@ -63,12 +63,15 @@ def test_a_dropped_step_of_the_live_run_is_recomputed_and_drawn(qtbot, make_wind
     assert got.ids[-1, 0] == int(logits[p].argmax())  # the model's output row: its most probable next token
     assert "recomputed from the KV cache" in lens.header.text()
 
-    # a layer below the one shown came with it (the engine ran it anyway): a switch to it is drawn at once, with no
-    # second trip to the engine
+    # a switch to a layer below: the engine kept every layer its pass ran, so it answers without running the model
     assert att.layer() == 1
+    answers = []
+    w.bridge.sig_recomputed.connect(answers.append)
     att.layer_spin.setValue(0)
-    assert not att._asked and att.recomputed_row() is not None
+    qtbot.waitUntil(lambda: att.recomputed_row() is not None, timeout=30_000)
+    assert [(m.reused, [e.layer for e in m.attention]) for m in answers] == [(True, [0])]
     np.testing.assert_allclose(att.recomputed_row().weights[:, 0], ref[0][:, p, :p + 1].numpy(), atol=2e-5)
+    w.tick_panels(flush=True)
     assert "recomputed from the KV cache" in att.status.text()
 
     # a preview of another text takes the cache over: the next step asked for is refused in one sentence

@@ -72,6 +72,7 @@ def test_every_layer_of_old_and_new_steps_equals_its_capture_and_the_reference(t
             np.testing.assert_allclose(ev.weights, want.weights, atol=1e-5, rtol=0)
             np.testing.assert_allclose(ev.weights[:, 0], ref[ev.layer][:, p, :p + 1].numpy(), atol=2e-5, rtol=0)
         for layer in range(L):  # one layer, without the lens: only the layers up to it run
+            s.recomputed = None  # (else the record of the pass above answers)
             alone, no_lens = recompute(s, context(ids, P, step), step, [layer])
             assert no_lens is None and [e.layer for e in alone] == [layer]
             np.testing.assert_allclose(alone[0].weights, cap_att[layer].weights, atol=1e-5, rtol=0)
@@ -85,6 +86,41 @@ def test_every_layer_of_old_and_new_steps_equals_its_capture_and_the_reference(t
     fresh = [e.token_id for e in Session(tiny_lm).generate(ids, GREEDY, 3, ignore_eos=True)
              if isinstance(e, TokenSampled)]
     assert more == fresh
+
+
+def test_another_layer_of_the_same_step_comes_from_the_last_pass_until_the_cache_changes(tiny_lm, monkeypatch):
+    """A switch to another layer of the step just recomputed is answered from the layers that pass ran, without
+    running the model; once the cache is truncated (a new run, even of the same tokens) the model runs again."""
+    import engine.run.recompute as rc
+
+    s, events, ids = generate_everything(tiny_lm, PROMPT, 6, lens_top=0)
+    L, step = tiny_lm.cfg.n_layers, 4
+    ctx = tuple(context(ids, len(PROMPT), step))
+    cap_att = {e.layer: e for e in events if isinstance(e, AttentionCaptured) and e.step == step}
+    passes = []
+    real = rc.run_layers
+    monkeypatch.setattr(rc, "run_layers", lambda *a: passes.append(a[-1]) or real(*a))
+
+    def ask(i: int, layers) -> object:
+        reply = answer(s, Recompute(i, step, ctx, frozenset(layers)))
+        assert reply.ok and reply.threads == 1
+        for ev in reply.attention:
+            np.testing.assert_allclose(ev.weights, cap_att[ev.layer].weights, atol=1e-5, rtol=0)
+        return reply
+
+    first = ask(1, [L - 1])
+    assert (first.reused, passes) == (False, [L - 1])
+    for i, layer in enumerate(range(L - 1), start=2):
+        again = ask(i, [layer])
+        assert again.reused and [e.layer for e in again.attention] == [layer]
+    assert passes == [L - 1]
+    other = ask(20, [L - 1])  # another step is another pass
+    assert not answer(s, Recompute(21, step - 1, ctx[:-1], frozenset({0}))).reused and passes == [L - 1, 0]
+    assert other.reused
+    assert not ask(22, [1]).reused and passes[-1] == 1  # back to this step: its pass, kept again
+    assert ask(23, [0]).reused
+    list(s.generate(ids[:len(PROMPT) + step], GREEDY, 1, ignore_eos=True))  # the same tokens, written again
+    assert not ask(24, [0]).reused and passes[-1] == 0
 
 
 def test_a_cache_that_holds_another_run_says_so(tiny_lm):
@@ -200,11 +236,34 @@ def test_smollm2_every_layer_equals_its_capture(real_lm, n_threads):
         for ev in att:
             np.testing.assert_allclose(ev.weights, cap_att[ev.layer].weights, atol=1e-5, rtol=0)
         middle = real_lm.cfg.n_layers // 2  # alone: the layers after it and the LM head are not run
+        s.recomputed = None  # (else the record of the pass above answers)
         alone = recompute(s, context(ids, len(prompt), step), step, [middle])[0][0]
         np.testing.assert_allclose(alone.weights, cap_att[middle].weights, atol=1e-5, rtol=0)
         np.testing.assert_array_equal(lens.ids[:, 0], cap_lens.ids[:, 0])
         np.testing.assert_allclose(lens.probs, cap_lens.probs, atol=1e-5, rtol=0)
     assert_unchanged(s, before)
+
+
+@pytest.mark.slow
+def test_smollm2_steps_run_at_another_thread_count_are_recomputed_at_theirs(real_lm):
+    """A run whose thread count changed midway (threads "auto" switches between steps): each step is recomputed at
+    the count it ran at, so with the kernels it ran (int4 at one thread and int8 at two, here), and equals its
+    capture; at the run's last count the early steps would differ by the two kernels' rounding."""
+    from engine.run.threads import AdaptiveThreads
+
+    prompt = real_lm.tokenizer.encode("Attention reads every key of the cache, and the cache grows by").ids
+    s, first, ids = generate_everything(real_lm, prompt, 8, threads=1)
+    s.threads = AdaptiveThreads(2)
+    cap = Capture(attention_layers=frozenset(range(real_lm.cfg.n_layers)), lens_top=0)
+    later = list(s.generate(ids, GREEDY, 6, cap, ignore_eos=True))  # continues from the cache, at two threads
+    later_ids = ids + [e.token_id for e in later if isinstance(e, TokenSampled)]
+    for events, n_prompt, step, all_ids, want_threads in ((first, len(prompt), 3, ids, 1),
+                                                         (later, len(ids), 4, later_ids, 2)):
+        cap_att = {e.layer: e for e in events if isinstance(e, AttentionCaptured) and e.step == step}
+        reply = answer(s, Recompute(1, step, tuple(context(all_ids, n_prompt, step)), frozenset(cap_att)))
+        assert reply.ok and reply.threads == want_threads
+        for ev in reply.attention:
+            np.testing.assert_allclose(ev.weights, cap_att[ev.layer].weights, atol=1e-5, rtol=0)
 
 
 def test_llama_cpp_refuses_in_one_sentence(tiny_dir):
