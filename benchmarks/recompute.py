@@ -3,9 +3,10 @@
 
 `python -m benchmarks.recompute [--tokens N] [--model M] [--dtype D] [--layers 0,15,29] [--repeats R] [--threads T]
 [--json]` fills the KV cache with an N-token context (a prefill of N − 1 tokens and one decode step, as a run
-leaves it), then times engine.run.recompute for the last position: each layer alone, every layer, and every layer
-with the logit lens; the median of R tries each, in ms, beside the load average before and after (the machine's
-other work shows in these times).
+leaves it), then times engine.run.recompute for the last position: each layer alone, every layer, every layer
+with the logit lens, and layer 0 and the lens answered from the pass through the last layer just before (a layer
+switch; the Logit lens panel's request after the Attention panel's); the median of R tries each, in ms, beside the
+load average before and after (the machine's other work shows in these times).
 """
 
 from __future__ import annotations
@@ -74,9 +75,14 @@ def run(args) -> int:
     assert len(ctx) == n, (len(ctx), n, out[-1])
     step = len(ctx) - len(ids)
 
-    def timed(which: Sequence[int], lens_top: int = 0) -> float:
+    def timed(which: Sequence[int], lens_top: int = 0, kept: bool = False) -> float:
+        """The median ms of a recompute of `which`: a pass of its own, or (kept) one answered from the pass just
+        before it, as a switch to another layer of the step is."""
         times = []
         for _ in range(args.repeats):
+            s.recomputed = None
+            if kept:
+                recompute(s, ctx, step, [cfg.n_layers - 1])
             t = time.perf_counter()
             recompute(s, ctx, step, which, lens_top=lens_top)
             times.append(time.perf_counter() - t)
@@ -86,10 +92,12 @@ def run(args) -> int:
     rows = {f"layer {i}": timed([i]) for i in layers}
     rows[f"all {cfg.n_layers} layers"] = timed(range(cfg.n_layers))
     rows[f"all {cfg.n_layers} layers + lens"] = timed(range(cfg.n_layers), lens_top=5)
+    rows["layer 0 after the last one"] = timed([0], kept=True)
+    rows["the lens after the last layer"] = timed([], lens_top=5, kept=True)
     result = {
         "model": lm.info.name, "dtype": args.dtype, "positions": n, "query_position": n - 1,
         "threads": torch.get_num_threads() if s.threads is None else s.threads.current,
-        "fill_s": round(fill_s, 2), "repeats": args.repeats, "median_ms": {k: round(v, 1) for k, v in rows.items()},
+        "fill_s": round(fill_s, 2), "repeats": args.repeats, "median_ms": {k: round(v, 3) for k, v in rows.items()},
         "loadavg_before": [round(x, 2) for x in load_before], "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
     if args.json:

@@ -38,10 +38,13 @@ LLAMACPP_REFUSAL = ("kept steps only on llama.cpp: its KV cache lives inside lla
 class Recomputation:
     """The session's last recompute: every layer it ran (it probes each, whichever were asked for), so a switch to
     another of them is answered without running the model again. Valid while `key` holds: the cache not truncated or
-    replaced since (KVCache.epoch), the same query position and step, thread count and forced kernel."""
+    replaced since (KVCache.epoch), the same query position and step, thread count and forced kernel. A pass that
+    ran every layer keeps what the logit lens needs too."""
 
     key: tuple
     attention: dict[int, AttentionCaptured]  # by layer
+    stream: object = None  # the residual stream (n_layers + 1, d) and the logits (V,) when the pass ran every layer:
+    logits: object = None  # what the logit lens is computed from
     hits: int = 0  # requests answered from it
 
 
@@ -104,16 +107,21 @@ def recompute(
 
     key = (session.cache.epoch, p, step, run_threads(session, p), kernels.forced_name())
     memo = session.recomputed
-    if not lens_top and memo is not None and memo.key == key and all(i in memo.attention for i in wanted):
+    if memo is not None and memo.key == key and all(i in memo.attention for i in wanted) \
+            and (not lens_top or memo.stream is not None):
         memo.hits += 1
-        return [memo.attention[i] for i in wanted], None
+        lens = None if not lens_top else lens_event(model, session.tokenizer, step, p, memo.stream, memo.logits,
+                                                    lens_top, None if token < 0 else token)
+        return [memo.attention[i] for i in wanted], lens
     # Every layer the pass runs is probed, not only the wanted ones: a probed layer computes its attention weights
     # explicitly, an unprobed one through the fused kernel, and the two round differently; a run that captured every
     # layer (the app does for a prompt under 64 tokens) is matched only when each layer runs as it ran then (the
     # bfloat16 activations of the int4/int8 decode kernels amplify the difference to ~1e-3).
-    full = bool(lens_top) or model.rope is None or model.rope.shape[0] <= p
+    # A pass through the last layer goes on through the LM head and keeps the residual stream: the Logit lens panel
+    # asks for the same step a moment later, and then needs no pass of its own.
+    full = bool(lens_top) or model.rope is None or model.rope.shape[0] <= p or cfg.n_layers - 1 in wanted
     last = cfg.n_layers - 1 if full else (wanted[-1] if wanted else -1)
-    probe = Probe.for_capture(range(last + 1), residual_stream=lens_top > 0)
+    probe = Probe.for_capture(range(last + 1), residual_stream=full)
     tokens = torch.tensor([[int(ids[p])]], dtype=torch.long, device=session.lm.device)  # (1, 1)
     # The decode kernel of each product is chosen per thread count (engine.model.kernels: int4 at one thread, int8 at
     # two, for some of SmolLM2's), so the step is run at the count it ran at (threads "auto" switches between steps)
@@ -131,7 +139,8 @@ def recompute(
     every = {i: AttentionCaptured(step=step, phase=phase, layer=i, query_start=p,
                                   weights=probe.values[attn_point(i)][0], group_size=cfg.group_size)
              for i in range(last + 1)}  # batch row 0: (H, 1, S)
-    session.recomputed = Recomputation(key, every)
+    session.recomputed = Recomputation(key, every, probe.values[RESID_STREAM][0] if full else None,
+                                       logits if full else None)
     attention = [every[i] for i in wanted]
     lens = None
     if lens_top:

@@ -17,7 +17,8 @@ def test_it_times_each_layer_every_layer_and_the_lens(tiny_dir):
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["positions"] == 40 and r["query_position"] == 39 and r["threads"] == 1
-    assert set(r["median_ms"]) == {"layer 0", "layer 1", "all 2 layers", "all 2 layers + lens"}
+    assert set(r["median_ms"]) == {"layer 0", "layer 1", "all 2 layers", "all 2 layers + lens",
+                                   "layer 0 after the last one", "the lens after the last layer"}
     assert all(v > 0 for v in r["median_ms"].values()) and len(r["loadavg_after"]) == 3
 
 

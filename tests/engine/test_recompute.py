@@ -89,17 +89,19 @@ def test_every_layer_of_old_and_new_steps_equals_its_capture_and_the_reference(t
 
 
 def test_another_layer_of_the_same_step_comes_from_the_last_pass_until_the_cache_changes(tiny_lm, monkeypatch):
-    """A switch to another layer of the step just recomputed is answered from the layers that pass ran, without
-    running the model; once the cache is truncated (a new run, even of the same tokens) the model runs again."""
+    """A switch to another layer of the step just recomputed, or its logit lens after a pass through the last layer,
+    is answered from what that pass ran, without running the model; once the cache is truncated (a new run, even of
+    the same tokens) the model runs again."""
     import engine.run.recompute as rc
 
-    s, events, ids = generate_everything(tiny_lm, PROMPT, 6, lens_top=0)
+    s, events, ids = generate_everything(tiny_lm, PROMPT, 6)
     L, step = tiny_lm.cfg.n_layers, 4
     ctx = tuple(context(ids, len(PROMPT), step))
-    cap_att = {e.layer: e for e in events if isinstance(e, AttentionCaptured) and e.step == step}
-    passes = []
-    real = rc.run_layers
-    monkeypatch.setattr(rc, "run_layers", lambda *a: passes.append(a[-1]) or real(*a))
+    cap_att, cap_lens = captured(events, step)
+    passes = []  # the query position of each pass through the model (each reads the cache through one of these)
+    real = rc.ReadOnlyCache
+    monkeypatch.setattr(rc, "ReadOnlyCache", lambda cache, p: passes.append(p) or real(cache, p))
+    p = len(ctx) - 1
 
     def ask(i: int, layers) -> object:
         reply = answer(s, Recompute(i, step, ctx, frozenset(layers)))
@@ -109,18 +111,25 @@ def test_another_layer_of_the_same_step_comes_from_the_last_pass_until_the_cache
         return reply
 
     first = ask(1, [L - 1])
-    assert (first.reused, passes) == (False, [L - 1])
+    assert (first.reused, passes) == (False, [p])
+    # the pass through the last layer went on through the LM head: the lens of the step comes from it too
+    lens = answer(s, Recompute(9, step, ctx, frozenset(), 5, ids[len(ctx)]))
+    assert lens.reused and lens.attention == () and lens.lens.position == cap_lens.position == p
+    np.testing.assert_array_equal(lens.lens.ids, cap_lens.ids)
+    np.testing.assert_allclose(lens.lens.probs, cap_lens.probs, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(lens.lens.token_probs, cap_lens.token_probs, atol=1e-5, rtol=0)
     for i, layer in enumerate(range(L - 1), start=2):
         again = ask(i, [layer])
         assert again.reused and [e.layer for e in again.attention] == [layer]
-    assert passes == [L - 1]
-    other = ask(20, [L - 1])  # another step is another pass
-    assert not answer(s, Recompute(21, step - 1, ctx[:-1], frozenset({0}))).reused and passes == [L - 1, 0]
+    assert passes == [p]
+    other = ask(20, [L - 1])
     assert other.reused
-    assert not ask(22, [1]).reused and passes[-1] == 1  # back to this step: its pass, kept again
-    assert ask(23, [0]).reused
+    assert not answer(s, Recompute(21, step - 1, ctx[:-1], frozenset({0}))).reused  # another step: its own pass
+    assert passes == [p, p - 1]
+    assert not ask(22, [0]).reused and passes[-1] == p  # back to this step: its pass, kept again
+    assert ask(23, [0]).reused and len(passes) == 3
     list(s.generate(ids[:len(PROMPT) + step], GREEDY, 1, ignore_eos=True))  # the same tokens, written again
-    assert not ask(24, [0]).reused and passes[-1] == 0
+    assert not ask(24, [0]).reused and len(passes) == 4
 
 
 def test_a_cache_that_holds_another_run_says_so(tiny_lm):
