@@ -106,7 +106,7 @@ def run(args) -> int:
     print(f"{lm.info.name} ({args.dtype}), KV cache of {n:,} positions (filled in {fill_s:.1f} s), "
           f"query position {n - 1:,}, {result['threads']} thread(s); median of {args.repeats}:")
     for k, v in rows.items():
-        print(f"  {k:<24} {v:8.1f} ms")
+        print(f"  {k:<30} {v:8.1f} ms")
     print(f"load average before {load_before[0]:.2f}, after {result['loadavg_after'][0]:.2f}")
     return 0
 
