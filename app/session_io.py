@@ -17,6 +17,7 @@ to open it.
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 import threading
@@ -367,6 +368,11 @@ class Job:
         else:
             if self.kind == "autosave":
                 self.path.parent.mkdir(parents=True, exist_ok=True)
+            # The writer makes an object per array it refers to (tens of thousands for a long run), enough to start
+            # the collector's full walks, and each walk of every object the window holds kept the GIL from the GUI
+            # thread for as long as it took (BENCHMARKS.md, "The writer's collections"); frozen, what exists now is
+            # left out of them (app.bridge.age_heap freezes a live run's objects the same way).
+            gc.freeze()
             write(self.path, self.session)
 
 

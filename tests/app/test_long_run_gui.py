@@ -190,6 +190,33 @@ def test_the_autosave_of_a_long_run_reopens_equal(qtbot, window):
     assert_same_events(load_session(again).events, saved.events)
 
 
+def test_saving_a_long_run_leaves_the_windows_objects_out_of_the_collectors_walks(qtbot, window, tmp_path):
+    """The writer's own objects start full collections while it saves; each full walk of every object the window
+    holds kept the GIL from the GUI thread (a long session: 112 and 140 ms). Whatever existed when the save began is
+    frozen, so a walk during the save sees only the objects made since."""
+    import gc
+
+    w = window
+    w.run_store.load([{"name": "long", "events": run_events(w.bridge.cfg, w.bridge.tokenizer, 400)}])
+    gc.unfreeze()
+    before = len(gc.get_objects())
+    walked: list[int] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            walked.append(len(gc.get_objects(generation=2)))
+
+    gc.callbacks.append(on_gc)
+    try:
+        assert session_io.save_session_to(w, tmp_path / "long.ilab")
+        gc.collect()  # a full collection, as the writer's allocations start them
+    finally:
+        gc.callbacks.remove(on_gc)
+    assert gc.get_freeze_count() >= before * 0.9
+    assert walked and max(walked) < before / 4
+    assert_same_events(load_session(tmp_path / "long.ilab").events, w.run_store.events())
+
+
 def test_arrays_npz_with_more_members_than_a_plain_zip_counts(tmp_path):
     """Version 1: past 65,535 arrays the end of arrays.npz is the zip64 record; numpy's own reader reads it too."""
     many = [np.full(i % 4, i, np.int32) for i in range(66_000)]
