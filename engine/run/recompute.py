@@ -110,9 +110,19 @@ def recompute(
     if memo is not None and memo.key == key and all(i in memo.attention for i in wanted) \
             and (not lens_top or memo.stream is not None):
         memo.hits += 1
-        lens = None if not lens_top else lens_event(model, session.tokenizer, step, p, memo.stream, memo.logits,
-                                                    lens_top, None if token < 0 else token)
-        return [memo.attention[i] for i in wanted], lens
+    else:
+        memo = session.recomputed = run_pass(session, ids, step, p, key, wanted, lens_top)
+    lens = None
+    if lens_top:
+        lens = lens_event(model, session.tokenizer, step, p, memo.stream, memo.logits, lens_top,
+                          None if token < 0 else token)
+    return [memo.attention[i] for i in wanted], lens
+
+
+def run_pass(session: object, ids: Sequence[int], step: int, p: int, key: tuple, wanted: list[int],
+             lens_top: int) -> Recomputation:
+    """One token at position p through the model's layers, every one of them probed: what `recompute` answers."""
+    cfg, model = session.cfg, session.lm.model
     # Every layer the pass runs is probed, not only the wanted ones: a probed layer computes its attention weights
     # explicitly, an unprobed one through the fused kernel, and the two round differently; a run that captured every
     # layer (the app does for a prompt under 64 tokens) is matched only when each layer runs as it ran then (the
@@ -128,6 +138,7 @@ def recompute(
     before = torch.get_num_threads()
     torch.set_num_threads(key[3])
     cache = ReadOnlyCache(session.cache, p)
+    logits = None
     try:
         if full:
             logits = model(tokens, p, cache, probe)[0]  # (V,): the lens needs every layer and the output
@@ -139,14 +150,7 @@ def recompute(
     every = {i: AttentionCaptured(step=step, phase=phase, layer=i, query_start=p,
                                   weights=probe.values[attn_point(i)][0], group_size=cfg.group_size)
              for i in range(last + 1)}  # batch row 0: (H, 1, S)
-    session.recomputed = Recomputation(key, every, probe.values[RESID_STREAM][0] if full else None,
-                                       logits if full else None)
-    attention = [every[i] for i in wanted]
-    lens = None
-    if lens_top:
-        lens = lens_event(model, session.tokenizer, step, p, probe.values[RESID_STREAM][0], logits, lens_top,
-                          None if token < 0 else token)
-    return attention, lens
+    return Recomputation(key, every, probe.values[RESID_STREAM][0] if full else None, logits)
 
 
 def answer(session: object, cmd: Recompute) -> Recomputed:
@@ -166,8 +170,5 @@ def answer(session: object, cmd: Recompute) -> Recomputed:
 def run_threads(session: object, p: int) -> int:
     """The thread count a recompute of position p runs at: the one its step ran at, else the run's current one
     (threads "auto" adapts it), else torch's."""
-    at = session.threads_at(p) if hasattr(session, "threads_at") else None
-    if at:
-        return at
-    threads = getattr(session, "threads", None)
-    return threads.current if threads is not None else torch.get_num_threads()
+    return session.threads_at(p) or (session.threads.current if session.threads is not None
+                                     else torch.get_num_threads())

@@ -192,8 +192,8 @@ def test_the_autosave_of_a_long_run_reopens_equal(qtbot, window):
 
 def test_saving_a_long_run_leaves_the_windows_objects_out_of_the_collectors_walks(qtbot, window, tmp_path):
     """The writer's own objects start full collections while it saves; each full walk of every object the window
-    holds kept the GIL from the GUI thread (a long session: 112 and 140 ms). Whatever existed when the save began is
-    frozen, so a walk during the save sees only the objects made since."""
+    holds kept the GIL from the GUI thread (BENCHMARKS.md, "The writer's collections"). Whatever existed when the
+    save began is frozen, so a walk during the save sees only the objects made since."""
     import gc
 
     w = window
