@@ -28,6 +28,7 @@ from pathlib import Path
 
 from PySide6 import QtCore, QtWidgets
 
+from app.bridge import age_heap
 from app.guard import guarded
 from app.run_store import RunStore
 from app.settings import ENV_FILE
@@ -174,6 +175,10 @@ class Replay(QtCore.QObject):
             self.window.set_message(f"{self.what}: stopped at event {self.reached:,} of {self.total:,}; the panels "
                                     "show the run up to there.")
         self.window.tick_panels(flush=True)
+        # What the replay made (a session's runs in the store, the panels' copies) is kept for as long as the window
+        # shows it: left in the collector's generations, the first full collection after an open walked all of it
+        # while holding the GIL, as a live run's objects would without the bridge's age_heap.
+        age_heap()
         if self._paused is not None:
             self._paused.start()
             self._paused = None

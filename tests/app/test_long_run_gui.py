@@ -217,6 +217,39 @@ def test_saving_a_long_run_leaves_the_windows_objects_out_of_the_collectors_walk
     assert_same_events(load_session(tmp_path / "long.ilab").events, w.run_store.events())
 
 
+def test_an_opened_long_session_is_left_out_of_the_collectors_walks(qtbot, window, tmp_path):
+    """The runs an open loads and the panels' copies of the shown one stay as long as the window shows them; a full
+    collection after the open walks only what was made since, not the session (as age_heap does for a live run)."""
+    import gc
+
+    w = window
+    events = run_events(w.bridge.cfg, w.bridge.tokenizer, 400)
+    path = tmp_path / "long.ilab"
+    save_session(path, SavedSession(events=events, prompt=events[1].text, info=w.bridge.info, cfg=w.bridge.cfg,
+                                    tokenizer=w.bridge.tokenizer))
+    del events
+    gc.unfreeze()
+    gc.collect()
+    before = len(gc.get_objects())
+    assert session_io.open_session_from(w, path)
+    assert w.replay_job.completed
+    walked: list[int] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start" and info["generation"] == 2:
+            walked.append(len(gc.get_objects()))
+
+    gc.callbacks.append(on_gc)
+    try:
+        gc.collect()
+    finally:
+        gc.callbacks.remove(on_gc)
+    made = gc.get_freeze_count() - before  # the session's objects (and the window's, frozen with them)
+    assert made > 2_000
+    assert walked and walked[0] < made / 10
+    assert len(w.run_store.shown_run().tokens) == 400
+
+
 def test_arrays_npz_with_more_members_than_a_plain_zip_counts(tmp_path):
     """Version 1: past 65,535 arrays the end of arrays.npz is the zip64 record; numpy's own reader reads it too."""
     many = [np.full(i % 4, i, np.int32) for i in range(66_000)]
