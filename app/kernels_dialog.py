@@ -1,5 +1,5 @@
 """Engine → Decode kernels…: which kernel the engine measured fastest for each weight shape on this machine, with
-every candidate's time (read-only).
+every candidate's time, and which way a decode query's attention runs at each context length (read-only).
 
 The engine process measures at a model's first load and keeps the result in the cache (engine.model.kernels,
 engine.model.kernel_cache); this dialog only reads that file, so it opens without torch and without a model.
@@ -34,6 +34,38 @@ def table_rows(entries: list[kernel_cache.Entry]) -> tuple[list[str], list[list[
     return header, cells
 
 
+ATTENTION_FIXED = ("dtype", "threads", "heads (KV × G × size)", "keys", "fastest", "with weights shown")
+
+
+def attention_table_rows(entries: list[kernel_cache.AttentionEntry]) -> tuple[list[str], list[list[str]]]:
+    """The attention table's header and cells: one row per measured key count, each way's µs per layer and ratio to
+    the fastest; "with weights shown": the way a layer runs while a panel captures it."""
+    rows = kernel_cache.attention_rows(entries)
+    names = [n for n in kernel_cache.ATTENTION_DESCRIPTIONS if any(n in r["seconds"] for r in rows)]
+    cells = [[r["dtype"], str(r["threads"]), " × ".join(map(str, r["heads"])), f"{r['keys']:,}", r["fastest"],
+              r["fastest_with_weights"],
+              *(f"{r['seconds'][n] * 1e6:,.0f} µs ({r['vs_fastest'][n]:.2f}×)" if n in r["seconds"] else "—"
+                for n in names), r["measured"]] for r in rows]
+    return [*ATTENTION_FIXED, *names, "measured"], cells
+
+
+def _table(parent: QtWidgets.QWidget, header: list[str], cells: list[list[str]], bold: int) -> QtWidgets.QTableWidget:
+    table = QtWidgets.QTableWidget(len(cells), len(header), parent)
+    table.setHorizontalHeaderLabels(header)
+    table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
+    table.verticalHeader().hide()
+    for i, row in enumerate(cells):
+        for j, text in enumerate(row):
+            item = QtWidgets.QTableWidgetItem(text)
+            if j == bold:
+                font = item.font()
+                font.setBold(True)
+                item.setFont(font)
+            table.setItem(i, j, item)
+    table.resizeColumnsToContents()
+    return table
+
+
 def thread_lines(records: list[threads.ChainTiming], cpu: str, cores: int) -> list[str]:
     """The newest chain timings measured on this CPU: each thread count's time for a decode step's products with
     that count's chosen kernels, and the most threads `--threads auto` uses by it."""
@@ -45,7 +77,7 @@ class KernelsDialog(QtWidgets.QDialog):
     def __init__(self, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Decode kernels")
-        self.resize(980, 480)
+        self.resize(980, 640)
         cpu, cores = kernel_cache.this_cpu()
         header, cells = table_rows(kernel_cache.entries_for_this_cpu())
         intro = QtWidgets.QLabel(
@@ -54,19 +86,14 @@ class KernelsDialog(QtWidgets.QDialog):
             f"model's own weights streamed from memory. Times: median µs for one product, and ÷ the fastest (over 2 ×: "
             f"its first round only, not measured further).")
         intro.setWordWrap(True)
-        self.table = QtWidgets.QTableWidget(len(cells), len(header), self)
-        self.table.setHorizontalHeaderLabels(header)
-        self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.verticalHeader().hide()
-        for i, row in enumerate(cells):
-            for j, text in enumerate(row):
-                item = QtWidgets.QTableWidgetItem(text)
-                if j == FIXED.index("chosen"):
-                    font = item.font()
-                    font.setBold(True)
-                    item.setFont(font)
-                self.table.setItem(i, j, item)
-        self.table.resizeColumnsToContents()
+        self.table = _table(self, header, cells, FIXED.index("chosen"))
+        a_header, a_cells = attention_table_rows(kernel_cache.entries_for_this_cpu(kind=kernel_cache.AttentionEntry))
+        attention = QtWidgets.QLabel(
+            "A decode query's attention over the KV cache, timed the same way at each key count (µs per layer); a "
+            "step runs the fastest way measured at the nearest count. A layer a panel shows runs the fastest way that "
+            "forms the weights. " + "; ".join(f"{n}: {d}" for n, d in kernel_cache.ATTENTION_DESCRIPTIONS.items()))
+        attention.setWordWrap(True)
+        self.attention = _table(self, a_header, a_cells, ATTENTION_FIXED.index("fastest"))
         forced = QtCore.QProcessEnvironment.systemEnvironment().value(kernel_cache.KERNEL_ENV, "")
         note = QtWidgets.QLabel(
             ("Nothing measured on this machine yet: load a model first." if not cells else "")
@@ -84,6 +111,8 @@ class KernelsDialog(QtWidgets.QDialog):
         layout = QtWidgets.QVBoxLayout(self)
         layout.addWidget(intro)
         layout.addWidget(self.table, 1)
+        layout.addWidget(attention)
+        layout.addWidget(self.attention, 1)
         layout.addWidget(self.chains)
         layout.addWidget(note)
         layout.addWidget(buttons)

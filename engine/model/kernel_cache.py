@@ -18,6 +18,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 CACHE_FILE = "kernels.json"
 FORMAT = 1
@@ -28,6 +29,7 @@ MAX_ENTRIES = 400  # the oldest go first: a file that outlives many torch versio
 PLAIN_MARGIN = 1.05
 FLOAT, Q4 = "float", "q4"  # the weights of a measured group: float only, or with the Q4 file's quantized forms
 KERNEL_ENV = "INFERENCE_LAB_KERNEL"  # forces one candidate everywhere it applies (the app's engine process reads it)
+ATTENTION_ENV = "INFERENCE_LAB_ATTENTION"  # forces one way of a decode query's attention (attention_choice)
 
 # The candidates, by name: what each one is, for the CLI, the dialog and the benchmark.
 DESCRIPTIONS: dict[str, str] = {
@@ -39,6 +41,15 @@ DESCRIPTIONS: dict[str, str] = {
     "int8": "torch's int8 weight-only kernel on the weight requantized per row (bf16 activations)",
 }
 NAMES: tuple[str, ...] = tuple(DESCRIPTIONS)
+
+# A decode query's attention (engine.model.attention_choice): the ways, by name.
+ATTENTION_DESCRIPTIONS: dict[str, str] = {
+    "upcast": "two float32 products on upcast copies of a bf16/fp16 cache, the softmax between",
+    "blocked": "bf16/fp16 products over whole blocks of 256 keys, float32 over the rest",
+    "explicit": "two float32 products over the cache, the softmax between",
+    "sdpa": "torch's fused scaled_dot_product_attention (never forms the weights a panel shows)",
+}
+WEIGHT_WAYS = ("upcast", "blocked", "explicit")  # the ways that form the weights (a captured layer runs one of them)
 
 
 def kernel_name(value: str) -> str:
@@ -59,6 +70,14 @@ class Machine:
     capability: str  # torch.backends.cpu.get_cpu_capability(): the kernel set ATen dispatches to
 
 
+def attention_way(value: str) -> str:
+    """A way's name as typed ($INFERENCE_LAB_ATTENTION, --attention); ValueError naming the valid ones."""
+    name = value.strip().lower()
+    if name not in ATTENTION_DESCRIPTIONS:
+        raise ValueError(f"unknown attention way {value!r}; valid: {', '.join(ATTENTION_DESCRIPTIONS)}")
+    return name
+
+
 def entry_key(machine: Machine, dtype: str, threads: int, shape: tuple[int, int], weights: str = FLOAT) -> str:
     """One measurement's identity: machine, dtype, thread count, weight shape (out, in) and weights (FLOAT, Q4)."""
     return (f"{machine.cpu}|{machine.cores} cores|torch {machine.torch}|{machine.capability}|{dtype}|"
@@ -68,6 +87,8 @@ def entry_key(machine: Machine, dtype: str, threads: int, shape: tuple[int, int]
 @dataclass(frozen=True)
 class Entry:
     """A measured shape: every candidate's median seconds for one product, and the fastest."""
+
+    FILE: ClassVar[str] = CACHE_FILE
 
     machine: Machine
     dtype: str  # "float32", "bfloat16"
@@ -117,30 +138,85 @@ class Entry:
         return e if ok else None
 
 
-def cache_path() -> Path:
+def attention_key(machine: Machine, dtype: str, threads: int, heads: tuple[int, int, int], keys: int) -> str:
+    """One attention measurement's identity: machine, dtype, thread count, heads (KV heads, queries per KV head,
+    head size) and key count."""
+    return (f"{machine.cpu}|{machine.cores} cores|torch {machine.torch}|{machine.capability}|{dtype}|"
+            f"{threads} threads|heads {heads[0]}x{heads[1]}x{heads[2]}|{keys} keys")
+
+
+@dataclass(frozen=True)
+class AttentionEntry:
+    """A measured key count: every way's median seconds for one decode query over one layer's cache."""
+
+    FILE: ClassVar[str] = "attention.json"
+
+    machine: Machine
+    dtype: str
+    threads: int
+    heads: tuple[int, int, int]  # KV heads, query heads per KV head, head size
+    keys: int
+    seconds: dict[str, float]  # way -> median seconds
+    rounds: int
+    measured_at: float
+
+    @property
+    def key(self) -> str:
+        return attention_key(self.machine, self.dtype, self.threads, self.heads, self.keys)
+
+    def fastest(self, weights: bool = False) -> str:
+        """The fastest way measured; weights: of those that form the weights."""
+        timed = {k: v for k, v in self.seconds.items() if not weights or k in WEIGHT_WAYS}
+        return min(timed, key=timed.__getitem__)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["heads"] = list(self.heads)
+        d["fastest"] = self.fastest()
+        return d
+
+    @classmethod
+    def from_json(cls, d: object) -> AttentionEntry | None:
+        """The entry, or None where `d` is not one this code wrote."""
+        try:
+            m = d["machine"]
+            machine = Machine(str(m["cpu"]), int(m["cores"]), str(m["torch"]), str(m["capability"]))
+            seconds = {str(k): float(v) for k, v in d["seconds"].items()}
+            kv, g, hd = (int(v) for v in d["heads"])
+            e = cls(machine, str(d["dtype"]), int(d["threads"]), (kv, g, hd), int(d["keys"]), seconds,
+                    int(d["rounds"]), float(d["measured_at"]))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        ok = (seconds and all(k in ATTENTION_DESCRIPTIONS and 0 < v < float("inf") for k, v in seconds.items())
+              and e.threads >= 1 and min(e.heads) >= 1 and e.keys >= 1)
+        return e if ok else None
+
+
+def cache_path(kind: type = Entry) -> Path:
+    """The file `kind`'s measurements are kept in (Entry: the products'; AttentionEntry: the attention's)."""
     from engine.formats.locate import cache_root
 
-    return cache_root() / CACHE_FILE
+    return cache_root() / kind.FILE
 
 
-def read(path: Path | None = None) -> dict[str, Entry]:
+def read(path: Path | None = None, kind: type = Entry) -> dict:
     """Every valid entry of the file by key; {} when it is missing, unreadable or not this format."""
-    path = path or cache_path()
+    path = path or cache_path(kind)
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return {}
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("entries"), list):
         return {}
-    entries = (Entry.from_json(d) for d in doc["entries"])
+    entries = (kind.from_json(d) for d in doc["entries"])
     return {e.key: e for e in entries if e is not None}
 
 
-def write(new: list[Entry], path: Path | None = None) -> None:
+def write(new: list, path: Path | None = None, kind: type = Entry) -> None:
     """Merge `new` into the file (replacing entries of the same key), atomically; a read-only disk only costs the
     next start a measurement."""
-    path = path or cache_path()
-    entries = read(path)
+    path = path or cache_path(kind)
+    entries = read(path, kind)
     entries.update({e.key: e for e in new})
     keep = sorted(entries.values(), key=lambda e: e.measured_at)[-MAX_ENTRIES:]
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
@@ -169,6 +245,19 @@ def rows(entries: list[Entry]) -> list[dict]:
     return out
 
 
+def attention_rows(entries: list[AttentionEntry]) -> list[dict]:
+    """One row per measured key count, as `python -m engine kernels --json` prints it."""
+    out = []
+    for e in sorted(entries, key=lambda e: (e.dtype, e.heads, e.threads, e.keys)):
+        best = min(e.seconds.values())
+        out.append({"dtype": e.dtype, "threads": e.threads, "heads": list(e.heads), "keys": e.keys,
+                    "fastest": e.fastest(), "fastest_with_weights": e.fastest(weights=True),
+                    "seconds": dict(sorted(e.seconds.items(), key=lambda kv: kv[1])),
+                    "vs_fastest": {k: v / best for k, v in e.seconds.items()}, "rounds": e.rounds,
+                    "measured": time.strftime("%Y-%m-%d %H:%M", time.localtime(e.measured_at))})
+    return out
+
+
 def this_cpu() -> tuple[str, int]:
     """The CPU model name and the cores this process may use (the part of the key known without torch)."""
     from engine.costs.hardware import _cpu_model
@@ -177,7 +266,7 @@ def this_cpu() -> tuple[str, int]:
     return _cpu_model(), available_cores()
 
 
-def entries_for_this_cpu(path: Path | None = None) -> list[Entry]:
+def entries_for_this_cpu(path: Path | None = None, kind: type = Entry) -> list:
     """The file's entries measured on this CPU model with this many cores (any torch version)."""
     cpu, cores = this_cpu()
-    return [e for e in read(path).values() if e.machine.cpu == cpu and e.machine.cores == cores]
+    return [e for e in read(path, kind).values() if e.machine.cpu == cpu and e.machine.cores == cores]

@@ -20,21 +20,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import kernel_cache, kernels, quant
+from engine.model import attention_choice, kernel_cache, kernels, quant
 from engine.model.config import ModelConfig
 from engine.model.kv_cache import KVCache
 from engine.model.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
 from engine.model.rope import apply_rope, rope_table
+from engine.run.threads import decode_thread_counts
 
 ROPE_ROWS = 4096  # positions of the RoPE table built at load; it doubles as a generation needs more
 HEAD_RESCORE = 64  # candidates whose logits a bf16/fp16 head recomputes in float32 (see Transformer.head)
 HEAD_RESCORE_MAX_ROWS = 64  # positions it does that for (decode and last-position prefill; not long all-logits)
-UPCAST_MAX_KEYS = 3072  # a bf16 decode query's attention runs in float32 up to this many keys (Attention.forward)
-# Past UPCAST_MAX_KEYS, a bf16 decode query's two products run in bf16 over the keys up to a multiple of KEY_BLOCK
-# and in float32 over the rest: oneDNN builds (JIT-compiles) a kernel for every new product shape and never gives its
-# memory back, so a key count that grows by one each step cost a compile and ~1 MB per product per step (an engine
-# that grew by 3 GB over an 8,000-token run: BENCHMARKS.md, "Intel Xeon with AVX-512 and AMX"); in blocks, a new shape
-# comes once every KEY_BLOCK steps.
+# A bf16 decode query's `blocked` way (engine.model.attention_choice) runs its two products in bf16 over the keys up
+# to a multiple of KEY_BLOCK and in float32 over the rest: oneDNN builds (JIT-compiles) a kernel for every new product
+# shape and never gives its memory back, so a key count that grows by one each step cost a compile and ~1 MB per
+# product per step (an engine that grew by 3 GB over an 8,000-token run: BENCHMARKS.md, "Intel Xeon with AVX-512 and
+# AMX"); in blocks, a new shape comes once every KEY_BLOCK steps.
 KEY_BLOCK = 256
 SPLIT_MAX_ROWS = 4  # up to this many rows a product is a decode product: the kernel measured for it runs
 
@@ -214,6 +214,26 @@ def sdpa_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
+def _upcast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_size: int, scale: float,
+            mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    y, weights = explicit_attention(q.float(), k.float(), v.float(), group_size, scale, mask)
+    return y.to(q.dtype), weights
+
+
+def decode_ways(dtype: torch.dtype) -> dict[str, attention_choice.Way]:
+    """The ways a CPU decode query's attention can run in this dtype (engine.model.attention_choice), each
+    (q, k, v, group_size, scale, mask) -> (output, weights or None). Looked up when called, so a benchmark that wraps
+    this module's functions times them."""
+    ways: dict[str, attention_choice.Way] = {
+        "sdpa": lambda q, k, v, g, scale, mask: (sdpa_attention(q, k, v, scale, mask), None)}
+    if attention_choice.full_precision(dtype):
+        ways["explicit"] = lambda *a: explicit_attention(*a)
+    else:
+        ways["upcast"] = _upcast
+        ways["blocked"] = lambda *a: key_blocked_attention(*a)
+    return ways
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -243,23 +263,16 @@ class Attention(nn.Module):
         mask = attention_mask(start, T, key_start, S, self.window, x.device)  # (T, S) or None
         capture = probe is not None and probe.wants(self.point)
         n = probe.attention_rows(cfg.n_heads, T, S) if capture else 0
-        # One query row in bfloat16 on a CPU: torch's fused kernel slows with the context; two float32 products on
-        # upcast copies are fastest up to about UPCAST_MAX_KEYS, where two bf16 products switch to a faster kernel
-        # (BENCHMARKS.md, "bfloat16 against float32": profile.json's decode_attention rows).
-        low_precision_decode = T == 1 and x.device.type == "cpu" and q.dtype != torch.float32
         plain = (not isinstance(start, torch.Tensor) and start == key_start and T == S
                  and (not self.window or T <= self.window))  # a square causal mask
-        if low_precision_decode or (capture and n == T):  # the weights, when a panel wants them, come for free
-            upcast = low_precision_decode and S <= UPCAST_MAX_KEYS
-            if low_precision_decode and not upcast:
-                y, weights = key_blocked_attention(q, k_all, v_all, cfg.group_size, cfg.softmax_scale, mask)
-            else:
-                y, weights = explicit_attention(*(t.float() if upcast else t for t in (q, k_all, v_all)),
-                                                cfg.group_size, cfg.softmax_scale, mask)
-            if upcast:
-                y = y.to(q.dtype)
+        if T == 1 and x.device.type == "cpu":  # one query row: the way measured fastest here for this many keys
+            way = attention_choice.choice(q.dtype, (cfg.n_kv_heads, cfg.group_size, cfg.head_dim), S, capture)
+            y, weights = decode_ways(q.dtype)[way](q, k_all, v_all, cfg.group_size, cfg.softmax_scale, mask)
             if capture:
-                probe.record(self.point, weights)  # (B, H, T, S)
+                probe.record(self.point, weights)  # (B, H, 1, S)
+        elif capture and n == T:  # the weights, when a panel wants them, come for free
+            y, weights = explicit_attention(q, k_all, v_all, cfg.group_size, cfg.softmax_scale, mask)
+            probe.record(self.point, weights)  # (B, H, T, S)
         elif capture:  # a long prefill: every row through the fused kernel, the weights of the last n rows only
             y = sdpa_attention(q, k_all, v_all, cfg.softmax_scale, mask, plain)
             rows = None if mask is None else mask[T - n:]
@@ -403,6 +416,7 @@ class Transformer(nn.Module):
             return []
         groups = self.decode_products()
         entries = kernels.tune(groups, remeasure=remeasure)
+        self.tune_attention(remeasure)
         if drop_unused and not kernels.KEEP_FORMS:
             used = {(e.shape, e.choice) for e in entries if e.weights == kernel_cache.Q4}
             for w, _, _, forms in (p for ps in groups.values() for p in ps):
@@ -411,6 +425,15 @@ class Transformer(nn.Module):
                         forms.dropped |= getattr(forms, name) is not None
                         setattr(forms, name, None)
         return entries
+
+    def tune_attention(self, remeasure: bool = False) -> list:
+        """Choose how a decode query's attention runs at each context length by measuring this machine
+        (engine.model.attention_choice), or by reading what was measured before; the entries ([] off the CPU)."""
+        cfg, w = self.cfg, self.lm_head
+        if w.device.type != "cpu":
+            return []
+        return attention_choice.tune(decode_ways(w.dtype), (cfg.n_kv_heads, cfg.group_size, cfg.head_dim), w.dtype,
+                                     cfg.context_length, cfg.n_layers, decode_thread_counts(), remeasure=remeasure)
 
     @property
     def lm_head(self) -> torch.Tensor:

@@ -59,6 +59,19 @@ def _text(doc: dict) -> str:
                  "candidates use")
     lines.extend(f"  {n}: {kernel_cache.DESCRIPTIONS[n]}" for n in names)
     lines.extend(t["summary"] for t in doc["threads"])
+    ways = [n for n in kernel_cache.ATTENTION_DESCRIPTIONS if any(n in r["seconds"] for r in doc["attention"])]
+    if ways:
+        lines.append("a decode query's attention, µs per layer at each key count (a step runs the fastest way measured "
+                     "at the nearest count; a layer a panel shows, the fastest that forms the weights):")
+        lines.append(f"{'dtype':<9}{'threads':>8}  {'heads':<10}{'keys':>6}  {'fastest':<9}{'weights':<9}"
+                     + "".join(f"{n:>16}" for n in ways))
+        for r in doc["attention"]:
+            cells = "".join(f"{r['seconds'][n] * 1e6:>8.0f} µs {r['vs_fastest'][n]:4.2f}" if n in r["seconds"]
+                            else f"{'—':>16}" for n in ways)
+            heads = "×".join(map(str, r["heads"]))
+            lines.append(f"{r['dtype']:<9}{r['threads']:>8}  {heads:<10}{r['keys']:>6}  {r['fastest']:<9}"
+                         f"{r['fastest_with_weights']:<9}{cells}")
+        lines.extend(f"  {n}: {kernel_cache.ATTENTION_DESCRIPTIONS[n]}" for n in ways)
     return "\n".join(lines)
 
 
@@ -74,7 +87,7 @@ def cmd_kernels(a: argparse.Namespace) -> int:
     if forced and forced.lower() not in kernel_cache.NAMES:
         raise CliError(f"{kernel_cache.KERNEL_ENV}={forced} is not a kernel (valid: {', '.join(kernel_cache.NAMES)}); "
                        "the engine ignores it and runs the measured choice")
-    entries, chains = [], []
+    entries, chains, attention = [], [], []
     for dtype in [a.dtype] if a.dtype else ["float32", "bfloat16"]:
         try:
             with kernels.keeping_forms():  # --remeasure measures the quantized candidates again
@@ -82,6 +95,7 @@ def cmd_kernels(a: argparse.Namespace) -> int:
         except ModelLoadError as e:
             raise CliError(str(e)) from None
         entries += lm.model.tune_kernels(remeasure=a.remeasure)
+        attention += lm.model.tune_attention()  # (tune_kernels measured it again where asked)
         chain = threads.measured_chain()  # the step's products at each thread count, as tune_kernels measured them
         if chain is not None:
             chains.append({"dtype": chain.dtype, "seconds": {str(n): s for n, s in sorted(chain.seconds.items())},
@@ -90,7 +104,8 @@ def cmd_kernels(a: argparse.Namespace) -> int:
         del lm
     doc = {"machine": asdict(kernels.this_machine()), "cache": str(kernel_cache.cache_path()),
            "forced": kernels.forced_name(),
-           "rows": kernel_cache.rows(entries), "threads": chains}
+           "rows": kernel_cache.rows(entries), "threads": chains,
+           "attention": kernel_cache.attention_rows(attention)}
     print(json.dumps(doc, indent=2) if a.json else _text(doc))
     return 0
 

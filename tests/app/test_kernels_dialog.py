@@ -58,13 +58,33 @@ def test_a_shape_measured_with_q4_blocks_is_its_own_row(qtbot, cache):
     assert by_weights["float + quantized forms"]["chosen"] == "int4" and by_weights["float"]["int4"] == "—"
 
 
+def test_the_attention_table_lists_each_measured_key_count_with_every_way(qtbot, cache):
+    from app.kernels_dialog import KernelsDialog
+
+    cpu, cores = kernel_cache.this_cpu()
+    m = Machine(cpu, cores, "2.13.0+cpu", "AVX512")
+    entries = [kernel_cache.AttentionEntry(m, "bfloat16", 1, (3, 3, 64), keys, seconds, 5, time.time())
+               for keys, seconds in ((8192, {"upcast": 5e-3, "blocked": 3e-3, "sdpa": 2e-3}),
+                                     (512, {"upcast": 2e-4, "blocked": 6e-4, "sdpa": 1e-4}))]
+    kernel_cache.write(entries, kind=kernel_cache.AttentionEntry)
+    dlg = KernelsDialog()
+    qtbot.addWidget(dlg)
+    t = dlg.attention
+    header = [t.horizontalHeaderItem(j).text() for j in range(t.columnCount())]
+    rows = [dict(zip(header, [t.item(i, j).text() for j in range(t.columnCount())], strict=True))
+            for i in range(t.rowCount())]
+    assert [r["keys"] for r in rows] == ["512", "8,192"]
+    assert [(r["fastest"], r["with weights shown"]) for r in rows] == [("sdpa", "upcast"), ("sdpa", "blocked")]
+    assert rows[1]["upcast"] == "5,000 µs (2.50×)" and rows[1]["heads (KV × G × size)"] == "3 × 3 × 64"
+
+
 def test_with_nothing_measured_it_says_so(qtbot, cache):
     from app.kernels_dialog import KernelsDialog
 
     cache.write_text("{ damaged")
     dlg = KernelsDialog()
     qtbot.addWidget(dlg)
-    assert dlg.table.rowCount() == 0
+    assert dlg.table.rowCount() == 0 and dlg.attention.rowCount() == 0
 
 
 def test_the_engine_menu_opens_it(make_window, monkeypatch):

@@ -224,12 +224,18 @@ def test_kernels_command_shows_the_thread_counts(tiny_dir):
     args = [sys.executable, "-m", "engine", "kernels", "--model", str(tiny_dir.gguf), "--dtype", "float32"]
     r = subprocess.run([*args, "--json"], capture_output=True, text=True, cwd=root, timeout=300, env=os.environ)
     assert r.returncode == 0, r.stderr
-    (chain,) = json.loads(r.stdout)["threads"]
+    doc = json.loads(r.stdout)
+    (chain,) = doc["threads"]
     assert chain["dtype"] == "float32" and set(chain["seconds"]) >= {"1"}
     assert chain["fastest"] in {int(n) for n in chain["seconds"]}
+    # and the attention's ways at each key count measured for the model's heads (engine.model.attention_choice)
+    assert doc["attention"] and {r["fastest"] for r in doc["attention"]} <= {"explicit", "sdpa"}
+    assert all(set(r["seconds"]) == {"explicit", "sdpa"} for r in doc["attention"])
     text = subprocess.run(args, capture_output=True, text=True, cwd=root, timeout=300, env=os.environ)
-    assert text.returncode == 0 and text.stdout.strip().splitlines()[-1].startswith(
-        "float32, the decode step's products: 1 thread "), text.stdout
+    lines = text.stdout.strip().splitlines()
+    assert text.returncode == 0 and any(line.startswith("float32, the decode step's products: 1 thread ")
+                                        for line in lines), text.stdout
+    assert any(line.startswith("a decode query's attention") for line in lines)
 
 
 def test_the_dialog_lines_are_this_cpus_newest_chains():
