@@ -347,10 +347,10 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
             took = round((now - gc_began[0]) * 1e3, 1)
             collections.append((round(gc_began[0] - t_start, 3), info["generation"], took))
 
-    if stacks:
-        import gc
+    import gc
 
-        gc.callbacks.append(on_gc)
+    gc.callbacks.append(on_gc)  # every run: a full collection's walk holds the GIL for all it takes
+    if stacks:
         hint_timer.start()
         sampler = StallStacks(last)
         owner.update({id(v): name for name, panel in win.panels.items()
@@ -388,6 +388,11 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
     cpu_end = (sum(gui.cpu_times()[:2]), sum(engine.cpu_times()[:2]))
     autosave_s = run_on_watching_autosave(session_io.autosave_path(), t_wall, after_s)
     timer.stop()
+    gc.callbacks.remove(on_gc)
+    # what a full collection would walk now: the tracked objects nobody froze, by type (the largest counts)
+    unfrozen: dict[str, int] = {}
+    for o in gc.get_objects():
+        unfrozen[type(o).__name__] = unfrozen.get(type(o).__name__, 0) + 1
     if sampler is not None:
         sampler.stop()
     rss_after = (gui.memory_info().rss, engine.memory_info().rss)
@@ -423,6 +428,11 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
         "stall_p99_ms_after": float(np.percentile(stalls[~during], 99)) if np.any(~during) else None,
         "stall_max_ms_after": float(stalls[~during].max(initial=0.0)),
         "stall_max_ms": float(stalls.max(initial=0.0)),
+        # the full collections from Finished to the end of the S seconds after: (s after Finished, ms)
+        "full_collections_after": [(round(t0 - (t_end - t_start), 3), ms) for t0, g, ms in collections
+                                   if g == 2 and t0 >= t_end - t_start],
+        "unfrozen_objects_after": sum(unfrozen.values()),
+        "unfrozen_types_after": dict(sorted(unfrozen.items(), key=lambda kv: -kv[1])[:10]),
         **_tenths(fin.step_seconds),
         "ttft_ms": fin.ttft_s * 1e3,
         "run_s": float(t_end - (t[0] if t.size else t_end)),
@@ -458,8 +468,6 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
             result["select_live_step"] = time_live_selection(app, win, n * 7 // 8)
     except TimeoutError as e:  # a step not shown (or refused) is a result to print, not a reason to lose the run's
         result["select_live_step"] = {"step": n * 7 // 8, "error": str(e)}
-    import gc
-
     gc.unfreeze()  # what the bridge froze during the run (app.bridge.age_heap) that has since become garbage
     result["frozen_garbage_objects"] = gc.collect()
     if keep and autosave_s is not None:  # before the close, which removes the autosave (session_io.clean_exit)
