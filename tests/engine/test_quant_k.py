@@ -257,7 +257,9 @@ def test_a_decode_step_reads_the_tied_heads_form_not_its_float_table(k_lm, monke
 def test_the_tuner_measures_the_tied_heads_forms_and_drops_them_where_float_wins(k_file, tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "_CHOSEN", {})
     monkeypatch.setattr(kernels, "_FORCED", [])
-    monkeypatch.setattr(kernel_cache, "cache_path", lambda: tmp_path / "k.json")
+    monkeypatch.setattr(kernel_cache, "cache_path",  # each kind of measurement its own file, as the real path
+                        lambda kind=kernel_cache.Entry: tmp_path / ("k.json" if kind is kernel_cache.Entry
+                                                                    else kind.FILE))
     with kernels.keeping_forms():
         lm = load(k_file, device="cpu", dtype="float32", use_cache=False)
     head = tuple(lm.model.lm_head.shape)

@@ -174,7 +174,9 @@ def test_forced_quantized_decode_stays_near_the_float_path(q4_lm, name):
 def test_the_tuner_measures_the_quantized_candidates_only_for_weights_with_forms(q4_file, tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "_CHOSEN", {})
     monkeypatch.setattr(kernels, "_FORCED", [])
-    monkeypatch.setattr(kernel_cache, "cache_path", lambda: tmp_path / "k.json")
+    monkeypatch.setattr(kernel_cache, "cache_path",  # each kind of measurement its own file, as the real path
+                        lambda kind=kernel_cache.Entry: tmp_path / ("k.json" if kind is kernel_cache.Entry
+                                                                    else kind.FILE))
     measured: dict[tuple, list[str]] = {}
     costs = {"linear": 3.0, "split": 4.0, "onednn": 5.0, "packed": 5.0, "int4": 1.0, "int8": 2.0}
 
@@ -283,7 +285,9 @@ def test_a_decode_steps_cost_counts_the_bytes_its_kernels_read(q4_lm):
 def test_forms_the_tuner_did_not_choose_are_freed_and_a_later_measurement_is_not_cached(q4_file, tmp_path,
                                                                                         monkeypatch):
     monkeypatch.setattr(kernels, "_CHOSEN", {})
-    monkeypatch.setattr(kernel_cache, "cache_path", lambda: tmp_path / "k.json")
+    monkeypatch.setattr(kernel_cache, "cache_path",  # each kind of measurement its own file, as the real path
+                        lambda kind=kernel_cache.Entry: tmp_path / ("k.json" if kind is kernel_cache.Entry
+                                                                    else kind.FILE))
     lm = load(q4_file, device="cpu", dtype="float32", use_cache=False)  # measures here, then frees the losers
     before = kernel_cache.read(tmp_path / "k.json")
     assert any(e.weights == kernel_cache.Q4 and "int4" in e.seconds for e in before.values())
