@@ -234,6 +234,9 @@ def decode_ways(dtype: torch.dtype) -> dict[str, attention_choice.Way]:
     return ways
 
 
+_DECODE_WAYS: dict[torch.dtype, dict[str, attention_choice.Way]] = {}  # decode_ways, built once per dtype (forward)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -267,7 +270,8 @@ class Attention(nn.Module):
                  and (not self.window or T <= self.window))  # a square causal mask
         if T == 1 and x.device.type == "cpu":  # one query row: the way measured fastest here for this many keys
             way = attention_choice.choice(q.dtype, (cfg.n_kv_heads, cfg.group_size, cfg.head_dim), S, capture)
-            y, weights = decode_ways(q.dtype)[way](q, k_all, v_all, cfg.group_size, cfg.softmax_scale, mask)
+            ways = _DECODE_WAYS.get(q.dtype) or _DECODE_WAYS.setdefault(q.dtype, decode_ways(q.dtype))
+            y, weights = ways[way](q, k_all, v_all, cfg.group_size, cfg.softmax_scale, mask)
             if capture:
                 probe.record(self.point, weights)  # (B, H, 1, S)
         elif capture and n == T:  # the weights, when a panel wants them, come for free
