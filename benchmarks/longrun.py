@@ -14,7 +14,9 @@ app.panels.generation.ALL_LAYERS_BELOW prompt tokens). It reports:
 - the app's TPOT (the Finished event's step times) in the first and in the last tenth of the decode steps;
 - the GUI process's and the engine process's CPU time per token from Generate to Finished;
 - when the autosave file was complete after Finished;
-- the load average at the start and at the end (other work on the cores inflates TPOT and the stalls).
+- the load average at the start and at the end (other work on the cores inflates TPOT and the stalls);
+- "worst_stalls": the ten longest stalls over STALL_MS, each with the GUI thread's own CPU time in it (near the
+  stall: the thread was working; far below it: it waited for a core or for the GIL) and the panels that drew in it.
 - after that: step 7/8·N of the live run selected as a click does, then another layer, then another head, each timed
   until the Attention panel has drawn its row (held, kept by the run store, or recomputed from the engine's cache);
 - the objects the bridge froze during the run (app.bridge.age_heap) that had become garbage by the end.
@@ -291,6 +293,11 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
     win.bridge.sig_kv.connect(lambda ev: kv.__setitem__(0, ev.bytes_allocated))
     ticks: list[tuple[float, float, int]] = []  # (time, gap ms, tokens received by then)
     last = [time.perf_counter()]
+    # each stall over STALL_MS, every run: the GUI thread's own CPU time in the gap (near the gap: it was working;
+    # far below it: it waited, for a core or for the GIL) and the panels that drew in it
+    cpu_last = [time.thread_time()]
+    draws_last = [{name: p.draw_count for name, p in win.panels.items()}]
+    stall_log: list[dict] = []
     stall_stacks: list[dict] = []
     sampler: StallStacks | None = None
 
@@ -298,6 +305,13 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
         now = time.perf_counter()
         gap = (now - last[0]) * 1e3
         ticks.append((now, gap, tokens[0]))
+        cpu = time.thread_time()
+        draws = {name: p.draw_count for name, p in win.panels.items()}
+        if gap - PROBE_MS > STALL_MS:
+            stall_log.append({"at_s": last[0], "ms": round(gap - PROBE_MS, 1),
+                              "gui_thread_cpu_ms": round((cpu - cpu_last[0]) * 1e3, 1), "tokens": tokens[0],
+                              "drawn": [n for n, c in draws.items() if c != draws_last[0].get(n)]})
+        draws_last[0], cpu_last[0] = draws, cpu
         if sampler is not None:
             seen = sampler.take(last[0])
             painted = paints.get("since_tick", [])
@@ -441,6 +455,10 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
         # other processes on the cores inflate TPOT and the stalls: the 1-minute load average at the start and end
         "load_average_start": load0, "load_average_end": os.getloadavg()[0],
     }
+    for st in stall_log:
+        st["after"] = st["at_s"] > t_end
+        st["at_s"] = round(st["at_s"] - t_start, 3)
+    result["worst_stalls"] = sorted(stall_log, key=lambda st: -st["ms"])[:10]
     if stacks:  # when (s from Generate; "after": past Finished), how long, and what the GUI thread was doing
         for st in stall_stacks:
             st["after"] = st["at_s"] > t_end
