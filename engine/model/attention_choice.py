@@ -28,12 +28,13 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 
 import torch
 
 from engine.model import kernel_cache
 from engine.model.kernel_cache import ATTENTION_ENV, WEIGHT_WAYS, AttentionEntry
-from engine.model.kernels import choose, this_machine
+from engine.model.kernels import Load, choose, spoiled, this_machine
 
 KEY_COUNTS = (512, 1024, 2048, 4096, 8192)  # measured key counts (those up to the model's context)
 BUFFER_BYTES = 48 << 20  # cache views timed per round: enough layers to leave the CPU's caches, at most the model's
@@ -144,14 +145,19 @@ def _timer(ways: dict[str, Way], heads: tuple[int, int, int], keys: int, dtype: 
 
 def tune(ways: dict[str, Way], heads: tuple[int, int, int], dtype: torch.dtype, context_length: int,
          n_layers: int, counts: Sequence[int], *, remeasure: bool = False,
-         time_once: Callable[[int, str], float] | None = None, path: os.PathLike | None = None) -> list[AttentionEntry]:
-    """Measure (or read from the cache) every way at each key count and thread count, and use the result.
+         time_once: Callable[[int, str], float] | None = None, path: os.PathLike | None = None,
+         others_cores: Callable[[], float | None] | None = None) -> list[AttentionEntry]:
+    """Measure (or read from the cache) every way at each key count and thread count, and use the result; a
+    multi-thread timing made while another program held a core is measured again by the first load that finds the
+    machine quiet (as the products', engine.model.kernels.tune).
 
     ways: name -> the way (engine.model.transformer.decode_ways). time_once(keys, name): replaces the clock (tests).
+    others_cores(): other processes' cores while measuring (tests; default engine.run.threads.CpuMeter).
     Returns the entries, measured or read.
     """
     machine = this_machine()
     cached = {} if remeasure else kernel_cache.read(path, AttentionEntry)
+    load = Load(others_cores)
     name = str(dtype).removeprefix("torch.")
     names = [w for w in ways_for(dtype) if w in ways]
     entries, measured = [], []
@@ -163,6 +169,8 @@ def tune(ways: dict[str, Way], heads: tuple[int, int, int], dtype: torch.dtype, 
                 for n in sorted(set(counts)):
                     key = kernel_cache.attention_key(machine, name, n, heads, keys)
                     e = cached.get(key)
+                    if e is not None and spoiled(e.others_cores, n) and load.quiet_now(n):
+                        e = None  # timed while another program held a core: measured again now it is quiet
                     if e is None or set(e.seconds) != set(names):
                         torch.set_num_threads(n)
                         if time_once is not None:
@@ -176,6 +184,9 @@ def tune(ways: dict[str, Way], heads: tuple[int, int, int], dtype: torch.dtype, 
     finally:
         torch.set_num_threads(before)
     if measured:
+        others = load.since_start()
+        measured = [replace(e, others_cores=others) for e in measured]
+        entries = [next((m for m in measured if m.key == e.key), e) for e in entries]
         kernel_cache.write(measured, path, AttentionEntry)
     use(entries)
     return entries

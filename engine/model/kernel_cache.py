@@ -159,6 +159,9 @@ class AttentionEntry:
     seconds: dict[str, float]  # way -> median seconds
     rounds: int
     measured_at: float
+    # other processes' CPU use while it was measured, in cores (None: unknown): as Entry.others_cores, a
+    # multi-thread timing made under load is measured again at a later load that finds the machine quiet
+    others_cores: float | None = None
 
     @property
     def key(self) -> str:
@@ -183,8 +186,9 @@ class AttentionEntry:
             machine = Machine(str(m["cpu"]), int(m["cores"]), str(m["torch"]), str(m["capability"]))
             seconds = {str(k): float(v) for k, v in d["seconds"].items()}
             kv, g, hd = (int(v) for v in d["heads"])
+            others = d.get("others_cores")
             e = cls(machine, str(d["dtype"]), int(d["threads"]), (kv, g, hd), int(d["keys"]), seconds,
-                    int(d["rounds"]), float(d["measured_at"]))
+                    int(d["rounds"]), float(d["measured_at"]), None if others is None else float(others))
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
         ok = (seconds and all(k in ATTENTION_DESCRIPTIONS and 0 < v < float("inf") for k, v in seconds.items())
@@ -254,6 +258,7 @@ def attention_rows(entries: list[AttentionEntry]) -> list[dict]:
                     "fastest": e.fastest(), "fastest_with_weights": e.fastest(weights=True),
                     "seconds": dict(sorted(e.seconds.items(), key=lambda kv: kv[1])),
                     "vs_fastest": {k: v / best for k, v in e.seconds.items()}, "rounds": e.rounds,
+                    "others_cores": e.others_cores,
                     "measured": time.strftime("%Y-%m-%d %H:%M", time.localtime(e.measured_at))})
     return out
 

@@ -324,7 +324,7 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
     machine = this_machine()
     cached = {} if remeasure else kernel_cache.read(path)
     counts = list(counts or decode_thread_counts())
-    load = _Load(others_cores)
+    load = Load(others_cores)
     before = torch.get_num_threads()
     entries, measured = [], []
     try:
@@ -336,7 +336,7 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
                 for n in counts:
                     key = kernel_cache.entry_key(machine, dtype, n, shape, weights)
                     e = cached.get(key)
-                    if e is not None and _spoiled(e.others_cores, n) and load.quiet_now(n):
+                    if e is not None and spoiled(e.others_cores, n) and load.quiet_now(n):
                         e = None  # chosen while another program held a core: measured again now it is quiet
                     if e is None:
                         torch.set_num_threads(n)
@@ -361,12 +361,12 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
     return entries
 
 
-def _spoiled(others_cores: float | None, threads: int) -> bool:
+def spoiled(others_cores: float | None, threads: int) -> bool:
     """A timing known to be made under load at more than one thread (unknown load: trusted, as before)."""
     return others_cores is not None and not thread_count.measured_quiet(others_cores, threads)
 
 
-class _Load:
+class Load:
     """Other processes' CPU use, for the tuner: over its whole measurement (since_start), and whether the machine
     is quiet now, asked once per tuning (quiet_now: waits out the meter's shortest window, a quarter second, only
     when a cached timing made under load would otherwise be reused)."""
@@ -408,7 +408,7 @@ def chain_key(groups: dict[tuple[int, int, bool], list[Product]], counts: Sequen
 def measure_chain(groups: dict[tuple[int, int, bool], list[Product]], counts: Sequence[int], machine: Machine, *,
                   remeasure: bool = False, time_once: Callable[[list[Product], str], float] | None = None,
                   others_cores: Callable[[], float | None] | None = None,
-                  path: os.PathLike | None = None, load: _Load | None = None) -> thread_count.ChainTiming | None:
+                  path: os.PathLike | None = None, load: Load | None = None) -> thread_count.ChainTiming | None:
     """The decode step's chain of products, each by the kernel dispatched at that count, timed at each count in
     interleaved rounds (choose), or read from the cache; None off the CPU or with no groups."""
     if not groups or next(iter(groups.values()))[0][0].device.type != "cpu":
@@ -416,8 +416,8 @@ def measure_chain(groups: dict[tuple[int, int, bool], list[Product]], counts: Se
     counts = sorted(set(counts))
     key = chain_key(groups, counts, machine)
     cached = None if remeasure else thread_count.read_chains(path).get(key)
-    if cached is not None and not (_spoiled(cached.others_cores, max(cached.seconds))
-                                   and (load or _Load(others_cores)).quiet_now(max(cached.seconds))):
+    if cached is not None and not (spoiled(cached.others_cores, max(cached.seconds))
+                                   and (load or Load(others_cores)).quiet_now(max(cached.seconds))):
         return cached  # (one timed under load is measured again once a load finds the machine quiet)
     meter = None if others_cores is not None else thread_count.CpuMeter()
     before = torch.get_num_threads()

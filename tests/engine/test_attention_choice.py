@@ -123,3 +123,35 @@ def test_every_way_decodes_the_tiny_model_as_the_float64_model_does(tiny_dir, dt
         else:
             assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8, way
             assert_close(got, want, atol=0.3, rtol=0.1, msg=way)
+
+
+def test_timings_made_under_load_are_measured_again_once_a_load_finds_the_machine_quiet(fresh_table, tmp_path,
+                                                                                         monkeypatch):
+    """As the products' choices: a two-thread timing made while another program held a core is kept while the
+    machine stays busy and measured again by the first load that finds it quiet; a one-thread timing stands."""
+    path = tmp_path / "attention.json"
+    # under load the fused kernel looks best at two threads; quiet, the explicit products are
+    busy, _ = costs({"sdpa": {512: 1, 1024: 2}, "explicit": {512: 3, 1024: 6}})
+    quiet, timed = costs({"sdpa": {512: 3, 1024: 6}, "explicit": {512: 1, 1024: 2}})
+
+    def tune(clock, others: float) -> None:
+        attention_choice.tune(decode_ways(torch.float32), HEADS, torch.float32, 1024, 30, [1, 2], time_once=clock,
+                              path=path, others_cores=lambda: others)
+
+    def at_two_threads() -> str:
+        with monkeypatch.context() as m:
+            m.setattr(torch, "get_num_threads", lambda: 2)
+            return attention_choice.choice(torch.float32, HEADS, 1000, weights=False)
+
+    tune(busy, 1.0)
+    assert at_two_threads() == "sdpa"
+    tune(quiet, 0.9)  # still busy: the cache is used, nothing measured
+    assert timed == [] and at_two_threads() == "sdpa"
+    tune(quiet, 0.0)  # quiet now: the two-thread key counts again
+    assert set(timed) == {(k, w) for k in (512, 1024) for w in ("explicit", "sdpa")}
+    assert at_two_threads() == "explicit"
+    cached = kernel_cache.read(path, kernel_cache.AttentionEntry).values()
+    assert sorted((e.threads, e.others_cores) for e in cached) == [(1, 1.0), (1, 1.0), (2, 0.0), (2, 0.0)]
+    timed.clear()
+    tune(quiet, 0.0)  # measured quiet: read from the cache from now on
+    assert timed == []
