@@ -39,6 +39,7 @@ GROUP_COLORS = ("#e5c07b", "#61afef", "#c678dd", "#98c379", "#e06c75", "#56b6c2"
 CMAP = pg.colormap.get("viridis")
 EMPTY_TOKENS = 8  # the heat map's size before anything is captured (at least the prompt's length)
 MATRIX_BYTES = 32 << 20  # the shown layer's float32 matrix, capacity included; its oldest rows go past it
+STRIDED_BELOW = 24  # fit_to_pixels: key blocks narrower than this go by strided passes, wider ones by a reduction
 DOWNSAMPLE_FROM = 2  # cells per screen pixel from which the heat map is reduced before it is drawn
 RECOMPUTED_BYTES = 32 << 20  # recomputed rows kept, the oldest let go past it (one row of SmolLM2 at 8,000 keys:
 # 0.3 MB)
@@ -159,10 +160,24 @@ def fit_to_pixels(w: np.ndarray, fy: int, fx: int) -> np.ndarray:
     if fy <= 1 and fx <= 1:
         return w
     r, s = w.shape
-    pad = np.full((-(-r // fy) * fy, -(-s // fx) * fx), np.nan, dtype=w.dtype)
-    pad[:r, :s] = w
-    blocks = pad.reshape(pad.shape[0] // fy, fy, pad.shape[1] // fx, fx)
-    return np.fmax.reduce(np.fmax.reduce(blocks, axis=3), axis=1)
+    rows, cols = -(-r // fy) * fy, -(-s // fx) * fx
+    if (rows, cols) != (r, s):
+        pad = np.full((rows, cols), np.nan, dtype=w.dtype)
+        pad[:r, :s] = w
+        w = pad
+    # the keys: a reduction over a short inner axis (fmax.reduce of fx cells) runs several times slower than fx
+    # elementwise passes over strided views (tens of ms for one head of a long run's matrix); a long one is the other
+    # way round. Then the rows, elementwise over whole rows.
+    if fx < STRIDED_BELOW:
+        out = w[:, 0::fx].copy()
+        for j in range(1, fx):
+            np.fmax(out, w[:, j::fx], out=out)
+    else:
+        out = np.fmax.reduce(w.reshape(rows, cols // fx, fx), axis=2)
+    out, by_cols = out[0::fy].copy(), out
+    for i in range(1, fy):
+        np.fmax(out, by_cols[i::fy], out=out)
+    return out
 
 
 def per_pixel(cells: float, pixels: float) -> int:

@@ -27,7 +27,8 @@ def block_max_reference(w: np.ndarray, fy: int, fx: int) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize(("shape", "fy", "fx"), [((37, 41), 3, 4), ((64, 64), 2, 2), ((10, 300), 1, 7)])
+@pytest.mark.parametrize(("shape", "fy", "fx"), [((37, 41), 3, 4), ((64, 64), 2, 2), ((10, 300), 1, 7),
+                                                        ((45, 700), 5, 30)])
 def test_fit_to_pixels_keeps_each_blocks_strongest_weight(shape, fy, fx):
     from app.panels.attention import fit_to_pixels
 
