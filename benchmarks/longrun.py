@@ -16,10 +16,14 @@ app.panels.generation.ALL_LAYERS_BELOW prompt tokens). It reports:
 - when the autosave file was complete after Finished;
 - the load average at the start and at the end (other work on the cores inflates TPOT and the stalls);
 - "worst_stalls": the ten longest stalls over STALL_MS, each with the GUI thread's own CPU time in it (near the
-  stall: the thread was working; far below it: it waited for a core or for the GIL) and the panels that drew in it.
+  stall: the thread was working; far below it: it waited for a core or for the GIL), the whole GUI process's, how
+  many cores the machine kept busy meanwhile (/proc/stat; near the core count: the thread waited for a core) and the
+  panels that drew in it.
 - after that: step 7/8·N of the live run selected as a click does, then another layer, then another head, each timed
   until the Attention panel has drawn its row (held, kept by the run store, or recomputed from the engine's cache);
 - the objects the bridge froze during the run (app.bridge.age_heap) that had become garbage by the end.
+
+With --threads N (or auto, the default), the engine decodes at that setting, as Engine → Decode threads sets it.
 
 With --keep-session FILE.ilab, the run's autosave is copied there (keep it outside the repository: it is large), for
 `python -m benchmarks.reopen --open FILE.ilab`.
@@ -72,7 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     with tempfile.TemporaryDirectory(prefix="ilab-bench-longrun-") as settings_dir:
         os.environ["INFERENCE_LAB_SETTINGS"] = os.path.join(settings_dir, "inference-lab.ini")
-        return _measure(model, n_new, after_s, stacks, keep, "--profile-finish" in argv)
+        return _measure(model, n_new, after_s, stacks, keep, "--profile-finish" in argv, opt("--threads", None))
+
+
+def _machine_busy_s() -> float | None:
+    """Seconds the machine's cores have been busy since boot (/proc/stat's first line; None off Linux)."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def _tenths(step_seconds: list[float]) -> dict:
@@ -270,7 +284,7 @@ def time_live_selection(app, win, step: int, timeout_s: float = 30.0) -> dict:
 
 
 def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False, keep: str | None = None,
-             profile_finish: bool = False) -> int:
+             profile_finish: bool = False, threads: str | None = None) -> int:
     import psutil
     from PySide6 import QtCore, QtWidgets
 
@@ -285,6 +299,8 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
     show_every_panel(win)
     win.panels["prompt"].set_text(PROMPT)
     greedy_run(app, win, n_new, chat=True)
+    if threads is not None:  # as Engine → Decode threads does (the window's settings are the benchmark's own)
+        win.set_threads("auto" if threads == "auto" else int(threads))
 
     gui, engine = psutil.Process(), psutil.Process(win.bridge.process.pid)
     tokens = [0]
@@ -295,7 +311,7 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
     last = [time.perf_counter()]
     # each stall over STALL_MS, every run: the GUI thread's own CPU time in the gap (near the gap: it was working;
     # far below it: it waited, for a core or for the GIL) and the panels that drew in it
-    cpu_last = [time.thread_time()]
+    cpu_last = [time.thread_time(), time.process_time(), _machine_busy_s()]
     draws_last = [{name: p.draw_count for name, p in win.panels.items()}]
     stall_log: list[dict] = []
     stall_stacks: list[dict] = []
@@ -305,13 +321,16 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
         now = time.perf_counter()
         gap = (now - last[0]) * 1e3
         ticks.append((now, gap, tokens[0]))
-        cpu = time.thread_time()
+        cpu = [time.thread_time(), time.process_time(), _machine_busy_s()]
         draws = {name: p.draw_count for name, p in win.panels.items()}
         if gap - PROBE_MS > STALL_MS:
+            busy = None if None in (cpu[2], cpu_last[2]) else round((cpu[2] - cpu_last[2]) / (gap / 1e3), 2)
             stall_log.append({"at_s": last[0], "ms": round(gap - PROBE_MS, 1),
-                              "gui_thread_cpu_ms": round((cpu - cpu_last[0]) * 1e3, 1), "tokens": tokens[0],
+                              "gui_thread_cpu_ms": round((cpu[0] - cpu_last[0]) * 1e3, 1),
+                              "gui_process_cpu_ms": round((cpu[1] - cpu_last[1]) * 1e3, 1),
+                              "machine_busy_cores": busy, "tokens": tokens[0],
                               "drawn": [n for n, c in draws.items() if c != draws_last[0].get(n)]})
-        draws_last[0], cpu_last[0] = draws, cpu
+        draws_last[0], cpu_last[:] = draws, cpu
         if sampler is not None:
             seen = sampler.take(last[0])
             painted = paints.get("since_tick", [])
@@ -454,6 +473,7 @@ def _measure(model: str | None, n_new: int, after_s: float, stacks: bool = False
         "after_s": after_s,
         # other processes on the cores inflate TPOT and the stalls: the 1-minute load average at the start and end
         "load_average_start": load0, "load_average_end": os.getloadavg()[0],
+        "threads": win.threads_setting(),
     }
     for st in stall_log:
         st["after"] = st["at_s"] > t_end
