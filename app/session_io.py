@@ -43,6 +43,7 @@ from engine.formats.session_file import (
 
 AUTOSAVE_NAME = "autosave.ilab"
 AUTOSAVE_AFTER_MS = 300  # from a run's end to its autosave: the window's last draws first (install)
+AUTOSAVE_WAIT_MS = 1000  # …and while a panel has not drawn the run's end yet, up to this long after it
 
 
 def autosave_path() -> Path:
@@ -397,6 +398,7 @@ class SessionWriter(QtCore.QObject):
         self._later.setSingleShot(True)
         self._later.timeout.connect(self._submit_later)
         self._later_fn: Callable[[], object] | None = None
+        self.waiting = False  # wait() is calling the later request now: it must submit, not wait any longer
 
     def later(self, fn: Callable[[], object], ms: int) -> None:
         """Call `fn` (which submits a job) in `ms` ms on the GUI thread, replacing a call still waiting; wait()
@@ -447,7 +449,11 @@ class SessionWriter(QtCore.QObject):
             if cancel_autosave:
                 self._later_fn = None
             else:
-                self._submit_later()
+                self.waiting = True
+                try:
+                    self._submit_later()
+                finally:
+                    self.waiting = False
         with self._lock:
             if cancel_autosave:
                 self._pending = [j for j in self._pending if j.kind not in ("autosave", "warm")]
@@ -479,9 +485,9 @@ def install(window) -> None:
     window.run_store = RunStore(window.bridge, window)
     window.session_writer = SessionWriter(window)
     # A run's end first lets the window draw its last state (every panel draws at Finished), then autosaves: the
-    # writer's encoding, in this process, would take turns with those draws for the GIL.
-    window.run_store.sig_finished.connect(lambda _id: window.session_writer.later(lambda: autosave(window),
-                                                                                   AUTOSAVE_AFTER_MS))
+    # writer's encoding, in this process, would take turns with those draws for the GIL (a paint calls back into
+    # Python dozens of times, waiting each time for the writer's turn to end: BENCHMARKS.md, "The GIL's turns").
+    window.run_store.sig_finished.connect(lambda _id: _draw_then_autosave(window))
     window.run_store.sig_run_updated.connect(lambda run_id: _warm(window, run_id))
     window.replay_job = None
     for panel in window.panels.values():
@@ -656,6 +662,26 @@ def _warm(window, run_id: int) -> None:
         return
     bridge = window.bridge
     writer.submit(Job("warm", autosave_path(), SavedSession(tokenizer=bridge.tokenizer, info=bridge.info)))
+
+
+def _draw_then_autosave(window) -> None:
+    """At a run's end: every panel draws its last state at its next turn, not when its rate limit would let it (up to
+    a second later, in the middle of the autosave); the autosave starts AUTOSAVE_AFTER_MS later, or once no panel has
+    anything left to draw, at most AUTOSAVE_WAIT_MS after the end."""
+    deadline = time.monotonic() + AUTOSAVE_WAIT_MS / 1e3
+
+    def when_drawn() -> None:
+        undrawn = [p for p in window.panels.values() if p.dirty]
+        if undrawn and not window.session_writer.waiting and time.monotonic() < deadline:
+            for panel in undrawn:  # new data since (the run's last events): drawn at once too
+                panel.draw_soon()
+            window.session_writer.later(when_drawn, 50)
+            return
+        autosave(window)
+
+    for panel in window.panels.values():
+        panel.draw_soon()
+    window.session_writer.later(when_drawn, AUTOSAVE_AFTER_MS)
 
 
 def autosave(window) -> None:

@@ -71,6 +71,16 @@ class Panel(QtWidgets.QWidget):
     def mark_dirty(self) -> None:
         self._dirty = True
 
+    @property
+    def dirty(self) -> bool:
+        """New data not drawn yet."""
+        return self._dirty
+
+    def draw_soon(self) -> None:
+        """Let the next tick draw, whatever the rate limit (a run's end: its last state is drawn now, not up to a
+        second later, when the autosave's encoding would take turns with the draw for the GIL)."""
+        self._next_draw = 0.0
+
     def tick(self) -> None:
         if not self._dirty:
             return

@@ -345,3 +345,24 @@ def test_a_fork_the_engine_refuses_does_not_name_the_next_run(qtbot, window):
     generate(qtbot, window, n=3)
     names = [r.name for r in window.run_store.runs]
     assert names == ["run 1", "run 2"] and window.run_store.runs[1].parent is None
+
+
+def test_a_runs_autosave_starts_after_every_panel_has_drawn_the_runs_end(qtbot, make_window, monkeypatch):
+    """A panel that drew during the run waits out its rate limit (up to a second) before it draws again, so the run's
+    last draws came while the autosave's encoding ran and took turns with it for the GIL; at a run's end the panels
+    now draw at once, and the autosave starts when none has anything left to draw."""
+    from app.panels.base import Panel
+
+    monkeypatch.setattr(Panel, "paint_budget", 1e-9)  # every draw looks costly: the next one a second later
+    monkeypatch.setattr(session_io, "AUTOSAVE_AFTER_MS", 0)
+    w = make_window()  # keeps settings: autosaves
+    wait_loaded(qtbot, w)
+    undrawn_at_autosave: list[list[str]] = []
+    real = session_io.autosave
+    monkeypatch.setattr(session_io, "autosave", lambda win: (
+        undrawn_at_autosave.append([n for n, p in win.panels.items() if p.dirty]), real(win))[1])
+    generate(qtbot, w, n=6)
+    qtbot.waitUntil(lambda: bool(undrawn_at_autosave), timeout=10_000)
+    assert undrawn_at_autosave == [[]]
+    w.session_writer.wait()
+    assert len(load_session(session_io.autosave_path()).events) == len(w.run_store.events())
