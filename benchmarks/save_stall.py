@@ -1,9 +1,12 @@
 """The GUI thread's stalls while the session writer saves a long session: `python -m benchmarks.save_stall --open
 FILE.ilab` opens the session in a window with every panel docked (offscreen unless QT_QPA_PLATFORM says otherwise),
-then saves it twice through the writer thread, as File → Save does: first with the writer's `gc.freeze()` turned
-off (what it did before), then as the app does now. For each it prints one JSON line: the save's seconds, the GUI
-thread's stalls (a 10 ms QTimer probe: p99 and the worst, with when they happened) and the collector's full
-collections over 5 ms (when, how long, in which thread).
+then saves it four times through the writer thread, as File → Save does: first with the writer's `gc.freeze()`
+turned off (what it did before), then as the app does now; then twice while two panels redraw every REDRAW_MS, at
+Python's default GIL switch interval (5 ms, the app's) and at TRIAL_SWITCH_S (each of the panels' calls back into
+Python waits for the writer's turn to end: a shorter turn shortens the redraws). For each it prints one
+JSON line: the save's seconds, the GUI thread's stalls (a 10 ms QTimer probe: p99 and the worst, with when they
+happened), the collector's full collections over 5 ms (when, how long, in which thread) and, while redrawing, each
+redraw's worst and median time.
 
 Keep FILE outside the repository (a long run's session is ~200 MB): `python -m benchmarks.longrun --keep-session`
 writes one.
@@ -20,6 +23,8 @@ import threading
 import time
 
 PROBE_MS = 10.0
+REDRAW_MS = 100
+TRIAL_SWITCH_S = 0.0005  # the GIL switch interval tried against Python's default (5 ms)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,16 +71,24 @@ def _measure(path: str, out_dir: str) -> int:
         session_io.replay = original
     _wait(app, lambda: False, 3)  # the replay's last draws
 
-    for how in ("without the writer's freeze", "as the app does"):
-        print(json.dumps({"how": how, "session_file": path, **_save_once(app, win, how.startswith("without"),
-                                                                          os.path.join(out_dir, "saved.ilab"))}),
-              flush=True)
+    target = os.path.join(out_dir, "saved.ilab")
+    default = sys.getswitchinterval()
+    for how, no_freeze, redraw, switch_s in (
+            ("without the writer's freeze", True, False, default),
+            ("as the app does", False, False, default),
+            ("panels redrawing, as the app does", False, True, default),
+            ("panels redrawing, a shorter GIL switch interval", False, True, TRIAL_SWITCH_S)):
+        sys.setswitchinterval(switch_s)
+        print(json.dumps({"how": how, "session_file": path, "gil_switch_ms": switch_s * 1e3,
+                          **_save_once(app, win, no_freeze, target, redraw)}), flush=True)
     win.close()
     return 0
 
 
-def _save_once(app, win, no_freeze: bool, target: str) -> dict:
-    """Save the window's session through its writer once, timing the GUI thread's ticks and the full collections."""
+def _save_once(app, win, no_freeze: bool, target: str, redraw: bool = False) -> dict:
+    """Save the window's session through its writer once, timing the GUI thread's ticks and the full collections;
+    redraw: the roofline and attention panels draw and paint every REDRAW_MS meanwhile (as after a live run's end,
+    when the autosave starts while the panels still draw), and "redraw_ms" gives each such draw's worst and median."""
     import numpy as np
     from PySide6 import QtCore
 
@@ -112,7 +125,21 @@ def _save_once(app, win, no_freeze: bool, target: str) -> dict:
     timer.setInterval(int(PROBE_MS))
     timer.timeout.connect(probe)
     clock["t0"] = clock["last"] = time.perf_counter()
+    draws: list[float] = []
+
+    def redraw_some() -> None:
+        t = time.perf_counter()
+        for name in ("roofline", "attention"):
+            win.panels[name].mark_dirty()
+            win.panels[name].flush()
+        draws.append((time.perf_counter() - t) * 1e3)
+
+    redraw_timer = QtCore.QTimer()
+    redraw_timer.setInterval(REDRAW_MS)
+    redraw_timer.timeout.connect(redraw_some)
     timer.start()
+    if redraw:
+        redraw_timer.start()
     try:
         session_io.save_session_to(win, target, wait=False)
         _wait(app, lambda: not win.session_writer.busy(), 120)
@@ -120,6 +147,7 @@ def _save_once(app, win, no_freeze: bool, target: str) -> dict:
         _wait(app, lambda: False, 1)
     finally:
         timer.stop()
+        redraw_timer.stop()
         gc.callbacks.remove(on_gc)
         gc.freeze = freeze
     stalls = np.array([s for _, s in ticks])
@@ -127,7 +155,9 @@ def _save_once(app, win, no_freeze: bool, target: str) -> dict:
     return {"objects_tracked": tracked, "save_s": round(save_s, 2),
             "stall_p99_ms": round(float(np.percentile(stalls, 99)), 1) if len(stalls) else None,
             "worst_stalls_ms_at_s": [[round(s, 1), round(t, 3)] for t, s in worst],
-            "full_collections_over_5ms": collections, "load_average": os.getloadavg()[0]}
+            "full_collections_over_5ms": collections, "load_average": os.getloadavg()[0],
+            **({"redraw_ms": {"worst": round(max(draws), 1), "median": round(float(np.median(draws)), 1),
+                              "draws": len(draws)}} if draws else {})}
 
 
 if __name__ == "__main__":
