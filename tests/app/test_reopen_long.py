@@ -67,7 +67,7 @@ def test_a_reopened_long_session_draws_a_kept_step_at_once_and_names_the_dropped
 
 def test_the_reopen_benchmark_runs_end_to_end(tiny_dir, tmp_path):
     """benchmarks/reopen.py in subprocesses on the tiny model: a short run made and a step selected, then the file
-    reopened without the model: one JSON line each; benchmarks/save_stall.py saves it twice."""
+    reopened without the model: one JSON line each; benchmarks/save_stall.py saves it four times."""
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root), QT_QPA_PLATFORM="offscreen")
     path = tmp_path / "run.ilab"
@@ -88,12 +88,16 @@ def test_the_reopen_benchmark_runs_end_to_end(tiny_dir, tmp_path):
     assert opened["from_process_start_s"] > opened["open_s"] >= opened["replay_done_s"] >= opened["read_s"] > 0
     assert opened["peak_rss_mib"] >= opened["rss_window_ready_mib"] > 0
     assert opened["kept_step_selected"]["ok"] and opened["kept_step_selected"]["shown"] == "held"
-    # benchmarks/save_stall.py: the same file saved through the writer, without its freeze and as the app does
+    # benchmarks/save_stall.py: the same file saved through the writer, without its freeze and as the app does, then
+    # while panels redraw at Python's GIL switch interval and at a shorter one
     r = subprocess.run([sys.executable, "-m", "benchmarks.save_stall", "--open", str(path)], capture_output=True,
                        text=True, env=env, cwd=root, timeout=300)
     assert r.returncode == 0, "\n".join(ln for ln in r.stderr.splitlines() if "propagateSizeHints" not in ln)[-2000:]
     saves = [json.loads(line) for line in r.stdout.strip().splitlines()]
-    assert [s["how"] for s in saves] == ["without the writer's freeze", "as the app does"]
+    assert [s["how"] for s in saves] == ["without the writer's freeze", "as the app does",
+                                         "panels redrawing, as the app does",
+                                         "panels redrawing, a shorter GIL switch interval"]
+    assert [s["gil_switch_ms"] for s in saves] == [sys.getswitchinterval() * 1e3] * 3 + [0.5]
     assert all(s["save_s"] > 0 and s["objects_tracked"] > 0 and s["stall_p99_ms"] is not None for s in saves)
     # a file of the format before the packed one, written again in the current format: the same events
     from engine.formats.session_file import VERSION, load_session, save_session
