@@ -174,7 +174,9 @@ def fit_to_pixels(w: np.ndarray, fy: int, fx: int) -> np.ndarray:
             np.fmax(out, w[:, j::fx], out=out)
     else:
         out = np.fmax.reduce(w.reshape(rows, cols // fx, fx), axis=2)
-    out, by_cols = out[0::fy].copy(), out
+    if fy <= 1:
+        return out
+    by_cols, out = out, out[0::fy].copy()
     for i in range(1, fy):
         np.fmax(out, by_cols[i::fy], out=out)
     return out
