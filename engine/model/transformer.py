@@ -508,7 +508,7 @@ class Transformer(nn.Module):
             return y.float()
         top = torch.topk(y, min(HEAD_RESCORE, y.shape[-1]), dim=-1).indices  # (…, k)
         exact = torch.einsum("...d,...kd->...k", h.float(), self.lm_head[top].float())  # (…, k)
-        return y.float().scatter(-1, top, exact)
+        return y.float().scatter_(-1, top, exact)  # in place: y.float() is already a new tensor
 
 
 def fuse_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -26,10 +26,23 @@ def entropy_bits(p: torch.Tensor) -> torch.Tensor:
 
 
 def entropy_bits_of_logits(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """H of p = softmax(logits) in bits, with log p = logits − logsumexp(logits): no logarithm per entry (a
-    float32 sum over even a 262,144-token vocabulary errs far below the 1e-3 bits the lens shows)."""
-    log_p = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
-    return torch.where(p > 0, p * log_p, 0.0).sum(-1).neg_().div_(LN2)
+    """H of p = softmax(logits) in bits over the last axis, in float32, with no logarithm or exponential per entry.
+
+    With z = logits − max(logits), log p = z + log p_max (p_max = 1 / Σ e^z), so H = −log p_max − Σ p·z / Σ p: one
+    dot product per row. Elementwise −Σ p·log p took 130 ms on Gemma 3's 21 lens rows of 262,144 tokens, one
+    thread; this takes under 10. Dividing by Σ p removes float32 softmax's error in the total (a few 1e-5 over such a
+    vocabulary), which would otherwise be multiplied by the logits' spread. A row with −inf logits (p = 0 there, so
+    0·(−inf)) takes the elementwise path.
+    """
+    z = logits - logits.amax(-1, keepdim=True)
+    log_pmax = p.amax(-1).log()
+    h = -log_pmax - torch.linalg.vecdot(p, z) / p.sum(-1)
+    bad = torch.isnan(h)
+    if bad.any():
+        i = bad.nonzero().flatten()
+        pi, log_p = p[i], z[i] + log_pmax[i].unsqueeze(-1)
+        h[i] = -torch.where(pi > 0, pi * log_p, 0.0).sum(-1)
+    return h.div_(LN2)
 
 
 def lens_logits(model: torch.nn.Module, stream: torch.Tensor, final_logits: torch.Tensor) -> torch.Tensor:
