@@ -18,7 +18,7 @@ positions).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,11 +90,13 @@ def check_cache(session: object, ids: Sequence[int]) -> int:
 @torch.inference_mode()
 def recompute(
     session: object, ids: Sequence[int], step: int, layers: Iterable[int], lens_top: int = 0, token: int = -1,
+    meanwhile: Callable[[], None] | None = None,
 ) -> tuple[list[AttentionCaptured], LensCaptured | None]:
     """The attention of `layers` (and the logit lens, lens_top > 0) of the step whose query is the last of `ids`
     (the run's tokens at positions 0…p), exactly as a capture at that step gives them: each AttentionCaptured is
     (heads, 1, keys) at query_start p, keys = p + 1 (a sliding-window layer: its window). `token` is the token the
-    step chose (the lens gives its probability in every row; −1: not known). The cache is left as it was."""
+    step chose (the lens gives its probability in every row; −1: not known). The cache is left as it was.
+    `meanwhile` is called between the pass and the lens (the engine answers from the pass what came in meanwhile)."""
     p = check_cache(session, ids)
     cfg, model = session.cfg, session.lm.model
     wanted = sorted({int(i) for i in layers})
@@ -103,9 +105,7 @@ def recompute(
         raise ValueError(f"layer {outside[0]} is not in this model (layers 0…{cfg.n_layers - 1})")
     if lens_top < 0:
         raise ValueError(f"lens_top must be 0 (no lens) or a positive number of tokens, got {lens_top}")
-    from engine.model import kernels
-
-    key = (session.cache.epoch, p, step, run_threads(session, p), kernels.forced_name())
+    key = pass_key(session, p, step)
     memo = session.recomputed
     if memo is not None and memo.key == key and all(i in memo.attention for i in wanted) \
             and (not lens_top or memo.stream is not None):
@@ -114,6 +114,8 @@ def recompute(
         memo = session.recomputed = run_pass(session, ids, step, p, key, wanted, lens_top)
     lens = None
     if lens_top:
+        if meanwhile is not None:
+            meanwhile()
         lens = lens_event(model, session.tokenizer, step, p, memo.stream, memo.logits, lens_top,
                           None if token < 0 else token)
     return [memo.attention[i] for i in wanted], lens
@@ -153,13 +155,31 @@ def run_pass(session: object, ids: Sequence[int], step: int, p: int, key: tuple,
     return Recomputation(key, every, probe.values[RESID_STREAM][0] if full else None, logits)
 
 
-def answer(session: object, cmd: Recompute) -> Recomputed:
-    """The engine process's reply to a Recompute: the events, or one sentence saying why not."""
+def pass_key(session: object, p: int, step: int) -> tuple:
+    """What a pass's results hold for (Recomputation.key): the cache's epoch, the position, the step, the thread count
+    and the forced kernel."""
+    from engine.model import kernels
+
+    return session.cache.epoch, p, step, run_threads(session, p), kernels.forced_name()
+
+
+def from_last_pass(session: object, cmd: Recompute) -> bool:
+    """Whether the session's last pass answers `cmd` without running the model: attention of layers it ran, of the
+    same step, and no lens (the lens's products over the vocabulary are most of a lens's time)."""
+    memo = getattr(session, "recomputed", None)
+    if memo is None or cmd.lens_top or not cmd.ids or getattr(session, "cache", None) is None:
+        return False
+    return memo.key == pass_key(session, len(cmd.ids) - 1, cmd.step) and all(i in memo.attention for i in cmd.layers)
+
+
+def answer(session: object, cmd: Recompute, meanwhile: Callable[[], None] | None = None) -> Recomputed:
+    """The engine process's reply to a Recompute: the events, or one sentence saying why not. `meanwhile`: as in
+    `recompute`."""
     t0 = time.perf_counter()
     memo = getattr(session, "recomputed", None)
     hits = memo.hits if memo is not None else 0
     try:
-        attention, lens = recompute(session, cmd.ids, cmd.step, cmd.layers, cmd.lens_top, cmd.token)
+        attention, lens = recompute(session, cmd.ids, cmd.step, cmd.layers, cmd.lens_top, cmd.token, meanwhile)
     except (Unsupported, ValueError) as e:
         return Recomputed(cmd.request_id, cmd.step, error=str(e), seconds=time.perf_counter() - t0)
     reused = session.recomputed is memo and memo is not None and memo.hits > hits

@@ -327,3 +327,48 @@ def test_the_engine_process_answers_between_tokens_and_the_run_goes_on_unchanged
     finally:
         c.send(P.Quit())
         c.thread.join(10)
+
+
+def test_a_layer_switch_that_comes_during_a_lens_is_answered_before_the_lens(tiny_dir, monkeypatch):
+    """The Logit lens panel's request runs a pass through every layer and then the lens's products over the whole
+    vocabulary; a request for another layer's attention of the same step that comes meanwhile is answered from that
+    pass as soon as it is done, before the lens, instead of waiting for it (Gemma 3: most of the lens's time)."""
+    import time
+
+    import engine.run.recompute as rc
+    from engine import protocol as P
+    from engine.protocol import GenerateRequest, Recomputed
+    from tests.engine.test_server import Client
+
+    real = rc.run_pass
+
+    def slow_pass(*a, **k):  # time for the layer switch to reach the engine while the pass runs
+        out = real(*a, **k)
+        time.sleep(0.5)
+        return out
+
+    monkeypatch.setattr(rc, "run_pass", slow_pass)
+    c = Client()
+    try:
+        c.send(P.Load(str(tiny_dir.gguf), "cpu", "float32"))
+        assert isinstance(c.until(lambda m: isinstance(m, (P.Loaded, P.LoadFailed)))[-1], P.Loaded)
+        c.send(P.SetThreads(1))
+        req = GenerateRequest("", chat=False, max_new_tokens=6, params=GREEDY, ignore_eos=True,
+                              prompt_ids=tuple(PROMPT))
+        c.send(P.Generate(req))
+        c.until(lambda m: isinstance(m, P.State) and m.state == "idle")
+        ids = list(PROMPT) + [m.token_id for m in c.seen if isinstance(m, TokenSampled)]
+        ctx = tuple(ids[:len(PROMPT) + 3])  # step 3
+        c.send(P.Recompute(1, 3, ctx, frozenset(), lens_top=3, token=ids[len(PROMPT) + 3]))  # the lens panel's
+        c.send(P.Recompute(2, 3, ctx, frozenset({1})))  # the attention panel's, right after
+        c.send(P.Recompute(3, 2, ctx[:-1], frozenset({1})))  # another step's: not from that pass, keeps its place
+        replies = [m for m in c.until(lambda m: isinstance(m, Recomputed) and m.request_id == 3)
+                   if isinstance(m, Recomputed)]
+        assert [r.request_id for r in replies] == [2, 1, 3]
+        assert all(r.ok for r in replies)
+        assert replies[0].reused and [e.layer for e in replies[0].attention] == [1] and replies[0].lens is None
+        assert replies[1].lens is not None and replies[1].lens.position == len(ctx) - 1
+        assert not replies[2].reused and replies[2].attention[0].query_start == len(ctx) - 2
+    finally:
+        c.send(P.Quit())
+        c.thread.join(10)
