@@ -27,6 +27,12 @@ MAX_ENTRIES = 400  # the oldest go first: a file that outlives many torch versio
 # order of two near-equal candidates flipped from one measurement to the next (BENCHMARKS.md, "Decode kernels chosen
 # by measuring the machine"), and a tie has nothing to gain from leaving torch's default path.
 PLAIN_MARGIN = 1.05
+# Where F.linear is not in the tie, the candidate that streams the fewest bytes per weight wins it: a decode product is
+# memory-bound, and one that reads more loses more when the bus is shared. On the AMD AVX-512 machine a float32 LM
+# head through the split and its int8 form were 3.05 and 3.13 ms at the first load, then 4.38 and 3.19 ms in the
+# benchmark minutes later (BENCHMARKS.md, "AMD EPYC with AVX-512 and avx512_bf16").
+QUANT_BYTES = {"int4": 0.625, "int8": 1.0}  # per weight, with the scales (engine.model.quant)
+FLOAT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
 FLOAT, Q4 = "float", "q4"  # the weights of a measured group: float only, or with the Q4 file's quantized forms
 KERNEL_ENV = "INFERENCE_LAB_KERNEL"  # forces one candidate everywhere it applies (the app's engine process reads it)
 ATTENTION_ENV = "INFERENCE_LAB_ATTENTION"  # forces one way of a decode query's attention (attention_choice)
@@ -109,10 +115,14 @@ class Entry:
 
     @property
     def choice(self) -> str:
-        """The fastest, or F.linear when it is within PLAIN_MARGIN of the fastest."""
-        best = min(self.seconds, key=self.seconds.__getitem__)
-        plain = self.seconds.get("linear")
-        return "linear" if plain is not None and plain <= PLAIN_MARGIN * self.seconds[best] else best
+        """The fastest, or among the candidates within PLAIN_MARGIN of it F.linear, else the one that reads the
+        fewest bytes per weight ("packed" is a bf16 weight)."""
+        fastest = min(self.seconds.values())
+        near = [k for k, s in self.seconds.items() if s <= PLAIN_MARGIN * fastest]
+        if "linear" in near:
+            return "linear"
+        own = 2.0 if self.dtype not in FLOAT_BYTES else FLOAT_BYTES[self.dtype]
+        return min(near, key=lambda k: (QUANT_BYTES.get(k, 2.0 if k == "packed" else own), self.seconds[k]))
 
     def to_json(self) -> dict:
         d = asdict(self)

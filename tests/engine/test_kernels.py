@@ -144,6 +144,20 @@ def test_a_near_tie_goes_to_f_linear(plain, choice):
     assert e.choice == choice
 
 
+@pytest.mark.parametrize(("seconds", "choice"), [
+    ({"split": 1.0, "int8": 1.03, "int4": 1.2}, "int8"),  # a near tie: int8 reads a quarter of float32's bytes
+    ({"split": 1.0, "int8": 1.06}, "split"),  # not a tie
+    ({"onednn": 1.0, "int8": 1.04, "int4": 1.045}, "int4"),
+    ({"split": 1.0, "onednn": 0.98}, "onednn"),  # the same bytes: the faster
+])
+def test_a_near_tie_without_f_linear_goes_to_the_fewest_bytes(seconds, choice):
+    e = Entry(Machine("cpu", 2, "t", "AVX512"), "float32", 2, (49152, 576), {"linear": 2.0, **seconds}, 1, 5, 0.0,
+              weights="q4")
+    assert e.choice == choice
+    assert Entry(Machine("cpu", 2, "t", "AVX512"), "bfloat16", 1, (8, 8), {"packed": 1.0, "split": 0.99}, 1, 5,
+                 0.0).choice == "split"  # both bf16
+
+
 def test_the_key_names_everything_a_measurement_depends_on():
     m = Machine("AMD EPYC", 2, "2.13.0+cpu", "AVX2")
     base = entry_key(m, "float32", 2, (960, 576))
