@@ -53,6 +53,11 @@ from engine.run import threads as thread_count
 from engine.run.threads import decode_thread_counts
 
 ROUNDS = 5  # interleaved rounds after the warm-up (the median of these)
+# A shape the model has once (the LM head) gives one sample per round where a layer's shape averages over every layer,
+# so it runs up to this many rounds within the budget: on the AMD AVX-512 machine its candidates' medians of 4–5
+# rounds moved by up to 1.4 × between measurements a minute apart (BENCHMARKS.md, "AMD EPYC with AVX-512 and
+# avx512_bf16")
+SINGLE_ROUNDS = 15
 MIN_ROUNDS = 3
 BUDGET_S = 0.12  # measuring time per shape and thread count, past which fewer rounds are run (at least MIN_ROUNDS)
 CHAIN_ROUNDS = 5  # interleaved rounds of the whole chain at each thread count
@@ -343,7 +348,7 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
                         names = [k for k in KERNELS if applicable(k, products[0][0], products[0][2], n,
                                                                   products[0][3]) and _works(k, products)]
                         clock = _timer(products) if time_once is None else lambda k, p=products: time_once(p, k)
-                        seconds, rounds = choose(names, clock)
+                        seconds, rounds = choose(names, clock, ROUNDS if len(products) > 1 else SINGLE_ROUNDS)
                         e = Entry(machine, dtype, n, shape, seconds, len(products), rounds, time.time(), weights)
                         if not (quantized and any(p[3] is not None and p[3].dropped for p in products)):
                             measured.append(e)  # without forms dropped after tuning: used now, never cached
