@@ -70,6 +70,7 @@ class AttentionMatrix:
         self.rows_skipped = 0  # query rows the engine left out of a long prefill to bound memory
         self.rows_dropped = 0  # query rows this matrix let go to stay within max_bytes
         self._w = np.full((n_heads, 0, 0), np.nan, dtype=np.float32)
+        self._spare: np.ndarray | None = None  # the array before the last reshape, reused by the next one (flat)
 
     def add(self, ev: AttentionCaptured) -> None:
         h, nq, nk = ev.weights.shape
@@ -120,13 +121,27 @@ class AttentionMatrix:
             self._reshape(first_row, end - first_row, keys)
 
     def _reshape(self, first_row: int, rows_cap: int, keys_cap: int) -> None:
-        """Re-allocate as rows first_row … first_row + rows_cap − 1 by keys_cap keys, keeping the rows held there."""
-        grown = np.full((self.n_heads, rows_cap, keys_cap), np.nan, dtype=np.float32)
+        """Re-allocate as rows first_row … first_row + rows_cap − 1 by keys_cap keys, keeping the rows held there.
+
+        At the budget every widening of the keys makes a new array of the budget's size. A fresh one's pages are
+        faulted in as it is filled: 80–160 ms of the GUI thread for 32 MiB on the AMD AVX-512 machine (BENCHMARKS.md,
+        "AMD EPYC with AVX-512 and avx512_bf16"), several times a long run. So an array of half the budget or more is
+        kept when replaced and the next reshape writes into its pages, already faulted in (one spare per matrix)."""
+        shape, n = (self.n_heads, rows_cap, keys_cap), self.n_heads * rows_cap * keys_cap
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.size >= n:
+            grown = spare[:n].reshape(shape)
+            grown.fill(np.nan)
+        else:
+            grown = np.full(shape, np.nan, dtype=np.float32)
         lo = max(self.first_row, first_row)  # the query positions held before and after
         hi = min(self.size, first_row + rows_cap)
         if hi > lo:
             grown[:, lo - first_row : hi - first_row, : self.size] = \
                 self._w[:, lo - self.first_row : hi - self.first_row, : self.size]
+        if 2 * self._w.nbytes >= self.max_bytes:
+            base = self._w.base if self._w.base is not None else self._w
+            self._spare = base.reshape(-1)
         self._w, self.first_row = grown, first_row
 
     def _drop_rows(self, first_row: int) -> None:
@@ -144,8 +159,9 @@ class AttentionMatrix:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held, capacity included."""
-        return int(self._w.nbytes)
+        """Bytes held, capacity and the spare included (the array ≤ max_bytes; with the spare ≤ 2 × max_bytes)."""
+        base = self._w.base if self._w.base is not None else self._w
+        return int(base.nbytes + (self._spare.nbytes if self._spare is not None else 0))
 
     @property
     def weights(self) -> np.ndarray:
