@@ -126,11 +126,16 @@ class AttentionMatrix:
         At the budget every widening of the keys makes a new array of the budget's size. A fresh one's pages are
         faulted in as it is filled: 80–160 ms of the GUI thread for 32 MiB on the AMD AVX-512 machine (BENCHMARKS.md,
         "AMD EPYC with AVX-512 and avx512_bf16"), several times a long run. So an array of half the budget or more is
-        kept when replaced and the next reshape writes into its pages, already faulted in (one spare per matrix)."""
+        kept when replaced and the next reshape writes into its pages, already faulted in (one spare per matrix). Such
+        an array is made with room for the budget (pages never written are never faulted in), so that a shape a few
+        rows larger than the spare's still fits it."""
         shape, n = (self.n_heads, rows_cap, keys_cap), self.n_heads * rows_cap * keys_cap
         spare, self._spare = self._spare, None
         if spare is not None and spare.size >= n:
             grown = spare[:n].reshape(shape)
+            grown.fill(np.nan)
+        elif 8 * n >= self.max_bytes:  # room for any later shape within the budget (pages untouched cost nothing)
+            grown = np.empty(max(n, self.max_bytes // 4), dtype=np.float32)[:n].reshape(shape)
             grown.fill(np.nan)
         else:
             grown = np.full(shape, np.nan, dtype=np.float32)
