@@ -1,9 +1,12 @@
-"""The app's engine with libgomp's default spin against a short one: `python -m benchmarks.gui_spin [--pairs N]`.
+"""The app's engine with libgomp's spin counts side by side: `python -m benchmarks.gui_spin [--pairs N]
+[--spins 300000,10000,0] [--dtype D]`.
 
-Each of N pairs starts the app twice (fresh processes, benchmarks.gui's layout: every panel on screen), once with
-GOMP_SPINCOUNT=300000 (libgomp's default, what the CLI uses) and once with 0 (what engine.server sets in the app's
-engine process), and runs two 128-token greedy generations in each; one JSON line per generation: TPOT, the engine's
-and the GUI's CPU per token, and the GUI thread's stall p99 (a 10 ms probe timer, as benchmarks.gui). Run it quiet.
+Each of N rounds starts the app once per spin count (fresh processes, benchmarks.gui's layout: every panel on
+screen) with GOMP_SPINCOUNT set to it (300,000 is libgomp's default, what the CLI uses; engine.server.APP_SPINCOUNT
+is what the app's engine process sets), and runs two 128-token greedy generations in each, in `D` (default: the
+dtype the app loads on this CPU); one JSON line per generation: TPOT, the engine's and the GUI's CPU per token (an
+engine CPU near the TPOT: decode ran on one thread), and the GUI thread's stall p99 (a 10 ms probe timer, as
+benchmarks.gui). Run it quiet.
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ import sys
 import tempfile
 import time
 
-SPINS = ("300000", "0")
+SPINS = "300000,10000,0"
 
 
-def run_app(label: str, generations: int = 2) -> None:
+def run_app(label: str, dtype: str, generations: int = 2) -> None:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     os.environ["INFERENCE_LAB_SETTINGS"] = os.path.join(tempfile.mkdtemp(prefix="ilab-spin-"), "s.ini")
     from dataclasses import replace
@@ -29,7 +32,7 @@ def run_app(label: str, generations: int = 2) -> None:
 
     from benchmarks.gui import PROMPT, TickProbe, open_window, show_every_panel
 
-    app, win = open_window(None, dtype="float32")
+    app, win = open_window(None, dtype=dtype)
     show_every_panel(win)
     for _ in range(5):
         app.processEvents()
@@ -56,7 +59,7 @@ def run_app(label: str, generations: int = 2) -> None:
         ev = fin["ev"]
         n = len(ev.ids)
         stalls = probe.stalls()
-        print(json.dumps({"label": label, "rep": r, "tpot_ms": round(ev.tpot_s * 1e3, 2),
+        print(json.dumps({"label": label, "dtype": dtype, "rep": r, "tpot_ms": round(ev.tpot_s * 1e3, 2),
                           "engine_cpu_ms_per_token": round((c1 - c0) / n * 1e3, 1),
                           "gui_cpu_ms_per_token": round((g1 - g0) / n * 1e3, 1),
                           "stall_p99_ms": round(float(np.percentile(stalls, 99)), 1), "tokens": n}), flush=True)
@@ -67,15 +70,21 @@ def run_app(label: str, generations: int = 2) -> None:
 
 
 def main(argv: list[str]) -> int:
+    def opt(name: str, default: str) -> str:
+        return argv[argv.index(name) + 1] if name in argv else default
+
     if "--app" in argv:  # one app process (the parent sets GOMP_SPINCOUNT)
-        run_app(argv[argv.index("--app") + 1])
+        run_app(opt("--app", ""), opt("--dtype", "float32"))
         return 0
-    pairs = int(argv[argv.index("--pairs") + 1]) if "--pairs" in argv else 2
-    for _ in range(pairs):
-        for spin in SPINS:
+    from engine.loaders import preferred_dtype
+
+    dtype = opt("--dtype", preferred_dtype("cpu"))
+    spins = [str(int(x)) for x in opt("--spins", SPINS).split(",")]
+    for _ in range(int(opt("--pairs", "2"))):
+        for spin in spins:
             env = dict(os.environ, GOMP_SPINCOUNT=spin)
-            r = subprocess.run([sys.executable, "-m", "benchmarks.gui_spin", "--app", f"spin{spin}"], env=env,
-                               capture_output=True, text=True)
+            r = subprocess.run([sys.executable, "-m", "benchmarks.gui_spin", "--app", f"spin{spin}", "--dtype", dtype],
+                               env=env, capture_output=True, text=True)
             print("\n".join(x for x in r.stdout.splitlines() if x.startswith("{")), flush=True)
     return 0
 
