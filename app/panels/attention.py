@@ -18,8 +18,10 @@ opened from a session file has no cache behind it: its status line says which st
 from __future__ import annotations
 
 import bisect
+import ctypes
 import itertools
 import math
+import threading
 
 import numpy as np
 import pyqtgraph as pg
@@ -50,6 +52,34 @@ def _readable(piece: str) -> str:
     return text if text.strip() else text.replace(" ", "·")
 
 
+class Prefaulted:
+    """A flat float32 array of `n` NaNs whose pages a background thread writes, so that the GUI thread never faults
+    them in: a fresh array of the budget's size, filled on the GUI thread, held it for 46–121 ms on Gemma 3 with both
+    cores busy (BENCHMARKS.md, "Long runs with the matrix's spare"). `array` is None until the thread is done."""
+
+    def __init__(self, n: int) -> None:
+        self._array = np.empty(n, dtype=np.float32)  # large: mapped, its pages not yet faulted in
+        self._done = threading.Event()
+        threading.Thread(target=self._fault, name="attention-prefault", daemon=True).start()
+
+    def _fault(self) -> None:
+        # every bit set is a float32 NaN; ctypes' memset is a foreign call, so the GIL is released while it runs
+        ctypes.memset(self._array.ctypes.data, 0xFF, self._array.nbytes)
+        self._done.set()
+
+    @property
+    def array(self) -> np.ndarray | None:
+        return self._array if self._done.is_set() else None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._array.nbytes)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the pages are written (tests; the panel never waits)."""
+        return self._done.wait(timeout)
+
+
 class AttentionMatrix:
     """The attention weights of one layer for the rows captured so far: (heads, S − first_row, S), NaN where masked.
 
@@ -71,6 +101,7 @@ class AttentionMatrix:
         self.rows_dropped = 0  # query rows this matrix let go to stay within max_bytes
         self._w = np.full((n_heads, 0, 0), np.nan, dtype=np.float32)
         self._spare: np.ndarray | None = None  # the array before the last reshape, reused by the next one (flat)
+        self._ahead: Prefaulted | None = None  # an array of the budget's size, written off the GUI thread
 
     def add(self, ev: AttentionCaptured) -> None:
         h, nq, nk = ev.weights.shape
@@ -128,12 +159,18 @@ class AttentionMatrix:
         "AMD EPYC with AVX-512 and avx512_bf16"), several times a long run. So an array of half the budget or more is
         kept when replaced and the next reshape writes into its pages, already faulted in (one spare per matrix). Such
         an array is made with room for the budget (pages never written are never faulted in), so that a shape a few
-        rows larger than the spare's still fits it."""
+        rows larger than the spare's still fits it. Once the matrix holds an eighth of the budget, such an array is
+        made ahead by a background thread (Prefaulted) while there is no spare, and the reshape that needs it takes
+        it when it is ready."""
         shape, n = (self.n_heads, rows_cap, keys_cap), self.n_heads * rows_cap * keys_cap
         spare, self._spare = self._spare, None
+        ahead = self._ahead.array if self._ahead is not None else None
         if spare is not None and spare.size >= n:
             grown = spare[:n].reshape(shape)
             grown.fill(np.nan)
+        elif ahead is not None and ahead.size >= n:
+            grown = ahead[:n].reshape(shape)  # NaN already, its pages written by the thread
+            self._ahead = None
         elif 8 * n >= self.max_bytes:  # room for any later shape within the budget (pages untouched cost nothing)
             grown = np.empty(max(n, self.max_bytes // 4), dtype=np.float32)[:n].reshape(shape)
             grown.fill(np.nan)
@@ -144,10 +181,13 @@ class AttentionMatrix:
         if hi > lo:
             grown[:, lo - first_row : hi - first_row, : self.size] = \
                 self._w[:, lo - self.first_row : hi - self.first_row, : self.size]
-        if 2 * self._w.nbytes >= self.max_bytes:
-            base = self._w.base if self._w.base is not None else self._w
+        base = self._w.base if self._w.base is not None else self._w
+        if 2 * base.nbytes >= self.max_bytes:
             self._spare = base.reshape(-1)
+            self._ahead = None  # two arrays of the budget's size now take turns; a third is not needed
         self._w, self.first_row = grown, first_row
+        if self._spare is None and self._ahead is None and 8 * n * 4 >= self.max_bytes:
+            self._ahead = Prefaulted(max(n, self.max_bytes // 4))
 
     def _drop_rows(self, first_row: int) -> None:
         """Let the rows before first_row go in place: the rows kept move up and the freed ones become NaN again.
@@ -164,9 +204,11 @@ class AttentionMatrix:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held, capacity and the spare included (the array ≤ max_bytes; with the spare ≤ 2 × max_bytes)."""
+        """Bytes held, capacity, the spare and the array made ahead included (the array ≤ max_bytes; with the spare or
+        the one made ahead, never both, ≤ 2 × max_bytes)."""
         base = self._w.base if self._w.base is not None else self._w
-        return int(base.nbytes + (self._spare.nbytes if self._spare is not None else 0))
+        return int(base.nbytes + (self._spare.nbytes if self._spare is not None else 0)
+                   + (self._ahead.nbytes if self._ahead is not None else 0))
 
     @property
     def weights(self) -> np.ndarray:

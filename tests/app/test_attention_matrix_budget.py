@@ -44,31 +44,93 @@ def test_rows_past_the_budget_go_in_place_and_the_rest_is_kept_exactly():
     assert m.first_row == m.rows_dropped + (0 if m.rows_skipped == 0 else m.rows_skipped)
 
 
-def test_a_wider_key_range_at_the_budget_reuses_the_pages_of_an_earlier_array(monkeypatch):
-    """Each widening of the keys at the budget needs a new array; a fresh one of the budget's size had its pages
-    faulted in on the GUI thread (80–160 ms for 32 MiB), so past the first two such arrays every reshape writes into
-    the one it replaced before (9 fresh arrays of half the budget or more in a 4,000-token run before, 2 now). What the
-    matrix holds still equals the plain reference."""
-    from app.panels import attention
+def _expect(reference: np.ndarray, ev: AttentionCaptured) -> None:
+    """The plain reference: the event's rows written where they belong, NaN above the diagonal."""
+    h, nq, nk = ev.weights.shape
+    block = ev.weights.copy()
+    if nq > 1:
+        block[:, np.arange(nk)[None, :] > np.arange(nq)[:, None]] = np.nan
+    reference[:, ev.query_start: ev.query_start + nq, :nk] = block
 
-    heads, prompt, steps = 2, 5, 900
-    budget = 4 * heads * 300 * 60
-    reference = np.full((heads, prompt + steps, prompt + steps), np.nan, dtype=np.float32)
-    made = []  # the arrays of half the budget or more the matrix allocated (numpy's own functions, counted)
-    for name in ("full", "empty"):
-        monkeypatch.setattr(attention.np, name, _counting(getattr(np, name), made, budget))
-    m = AttentionMatrix(heads, max_bytes=budget)
+
+def _run(m: AttentionMatrix, heads: int, prompt: int, steps: int, wait: bool):
+    """Add the rows to `m` (waiting for each array made ahead when `wait`); returns the plain reference and the
+    number of reshapes."""
+    reference = np.ndarray((heads, prompt + steps, prompt + steps), dtype=np.float32)  # not np.full: counted below
+    reference.fill(np.nan)
     reshapes = 0
     for ev in decode_rows(heads, prompt, steps):
         before = m._w.shape
         m.add(ev)
-        h, nq, nk = ev.weights.shape
-        block = ev.weights.copy()
-        if nq > 1:
-            block[:, np.arange(nk)[None, :] > np.arange(nq)[:, None]] = np.nan
-        reference[:, ev.query_start: ev.query_start + nq, :nk] = block
+        if wait and m._ahead is not None:
+            assert m._ahead.wait(10)
+        _expect(reference, ev)
         reshapes += m._w.shape != before
-    assert reshapes >= 6 and len(made) == 2
+        assert m.nbytes <= 2 * m.max_bytes * 1.01
+    return reference, reshapes
+
+
+def test_a_wider_key_range_at_the_budget_reuses_the_pages_of_an_earlier_array(monkeypatch):
+    """Each widening of the keys at the budget needs a new array; a fresh one of the budget's size had its pages
+    faulted in on the GUI thread (80–160 ms for 32 MiB), so past the first two such arrays every reshape writes into
+    the one it replaced before (9 fresh arrays of half the budget or more in a 4,000-token run before, 2 now), and
+    those two are written by a background thread (Prefaulted) before the reshape that needs them: the GUI thread
+    fills none. What the matrix holds still equals the plain reference."""
+    from app.panels import attention
+
+    heads, prompt, steps = 2, 5, 900
+    budget = 4 * heads * 300 * 60
+    made = []  # arrays of half the budget or more made by numpy's own functions on the GUI thread
+    for name in ("full", "empty"):
+        monkeypatch.setattr(attention.np, name, _counting(getattr(np, name), made, budget))
+    ahead = []
+
+    class Counted(attention.Prefaulted):
+        def _fault(self) -> None:
+            ahead.append(self.nbytes)
+            super()._fault()
+
+    monkeypatch.setattr(attention, "Prefaulted", Counted)
+    m = AttentionMatrix(heads, max_bytes=budget)
+    reference, reshapes = _run(m, heads, prompt, steps, wait=True)
+    assert reshapes >= 6 and len(ahead) == 2 and len(made) == len(ahead)  # the only ones: made ahead
+    np.testing.assert_array_equal(m.weights, reference[:, m.first_row: m.size, : m.size])
+
+
+def test_an_array_made_ahead_is_not_used_before_its_thread_is_done(monkeypatch):
+    """While the background thread has not written its array, a reshape makes its own (as before) and the matrix
+    never reads the unwritten one; once written, it is taken by a later reshape, and the result is exact."""
+    import threading
+
+    from app.panels import attention
+
+    release = threading.Event()
+
+    class Slow(attention.Prefaulted):
+        def _fault(self) -> None:
+            release.wait(10)
+            super()._fault()
+
+    monkeypatch.setattr(attention, "Prefaulted", Slow)
+    heads, prompt, steps = 2, 5, 900
+    m = AttentionMatrix(heads, max_bytes=4 * heads * 300 * 60)
+    reference = np.ndarray((heads, prompt + steps, prompt + steps), dtype=np.float32)
+    reference.fill(np.nan)
+    reshaped_while_pending = taken = 0
+    for ev in decode_rows(heads, prompt, steps):
+        before, pending = m._w.shape, m._ahead
+        m.add(ev)
+        _expect(reference, ev)
+        base = m._w.base if m._w.base is not None else m._w
+        if pending is not None and m._w.shape != before:
+            if pending.array is None:
+                reshaped_while_pending += 1
+                assert not np.shares_memory(base, pending._array)
+                release.set()  # from here the thread writes it
+                assert pending.wait(10)
+            else:
+                taken += np.shares_memory(base, pending._array)
+    assert reshaped_while_pending == 1 and taken >= 1
     np.testing.assert_array_equal(m.weights, reference[:, m.first_row: m.size, : m.size])
 
 
