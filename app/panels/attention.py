@@ -54,8 +54,9 @@ def _readable(piece: str) -> str:
 
 class Prefaulted:
     """A flat float32 array of `n` NaNs whose pages a background thread writes, so that the GUI thread never faults
-    them in: a fresh array of the budget's size, filled on the GUI thread, held it for 46–121 ms on Gemma 3 with both
-    cores busy (BENCHMARKS.md, "Long runs with the matrix's spare"). `array` is None until the thread is done."""
+    them in: filling a fresh array of the budget's size was the longest stall left in a long run of Gemma 3 with both
+    cores busy (BENCHMARKS.md, "The matrix's large arrays written off the GUI thread"). `array` is None until the
+    thread is done."""
 
     def __init__(self, n: int) -> None:
         self._array = np.empty(n, dtype=np.float32)  # large: mapped, its pages not yet faulted in
