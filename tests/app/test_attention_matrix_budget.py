@@ -121,6 +121,7 @@ def test_an_array_made_ahead_is_not_used_before_its_thread_is_done(monkeypatch):
         before, pending = m._w.shape, m._ahead
         m.add(ev)
         _expect(reference, ev)
+        assert m.nbytes <= 2 * m.max_bytes * 1.01
         base = m._w.base if m._w.base is not None else m._w
         if pending is not None and m._w.shape != before:
             if pending.array is None:
