@@ -182,7 +182,7 @@ class AttentionMatrix:
         if hi > lo:
             grown[:, lo - first_row : hi - first_row, : self.size] = \
                 self._w[:, lo - self.first_row : hi - self.first_row, : self.size]
-        base = self._w.base if self._w.base is not None else self._w
+        base = self._base()
         if 2 * base.nbytes >= self.max_bytes:
             self._spare = base.reshape(-1)
             self._ahead = None  # two arrays of the budget's size now take turns; a third is not needed
@@ -203,12 +203,15 @@ class AttentionMatrix:
         w[:, keep:, : self.size] = np.nan
         self.first_row = first_row
 
+    def _base(self) -> np.ndarray:
+        """The array that owns the matrix's memory (a reshape's view may use only part of it)."""
+        return self._w.base if self._w.base is not None else self._w
+
     @property
     def nbytes(self) -> int:
         """Bytes held, capacity, the spare and the array made ahead included (the array ≤ max_bytes; with the spare or
         the one made ahead, never both, ≤ 2 × max_bytes)."""
-        base = self._w.base if self._w.base is not None else self._w
-        return int(base.nbytes + (self._spare.nbytes if self._spare is not None else 0)
+        return int(self._base().nbytes + (self._spare.nbytes if self._spare is not None else 0)
                    + (self._ahead.nbytes if self._ahead is not None else 0))
 
     @property

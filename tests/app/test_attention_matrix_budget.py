@@ -28,11 +28,7 @@ def test_rows_past_the_budget_go_in_place_and_the_rest_is_kept_exactly():
     for ev in decode_rows(heads, prompt, steps):
         before, dropped = id(m._w), m.rows_dropped
         m.add(ev)
-        h, nq, nk = ev.weights.shape
-        block = ev.weights.copy()
-        if nq > 1:
-            block[:, np.arange(nk)[None, :] > np.arange(nq)[:, None]] = np.nan
-        reference[:, ev.query_start: ev.query_start + nq, :nk] = block
+        _expect(reference, ev)
         arrays.add(id(m._w))
         in_place += m.rows_dropped > dropped and id(m._w) == before
         assert m._w.nbytes <= m.max_bytes * 1.01 or m.weights.shape[1] <= 1
