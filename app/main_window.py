@@ -519,14 +519,20 @@ class MainWindow(QtWidgets.QMainWindow):
 
     @guarded(default=False)
     def event(self, event: QtCore.QEvent) -> bool:
-        """Time every paint of the window (Qt paints all dirty widgets in one UpdateRequest): the draw gate's input."""
-        if not self._generating or event.type() != QtCore.QEvent.Type.UpdateRequest:
-            return super().event(event)  # idle, nothing is timed (and nothing piles up)
+        """Time every paint of the window (Qt paints all dirty widgets in one UpdateRequest): the draw gate's input
+        while generating, and charged to the panels that drew since the last paint, in equal shares."""
+        if event.type() != QtCore.QEvent.Type.UpdateRequest:
+            return super().event(event)
         t = time.perf_counter()
         try:
             return super().event(event)
         finally:
-            self._gui_busy.append((t, time.perf_counter() - t))
+            spent = time.perf_counter() - t
+            if self._generating:  # idle, nothing piles up
+                self._gui_busy.append((t, spent))
+            drawn = [p for p in self.panels.values() if p.paint_due]
+            for panel in drawn:
+                panel.charge_paint(spent / len(drawn))
 
     def _over_budget(self) -> bool:
         """Generating, and drawing plus painting took more than the GUI's share of the last GATE_WINDOW_S."""

@@ -34,8 +34,9 @@ class Panel(QtWidgets.QWidget):
     # A plot repaint costs milliseconds of GUI thread (axes, text) and the GUI shares the cores with the engine:
     # repainting every panel at the timer's rate slows the engine's decode. Plots redraw at most this often.
     max_fps: ClassVar[float] = 8.0
-    # …and each panel's drawing (its draw() and the repaint it causes, measured every time) may take at most this
-    # fraction of one core: a panel that costs 13 ms a frame redraws about 3 times a second, a 2-ms one 8 times.
+    # …and each panel's drawing (its draw() and its share of the window's paint that follows, measured every time)
+    # may take at most this fraction of one core: a panel that costs 13 ms a frame redraws about 3 times a second, a
+    # 2-ms one 8 times.
     # The measurement is wall time, so on a loaded machine (a paint that waits for a core) panels slow down too.
     # With ~8 panels live during a generation the GUI stays near a third of a core (docs: BENCHMARKS.md).
     paint_budget: ClassVar[float] = 0.02
@@ -46,6 +47,8 @@ class Panel(QtWidgets.QWidget):
         self.bridge = bridge
         self._dirty = False
         self._next_draw = 0.0  # monotonic time before which tick() does not draw again
+        self._drawn_at, self._draw_cost = 0.0, 0.0  # the last draw: when, and what draw() took
+        self.paint_due = False  # drawn since the window's last paint (its paint is charged to this panel)
         self._views: list[pg.GraphicsView] | None = None  # the panel's plots, found at its first draw
         self.draw_count = 0  # how many times draw() ran (the GUI benchmark reads it)
         bridge.sig_model_loaded.connect(self._refresh_help)
@@ -90,11 +93,23 @@ class Panel(QtWidgets.QWidget):
         self._dirty = False
         self.draw()
         self.settle_plots()
-        if self.isVisible():
-            self.repaint()  # now, so that the paint is part of what this draw is measured to cost
-        cost = time.monotonic() - now
-        self._next_draw = now + max(1.0 / self.max_fps, min(cost / self.paint_budget, MAX_DRAW_INTERVAL_S))
+        # Qt paints what the draw changed in the window's next paint, which the window times and charges back
+        # (charge_paint). A repaint() here painted the panel's controls, which a draw seldom changes, and never its
+        # plots: a QGraphicsView's viewport is left out of a parent's repaint, and one repainted at once was painted
+        # again up to three times as pyqtgraph's deferred updates arrived.
+        self._drawn_at, self._draw_cost = now, time.monotonic() - now
+        self._next_draw = now + self._interval(self._draw_cost)
         self.draw_count += 1
+        self.paint_due = True
+
+    def _interval(self, cost: float) -> float:
+        return max(1.0 / self.max_fps, min(cost / self.paint_budget, MAX_DRAW_INTERVAL_S))
+
+    def charge_paint(self, seconds: float) -> None:
+        """The window's paint after this panel's draw took `seconds` (its share of it): the next draw waits as for a
+        draw that cost that much more."""
+        self.paint_due = False
+        self._next_draw = max(self._next_draw, self._drawn_at + self._interval(self._draw_cost + seconds))
 
     def settle_plots(self) -> None:
         """Let each plot fit its auto-range to the new data now. pyqtgraph does it when the plot is about to paint,

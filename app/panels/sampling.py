@@ -18,7 +18,7 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
-from app.panels.base import Panel
+from app.panels.base import Panel, reserve_lines
 from app.run_store import logits_steps, store_for
 from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, ERROR_COLOR, PREFILL_COLOR, placeholder, show_empty, style_plot
 from engine.events import Funnel, ModelInfo, PromptTokenized, TokenSampled
@@ -157,9 +157,10 @@ class SamplingPanel(Panel):
         self.summary = QtWidgets.QLabel("Generate to see the sampling funnel of each step.")
         self.summary.setWordWrap(True)
         self.summary.setTextFormat(QtCore.Qt.TextFormat.RichText)
-        # the two lines a step's summary takes, from the start: a label that grows at the first token makes the
-        # whole window lay itself out and repaint every plot at once
-        self.summary.setMinimumHeight(2 * self.summary.fontMetrics().lineSpacing() + 2)
+        # the lines a step's summary takes, from the start and never more: a label that grows at the first token (or
+        # wraps once more at a later one, as a narrow dock's did every few tokens) lays the panel out again and
+        # repaints its plot
+        reserve_lines(self.summary, 3)
 
         self.legend = QtWidgets.QLabel(" ".join(
             f"<span style='color:{c}'>■</span> {n}" for n, _a, c in STAGES

@@ -42,14 +42,18 @@ def panel(qtbot, bridge, clock, cost_s: float) -> Costly:
     return p
 
 
-def draws_in(p: Costly, seconds: float, tick_s: float = 0.001) -> int:
-    """Ticks every `tick_s` for `seconds` of the panel's clock, with new data before each (as during a generation).
+def draws_in(p: Costly, seconds: float, tick_s: float = 0.001, paint_s: float = 0.0) -> int:
+    """Ticks every `tick_s` for `seconds` of the panel's clock, with new data before each (as during a generation);
+    the window's paint after each draw takes `paint_s`, charged to the panel as the window does.
     A draw comes at the first tick after its interval, so the tests end their windows mid-interval."""
     end = p.clock.now + seconds
     before = p.draw_count
     while p.clock.now < end:
         p.mark_dirty()
         p.tick()
+        if p.paint_due:
+            p.clock.now += paint_s
+            p.charge_paint(paint_s)
         p.clock.now += tick_s
     return p.draw_count - before
 
@@ -67,6 +71,27 @@ def test_costly_panel_redraws_less_often_but_at_least_once_a_second(qtbot, bridg
     assert draws_in(medium, 7.5 * 0.25) == 8
     costly = panel(qtbot, bridge, clock, 0.06)  # 60 ms: 2 % of a core allows one every 3 s, the floor makes it 1 s
     assert draws_in(costly, 5.5) == 6  # without the floor: 2
+
+
+def test_the_paint_after_a_draw_counts_toward_the_panels_budget(qtbot, bridge, clock):
+    """A draw that only sets data is cheap; the window's paint that follows is what costs. 1 ms of draw and 4 ms of
+    paint: 5 ms a frame at 2 % of a core is one frame per 0.25 s, not max_fps's one per 0.125 s."""
+    p = panel(qtbot, bridge, clock, 0.001)
+    assert draws_in(p, 7.5 * 0.25, paint_s=0.004) == 8  # uncharged: 15
+
+
+def test_the_window_charges_its_paint_to_the_panels_that_drew(qtbot, make_window):
+    from PySide6 import QtCore, QtWidgets
+
+    w = make_window(load=False)
+    timeline, kv = w.panels["timeline"], w.panels["kv_cache"]
+    timeline.mark_dirty()
+    timeline.flush()
+    assert timeline.paint_due and not kv.paint_due
+    drawn_next = timeline._next_draw
+    QtWidgets.QApplication.sendEvent(w, QtCore.QEvent(QtCore.QEvent.Type.UpdateRequest))  # Qt's paint of the window
+    assert not timeline.paint_due
+    assert timeline._next_draw >= drawn_next  # its share of the paint can only push its next draw later
 
 
 def test_flush_draws_at_once_whatever_the_limit(qtbot, bridge, clock):
