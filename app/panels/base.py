@@ -38,7 +38,7 @@ class Panel(QtWidgets.QWidget):
     # may take at most this fraction of one core: a panel that costs 13 ms a frame redraws about 3 times a second, a
     # 2-ms one 8 times.
     # The measurement is wall time, so on a loaded machine (a paint that waits for a core) panels slow down too.
-    # With ~8 panels live during a generation the GUI stays near a third of a core (docs: BENCHMARKS.md).
+    # What the GUI then takes of a core: BENCHMARKS.md, "The window's paint charged to the panels that drew".
     paint_budget: ClassVar[float] = 0.02
     subscriptions: ClassVar[dict[str, str]] = {}  # bridge signal → this panel's slot (method name)
 
