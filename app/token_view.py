@@ -13,6 +13,12 @@ tokens under the mouse and clicking reports the first of them.
 from __future__ import annotations
 
 import bisect
+
+# The codecs utf16_len and utf16_positions use, imported with the app: imported at the first token's draw instead, the
+# read of the codec's file stalled the GUI once behind a model load's reads (BENCHMARKS.md, "The matrix's large arrays
+# written off the GUI thread").
+import encodings.utf_16_le  # noqa: F401
+import encodings.utf_32_le  # noqa: F401
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
