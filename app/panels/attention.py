@@ -156,14 +156,15 @@ class AttentionMatrix:
         """Re-allocate as rows first_row … first_row + rows_cap − 1 by keys_cap keys, keeping the rows held there.
 
         At the budget every widening of the keys makes a new array of the budget's size. A fresh one's pages are
-        faulted in as it is filled: 80–160 ms of the GUI thread for 32 MiB on the AMD AVX-512 machine (BENCHMARKS.md,
-        "AMD EPYC with AVX-512 and avx512_bf16"), several times a long run. So an array of half the budget or more is
+        faulted in as it is filled, tens of milliseconds of the GUI thread each time (BENCHMARKS.md, "AMD EPYC with
+        AVX-512 and avx512_bf16"), several times a long run. So an array of half the budget or more is
         kept when replaced and the next reshape writes into its pages, already faulted in (one spare per matrix). Such
         an array is made with room for the budget (pages never written are never faulted in), so that a shape a few
         rows larger than the spare's still fits it. Once the matrix holds an eighth of the budget, such an array is
         made ahead by a background thread (Prefaulted) while there is no spare, and the reshape that needs it takes
         it when it is ready."""
         shape, n = (self.n_heads, rows_cap, keys_cap), self.n_heads * rows_cap * keys_cap
+        nbytes, room = 4 * n, max(n, self.max_bytes // 4)  # room: the elements of an array made for the whole budget
         spare, self._spare = self._spare, None
         ahead = self._ahead.array if self._ahead is not None else None
         if spare is not None and spare.size >= n:
@@ -172,8 +173,8 @@ class AttentionMatrix:
         elif ahead is not None and ahead.size >= n:
             grown = ahead[:n].reshape(shape)  # NaN already, its pages written by the thread
             self._ahead = None
-        elif 8 * n >= self.max_bytes:  # room for any later shape within the budget (pages untouched cost nothing)
-            grown = np.empty(max(n, self.max_bytes // 4), dtype=np.float32)[:n].reshape(shape)
+        elif 2 * nbytes >= self.max_bytes:  # room for any later shape within the budget (pages untouched cost nothing)
+            grown = np.empty(room, dtype=np.float32)[:n].reshape(shape)
             grown.fill(np.nan)
         else:
             grown = np.full(shape, np.nan, dtype=np.float32)
@@ -187,8 +188,8 @@ class AttentionMatrix:
             self._spare = base.reshape(-1)
             self._ahead = None  # two arrays of the budget's size now take turns; a third is not needed
         self._w, self.first_row = grown, first_row
-        if self._spare is None and self._ahead is None and 8 * n * 4 >= self.max_bytes:
-            self._ahead = Prefaulted(max(n, self.max_bytes // 4))
+        if self._spare is None and self._ahead is None and 8 * nbytes >= self.max_bytes:
+            self._ahead = Prefaulted(room)
 
     def _drop_rows(self, first_row: int) -> None:
         """Let the rows before first_row go in place: the rows kept move up and the freed ones become NaN again.

@@ -96,7 +96,8 @@ class Panel(QtWidgets.QWidget):
         # Qt paints what the draw changed in the window's next paint, which the window times and charges back
         # (charge_paint). A repaint() here painted the panel's controls, which a draw seldom changes, and never its
         # plots: a QGraphicsView's viewport is left out of a parent's repaint, and one repainted at once was painted
-        # again up to three times as pyqtgraph's deferred updates arrived.
+        # again as pyqtgraph's deferred updates arrived (BENCHMARKS.md, "The window's paint charged to the panels that
+        # drew").
         self._drawn_at, self._draw_cost = now, time.monotonic() - now
         self._next_draw = now + self._interval(self._draw_cost)
         self.draw_count += 1

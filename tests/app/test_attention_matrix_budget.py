@@ -68,8 +68,8 @@ def _run(m: AttentionMatrix, heads: int, prompt: int, steps: int, wait: bool):
 
 def test_a_wider_key_range_at_the_budget_reuses_the_pages_of_an_earlier_array(monkeypatch):
     """Each widening of the keys at the budget needs a new array; a fresh one of the budget's size had its pages
-    faulted in on the GUI thread (80–160 ms for 32 MiB), so past the first two such arrays every reshape writes into
-    the one it replaced before (9 fresh arrays of half the budget or more in a 4,000-token run before, 2 now), and
+    faulted in on the GUI thread (BENCHMARKS.md, "Long runs (issue 26)" on the AMD AVX-512 machine), so past the first
+    two such arrays every reshape writes into the one it replaced before, and
     those two are written by a background thread (Prefaulted) before the reshape that needs them: the GUI thread
     fills none. What the matrix holds still equals the plain reference."""
     from app.panels import attention
@@ -118,7 +118,7 @@ def test_an_array_made_ahead_is_not_used_before_its_thread_is_done(monkeypatch):
         m.add(ev)
         _expect(reference, ev)
         assert m.nbytes <= 2 * m.max_bytes * 1.01
-        base = m._w.base if m._w.base is not None else m._w
+        base = m._base()
         if pending is not None and m._w.shape != before:
             if pending.array is None:
                 reshaped_while_pending += 1
