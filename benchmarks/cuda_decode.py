@@ -11,8 +11,8 @@ Both decode the same prompt ids greedily with a KV cache, one token a step, and 
 - the engine as the CLI runs it (Session.generate, nothing captured), and as the app runs it (every layer's
   attention, the residual norms, the funnel, the logits and the lens captured each step);
 - transformers' model on the same safetensors file, SDPA attention, a plain cached loop.
-Prints the GPU, then one JSON line: each one's TPOT (best of `--repeats`), TTFT, and the engine's tokens/s over
-transformers'.
+Prints the GPU, then one JSON line: each one's TPOT (best of `--repeats`; every run's too, the first of which meets
+each step's shapes for the first time), TTFT, and the engine's tokens/s over transformers'.
 """
 
 from __future__ import annotations

@@ -194,6 +194,10 @@ def load(
     path = resolve_model_path(model)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    if dev.type == "cuda":
+        from engine.model.transformer import leave_out_cudnn_attention
+
+        leave_out_cudnn_attention()
     try:
         cdir = _cache_dir(path) if use_cache and path.is_file() else None
         from_cache = cdir is not None and (cdir / "meta.json").is_file()

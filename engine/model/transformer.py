@@ -199,6 +199,15 @@ def key_blocked_attention(
     return out.to(q.dtype).reshape(B, H, T, hd), weights.to(q.dtype).reshape(B, H, T, S)
 
 
+def leave_out_cudnn_attention() -> None:
+    """On a GPU, take cuDNN's fused attention out of scaled_dot_product_attention's choices (flash, memory-efficient
+    and the math kernel remain). cuDNN builds an execution graph for each new shape and caches it; a decode step
+    attends over one more key than the step before, so every step of a first generation paid a graph build and the
+    labs' paged steps paid one each (BENCHMARKS.md, "The CUDA path"). Process-wide: torch's per-call switch is a
+    context manager, which every layer of every step would enter."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None,
     plain_causal: bool = False,

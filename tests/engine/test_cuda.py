@@ -52,6 +52,14 @@ def test_float32_on_the_device_matches_the_reference(tiny_dir, kind):
     assert_close(full_logits(lm, IDS).cpu(), ref, atol=2e-4, rtol=1e-4)
 
 
+def test_attention_on_the_gpu_leaves_cudnn_out(tiny_dir):
+    """cuDNN's attention builds a graph for every new key length, so a first generation paid one each step
+    (BENCHMARKS.md, "The CUDA path"); loading on the GPU leaves it out of torch's choices."""
+    load(tiny_dir.gguf, device=DEVICE, dtype="float32", use_cache=False)
+    if DEVICE == "cuda":
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"] if DEVICE == "cuda" else ["bfloat16"])  # float16: CUDA only
 def test_half_precision_on_the_device_keeps_the_reference_top_token(tiny_dir, dtype):
     """Half precision is not float64: the logits stay close and the top token at every position stays the same."""
@@ -153,3 +161,71 @@ def test_the_roofline_measures_the_device(tmp_path):
     assert hw.measured and hw.bandwidth_bytes_per_s > 0 and flops > 0
     if DEVICE == "cuda":
         assert hw.bandwidth_bytes_per_s > 5e11 and flops > 5e13, hw
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    from tests.tiny_families import FAMILIES, write_checkpoint
+
+    d = tmp_path_factory.mktemp("families")
+    return {f: write_checkpoint(d, f) for f in FAMILIES}
+
+
+def _family_sources() -> list[tuple[str, str]]:
+    from tests.tiny_families import FAMILIES
+
+    return [(f, kind) for f in FAMILIES for kind in ("hf", "gguf") if kind == "hf" or FAMILIES[f]["gguf_arch"]]
+
+
+@pytest.mark.parametrize(("family", "kind"), _family_sources())
+def test_every_family_on_the_device_matches_transformers(families, family, kind):
+    """Gemma 3's sliding windows and local/global layers, Qwen3's q/k norms, Phi-3's fused products, Mistral's
+    window and Llama 3.1's RoPE scaling, on the device, against transformers' own model (float32, on the CPU); the
+    captured (explicit) attention path too."""
+    from engine.model.probe import Probe
+    from tests.tiny_families import reference_logits as family_reference
+
+    ck = families[family]
+    lm = load(ck.hf_dir if kind == "hf" else ck.gguf, device=DEVICE, dtype="float32", use_cache=False)
+    ids = [5, 77, 140, 3, 250, 99, 12, 200, 41, 7, 66, 13, 290, 31, 8]  # several sliding windows of 4
+    ref = family_reference(ck.model, ids)
+    cache = KVCache(lm.cfg, 1, len(ids), torch.float32, device=lm.device)
+    got = lm.model(torch.tensor([ids], device=lm.device), 0, cache, all_logits=True)[0]
+    assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
+    cache = KVCache(lm.cfg, 1, len(ids), torch.float32, device=lm.device)
+    probe = Probe.for_capture(range(lm.cfg.n_layers))
+    got = lm.model(torch.tensor([ids], device=lm.device), 0, cache, probe, all_logits=True)[0]
+    assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_long_run_on_the_device_keeps_its_memory_to_the_kv_cache(tmp_path):
+    """Thousands of tokens with the app's captures on: the device's memory grows by the KV cache the run fills and
+    not per step (captures go to the host). Gemma 3's shape: its local layers keep a window, not the whole run."""
+    from tests.tiny_families import write_checkpoint
+
+    ck = write_checkpoint(tmp_path, "gemma3", max_position_embeddings=4096)
+    lm = load(ck.gguf, device=DEVICE, dtype="float32", use_cache=False)
+    from engine.run.session import Session
+
+    s = Session(lm)
+    capture = Capture(attention_layers=frozenset(range(lm.cfg.n_layers)), residual_norms=True, funnel_top=5,
+                      lens_top=3)
+
+    def run(n: int) -> tuple[int, Finished]:
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        fin = None
+        for ev in s.generate("the cat sat", SamplingParams.greedy_params(), n, capture=capture, ignore_eos=True):
+            if isinstance(ev, Finished):
+                fin = ev
+        peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+        return peak, fin
+
+    short, fin_short = run(200)
+    long, fin_long = run(3000)
+    assert len(fin_short.ids) == 200 and len(fin_long.ids) == 3000
+    # the KV cache of 2,800 more positions on the global layers, at most, plus its growth in whole blocks
+    cfg = lm.cfg
+    per_position = 2 * cfg.n_kv_heads * cfg.head_dim * 4 * cfg.n_layers
+    assert long - short <= 2 * 2800 * per_position + (8 << 20), (short, long)
