@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,25 +20,27 @@ from engine import protocol as P
 from engine.events import AttentionCaptured, Failed, Finished, LensCaptured, ResidualNorms, TokenSampled
 from engine.loaders import load
 from engine.model.kv_cache import KVCache
+from engine.model.probe import Probe
 from engine.protocol import Capture, GenerateRequest, SamplingParams
+from engine.run.session import Session
+from tests.engine.test_cli import cli
+from tests.engine.test_families import _sources
+from tests.engine.test_families import full_logits as family_logits
+from tests.engine.test_model import full_logits
 from tests.engine.test_server import Client
+from tests.tiny_families import FAMILIES, write_checkpoint
+from tests.tiny_families import reference_logits as family_reference
 from tests.tiny_model import CFG, reference_logits
 
 DEVICE = os.environ.get("INFERENCE_LAB_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.cuda
 IDS = [5, 77, 140, 3, 250, 99, 12, 200, 41, 7, 66]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_device_is_there():
     """A GPU run that found no GPU must fail here, not pass by running everything on the CPU."""
     if DEVICE == "cuda":
         assert torch.cuda.is_available(), "torch sees no CUDA GPU"
-
-
-def full_logits(lm, ids):
-    cache = KVCache(lm.cfg, 1, len(ids), lm.dtype, device=lm.device)
-    return lm.model(torch.tensor([ids], device=lm.device), 0, cache, all_logits=True)[0]
 
 
 @pytest.mark.parametrize("kind", ["gguf", "hf"])
@@ -109,9 +109,7 @@ def test_the_apps_engine_generates_on_the_device_with_every_capture(tiny_dir):
 
 
 def _cli(tiny_dir, *args: str, device: str = DEVICE) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "engine", *args, "--model", str(tiny_dir.gguf), "--device", device],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    return cli(*args, "--model", str(tiny_dir.gguf), "--device", device, timeout=600)
 
 
 COMMANDS = {
@@ -165,48 +163,29 @@ def test_the_roofline_measures_the_device(tmp_path):
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
-    from tests.tiny_families import FAMILIES, write_checkpoint
-
     d = tmp_path_factory.mktemp("families")
     return {f: write_checkpoint(d, f) for f in FAMILIES}
 
 
-def _family_sources() -> list[tuple[str, str]]:
-    from tests.tiny_families import FAMILIES
-
-    return [(f, kind) for f in FAMILIES for kind in ("hf", "gguf") if kind == "hf" or FAMILIES[f]["gguf_arch"]]
-
-
-@pytest.mark.parametrize(("family", "kind"), _family_sources())
+@pytest.mark.parametrize(("family", "kind"), _sources({}))
 def test_every_family_on_the_device_matches_transformers(families, family, kind):
     """Gemma 3's sliding windows and local/global layers, Qwen3's q/k norms, Phi-3's fused products, Mistral's
     window and Llama 3.1's RoPE scaling, on the device, against transformers' own model (float32, on the CPU); the
     captured (explicit) attention path too."""
-    from engine.model.probe import Probe
-    from tests.tiny_families import reference_logits as family_reference
-
     ck = families[family]
     lm = load(ck.hf_dir if kind == "hf" else ck.gguf, device=DEVICE, dtype="float32", use_cache=False)
     ids = [5, 77, 140, 3, 250, 99, 12, 200, 41, 7, 66, 13, 290, 31, 8]  # several sliding windows of 4
     ref = family_reference(ck.model, ids)
-    cache = KVCache(lm.cfg, 1, len(ids), torch.float32, device=lm.device)
-    got = lm.model(torch.tensor([ids], device=lm.device), 0, cache, all_logits=True)[0]
-    assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
-    cache = KVCache(lm.cfg, 1, len(ids), torch.float32, device=lm.device)
+    assert_close(family_logits(lm.model, lm.cfg, ids).cpu(), ref, atol=1e-4, rtol=1e-4)
     probe = Probe.for_capture(range(lm.cfg.n_layers))
-    got = lm.model(torch.tensor([ids], device=lm.device), 0, cache, probe, all_logits=True)[0]
-    assert_close(got.cpu(), ref, atol=1e-4, rtol=1e-4)
+    assert_close(family_logits(lm.model, lm.cfg, ids, probe).cpu(), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_a_long_run_on_the_device_keeps_its_memory_to_the_kv_cache(tmp_path):
     """Thousands of tokens with the app's captures on: the device's memory grows by the KV cache the run fills and
     not per step (captures go to the host). Gemma 3's shape: its local layers keep a window, not the whole run."""
-    from tests.tiny_families import write_checkpoint
-
     ck = write_checkpoint(tmp_path, "gemma3", max_position_embeddings=4096)
     lm = load(ck.gguf, device=DEVICE, dtype="float32", use_cache=False)
-    from engine.run.session import Session
-
     s = Session(lm)
     capture = Capture(attention_layers=frozenset(range(lm.cfg.n_layers)), residual_norms=True, funnel_top=5,
                       lens_top=3)

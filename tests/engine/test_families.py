@@ -34,8 +34,9 @@ def checkpoints(tmp_path_factory):
 
 
 def full_logits(model, cfg, ids, probe=None):
-    cache = KVCache(cfg, 1, len(ids), torch.float32)
-    return model(torch.tensor([ids]), 0, cache, probe, all_logits=True)[0]  # (T, V)
+    device = next(model.parameters()).device
+    cache = KVCache(cfg, 1, len(ids), torch.float32, device=device)
+    return model(torch.tensor([ids], device=device), 0, cache, probe, all_logits=True)[0]  # (T, V)
 
 
 def _sources(checkpoints):

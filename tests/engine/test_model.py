@@ -23,8 +23,8 @@ IDS = [5, 77, 140, 3, 250, 99, 12, 200, 41, 7, 66]
 
 
 def full_logits(lm, ids):
-    cache = KVCache(lm.cfg, 1, len(ids), lm.dtype)
-    return lm.model(torch.tensor([ids]), 0, cache, all_logits=True)[0]  # (T, V)
+    cache = KVCache(lm.cfg, 1, len(ids), lm.dtype, device=lm.device)
+    return lm.model(torch.tensor([ids], device=lm.device), 0, cache, all_logits=True)[0]  # (T, V)
 
 
 def test_gguf_loader_matches_reference(tiny_dir, tiny_lm):
