@@ -25,10 +25,12 @@ from hypothesis import strategies as st
 from engine.formats.gguf_meta import read_metadata
 from engine.tokenizer import SUPPORTED_PRE, Tokenization, Tokenizer, llama_cpp_pre_type
 from engine.tokenizer.pretokenize import _PRE_GROUP
+from engine.tokenizer.vocab import _LSTRIP, _RSTRIP
 from tests.requires import gemma3, import_required
 from tests.tiny_tokenizer import tiny_vocab
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "llama_cpp_vocab"
+_WS = b" \t\n\v\f\r"  # C isspace(), what llama.cpp's lstrip/rstrip take
 
 # test file -> vocabulary file (qwen2's own vocabulary is too large to keep; DeepSeek-R1-Distill-Qwen's is Qwen2.5's)
 FAMILIES = {
@@ -74,8 +76,12 @@ def _cases(family: str) -> list[tuple[str, list[int]]]:
 
 def _check_consistent(tok: Tokenizer, t: Tokenization) -> None:
     """Spans tile the input in order (the added BOS spans nothing); each token's bytes are its span's bytes, or a
-    space and them for a SentencePiece token carrying the space prefix; pieces and flags agree with the vocabulary."""
+    space and them for a SentencePiece token carrying the space prefix; pieces and flags agree with the vocabulary.
+    SentencePiece as llama.cpp runs it escapes every space to U+2581 before merging, so a U+2581 typed in the text is
+    a space to it: a token over one holds a space there (llama.cpp decodes it as one). A token matched in the text
+    with lstrip/rstrip (phi-3's) spans the whitespace it swallowed, so that nothing of the text is left between."""
     data = t.text.encode("utf-8")
+    strips = {i: f for i, _, f in tok._specials if f & (_LSTRIP | _RSTRIP)}
     skipped = {pos for pos, _ in t.unrepresentable}
     assert t.pieces == [tok.piece(i) for i in t.ids] and t.special == [tok.is_special(i) for i in t.ids]
     pos = 0
@@ -86,7 +92,12 @@ def _check_consistent(tok: Tokenizer, t: Tokenization) -> None:
             assert pos in skipped
             pos += 1
         assert bs == pos, (k, i, bs, pos)
-        assert tok.token_bytes(i) in (data[bs:be], b" " + data[bs:be]) or tok.is_special(i) or tok.kind == "spm"
+        span = data[bs:be]
+        if i in strips:
+            span = span.lstrip(_WS) if strips[i] & _LSTRIP else span
+            span = span.rstrip(_WS) if strips[i] & _RSTRIP else span
+        spans = (span, span.replace("\u2581".encode(), b" ")) if tok.kind == "spm" else (span,)
+        assert tok.token_bytes(i) in (*spans, *(b" " + s for s in spans)) or tok.is_special(i), (k, i, span)
         pos = be
     assert all(p in skipped for p in range(pos, len(data)))
 
@@ -264,6 +275,7 @@ def test_spm_matches_reference(vocab_dir: Path, name: str, text: str, parse_spec
     tok = _tokenizer(vocab_dir, name)
     ref = _reference(vocab_dir / f"ggml-vocab-{name}.gguf")
     assert tok.encode(text, parse_special=parse_special).ids == ref.tokenize(text, parse_special)
+    _check_consistent(tok, tok.encode(text, parse_special=parse_special))
 
 
 _REFS: dict[Path, _SpmReference] = {}
@@ -292,6 +304,10 @@ def test_spm_details(vocab_dir: Path) -> None:
     assert tok.encode("a</s>b", parse_special=False).ids != t.ids
     assert tok.encode("", add_special=True).ids == [1] and tok.encode("", add_special=False).ids == []
     _check_consistent(tok, tok.encode("  x\U0001f9ff</s> y\n\n"))
+    # a typed U+2581 is a space to llama.cpp: its token spans the three bytes and holds a space
+    t = tok.encode("x \u2581\u2581 y\u2581the")
+    assert t.pieces == ["<s>", " x", "   ", " y", " the"] and t.byte_offsets[2:] == [(1, 8), (8, 10), (10, 16)]
+    _check_consistent(tok, t)
 
 
 def test_spm_chat_template_from_the_gguf(vocab_dir: Path) -> None:
@@ -375,6 +391,10 @@ def test_gemma_known_tokenizations(gemma: Tokenizer) -> None:
         gemma.chat_prompt("hi")
     t = gemma.encode("𝔘")  # no token: four byte-fallback tokens
     assert t.pieces[1:] == ["<0xF0>", "<0x9D>", "<0x94>", "<0x98>"] and t.unrepresentable == []
+    t = gemma.encode("a\u2581b \u2581the\u2581")  # a typed U+2581 is a space (no space prefix on Gemma)
+    assert t.pieces[1:] == ["a", " b", " ", " the", " "]
+    assert t.byte_offsets[1:] == [(0, 1), (1, 5), (5, 6), (6, 12), (12, 15)]
+    _check_consistent(gemma, t)
 
 
 @pytest.mark.slow
