@@ -29,6 +29,7 @@ from engine.labs.scheduler import (
     schedule,
 )
 from engine.model.kv_cache import KVCache
+from tests.requires import import_required
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,7 +83,7 @@ def test_ragged_step_in_bfloat16(tiny_dir):
 
 def test_ragged_step_on_sliding_window_layers(tmp_path):
     """Gemma 3 (window 4 on its local layers): the ragged mask keeps each row to its own window."""
-    pytest.importorskip("transformers")
+    import_required("transformers")  # tests.tiny_families writes its checkpoints with it
     from engine.loaders import load
     from tests.tiny_families import write_checkpoint
 
