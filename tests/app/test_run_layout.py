@@ -21,13 +21,16 @@ def test_no_dock_grows_during_a_run(qtbot, window):
     show_every_panel(w)
     qtbot.wait(100)
     before = min_sizes(w)
-    w.panels["prompt"].set_text("The cat sat on the mat and looked at the door for a while")
+    text = "The cat sat on the mat and looked at the door for a while"
+    w.panels["prompt"].set_text(text)
     gen = w.panels["generation"]
     gen.set_max_new_tokens(6)
     with qtbot.waitSignal(w.bridge.sig_finished, timeout=30_000):
         assert gen.generate()
-    qtbot.wait(1500)  # the preview of the prompt, asked for while the run went, arrives once it is idle
+    preview = w.panels["preview"]
+    # the preview of the prompt, asked for while the run went, arrives once the engine is idle
+    qtbot.waitUntil(lambda: preview.result is not None and preview.result.text == text, timeout=30_000)
     after = min_sizes(w)
-    assert w.panels["sampling"].shown_step() is not None and w.panels["preview"].result is not None
+    assert w.panels["sampling"].shown_step() is not None
     grown = {n: (before[n], after[n]) for n in before if after[n][1] > before[n][1] or after[n][0] > before[n][0]}
     assert not grown, grown
