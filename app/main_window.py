@@ -31,7 +31,7 @@ DRAWS_PER_TICK = 1
 # While the engine generates, the GUI shares the machine's cores with it. Drawing and painting (Qt paints the window
 # after the draw timer, and pyqtgraph's own updates add paints of their own) may then take at most this fraction of
 # one core per core the machine has beyond the engine's first, measured over the last GATE_WINDOW_S; past it the draw
-# timer skips its turn (BENCHMARKS.md, "The app on an AVX2-only CPU"). Idle, only each panel's own budget applies.
+# timer skips its turn (BENCHMARKS.md, "The app against the CLI"). Idle, only each panel's own budget applies.
 GENERATING_GUI_SHARE = 0.12
 GATE_WINDOW_S = 1.0
 DEFAULT_SIZE = (1600, 1000)

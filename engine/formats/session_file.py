@@ -1017,8 +1017,8 @@ def _save(path: Path, s: SavedSession, enc: _Encoder, version: int) -> None:
                 member.compress_type = zipfile.ZIP_STORED  # read in place, never inflated
                 with z.open(member, "w", force_zip64=True) as npz:
                     # Not deflated: a run's float32 logits are most of it and hardly shrink, while deflating them
-                    # cost the autosave seconds of a core after every run (BENCHMARKS.md, "The app on an AVX2-only
-                    # CPU").
+                    # cost the autosave seconds of a core after every run (BENCHMARKS.md, "The app as users
+                    # run it").
                     _write_npz(npz, enc.arrays)
             else:
                 _write_packs(z, packs)

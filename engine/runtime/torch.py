@@ -95,7 +95,7 @@ class TorchRuntime(Runtime):
 
 # What a generation's sliding-window layers may reserve beyond their ring to keep every position, so that any step of
 # a long run can be recomputed for any layer (the Attention panel's rows not held); a model whose full windows cost
-# more keeps the ring, and a step it let go is refused in one sentence (BENCHMARKS.md, "Long runs again").
+# more keeps the ring, and a step it let go is refused in one sentence (BENCHMARKS.md, "Long runs (issue 26)").
 KEEP_ALL_WINDOW_BYTES = 256 << 20
 
 
