@@ -51,6 +51,7 @@ import numpy as np
 
 from engine import events as ev_mod
 from engine.model.config import ModelConfig
+from engine.model.kernel_cache import KERNEL_MODES  # torch-free, as the rest
 from engine.protocol import Capture, SamplingParams  # plain data: the GUI process reads session files, torch-free
 
 FORMAT = "inference-lab-session"
@@ -77,6 +78,18 @@ CHUNK = 1 << 20  # bytes inflated per read
 
 class SessionFileError(ValueError):
     """A file that is not a session this version can read; the message says why in one sentence."""
+
+
+# A session saved before ModelInfo recorded the kernel mode its model ran in reads back with this mode, never with a
+# guessed "exact"; the app names it "kernels: not recorded" (app.units.fmt_kernels).
+KERNELS_NOT_RECORDED = ""
+
+
+def _not_recorded(cls: type, present: Any) -> dict[str, Any]:
+    """Fields a record of an older file lacks that must not take their default: ModelInfo.kernels."""
+    if cls is ev_mod.ModelInfo and "kernels" not in present:
+        return {"kernels": KERNELS_NOT_RECORDED}
+    return {}
 
 
 # ---- the records a file may hold ----------------------------------------------------------------------------
@@ -371,6 +384,7 @@ class _Decoder:
             if fits is not None and not fits(v):
                 raise SessionFileError(f"a saved {name}'s {f.name} is {_short(v)}, not {label}")
             kw[f.name] = v
+        kw.update(_not_recorded(cls, fields))
         try:
             obj = cls(**kw)
         except Exception as e:  # noqa: BLE001 — a missing field (TypeError) or a value __post_init__ refuses
@@ -452,6 +466,8 @@ def _other_problem(obj: Any) -> str | None:
         return "its sampling settings are not sampling settings"
     if type(obj).__name__ == "ServerInfo" and not (obj.config is None or isinstance(obj.config, ModelConfig)):
         return "its model config is not a model config"
+    if isinstance(obj, ev_mod.ModelInfo) and obj.kernels not in (*KERNEL_MODES, KERNELS_NOT_RECORDED):
+        return f"its kernel mode {_short(obj.kernels)} is not one of {', '.join(KERNEL_MODES)}"
     return None
 
 
@@ -813,6 +829,9 @@ class _ColumnDecoder:
                 raise SessionFileError(f"a saved {name}'s {f} is {_short(bad)}, not {label}")
             names.append(f)
             cols.append(values)
+        for f, v in _not_recorded(cls, fields).items():
+            names.append(f)
+            cols.append([v] * n)
         if not cols and (_init_fields(cls) or n > MAX_ARRAYS):  # rows of nothing: their number bounds nothing
             raise SessionFileError(f"session.json holds {n:,} saved {name}s without any of their fields")
         try:
@@ -858,7 +877,7 @@ def _shapes_fit(specs: list[dict[str, tuple[tuple[Any, ...], str]]], shapes: dic
 
 
 _CHECKED = (ev_mod.PromptTokenized, ev_mod.Funnel, ev_mod.LensCaptured, ev_mod.AttentionCaptured,
-            ev_mod.TokenSampled, *(cls for cls, _spec in _SHAPES))
+            ev_mod.TokenSampled, ev_mod.ModelInfo, *(cls for cls, _spec in _SHAPES))
 _MAY: dict[type, bool] = {}
 
 
