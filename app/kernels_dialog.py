@@ -15,8 +15,10 @@ from engine.run import threads
 SHOWN_CHAINS = 4  # the newest chain timings shown (one per model and dtype loaded on this machine)
 
 FIXED = ("dtype", "threads", "weight (out × in)", "weights", "count", "chosen")
-# a measured group's weights: float only, or with a GGUF's quantized forms (then int4 and/or int8 were timed too)
-WEIGHTS = {kernel_cache.FLOAT: "float", kernel_cache.Q4: "float + quantized forms"}
+# a measured group's weights: float only, or with a GGUF's quantized forms of one kernel mode (KERNEL_MODES): the
+# int4 and int8 candidates timed too (fast), or the file's own int4 blocks only (file)
+WEIGHTS = {kernel_cache.FLOAT: "float", kernel_cache.Q4: "float + int4 and int8 forms (fast mode)",
+           kernel_cache.Q4_FILE: "float + the file's int4 blocks (file mode)"}
 
 
 def table_rows(entries: list[kernel_cache.Entry]) -> tuple[list[str], list[list[str]]]:
@@ -84,7 +86,9 @@ class KernelsDialog(QtWidgets.QDialog):
             f"Each decode product (one row times a weight) runs the kernel measured fastest for its shape, dtype and "
             f"thread count on this machine ({cpu}, {cores} cores), timed once when a model is first loaded, with the "
             f"model's own weights streamed from memory. Times: median µs for one product, and ÷ the fastest (over 2 ×: "
-            f"its first round only, not measured further).")
+            f"its first round only, not measured further). A model loaded in the file or fast kernel mode (Engine → "
+            f"Decode kernel mode) has its quantized weights' shapes measured again with those forms among the "
+            f"candidates: their own rows.")
         intro.setWordWrap(True)
         self.table = _table(self, header, cells, FIXED.index("chosen"))
         a_header, a_cells = attention_table_rows(kernel_cache.entries_for_this_cpu(kind=kernel_cache.AttentionEntry))

@@ -46,16 +46,20 @@ def test_a_shape_measured_with_q4_blocks_is_its_own_row(qtbot, cache):
 
     cpu, cores = kernel_cache.this_cpu()
     q4 = {"linear": 80e-6, "split": 70e-6, "int4": 50e-6, "int8": 60e-6}
-    kernel_cache.write([_entry(cpu, cores), _entry(cpu, cores, seconds=q4, weights=kernel_cache.Q4)], cache)
+    q4_file = {"linear": 80e-6, "split": 70e-6, "int4": 55e-6}  # file mode: the file's own int4 blocks, no int8
+    kernel_cache.write([_entry(cpu, cores), _entry(cpu, cores, seconds=q4, weights=kernel_cache.Q4),
+                        _entry(cpu, cores, seconds=q4_file, weights=kernel_cache.Q4_FILE)], cache)
     dlg = KernelsDialog()
     qtbot.addWidget(dlg)
     t = dlg.table
     header = [t.horizontalHeaderItem(j).text() for j in range(t.columnCount())]
     rows = [dict(zip(header, [t.item(i, j).text() for j in range(t.columnCount())], strict=True))
             for i in range(t.rowCount())]
-    by_weights = {r["weights"]: r for r in rows}  # the same shape twice, told apart
-    assert by_weights.keys() == {"float", "float + quantized forms"}
-    assert by_weights["float + quantized forms"]["chosen"] == "int4" and by_weights["float"]["int4"] == "—"
+    by_weights = {r["weights"]: r for r in rows}  # the same shape three times, told apart by kernel mode
+    fast, file = "float + int4 and int8 forms (fast mode)", "float + the file's int4 blocks (file mode)"
+    assert by_weights.keys() == {"float", fast, file}
+    assert by_weights[fast]["chosen"] == "int4" and by_weights["float"]["int4"] == "—"
+    assert by_weights[file]["int4"] == "55 µs (1.00×)" and by_weights[file]["int8"] == "—"
 
 
 def test_the_attention_table_lists_each_measured_key_count_with_every_way(qtbot, cache):
