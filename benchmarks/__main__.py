@@ -1,6 +1,6 @@
-"""Benchmarks, outside the shipped packages: `python -m benchmarks COMMAND` with bench, bench-load, bench-gemv,
-bench-profile or bench-sampling (the GUI ones run as `python -m benchmarks.gui` and `python -m benchmarks.startup`).
-Each prints ratios in one run."""
+"""Benchmarks, outside the shipped packages: `python -m benchmarks COMMAND` with bench, kernel-modes, bench-load,
+bench-gemv, bench-profile or bench-sampling (the GUI ones run as `python -m benchmarks.gui` and
+`python -m benchmarks.startup`). Each prints ratios in one run."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from engine.cliargs import CliError, Parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from benchmarks import bench, gemv, load, profile, sampling
+    from benchmarks import bench, gemv, kernel_modes, load, profile, sampling
 
     p = Parser(prog="python -m benchmarks", description="Inference Lab's benchmarks (ratios in one run).")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     bench.add_subcommands(sub)
+    kernel_modes.add_subcommand(sub)
     load.add_subcommand(sub)
     gemv.add_subcommand(sub)
     profile.add_subcommand(sub)

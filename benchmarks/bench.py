@@ -43,7 +43,7 @@ def prompt_ids(tok) -> tuple[list[int], bool]:
 
 
 def run_ours(dtype: str, capture: str, new_tokens: int, repeats: int, generations: int, threads: int | str,
-             model: str | None = None) -> dict:
+             model: str | None = None, kernels: str = "exact") -> dict:
     import torch
 
     from engine.events import Finished
@@ -52,7 +52,7 @@ def run_ours(dtype: str, capture: str, new_tokens: int, repeats: int, generation
     from engine.run.session import Capture, Session
 
     t0 = time.perf_counter()
-    lm = load(model, device="cpu", dtype=dtype)
+    lm = load(model, device="cpu", dtype=dtype, kernels=kernels)
     session = Session(lm, threads=threads)
     load_s = time.perf_counter() - t0
     cap = Capture.everything(lm.cfg.n_layers) if capture == "all" else Capture()
@@ -74,7 +74,8 @@ def run_ours(dtype: str, capture: str, new_tokens: int, repeats: int, generation
             pass
         rss_series.append(_current_rss())
     return {
-        "impl": "ours", "model": lm.info.name, "dtype": dtype, "capture": capture, "threads": str(threads),
+        "impl": "ours", "model": lm.info.name, "dtype": dtype, "kernels": lm.info.kernels, "capture": capture,
+        "threads": str(threads), "ids": [int(t) for t in best.ids],
         "threads_at_end": ended_at,
         "load_s": load_s, "from_cache": lm.info.from_cache, "prompt_tokens": int(len(best.prompt_ids)),
         "ttft_s": float(min(f.ttft_s for f in runs)), "tpot_s": _stats(list(best.step_seconds)),
@@ -129,42 +130,45 @@ def _current_rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def run_hf(dtype: str, new_tokens: int, repeats: int) -> dict:
-    """Hugging Face transformers on the same GGUF weights, same prompt ids, same threads, a plain cached loop."""
+def run_hf(dtype: str, new_tokens: int, repeats: int, model: str | None = None) -> dict:
+    """Hugging Face transformers on the same GGUF weights (dequantized by transformers itself), same prompt ids, same
+    threads, a plain cached loop."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.loaders import default_model_path
+    from engine.formats.locate import resolve_model_path
     from engine.tokenizer import Tokenizer
 
-    path = default_model_path()
+    path = resolve_model_path(model)
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, torch_dtype=getattr(torch, dtype), attn_implementation="sdpa"
     ).eval()
     load_s = time.perf_counter() - t0
     tok = Tokenizer.from_gguf(str(path))
-    ids = torch.tensor([tok.encode(tok.chat_prompt(PROMPT)).ids])
+    ids = torch.tensor([prompt_ids(tok)[0]])
 
-    def once(n: int) -> tuple[float, list[float]]:
+    def once(n: int) -> tuple[float, list[float], list[int]]:
         with torch.inference_mode():
             t = time.perf_counter()
             out = model(ids, use_cache=True, logits_to_keep=1)  # the last position's logits only, as ours
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             ttft = time.perf_counter() - t
-            past, steps = out.past_key_values, []
+            past, steps, ids_out = out.past_key_values, [], [int(nxt)]
             for _ in range(n - 1):
                 t = time.perf_counter()
                 out = model(nxt, past_key_values=past, use_cache=True)
                 past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
                 steps.append(time.perf_counter() - t)
-        return ttft, steps
+                ids_out.append(int(nxt))
+        return ttft, steps, ids_out
 
     once(4)
     runs = [once(new_tokens) for _ in range(repeats)]
     best = min(runs, key=lambda r: float(np.mean(r[1])))
     return {
-        "impl": "hf", "dtype": dtype, "capture": "none", "threads": torch.get_num_threads(), "load_s": load_s,
+        "impl": "hf", "model": path.name, "dtype": dtype, "capture": "none", "threads": torch.get_num_threads(),
+        "load_s": load_s, "ids": best[2],
         "prompt_tokens": int(ids.shape[1]), "ttft_s": min(r[0] for r in runs), "tpot_s": _stats(best[1]),
         "tokens_per_s": 1 / float(np.mean(best[1])), "peak_rss_bytes": _rss_peak_bytes(),
     }
@@ -352,7 +356,7 @@ def cmd_bench_one(a: argparse.Namespace) -> int:
         return 2
     if a.impl == "hf":
         torch.set_num_threads(fixed)
-        r = run_hf(dtype, a.new_tokens, a.repeats)
+        r = run_hf(dtype, a.new_tokens, a.repeats, a.model)
     elif a.impl == "llama.cpp":
         r = run_llama_cpp(a.new_tokens, a.repeats, fixed, a.model)
     elif a.impl == "vllm":
@@ -361,7 +365,7 @@ def cmd_bench_one(a: argparse.Namespace) -> int:
             return 2
         r = run_vllm(a.new_tokens, a.repeats, fixed, dtype)
     else:
-        r = run_ours(dtype, a.capture, a.new_tokens, a.repeats, a.generations, a.threads, a.model)
+        r = run_ours(dtype, a.capture, a.new_tokens, a.repeats, a.generations, a.threads, a.model, a.kernels)
     print(json.dumps(r))
     return 0
 
@@ -636,5 +640,6 @@ def add_subcommands(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--generations", type=int, default=0)
     p.add_argument("--threads", type=threads_arg, default="auto")
-    p.add_argument("--model", default=None, help="ours and llama.cpp: another model (default: SmolLM2-135M)")
+    p.add_argument("--model", default=None, help="ours, hf and llama.cpp: another model (default: SmolLM2-135M)")
+    p.add_argument("--kernels", default="exact", choices=["exact", "file", "fast"], help="ours: the kernel mode")
     p.set_defaults(func=cmd_bench_one)

@@ -26,6 +26,7 @@ from engine.cliargs import (
     regex,
     sampling_params,
     session_from_args,
+    stamped,
     threads,
 )
 from engine.remote.client import clean_text
@@ -38,7 +39,7 @@ def cmd_info(a: argparse.Namespace) -> int:
     from engine.loaders import ModelLoadError, load
 
     try:
-        info = load(a.model, device=a.device, dtype=a.dtype).info
+        info = load(a.model, device=a.device, dtype=a.dtype, kernels=a.kernels).info
     except ModelLoadError as e:
         raise CliError(str(e)) from None
     d = asdict(info)
@@ -100,7 +101,8 @@ def cmd_logits(a: argparse.Namespace) -> int:
         for i in top
     ]
     if a.json:
-        print(json.dumps({"prompt_ids": t.ids, "candidates": cands, "kept": st.kept_final}, ensure_ascii=False))
+        print(json.dumps(stamped({"prompt_ids": t.ids, "candidates": cands, "kept": st.kept_final}, s.info),
+                         ensure_ascii=False))
     else:
         vocab = st.logits.shape[-1]
         print(f"{len(t.ids)} prompt tokens; {st.kept_final} of {vocab} tokens survive the sampling stages")
@@ -172,12 +174,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 except OSError as e:
                     raise CliError(str(e)) from None
             if a.json:
-                print(json.dumps({
+                print(json.dumps(stamped({
                     "prompt_ids": ev.prompt_ids.tolist(), "ids": ev.ids.tolist(), "text": ev.text,
                     "ttft_s": ev.ttft_s, "tpot_s": ev.tpot_s, "tokens_per_s": ev.tokens_per_s,
                     "total_s": ev.total_s, "finish_reason": ev.reason, "forced": done_forced,
                     "step_seconds": [round(float(x), 6) for x in ev.step_seconds],
-                }, ensure_ascii=False))
+                }, s.info), ensure_ascii=False))
             else:
                 print()
                 print(
@@ -220,10 +222,10 @@ def cmd_lens(a: argparse.Namespace) -> int:
         raise CliError(f"the generation ended at step {last} (end of text) before step {a.step}")
     rows = lens_rows(lens)
     if a.json:
-        print(json.dumps({
+        print(json.dumps(stamped({
             "prompt_ids": gen.prompt.ids, "step": a.step, "position": lens.position,
             "sampled": {"id": chosen.token_id, "token": chosen.piece}, "layers": rows,
-        }, ensure_ascii=False))
+        }, s.info), ensure_ascii=False))
     else:
         print(f"step {a.step} (position {lens.position}); the model chose {chosen.piece!r} ({chosen.token_id})")
         print(f"{'layer':<10} {'H bits':>7}  top tokens")
@@ -275,7 +277,7 @@ def cmd_bench_batch(a: argparse.Namespace) -> int:
             raise UsageError(message)
         print(f"warning: {message}: stopped before it", file=sys.stderr)
     if a.json:
-        print(json.dumps([r.to_dict() for r in rows], indent=2))
+        print(json.dumps([stamped(r.to_dict(), lm.info) for r in rows], indent=2))
         return 0
     print(f"{'batch':>5}{'TPOT':>11}{'tok/s/stream':>14}{'tok/s system':>14}{'FLOP/B':>8}{'GFLOP/s':>9}{'GB/s':>7}")
     for r in rows:

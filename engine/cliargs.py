@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from engine.model.kernel_cache import DEFAULT_MODE, KERNEL_MODES
 from engine.protocol import SamplingParams
 from engine.remote.client import API_KEY_ENV, Client, RemoteError
 from engine.run.threads import threads_arg
@@ -165,11 +166,27 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "(smollm2, gemma3-270m); default: SmolLM2")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_kernels_arg(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"],
                    help="the local runtime: torch (the readable engine), llama.cpp (a GGUF as it is, instrumented), "
                         "or auto: llama.cpp for GGUF models of 1B parameters or more when it is installed")
     add_url_args(p)
+
+
+def add_kernels_arg(p: argparse.ArgumentParser, name: str = "--kernels", of: str = "") -> None:
+    """--kernels exact|file|fast: how the torch runtime's decode products compute (KERNEL_MODES)."""
+    p.add_argument(name, default=DEFAULT_MODE, choices=list(KERNEL_MODES),
+                   help=f"how the torch runtime computes {of or 'the model'}: "
+                        + "; ".join(f"{k}: {v}" for k, v in KERNEL_MODES.items()))
+
+
+def stamped(doc: dict, info: object | None) -> dict:
+    """A command's --json document with what computed it: the kernel mode and dtype of the model `info`
+    (ModelInfo; None: a server, which computes as it does)."""
+    if info is None:
+        return {**doc, "kernels": "server", "dtype": None}
+    return {**doc, "kernels": info.kernels, "dtype": info.dtype}
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
@@ -241,7 +258,7 @@ def lab_model_from_args(a: argparse.Namespace):
     if choose(a.model, a.backend) == "llama.cpp":
         return session_from_args(a)
     try:
-        return load(a.model, a.device, a.dtype)
+        return load(a.model, a.device, a.dtype, kernels=a.kernels)
     except ModelLoadError as e:
         raise CliError(str(e)) from None
 
@@ -258,6 +275,6 @@ def session_from_args(a: argparse.Namespace):
             from engine.backends.llamacpp import LlamaCppSession
 
             return LlamaCppSession(a.model, threads=a.threads)
-        return Session(load(a.model, device=a.device, dtype=a.dtype), threads=a.threads)
+        return Session(load(a.model, device=a.device, dtype=a.dtype, kernels=a.kernels), threads=a.threads)
     except (ModelLoadError, ValueError) as e:
         raise CliError(str(e)) from None

@@ -62,6 +62,10 @@ class ModelInfo:
     # SHA-256 of the weights file (a folder: its config.json and *.safetensors), hashed once by the engine at load;
     # a saved session names its model by it
     sha256: str = ""
+    # how the decode products computed (engine.model.kernel_cache.KERNEL_MODES): "exact" (the file's weights,
+    # dequantized exactly, in `dtype`), "file" (a GGUF's Q4 blocks as they are, as llama.cpp runs them), "fast"
+    # (requantized forms allowed too)
+    kernels: str = "exact"
 
 
 # What a backend may be unable to report about a run; panels that draw one of these say so instead of drawing.

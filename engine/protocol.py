@@ -149,6 +149,7 @@ class Load(Command):
     device: str = "auto"
     dtype: str = "auto"
     backend: str = "auto"  # "torch", "llama.cpp" or "auto" (engine.backends.choose)
+    kernels: str = "exact"  # the torch runtime's kernel mode (engine.model.kernel_cache.KERNEL_MODES)
 
 
 @dataclass(frozen=True)
@@ -343,6 +344,7 @@ class CompareParams:
     steps: int = 16  # greedy steps compared
     backend: str = "auto"  # the other model's runtime: "torch", "llama.cpp" or "auto"
     chat: bool = False
+    kernels: str = "exact"  # the other model's kernel mode on torch (the same file under another mode: what it costs)
 
 
 EXPERIMENT_KINDS: dict[type, str] = {HeadsParams: "heads", AblateParams: "ablate", PatchParams: "patch",

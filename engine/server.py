@@ -216,7 +216,8 @@ class EngineServer:
 
         # the app's default dtype: the fastest that keeps float32's greedy outputs
         dtype = preferred_dtype(cmd.device) if cmd.dtype == "auto" else cmd.dtype
-        lm = load(cmd.model, device=cmd.device, dtype=dtype, progress=lambda f, m: self.send(Progress("load", f, m)))
+        lm = load(cmd.model, device=cmd.device, dtype=dtype, kernels=cmd.kernels,
+                  progress=lambda f, m: self.send(Progress("load", f, m)))
         return LocalBackend(Session(lm, threads=self.threads))
 
     def _load_llamacpp(self, cmd: Load) -> Backend:
@@ -455,9 +456,10 @@ class EngineServer:
         else:
             done(result=result)
 
-    def _open_other(self, model: str, backend: str = "auto") -> object:
+    def _open_other(self, model: str, backend: str = "auto", kernels: str = "exact") -> object:
         """Another model's session beside the loaded one (a comparison's second side): on llama.cpp as the file is,
-        on torch at the loaded model's device and dtype. ValueError with one sentence when it cannot be loaded."""
+        on torch at the loaded model's device and dtype, in kernel mode `kernels`. ValueError with one sentence when
+        it cannot be loaded."""
         from engine.backends import choose
         from engine.loaders import ModelLoadError, load
         from engine.run.session import Session
@@ -468,7 +470,7 @@ class EngineServer:
 
                 return LlamaCppSession(model, threads=self.threads)
             info = self.local.info
-            return Session(load(model, device=info.device, dtype=info.dtype), threads=self.threads)
+            return Session(load(model, device=info.device, dtype=info.dtype, kernels=kernels), threads=self.threads)
         except ModelLoadError as e:
             raise ValueError(f"cannot load the other model: {e}") from None
 
@@ -603,10 +605,11 @@ class EngineServer:
 
 def run_experiment(session: object, params: object, progress: ReportProgress | None = None,
                    should_stop: ShouldStop | None = None,
-                   open_model: Callable[[str, str], object] | None = None) -> dict:
+                   open_model: Callable[[str, str, str], object] | None = None) -> dict:
     """One why-experiment (engine.protocol's HeadsParams, AblateParams, …) on a loaded session, the torch engine's
     or llama.cpp's: the dict its CLI prints. Each module says itself (engine.why.Unsupported) what a runtime cannot.
-    `open_model(path, backend)` gives a comparison's other session; it is closed (where it can be) afterwards."""
+    `open_model(path, backend, kernels)` gives a comparison's other session; it is closed (where it can be)
+    afterwards."""
     from engine import protocol as P
 
     if isinstance(params, P.HeadsParams):
@@ -639,7 +642,7 @@ def run_experiment(session: object, params: object, progress: ReportProgress | N
             raise ValueError("a comparison needs a way to open the other model")
         if progress is not None:
             progress(0.0, f"loading {params.other}")
-        other = open_model(params.other, params.backend)
+        other = open_model(params.other, params.backend, params.kernels)
         try:
             check_stop(should_stop)
             return compare(session, other, params.prompt, steps=params.steps, chat=params.chat, progress=progress,

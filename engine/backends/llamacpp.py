@@ -385,6 +385,7 @@ class LlamaCppSession:
             file_params_by_type={k: n for k, (_, n) in files.items()},
             file_bits_per_weight={k: round(8 * b / n, 4) for k, (b, n) in files.items() if n},
             decode_weight_bytes_file=decode_file, decode_weight_bytes=decode_file, sha256=_sha256(self.path),
+            kernels="file",  # llama.cpp multiplies the file's quantized blocks as they are
         )  # the one ModelInfo of this model: every runtime made over it (engine.runtime.llamacpp) reuses it
         self._runtime = LlamaCppRuntime.of_session(self)  # generations: sequence 0 of this context, watched
 

@@ -62,7 +62,7 @@ def _table(plan: SchedPlan, summaries: list[SchedSummary]) -> str:
 def _cmd(a: argparse.Namespace) -> int:
     import psutil
 
-    from engine.cliargs import lab_model_from_args
+    from engine.cliargs import lab_model_from_args, stamped
     from engine.labs.scheduler import schedule
 
     cfg = SchedConfig(policy=a.policy, n_requests=a.requests, rate=a.rate, burstiness=a.burstiness,
@@ -91,7 +91,7 @@ def _cmd(a: argparse.Namespace) -> int:
         return 2
     summaries.sort(key=lambda s: POLICIES.index(s.policy))  # they end in either order; columns keep one
     if a.json:
-        print(json.dumps(_document(plan, summaries, done), indent=2, default=str))
+        print(json.dumps(stamped(_document(plan, summaries, done), lm.info), indent=2, default=str))
     else:
         print(f"{lm.info.name}: " + _table(plan, summaries))
     return 0

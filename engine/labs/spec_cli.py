@@ -64,7 +64,7 @@ def cmd_speculate(a: argparse.Namespace) -> int:
 
 def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
     from engine.backend import Unsupported
-    from engine.cliargs import UsageError, check_bias
+    from engine.cliargs import UsageError, check_bias, stamped
     from engine.events import Failed
     from engine.labs import speculative as sp
     from engine.loaders import ModelLoadError, load
@@ -87,7 +87,8 @@ def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
     if a.draft_model is not None:
         try:
             draft = (type(s)(a.draft_model, threads=a.threads) if hasattr(s, "llama")  # llama.cpp: another GGUF
-                     else load(a.draft_model, device=str(s.lm.device.type), dtype=s.dtype_name))
+                     else load(a.draft_model, device=str(s.lm.device.type), dtype=s.dtype_name,
+                               kernels=s.info.kernels))
         except ModelLoadError as e:
             return fail(str(e))
     try:
@@ -115,7 +116,7 @@ def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
             _summary_on_top(doc)
         else:
             del doc["steps"]
-        print(json.dumps(doc, ensure_ascii=False))
+        print(json.dumps(stamped(doc, s.info), ensure_ascii=False))
     return 0
 
 

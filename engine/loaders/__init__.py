@@ -37,6 +37,7 @@ from engine.formats.locate import (  # noqa: F401 — re-exported: where callers
     resolve_model_path,
 )
 from engine.model.config import ModelConfig
+from engine.model.kernel_cache import KERNEL_MODES
 from engine.model.transformer import Transformer, build_model, fuse_state_dict
 from engine.tokenizer import Tokenizer
 
@@ -186,10 +187,16 @@ def _read_cache(directory: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], 
 
 def load(
     model: str | os.PathLike | None = None, device: str = "auto", dtype: str = "auto",
-    progress: Progress | None = None, use_cache: bool = True,
+    progress: Progress | None = None, use_cache: bool = True, kernels: str = "exact",
 ) -> LoadedModel:
-    """Load a model ready to run; every failure becomes a ModelLoadError with one clear sentence."""
+    """Load a model ready to run; every failure becomes a ModelLoadError with one clear sentence.
+
+    kernels: how its decode products compute (engine.model.kernel_cache.KERNEL_MODES): "exact" (the default) the
+    file's weights dequantized exactly in `dtype`; "file" and "fast" a GGUF's quantized blocks as they are, or
+    also requantized (engine.model.quant)."""
     t0 = time.perf_counter()
+    if kernels not in KERNEL_MODES:
+        raise ModelLoadError(f"unknown kernel mode {kernels!r} (choose {', '.join(KERNEL_MODES)})")
     report = progress or (lambda f, m: None)
     path = resolve_model_path(model)
     dev = resolve_device(device)
@@ -221,7 +228,7 @@ def load(
                     pass  # a read-only or full disk only costs the fast start
         # a first load on this machine also times each weight shape's decode kernels (seconds; cached after)
         report(0.9, f"building the model ({dt}) and choosing its decode kernels")
-        net = build_model(cfg, sd, dtype=dt, device=dev)
+        net = build_model(cfg, sd, dtype=dt, device=dev, kernel_mode=kernels)
     except ModelLoadError:
         raise
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -255,7 +262,7 @@ def load(
             cfg, file_bytes, meta.get("file_embedding_bytes", 0), rows=1)) if files else 0,
         # at the bytes the chosen decode kernels stream (a Q4 file's int4 form where that kernel won here)
         decode_weight_bytes=round(costs.step_weight_bytes(cfg, dname, rows=1)) - net.decode_bytes_saved(),
-        sha256=_sha256(path, use_cache),
+        sha256=_sha256(path, use_cache), kernels=kernels,
     )
     from engine.formats.discover import remember
 

@@ -36,7 +36,21 @@ PLAIN_MARGIN = 1.05
 LIGHT_MARGIN = 1.10
 QUANT_BYTES = {"int4": 0.625, "int8": 1.0}  # per weight, with the scales (engine.model.quant)
 FLOAT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
-FLOAT, Q4 = "float", "q4"  # the weights of a measured group: float only, or with the Q4 file's quantized forms
+# the weights of a measured group: float only, with the Q4 file's int4 and int8 forms (kernel mode "fast"), or with
+# the file's own int4 blocks only (kernel mode "file")
+FLOAT, Q4, Q4_FILE = "float", "q4", "q4-file"
+WEIGHTS = (FLOAT, Q4, Q4_FILE)
+
+# How a model's decode products compute, as the user picks it (--kernels, the app's Engine menu and model picker):
+# what each mode means, for the CLI, the app and every output that names the mode that ran.
+KERNEL_MODES: dict[str, str] = {
+    "exact": "the file's weights, dequantized exactly, in the run's dtype (the default: the model's own numbers)",
+    "file": "a GGUF's Q4 blocks as they are, through torch's int4 kernel with bf16 activations, as llama.cpp runs "
+            "them; every other weight exact",
+    "fast": "also int8 requantizations of the other quantized weights (bf16 activations): the fastest, furthest "
+            "from the model's own numbers",
+}
+DEFAULT_MODE = "exact"
 KERNEL_ENV = "INFERENCE_LAB_KERNEL"  # forces one candidate everywhere it applies (the app's engine process reads it)
 ATTENTION_ENV = "INFERENCE_LAB_ATTENTION"  # forces one way of a decode query's attention (attention_choice)
 
@@ -88,7 +102,7 @@ def attention_way(value: str) -> str:
 
 
 def entry_key(machine: Machine, dtype: str, threads: int, shape: tuple[int, int], weights: str = FLOAT) -> str:
-    """One measurement's identity: machine, dtype, thread count, weight shape (out, in) and weights (FLOAT, Q4)."""
+    """One measurement's identity: machine, dtype, thread count, weight shape (out, in) and weights (WEIGHTS)."""
     return (f"{machine.cpu}|{machine.cores} cores|torch {machine.torch}|{machine.capability}|{dtype}|"
             f"{threads} threads|{shape[0]}x{shape[1]}" + ("" if weights == FLOAT else f"|{weights}"))
 
@@ -107,7 +121,7 @@ class Entry:
     count: int  # the model's weights of this shape, streamed one after another when timed (a decode step's order)
     rounds: int  # interleaved rounds the medians are over
     measured_at: float  # time.time()
-    weights: str = FLOAT  # Q4: the weights had quantized forms, so the int4 and int8 candidates were measured too
+    weights: str = FLOAT  # Q4 (Q4_FILE): the weights had quantized forms, so int4 and int8 (int4) were measured too
     # other processes' CPU use while it was measured, in cores (None: unknown): a multi-thread choice made under load
     # is measured again at a later load that finds the machine quiet (engine.model.kernels.tune)
     others_cores: float | None = None
@@ -148,7 +162,7 @@ class Entry:
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
         ok = (seconds and all(k in DESCRIPTIONS and 0 < v < float("inf") for k, v in seconds.items())
-              and e.threads >= 1 and min(e.shape) >= 1 and e.weights in (FLOAT, Q4))
+              and e.threads >= 1 and min(e.shape) >= 1 and e.weights in WEIGHTS)
         return e if ok else None
 
 

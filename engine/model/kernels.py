@@ -18,14 +18,14 @@ wrong on a quiet machine). $INFERENCE_LAB_KERNEL or `--kernel NAME` forces one c
 Only decode products (up to transformer.SPLIT_MAX_ROWS rows; measured with one) are tuned; prefill and larger
 batches are compute-bound products that oneDNN's float32 kernel or F.linear run (engine.model.transformer.linear).
 
-Where the weights came from a GGUF file's quantized blocks, more candidates multiply by quantized forms of them
-(engine.model.quant): torch's int4 kernel on the file's own Q4_0/Q4_1/Q4_K blocks and its int8 kernel on a per-row
-requantization (any quantized type),
-both with bfloat16 activations. A tied LM head (the token table) gets them from the table's type as a projection
-does. They are measured like the others and win only where they are faster (on an
-AVX2-only CPU they were not; on Intel AMX the int8 kernel took half the float products' time). Their results
-differ from the float products by the quantization (engine.model.quant states by how much), so a shape measured
-with quantized forms is a different key from the same shape without them.
+Every candidate above computes the model's weights in the run's dtype: they differ only in the order of a sum. In
+the kernel modes that change the computation, which the user picks (engine.model.kernel_cache.KERNEL_MODES; never
+the default), a GGUF file's quantized weights get more candidates, quantized forms of them (engine.model.quant):
+"file" adds torch's int4 kernel on the file's own Q4_0/Q4_1/Q4_K blocks, "fast" also its int8 kernel on a per-row
+requantization (any quantized type), both with bfloat16 activations. A tied LM head (the token table) gets them from
+the table's type as a projection does. They are measured like the others and win only where they are faster. Their
+results differ from the float products by the quantization (engine.model.quant states by how much), so a shape
+measured with quantized forms is a different key from the same shape without them, and each mode's forms another.
 
 Threads: with each count's kernels chosen, the tuner times the step's whole chain of products (each by the kernel
 that count dispatches to) at every count `--threads auto` may use, interleaved like the candidates, and records it
@@ -166,34 +166,41 @@ def applicable(name: str, weight: torch.Tensor, packed: torch.Tensor | None, thr
 
 
 # ---- dispatch -----------------------------------------------------------------------------------------------------
-# (out, in, dtype, threads, has quantized forms) -> the measured fastest
-_CHOSEN: dict[tuple[int, int, torch.dtype, int, bool], Kernel] = {}
-_MEASURED_AT: dict[tuple[int, int, torch.dtype, bool], dict[int, str]] = {}  # the measured counts' choices
+# (out, in, dtype, threads, weights: kernel_cache.WEIGHTS) -> the measured fastest
+_CHOSEN: dict[tuple[int, int, torch.dtype, int, str], Kernel] = {}
+_MEASURED_AT: dict[tuple[int, int, torch.dtype, str], dict[int, str]] = {}  # the measured counts' choices
 _TOP: list[int] = [1]  # the most threads any choice was measured at: more threads run that count's choice
 _FORCED: list[Kernel] = []  # at most one: the kernel every decode product runs (for comparisons)
 
 
 def decode_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor | None,
                    q: quant.QuantForms | None = None) -> torch.Tensor:
-    """x·Wᵀ + b by the kernel measured fastest for this shape, dtype, thread count and (not) having quantized forms
-    (F.linear where none was measured)."""
+    """x·Wᵀ + b by the kernel measured fastest for this shape, dtype, thread count and weights (the forms' kernel
+    mode, or float) (F.linear where none was measured)."""
     if _FORCED:
         return _FORCED[0](x, w, b, packed, q)
     out_f, in_f = w.shape
     n = min(torch.get_num_threads(), _TOP[0])
-    return _CHOSEN.get((out_f, in_f, w.dtype, n, q is not None), plain)(x, w, b, packed, q)
+    return _CHOSEN.get((out_f, in_f, w.dtype, n, weights_of(q)), plain)(x, w, b, packed, q)
+
+
+def weights_of(q: quant.QuantForms | None) -> str:
+    """The weights kind (kernel_cache.WEIGHTS) of a product whose quantized forms are `q`."""
+    if q is None:
+        return kernel_cache.FLOAT
+    return kernel_cache.Q4_FILE if q.mode == quant.FILE else kernel_cache.Q4
 
 
 def _name(f: Kernel) -> str:
     return next(k for k, g in KERNELS.items() if g is f)
 
 
-def chosen(shape: tuple[int, int], dtype: torch.dtype, threads: int, quantized: bool = False) -> str | None:
+def chosen(shape: tuple[int, int], dtype: torch.dtype, threads: int, weights: str = kernel_cache.FLOAT) -> str | None:
     """The name of the kernel a decode product of this shape runs at `threads` (None: not measured: F.linear);
-    quantized: of a weight that has quantized forms."""
+    weights: kernel_cache.WEIGHTS, the kind of weight (float, or with which quantized forms)."""
     if _FORCED:
         return _name(_FORCED[0])
-    f = _CHOSEN.get((*shape, dtype, min(threads, _TOP[0]), quantized))
+    f = _CHOSEN.get((*shape, dtype, min(threads, _TOP[0]), weights))
     return None if f is None else _name(f)
 
 
@@ -202,7 +209,7 @@ def runs_form(w: torch.Tensor, q: quant.QuantForms | None) -> bool:
     count, or forced), not by the float weight."""
     if q is None:
         return False
-    name = chosen(tuple(w.shape), w.dtype, torch.get_num_threads(), True)
+    name = chosen(tuple(w.shape), w.dtype, torch.get_num_threads(), weights_of(q))
     return name in QUANTIZED and getattr(q, name) is not None
 
 
@@ -316,8 +323,9 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
          chain_path: os.PathLike | None = None) -> list[Entry]:
     """Measure (or read from the cache) the fastest candidate for every shape group at every thread count, and use
     it from now on; then the whole chain at each count (measure_chain), which caps `--threads auto`.
-    groups: (out, in, quantized) -> the model's products of that weight shape, all one dtype on the CPU, all with
-    quantized forms (quantized True) or none (engine.model.transformer.Transformer.decode_products).
+    groups: (out, in, weights) -> the model's products of that weight shape, all one dtype on the CPU, all with the
+    quantized forms of one kernel mode or none (kernel_cache.WEIGHTS; engine.model.transformer.Transformer.
+    decode_products).
 
     remeasure: measure even what the caches hold. time_once(products, name): replaces the clock (tests); the chain
     at a count is then the sum of its chosen products' times. others_cores(): other processes' cores while the
@@ -334,10 +342,10 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
     entries, measured = [], []
     try:
         with torch.inference_mode():
-            for (*shape, quantized), products in groups.items():
+            for (*shape, weights), products in groups.items():
                 shape = tuple(shape)
                 dtype = str(products[0][0].dtype).removeprefix("torch.")
-                weights = kernel_cache.Q4 if quantized else kernel_cache.FLOAT
+                quantized = weights != kernel_cache.FLOAT
                 for n in counts:
                     key = kernel_cache.entry_key(machine, dtype, n, shape, weights)
                     e = cached.get(key)
@@ -397,20 +405,21 @@ class Load:
         return self._now
 
 
-def chain_key(groups: dict[tuple[int, int, bool], list[Product]], counts: Sequence[int], machine: Machine) -> str:
+def chain_key(groups: dict[tuple[int, int, str], list[Product]], counts: Sequence[int], machine: Machine) -> str:
     """What a chain's time depends on: the machine, the dtype, and for every shape its count of weights and the
     kernel each thread count dispatches it to now (a different choice or a forced kernel is another chain)."""
     dtype = str(next(iter(groups.values()))[0][0].dtype).removeprefix("torch.")
     parts = []
-    for (out_f, in_f, quantized), products in sorted(groups.items()):
-        names = [forced_name() or chosen((out_f, in_f), products[0][0].dtype, n, quantized) or "linear"
+    for (out_f, in_f, weights), products in sorted(groups.items()):
+        names = [forced_name() or chosen((out_f, in_f), products[0][0].dtype, n, weights) or "linear"
                  for n in counts]
-        parts.append(f"{out_f}x{in_f}{' q4' if quantized else ''}*{len(products)}:{'/'.join(names)}")
+        kind = "" if weights == kernel_cache.FLOAT else f" {weights}"
+        parts.append(f"{out_f}x{in_f}{kind}*{len(products)}:{'/'.join(names)}")
     return (f"{machine.cpu}|{machine.cores} cores|torch {machine.torch}|{machine.capability}|{dtype}|"
             f"threads {'/'.join(map(str, counts))}|{' '.join(parts)}")
 
 
-def measure_chain(groups: dict[tuple[int, int, bool], list[Product]], counts: Sequence[int], machine: Machine, *,
+def measure_chain(groups: dict[tuple[int, int, str], list[Product]], counts: Sequence[int], machine: Machine, *,
                   remeasure: bool = False, time_once: Callable[[list[Product], str], float] | None = None,
                   others_cores: Callable[[], float | None] | None = None,
                   path: os.PathLike | None = None, load: Load | None = None) -> thread_count.ChainTiming | None:
@@ -445,7 +454,7 @@ def measure_chain(groups: dict[tuple[int, int, bool], list[Product]], counts: Se
     return t
 
 
-def _chain_timer(groups: dict[tuple[int, int, bool], list[Product]]) -> Callable[[str], float]:
+def _chain_timer(groups: dict[tuple[int, int, str], list[Product]]) -> Callable[[str], float]:
     """time_once for the chain: every product of a step (decode_product: the dispatched kernel) at a count."""
     xs = {in_f: torch.randn(1, in_f, generator=torch.Generator().manual_seed(in_f)).to(ps[0][0].dtype)
           for (_, in_f, _), ps in groups.items()}
@@ -461,15 +470,15 @@ def _chain_timer(groups: dict[tuple[int, int, bool], list[Product]]) -> Callable
     return time_once
 
 
-def _chain_sum(groups: dict[tuple[int, int, bool], list[Product]],
+def _chain_sum(groups: dict[tuple[int, int, str], list[Product]],
                time_once: Callable[[list[Product], str], float]) -> Callable[[str], float]:
     """The chain at a count from an injected per-product clock: Σ count × the dispatched kernel's time."""
     def chain(count: str) -> float:
         n = int(count)
         torch.set_num_threads(n)
         total = 0.0
-        for (out_f, in_f, quantized), products in groups.items():
-            name = forced_name() or chosen((out_f, in_f), products[0][0].dtype, n, quantized) or "linear"
+        for (out_f, in_f, weights), products in groups.items():
+            name = forced_name() or chosen((out_f, in_f), products[0][0].dtype, n, weights) or "linear"
             total += time_once(products, name) * len(products)
         return total
 
@@ -480,14 +489,14 @@ def use(entries: list[Entry]) -> None:
     """Dispatch each entry's shape and dtype to its fastest kernel, at its thread count and (for counts between
     or above the measured ones, as a fixed --threads N may set) at the nearest measured count below."""
     for e in entries:
-        at = _MEASURED_AT.setdefault((*e.shape, getattr(torch, e.dtype), e.weights == kernel_cache.Q4), {})
+        at = _MEASURED_AT.setdefault((*e.shape, getattr(torch, e.dtype), e.weights), {})
         at[e.threads] = e.choice
     if not _MEASURED_AT:
         return
     _TOP[0] = max(n for at in _MEASURED_AT.values() for n in at)
     _CHOSEN.clear()
-    for (out_f, in_f, dtype, quantized), at in _MEASURED_AT.items():
+    for (out_f, in_f, dtype, weights), at in _MEASURED_AT.items():
         for n in range(1, _TOP[0] + 1):
             below = [c for c in at if c <= n]
             if below:
-                _CHOSEN[(out_f, in_f, dtype, n, quantized)] = KERNELS[at[max(below)]]
+                _CHOSEN[(out_f, in_f, dtype, n, weights)] = KERNELS[at[max(below)]]

@@ -1,7 +1,11 @@
 """Weight-only quantized forms of a decode product's weight, for torch's CPU int4 and int8 kernels.
 
 Two candidates of the decode autotuner (engine.model.kernels) multiply a row by a quantized weight instead of the
-float one; the tuner measures them beside the float candidates and uses one only where it is faster.
+float one; the tuner measures them beside the float candidates and uses one only where it is faster. Both change
+the computation (below), so a model has them only in a kernel mode the user picks (q4_forms):
+- EXACT (the default): no forms; every product multiplies the file's weights, dequantized exactly, in the run's dtype.
+- FILE: the int4 form of the file's own Q4_0/Q4_1/Q4_K blocks, as llama.cpp multiplies them (bf16 activations).
+- FAST: also the int8 form, a requantization on top of the file's own quantization.
 
 - int4: torch._weight_int4pack_mm_for_cpu(x, packed, 32, scale_zero) computes x·Wᵀ with
   W[n, k] = (q[n, k] − 8) · scale[k // 32, n] + zero[k // 32, n], q ∈ 0…15 (checked against the kernel itself in
@@ -28,8 +32,8 @@ float one; the tuner measures them beside the float candidates and uses one only
   half as Q4_K), those others get no form and run float, because the tuner measures one set of forms per shape
   (take_blocks).
 
-Both kernels are fast only with bfloat16 activations (float32 ones took 4–19 × longer on an AVX2 CPU), and need the
-scales in the activations' dtype: the forms keep bfloat16 scales and the candidates run x in bfloat16, so a float32
+Both kernels run with bfloat16 activations (with float32 ones they were slower than the float products), and need
+the scales in the activations' dtype: the forms keep bfloat16 scales and the candidates run x in bfloat16, so a float32
 model's product is rounded once more (x and the scales to bfloat16's 8 bits). The logits through these candidates
 stay within LOGIT_TOLERANCE of the float path (tests/engine/test_quant_path.py, test_quant_k.py; Gemma 3's
 figures: BENCHMARKS.md "K-quants: Gemma 3's Q4_K_M"); greedy tokens differ only at near-ties.
@@ -49,6 +53,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.model.kernel_cache import KERNEL_MODES
+
 GROUP = 32  # values per Q4_0/Q4_1 block and per Q4_K scale, and the int4 kernel's group size
 SUPER = 256  # values per K-quant super-block
 REQUANT = "requant"  # the marker kind of a projection the file stores in another quantized type: int8 form only
@@ -66,6 +72,12 @@ INT4_INNER_K_TILES = 2  # torch's packing argument (the CPU layout does not depe
 INT4_ROWS = 16  # torch's CPU int4 packing needs the output rows in multiples of this
 
 
+# The kernel modes a model is built in (KERNEL_MODES says what each means to a user)
+EXACT, FILE, FAST = "exact", "file", "fast"
+MODES = tuple(KERNEL_MODES)
+assert MODES == (EXACT, FILE, FAST)
+
+
 @dataclass
 class QuantForms:
     """A weight's quantized forms; each None where not built (or dropped after tuning)."""
@@ -73,6 +85,7 @@ class QuantForms:
     int4: tuple[torch.Tensor, torch.Tensor] | None = None  # packed (out, in/2) uint8, scale_zero (in/32, out, 2)
     int8: tuple[torch.Tensor, torch.Tensor] | None = None  # q (out, in) int8, scale (out,)
     dropped: bool = False  # a form was freed after tuning: measuring again now would miss it (not to be cached)
+    mode: str = FAST  # the kernel mode they were built for (FILE: the file's own int4 blocks only)
 
     def nbytes(self) -> int:
         """The bytes these forms hold (and a decode product through one of them reads)."""
@@ -161,11 +174,17 @@ def int8_from_float(weight: torch.Tensor, dtype: torch.dtype = ACT_DTYPE) -> tup
     return q.contiguous(), scale.contiguous()
 
 
-def q4_forms(blocks: torch.Tensor, kind: str, weight: torch.Tensor) -> QuantForms:
-    """The forms of a weight the file stores as `kind` blocks (out, in/32, bytes); `weight` is its float form.
-    int4 only for the int4 kinds and where the rows are a multiple of INT4_ROWS; int8 always (REQUANT: only)."""
+def q4_forms(blocks: torch.Tensor, kind: str, weight: torch.Tensor, mode: str = FAST) -> QuantForms | None:
+    """The forms of a weight the file stores as `kind` blocks (out, in/32, bytes) in kernel mode `mode`; `weight`
+    is its float form. int4 only for the int4 kinds and where the rows are a multiple of INT4_ROWS; int8 (a
+    requantization: REQUANT gets only it) in FAST mode only. None where the mode gives this weight no form (EXACT:
+    never any)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown kernel mode {mode!r} (choose {', '.join(MODES)})")
     exact = kind in INT4_KINDS and weight.shape[0] % INT4_ROWS == 0
-    return QuantForms(int4=int4_from_blocks(blocks, kind) if exact else None, int8=int8_from_float(weight))
+    int4 = int4_from_blocks(blocks, kind) if exact and mode != EXACT else None
+    int8 = int8_from_float(weight) if mode == FAST else None
+    return None if int4 is None and int8 is None else QuantForms(int4=int4, int8=int8, mode=mode)
 
 
 # ---- the blocks' way from the loader to the model ------------------------------------------------------------------

@@ -52,9 +52,9 @@ def pack_for_decode(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked copy of a CPU bfloat16 weight (out, in) for one-row products, or None where it cannot help.
 
     oneDNN's bf16 kernel wants the weight in its own layout (pairs of input rows interleaved for the bf16 dot
-    product); given a plain tensor it reorders the whole weight on every call, so a one-row product moved ~3 × the
-    weight's bytes (measured: bf16 decode no faster than float32). Reordered once at load, the one-row product
-    reads the bf16 weight once: ~0.4 × float32's time per token here.
+    product); given a plain tensor it reorders the whole weight on every call, so a one-row product moved several
+    times the weight's bytes (bf16 decode was no faster than float32). Reordered once at load, the one-row product
+    reads the bf16 weight once (BENCHMARKS.md, "bfloat16 against float32, and where a decode step's time goes").
     """
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not _bf16_packing():
         return None
@@ -330,6 +330,7 @@ class Transformer(nn.Module):
         self.rope_local: torch.Tensor | None = None  # local layers' table (their own base, no scaling)
         self.head_packed: torch.Tensor | None = None  # pack_for_decode(lm_head)
         self.tied_head_quant: quant.QuantForms | None = None  # a tied head's forms (an untied one's: output.quant)
+        self.kernel_mode = quant.EXACT  # how its decode products compute (attach_quant; kernel_cache.KERNEL_MODES)
 
     def init_rope(self, rows: int = ROPE_ROWS) -> None:
         """Build the RoPE tables for the first `rows` positions; forward grows them when a step needs more.
@@ -354,15 +355,17 @@ class Transformer(nn.Module):
         self.head_packed = pack_for_decode(self.lm_head)
         return self.head_packed is not None
 
-    def attach_quant(self, blocks: dict[str, tuple[torch.Tensor, str]]) -> int:
-        """Give each projection a GGUF stored quantized its int4 (Q4_0/Q4_1/Q4_K blocks) and int8 forms
-        (engine.model.quant); blocks: weight name -> (blocks (out, in/32, bytes), kind), from quant.take_blocks.
-        A tied model's token table is its LM head: its forms serve the head (head_quant), while the embedding
-        lookup keeps gathering rows of the float weight. Returns the forms' bytes.
+    def attach_quant(self, blocks: dict[str, tuple[torch.Tensor, str]], mode: str = quant.FAST) -> int:
+        """Give each projection a GGUF stored quantized the forms kernel mode `mode` allows (engine.model.quant:
+        "file" the int4 form of Q4_0/Q4_1/Q4_K blocks, "fast" also the int8 form, "exact" none); blocks: weight name
+        -> (blocks (out, in/32, bytes), kind), from quant.take_blocks. A tied model's token table is its LM head:
+        its forms serve the head (head_quant), while the embedding lookup keeps gathering rows of the float weight.
+        Returns the forms' bytes.
 
-        They cost 1.625 bytes per weight value beside the float weight (0.625 int4, 1 int8); tune_kernels drops
-        a form the tuner did not choose.
+        They cost up to 1.625 bytes per weight value beside the float weight (0.625 int4, 1 int8); tune_kernels
+        drops a form the tuner did not choose.
         """
+        self.kernel_mode = mode
         total = 0
         for name, (b, kind) in blocks.items():
             tied = name == "tok_embeddings.weight" and self.output is None
@@ -372,12 +375,12 @@ class Transformer(nn.Module):
                     or tuple(b.shape) != (out_f, in_f // quant.GROUP, quant.BLOCK_BYTES[kind])):
                 raise ValueError(f"the {kind} blocks of {name!r} have shape {tuple(b.shape)}, "
                                  f"its weight {(out_f, in_f)}")
-            forms = quant.q4_forms(b, kind, m.weight)
+            forms = quant.q4_forms(b, kind, m.weight, mode)
             if tied:
                 self.tied_head_quant = forms
             else:
                 m.quant = forms
-            total += forms.nbytes()
+            total += forms.nbytes() if forms is not None else 0
         return total
 
     @property
@@ -385,16 +388,16 @@ class Transformer(nn.Module):
         """The LM head's quantized forms: the untied output projection's, or the tied token table's."""
         return self.tied_head_quant if self.output is None else self.output.quant
 
-    def decode_products(self) -> dict[tuple[int, int, bool], list[kernels.Product]]:
+    def decode_products(self) -> dict[tuple[int, int, str], list[kernels.Product]]:
         """Every (weight, bias, packed, quantized forms) a decode step multiplies a row by, grouped by weight shape
-        and whether it has quantized forms: (out, in, quantized)."""
-        groups: dict[tuple[int, int, bool], list[kernels.Product]] = {}
+        and the kind of weight (float, or with which mode's quantized forms): (out, in, kernel_cache.WEIGHTS)."""
+        groups: dict[tuple[int, int, str], list[kernels.Product]] = {}
         for m in self.modules():
             if isinstance(m, Linear) and m is not self.output:
-                groups.setdefault((*m.weight.shape, m.quant is not None), []).append(
+                groups.setdefault((*m.weight.shape, kernels.weights_of(m.quant)), []).append(
                     (m.weight, m.bias, m.packed, m.quant))
         head_q = self.head_quant
-        groups.setdefault((*self.lm_head.shape, head_q is not None), []).append(
+        groups.setdefault((*self.lm_head.shape, kernels.weights_of(head_q)), []).append(
             (self.lm_head, None, self.head_packed, head_q))
         return groups
 
@@ -404,9 +407,9 @@ class Transformer(nn.Module):
         the float weight's otherwise (bias and norms not counted)."""
         n = threads or torch.get_num_threads()
         total = 0
-        for (out_f, in_f, has_forms), products in self.decode_products().items():
+        for (out_f, in_f, weights), products in self.decode_products().items():
             for w, _, _, forms in products:
-                name = kernels.forced_name() or kernels.chosen((out_f, in_f), w.dtype, n, has_forms) or "linear"
+                name = kernels.forced_name() or kernels.chosen((out_f, in_f), w.dtype, n, weights) or "linear"
                 form = getattr(forms, name) if forms is not None and name in kernels.QUANTIZED else None
                 total += sum(t.numel() * t.element_size() for t in form) if form else w.numel() * w.element_size()
         return total
@@ -431,7 +434,7 @@ class Transformer(nn.Module):
         entries = kernels.tune(groups, remeasure=remeasure)
         self.tune_attention(remeasure)
         if drop_unused and not kernels.KEEP_FORMS:
-            used = {(e.shape, e.choice) for e in entries if e.weights == kernel_cache.Q4}
+            used = {(e.shape, e.choice) for e in entries if e.weights != kernel_cache.FLOAT}
             for w, _, _, forms in (p for ps in groups.values() for p in ps):
                 for name in kernels.QUANTIZED if forms is not None else ():
                     if kernels.forced_name() != name and (tuple(w.shape), name) not in used:
@@ -503,9 +506,9 @@ class Transformer(nn.Module):
         """Residual stream (…, d) → float32 logits (…, V): the final norm, then the LM head.
 
         In bfloat16 a logit near 25 is rounded to steps of 0.125, coarser than the gap between the two best
-        candidates of many prompts (0.09 for "The" and "L" after "What is the capital of France?"), so ties and
-        flips against float32 come from the output's rounding alone. The HEAD_RESCORE best candidates are therefore
-        recomputed in float32 from the same hidden state (a 64 × d product, ~0.1 ms); so are they where the head
+        candidates of many prompts, so ties and flips against float32 come from the output's rounding alone. The
+        HEAD_RESCORE best candidates are therefore recomputed in float32 from the same hidden state (a small
+        HEAD_RESCORE × d product beside the V × d head); so are they where the head
         ran a quantized form (engine.model.quant: bf16 activations, requantized or 4-bit weights), so that the
         argmax among them is the float weight's, whatever the head's kernel.
         """
@@ -537,12 +540,16 @@ def fuse_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 
 def build_model(
     cfg: ModelConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", kernel_mode: str = quant.EXACT,
 ) -> Transformer:
     """Build on the meta device (no memory), then take the given tensors as the parameters (assign=True).
 
+    kernel_mode: engine.model.kernel_cache.KERNEL_MODES: "exact" computes the given weights in
+    `dtype`; "file" and "fast" give a GGUF's quantized weights the forms they allow (attach_quant).
     Every expected tensor must be present with the expected shape; the error names the first one that is not.
     """
+    if kernel_mode not in quant.MODES:
+        raise ValueError(f"unknown kernel mode {kernel_mode!r} (choose {', '.join(quant.MODES)})")
     with torch.device("meta"):
         model = Transformer(cfg)
     sd = fuse_state_dict(state_dict, cfg)
@@ -563,7 +570,7 @@ def build_model(
     model.init_rope()
     if dtype == torch.bfloat16:
         model.pack_for_decode()
-    if blocks and torch.device(device).type == "cpu":
-        model.attach_quant(blocks)
+    if blocks and kernel_mode != quant.EXACT and torch.device(device).type == "cpu":
+        model.attach_quant(blocks, kernel_mode)
     model.tune_kernels()
     return model

@@ -13,7 +13,17 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from engine.cliargs import MAX_SEED, CliError, add_url_args, float_in, int_in, int_list, output_file, sampling_params
+from engine.cliargs import (
+    MAX_SEED,
+    CliError,
+    add_url_args,
+    float_in,
+    int_in,
+    int_list,
+    output_file,
+    sampling_params,
+    stamped,
+)
 from engine.remote.client import RemoteError, clean_text
 
 if TYPE_CHECKING:  # the backend imports torch (via engine.run.sampling); argument parsing must not
@@ -38,7 +48,8 @@ def _finite(x):
 
 
 def _print_json(obj, **kw) -> None:
-    print(json.dumps(_finite(obj), allow_nan=False, **kw))
+    """A --json document of a server's run: its kernels are the server's own ("kernels": "server")."""
+    print(json.dumps(_finite(stamped(obj, None)), allow_nan=False, **kw))
 
 
 _UNPRINTABLE = dict.fromkeys(i for i in (*range(32), 127, *range(0x80, 0xA0)) if chr(i) not in "\n\t")

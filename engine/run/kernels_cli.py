@@ -3,7 +3,7 @@ machine, with every candidate's measured time (engine.model.kernels), the step's
 count with the most threads `--threads auto` may use by it (engine.run.threads.ChainTiming), and `--remeasure` to
 measure again.
 
-    python -m engine kernels [--model M] [--dtype float32|bfloat16] [--remeasure] [--json]
+    python -m engine kernels [--model M] [--dtype float32|bfloat16] [--kernels exact|file|fast] [--remeasure] [--json]
 
 Also `forcing`, which `--kernel NAME` on the commands that run the model goes through. Kept apart from
 engine.model.kernels so that building the CLI's parser does not import torch.
@@ -51,12 +51,13 @@ def _text(doc: dict) -> str:
         cells = "".join(
             f"{r['seconds'][n] * 1e6:>8.0f} µs {r['vs_fastest'][n]:4.2f}" if n in r["seconds"] else f"{'—':>16}"
             for n in names)
-        shape = f"{r['shape'][0]} × {r['shape'][1]}" + (" q4" if r["weights"] == kernel_cache.Q4 else "")
+        kind = "" if r["weights"] == kernel_cache.FLOAT else f" {r['weights']}"
+        shape = f"{r['shape'][0]} × {r['shape'][1]}{kind}"
         lines.append(f"{r['dtype']:<9}{r['threads']:>8}  {shape:<18}{r['count']:>6}  {r['choice']:<8}{cells}")
     lines.append("times: median µs for one product of one row (its weight streamed from memory), and ÷ the "
                  "fastest (over 2 ×: its first round only, not measured further); count: the model's weights of that "
-                 "shape; q4: weights the file stores quantized, which the int4 (Q4_0/Q4_1/Q4_K) and int8 "
-                 "candidates use")
+                 "shape; q4 (q4-file): weights the file stores quantized, which the int4 (Q4_0/Q4_1/Q4_K) and int8 "
+                 "(int4 only) candidates use in the fast (file) kernel mode")
     lines.extend(f"  {n}: {kernel_cache.DESCRIPTIONS[n]}" for n in names)
     lines.extend(t["summary"] for t in doc["threads"])
     ways = [n for n in kernel_cache.ATTENTION_DESCRIPTIONS if any(n in r["seconds"] for r in doc["attention"])]
@@ -91,7 +92,7 @@ def cmd_kernels(a: argparse.Namespace) -> int:
     for dtype in [a.dtype] if a.dtype else ["float32", "bfloat16"]:
         try:
             with kernels.keeping_forms():  # --remeasure measures the quantized candidates again
-                lm = load(a.model, device="cpu", dtype=dtype)  # tunes at load: reads the cache, or measures
+                lm = load(a.model, device="cpu", dtype=dtype, kernels=a.kernels)  # tunes: reads the cache, or measures
         except ModelLoadError as e:
             raise CliError(str(e)) from None
         entries += lm.model.tune_kernels(remeasure=a.remeasure)
@@ -103,7 +104,7 @@ def cmd_kernels(a: argparse.Namespace) -> int:
                            "auto_cap": chain.cap(), "rounds": chain.rounds, "summary": chain.summary()})
         del lm
     doc = {"machine": asdict(kernels.this_machine()), "cache": str(kernel_cache.cache_path()),
-           "forced": kernels.forced_name(),
+           "forced": kernels.forced_name(), "kernels": a.kernels,
            "rows": kernel_cache.rows(entries), "threads": chains,
            "attention": kernel_cache.attention_rows(attention)}
     print(json.dumps(doc, indent=2) if a.json else _text(doc))
@@ -117,6 +118,9 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
                        "thread count on this machine (measured once at the first load, then read from the cache).")
     q.add_argument("--model", default=None, help="a .gguf file, a Hugging Face model directory or a known model")
     q.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: both")
+    from engine.cliargs import add_kernels_arg
+
+    add_kernels_arg(q)
     q.add_argument("--remeasure", action="store_true",
                    help="measure again even where the cache has a result (quiet the machine first)")
     q.add_argument("--json", action="store_true", help="print JSON instead of text")

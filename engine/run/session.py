@@ -30,6 +30,7 @@ from engine.events import (
     Failed,
     Finished,
     Funnel,
+    ModelInfo,
     PrefillDone,
     PromptScored,
     PromptTokenized,
@@ -150,6 +151,11 @@ class Session:
         self.dtype_name = str(lm.dtype).removeprefix("torch.")
         self._bytes_saved: dict[tuple[int, str | None], int] = {}  # (threads, forced kernel) -> decode_bytes_saved
         self.stop_ids = frozenset(self.tokenizer.eos_ids) | frozenset(self.cfg.eos_token_ids)
+
+    @property
+    def info(self) -> ModelInfo:
+        """The loaded model's facts (as LlamaCppSession.info)."""
+        return self.lm.info
 
     @property
     def device(self) -> torch.device:

@@ -237,7 +237,7 @@ def _text(doc: dict) -> str:
 
 
 def cmd_ablate(a: argparse.Namespace) -> int:
-    from engine.cliargs import CliError, UsageError, session_from_args
+    from engine.cliargs import CliError, UsageError, session_from_args, stamped
 
     s = session_from_args(a)
     try:
@@ -246,7 +246,7 @@ def cmd_ablate(a: argparse.Namespace) -> int:
         raise CliError(str(e)) from None
     except ValueError as e:
         raise UsageError(str(e)) from None
-    print(json.dumps(doc, ensure_ascii=False) if a.json else _text(doc))
+    print(json.dumps(stamped(doc, s.info), ensure_ascii=False) if a.json else _text(doc))
     return 0
 
 

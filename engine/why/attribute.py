@@ -283,7 +283,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd(a: argparse.Namespace) -> int:
-    from engine.cliargs import CliError, UsageError, session_from_args
+    from engine.cliargs import CliError, UsageError, session_from_args, stamped
     from engine.why import Cancelled
 
     if a.url:
@@ -302,7 +302,7 @@ def _cmd(a: argparse.Namespace) -> int:
     except Cancelled:
         return 130
     if a.json:
-        print(json.dumps(result))
+        print(json.dumps(stamped(result, session.info)))
         return 0
     t, cost = result["target"], result["cost"]
     print(f"next token {t['piece']!r} (id {t['id']}, {t['chosen']}), log p = {t['logprob']:.4f}; "

@@ -1,7 +1,8 @@
 """What quantization changed: the same tokens through two forms of one model, compared layer by layer.
 
-The two sides are two files of one model (the default model's Q4_1 file and a Q8_0 or F16 file of it), or one file
-on two runtimes (this engine's torch model in float32 and llama.cpp running the file as it is). Both are
+The two sides are two files of one model (the default model's Q4_1 file and a Q8_0 or F16 file of it), one file on
+two runtimes (this engine's torch model in float32 and llama.cpp running the file as it is), or one file under two
+kernel modes (exact against fast: what the quantized kernels cost). Both are
 teacher-forced on one sequence: the prompt, then `steps` tokens of side a's greedy continuation, fed to both, so
 every step compares the two on the same context. A step is one forward pass (the prefill, then one decode step per
 token) and is compared at its newest position:
@@ -70,9 +71,9 @@ class _Side:
         if not self.torch and not hasattr(session, "tap"):
             raise Unsupported("compare runs on the local model (torch or llama.cpp), not on a server")
         self.cfg = session.cfg
-        info = session.lm.info if self.torch else session.info
+        info = session.info
         self.info = info
-        runtime = f"torch {session.dtype_name}" if self.torch else "llama.cpp"
+        runtime = f"torch {session.dtype_name}, {info.kernels} kernels" if self.torch else "llama.cpp"
         self.label = f"{Path(info.path).name} ({info.file_type}) on {runtime}"
         self.attention = self.torch or "attention" not in session.cannot
 
@@ -255,6 +256,8 @@ def compare(a, b, prompt: str, steps: int = 16, chat: bool = False, progress: Pr
         "attention_js": [float(s / n) for s, n in zip(js_sum, js_rows, strict=True)] if js_rows.all() else None,
         "top1_flips": flips,
         "bytes_per_token": [float(A.info.decode_weight_bytes), float(B.info.decode_weight_bytes)],
+        "kernels": [A.info.kernels, B.info.kernels],
+        "dtype": [A.info.dtype, B.info.dtype],
         "tpot_s": [tpot_a, tpot_b],
         "vocab_size": V,
         "seconds": time.perf_counter() - t_start,
@@ -263,14 +266,15 @@ def compare(a, b, prompt: str, steps: int = 16, chat: bool = False, progress: Pr
 
 # ---- the command line ------------------------------------------------------------------------------------------
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
-    from engine.cliargs import add_model_args, add_threads_arg, int_in
+    from engine.cliargs import add_kernels_arg, add_model_args, add_threads_arg, int_in
 
     q = sub.add_parser("compare", help="what quantization changed: two forms of one model, layer by layer")
     add_model_args(q)
     q.add_argument("--other", default=None, help="the other form (a .gguf file, a folder or a known model); "
-                   "default: --model itself (then --other-backend should differ)")
+                   "default: --model itself (then --other-backend or --other-kernels should differ)")
     q.add_argument("--other-backend", default="auto", choices=["auto", "torch", "llama.cpp"],
                    help="the runtime of --other, as --backend")
+    add_kernels_arg(q, "--other-kernels", "--other")
     q.add_argument("--prompt", required=True)
     q.add_argument("--chat", action="store_true")
     q.add_argument("--steps", type=int_in(1, 4096), default=16, help="tokens of a's greedy continuation compared")
@@ -288,7 +292,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
                          "report: drop --url to run it on the local model")
     first = session_from_args(a)
     second = session_from_args(argparse.Namespace(**{**vars(a), "model": a.other if a.other else a.model,
-                                                      "backend": a.other_backend}))
+                                                      "backend": a.other_backend, "kernels": a.other_kernels}))
     shown = None if a.json else (lambda f, m: print(f"  {m}", file=sys.stderr))
     n_prompt = len(first.tokenize(a.prompt, a.chat).ids)
     room = min(first.cfg.context_length, second.cfg.context_length) - n_prompt

@@ -212,7 +212,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd(a: argparse.Namespace) -> int:
-    from engine.cliargs import CliError, UsageError, session_from_args
+    from engine.cliargs import CliError, UsageError, session_from_args, stamped
 
     if getattr(a, "url", None):
         raise UsageError("`heads` needs every layer's attention, which a server does not report: drop --url")
@@ -230,7 +230,7 @@ def _cmd(a: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, Unsupported, Cancelled) as e:
         raise CliError(str(e)) from None
     if a.json:
-        print(json.dumps(out))
+        print(json.dumps(stamped(out, s.info)))
         return 0
     n = len(out["tokens"])
     print(f"{n} tokens: {'BOS + ' if n % 2 else ''}{a.repeat} random ids (seed {a.seed}) repeated once")

@@ -26,6 +26,7 @@ def test_info_json_facts():
         30, 576, 9, 3, 64, 49152)
     assert d["n_params"] == 134_515_008 and d["kv_bytes_per_token"] == 46_080
     assert d["dtype"] == "float32" and d["weight_bytes"] == 134_515_008 * 4
+    assert d["kernels"] == "exact" and d["decode_weight_bytes"] > 0  # the default: the file's weights, exactly
 
 
 @pytest.mark.slow
@@ -47,10 +48,11 @@ def test_logits_and_generate_json():
                        "--json").stdout)
     assert d["kept"] == 3 and len(d["candidates"]) == 5
     assert d["candidates"][0]["token"] == " Paris"
+    assert (d["kernels"], d["dtype"]) == ("exact", "float32")  # what computed the numbers
     assert sum(c["prob"] for c in d["candidates"]) == pytest.approx(1.0, abs=1e-4)
     r = cli("generate", "--chat", "--greedy", "--prompt", "What is a KV cache?", "--max-new-tokens", "12", "--json")
     g = json.loads(r.stdout)
-    assert {"prompt_ids", "ids", "text", "ttft_s", "tpot_s", "tokens_per_s", "finish_reason"} <= set(g)
+    assert {"prompt_ids", "ids", "text", "ttft_s", "tpot_s", "tokens_per_s", "finish_reason", "kernels"} <= set(g)
     assert len(g["ids"]) == 12 and g["finish_reason"] == "length" and g["text"].strip()
     steps = g["step_seconds"]  # each decode step's time: the first token is the prefill's (TTFT)
     assert len(steps) == 11 and all(x > 0 for x in steps)
@@ -58,6 +60,22 @@ def test_logits_and_generate_json():
     one = json.loads(cli("generate", "--chat", "--greedy", "--prompt", "What is a KV cache?", "--max-new-tokens",
                          "12", "--threads", "1", "--json").stdout)
     assert one["ids"] == g["ids"]  # the thread count changes the speed, not the greedy continuation
+
+
+@pytest.mark.slow
+def test_the_fast_kernel_mode_is_named_in_the_json_and_moves_the_numbers(monkeypatch):
+    """Under --kernels fast the file's int4 blocks run (forced here: the tuner may find them slower on some CPU),
+    so the numbers move; the output says which mode computed them. In exact mode the forcing finds no form to run."""
+    args = ("logits", "--prompt", "The capital of France is", "--dtype", "float32", "--temperature", "1.3",
+            "--top-p", "0.8", "--threads", "1", "--json")
+    monkeypatch.setenv("INFERENCE_LAB_KERNEL", "int4")
+    exact = json.loads(cli(*args).stdout)
+    fast = json.loads(cli(*args, "--kernels", "fast").stdout)
+    assert (exact["kernels"], fast["kernels"]) == ("exact", "fast")
+    assert exact["candidates"][0]["token"] == fast["candidates"][0]["token"] == " Paris"
+    assert exact["candidates"][0]["prob_raw"] != fast["candidates"][0]["prob_raw"]  # int4 blocks ran in fast mode
+    r = cli(*args, "--kernels", "turbo")
+    assert r.returncode == 2 and "--kernels" in r.stderr and "turbo" in r.stderr
 
 
 @pytest.mark.slow

@@ -165,7 +165,7 @@ def k_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def k_lm(k_file):
     with kernels.keeping_forms():
-        return load(k_file, device="cpu", dtype="float32", use_cache=False)
+        return load(k_file, device="cpu", dtype="float32", use_cache=False, kernels="fast")
 
 
 def test_the_loader_keeps_q4_k_blocks_that_are_the_files_weights(k_file):
@@ -218,7 +218,7 @@ def test_the_tied_head_gets_the_int8_form_of_its_q8_0_table(k_file, k_lm):
     assert forms is not None and forms.int4 is None  # Q8_0: no exact int4 form
     assert_int8_form_is(forms, ref)
     assert_close(model.tok_embeddings.weight, ref, rtol=0, atol=0)  # the lookup gathers the float table
-    assert model.decode_products()[(*ref.shape, True)][0][3] is forms  # the head is a quantized decode product
+    assert model.decode_products()[(*ref.shape, kernel_cache.Q4)][0][3] is forms  # the head: a quantized product
 
 
 def test_the_quantized_head_runs_its_form_and_rescores_its_best_candidates_in_float32(k_lm, monkeypatch):
@@ -261,7 +261,7 @@ def test_the_tuner_measures_the_tied_heads_forms_and_drops_them_where_float_wins
                         lambda kind=kernel_cache.Entry: tmp_path / ("k.json" if kind is kernel_cache.Entry
                                                                     else kind.FILE))
     with kernels.keeping_forms():
-        lm = load(k_file, device="cpu", dtype="float32", use_cache=False)
+        lm = load(k_file, device="cpu", dtype="float32", use_cache=False, kernels="fast")
     head = tuple(lm.model.lm_head.shape)
     for int8_cost, want in ((1.0, "int8"), (9.0, "linear")):
         costs = {"linear": 3.0, "split": 4.0, "onednn": 5.0, "packed": 5.0, "int4": 2.0, "int8": int8_cost}
@@ -329,7 +329,7 @@ def test_gemma3_quantized_path_logits_and_greedy_tokens_as_the_float_path():
     from tests.requires import gemma3
 
     with kernels.keeping_forms():
-        lm = load(gemma3(), device="cpu", dtype="float32", use_cache=False)
+        lm = load(gemma3(), device="cpu", dtype="float32", use_cache=False, kernels="fast")
     layers = lm.model.layers
     assert all(x.attn.wo.quant.int4 is not None for x in layers)  # Q4_K everywhere
     assert sum(x.mlp.w_down.quant is not None and x.mlp.w_down.quant.int4 is not None for x in layers) == 9
@@ -369,8 +369,8 @@ def test_gemma3_quantized_path_logits_and_greedy_tokens_as_the_float_path():
 
 
 def test_a_quantized_files_weight_cache_is_read_back(k_file):
-    first = load(k_file, device="cpu", dtype="float32")
-    again = load(k_file, device="cpu", dtype="float32")
+    first = load(k_file, device="cpu", dtype="float32", kernels="fast")
+    again = load(k_file, device="cpu", dtype="float32", kernels="fast")
     assert not first.info.from_cache and again.info.from_cache
     blocks = [m.quant for m in again.model.modules() if isinstance(m, Linear) and m.quant is not None]
     assert len(blocks) == len([m for m in first.model.modules() if isinstance(m, Linear) and m.quant is not None])

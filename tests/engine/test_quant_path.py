@@ -114,7 +114,7 @@ def q4_file(request, tiny_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def q4_lm(q4_file):
     with kernels.keeping_forms():  # every form, whatever this machine's tuner chose
-        return load(q4_file, device="cpu", dtype="float32", use_cache=False)
+        return load(q4_file, device="cpu", dtype="float32", use_cache=False, kernels="fast")
 
 
 def test_the_loader_keeps_each_projections_blocks_and_they_are_its_weights(q4_file):
@@ -185,14 +185,14 @@ def test_the_tuner_measures_the_quantized_candidates_only_for_weights_with_forms
         return costs[name]
 
     with kernels.keeping_forms():
-        q4_lm = load(q4_file, device="cpu", dtype="float32", use_cache=False)  # its own: its forms get freed
+        q4_lm = load(q4_file, device="cpu", dtype="float32", use_cache=False, kernels="fast")  # its own: forms freed
     monkeypatch.setattr(kernels, "_CHOSEN", {})
     groups = q4_lm.model.decode_products()
-    assert all(q for *_, q in groups)  # every matrix of the file is Q4, the untied head too
+    assert all(q == kernel_cache.Q4 for *_, q in groups)  # every matrix of the file is Q4, the untied head too
     entries = kernels.tune(groups, counts=[1], time_once=time_once, remeasure=True)
     for e in entries:
         quantized = e.weights == kernel_cache.Q4
-        assert quantized == any(q for (o, i, q) in groups if (o, i) == e.shape and q)
+        assert quantized == any(q == kernel_cache.Q4 for (o, i, q) in groups if (o, i) == e.shape)
         int4 = quantized and e.shape[0] % quant.INT4_ROWS == 0
         assert ("int4" in e.seconds) == int4 and ("int8" in e.seconds) == quantized, e
         assert e.choice == ("int4" if int4 else "int8" if quantized else "linear")
@@ -201,7 +201,7 @@ def test_the_tuner_measures_the_quantized_candidates_only_for_weights_with_forms
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     q4_lm.model.tune_kernels()
     wqkv = q4_lm.model.layers[0].attn.wqkv
-    assert kernels.chosen(tuple(wqkv.weight.shape), torch.float32, 1, True) == "int4"
+    assert kernels.chosen(tuple(wqkv.weight.shape), torch.float32, 1, kernel_cache.Q4) == "int4"
     assert wqkv.quant.int4 is not None and wqkv.quant.int8 is None
 
 
@@ -216,7 +216,7 @@ def test_real_model_forced_quantized_greedy_continuations_equal_float(real_lm):
     from tests.requires import default_model
 
     with kernels.keeping_forms():
-        lm = load(None, device="cpu", dtype="float32")
+        lm = load(None, device="cpu", dtype="float32", kernels="fast")
     forms = [m.quant for m in lm.model.modules() if isinstance(m, Linear)]
     assert sum(f is not None and f.int4 is not None for f in forms) == len(forms) == 4 * lm.cfg.n_layers  # tied head
     raw, kind = token_table(default_model())  # the tied head: a Q8_0 table, so the int8 form only
@@ -288,7 +288,7 @@ def test_forms_the_tuner_did_not_choose_are_freed_and_a_later_measurement_is_not
     monkeypatch.setattr(kernel_cache, "cache_path",  # each kind of measurement its own file, as the real path
                         lambda kind=kernel_cache.Entry: tmp_path / ("k.json" if kind is kernel_cache.Entry
                                                                     else kind.FILE))
-    lm = load(q4_file, device="cpu", dtype="float32", use_cache=False)  # measures here, then frees the losers
+    lm = load(q4_file, device="cpu", dtype="float32", use_cache=False, kernels="fast")  # measures, frees the losers
     before = kernel_cache.read(tmp_path / "k.json")
     assert any(e.weights == kernel_cache.Q4 and "int4" in e.seconds for e in before.values())
     for m in lm.model.modules():
@@ -313,7 +313,7 @@ def test_blocks_follow_their_weights_rows_in_other_layouts(family, tmp_path):
     src = write_checkpoint(tmp_path, family).gguf
     requantize(src, tmp_path / "q4.gguf", "Q4_0")
     with kernels.keeping_forms():
-        lm = load(tmp_path / "q4.gguf", device="cpu", dtype="float32", use_cache=False)
+        lm = load(tmp_path / "q4.gguf", device="cpu", dtype="float32", use_cache=False, kernels="fast")
     linears = {n: m for n, m in lm.model.named_modules() if isinstance(m, Linear) and n != "output"}
     assert len(linears) == 4 * lm.cfg.n_layers
     for name, m in linears.items():
@@ -331,7 +331,7 @@ def test_a_tied_heads_q4_0_table_gives_the_head_its_int4_form(tmp_path):
     src = write_checkpoint(tmp_path, "gemma3", vocab_size=320).gguf
     requantize(src, tmp_path / "q4.gguf", "Q4_0")
     with kernels.keeping_forms():
-        lm = load(tmp_path / "q4.gguf", device="cpu", dtype="float32", use_cache=False)
+        lm = load(tmp_path / "q4.gguf", device="cpu", dtype="float32", use_cache=False, kernels="fast")
     raw, kind = token_table(tmp_path / "q4.gguf")
     ref = dequantized(raw, kind, (320, lm.cfg.d_model))
     forms = lm.model.head_quant
@@ -359,3 +359,54 @@ def test_a_tied_heads_q4_0_table_gives_the_head_its_int4_form(tmp_path):
         margin = want.topk(2, dim=-1).values.diff(dim=-1).abs()[:, 0]
         clear = margin > 2 * LOGIT_TOLERANCE[name] * float(want.abs().max())
         assert bool((got.argmax(-1) == want.argmax(-1))[clear].all()), name  # greedy equal but at near-ties
+
+
+def _fake_clock_int8_fastest(products, name):
+    return {"linear": 3.0, "split": 4.0, "onednn": 5.0, "packed": 5.0, "int4": 2.0, "int8": 1.0}[name]
+
+
+def test_the_default_kernel_mode_computes_the_files_weights_exactly(q4_file, monkeypatch, tmp_path):
+    """Exact (the default): no projection has a quantized form, so whatever this machine's tuner measured, every
+    decode product multiplies the file's dequantized weights in float32; a decode step's logits equal the float
+    path forced through F.linear to float32 rounding, and the model says so."""
+    lm = load(q4_file, device="cpu", dtype="float32", use_cache=False)
+    assert lm.info.kernels == "exact" and lm.model.kernel_mode == "exact"
+    assert all(q is None for ps in lm.model.decode_products().values() for *_, q in ps)
+    assert {w for *_, w in lm.model.decode_products()} == {kernel_cache.FLOAT}
+    assert lm.model.decode_bytes_saved() == 0  # every product streams its float32 weight
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    entries = kernels.tune(lm.model.decode_products(), counts=[1], time_once=_fake_clock_int8_fastest,
+                           remeasure=True, path=tmp_path / "k.json", chain_path=tmp_path / "chain.json")
+    assert entries and all(e.weights == kernel_cache.FLOAT and not set(e.seconds) & set(kernels.QUANTIZED)
+                           for e in entries)  # a quantized kernel is never a candidate, however fast
+    got = decode_logits(lm, IDS)
+    with kernels.forced("linear"):
+        ref = decode_logits(lm, IDS)
+    assert_close(got, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_the_file_mode_runs_the_files_own_int4_blocks_and_never_a_requantization(q4_file, monkeypatch, tmp_path):
+    """File: each projection's int4 form is its own blocks (gguf's dequantization), there is no int8 form to run
+    even where it would be fastest, and its measurements are keyed apart from the fast mode's."""
+    with kernels.keeping_forms():
+        lm = load(q4_file, device="cpu", dtype="float32", use_cache=False, kernels="file")
+    assert lm.info.kernels == "file"
+    forms = [q for ps in lm.model.decode_products().values() for *_, q in ps if q is not None]
+    assert forms and all(q.int4 is not None and q.int8 is None and q.mode == "file" for q in forms)
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(kernels, "_MEASURED_AT", {})  # (other tests' measurements of the fast mode's forms)
+    entries = kernels.tune(lm.model.decode_products(), counts=[1], time_once=_fake_clock_int8_fastest,
+                           remeasure=True, path=tmp_path / "k.json", chain_path=tmp_path / "chain.json")
+    quantized = [e for e in entries if e.weights != kernel_cache.FLOAT]
+    assert quantized and all(e.weights == kernel_cache.Q4_FILE and "int8" not in e.seconds and e.choice == "int4"
+                             and e.key.endswith("|q4-file") for e in quantized)
+    wqkv = lm.model.layers[0].attn.wqkv.weight
+    assert kernels.chosen(tuple(wqkv.shape), torch.float32, 1, kernel_cache.Q4_FILE) == "int4"
+    assert kernels.chosen(tuple(wqkv.shape), torch.float32, 1, kernel_cache.Q4) is None  # fast's: not measured
+
+
+def test_an_unknown_kernel_mode_is_refused_in_one_sentence(q4_file):
+    from engine.formats.locate import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="unknown kernel mode 'turbo'"):
+        load(q4_file, device="cpu", dtype="float32", kernels="turbo")

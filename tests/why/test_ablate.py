@@ -219,7 +219,9 @@ def test_cli_json(tiny_dir, capsys):
                         "--threads", "1", "--json")
     assert code == 0
     doc = json.loads(out)
-    assert set(doc) == {"prompt_tokens", "ablated", "before", "after", "kl", "top1_changed", "logit_diff"}
+    assert set(doc) == {"prompt_tokens", "ablated", "before", "after", "kl", "top1_changed", "logit_diff", "kernels",
+                        "dtype"}
+    assert (doc["kernels"], doc["dtype"]) == ("exact", "float32")  # what computed it
     assert set(doc["before"]) == set(doc["after"]) == {"ids", "tokens", "probs"}
     assert doc["ablated"]["heads"] == [[1, 2], [0, 1]] and doc["ablated"]["mean"] is True
     assert doc["kl"] > 0 and len(doc["after"]["ids"]) == 5
