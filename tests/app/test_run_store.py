@@ -105,7 +105,13 @@ def test_runs_are_capped_and_the_shown_run_stays(qapp):
     assert store.run(first) is None and all(r.parent is None for r in store.runs)  # the fork's parent went
     assert store.shown == store.recording == store.runs[-1].id  # the newest run is shown
     assert [r.name for r in store.runs][-1] == f"run {MAX_RUNS + 3}"  # names go on counting
-    assert store.nbytes() == sum(r.nbytes() for r in store.runs)
+    # the runs that went took their arrays with them: the store holds the kept runs' events and no more (counted from
+    # the events as generated, not from the store), and its count of logits bytes, which trims the oldest steps'
+    # logits, is what the kept runs hold
+    kept = range(MAX_RUNS + 4 - len(store.runs), MAX_RUNS + 4)  # the seeds of the newest runs (run s from seed s)
+    assert [r.name for r in store.runs] == [f"run {s}" for s in kept]
+    assert store.nbytes() == sum(run_store.nbytes(list(synthetic_run(3, seed=s))) for s in kept)
+    assert store._logit_bytes == sum(t.logits.nbytes for r in store.runs for t in r.tokens if t.logits is not None)
     # an opened session with more runs than the cap keeps the newest, and the one it showed
     records = [{"name": f"r{i}", "events": list(synthetic_run(2, seed=i))} for i in range(MAX_RUNS + 3)]
     store.load(records, shown=1)
