@@ -29,8 +29,17 @@ def test_one_dock_per_panel_with_stable_names(window):
         assert name in window.docks
 
 
-def test_every_registered_panel_module_exists():
-    assert [name for name, _ in discover_panels()] == list(PANEL_MODULES)
+def test_every_panel_file_is_registered_and_every_registered_panel_is_found():
+    """Against the files in app/panels (not the registry discover_panels reads): each panel module there is in
+    PANEL_MODULES once, and discover_panels finds every one of them with the panel class its module defines."""
+    from app.panels.base import Panel
+
+    on_disk = {p.stem for p in (ROOT / "app" / "panels").glob("*.py")} - {"__init__", "base"}
+    assert sorted(PANEL_MODULES) == sorted(on_disk)  # a file not registered would never get a dock
+    found = discover_panels()
+    assert {name for name, _ in found} == on_disk
+    for name, cls in found:
+        assert issubclass(cls, Panel) and cls.__module__ == f"app.panels.{name}", (name, cls)
 
 
 def test_view_menu_toggles_docks_and_reset_layout(qtbot, window):
