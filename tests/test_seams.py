@@ -5,6 +5,13 @@ import ast
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from engine import protocol as P
+from engine.backend import Backend
+from engine.events import Failed, PromptTokenized, RunSource, RunStarted
+from engine.protocol import GenerateRequest, PreviewResult
+
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [p for d in ("engine", "app") for p in (ROOT / d).rglob("*.py")]
 
@@ -48,11 +55,131 @@ def test_no_import_circles():
             visit(m)
 
 
-def test_no_switch_on_the_kind_of_backend():
-    """The engine server asks its backend; nobody asks "is this remote?"."""
-    for path in SOURCES:
-        text = path.read_text(encoding="utf-8")
-        assert "is_remote" not in text, f"{path.relative_to(ROOT)} switches on is_remote"
+class _ThirdRun:
+    """A generation of _ThirdBackend: its events are whatever the backend says."""
+
+    def __init__(self, req, source) -> None:
+        self.params, self.capture = req.params, req.capture
+        self._events = [RunStarted(source=source), ("third backend ran", req.text)]
+
+    def __iter__(self):
+        return iter(self._events)
+
+    def stop(self) -> None:
+        pass
+
+
+class _ThirdBackend(Backend):
+    """A backend of neither kind the app ships (not engine.run.local's, not engine.remote.served's): the Backend
+    interface and nothing more, with the kind its RunSource states for the record."""
+
+    def __init__(self, kind: str) -> None:
+        self._source = RunSource(kind=kind, name="third")
+
+    @property
+    def source(self) -> RunSource:
+        return self._source
+
+    def generate(self, req):
+        if not req.text:
+            raise ValueError("the third backend wants a prompt")
+        return _ThirdRun(req, self._source)
+
+    def preview(self, request_id, text, chat, top, params):
+        return PreviewResult(request_id, text, n_tokens=len(text), n_reused=0, n_computed=len(text), seconds=0.0,
+                             funnel=("third funnel", top))
+
+    def tokenize(self, text, chat=False):
+        text = f"third chat: {text}" if chat else text
+        n = len(text)
+        return PromptTokenized(text=text, ids=np.arange(n), pieces=tuple(text), offsets=np.zeros((n, 2), np.int64),
+                               byte_offsets=np.zeros((n, 2), np.int64), special=np.zeros(n, bool))
+
+    def run_lab(self, request, send, should_stop):
+        if isinstance(request, P.BatchBench):
+            send(("third batch row", request.batches))
+            return
+        super().run_lab(request, send, should_stop)  # the base class's one sentence for a lab it cannot run
+
+
+def _transcript(backend: Backend) -> list[tuple]:
+    """What the engine process answers a fixed series of commands with while `backend` runs generations, as
+    (message type, what it says) pairs, a run's source by its name."""
+    import multiprocessing
+    import threading
+
+    from engine.server import EngineServer
+
+    cmd_recv, commands = multiprocessing.Pipe(duplex=False)
+    events, events_send = multiprocessing.Pipe(duplex=False)
+    server = EngineServer(cmd_recv, events_send)
+    server.backend = backend  # what Connect leaves it with; the engine holds no model of its own here
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    for cmd in (
+        P.Tokenize(1, "hi", chat=True),
+        P.Preview(2, "hi", False, 3),
+        P.Generate(GenerateRequest("hi", chat=False)),
+        P.Generate(GenerateRequest("", chat=False)),
+        P.Generate(GenerateRequest("hi", chat=False, ablation=P.Ablated(mlp_layers=(0,)))),
+        P.BatchBench((1, 2), 4, 2),
+        P.Speculate("hi"),
+        P.Experiment(3, P.HeadsParams()),
+        P.Ping(7),
+    ):
+        commands.send(cmd)
+    out: list[tuple] = []
+    while ("Stopped", ()) not in out:
+        assert events.poll(60), f"the engine process stopped answering; so far: {out}"
+        got = events.recv()
+        for m in got if isinstance(got, list) else [got]:
+            if isinstance(m, P.Tokenized):
+                out.append(("Tokenized", (m.request_id, m.prompt.text, m.chat_prompt.text, m.error, m.chat_error)))
+            elif isinstance(m, P.PreviewResult):
+                out.append(("PreviewResult", (m.request_id, m.text, m.funnel)))
+            elif isinstance(m, RunStarted):
+                out.append(("RunStarted", (m.source.name,)))
+            elif isinstance(m, P.LabDone):
+                out.append(("LabDone", (m.job, m.outcome, m.message)))
+            elif isinstance(m, P.ExperimentDone):
+                out.append(("ExperimentDone", (m.request_id, m.unsupported, m.failure != "", m.result)))
+            elif isinstance(m, P.State):
+                out.append(("State", (m.state,)))
+            elif isinstance(m, Failed):
+                out.append(("Failed", (m.message.split(":")[0],)))  # its sentence, up to what it says to do
+            elif isinstance(m, P.Progress):
+                continue
+            else:
+                out.append((type(m).__name__, m if isinstance(m, tuple) else ()))
+        if out[-1] == ("Pong", ()):
+            commands.send(P.Quit())  # once the rest are answered: a Quit cancels the job in progress
+    thread.join(10)
+    assert not thread.is_alive()
+    return out
+
+
+def test_the_engine_process_asks_its_backend_never_its_kind():
+    """The engine process (engine.server) holds one backend and never asks which kind it is: a third backend, of
+    neither class the app ships, is served through the Backend interface alone (its tokenizer, its previews, its
+    runs, its labs, its one-sentence refusals), and the same backend answers the same whichever kind its source
+    states. A server that switched on the backend's class or kind, or reached past the interface (a local model's
+    session, a server's client), would answer differently here, or fail."""
+    expected = [
+        ("Tokenized", (1, "hi", "third chat: hi", "", "")),
+        ("PreviewResult", (2, "hi", ("third funnel", 3))),
+        ("State", ("generating",)), ("RunStarted", ("third",)), ("tuple", ("third backend ran", "hi")),
+        ("State", ("idle",)),
+        ("Failed", ("the third backend wants a prompt",)), ("State", ("idle",)),
+        ("Failed", ("generating from an ablated model edits the model's forward pass, which a server does not expose",)),
+        ("State", ("idle",)),
+        ("tuple", ("third batch row", (1, 2))), ("LabDone", ("batch", "done", "")),
+        ("LabDone", ("spec", "unsupported", "the speculative-decoding lab does not run on third")),
+        ("ExperimentDone", (3, True, True, None)),
+        ("Pong", ()),
+        ("Stopped", ()),
+    ]
+    for kind in ("local", "server"):
+        assert _transcript(_ThirdBackend(kind)) == expected, kind
 
 
 def test_panels_use_no_bridge_attribute_as_a_channel():
