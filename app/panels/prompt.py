@@ -1,10 +1,12 @@
 """Prompt: the text being typed, with the model's token boundaries drawn over it live.
 
 Tokenizing runs in the GUI thread on every edit: the tokenizer is Rust BPE plus a few numpy sums, and the
-highlighter repaints only colours, so a 2,000-token prompt re-tokenizes and re-paints within one frame.
+highlighter repaints only colours, so even a long prompt re-tokenizes and re-paints within a frame (`python -m
+benchmarks bench` times the encode of a ~2,000-token text: "tokenizer" in benchmarks/results.json).
 Connected to a server with a tokenize endpoint, the boundaries are the server's own: asked for in the engine process
-(engine.remote.worker.server_tokenize, never on the GUI thread) 250 ms after the last edit, and labelled as the
-server's; a server without one falls back to the local tokenizer and says so in one line.
+(engine.server's Tokenize, answered by the server backend's tokenize, engine.remote.served; never on the GUI thread)
+SERVER_DEBOUNCE_MS after the last edit, and labelled as the server's; a server without one falls back to the local
+tokenizer and says so in one line.
 """
 
 from __future__ import annotations

@@ -89,7 +89,8 @@ def measure_this_machine(
     repeats: int = 5,
     quick: bool = False,
 ) -> Hardware:
-    """Measure bandwidth (bytes/s) and matmul throughput (FLOP/s) of `device` at `dtype` (1–3 s on a CPU).
+    """Measure bandwidth (bytes/s) and matmul throughput (FLOP/s) of `device` at `dtype`; it takes seconds, which is
+    why cached_this_machine keeps the result.
 
     size_mb: bandwidth buffer (default 256 MB on a CPU, 2048 MB on a GPU); matmul_n: largest matmul side
     (default 2048 on a CPU, 8192 on a GPU); quick=True uses a 32 MB buffer and n ≤ 256 (for tests).

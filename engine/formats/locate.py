@@ -103,7 +103,8 @@ def known_model_path(key: str) -> Path:
 
 
 def installed_models() -> dict[str, Path]:
-    """Known models installed on this machine, by key (Gemma's file is assembled on first use, ~2 s)."""
+    """Known models installed on this machine, by key (Gemma's file is assembled from its chunk packages on first
+    use)."""
     out = {}
     for key in KNOWN_MODELS:
         try:

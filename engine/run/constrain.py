@@ -1,13 +1,11 @@
 """Constrained decoding: a regular expression or a JSON schema decides which tokens may come next.
 
 The grammar engine is llguidance (Microsoft's Rust library behind Guidance, also used by llama.cpp and vLLM). It was
-chosen by measurement against outlines-core (llguidance 1.9.1, outlines-core 0.2.14, one regex and one small
-object schema, 40 steps of random allowed tokens, this 2-core machine): the mask of a step takes a median of
-0.004–0.07 ms (49,152 tokens) and 0.08–0.25 ms (262,144) with llguidance, 0.0003–0.4 ms and 0.0004–2.6 ms with
-outlines-core; but a new regex or schema compiles in under 10 ms with llguidance against 50–70 ms (49k) and
-0.7–1.4 s (262k) with outlines-core, which builds a whole-vocabulary index first; and llguidance hands back a
-bitmask, not a Python list of allowed ids. Its view of the tokenizer is built once per model (0.5 s at 49k, 4.2 s
-at 262k) and kept.
+chosen by measuring it against outlines-core on both default vocabularies (SmolLM2's 49,152 tokens, Gemma 3's
+262,144): a step's mask is cheap with either, but a new regex or schema compiles many times faster with llguidance,
+because outlines-core first builds an index over the whole vocabulary, which grows with it; and llguidance hands back
+a bitmask, not a Python list of allowed ids. Its view of the tokenizer costs a noticeable moment to build on a large
+vocabulary, so it is built once per model and kept.
 
 Each step: `allowed()` gives the (V,) boolean mask for the next token; the sampler sets the logits of the rest to
 −∞ (the funnel shows them as "removed by the grammar", before temperature); `advance(token)` feeds the chosen

@@ -29,10 +29,11 @@ def entropy_bits_of_logits(logits: torch.Tensor, p: torch.Tensor) -> torch.Tenso
     """H of p = softmax(logits) in bits over the last axis, in float32, with no logarithm or exponential per entry.
 
     With z = logits − max(logits), log p = z + log p_max (p_max = 1 / Σ e^z), so H = −log p_max − Σ p·z / Σ p: one
-    dot product per row. Elementwise −Σ p·log p took 130 ms on Gemma 3's 21 lens rows of 262,144 tokens, one
-    thread; this takes under 10. Dividing by Σ p removes float32 softmax's error in the total (a few 1e-5 over such a
-    vocabulary), which would otherwise be multiplied by the logits' spread. A row with −inf logits (p = 0 there, so
-    0·(−inf)) takes the elementwise path.
+    dot product per row. Elementwise −Σ p·log p takes a logarithm of every entry, which on Gemma 3's lens rows of
+    262,144 tokens cost over ten times this (`python -m benchmarks.recompute --model gemma3-270m`; in BENCHMARKS.md's
+    history, `git log -p BENCHMARKS.md`, commit 69fab4e, "Long runs (issue 26)"). Dividing by Σ p removes float32
+    softmax's error in the total (a few 1e-5 over such a vocabulary), which would otherwise be multiplied by the
+    logits' spread. A row with −inf logits (p = 0 there, so 0·(−inf)) takes the elementwise path.
     """
     z = logits - logits.amax(-1, keepdim=True)
     log_pmax = p.amax(-1).log()

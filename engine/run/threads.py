@@ -2,10 +2,10 @@
 
 Why: a decode step runs ~150 small parallel regions (one per matrix–vector product and per small op). OpenMP's
 threads spin at the end of each region until every thread has arrived; when another process holds one of the cores,
-each region waits for a thread the kernel has descheduled. Measured on a 2-core machine (SmolLM2-135M, float32):
-15 ms per token quiet with 2 threads, 29 ms with 1, but 57 ms with 2 threads and one `yes` loop running and 585 ms
-next to a multi-threaded (niced) process. One thread never waits for anyone, so under load it is the faster choice;
-on a quiet machine two threads are ~1.9 × faster. No fixed setting is right, so `AdaptiveThreads` decides per step:
+each region waits for a thread the kernel has descheduled. On a 2-core machine two threads are then slower than one
+(beside a single busy loop, over twice one thread's time), while on a quiet one they are nearly twice as fast
+(BENCHMARKS.md, "Decode under load"). One thread never waits for anyone, so under load it is the faster choice. No
+fixed setting is right, so `AdaptiveThreads` decides per step:
 
 - it keeps, for each thread count, the recent seconds per byte a decode step moved (weights + KV cache), so steps at
   different context lengths compare;
