@@ -170,7 +170,8 @@ def test_the_engine_process_asks_its_backend_never_its_kind():
         ("State", ("generating",)), ("RunStarted", ("third",)), ("tuple", ("third backend ran", "hi")),
         ("State", ("idle",)),
         ("Failed", ("the third backend wants a prompt",)), ("State", ("idle",)),
-        ("Failed", ("generating from an ablated model edits the model's forward pass, which a server does not expose",)),
+        ("Failed", ("generating from an ablated model edits the model's forward pass, which a server does not "
+                    "expose",)),  # the backend had no why_session: engine.run.ablated's sentence
         ("State", ("idle",)),
         ("tuple", ("third batch row", (1, 2))), ("LabDone", ("batch", "done", "")),
         ("LabDone", ("spec", "unsupported", "the speculative-decoding lab does not run on third")),
