@@ -123,7 +123,8 @@ def test_a_shape_the_model_has_once_gets_more_rounds_within_the_budget(tmp_path,
 
 def _group(shape=(96, 64), n=3, dtype=torch.float32):
     g = torch.Generator().manual_seed(shape[0])
-    return {(*shape, kernel_cache.FLOAT): [(torch.randn(*shape, generator=g).to(dtype), None, None, None) for _ in range(n)]}
+    return {(*shape, kernel_cache.FLOAT): [(torch.randn(*shape, generator=g).to(dtype), None, None, None)
+                                          for _ in range(n)]}
 
 
 def _fake_clock(costs: dict[str, float], calls: list[str]):

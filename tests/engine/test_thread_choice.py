@@ -33,7 +33,8 @@ def clean(monkeypatch):
 
 def _groups(shapes=((96, 64), (64, 96)), n=3):
     g = torch.Generator().manual_seed(7)
-    return {(*s, kernel_cache.FLOAT): [(torch.randn(*s, generator=g), None, None, None) for _ in range(n)] for s in shapes}
+    return {(*s, kernel_cache.FLOAT): [(torch.randn(*s, generator=g), None, None, None) for _ in range(n)]
+            for s in shapes}
 
 
 def _clock(costs_at: dict[int, dict[str, float]], calls: list | None = None):
