@@ -27,12 +27,21 @@ from engine.protocol import Capture, SamplingParams
 from engine.run.session import Generation, Session
 from engine.runtime import Row, runtime_of
 from engine.runtime.torch import ContiguousRuntime, TorchRuntime
+from tests.requires import import_required
 
 GREEDY = SamplingParams.greedy_params()
 PROMPT = [5, 77, 140, 3, 250, 99, 12, 200, 41, 7]
 GENERATION = {"engine.run.session:Generation._run"}
 TORCH_PASSES = {"engine.runtime.torch:ContiguousRuntime.run", "engine.runtime.torch:TorchRuntime.forward"}
 LLAMA_PASSES = {"engine.runtime.llamacpp:LlamaCppRuntime._decode"}
+# Who calls Runtime.forward in each lab, on either runtime: the lab's own loop in engine.labs, and the plain
+# generation the speculative lab measures its speedup against. A new caller (a lab stepping a model its own way, a
+# backend's copy of a loop) fails here until it is named.
+LAB_CALLERS = {
+    "batching": {"engine.labs.batching:generate_batch"},
+    "speculative": {"engine.labs.speculative:_passes", *GENERATION},
+    "scheduling": {"engine.labs.scheduler:warm_up", "engine.labs.scheduler:_timed_step"},
+}
 HERE = __name__
 
 
@@ -49,7 +58,7 @@ def calls(monkeypatch):
     """{"forward": Counter of Runtime.forward's callers, "pass": Counter of the model passes' makers}."""
     seen = {"forward": Counter(), "pass": Counter()}
     classes = [TorchRuntime, ContiguousRuntime]
-    try:
+    try:  # counted where it is installed; the llama.cpp runtime's tests require it (the `session` fixture)
         import llama_cpp
 
         from engine.runtime.llamacpp import LlamaCppRuntime
@@ -80,12 +89,18 @@ def calls(monkeypatch):
     return seen
 
 
-def _sessions(tiny_lm, tiny_dir):
-    yield "torch", Session(tiny_lm), TORCH_PASSES
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return  # tests/engine/test_llamacpp_backend.py says it is missing
+def _require_llama_cpp():
+    return import_required("llama_cpp", name="llamacpp", dist="llama-cpp-python")
+
+
+@pytest.fixture(params=["torch", "llama.cpp"])
+def session(request, tiny_lm, tiny_dir):
+    """(runtime name, a session on it, the functions that may make its model passes), for each runtime; llama.cpp
+    missing is a missing dependency (tests/requires.py), never a runtime quietly left out."""
+    if request.param == "torch":
+        yield "torch", Session(tiny_lm), TORCH_PASSES
+        return
+    _require_llama_cpp()
     from engine.backends.llamacpp import LlamaCppSession
 
     s = LlamaCppSession(tiny_dir.gguf, n_ctx=256)
@@ -101,22 +116,19 @@ def _finish(events) -> Finished:
     return last
 
 
-def test_a_generation_and_a_fork_run_in_the_one_loop_on_both_runtimes(tiny_lm, tiny_dir, calls):
+def test_a_generation_and_a_fork_run_in_the_one_loop_on_both_runtimes(tiny_lm, calls, session):
     everything = Capture.everything(tiny_lm.cfg.n_layers, funnel_top=5)
-    runtimes = 0
-    for name, s, passes in _sessions(tiny_lm, tiny_dir):
-        runtimes += 1
-        for what in ("generate", "fork"):
-            calls["forward"].clear()
-            calls["pass"].clear()
-            if what == "generate":
-                fin = _finish(s.generate(PROMPT, GREEDY, 6, everything, ignore_eos=True))
-            else:
-                _finish(s.fork(PROMPT, fin.ids.tolist(), 3, 9, GREEDY, 4, ignore_eos=True))
-            assert set(calls["forward"]) == GENERATION, (name, what, calls["forward"])
-            assert set(calls["pass"]) <= passes, (name, what, calls["pass"])
-            assert sum(calls["pass"].values()) == sum(calls["forward"].values()), (name, what)  # a pass per step
-    assert runtimes >= 1
+    name, s, passes = session
+    for what in ("generate", "fork"):
+        calls["forward"].clear()
+        calls["pass"].clear()
+        if what == "generate":
+            fin = _finish(s.generate(PROMPT, GREEDY, 6, everything, ignore_eos=True))
+        else:
+            _finish(s.fork(PROMPT, fin.ids.tolist(), 3, 9, GREEDY, 4, ignore_eos=True))
+        assert set(calls["forward"]) == GENERATION, (name, what, calls["forward"])
+        assert calls["pass"] and set(calls["pass"]) <= passes, (name, what, calls["pass"])
+        assert sum(calls["pass"].values()) == sum(calls["forward"].values()), (name, what)  # a pass per step
     overriders = [c.__qualname__ for c in _subclasses(Generation) if "_run" in vars(c)]
     assert overriders == [], f"a second generation loop: {overriders}"
 
@@ -128,7 +140,7 @@ def _subclasses(cls) -> list[type]:
     return out
 
 
-def test_the_labs_loop_over_runtime_forward_on_both_runtimes(tiny_lm, tiny_dir, calls):
+def test_the_labs_loop_over_runtime_forward_on_both_runtimes(calls, session):
     from engine.labs import speculative as sp
     from engine.labs.batching import bench_batch
     from engine.labs.schedule_events import SchedConfig
@@ -141,20 +153,13 @@ def test_the_labs_loop_over_runtime_forward_on_both_runtimes(tiny_lm, tiny_dir, 
                                                                                ignore_eos=True), GREEDY, 6)),
         "scheduling": lambda s: list(schedule(s, sched)),
     }
-    table: dict[tuple[str, str], set[str]] = {}
-    for name, s, passes in _sessions(tiny_lm, tiny_dir):
-        for lab, run in labs.items():
-            calls["forward"].clear()
-            calls["pass"].clear()
-            run(s)
-            table[lab, name] = set(calls["forward"])
-            assert calls["forward"], (lab, name)
-            for caller in calls["forward"]:  # the lab's own loop, or a plain generation it measures against
-                assert caller.startswith("engine.labs.") or caller in GENERATION, (lab, name, caller)
-            assert set(calls["pass"]) <= passes, (lab, name, calls["pass"])
-    assert any(c.startswith("engine.labs.speculative:") for c in table["speculative", "torch"])
-    assert any(c.startswith("engine.labs.batching:") for c in table["batching", "torch"])
-    assert any(c.startswith("engine.labs.scheduler:") for c in table["scheduling", "torch"])
+    name, s, passes = session
+    for lab, run in labs.items():
+        calls["forward"].clear()
+        calls["pass"].clear()
+        run(s)
+        assert set(calls["forward"]) == LAB_CALLERS[lab], (lab, name, calls["forward"])
+        assert calls["pass"] and set(calls["pass"]) <= passes, (lab, name, calls["pass"])
 
 
 # ---- one count of positions ------------------------------------------------------------------------------------
@@ -216,7 +221,7 @@ def test_a_failed_generation_forgets_the_whole_cache(tiny_lm, monkeypatch):
 
 
 def test_llamacpp_positions_are_its_runtimes_and_a_failed_decode_changes_nothing(tiny_dir, monkeypatch):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = _require_llama_cpp()
     from engine.backends.llamacpp import LlamaCppSession
 
     s = LlamaCppSession(tiny_dir.gguf, n_ctx=256)
@@ -239,15 +244,15 @@ def test_llamacpp_positions_are_its_runtimes_and_a_failed_decode_changes_nothing
 
 
 # ---- one ModelInfo per loaded model ------------------------------------------------------------------------------
-def test_every_runtime_shares_the_models_one_modelinfo(tiny_lm, tiny_dir, monkeypatch):
+def test_every_torch_runtime_shares_the_models_one_modelinfo(tiny_lm):
     s = Session(tiny_lm)
     assert s.runtime(64).info is tiny_lm.info
     with runtime_of(s, 2, 16) as rt:
         assert rt.info is tiny_lm.info
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return
+
+
+def test_every_llamacpp_runtime_shares_the_models_one_modelinfo(tiny_dir, monkeypatch):
+    _require_llama_cpp()
     import engine.backends.llamacpp as backend
 
     lcpp = backend.LlamaCppSession(tiny_dir.gguf, n_ctx=256)
