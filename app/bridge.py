@@ -509,19 +509,32 @@ class Bridge(QtCore.QObject):
 
     # ---- commands (GUI thread; never block) ----
     def load_model(self, model: str | None = None, device: str = "auto", dtype: str = "auto",
-                   backend: str = "auto") -> None:
-        """Load a model; after an engine that was not restarted, this starts a new engine for it."""
+                   backend: str = "auto", kernels: str = "exact") -> None:
+        """Load a model (on torch in kernel mode `kernels`: engine.model.kernel_cache.KERNEL_MODES); after an
+        engine that was not restarted, this starts a new engine for it."""
         if not self.engine_running and not self._closing:
             self.deaths, self._load = 0, None  # the user's own choice: a fresh start
             self._restart()
-        self._load = P.Load(model, device, dtype, backend)
+        self._load = P.Load(model, device, dtype, backend, kernels)
         self._loads_sent.append((self._load, False))
         self._post(self._load)
 
     def load_on_torch(self) -> None:
-        """Load the model again on the torch runtime, at the dtype offered after a crash of the llama.cpp runtime."""
+        """Load the model again on the torch runtime, at the dtype offered after a crash of the llama.cpp runtime
+        (in the kernel mode it was asked for)."""
         if self._load is not None:
-            self.load_model(self._load.model, self._load.device, self._torch_dtype or self._load.dtype, "torch")
+            self.load_model(self._load.model, self._load.device, self._torch_dtype or self._load.dtype, "torch",
+                            self._load.kernels)
+
+    @property
+    def pending_load(self) -> P.Load | None:
+        """The newest Load sent that the engine has not answered yet (None: none is on its way)."""
+        return self._loads_sent[-1][0] if self._loads_sent else None
+
+    @property
+    def replaying(self) -> bool:
+        """The event being routed now is a recorded one (a session being opened), not the engine's."""
+        return self._replaying
 
     def set_threads(self, setting: int | str) -> None:
         """Decode threads: "auto" (the engine adapts to the machine's load) or a fixed count."""

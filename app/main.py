@@ -29,6 +29,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--greedy", action="store_true", help="temperature 0: always take the most likely token")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    from engine.model.kernel_cache import KERNEL_MODES
+
+    p.add_argument("--kernels", choices=list(KERNEL_MODES), default=None,
+                   help="the torch runtime's kernel mode (default: the one chosen in the Engine menu, else exact): "
+                        + "; ".join(f"{k}: {v}" for k, v in KERNEL_MODES.items()))
     p.add_argument("--url", help="generate on an OpenAI-compatible server (vLLM, llama.cpp), e.g. http://127.0.0.1:8000;"
                    " the API key, if any, is read from $INFERENCE_LAB_API_KEY")
     p.add_argument("--load-lab", metavar="C1,C2,…", help="headless, with --url: after the generation run the Load "
@@ -104,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if headless:
         return _run_headless(app, args)
-    window = MainWindow(args.model, device=args.device)
+    window = MainWindow(args.model, device=args.device, kernels=args.kernels)
     _apply_args(window, args)
     if args.url:
         window.connect_server(args.url)
@@ -193,7 +198,8 @@ def _run_headless(app, args: argparse.Namespace) -> int:
     from app import session_io
 
     replay_only = bool(args.open_session) and not args.prompt
-    window = MainWindow(args.model, persist=False, interactive=False, device=args.device, load=not replay_only)
+    window = MainWindow(args.model, persist=False, interactive=False, device=args.device, load=not replay_only,
+                        kernels=args.kernels)
     if "roofline" in window.panels and not replay_only:
         window.panels["roofline"].auto_measure = True  # the picture of a local run shows the machine it ran on
     window.resize(*HEADLESS_SIZE)

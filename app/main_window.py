@@ -23,6 +23,8 @@ from app.guard import guarded, report, reporter
 from app.panels import GROUPS, PANEL_MODULES
 from app.panels.base import Panel
 from app.settings import Settings
+from app.units import fmt_kernels
+from engine.model.kernel_cache import DEFAULT_MODE, KERNEL_MODES
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,8 @@ PLACEMENT = {
     "roofline": _Area.BottomDockWidgetArea,
 }
 TAB_WITH = {"lens": "attention", "branches": "timeline", "constrain": "sampling"}  # panel → the one it sits behind
+# Engine → Decode kernel mode: each mode's menu entry (its tooltip: KERNEL_MODES' sentence)
+KERNEL_LABELS = {"exact": "&Exact", "file": "&File's quantized blocks", "fast": "F&ast"}
 
 
 def _cores() -> int:
@@ -78,8 +82,10 @@ class MainWindow(QtWidgets.QMainWindow):
     _generating = False  # read by event(), which Qt calls from inside QMainWindow.__init__
 
     def __init__(self, model: str | None = None, *, persist: bool = True, load: bool = True,
-                 interactive: bool = True, device: str = "auto", dtype: str = "auto") -> None:
-        """`persist`: read and write QSettings; `interactive`: errors may also open message boxes."""
+                 interactive: bool = True, device: str = "auto", dtype: str = "auto",
+                 kernels: str | None = None) -> None:
+        """`persist`: read and write QSettings; `interactive`: errors may also open message boxes; `kernels`: the
+        kernel mode models load in (None: the remembered one, else exact)."""
         super().__init__()
         self.setWindowTitle("Inference Lab")
         self.setObjectName("main_window")
@@ -87,6 +93,9 @@ class MainWindow(QtWidgets.QMainWindow):
         self.settings = Settings() if persist else None
         self.interactive = interactive
         self.device, self.dtype = device, dtype
+        if kernels is not None and kernels not in KERNEL_MODES:
+            raise ValueError(f"unknown kernel mode {kernels!r} (choose {', '.join(KERNEL_MODES)})")
+        self.kernels = kernels or (self.settings.kernels() if self.settings is not None else DEFAULT_MODE)
         self.last_error = ""
         self.draw_errors: dict[str, str] = {}  # panel module → the last exception its draw() raised
         self._closed = False
@@ -136,6 +145,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.bridge.sig_serving_done.connect(self._on_serving_done)
         self.bridge.sig_engine_lost.connect(self._on_engine_lost)
         self.bridge.sig_engine_restarted.connect(self._on_engine_restarted)
+        self.bridge.sig_run_started.connect(self._on_run_started)
 
         self.draw_timer = QtCore.QTimer(self)
         self.draw_timer.setInterval(DRAW_INTERVAL_MS)
@@ -270,6 +280,17 @@ class MainWindow(QtWidgets.QMainWindow):
             action.setData(choice)
             self.threads_group.addAction(action)
         self.threads_group.triggered.connect(lambda a: self.set_threads(a.data()))
+        kernels_menu = engine_menu.addMenu("Decode kernel &mode")
+        kernels_menu.setToolTipsVisible(True)
+        self.kernels_group = QtGui.QActionGroup(self)
+        for mode, label in KERNEL_LABELS.items():
+            action = kernels_menu.addAction(label)
+            action.setCheckable(True)
+            action.setChecked(mode == self.kernels)
+            action.setData(mode)
+            action.setToolTip(f"{mode}: {KERNEL_MODES[mode]}")
+            self.kernels_group.addAction(action)
+        self.kernels_group.triggered.connect(lambda a: self.set_kernels(a.data()))
         engine_menu.addAction("Decode &kernels…", self._kernels_dialog)
 
         help_menu = self.help_menu = bar.addMenu("&Help")
@@ -313,15 +334,43 @@ class MainWindow(QtWidgets.QMainWindow):
         if self.settings is not None:
             self.settings.save_threads(setting)
 
+    def set_kernels(self, mode: str, reload: bool = True) -> None:
+        """The kernel mode models load in (engine.model.kernel_cache.KERNEL_MODES); remembered. With `reload`, a
+        model loaded on torch in another mode is loaded again in this one (after asking, in an interactive window:
+        a load takes seconds, and a first one in a mode measures its kernels)."""
+        if mode not in KERNEL_MODES:
+            raise ValueError(f"unknown kernel mode {mode!r} (choose {', '.join(KERNEL_MODES)})")
+        for action in self.kernels_group.actions():
+            action.setChecked(action.data() == mode)
+        self.kernels = mode
+        if self.settings is not None:
+            self.settings.save_kernels(mode)
+        info, pending = self.bridge.info, self.bridge.pending_load
+        if not reload or info is None or self.bridge.runtime != "torch":
+            return
+        if (pending.kernels if pending is not None else info.kernels) == mode:
+            return  # it runs in this mode already, or is being loaded in it
+        if self.interactive:
+            answer = QtWidgets.QMessageBox.question(
+                self, "Load the model again?",
+                f"{info.name} runs with {fmt_kernels(info.kernels)} now. Load it again with {mode} kernels "
+                f"({KERNEL_MODES[mode]})?\n\nNo keeps it as it is; the next model you open loads in {mode} mode.")
+            if answer != QtWidgets.QMessageBox.StandardButton.Yes:
+                self.set_message(f"Kernel mode {mode}: the next model load uses it; {info.name} keeps "
+                                 f"{fmt_kernels(info.kernels)}.")
+                return
+        self.load_model(self._model_request)
+
     def load_model(self, path: str | None = None) -> None:
-        """Load a model in the engine process (None = the default model); progress shows in the status bar."""
+        """Load a model in the engine process (None = the default model), in the window's kernel mode; progress
+        shows in the status bar."""
         self._model_request = str(path) if path else None
         self.progress.setValue(0)
         self.progress.show()
         name = Path(path).name if path else "the default model"
-        self.set_message(f"Loading {name}…")
+        self.set_message(f"Loading {name} ({self.kernels} kernels)…")
         self.bridge.set_threads(self.threads_setting())
-        self.bridge.load_model(self._model_request, device=self.device, dtype=self.dtype)
+        self.bridge.load_model(self._model_request, device=self.device, dtype=self.dtype, kernels=self.kernels)
 
     def _open_model_dialog(self) -> None:
         path, _ = QtWidgets.QFileDialog.getOpenFileName(
@@ -332,11 +381,12 @@ class MainWindow(QtWidgets.QMainWindow):
     def _open_model_picker(self) -> None:
         from app.model_picker import ModelPicker
 
-        picker = ModelPicker(self, dtype=self.dtype)
+        picker = ModelPicker(self, dtype=self.dtype, kernels=self.kernels)
         if picker.exec() and picker.chosen is not None:
             path, dtype = picker.chosen
             if dtype != self.dtype:
                 self.dtype = dtype  # the user agreed to bfloat16 for a model that does not fit otherwise
+            self.set_kernels(picker.kernels(), reload=False)  # remembered, as the Engine menu's choice
             self.load_model(path)
 
     def _open_model_folder_dialog(self) -> None:
@@ -418,18 +468,31 @@ class MainWindow(QtWidgets.QMainWindow):
         self.progress.setValue(int(round(100 * fraction)))
         self.set_message(f"Loading model: {message}")
 
+    def _show_model_label(self, info) -> None:
+        """The status bar's model: name, size, dtype, the kernel mode it runs in (or ran in: a session) and device."""
+        params = f"{info.n_params / 1e6:.0f}M" if info.n_params < 1e9 else f"{info.n_params / 1e9:.1f}B"
+        kernels = fmt_kernels(info.kernels)
+        self.model_label.setText(
+            f"{info.name} · {params} params · {info.n_layers} layers · {info.dtype} · {kernels} on {info.device}")
+        what = KERNEL_MODES.get(info.kernels, "the session was saved before the kernel mode was recorded")
+        self.model_label.setToolTip(f"{info.path}\n{kernels}: {what}")
+
     @QtCore.Slot(object)
     def _on_model_loaded(self, info) -> None:
         self.progress.hide()
         self.last_error = ""
-        params = f"{info.n_params / 1e6:.0f}M" if info.n_params < 1e9 else f"{info.n_params / 1e9:.1f}B"
-        self.model_label.setText(
-            f"{info.name} · {params} params · {info.n_layers} layers · {info.dtype} on {info.device}")
-        self.model_label.setToolTip(info.path)
+        self._show_model_label(info)
         cached = " (from the weight cache)" if info.from_cache else ""
         self.set_message(f"Loaded {info.name} in {info.load_s:.1f} s{cached}. Type a prompt and press Ctrl+Enter.")
         if self.settings is not None:
             self.settings.save_model_path(self._model_request or "")
+
+    @QtCore.Slot(object)
+    def _on_run_started(self, _ev) -> None:
+        """A live run: the status bar names the model (and kernel mode) it runs on again, after a session of
+        another model or mode was shown."""
+        if not self.bridge.replaying and self.bridge.info is not None:
+            self._show_model_label(self.bridge.info)
 
     @QtCore.Slot(str)
     def _on_load_failed(self, message: str) -> None:

@@ -14,6 +14,7 @@ from PySide6 import QtCore, QtWidgets
 from app.guard import guarded
 from engine.costs.memory import file_memory
 from engine.formats.discover import ModelEntry, discover, memory_available
+from engine.model.kernel_cache import DEFAULT_MODE, KERNEL_MODES
 
 COLUMNS = ("Name", "Source", "Architecture", "Parameters", "File", "Tensor types", "Fits at {dtype}",
            "Memory on its runtime")
@@ -51,11 +52,18 @@ def decide(entry: ModelEntry, dtype: str, memory: int) -> Decision:
     return Decision("refuse", run, f"{entry.name} does not fit: {numbers}.")
 
 
+# the kernel modes as the picker offers them (KERNEL_MODES says what each does: the item's tooltip)
+KERNEL_CHOICES = {"exact": "exact: the file's weights, dequantized", "file": "file: its quantized blocks as they are",
+                  "fast": "fast: also int8 requantizations"}
+
+
 class ModelPicker(QtWidgets.QDialog):
-    """A table of the models found; `chosen` is (path, dtype) after accept()."""
+    """A table of the models found; `chosen` is (path, dtype) after accept(), and kernels() the kernel mode picked
+    (the torch runtime's; llama.cpp runs a file's blocks as they are whatever it is)."""
 
     def __init__(self, parent: QtWidgets.QWidget | None = None, dtype: str = "float32",
-                 find: Callable[[], list[ModelEntry]] | None = None, memory: int | None = None) -> None:
+                 find: Callable[[], list[ModelEntry]] | None = None, memory: int | None = None,
+                 kernels: str = DEFAULT_MODE) -> None:
         super().__init__(parent)
         self.setWindowTitle("Open model")
         self.resize(980, 420)
@@ -96,16 +104,33 @@ class ModelPicker(QtWidgets.QDialog):
             f"{len(self.entries)} models found (the default, Gemma 3 270M, recent files, the Hugging Face cache, "
             f"LM Studio and Ollama); {_gib(self.memory)} of memory available now.")
         self.note.setWordWrap(True)
+        self.kernels_combo = QtWidgets.QComboBox()
+        for mode, label in KERNEL_CHOICES.items():
+            self.kernels_combo.addItem(label, mode)
+            self.kernels_combo.setItemData(self.kernels_combo.count() - 1, KERNEL_MODES[mode],
+                                           QtCore.Qt.ItemDataRole.ToolTipRole)
+        self.kernels_combo.setCurrentIndex(max(0, self.kernels_combo.findData(kernels)))
+        self.kernels_combo.setToolTip("How the torch runtime computes the model's decode products; remembered, "
+                                      "as Engine → Decode kernel mode")
         buttons = QtWidgets.QDialogButtonBox(
             QtWidgets.QDialogButtonBox.StandardButton.Open | QtWidgets.QDialogButtonBox.StandardButton.Cancel)
         buttons.accepted.connect(self._open)
         buttons.rejected.connect(self.reject)
+        bottom = QtWidgets.QHBoxLayout()
+        bottom.addWidget(QtWidgets.QLabel("Kernels:"))
+        bottom.addWidget(self.kernels_combo)
+        bottom.addStretch(1)
+        bottom.addWidget(buttons)
         layout = QtWidgets.QVBoxLayout(self)
         layout.addWidget(self.note)
         layout.addWidget(self.table, 1)
-        layout.addWidget(buttons)
+        layout.addLayout(bottom)
         if self.entries:
             self.table.selectRow(0)
+
+    def kernels(self) -> str:
+        """The kernel mode chosen for the model to open (engine.model.kernel_cache.KERNEL_MODES)."""
+        return str(self.kernels_combo.currentData())
 
     @guarded
     def _open(self, *_args) -> None:

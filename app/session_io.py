@@ -527,7 +527,8 @@ def replay(window, saved: SavedSession, warning: str | None = None, wait: bool =
     """Show a saved session in every panel of `window` (GUI thread); `warning`: it is from another model.
 
     Without a loaded model the session's model facts, config and tokenizer stand in for it; with another model
-    loaded the panels show the session and the loaded model stays for the next generation. The runs are loaded
+    loaded, or the same one running otherwise (another dtype, kernel mode or device: what its numbers were measured
+    with), the panels show the session's and the loaded model stays for the next generation. The runs are loaded
     and the shown one replayed in slices (`Replay`); `wait`: all of it before returning. `done(completed)` runs
     at the end.
     """
@@ -535,13 +536,15 @@ def replay(window, saved: SavedSession, warning: str | None = None, wait: bool =
     store: RunStore = window.run_store
     loaded = (bridge.info, bridge.cfg, bridge.tokenizer)
     prompt, gen = window.panels.get("prompt"), window.panels.get("generation")
+    ran_otherwise = (saved.info is not None and loaded[0] is not None
+                     and _how_it_ran(saved.info) != _how_it_ran(loaded[0]))
 
     def put_back() -> None:
-        if warning and loaded[0] is not None:
+        if (warning or ran_otherwise) and loaded[0] is not None:
             bridge.show_model(*loaded, announce=False)
 
     try:
-        if bridge.info is None or warning:
+        if bridge.info is None or warning or ran_otherwise:
             if saved.info is not None:
                 bridge.show_model(saved.info, saved.cfg, saved.tokenizer)
         for panel in (prompt, gen):
@@ -586,6 +589,11 @@ def replay(window, saved: SavedSession, warning: str | None = None, wait: bool =
     if wait:
         job.finish_now()
     return job
+
+
+def _how_it_ran(info) -> tuple:
+    """What a model's numbers were measured with besides the model itself: dtype, kernel mode and device."""
+    return info.dtype, getattr(info, "kernels", ""), info.device
 
 
 def describe(saved: SavedSession) -> str:

@@ -12,6 +12,7 @@ from dataclasses import fields
 
 from PySide6 import QtCore
 
+from engine.model.kernel_cache import DEFAULT_MODE, KERNEL_MODES
 from engine.protocol import SamplingParams
 
 ORGANISATION = "InferenceLab"
@@ -27,6 +28,7 @@ CHAT = "prompt/chat"  # wrap the prompt in the model's chat template
 MAX_NEW_TOKENS = "generation/max_new_tokens"
 MODEL_PATH = "model/path"  # the last model the user opened ("" = the default model)
 THREADS = "engine/threads"  # decode threads: "auto" or a positive count (engine.run.threads)
+KERNELS = "engine/kernels"  # the torch runtime's kernel mode (engine.model.kernel_cache.KERNEL_MODES)
 SAMPLING_PREFIX = "sampling/"  # + a SamplingParams field name
 
 DEFAULT_PROMPT = "Explain what a KV cache is in two sentences."
@@ -101,6 +103,14 @@ class Settings:
 
     def save_threads(self, setting: int | str) -> None:
         self.store.setValue(THREADS, str(setting))
+
+    def kernels(self) -> str:
+        """The kernel mode models load in: one of KERNEL_MODES (anything else stored: the default, exact)."""
+        raw = str(self._get(KERNELS, DEFAULT_MODE, str))
+        return raw if raw in KERNEL_MODES else DEFAULT_MODE
+
+    def save_kernels(self, mode: str) -> None:
+        self.store.setValue(KERNELS, mode)
 
     # ---- sampling ----
     def sampling_params(self) -> SamplingParams:

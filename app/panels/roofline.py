@@ -8,6 +8,7 @@ background thread (never on the GUI thread) and the result comes back through a 
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 
@@ -29,13 +30,14 @@ from app.theme import (
     roof_points,
     style_plot,
 )
-from app.units import fmt_amount, fmt_bandwidth, fmt_bytes, fmt_flops, fmt_fraction
+from app.units import fmt_amount, fmt_bandwidth, fmt_bytes, fmt_flops, fmt_fraction, fmt_kernels
 from engine.costs import formulas as costs
 from engine.costs.catalog import Hardware, canonical_dtype, hardware_presets, model_presets
 from engine.events import ModelInfo, PrefillDone, PromptTokenized, StepCost, TokenSampled
 from engine.labs.spec_events import SpecStarted, SpecStep
 from engine.model import dtypes
 from engine.model.config import ModelConfig
+from engine.model.kernel_cache import KERNEL_MODES
 from engine.remote.shapes import MeasuredDecode, measured_decode
 
 FONT_PT = 9
@@ -106,8 +108,10 @@ class RooflinePanel(Panel):
 
     def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
         c = costs.decode_cost(cfg, 1, weight_dtype=info.dtype)
-        return (f"One decode step of {info.name} in {info.dtype} at a short context: about "
-                f"{fmt_amount(c.flops, 'FLOP')} over {fmt_bytes(c.bytes)} of weights and KV cache, "
+        if info.decode_weight_bytes > 0:  # the bytes its kernels read (a quantized form's, where one runs)
+            c = dataclasses.replace(c, weight_bytes=float(info.decode_weight_bytes))
+        return (f"One decode step of {info.name} in {info.dtype} with {fmt_kernels(info.kernels)} at a short "
+                f"context: about {fmt_amount(c.flops, 'FLOP')} over {fmt_bytes(c.bytes)} of weights and KV cache, "
                 f"I ≈ {c.intensity:.2g} FLOP/byte.")
 
     sig_measured = QtCore.Signal(object)
@@ -133,6 +137,9 @@ class RooflinePanel(Panel):
         self._verify: list[tuple[float, float]] = []  # speculative verify passes: (intensity, achieved FLOP/s)
         self._verify_k = 0
         self._verify_decode = 0.0  # intensity of one plain decode step at the last pass's position
+        self._info: ModelInfo | None = None  # the model whose run is shown (a session's while one is open)
+        self._run_dtype = ""  # its dtype as the dtype box names it ("fp32")
+        self._step_weight_bytes = 0.0  # weights the latest measured decode step read (its kernels' own figure)
         self._font = QtGui.QFont()
         self._font.setPointSize(FONT_PT)
         self._build()
@@ -155,6 +162,8 @@ class RooflinePanel(Panel):
         self.dtype_combo = QtWidgets.QComboBox()
         self.dtype_combo.addItems(DTYPES)
         self.dtype_combo.setToolTip("The dtype of the compute roof (and of the analytic points' weights)")
+        self.kernels_label = QtWidgets.QLabel("")  # the kernel mode the loaded model's steps ran with
+        self.kernels_label.setVisible(False)
         self.measure_button = QtWidgets.QPushButton("Measure this machine")
         self.measure_button.setToolTip("Time memory bandwidth and matmul throughput here (a few seconds)")
         self.measure_button.clicked.connect(self.measure)
@@ -168,6 +177,7 @@ class RooflinePanel(Panel):
         row.setContentsMargins(0, 0, 0, 0)
         row.addWidget(self.hw_combo, 1)
         row.addWidget(self.dtype_combo)
+        row.addWidget(self.kernels_label)
         row.addWidget(self.measure_button)
         row.addWidget(self.progress)
 
@@ -301,8 +311,19 @@ class RooflinePanel(Panel):
         key = self.model_key()
         if key != LOADED:
             return key
-        info = self.bridge.info
+        info = self._info or self.bridge.info
         return info.name if info is not None else "loaded model"
+
+    def kernels_weight_bytes(self) -> float | None:
+        """The weights one decode step of the loaded model reads with the kernels it runs (a quantized form's bytes
+        where one runs in place of the float weight): the latest measured step's own figure, else the model's
+        (ModelInfo.decode_weight_bytes); None where the analytic point is not that step (a catalogue model, another
+        dtype than the run's, a batch above 1) or the figure is unknown."""
+        info = self._info
+        if info is None or self.model_key() != LOADED or self.batch() != 1 or self.dtype() != self._run_dtype:
+            return None
+        figure = self._step_weight_bytes or float(info.decode_weight_bytes)
+        return figure if figure > 0 else None
 
     def shows_measured(self) -> bool:
         """Measured points belong to the loaded model: shown only while it is the chosen one."""
@@ -408,13 +429,25 @@ class RooflinePanel(Panel):
         self.mark_dirty()
 
     # ---- events ------------------------------------------------------------------------------------------------
-    @QtCore.Slot(object)
-    def _on_model_loaded(self, info: ModelInfo) -> None:
+    def _show_run(self, info: ModelInfo) -> None:
+        """The model whose steps are drawn: its dtype selected in the dtype box and, beside it, its kernel mode."""
         try:
             dtype = canonical_dtype(info.dtype)
         except ValueError:
             dtype = "fp32"
+        self._info, self._run_dtype, self._step_weight_bytes = info, dtype, 0.0
         self.show_run_dtype(dtype, info.file_type)
+        kernels = fmt_kernels(info.kernels)
+        what = KERNEL_MODES.get(info.kernels, "saved before the kernel mode was recorded")
+        self.kernels_label.setText(kernels)
+        self.kernels_label.setToolTip(f"{info.name} ran in {info.dtype} with {kernels}: {what}. Its decode steps "
+                                      "are priced at the bytes those kernels read, and so is the analytic decode "
+                                      "point at its dtype and batch 1.")
+        self.kernels_label.setVisible(True)
+
+    @QtCore.Slot(object)
+    def _on_model_loaded(self, info: ModelInfo) -> None:
+        self._show_run(info)
         if self.this_machine_roofs() is not None:
             self.select_hardware(THIS_MACHINE)
         elif self.auto_measure and self.bridge.server is None and not self._user_chose_hw:
@@ -439,6 +472,9 @@ class RooflinePanel(Panel):
 
     @QtCore.Slot(object)
     def _on_prompt(self, ev: PromptTokenized) -> None:
+        info = self.bridge.info  # a session's while it is replayed; the loaded model's again for a live run
+        if info is not None and info is not self._info:
+            self._show_run(info)
         self._prefill, self._decode = None, []
         self._server_gaps = []
         self._n_prompt = len(ev.ids)
@@ -463,6 +499,7 @@ class RooflinePanel(Panel):
             return
         if ev.phase == "decode" and ev.seconds > 0 and ev.cost.flops > 0:  # a server reports no step cost
             self._decode.append((ev.cost.intensity, ev.cost.flops / ev.seconds))
+            self._step_weight_bytes = float(ev.cost.weight_bytes)
             self.mark_dirty()
 
     @QtCore.Slot(object)
@@ -527,8 +564,12 @@ class RooflinePanel(Panel):
         if cfg is None:
             return {}
         batch, dtype = self.batch(), self.dtype()
+        decode = costs.decode_cost(cfg, self.decode_context(), batch=batch, weight_dtype=dtype)
+        kernels = self.kernels_weight_bytes()
+        if kernels is not None:  # the bytes the loaded model's kernels read, as its measured steps are priced
+            decode = dataclasses.replace(decode, weight_bytes=kernels)
         return {"prefill": costs.prefill_cost(cfg, self.prompt_length(), batch=batch, weight_dtype=dtype),
-                "decode": costs.decode_cost(cfg, self.decode_context(), batch=batch, weight_dtype=dtype)}
+                "decode": decode}
 
     # ---- drawing -----------------------------------------------------------------------------------------------
     def draw(self) -> None:
@@ -756,8 +797,14 @@ class RooflinePanel(Panel):
             bound = ("still " if batch > 1 else "") + "memory-bound"
         else:
             bound = "compute-bound"
-        text = (f"<b>{name}: decode at batch {batch} ≈ {fmt_intensity(dec)} FLOP/byte → {bound} "
-                f"(ridge {ridge:.3g})</b>")
+        info = self._info
+        if self.model_key() == LOADED and info is not None:  # what ran: its dtype and kernel mode
+            ran = f"{info.dtype} · {fmt_kernels(info.kernels)}"
+            name += (f" ({html.escape(ran)})" if self.dtype() == self._run_dtype else
+                     f" at {html.escape(self.dtype())} weights (it ran {html.escape(ran)})")
+        weights = fmt_bytes(analytic["decode"].weight_bytes)
+        text = (f"<b>{name}: decode at batch {batch} ≈ {fmt_intensity(dec)} FLOP/byte, {weights} of weights a "
+                f"step → {bound} (ridge {ridge:.3g})</b>")
         if "prefill" in analytic:
             pre = analytic["prefill"].intensity
             text += (f"; prefill of {self.prompt_length()} tokens ≈ {fmt_intensity(pre)} FLOP/byte → "

@@ -10,6 +10,7 @@ arrive.
 
 from __future__ import annotations
 
+import html
 import os
 
 import numpy as np
@@ -24,13 +25,14 @@ from app.theme import (
     BACKGROUND,
     DECODE_COLOR,
     FOREGROUND,
+    MUTED,
     PREFILL_COLOR,
     placeholder,
     show_empty,
     style_plot,
     wrap_title,
 )
-from app.units import fmt_bytes
+from app.units import fmt_bytes, fmt_kernels
 from engine.costs import formulas as costs
 from engine.events import Finished, ModelInfo, PromptTokenized, TokenSampled
 from engine.model.config import ModelConfig
@@ -88,8 +90,10 @@ class TimelinePanel(Panel):
     )
 
     def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
-        weights = costs.step_weight_bytes(cfg, info.dtype, rows=1)
-        text = (f"On {info.name} in {info.dtype} each decode step streams about {fmt_bytes(weights)} of weights, "
+        # the bytes its kernels read (a quantized form's where one runs), else every weight at its dtype
+        weights = info.decode_weight_bytes or costs.step_weight_bytes(cfg, info.dtype, rows=1)
+        text = (f"On {info.name} in {info.dtype} with {fmt_kernels(info.kernels)} each decode step streams about "
+                f"{fmt_bytes(weights)} of weights, "
                 f"plus {fmt_bytes(costs.kv_bytes_per_token(cfg, info.dtype))} of KV cache per token of context")
         if not cfg.n_local_layers:
             return text + "."
@@ -105,6 +109,7 @@ class TimelinePanel(Panel):
         self._x, self._h, self._n = np.zeros(0), np.zeros(0), 0
         self._finished: Finished | None = None
         self._selected: int | None = None
+        self._run_info: ModelInfo | None = None  # the model the shown run ran on: its name, dtype and kernel mode
         self._font = QtGui.QFont()
         self._font.setPointSize(FONT_PT)
         self._build()
@@ -146,6 +151,7 @@ class TimelinePanel(Panel):
     @QtCore.Slot(object)
     def _on_prompt(self, _ev: PromptTokenized) -> None:
         self.clear()
+        self._run_info = self.bridge.info  # a session's facts while it is replayed (app.session_io.replay)
 
     @QtCore.Slot(object)
     def _on_token(self, ev: TokenSampled) -> None:
@@ -232,8 +238,9 @@ class TimelinePanel(Panel):
         outside_line = (f"<br>of which {fmt_s(outside)} outside the steps (captures, logit lens)"
                         if outside >= 0.01 * max(s["measured_total_s"], 1e-9) else "")
         measured = measured.replace(" ", "&nbsp;")  # a narrow dock wraps between phrases, not inside them
-        return (  # three short lines, so the title fits a narrow dock (a test holds it to 340 px)
-            f"<span style='color:{PREFILL_COLOR}'>■</span> TTFT <b>{fmt_s(s['ttft_s'])}</b> &nbsp; "
+        return (  # short lines, so the title fits a narrow dock (a test holds it to 340 px)
+            self._ran_on()
+            + f"<span style='color:{PREFILL_COLOR}'>■</span> TTFT <b>{fmt_s(s['ttft_s'])}</b> &nbsp; "
             f"<span style='color:{DECODE_COLOR}'>■</span> TPOT <b>{fmt_s(s['tpot_s'])}</b> &nbsp; "
             f"<b>{s['tokens_per_s']:.1f}&nbsp;tok/s</b><br>"
             f"TPOT p50 {fmt_s(s['tpot_p50_s'])} · p90 {fmt_s(s['tpot_p90_s'])}"
@@ -241,6 +248,15 @@ class TimelinePanel(Panel):
             + f"<br>TTFT + {s['n_tokens'] - 1}·TPOT = <b>{fmt_s(s['latency_formula_s'])}</b> · {measured}"
             + outside_line + self._server_line()
         )
+
+    def _ran_on(self) -> str:
+        """The header's first line: what computed these times, the model's dtype and kernel mode ("" for a
+        server's run, which _server_line names, or a run whose model is not known)."""
+        src, info = self.bridge.run_source, self._run_info
+        if info is None or (src is not None and src.measured_by_server):
+            return ""
+        text = html.escape(f"{info.name} · {info.dtype} · {fmt_kernels(info.kernels)} on {info.device}", quote=False)
+        return f"<span style='color:{MUTED}'>{text}</span><br>"
 
     def _server_line(self) -> str:
         """On a server: bars are chunk arrival gaps (0 for the later tokens of a chunk), beside its own means."""

@@ -43,6 +43,7 @@ from app.theme import (
 from app.units import fmt_bytes
 from engine.events import ModelInfo
 from engine.model.config import ModelConfig
+from engine.model.kernel_cache import KERNEL_MODES
 from engine.protocol import (
     Ablated,
     AblateParams,
@@ -204,7 +205,7 @@ class WhyPanel(Panel):
     object_name = "panel_why"
     shortcut = "Ctrl+Alt+6"
     subscriptions = {"sig_why_progress": "_on_progress", "sig_why_done": "_on_done", "sig_failed": "_on_failed",
-                     "sig_run_started": "_on_run_started"}
+                     "sig_run_started": "_on_run_started", "sig_model_loaded": "_on_model_loaded"}
     sig_show_head = QtCore.Signal(int, int)
     """The user clicked a head in the head-roles heatmaps: (layer, head), for the Attention panel."""
     help_text = (
@@ -230,7 +231,8 @@ class WhyPanel(Panel):
         "without gradients). Compare: the same prompt through the loaded model and another file of the same "
         "model, e.g. a 4-bit and an 8-bit quantization: per layer, the KL divergence of their logit-lens "
         "distributions and the Jensen–Shannon distance of their attention rows, and the greedy steps whose top "
-        "token differs."
+        "token differs. The other side on torch runs in the kernel mode chosen beside it: the loaded file itself in "
+        "fast mode against the loaded model in exact mode shows what the fast kernels cost."
     )
 
     def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
@@ -254,6 +256,8 @@ class WhyPanel(Panel):
         self.branch_label: str | None = None  # the ablated branch asked for, until it starts or is refused
         self._branch_started = ""  # the last ablated branch that started, named in the summary
         self._build()
+        if bridge.info is not None:
+            self._on_model_loaded(bridge.info)
         self.clear()
 
     # ---- widgets -------------------------------------------------------------------------------------------------
@@ -387,19 +391,30 @@ class WhyPanel(Panel):
         browse.setToolTip("Pick the other model file")
         browse.clicked.connect(self._browse_other)
         this = QtWidgets.QPushButton("this file")
-        this.setToolTip("The loaded model's own file: compare it on another runtime")
+        this.setToolTip("The loaded model's own file: compare it on another runtime or in another kernel mode")
         this.clicked.connect(lambda: self.other_edit.setText(self.bridge.info.path if self.bridge.info else ""))
         self.other_backend = QtWidgets.QComboBox()
         for label, key in (("auto", "auto"), ("torch (float)", "torch"), ("llama.cpp (as stored)", "llama.cpp")):
             self.other_backend.addItem(label, key)
         self.other_backend.setToolTip("The runtime of the other side: the torch engine dequantizes the file, "
                                       "llama.cpp runs its quantized blocks as they are")
+        self.other_kernels = QtWidgets.QComboBox()
+        for mode in KERNEL_MODES:
+            self.other_kernels.addItem(f"{mode} kernels", mode)
+            self.other_kernels.setItemData(self.other_kernels.count() - 1, KERNEL_MODES[mode],
+                                           QtCore.Qt.ItemDataRole.ToolTipRole)
+        self.other_kernels.setCurrentIndex(self.other_kernels.findData("fast"))
+        self.other_kernels.setToolTip("How the other side computes on torch (llama.cpp runs the file's blocks as "
+                                      "they are, whatever this says); set to fast when the loaded model runs exact, "
+                                      "so that comparing this file shows what the fast kernels cost")
+        self.other_backend.currentIndexChanged.connect(
+            lambda _i: self.other_kernels.setEnabled(self.other_backend.currentData() != "llama.cpp"))
         self.compare_prompt = QtWidgets.QLineEdit(DEFAULT_PROMPT)
         self.compare_steps = spin_box(1, 256, 16, "Greedy steps compared")
         self.compare_chat = QtWidgets.QCheckBox("chat")
         return self._form([("other model", self._row(self.other_edit, browse, this)),
-                           ("runs on", self._row(self.other_backend, QtWidgets.QLabel("steps"), self.compare_steps,
-                                                 self.compare_chat)),
+                           ("runs on", self._row(self.other_backend, self.other_kernels, QtWidgets.QLabel("steps"),
+                                                 self.compare_steps, self.compare_chat)),
                            ("prompt", self.compare_prompt)])
 
     def _browse_other(self) -> None:
@@ -598,7 +613,8 @@ class WhyPanel(Panel):
         if not self.compare_prompt.text().strip():
             raise ValueError("type a prompt to compare on")
         return CompareParams(other=other, prompt=self.compare_prompt.text(), steps=self.compare_steps.value(),
-                             backend=str(self.other_backend.currentData()), chat=self.compare_chat.isChecked())
+                             backend=str(self.other_backend.currentData()), chat=self.compare_chat.isChecked(),
+                             kernels=str(self.other_kernels.currentData()))
 
     def _one_token(self, text: str) -> int:
         """The loaded tokenizer's id of `text` as one token; ValueError naming its pieces otherwise."""
@@ -678,6 +694,12 @@ class WhyPanel(Panel):
             self.mark_dirty()
 
     @QtCore.Slot(object)
+    @QtCore.Slot(object)
+    def _on_model_loaded(self, info: ModelInfo) -> None:
+        """The other side's kernel mode follows the loaded model's: fast against exact (one click shows what the fast
+        kernels cost), else exact (what the loaded mode costs against the model's own numbers)."""
+        self.other_kernels.setCurrentIndex(self.other_kernels.findData("fast" if info.kernels == "exact" else "exact"))
+
     def _on_run_started(self, _ev: object) -> None:
         if self.branch_label is not None:
             self._branch_started, self.branch_label = self.branch_label, None

@@ -69,7 +69,7 @@ def test_window_shows_model_info_and_help(qtbot, window):
     info = window.bridge.info
     label = window.model_label.text()
     assert label.startswith(f"{info.name} · ") and f"· {info.n_layers} layers ·" in label
-    assert label.endswith(f"{info.dtype} on {info.device}")
+    assert label.endswith(f"{info.dtype} · {info.kernels} kernels on {info.device}")  # the mode its numbers ran in
     assert window.progress.isHidden()
     window.show_panel_help()
     text = window.help_dialog.findChild(QtWidgets.QTextBrowser).toPlainText()
