@@ -205,7 +205,7 @@ def test_stop_ends_between_tokens(lcpp):
 @pytest.mark.parametrize("family", ["gemma3", "qwen3"])
 def test_other_families_match_the_session(tmp_path, family):
     """Gemma 3 (sliding window 4, scaled embedding, post-norms) and Qwen3 (q/k norms, NEOX RoPE layout)."""
-    pytest.importorskip("transformers")
+    import_required("transformers")  # tests.tiny_families writes its checkpoints with it
     from engine.loaders import load
     from tests.tiny_families import write_checkpoint
 
