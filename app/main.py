@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "lab at these concurrency levels (8 requests each) and show it in the screenshot")
     p.add_argument("--why", choices=("heads", "ablate", "patch", "attribute"), help="headless: after the generation "
                    "run this experiment of the Why panel with its default inputs and show it in the screenshot")
+    p.add_argument("--tour", type=int, metavar="N", help="open the guided tour at step N (with --screenshot: load the "
+                   "model, run step N's actions, wait for its measured figure, save the picture and exit)")
+    p.add_argument("--size", metavar="WxH", help="headless: the window's size, e.g. 1366x768 (default 1600x1000)")
     p.add_argument("--screenshot", metavar="OUT.png", help="headless: save a PNG of the whole window and exit")
     p.add_argument("--export-timeline", metavar="OUT.png|.svg", help="headless: save the timeline and exit")
     p.add_argument("--timeout", type=float, default=600.0, help="headless: give up after this many seconds")
@@ -50,6 +54,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         p.error("--max-new-tokens must be at least 1")
+    if args.tour is not None:
+        from app.tour import step_count
+
+        if not 1 <= args.tour <= step_count():
+            p.error(f"--tour: the tour has steps 1 to {step_count()}")
+    if args.size is not None and not re.fullmatch(r"[1-9]\d{2,4}x[1-9]\d{2,4}", args.size.lower()):
+        p.error(f"--size {args.size}: give it as WIDTHxHEIGHT, e.g. 1366x768")
     return args
 
 
@@ -85,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 return _fail(problem, 2)
     if args.open_session and not Path(args.open_session).expanduser().is_file():
         return _fail(f"--open-session {args.open_session}: no such file", 2)
-    if headless and not args.prompt and not args.open_session:
+    if headless and not args.prompt and not args.open_session and not args.tour:
         return _fail("--screenshot, --export-timeline and --save-session need --prompt or --open-session", 2)
     if headless:
         os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -114,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         window.connect_server(args.url)
     window.show()
+    if args.tour:
+        window.tour.start_when_loaded(args.tour - 1)
     if args.open_session:
         _open_when_loaded(window, str(Path(args.open_session).expanduser()))
     _close_on_ctrl_c(window)
@@ -202,7 +215,8 @@ def _run_headless(app, args: argparse.Namespace) -> int:
                         kernels=args.kernels)
     if "roofline" in window.panels and not replay_only:
         window.panels["roofline"].auto_measure = True  # the picture of a local run shows the machine it ran on
-    window.resize(*HEADLESS_SIZE)
+    size = tuple(int(v) for v in args.size.lower().split("x")) if args.size else HEADLESS_SIZE
+    window.resize(*size)
     window.show()
     outcome: dict[str, object] = {}
     deadline = time.monotonic() + args.timeout
@@ -216,6 +230,10 @@ def _run_headless(app, args: argparse.Namespace) -> int:
         app.exit(code)
 
     def on_loaded(_info) -> None:
+        if args.tour:  # the tour's step runs its own actions; its figure measured, the picture is taken
+            window.tour.sig_step_ready.connect(lambda _i: (window.resize(*size), QtCore.QTimer.singleShot(0, save)))
+            window.tour.start(args.tour - 1)
+            return
         if args.url and window.bridge.server is None:
             window.connect_server(args.url)  # generate once connected
             return
@@ -238,6 +256,8 @@ def _run_headless(app, args: argparse.Namespace) -> int:
             window.tick_panels(flush=True)
 
     def on_finished(_ev) -> None:
+        if args.tour:
+            return  # the tour's own step decides when its figure is in
         if args.load_lab and "load_lab" not in outcome:
             outcome["load_lab"] = True
             run_load_lab()

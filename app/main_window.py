@@ -17,7 +17,7 @@ from pathlib import Path
 
 from PySide6 import QtCore, QtGui, QtWidgets
 
-from app import exports, session_io, theme
+from app import exports, session_io, theme, tour
 from app.bridge import Bridge
 from app.guard import guarded, report, reporter
 from app.panels import GROUPS, PANEL_MODULES
@@ -131,6 +131,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self._build_status_bar()
         session_io.install(self)  # recorder, File → Save/Open session, autosave
         exports.install(self)  # View → Export panel, File → Export data, right-click on a panel
+        tour.install(self)  # Help → Tour: the course text's claims, measured on the loaded model
 
         self.bridge.sig_load_progress.connect(self._on_load_progress)
         self.bridge.sig_model_loaded.connect(self._on_model_loaded)
