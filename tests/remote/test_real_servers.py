@@ -122,13 +122,18 @@ def test_vllm_logits_cli(vllm_server):
     assert all(isinstance(c["id"], int) for c in d["candidates"])
 
 
+def serve_bench(server, *args: str) -> dict:
+    """`serve-bench --json` at concurrency 1 and 4 (4 prompts, 16 new tokens each): its output."""
+    r = cli("serve-bench", "--url", server.url, "--concurrency", "1,4", "--num-prompts", "4", "--max-new-tokens", "16",
+            "--time-limit", "90", *args, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
 def test_vllm_serve_bench(vllm_server, tmp_path):
     out = tmp_path / "bench.csv"
-    r = cli("serve-bench", "--url", vllm_server.url, "--concurrency", "1,4", "--num-prompts", "4",
-            "--max-new-tokens", "16", "--time-limit", "90", "--slo-ttft-ms", "60000", "--out", str(out), "--json")
-    assert r.returncode == 0, r.stderr
-    d = json.loads(r.stdout)
-    one, four = d["runs"]
+    d = serve_bench(vllm_server, "--slo-ttft-ms", "60000", "--out", str(out))
+    assert [run["concurrency"] for run in d["runs"]] == [1, 4]
     for run in d["runs"]:
         assert run["completed"] == 4 and run["failed"] == 0
         assert run["output_throughput"] > 0 and run["mean_tpot_ms"] > 0 and run["mean_ttft_ms"] > 0
@@ -137,9 +142,15 @@ def test_vllm_serve_bench(vllm_server, tmp_path):
         # the vllm-bench definition, checked against the run's own figures
         assert run["output_throughput"] == pytest.approx(64 / run["duration_s"], rel=1e-6)
         assert run["goodput"] == pytest.approx(run["request_throughput"])
-    # batching: four streams at once give the system more tokens/s than one at a time
-    assert four["output_throughput"] > 1.3 * one["output_throughput"]
     assert out.read_text().splitlines()[0].startswith("concurrency,request_rate,completed")
+
+
+@pytest.mark.timing
+def test_vllm_batching_raises_system_throughput(vllm_server):
+    """Four streams at once give the system more tokens/s than one at a time: a ratio of two measured speeds, which
+    a busy machine can break, so it is run by hand on a quiet one (pytest -m timing)."""
+    one, four = serve_bench(vllm_server)["runs"]
+    assert four["output_throughput"] > 1.3 * one["output_throughput"]
 
 
 def test_vllm_poisson_arrivals_bounded(vllm_server):
