@@ -16,6 +16,7 @@ from engine.cliargs import (
     CliError,
     Parser,
     UsageError,
+    add_kernels_arg,
     add_model_args,
     add_sampling_args,
     add_threads_arg,
@@ -350,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--model", default=None)
     q.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    add_kernels_arg(q)
     q.add_argument("--batches", type=int_list(1, 1024), default=[1, 2, 4, 8, 16, 32],
                    help="batch sizes, e.g. 1,2,4,8,16,32")
     q.add_argument("--prompt-tokens", type=int_in(1), default=32)
