@@ -209,9 +209,9 @@ class _Tap:
 class _LensHead(torch.nn.Module):
     """The final norm and the LM head read from the file: what engine.run.lens projects through.
 
-    The (V, d) output matrix is kept in float16, half the memory of float32 (on a 1B-scale model 0.2 GB of the
-    0.4), and widened to float32 HEAD_CHUNK values at a time as it multiplies; the quantized file's values fit float16's
-    11-bit mantissa closely (BENCHMARKS.md, "The lens's memory"). A matrix float16 cannot hold stays float32.
+    The (V, d) output matrix is kept in float16, half the memory of float32, and widened to float32 HEAD_CHUNK
+    values at a time as it multiplies; the quantized file's values fit float16's 11-bit mantissa closely (BENCHMARKS.md,
+    "The lens's memory"). A matrix float16 cannot hold stays float32.
     """
 
     def __init__(self, norm: torch.Tensor, output: torch.Tensor, eps: float) -> None:
@@ -393,7 +393,7 @@ class LlamaCppSession:
     def _read_header(path: Path) -> tuple[ModelConfig, dict, str]:
         """Config, storage by tensor type and file type from the header; the weights are left to llama.cpp.
 
-        The gguf package parses every metadata array in Python (Gemma's 262,144-token vocabulary: about 20 s here),
+        The gguf package parses every metadata array in Python, slow on a large vocabulary (Gemma's 262,144 tokens),
         so the three facts are kept in the cache by file, as the tokenizer is, and later loads read them at once.
         """
         from engine.loaders import gguf as gg

@@ -60,9 +60,9 @@ SUFFIX = ".ilab"
 
 # ---- what a file may make the reader hold -------------------------------------------------------------------
 # Sized from a long real run: SmolLM2-135M with the app's captures (funnel, full logits, logit lens, and attention
-# for one layer once the prompt is past the every-layer threshold) stores per step its logits (vocab × 4 bytes,
-# about 0.2 MB) and one attention row (heads × position × 4 bytes), about 15 arrays and a few KB of JSON: at 8,192
-# tokens some 3 GB of arrays, 120,000 arrays and 30 MB of JSON. Each limit leaves room above that.
+# for one layer once the prompt is past the every-layer threshold) stores per step its logits (vocab × 4 bytes) and
+# one attention row (heads × position × 4 bytes), about 15 arrays and its JSON. Each limit leaves room above what
+# 8,192 such tokens hold (long runs' sessions: BENCHMARKS.md, "Long runs (issue 26)").
 MAX_MEMBERS = 64  # session.json, arrays.npz and the tokenizer's few files
 MAX_JSON_BYTES = 256 << 20
 MAX_DEPTH = 64  # nesting of session.json; real documents go about 10 deep
