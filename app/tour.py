@@ -237,13 +237,13 @@ def fig_paged_fit(t: TourController) -> Figure:
     co = t.rec.sched.get("continuous")
     if co is None:
         raise LookupError("the scheduling lab did not summarise continuous batching")
-    ratio = co.fits_paged / max(1, co.fits_contiguous)
-    return Figure(float(co.fits_paged), (
-        f"a {_fmt_bytes(co.kv_budget_bytes)} KV budget holds <b>{co.fits_paged}</b> requests in pages "
-        f"({_fmt_bytes(co.paged_bytes_per_request)} each on average) against <b>{co.fits_contiguous}</b> "
-        f"contiguous reservations ({_fmt_bytes(co.contiguous_bytes_per_request)} each); peak memory "
-        f"{_fmt_bytes(co.peak_paged_bytes)} paged against {_fmt_bytes(co.peak_contiguous_bytes)} reserved"),
-        ratio > 1)
+    ratio = co.contiguous_bytes_per_request / co.paged_bytes_per_request
+    return Figure(ratio, (
+        f"a running request held <b>{_fmt_bytes(co.paged_bytes_per_request)}</b> in pages on average against "
+        f"<b>{_fmt_bytes(co.contiguous_bytes_per_request)}</b> reserved contiguously: the same memory holds "
+        f"<b>{ratio:.2f} ×</b> as many requests (the lab's {_fmt_bytes(co.kv_budget_bytes)} budget: "
+        f"{co.fits_paged} paged against {co.fits_contiguous} contiguous); peak {_fmt_bytes(co.peak_paged_bytes)} "
+        f"paged against {_fmt_bytes(co.peak_contiguous_bytes)} reserved"), ratio > 1.05)
 
 
 def fig_speculative_gain(t: TourController) -> Figure:
