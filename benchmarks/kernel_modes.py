@@ -38,7 +38,7 @@ def _configs(model: str | None) -> dict[str, list[str]]:
     return out
 
 
-def _kl(model: str | None, mode: str, threads: str) -> dict:
+def _kl(model: str | None, mode: str, threads: int | str) -> dict:
     """engine.why.compare of the file in exact mode (a) against `mode` (b) on a's greedy continuation."""
     from engine.loaders import load
     from engine.run.session import Session
@@ -71,7 +71,7 @@ def cmd_kernel_modes(a: argparse.Namespace) -> int:
     if not a.smoke:
         for mode in (k for k in KERNEL_MODES if k != "exact"):
             print(f"comparing exact with {mode} on {COMPARE_STEPS} steps …", file=sys.stderr)
-            kl[mode] = _kl(a.model, mode, threads)
+            kl[mode] = _kl(a.model, mode, a.threads)
     report = {"machine": _machine(), "model": a.model or "smollm2", "threads": threads, "new_tokens": n_new,
               "rounds": rounds, "results": results, "kl_vs_exact": kl, "other_processes_cores": busy.cores_used(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

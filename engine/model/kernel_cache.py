@@ -29,10 +29,8 @@ MAX_ENTRIES = 400  # the oldest go first: a file that outlives many torch versio
 PLAIN_MARGIN = 1.05
 # Else, among the candidates within LIGHT_MARGIN of the fastest (the tolerance issue 27 sets), the one that streams the
 # fewest bytes per weight wins: a decode product is memory-bound, and one that reads more loses more when the memory
-# bus is shared or slower. On the AMD AVX-512 machine a float32 LM head through the split and its int8 form took 3.05
-# and 3.13 ms at the first load, then 4.38 and 3.19 ms in the benchmark minutes later; bf16's packed head and int8
-# 2.66 and 2.87 ms, then 3.7–4.9 and 2.9–3.7 ms in three measurements (BENCHMARKS.md, "AMD EPYC with AVX-512 and
-# avx512_bf16").
+# bus is shared or slower: an LM head larger than the cache swapped its near-equal candidates' order between
+# measurements minutes apart, the heavier one losing more (BENCHMARKS.md, "AMD EPYC with AVX-512 and avx512_bf16").
 LIGHT_MARGIN = 1.10
 QUANT_BYTES = {"int4": 0.625, "int8": 1.0}  # per weight, with the scales (engine.model.quant)
 FLOAT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}

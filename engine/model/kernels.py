@@ -54,9 +54,8 @@ from engine.run.threads import decode_thread_counts
 
 ROUNDS = 5  # interleaved rounds after the warm-up (the median of these)
 # A shape the model has once (the LM head) gives one sample per round where a layer's shape averages over every layer,
-# so it runs up to this many rounds within the budget: on the AMD AVX-512 machine its candidates' medians of 4–5
-# rounds moved by 1.3–2.5 × between measurements a minute apart (BENCHMARKS.md, "AMD EPYC with AVX-512 and
-# avx512_bf16")
+# so it runs up to this many rounds within the budget: with a few rounds its candidates' medians moved by more than
+# their differences between measurements a minute apart (BENCHMARKS.md, "AMD EPYC with AVX-512 and avx512_bf16")
 SINGLE_ROUNDS = 15
 MIN_ROUNDS = 3
 BUDGET_S = 0.12  # measuring time per shape and thread count, past which fewer rounds are run (at least MIN_ROUNDS)
