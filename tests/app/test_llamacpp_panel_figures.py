@@ -98,7 +98,9 @@ def test_kv_and_roofline_on_the_default_models_q4_1_file(qtbot, bridge):
         panel = show(qtbot, bridge, s, roofline)
         assert panel.dtype() == "q4_1"  # the file's type, not the fp32 the box opened on
         decode = panel.analytic_costs()["decode"]
-        assert decode.weight_bytes == pytest.approx(costs.step_weight_bytes(s.cfg, "q4_1", 1))
+        # the bytes llama.cpp's kernels read: the file's own blocks (Q4_1 layers, its Q8_0 table), as its steps report
+        assert decode.weight_bytes == pytest.approx(s.info.decode_weight_bytes_file)
+        assert decode.weight_bytes != pytest.approx(costs.step_weight_bytes(s.cfg, "fp32", 1))
     finally:
         s.close()
 
