@@ -29,7 +29,7 @@ import sys
 import time
 
 
-def measure_choices(dtype: str, counts: list[int], rounds: int, remeasure: bool) -> dict:
+def measure_choices(dtype: str, counts: list[int], rounds: int, remeasure: bool, kernels_mode: str = "exact") -> dict:
     """Every shape's chosen kernel against every candidate, measured again now; and the chains they make."""
     import torch
 
@@ -37,7 +37,7 @@ def measure_choices(dtype: str, counts: list[int], rounds: int, remeasure: bool)
     from engine.model import kernels
 
     with kernels.keeping_forms():  # every quantized form stays, to be measured against the choice
-        lm = load(None, device="cpu", dtype=dtype)  # tunes at load: the engine's own choice, cached or measured
+        lm = load(None, device="cpu", dtype=dtype, kernels=kernels_mode)  # tunes: its own choice, cached or measured
     if remeasure:
         lm.model.tune_kernels(remeasure=True)
     groups = lm.model.decode_products()
@@ -48,16 +48,16 @@ def measure_choices(dtype: str, counts: list[int], rounds: int, remeasure: bool)
             for n in counts:
                 torch.set_num_threads(n)
                 shapes = []
-                for (*shape, quantized), products in groups.items():
+                for (*shape, weights), products in groups.items():
                     shape = tuple(shape)
                     names = [k for k in kernels.KERNELS if kernels.applicable(k, products[0][0], products[0][2], n,
                                                                               products[0][3])
                              and kernels._works(k, products)]
                     seconds, _ = kernels.choose(names, kernels._timer(products), rounds=rounds, budget_s=None,
                                                 prune=None)  # every candidate, every round
-                    chosen = kernels.chosen(shape, tdtype, n, quantized) or "linear"
+                    chosen = kernels.chosen(shape, tdtype, n, weights) or "linear"
                     fastest = min(seconds, key=seconds.get)
-                    shapes.append({"shape": list(shape), "quantized": quantized, "count": len(products),
+                    shapes.append({"shape": list(shape), "weights": weights, "count": len(products),
                                    "chosen": chosen,
                                    "fastest": fastest, "seconds": seconds,
                                    "chosen_over_fastest": seconds[chosen] / seconds[fastest]})
@@ -183,7 +183,7 @@ def _print(res: dict) -> None:
             print(f"  {'weight (out × in)':<18}{'count':>6}  {'chosen':<8}{'fastest':<9}{'chosen ÷ fastest':>17}"
                   + "".join(f"{n:>10}" for n in names))
             for s in r["shapes"]:
-                shape = f"{s['shape'][0]} × {s['shape'][1]}" + (" q4" if s["quantized"] else "")
+                shape = f"{s['shape'][0]} × {s['shape'][1]}" + ("" if s["weights"] == "float" else f" {s['weights']}")
                 mark = "" if s["chosen_over_fastest"] <= 1.10 else "  over 10 %"
                 ratio = s["chosen_over_fastest"]
                 print(f"  {shape:<18}{s['count']:>6}  {s['chosen']:<8}{s['fastest']:<9}{ratio:>16.2f}×"
@@ -230,8 +230,9 @@ def cmd_bench_gemv(a: argparse.Namespace) -> int:
     dtypes = [a.dtype] if a.dtype else ["float32", "bfloat16"]
     res = {"machine": asdict(kernels.this_machine()), "machine_at_start": _machine_line(), "rounds": rounds,
            "candidates": list(kernels.KERNELS),
-           "kernels": {} if a.no_kernels else {dt: measure_choices(dt, decode_thread_counts(), rounds, a.remeasure)
-                                               for dt in dtypes}}
+           "kernel_mode": a.kernels,
+           "kernels": {} if a.no_kernels else {
+               dt: measure_choices(dt, decode_thread_counts(), rounds, a.remeasure, a.kernels) for dt in dtypes}}
     if not a.smoke and not a.no_decode:
         res["decode"] = decode_end_to_end(a.decode_dtype or preferred_dtype("cpu"), a.new_tokens, a.repeats,
                                           a.decode_rounds)
@@ -250,6 +251,8 @@ def add_subcommand(sub) -> None:
     p.add_argument("--rounds", type=int, default=9, help="interleaved rounds per shape (after one warm-up)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="kernels: default both")
     p.add_argument("--remeasure", action="store_true", help="let the engine measure its choice again first")
+    p.add_argument("--kernels", default="exact", choices=["exact", "file", "fast"],
+                   help="the kernel mode whose candidates are measured (fast: the int4 and int8 forms too)")
     p.add_argument("--no-decode", action="store_true", help="skip the end-to-end decode comparison")
     p.add_argument("--no-kernels", action="store_true", help="skip the per-shape kernels (part 1): decode only")
     p.add_argument("--decode-rounds", type=int, default=1,

@@ -181,12 +181,17 @@ def add_kernels_arg(p: argparse.ArgumentParser, name: str = "--kernels", of: str
                         + "; ".join(f"{k}: {v}" for k, v in KERNEL_MODES.items()))
 
 
-def stamped(doc: dict, info: object | None) -> dict:
+EXACT_PRODUCTS = "exact"  # what a command that forces F.linear on every product computes, whatever the model's mode
+
+
+def stamped(doc: dict, info: object | None, kernels: str | None = None) -> dict:
     """A command's --json document with what computed it: the kernel mode and dtype of the model `info`
-    (ModelInfo; None: a server, which computes as it does)."""
+    (ModelInfo; None: a server, which computes as it does); `kernels`: the mode the command itself ran its products
+    in, where it overrides the model's (EXACT_PRODUCTS: the why-experiments that force F.linear)."""
+    assert "kernels" not in doc and "dtype" not in doc, "a document's own kernels or dtype would be overwritten"
     if info is None:
         return {**doc, "kernels": "server", "dtype": None}
-    return {**doc, "kernels": info.kernels, "dtype": info.dtype}
+    return {**doc, "kernels": kernels or info.kernels, "dtype": info.dtype}
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:

@@ -262,7 +262,7 @@ def load(
             cfg, file_bytes, meta.get("file_embedding_bytes", 0), rows=1)) if files else 0,
         # at the bytes the chosen decode kernels stream (a Q4 file's int4 form where that kernel won here)
         decode_weight_bytes=round(costs.step_weight_bytes(cfg, dname, rows=1)) - net.decode_bytes_saved(),
-        sha256=_sha256(path, use_cache), kernels=kernels,
+        sha256=_sha256(path, use_cache), kernels=net.kernel_mode,  # the mode that runs: exact where no form was built
     )
     from engine.formats.discover import remember
 

@@ -85,7 +85,7 @@ class QuantForms:
     int4: tuple[torch.Tensor, torch.Tensor] | None = None  # packed (out, in/2) uint8, scale_zero (in/32, out, 2)
     int8: tuple[torch.Tensor, torch.Tensor] | None = None  # q (out, in) int8, scale (out,)
     dropped: bool = False  # a form was freed after tuning: measuring again now would miss it (not to be cached)
-    mode: str = FAST  # the kernel mode they were built for (FILE: the file's own int4 blocks only)
+    mode: str = FAST  # the kernel mode they were built for (FILE: the file's own int4 blocks only; FAST: int8 too)
 
     def nbytes(self) -> int:
         """The bytes these forms hold (and a decode product through one of them reads)."""
@@ -174,7 +174,7 @@ def int8_from_float(weight: torch.Tensor, dtype: torch.dtype = ACT_DTYPE) -> tup
     return q.contiguous(), scale.contiguous()
 
 
-def q4_forms(blocks: torch.Tensor, kind: str, weight: torch.Tensor, mode: str = FAST) -> QuantForms | None:
+def q4_forms(blocks: torch.Tensor, kind: str, weight: torch.Tensor, mode: str) -> QuantForms | None:
     """The forms of a weight the file stores as `kind` blocks (out, in/32, bytes) in kernel mode `mode`; `weight`
     is its float form. int4 only for the int4 kinds and where the rows are a multiple of INT4_ROWS; int8 (a
     requantization: REQUANT gets only it) in FAST mode only. None where the mode gives this weight no form (EXACT:

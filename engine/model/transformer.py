@@ -330,7 +330,8 @@ class Transformer(nn.Module):
         self.rope_local: torch.Tensor | None = None  # local layers' table (their own base, no scaling)
         self.head_packed: torch.Tensor | None = None  # pack_for_decode(lm_head)
         self.tied_head_quant: quant.QuantForms | None = None  # a tied head's forms (an untied one's: output.quant)
-        self.kernel_mode = quant.EXACT  # how its decode products compute (attach_quant; kernel_cache.KERNEL_MODES)
+        # how its decode products compute (kernel_cache.KERNEL_MODES): exact unless attach_quant built a form
+        self.kernel_mode = quant.EXACT
 
     def init_rope(self, rows: int = ROPE_ROWS) -> None:
         """Build the RoPE tables for the first `rows` positions; forward grows them when a step needs more.
@@ -355,18 +356,18 @@ class Transformer(nn.Module):
         self.head_packed = pack_for_decode(self.lm_head)
         return self.head_packed is not None
 
-    def attach_quant(self, blocks: dict[str, tuple[torch.Tensor, str]], mode: str = quant.FAST) -> int:
+    def attach_quant(self, blocks: dict[str, tuple[torch.Tensor, str]], mode: str) -> int:
         """Give each projection a GGUF stored quantized the forms kernel mode `mode` allows (engine.model.quant:
         "file" the int4 form of Q4_0/Q4_1/Q4_K blocks, "fast" also the int8 form, "exact" none); blocks: weight name
         -> (blocks (out, in/32, bytes), kind), from quant.take_blocks. A tied model's token table is its LM head:
         its forms serve the head (head_quant), while the embedding lookup keeps gathering rows of the float weight.
-        Returns the forms' bytes.
+        Returns the forms' bytes. The model's kernel_mode becomes `mode` where at least one form was built (else its
+        products stay exact, and it says so).
 
         They cost up to 1.625 bytes per weight value beside the float weight (0.625 int4, 1 int8); tune_kernels
         drops a form the tuner did not choose.
         """
-        self.kernel_mode = mode
-        total = 0
+        total, built = 0, False
         for name, (b, kind) in blocks.items():
             tied = name == "tok_embeddings.weight" and self.output is None
             m = self.tok_embeddings if tied else self.get_submodule(name.removesuffix(".weight"))
@@ -381,6 +382,8 @@ class Transformer(nn.Module):
             else:
                 m.quant = forms
             total += forms.nbytes() if forms is not None else 0
+            built |= forms is not None
+        self.kernel_mode = mode if built else quant.EXACT
         return total
 
     @property

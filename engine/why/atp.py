@@ -245,7 +245,7 @@ def _grid(rows: list[list[float]], labels: list[str], first: str) -> None:
 
 
 def _cmd(a: argparse.Namespace) -> int:
-    from engine.cliargs import CliError, UsageError, session_from_args, stamped
+    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, session_from_args, stamped
 
     if getattr(a, "url", None):
         raise UsageError("`atp` runs a backward pass through the model, which a server does not let us do: "
@@ -258,7 +258,7 @@ def _cmd(a: argparse.Namespace) -> int:
     except (Unsupported, Cancelled, RuntimeError) as e:
         raise CliError(str(e)) from None
     if a.json:
-        print(json.dumps(stamped(out, s.info), ensure_ascii=False))
+        print(json.dumps(stamped(out, s.info, EXACT_PRODUCTS), ensure_ascii=False))
         return 0
     pieces = out["tokens"]["clean"]
     print(f"logit difference {out['answer']['token']!r} - {out['wrong']['token']!r}: clean "

@@ -283,7 +283,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd(a: argparse.Namespace) -> int:
-    from engine.cliargs import CliError, UsageError, session_from_args, stamped
+    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, session_from_args, stamped
     from engine.why import Cancelled
 
     if a.url:
@@ -302,7 +302,7 @@ def _cmd(a: argparse.Namespace) -> int:
     except Cancelled:
         return 130
     if a.json:
-        print(json.dumps(stamped(result, session.info)))
+        print(json.dumps(stamped(result, session.info, None if a.method == "occlusion" else EXACT_PRODUCTS)))
         return 0
     t, cost = result["target"], result["cost"]
     print(f"next token {t['piece']!r} (id {t['id']}, {t['chosen']}), log p = {t['logprob']:.4f}; "

@@ -168,7 +168,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd(a: argparse.Namespace) -> int:
-    from engine.cliargs import CliError, UsageError, session_from_args, stamped
+    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, session_from_args, stamped
 
     if getattr(a, "url", None):
         raise UsageError("`dla` reads each head's output inside the forward pass, which a server does not give: "
@@ -181,7 +181,7 @@ def _cmd(a: argparse.Namespace) -> int:
     except (Unsupported, RuntimeError) as e:
         raise CliError(str(e)) from None
     if a.json:
-        print(json.dumps(stamped(out, s.info), ensure_ascii=False))
+        print(json.dumps(stamped(out, s.info, EXACT_PRODUCTS), ensure_ascii=False))
         return 0
     at = f"step {out['step']}" + (f" (after {''.join(out['generated'])!r})" if out["generated"] else "")
     print(f"logit difference {out['answer']['token']!r} - {out['wrong']['token']!r} at {at}: "

@@ -165,7 +165,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd(a: argparse.Namespace) -> int:
-    from engine.cliargs import CliError, UsageError, session_from_args, stamped
+    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, session_from_args, stamped
 
     if getattr(a, "url", None):
         raise UsageError("`patch` edits the forward pass, which a server does not let us do: drop --url")
@@ -177,7 +177,7 @@ def _cmd(a: argparse.Namespace) -> int:
     except (Unsupported, Cancelled, RuntimeError) as e:
         raise CliError(str(e)) from None
     if a.json:
-        print(json.dumps(stamped(out, s.info), ensure_ascii=False))
+        print(json.dumps(stamped(out, s.info, EXACT_PRODUCTS), ensure_ascii=False))
         return 0
     print(f"logit difference {out['answer']['token']!r} - {out['wrong']['token']!r}: clean "
           f"{out['clean_logit_diff']:.3f}, corrupted {out['corrupt_logit_diff']:.3f}; share restored by patching "

@@ -87,7 +87,7 @@ def test_q4_k_blocks_unpack_to_ggufs_dequantization_bit_for_bit(source):
 def test_the_int4_candidate_multiplies_by_the_q4_k_weight():
     raw = random_q4_k(64, 768, seed=3)
     ref = ggufs(raw, Q.Q4_K, (64, 768))
-    forms = quant.q4_forms(torch.from_numpy(as_blocks(raw)), "q4_k", ref)
+    forms = quant.q4_forms(torch.from_numpy(as_blocks(raw)), "q4_k", ref, quant.FAST)
     assert forms.int4 is not None and forms.int8 is not None
     x = torch.randn(2, 768, generator=torch.Generator().manual_seed(4))
     want = x.double() @ ref.double().T
@@ -118,7 +118,7 @@ def test_other_quantized_types_get_the_int8_form_only_and_shapes_keep_one_set_of
         "layers.0.mlp.w_down.weight": ((32, 8, 18), "q4_k"),  # layer 1's Q6_K-like down projection runs float
     }
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(6))
-    forms = quant.q4_forms(*blocks["layers.0.attn.wqkv.weight"], w)
+    forms = quant.q4_forms(*blocks["layers.0.attn.wqkv.weight"], w, quant.FAST)
     assert forms.int4 is None and forms.int8 is not None
     assert_close(forms.int8[0].float() * forms.int8[1].float()[:, None], w, rtol=0,
                  atol=quant.INT8_STEP_ERROR * float(forms.int8[1].float().max()) * (1 + 2 ** -7))

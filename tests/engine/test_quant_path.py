@@ -410,3 +410,11 @@ def test_an_unknown_kernel_mode_is_refused_in_one_sentence(q4_file):
 
     with pytest.raises(ModelLoadError, match="unknown kernel mode 'turbo'"):
         load(q4_file, device="cpu", dtype="float32", kernels="turbo")
+
+
+def test_a_mode_that_finds_no_quantized_weight_says_exact(tiny_dir):
+    """The mode recorded is the one that runs: a float file in fast mode builds no form, so it computes (and says)
+    exact; so does the file mode on weights without an int4 form."""
+    lm = load(tiny_dir.gguf, device="cpu", dtype="float32", use_cache=False, kernels="fast")
+    assert all(q is None for ps in lm.model.decode_products().values() for *_, q in ps)
+    assert lm.info.kernels == lm.model.kernel_mode == "exact"

@@ -129,6 +129,20 @@ def test_cli_json(tiny_dir, capsys):
     assert d["tokens"]["clean"][7] == "j" and d["tokens"]["corrupt"][7] == "b"
     assert np.asarray(d["restored"]).shape == (3, 10) and "restored_heads" not in d
     assert {"clean_logit_diff", "corrupt_logit_diff", "definition"} <= d.keys()
+    assert d["kernels"] == "exact"  # patching forces F.linear: exact, whatever mode the model was loaded in
+
+
+def test_cli_json_names_the_products_it_ran_not_the_models_mode(tiny_dir, capsys, tmp_path):
+    """A Q4_0 file loaded in the fast mode is patched through F.linear: the output says exact."""
+    from engine.formats.requantize import requantize
+
+    q4 = tmp_path / "tiny-q4_0.gguf"
+    requantize(tiny_dir.gguf, q4, "Q4_0")
+    code, out, err = run_cli(capsys, "patch", "--model", str(q4), "--backend", "torch", "--threads", "1",
+                             "--kernels", "fast", "--clean", CLEAN, "--corrupt", CORRUPT, "--answer", ANSWER,
+                             "--wrong", WRONG, "--json")
+    assert code == 0, err
+    assert json.loads(out)["kernels"] == "exact"
 
 
 @pytest.mark.parametrize("argv, code, needle", [
