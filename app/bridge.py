@@ -526,6 +526,19 @@ class Bridge(QtCore.QObject):
             self.load_model(self._load.model, self._load.device, self._torch_dtype or self._load.dtype, "torch",
                             self._load.kernels)
 
+    def reload_in(self, kernels: str) -> bool:
+        """Send the newest Load again as it was (model, device, dtype, backend) but in kernel mode `kernels`; False
+        where no load was ever sent."""
+        if self._load is None:
+            return False
+        self.load_model(self._load.model, self._load.device, self._load.dtype, self._load.backend, kernels)
+        return True
+
+    @property
+    def last_load(self) -> P.Load | None:
+        """The newest Load sent (answered or not)."""
+        return self._load
+
     @property
     def pending_load(self) -> P.Load | None:
         """The newest Load sent that the engine has not answered yet (None: none is on its way)."""
@@ -533,7 +546,8 @@ class Bridge(QtCore.QObject):
 
     @property
     def replaying(self) -> bool:
-        """The event being routed now is a recorded one (a session being opened), not the engine's."""
+        """The event being routed now is a recorded one (a session being opened, or its model's facts shown), not
+        the engine's."""
         return self._replaying
 
     def set_threads(self, setting: int | str) -> None:
@@ -691,7 +705,11 @@ class Bridge(QtCore.QObject):
         if tokenizer is not None:
             self.tokenizer = tokenizer
         if announce and info is not None:
-            self.sig_model_loaded.emit(info)
+            before, self._replaying = self._replaying, True  # a recorded model's facts, not a load: `replaying`
+            try:
+                self.sig_model_loaded.emit(info)
+            finally:
+                self._replaying = before
 
     def replay(self, message: object) -> None:
         """Route a recorded event (or a step's list of them) exactly as a live one (a session being opened): a

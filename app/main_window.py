@@ -346,11 +346,16 @@ class MainWindow(QtWidgets.QMainWindow):
         self.kernels = mode
         if self.settings is not None:
             self.settings.save_kernels(mode)
-        info, pending = self.bridge.info, self.bridge.pending_load
-        if not reload or info is None or self.bridge.runtime != "torch":
+        if not reload:
             return
-        if (pending.kernels if pending is not None else info.kernels) == mode:
-            return  # it runs in this mode already, or is being loaded in it
+        asked, pending = self.bridge.last_load, self.bridge.pending_load
+        if pending is not None:  # a load on its way: sent again in this mode (llama.cpp ignores the mode)
+            if pending.kernels != mode:
+                self.bridge.reload_in(mode)
+            return
+        info = self.bridge.info
+        if info is None or self.bridge.runtime != "torch" or (asked.kernels if asked else info.kernels) == mode:
+            return  # nothing loaded on torch, or it was loaded in this mode already
         if self.interactive:
             answer = QtWidgets.QMessageBox.question(
                 self, "Load the model again?",
@@ -360,7 +365,12 @@ class MainWindow(QtWidgets.QMainWindow):
                 self.set_message(f"Kernel mode {mode}: the next model load uses it; {info.name} keeps "
                                  f"{fmt_kernels(info.kernels)}.")
                 return
-        self.load_model(self._model_request)
+        # the same model, device, dtype and runtime as it was loaded with (a crash's reload on torch included)
+        self.progress.setValue(0)
+        self.progress.show()
+        self.set_message(f"Loading {info.name} again ({mode} kernels)…")
+        if not self.bridge.reload_in(mode):
+            self.load_model(self._model_request)
 
     def load_model(self, path: str | None = None) -> None:
         """Load a model in the engine process (None = the default model), in the window's kernel mode; progress
@@ -693,7 +703,9 @@ class MainWindow(QtWidgets.QMainWindow):
         s = self.settings
         if s is None:
             return
-        s.save_window(self.saveGeometry(), self.saveState(), self._layout_version)
+        tour = getattr(self, "tour", None)
+        state = getattr(tour, "closing_state", None) or self.saveState()  # closed on the tour: the user's layout
+        s.save_window(self.saveGeometry(), state, self._layout_version)
         prompt, gen = self.panels.get("prompt"), self.panels.get("generation")
         text = prompt.text() if prompt is not None else (gen.text() if gen is not None else "")
         chat = prompt.chat() if prompt is not None else (gen.chat() if gen is not None else True)

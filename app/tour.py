@@ -386,6 +386,7 @@ class TourController(QtCore.QObject):
         self.failures: dict[int, str] = {}
         self.unsupported: dict[int, str] = {}  # step → the runtime's sentence: it cannot run that lab at all
         self.saved: Saved | None = None
+        self.closing_state: QtCore.QByteArray | None = None  # the user's layout, when the window closed on the tour
         self._run = 0  # bumps on every step start and on leaving: a stale callback sees another number
         self._waits: list[tuple[QtCore.SignalInstance, Callable]] = []
         self.card = TourCard()
@@ -399,12 +400,25 @@ class TourController(QtCore.QObject):
         self.card.next_button.clicked.connect(self.next)
         self.card.leave_button.clicked.connect(self.leave)
         b = window.bridge
-        for sig, slot in ((b.sig_prompt, "_on_prompt"), (b.sig_prefill, "_on_prefill"), (b.sig_token, "_on_token"),
-                          (b.sig_kv, "_on_kv"), (b.sig_finished, "_on_finished"), (b.sig_batch_row, "_on_batch_row"),
-                          (b.sig_sched, "_on_sched"), (b.sig_spec, "_on_spec"), (b.sig_why_done, "_on_why")):
-            sig.connect(getattr(self, slot))
-        QtWidgets.QApplication.instance().installEventFilter(self)
-        window.installEventFilter(self)
+        # what the tour records and watches, attached only while it is open: a closed tour costs the run nothing
+        self._recorders = ((b.sig_prompt, self._on_prompt), (b.sig_prefill, self._on_prefill),
+                           (b.sig_token, self._on_token), (b.sig_kv, self._on_kv), (b.sig_finished, self._on_finished),
+                           (b.sig_batch_row, self._on_batch_row), (b.sig_sched, self._on_sched),
+                           (b.sig_spec, self._on_spec), (b.sig_why_done, self._on_why))
+
+    def _attach(self, on: bool) -> None:
+        """Record the run's events and watch Esc and the window's Close while the tour is open (on), or stop."""
+        app = QtWidgets.QApplication.instance()
+        for sig, slot in self._recorders:
+            if on:
+                sig.connect(slot)
+            else:
+                sig.disconnect(slot)
+        for target in (app, self.window):
+            if on:
+                target.installEventFilter(self)
+            else:
+                target.removeEventFilter(self)
 
     # ---- recording ----
     def _on_prompt(self, ev: Any) -> None:
@@ -459,6 +473,7 @@ class TourController(QtCore.QObject):
         if not self.active:
             self.saved = self._snapshot()
             self.active = True
+            self._attach(True)
             self.window.addDockWidget(QtCore.Qt.DockWidgetArea.RightDockWidgetArea, self.dock)
             self.dock.show()
         self.go(index)
@@ -508,6 +523,7 @@ class TourController(QtCore.QObject):
         if not self.active:
             return
         self.active, self.busy = False, False
+        self._attach(False)
         self._run += 1
         self._drop_waits()
         self._stop_running()
@@ -527,7 +543,10 @@ class TourController(QtCore.QObject):
             return False
         kind = event.type()
         if obj is self.window and kind == QtCore.QEvent.Type.Close:
-            self.leave()  # the window saves its settings next: the user's layout, not the tour's
+            # the window saves its settings next: the user's layout as it was (restoreState's layout would only
+            # settle after this event), not the tour's
+            self.closing_state = self.saved.state if self.saved is not None else None
+            self.leave()
         elif (kind in (QtCore.QEvent.Type.ShortcutOverride, QtCore.QEvent.Type.KeyPress)
               and event.key() == QtCore.Qt.Key.Key_Escape and isinstance(obj, QtWidgets.QWidget)
               and obj.window() is self.window):
@@ -899,15 +918,17 @@ def install(window: QtWidgets.QMainWindow) -> TourController:
         window.tour_action = action
     settings = getattr(window, "settings", None)
     if settings is not None and getattr(window, "interactive", False) and not settings.store.value(OFFERED):
-        settings.store.setValue(OFFERED, True)
-        settings.sync()
         window.bridge.sig_model_loaded.connect(_offer_once(window, tour))
     return tour
 
 
 def _offer_once(window: QtWidgets.QMainWindow, tour: TourController) -> Callable[[Any], None]:
     def offer(_info: Any) -> None:
+        if window.bridge.replaying:
+            return  # a session being opened, not a model loaded: wait for a real load
         window.bridge.sig_model_loaded.disconnect(offer)
+        window.settings.store.setValue(OFFERED, True)  # offered once: remembered when it is shown, not before
+        window.settings.sync()
         box = QtWidgets.QMessageBox(QtWidgets.QMessageBox.Icon.Question, "A tour of the course",
                                     "Take the tour? Twelve short steps make each claim of the course text on this "
                                     "model and measure it on this machine. Esc leaves at any step, and Help → Tour "

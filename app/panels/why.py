@@ -398,6 +398,7 @@ class WhyPanel(Panel):
             self.other_backend.addItem(label, key)
         self.other_backend.setToolTip("The runtime of the other side: the torch engine dequantizes the file, "
                                       "llama.cpp runs its quantized blocks as they are")
+        self._loaded_kernels = ""  # the loaded model's kernel mode the other side's choice last followed
         self.other_kernels = QtWidgets.QComboBox()
         for mode in KERNEL_MODES:
             self.other_kernels.addItem(f"{mode} kernels", mode)
@@ -694,12 +695,16 @@ class WhyPanel(Panel):
             self.mark_dirty()
 
     @QtCore.Slot(object)
-    @QtCore.Slot(object)
     def _on_model_loaded(self, info: ModelInfo) -> None:
-        """The other side's kernel mode follows the loaded model's: fast against exact (one click shows what the fast
-        kernels cost), else exact (what the loaded mode costs against the model's own numbers)."""
+        """The other side's kernel mode follows the loaded model's when that changes: fast against exact (one click
+        shows what the fast kernels cost), else exact (what the loaded mode costs against the model's own numbers);
+        a choice the user made stands while the mode stays."""
+        if info.kernels == self._loaded_kernels:
+            return
+        self._loaded_kernels = info.kernels
         self.other_kernels.setCurrentIndex(self.other_kernels.findData("fast" if info.kernels == "exact" else "exact"))
 
+    @QtCore.Slot(object)
     def _on_run_started(self, _ev: object) -> None:
         if self.branch_label is not None:
             self._branch_started, self.branch_label = self.branch_label, None
