@@ -64,16 +64,18 @@ def test_logits_and_generate_json():
 
 @pytest.mark.slow
 def test_the_fast_kernel_mode_is_named_in_the_json_and_moves_the_numbers(monkeypatch):
-    """Under --kernels fast the file's int4 blocks run (forced here: the tuner may find them slower on some CPU),
-    so the numbers move; the output says which mode computed them. In exact mode the forcing finds no form to run."""
+    """Under --kernels fast the tied head's int8 form runs (forced here: the tuner may find it slower on some CPU;
+    the prompt's own positions are a prefill, which never runs a form), so the numbers move; the output says which
+    mode computed them. In exact mode the forcing finds no form to run: transformers' float32 funnel keeps 152."""
     args = ("logits", "--prompt", "The capital of France is", "--dtype", "float32", "--temperature", "1.3",
             "--top-p", "0.8", "--threads", "1", "--json")
-    monkeypatch.setenv("INFERENCE_LAB_KERNEL", "int4")
+    monkeypatch.setenv("INFERENCE_LAB_KERNEL", "int8")
     exact = json.loads(cli(*args, timeout=600).stdout)
     fast = json.loads(cli(*args, "--kernels", "fast", timeout=600).stdout)  # a first fast load measures its forms
     assert (exact["kernels"], fast["kernels"]) == ("exact", "fast")
     assert exact["candidates"][0]["token"] == fast["candidates"][0]["token"] == " Paris"
-    assert exact["candidates"][0]["prob_raw"] != fast["candidates"][0]["prob_raw"]  # int4 blocks ran in fast mode
+    assert exact["candidates"][0]["prob_raw"] != fast["candidates"][0]["prob_raw"]  # the int8 head ran in fast mode
+    assert exact["kept"] == 152  # the issue's example, as transformers' warpers on its float32 logits
     r = cli(*args, "--kernels", "turbo")
     assert r.returncode == 2 and "--kernels" in r.stderr and "turbo" in r.stderr
 
