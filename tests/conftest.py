@@ -69,6 +69,28 @@ def tiny_lm(tiny_dir):
 
 
 @pytest.fixture(scope="session")
+def hf_from_gguf():
+    """transformers' own float32 model of a GGUF file (transformers dequantizes it itself): the reference several
+    modules hold the engine to, loaded once per test session (its GGUF loader takes a minute for Gemma 3)."""
+    import torch
+
+    from tests.requires import import_required
+
+    transformers = import_required("transformers")
+    loaded: dict[str, object] = {}
+
+    def get(path):
+        key = str(path)
+        if key not in loaded:
+            loaded[key] = transformers.AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+        return loaded[key]
+
+    yield get
+    loaded.clear()
+
+
+@pytest.fixture(scope="session")
 def real_lm():
     """The real default model (SmolLM2-135M-Instruct), loaded once per test session."""
     from engine.loaders import load

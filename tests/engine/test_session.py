@@ -181,12 +181,8 @@ def test_real_model_greedy_chat_is_deterministic_english(real_lm):
 
 
 @pytest.mark.slow
-def test_real_model_greedy_tokens_match_transformers(real_lm):
+def test_real_model_greedy_tokens_match_transformers(real_lm, hf_from_gguf):
     """The first greedy tokens equal those of Hugging Face transformers' own model on the same GGUF weights."""
-    from tests.requires import import_required
-
-    AutoModelForCausalLM = import_required("transformers").AutoModelForCausalLM  # noqa: N806
-
     from engine.loaders import default_model_path
     from engine.model import kernels
 
@@ -195,7 +191,7 @@ def test_real_model_greedy_tokens_match_transformers(real_lm):
     with kernels.forced("linear"):  # the float products: a quantized decode form is held to its own tolerance
         ours = run(s.generate(prompt, GREEDY, 8, ignore_eos=True))[-1].ids.tolist()
     path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, torch_dtype=torch.float32)
+    hf = hf_from_gguf(path)
     with torch.inference_mode():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
     assert ours == out[0, len(prompt):].tolist()
