@@ -2,8 +2,8 @@
 
 Both dequantize the same blocks to float32, so the logits must agree to float32 rounding, and greedy continuations
 must be the same tokens. transformers' conversion of the file is slow; it runs once per test session
-(tests/conftest.py's hf_from_gguf). The prompt ids are transformers' tokenization of the prompts; the CLI tests tokenize with the engine's own
-tokenizer and must reach the same ids and continuations.
+(tests/conftest.py's hf_from_gguf). The prompt ids are transformers' tokenization of the prompts; the CLI tests
+tokenize with the engine's own tokenizer and must reach the same ids and continuations.
 
 The products run through F.linear on the float weights here (kernel "linear", forced): the file's Q4_K blocks are
 also a quantized decode form the tuner may choose, whose logits move within their own tolerance (held in
