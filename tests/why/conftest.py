@@ -22,6 +22,22 @@ def by_hand_logits(w: dict[str, torch.Tensor], ids: list[int], edit: Editor | No
     return reference_logits(w, ids, cfg, edit=edit)
 
 
+@pytest.fixture(scope="module")
+def tiny_session(tiny_lm):
+    """A session over the tiny model (tests/conftest.py's tiny_lm), one per module."""
+    from engine.run.session import Session
+
+    return Session(tiny_lm)
+
+
+@pytest.fixture(scope="module")
+def tiny_bridge(tiny_dir):
+    """TransformerLens's model of the same tiny weights (tests/why/tl_reference.py), one per module."""
+    from tests.why.tl_reference import boot
+
+    return boot(tiny_dir.hf_dir)
+
+
 @pytest.fixture(scope="session")
 def by_hand() -> Callable[..., torch.Tensor]:
     return by_hand_logits

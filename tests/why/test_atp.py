@@ -53,16 +53,6 @@ def transformer_lens_atp(bridge, clean: list[int], corrupt: list[int], answer: i
     return resid, heads
 
 
-@pytest.fixture(scope="module")
-def tiny_session(tiny_lm):
-    return Session(tiny_lm)
-
-
-@pytest.fixture(scope="module")
-def tiny_bridge(tiny_dir):
-    return boot(tiny_dir.hf_dir)
-
-
 def test_atp_equals_transformer_lens_demo_formula_on_the_tiny_model(tiny_session, tiny_bridge):
     got = atp_grids(tiny_session, CLEAN, CORRUPT, ANSWER, WRONG, heads=True)
     resid, heads = transformer_lens_atp(tiny_bridge, got["ids"]["clean"], got["ids"]["corrupt"], got["answer_id"],

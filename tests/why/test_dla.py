@@ -14,19 +14,8 @@ import torch
 from engine.run.session import Session
 from engine.why.dla import components, dla
 from tests.why.conftest import engine_logits, run_cli
-from tests.why.tl_reference import boot
 
 PROMPT, ANSWER, WRONG = "zq vx kj wy", "k", "j"
-
-
-@pytest.fixture(scope="module")
-def tiny_session(tiny_lm):
-    return Session(tiny_lm)
-
-
-@pytest.fixture(scope="module")
-def tiny_bridge(tiny_dir):
-    return boot(tiny_dir.hf_dir)
 
 
 def transformer_lens_dla(bridge, ids: list[int], answer: int, wrong: int) -> dict[str, np.ndarray]:

@@ -74,16 +74,6 @@ def transformer_lens_batched(bridge, clean: list[int], corrupt: list[int], answe
     return np.array(grid)
 
 
-@pytest.fixture(scope="module")
-def tiny_session(tiny_lm):
-    return Session(tiny_lm)
-
-
-@pytest.fixture(scope="module")
-def tiny_bridge(tiny_dir):
-    return boot(tiny_dir.hf_dir)
-
-
 def test_patching_equals_transformer_lens_on_the_tiny_model(tiny_session, tiny_bridge):
     got = patch(tiny_session, CLEAN, CORRUPT, ANSWER, WRONG, heads=True)
     assert abs(got["clean_logit_diff"] - got["corrupt_logit_diff"]) > 0.1  # something to restore
