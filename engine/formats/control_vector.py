@@ -1,0 +1,300 @@
+"""Control vectors in llama.cpp's and repeng's GGUF format, read and written.
+
+The format (llama.cpp common/common.cpp `common_control_vector_load_one`, repeng `ControlVector.export_gguf`) is a
+GGUF file with
+    general.architecture       string "controlvector"
+    controlvector.model_hint   string, the model family it was made for (repeng writes the HF model_type, "llama")
+    controlvector.layer_count  uint32, how many directions the file holds (llama.cpp's loader does not read it)
+and one float32 1-D tensor per steered layer, `direction.N`, of length n_embd.
+
+Layers: N is the 0-based index of the transformer block whose OUTPUT the direction is added to. llama.cpp adds
+direction.N to the residual stream at the end of block N (`build_cvec(cur, il)` just before `l_out-il`); repeng's
+layer ids mean the same (it trains layer N on hidden_states[N + 1], the output of block N). llama.cpp cannot steer
+block 0: its loader refuses a file holding direction.0, and `llama_set_adapter_cvec` takes one flat float32 buffer
+of (n_layer - 1) × n_embd holding layers 1 … n_layer - 1, layer 1 first (`as_llama_buffer` builds it). So `save`
+refuses layer 0, while `load` without a model accepts it (repeng can write one).
+
+A control vector file may come from anyone, so `load` is bounded before GGUFReader sees it: a regular file of at
+most MAX_FILE_BYTES, its header walked first (how many keys, tensors and string-array items it declares, each
+inside the file), so that GGUFReader, which builds Python objects per item, cannot be made to build many; then
+only the direction tensors themselves are read. Whatever is wrong, it raises ControlVectorError (a ValueError)
+with one sentence naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+
+ARCH = "controlvector"
+KEY_MODEL_HINT = f"{ARCH}.model_hint"
+KEY_LAYER_COUNT = f"{ARCH}.layer_count"
+
+MAX_FILE_BYTES = 1 << 30  # a control vector is n_layers × n_embd floats: far below this for any model
+MAX_KEYS = 256  # a control vector has three
+MAX_TENSORS = 4096  # one per layer
+MAX_STRING_ITEMS = 4096  # items of string arrays, in all: GGUFReader builds objects per item
+MAX_NAME_BYTES = 1024  # a key's or a tensor's name
+MAX_DIMS = 4  # GGML_MAX_DIMS
+
+_NAME = re.compile(r"direction\.([0-9]{1,9})")
+
+
+class ControlVectorError(ValueError):
+    """A control vector file that cannot be used: one sentence naming the file and what is wrong."""
+
+
+@dataclass(frozen=True, eq=False)
+class ControlVector:
+    """Steering directions by layer: `directions[N]` (float32, (d_model,)) is added to block N's output.
+
+    Held as read-only float32 copies, sorted by layer; every direction finite and of one width.
+    """
+
+    directions: dict[int, np.ndarray]
+    model_hint: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_hint, str):
+            raise TypeError(f"model_hint must be a str, not {type(self.model_hint).__name__}")
+        if not self.directions:
+            raise ValueError("a control vector needs at least one direction")
+        for layer in self.directions:
+            if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or layer < 0:
+                raise ValueError(f"layer {layer!r} is not a block index (an int >= 0)")
+        out: dict[int, np.ndarray] = {}
+        for layer in sorted(self.directions):
+            a = np.array(self.directions[layer], dtype=np.float32)  # a copy: the caller's array stays theirs
+            if a.ndim != 1 or a.size == 0:
+                raise ValueError(f"layer {layer}'s direction has shape {a.shape}, not (d_model,)")
+            if not np.isfinite(a).all():
+                raise ValueError(f"layer {layer}'s direction holds non-finite values")
+            if out and a.size != len(next(iter(out.values()))):
+                raise ValueError(f"layer {layer}'s direction has width {a.size}, the others "
+                                 f"{len(next(iter(out.values())))}")
+            a.setflags(write=False)
+            out[int(layer)] = a
+        object.__setattr__(self, "directions", out)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The steered blocks, in order."""
+        return tuple(self.directions)
+
+    @property
+    def width(self) -> int:
+        """d_model: every direction's length."""
+        return len(next(iter(self.directions.values())))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ControlVector):
+            return NotImplemented
+        return (self.model_hint == other.model_hint and self.layers == other.layers
+                and all(np.array_equal(a, other.directions[k]) for k, a in self.directions.items()))
+
+    __hash__ = None  # type: ignore[assignment]  # holds arrays
+
+
+def save(vector: ControlVector, path: str | os.PathLike[str]) -> None:
+    """Write `vector` as a control vector GGUF that llama.cpp and repeng read (replacing `path` at once)."""
+    import gguf
+
+    if 0 in vector.directions:
+        raise ValueError("layer 0 cannot be saved: llama.cpp refuses a control vector file holding direction.0")
+    path = os.fspath(path)
+    tmp = f"{path}.{os.getpid()}.tmp"  # beside it, so the replace is one rename
+    try:
+        writer = gguf.GGUFWriter(tmp, ARCH)  # writes general.architecture
+        writer.add_string(KEY_MODEL_HINT, vector.model_hint)
+        writer.add_uint32(KEY_LAYER_COUNT, len(vector.directions))  # as repeng writes it
+        for layer, direction in vector.directions.items():
+            writer.add_tensor(f"direction.{layer}", direction)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load(path: str | os.PathLike[str], n_layers: int | None = None, d_model: int | None = None) -> ControlVector:
+    """Read a control vector GGUF; with `n_layers` / `d_model`, also check that it fits that model as llama.cpp
+    would use it (layers 1 … n_layers - 1, width d_model). Anything else raises ControlVectorError."""
+    import gguf
+
+    name = os.fspath(path)
+
+    def refuse(what: str) -> ControlVectorError:
+        return ControlVectorError(f"control vector {name}: {what}")
+
+    try:
+        st = os.stat(name)
+        if not stat.S_ISREG(st.st_mode):
+            raise refuse("is not a regular file")
+        if st.st_size > MAX_FILE_BYTES:
+            raise refuse(f"is {st.st_size} bytes, more than the {MAX_FILE_BYTES} a control vector file may be")
+        with open(name, "rb") as f:
+            _walk_header(f, st.st_size, refuse)
+    except OSError as e:
+        raise refuse(f"cannot be read ({e.strerror or e})") from None
+
+    try:
+        reader = gguf.GGUFReader(name, "r")
+    except Exception as e:  # any damage GGUFReader trips over (the header walk above let through only a bounded file)
+        raise refuse(f"is not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+    arch = _string_field(reader, "general.architecture", refuse)
+    if arch != ARCH:
+        raise refuse(f"is a GGUF of architecture {arch!r}, not {ARCH!r}")
+    hint = _string_field(reader, KEY_MODEL_HINT, refuse, missing="")
+
+    float_types = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F64}
+    directions: dict[int, np.ndarray] = {}
+    width = None
+    for t in reader.tensors:
+        m = _NAME.fullmatch(t.name)
+        if m is None:
+            raise refuse(f"holds a tensor named {t.name[:80]!r}, not direction.<layer>")
+        layer = int(m.group(1))
+        if layer in directions:
+            raise refuse(f"holds two directions for layer {layer}")
+        if len(t.shape) != 1:
+            raise refuse(f"{t.name} has {len(t.shape)} dimensions, not 1")
+        if t.tensor_type not in float_types:
+            raise refuse(f"{t.name} is of type {t.tensor_type.name}, not a float type")
+        if t.data.size != t.n_elements or t.n_elements == 0:
+            raise refuse(f"{t.name} is cut short or empty ({t.data.size} of {t.n_elements} values)")
+        with np.errstate(over="ignore"):  # a float64 beyond float32 becomes inf, refused below
+            a = np.array(t.data, dtype=np.float32)  # reads this tensor alone, from the mapped file
+        if not np.isfinite(a).all():
+            raise refuse(f"{t.name} holds non-finite values")
+        if width is not None and a.size != width:
+            raise refuse(f"{t.name} has width {a.size}, the directions before it {width}")
+        width = a.size
+        if n_layers is not None and not 1 <= layer <= n_layers - 1:
+            raise refuse(f"steers layer {layer}, but the loaded model's {n_layers} layers can be steered at "
+                         f"1 … {n_layers - 1} only")
+        if d_model is not None and a.size != d_model:
+            raise refuse(f"has width {a.size}, but the loaded model's d_model is {d_model}")
+        directions[layer] = a
+    del reader  # lets the file's mapping go
+    if not directions:
+        raise refuse("holds no directions")
+    return ControlVector(directions, hint)
+
+
+def as_llama_buffer(vector: ControlVector, n_layers: int, d_model: int, scale: float = 1.0) -> np.ndarray:
+    """The flat float32 buffer llama.cpp's `llama_set_adapter_cvec` takes: (n_layers - 1) × d_model values, layer 1
+    at offset 0 and layer N at (N - 1) × d_model, zeros for layers the vector leaves alone, each × `scale`."""
+    if n_layers < 2:
+        raise ValueError(f"a model of {n_layers} layers has no layer llama.cpp can steer (1 … n_layers - 1)")
+    if vector.width != d_model:
+        raise ValueError(f"the control vector has width {vector.width}, the model's d_model is {d_model}")
+    if not np.isfinite(scale):
+        raise ValueError(f"scale {scale} is not finite")
+    buf = np.zeros((n_layers - 1) * d_model, dtype=np.float32)
+    for layer, direction in vector.directions.items():
+        if layer == 0:
+            raise ValueError("llama.cpp cannot steer layer 0 (it adds directions from block 1's output on)")
+        if layer > n_layers - 1:
+            raise ValueError(f"the control vector steers layer {layer}, past this model's last, {n_layers - 1}")
+        buf[(layer - 1) * d_model:layer * d_model] = direction * np.float32(scale)
+    return buf
+
+
+def _string_field(reader, key: str, refuse, missing: str | None = None) -> str:
+    """The string value of `key` (`missing` where absent and allowed)."""
+    from gguf import GGUFValueType
+
+    f = reader.get_field(key)
+    if f is None:
+        if missing is None:
+            raise refuse(f"has no {key}")
+        return missing
+    if f.types != [GGUFValueType.STRING] or len(f.data) != 1:
+        raise refuse(f"has a {key} that is not a string")
+    try:
+        return bytes(f.parts[f.data[0]]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise refuse(f"has a {key} that is not UTF-8") from None
+
+
+# GGUF value types (gguf.GGUFValueType): the byte size of each scalar; 8 is a string, 9 an array
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def _walk_header(f: BinaryIO, size: int, refuse) -> None:
+    """Walk a GGUF header (keys and tensor infos) with bounded counts, each piece inside the file; else refuse."""
+    head = f.read(8)
+    if len(head) < 8 or head[:4] != b"GGUF":
+        raise refuse("is not a GGUF file")
+    order = "<"
+    (version,) = struct.unpack("<I", head[4:])
+    if version & 0xFFFF == 0:  # written on a big-endian machine, which GGUFReader reads too
+        order = ">"
+        (version,) = struct.unpack(">I", head[4:])
+    if version not in (2, 3):
+        raise refuse(f"is GGUF version {version}, not 2 or 3")
+
+    def take(fmt: str) -> int:
+        n = struct.calcsize(fmt)
+        b = f.read(n)
+        if len(b) < n:
+            raise refuse("is cut short inside its header")
+        return struct.unpack(order + fmt, b)[0]
+
+    def skip(n: int) -> None:
+        if f.tell() + n > size:
+            raise refuse("is cut short inside its header")
+        f.seek(n, os.SEEK_CUR)
+
+    def string(limit: int | None = None) -> None:
+        n = take("Q")
+        if limit is not None and n > limit:
+            raise refuse(f"has a name of {n} bytes")
+        skip(n)
+
+    n_tensors, n_keys = take("Q"), take("Q")
+    if n_keys > MAX_KEYS or n_tensors > MAX_TENSORS:
+        raise refuse(f"declares {n_keys} keys and {n_tensors} tensors, more than a control vector has")
+    strings_left = MAX_STRING_ITEMS
+    for _ in range(n_keys):
+        string(MAX_NAME_BYTES)
+        kind = take("I")
+        if kind in _SCALAR_BYTES:
+            skip(_SCALAR_BYTES[kind])
+        elif kind == _STRING:
+            string()
+        elif kind == _ARRAY:
+            item, count = take("I"), take("Q")
+            if item in _SCALAR_BYTES:
+                skip(count * _SCALAR_BYTES[item])
+            elif item == _STRING and count <= strings_left:
+                strings_left -= count
+                for _ in range(count):
+                    string()
+            else:
+                raise refuse(f"has an array of {count} items of value type {item}, which no control vector holds")
+        else:
+            raise refuse(f"has a value of unknown type {kind}")
+    for _ in range(n_tensors):
+        string(MAX_NAME_BYTES)
+        n_dims = take("I")
+        if n_dims > MAX_DIMS:
+            raise refuse(f"has a tensor of {n_dims} dimensions")
+        elements = 1
+        for _ in range(n_dims):
+            elements *= take("Q")
+        if elements > 8 * size:  # no type packs more than eight values in a byte
+            raise refuse(f"has a tensor of {elements} values, more than the file can hold")
+        skip(4 + 8)  # its type and its data's offset: GGUFReader checks both
