@@ -8,6 +8,7 @@ a prompt too long for it with 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from engine.cliargs import (
 )
 from engine.remote.client import clean_text
 from engine.run import kernels_cli
+from engine.why.steer import steer_arg
 
 
 def cmd_info(a: argparse.Namespace) -> int:
@@ -114,7 +116,6 @@ def cmd_logits(a: argparse.Namespace) -> int:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from engine.events import Failed, Finished, TokenSampled
     from engine.run.branching import check_forced, parse_force
 
     params = sampling_params(a)
@@ -146,8 +147,20 @@ def cmd_generate(a: argparse.Namespace) -> int:
             constraint = Constraint.build(s.tokenizer, s.cfg.vocab_size, eos, regex=a.regex, json_schema=schema)
         gen = s.generate(a.prompt, params, a.max_new_tokens, chat=a.chat, ignore_eos=a.ignore_eos, forced=forced,
                          constraint=constraint)
+        steer = contextlib.nullcontext()
+        if a.steer is not None:
+            from engine.why.steer import load_for, steering
+
+            steer = steering(s, load_for(s, a.steer[0]), a.steer[1])
     except ValueError as e:
         raise CliError(str(e)) from None
+    with steer:
+        return _print_run(a, s, gen)
+
+
+def _print_run(a: argparse.Namespace, s: object, gen) -> int:
+    from engine.events import Failed, Finished, TokenSampled
+
     done_forced: list[list[int]] = []
     recorder = None
     if a.trace:
@@ -332,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the output must be JSON valid under the schema in FILE")
     q.add_argument("--trace", metavar="FILE.json", default=None,
                    help="write a Perfetto / Chrome trace: one slice per prefill and decode step")
+    q.add_argument("--steer", type=steer_arg, default=None, metavar="FILE:SCALE",
+                   help="add a steering vector (a llama.cpp control vector, `engine steer --out`) × SCALE to the "
+                        "residual stream of its layers at every position")
     add_threads_arg(q)
     kernels_cli.add_kernel_arg(q)
     q.set_defaults(func=cmd_generate)

@@ -23,6 +23,7 @@ so a cache cell is always the position of the same number and prefix reuse can t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -161,16 +162,25 @@ class _Tap:
         self.rows_seen: dict[int, int] = {}
         self.resid: dict[int, np.ndarray] = {}
         self.callback = None  # the ctypes function object, built by the owner (it must outlive the context)
+        # the seam's edits kept on for every step (engine.backends.llamacpp_seam.Writes), and the step they act in
+        self.writes = None
+        self.start = self.n_step = 0
+        self.written: dict[bytes, int] = {}  # rows of each written node this step so far
 
     def begin(self, layers: frozenset[int], residual: bool, n_rows: int, keep_rows: int) -> None:
         self.layers, self.residual = layers, residual
         self.n_rows, self.keep_rows = n_rows, keep_rows
         self.attn, self.rows_seen, self.resid = {}, {}, {}
         self.error = None
-        self.active = bool(layers) or residual
+        self.active = bool(layers) or residual or self.writes is not None
 
     def end(self) -> None:
-        self.active = False
+        self.layers, self.residual = frozenset(), False
+        self.active = self.writes is not None
+
+    def step(self, start: int, n: int) -> None:
+        """A step of `n` tokens from position `start` begins (the positions the seam's edits are written at)."""
+        self.start, self.n_step, self.written = start, n, {}
 
     def __call__(self, t: int, ask: bool, _user_data: int) -> bool:
         if not self.active:  # the fast path: one attribute read per graph node
@@ -185,6 +195,8 @@ class _Tap:
         return True  # False would abort the graph
 
     def _wants(self, name: bytes) -> bool:
+        if self.writes is not None and self.writes.wants(name):
+            return True
         if name.startswith(_ATTN):
             return name[len(_ATTN):].isdigit() and int(name[len(_ATTN):]) in self.layers
         if self.residual:
@@ -193,6 +205,12 @@ class _Tap:
 
     def _record(self, t: int, name: bytes) -> None:
         a = _tensor_array(self.ggml, t)  # attention (1, H, q, n_kv); residual (1, 1, rows, d)
+        if self.writes is not None and self.writes.wants(name):
+            first = self.written.get(name, 0)
+            self.written[name] = first + a.shape[2]
+            self.writes.apply(name, a[0, 0], self.start, first, self.n_step)
+            if not (name.startswith(_LOUT) or name in _EMBEDDING):
+                return
         if name.startswith(_ATTN):
             layer = int(name[len(_ATTN):])
             first = self.rows_seen.get(layer, 0)
@@ -423,7 +441,9 @@ class LlamaCppSession:
         return cfg, stats, file_type
 
     def close(self) -> None:
-        """Free llama.cpp's context and model (also done when the object is collected)."""
+        """Free llama.cpp's contexts and model (also done when the object is collected)."""
+        if getattr(self, "_seam", None) is not None:
+            self._seam.close()
         free_context(self)
         if getattr(self, "_model", None):
             self.llama.llama_model_free(self._model)
@@ -458,6 +478,43 @@ class LlamaCppSession:
         if outside is not None:
             raise ValueError(
                 f"the prompt holds token id {outside}, outside this model's vocabulary (0…{self.cfg.vocab_size - 1})")
+
+    # ---- the intervention seam (engine.model.seam's points, engine.backends.llamacpp_seam) ------------------------
+    can_gradients = False  # llama.cpp computes no backward pass
+
+    def seam_context(self):
+        """The seam's own llama.cpp context (made on first use, freed with the session)."""
+        from engine.backends.llamacpp_seam import SeamContext
+
+        if getattr(self, "_seam", None) is None:
+            self._seam = SeamContext(self)
+        return self._seam
+
+    def run_points(self, prompts, edits=(), record=()):
+        """engine.model.seam.run_points on llama.cpp (engine.backends.llamacpp_seam)."""
+        from engine.backends.llamacpp_seam import run_points
+
+        return run_points(self, prompts, edits, record)
+
+    @contextlib.contextmanager
+    def intervened(self, edits):
+        """The seam's `edits` applied to every step this session's context runs inside the `with` block, through its
+        graph callback (engine.backends.llamacpp_seam.Writes)."""
+        from engine.backends.llamacpp_seam import Writes
+
+        writes = Writes(edits, self.cfg)
+        if self.flash_attn and any(n.startswith(b"kqv_out-") for n in writes.by_node):
+            raise Unsupported("llama.cpp's flash attention fuses the heads' outputs away: load without it to edit a "
+                              "head's output")
+        if self.tap.writes is not None:
+            raise ValueError("an intervention is already on for this session")
+        self.tap.writes = writes
+        self.tap.active = True
+        try:
+            yield writes
+        finally:
+            self.tap.writes = None
+            self.tap.end()
 
     # ---- the cache and one forward step ------------------------------------------------------------------------
     device = torch.device("cpu")

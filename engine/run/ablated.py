@@ -13,13 +13,12 @@ from dataclasses import replace
 from engine.backend import Backend, Run, Unsupported
 from engine.events import Event
 from engine.protocol import Capture, GenerateRequest, SamplingParams
-from engine.run.session import Session
 from engine.why.ablate import Ablation, ablation
 
 
 def generate_ablated(backend: Backend, req: GenerateRequest) -> Run:
-    """Start `req` with req.ablation on in every forward pass; Unsupported (one sentence) on a runtime whose forward
-    pass cannot be edited for a whole run, ValueError (one sentence) for a part not in the model."""
+    """Start `req` with req.ablation on in every forward pass; Unsupported (one sentence) where the forward pass is not
+    ours to edit (a server), ValueError (one sentence) for a part not in the model."""
     a = req.ablation
     if a is None:
         raise ValueError("this request names nothing to ablate")
@@ -28,10 +27,6 @@ def generate_ablated(backend: Backend, req: GenerateRequest) -> Run:
     except Unsupported:  # a server: nothing of its forward pass is ours to edit
         raise Unsupported("generating from an ablated model edits the model's forward pass, which a server does not "
                           "expose: disconnect from the server to continue as a branch") from None
-    if not isinstance(s, Session):  # llama.cpp gives an ablation's before and after, but keeps no hooks for a run
-        raise Unsupported(f"generating from an ablated model needs the torch runtime, and this model runs on "
-                          f"{'llama.cpp' if type(s).__name__ == 'LlamaCppSession' else type(s).__name__}: load it "
-                          "with the torch runtime to continue as a branch")
     spec = Ablation(a.heads, a.attn_layers, a.mlp_layers, a.mean)
     prompt_ids = list(req.prompt_ids) if req.prompt_ids else s.tokenize(req.text, req.chat).ids
     spec.check(s.cfg, len(prompt_ids))
@@ -43,7 +38,7 @@ class AblatedRun:
     ends, and the KV cache is forgotten both times, so no key or value of the intact model serves the ablated one
     or the other way round."""
 
-    def __init__(self, session: Session, run: Run, spec: Ablation, prompt_ids: list[int]) -> None:
+    def __init__(self, session: object, run: Run, spec: Ablation, prompt_ids: list[int]) -> None:
         self._session, self._run, self._spec, self._prompt_ids = session, run, spec, prompt_ids
 
     @property

@@ -15,9 +15,10 @@ the llama.cpp backend's session hands it llama.cpp's runtime instead of the torc
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -193,6 +194,22 @@ class Session:
         return formula - self._bytes_saved[key]
 
     # ---- prompts ---------------------------------------------------------------------------------------------
+    can_gradients = True  # the why experiments that take a backward pass run here
+
+    def run_points(self, prompts: Sequence[Sequence[int]], edits: Iterable = (),
+                   record: Iterable = ()) -> tuple[torch.Tensor, object]:
+        """engine.model.seam.run_points on this session's model: the prompts as one batch from an empty cache."""
+        from engine.model.seam import run_points
+
+        return run_points(self.lm.model, prompts, edits, record)
+
+    def intervened(self, edits: Iterable) -> contextlib.AbstractContextManager:
+        """The seam's `edits` applied to every forward pass this session runs inside the `with` block (a generation
+        iterated inside it continues from the intervened model)."""
+        from engine.model.seam import edited
+
+        return edited(self.lm.model, edits)
+
     def prompt_text(self, text: str, chat: bool = False) -> str:
         return self.tokenizer.chat_prompt(text) if chat else text
 

@@ -138,6 +138,8 @@ class LlamaCppRuntime(Runtime):
             spans.append((i, t))
             i += t
         b.n_tokens = n
+        if self.tap is not None:  # the session's own context: one sequence, whose positions the seam's edits name
+            self.tap.step(self.length(rows[0].seq), n)
         asked = [r for r in rows if r.capture is not None]
         self._asked = None
         if asked:

@@ -7,7 +7,7 @@ Zero-ablation replaces a component's output with zeros. Mean-ablation replaces i
 output over the prompt's positions in the clean (unablated) run of the same prompt: one vector per component, put at
 every ablated position. A head's output is its z (TransformerLens's hook_z: the head's attention-weighted values,
 before the output projection); a layer's attention or MLP output is what it adds to the residual stream (after
-Gemma 3's post norms). engine.why.hooks does the editing.
+Gemma 3's post norms). engine.model.seam does the editing.
 
 The result: `before` and `after` (the next token's top 5: `ids`, `tokens` (pieces), `probs`), `kl` = KL(before‖after)
 = Σ p_before · (ln p_before − ln p_after) in nats, `top1_changed`, and with `tokens` = (A, B) the logit difference
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.model.config import ModelConfig
-    from engine.why.hooks import Edit
+    from engine.model.seam import Edit
 
 TOP = 5  # candidates shown before and after
 
@@ -70,7 +70,7 @@ class Ablation:
                                  f"positions 0 to {n_tokens - 1}")
 
     def points(self) -> list:
-        from engine.why.hooks import Point
+        from engine.model.seam import Point
 
         return ([Point.z(layer, head) for layer, head in self.heads] + [Point.attn(i) for i in self.attn_layers]
                 + [Point.mlp(i) for i in self.mlp_layers])
@@ -81,41 +81,15 @@ class Ablation:
                 "positions": None if self.positions is None else list(self.positions)}
 
 
-def _torch_session(session: object):
-    """The torch engine's Session, or Unsupported: on llama.cpp an ablation gives before and after
-    (engine.why.llamacpp_edit) but no generation continues from it."""
-    from engine.run.session import Session
-
-    if not isinstance(session, Session):
-        raise Unsupported(f"generating from an ablated model needs the torch engine; this session runs "
-                          f"{type(session).__name__}: load the model with --backend torch")
-    return session
-
-
-def _last_logits(model: torch.nn.Module, ids: Sequence[int], edits: Sequence[Edit] = (),
-                 record: Sequence = ()) -> tuple[torch.Tensor, object]:
-    """Float32 logits (V,) of the token after `ids` with `edits` applied, from a fresh cache (no K/V of another run
-    is reused), and the Recording of the points in `record`."""
-    import torch
-
-    from engine.model.kv_cache import KVCache
-    from engine.why.hooks import edited
-
-    cache = KVCache(model.cfg, 1, len(ids), model.lm_head.dtype, model.lm_head.device)
-    with torch.inference_mode(), edited(model, edits, record) as rec:
-        logits = model(torch.tensor([list(ids)], device=model.lm_head.device), 0, cache)[0]  # (V,)
-    return logits.float(), rec
-
-
-def edits_for(model: torch.nn.Module, spec: Ablation, ids: Sequence[int]) -> list[Edit]:
-    """The hooks' edits for `spec`; mean-ablation first runs the clean prompt `ids` to take each component's mean
+def edits_for(session: object, spec: Ablation, ids: Sequence[int]) -> list[Edit]:
+    """The seam's edits for `spec`; mean-ablation first runs the clean prompt `ids` to take each component's mean
     over its positions (all means from the same clean run, none from an already-ablated one)."""
-    from engine.why.hooks import Edit
+    from engine.model.seam import Edit
 
     points = spec.points()
     if not spec.mean:
         return [Edit(p, positions=spec.positions) for p in points]
-    _, rec = _last_logits(model, ids, record=points)
+    _, rec = session.run_points([ids], record=points)
     return [Edit(p, rec[p][0].mean(dim=0), positions=spec.positions) for p in points]  # (W,) each
 
 
@@ -124,17 +98,14 @@ def ablation(session: object, spec: Ablation, prompt_ids: Sequence[int]) -> Iter
     """Run every forward pass of `session` with `spec` ablated inside the block (mean-ablation's means from the clean
     run of `prompt_ids`); generations must be iterated inside it. The KV cache is forgotten on entry and on exit:
     keys and values computed by the intact model must not serve the ablated one, nor the other way round."""
-    from engine.why.hooks import edited
-
-    s = _torch_session(session)
-    spec.check(s.cfg, len(prompt_ids))
-    edits = edits_for(s.lm.model, spec, prompt_ids)
-    s.forget_cache()
+    spec.check(session.cfg, len(prompt_ids))
+    edits = edits_for(session, spec, prompt_ids)
+    session.forget_cache()
     try:
-        with edited(s.lm.model, edits):
+        with session.intervened(edits):
             yield edits
     finally:
-        s.forget_cache()
+        session.forget_cache()
 
 
 def _top(logits: torch.Tensor, tokenizer) -> dict:
@@ -156,7 +127,7 @@ def ablate(session: object, prompt: str, heads: Sequence[tuple[int, int]] = (), 
 
     spec = Ablation(tuple((int(a), int(b)) for a, b in heads), tuple(attn_layers), tuple(mlp_layers), mean,
                     None if positions is None else tuple(positions))
-    s = session if _is_torch(session) else _llamacpp().check_session(session)
+    s = session
     ids = s.tokenize(prompt, chat).ids
     s.check_prompt(ids)
     spec.check(s.cfg, len(ids))
@@ -164,7 +135,7 @@ def ablate(session: object, prompt: str, heads: Sequence[tuple[int, int]] = (), 
         bad = [t for t in tokens if not 0 <= t < s.cfg.vocab_size]
         if bad:
             raise ValueError(f"token {bad[0]} is not in this model's vocabulary (0 to {s.cfg.vocab_size - 1})")
-    before, after = _before_after(s, spec, ids)
+    before, after = before_after(s, spec, ids)
     lp_b, lp_a = torch.log_softmax(before.double(), -1), torch.log_softmax(after.double(), -1)
     kl = float((lp_b.exp() * (lp_b - lp_a)).sum())  # nats
     out = {"prompt_tokens": len(ids), "ablated": spec.describe(), "before": _top(before, s.tokenizer),
@@ -177,26 +148,11 @@ def ablate(session: object, prompt: str, heads: Sequence[tuple[int, int]] = (), 
     return out
 
 
-def _is_torch(session: object) -> bool:
-    from engine.run.session import Session
-
-    return isinstance(session, Session)
-
-
-def _llamacpp():
-    from engine.why import llamacpp_edit
-
-    return llamacpp_edit
-
-
-def _before_after(session: object, spec: Ablation, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 logits (V,) of the next token without and with the ablation (llama.cpp: engine.why.llamacpp_edit)."""
-    if not _is_torch(session):
-        return _llamacpp().before_after(session, spec, ids)
-    model = session.lm.model
-    before, _ = _last_logits(model, ids)
-    after, _ = _last_logits(model, ids, edits_for(model, spec, ids))
-    return before, after
+def before_after(session: object, spec: Ablation, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 logits (V,) of the next token without and with the ablation, through the session's seam."""
+    before, _ = session.run_points([ids])
+    after, _ = session.run_points([ids], edits_for(session, spec, ids))
+    return before[0], after[0]
 
 
 # ---- the command line ------------------------------------------------------------------------------------------

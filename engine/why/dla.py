@@ -23,7 +23,7 @@ goes through that norm with its scale likewise frozen at the layer's summed outp
 `step` N: the prediction of generation step N; step 0 is the prompt's last position (the prefill chooses the first
 token), step N > 0 first appends N greedy tokens and reads the position that chooses token N + 1.
 
-Torch engine only: a head's output needs its z and its slice of W_O from inside the forward pass (engine.why.hooks
+Torch engine only: a head's output needs its z and its slice of W_O from inside the forward pass (engine.model.seam
 records z at the output projection's input). Importing this module does not import torch.
 """
 
@@ -76,7 +76,7 @@ def components(model: torch.nn.Module, ids: list[int], answer: int, wrong: int, 
 
     from engine.model import kernels
     from engine.model.kv_cache import KVCache
-    from engine.why.hooks import Point, edited
+    from engine.model.seam import Point, edited
 
     cfg = model.cfg
     L, H, hd = cfg.n_layers, cfg.n_heads, cfg.head_dim

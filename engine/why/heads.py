@@ -20,7 +20,7 @@ mean over all T rows of the attention on the pattern's keys. The patterns, as Tr
 Attention comes from one prefill through the session's own capture (engine.model.probe on the torch engine, the
 graph callback on llama.cpp), every layer and every query row.
 
-The confirmation of induction heads (`ablation_loss`): zero-ablate heads (their output z, engine.why.hooks) and
+The confirmation of induction heads (`ablation_loss`): zero-ablate heads (their output z, engine.model.seam) and
 measure the mean next-token cross-entropy over the second copy, which induction heads make predictable.
 """
 
@@ -153,7 +153,7 @@ def ablation_loss(session, tokens: Sequence[int], repeat: int, heads: Sequence[t
     import torch
 
     from engine.model.kv_cache import KVCache
-    from engine.why.hooks import Edit, Point, edited
+    from engine.model.seam import Edit, Point, edited
 
     lm = getattr(session, "lm", None)
     if lm is None:

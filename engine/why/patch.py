@@ -15,7 +15,7 @@ block's output) at one position into the corrupted run. Heads grid, layers × he
 Cost: one forward of each prompt, then for each of the L + 1 residual rows one forward whose batch rows are the
 positions (row p patches position p; the rows are independent), split into forwards of at most MAX_ROWS rows; heads
 add L forwards of H rows. So a 12-token pair on a 30-layer model is 2 + 31 forwards of 12 × 12 tokens.
-Only the torch engine lets us write into the forward pass (engine.why.hooks).
+Only the torch engine lets us write into the forward pass (engine.model.seam).
 """
 
 from __future__ import annotations
@@ -53,18 +53,13 @@ def patch(session, clean: str, corrupt: str, answer: str, wrong: str, heads: boo
     """The patching grids for a clean and a corrupted prompt (see the module docstring); the CLI's JSON document.
 
     ValueError in one sentence for bad input (unequal token lengths, an answer that is not one token, prompts the
-    model already answers alike); Unsupported on a runtime whose forward pass cannot be edited (llama.cpp).
+    model already answers alike); Unsupported where the runtime cannot reach a point (a head's output under
+    llama.cpp's flash attention).
     """
     import torch
 
-    from engine.model import kernels
-    from engine.model.kv_cache import KVCache
-    from engine.why.hooks import Edit, Point, edited
+    from engine.model.seam import Edit, Point
 
-    lm = getattr(session, "lm", None)
-    if lm is None:
-        raise Unsupported("activation patching writes clean activations into the corrupted run, which only the torch "
-                          "engine lets us do (llama.cpp's graph callback reads tensors): run with --backend torch")
     cfg, tokenizer = session.cfg, session.tokenizer
     c, x = session.tokenize(clean), session.tokenize(corrupt)
     if len(c.ids) != len(x.ids):
@@ -80,7 +75,6 @@ def patch(session, clean: str, corrupt: str, answer: str, wrong: str, heads: boo
     if a_id == w_id:
         raise ValueError(f"--answer and --wrong are the same token {tokenizer.piece(a_id)!r}")
     L, H, hd = cfg.n_layers, cfg.n_heads, cfg.head_dim
-    model, device = lm.model, lm.device
     n_forwards = 2 + (L + 1) * -(-T // MAX_ROWS) + (L * -(-H // MAX_ROWS) if heads else 0)
     done = 0
 
@@ -89,12 +83,7 @@ def patch(session, clean: str, corrupt: str, answer: str, wrong: str, heads: boo
         check_stop(should_stop)
         if progress is not None:
             progress(done / n_forwards, f"forward {done + 1} of {n_forwards}")
-        tokens = torch.tensor([list(ids)] * rows, dtype=torch.long, device=device)  # (B, T)
-        cache = KVCache(cfg, rows, T, lm.dtype, device)
-        # the float products: a one-row forward would otherwise take the tuner's quantized head (engine.model.quant),
-        # and the grid is held to TransformerLens's float32 model
-        with edited(model, edits, record) as rec, kernels.forced("linear"):
-            logits = model(tokens, 0, cache, None)  # (B, V) float32, the last position
+        logits, rec = session.run_points([list(ids)] * rows, edits, record)  # (B, V) float32, the last position
         done += 1
         return logits, rec
 

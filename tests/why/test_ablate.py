@@ -12,10 +12,10 @@ from torch.testing import assert_close
 
 from engine.__main__ import main
 from engine.events import TokenSampled
+from engine.model.seam import edited
 from engine.protocol import SamplingParams
 from engine.run.session import Session
 from engine.why.ablate import Ablation, ablate, ablation, edits_for
-from engine.why.hooks import edited
 from tests.why.conftest import engine_logits
 
 PROMPT = "the cat sat on the mat"
@@ -171,7 +171,7 @@ def _tl_ablated_logprobs(bridge, ids, heads, mean=False):
 
 def _engine_logprobs(session, ids, spec):
     model = session.lm.model
-    with edited(model, edits_for(model, spec, ids)):
+    with edited(model, edits_for(session, spec, ids)):
         logits = engine_logits(model, ids)[-1]
     return torch.log_softmax(logits.double(), -1)
 
@@ -268,12 +268,12 @@ def llama_session(tiny_dir):
     Ablation(attn_layers=(0,), mlp_layers=(1,), positions=(2, 10)), Ablation(mlp_layers=(0,), mean=True),
 ], ids=["zero-head", "mean-heads", "layers-at-positions", "mean-mlp"])
 def test_llamacpp_ablation_changes_the_logits_as_the_engine_does(session, llama_session, spec):
-    from engine.why.llamacpp_edit import before_after
+    from engine.why.ablate import before_after
 
     ids = session.tokenize(PROMPT).ids
     before, after = before_after(llama_session, spec, ids)
     model = session.lm.model
-    with edited(model, edits_for(model, spec, ids)):
+    with edited(model, edits_for(session, spec, ids)):
         want = engine_logits(model, ids)[-1]
     clean = engine_logits(model, ids)[-1]
     assert (want - clean).abs().max() > 0.3  # the ablation moves the logits far more than the runtimes differ
@@ -289,9 +289,14 @@ def test_llamacpp_ablate_result_and_cli(tiny_dir, session, llama_session, capsys
     code, out, _ = _cli(capsys, "--model", str(tiny_dir.gguf), "--backend", "llama.cpp", "--prompt", PROMPT,
                         "--head", "1:2", "--threads", "1", "--json")
     assert code == 0 and json.loads(out)["top1_changed"] == ref["top1_changed"]
-    with pytest.raises(Exception, match="torch engine"):  # generating on from the ablated model is the engine's
-        with ablation(llama_session, Ablation(heads=((1, 2),)), session.tokenize(PROMPT).ids):
-            pass
+    # continuing as a branch: llama.cpp's own context keeps the seam's edits on, step after step
+    ids, spec = session.tokenize(PROMPT).ids, Ablation(heads=((1, 0), (1, 2)))
+    with ablation(session, spec, ids):
+        want = _greedy(session, ids, 6)
+    with ablation(llama_session, spec, ids):
+        got = _greedy(llama_session, ids, 6)
+    assert got == want
+    assert _greedy(llama_session, ids, 6) == _greedy(session, ids, 6) != want  # and off again after the block
 
 
 def test_llamacpp_gemma3_post_norm_nodes(tmp_path):
@@ -304,17 +309,18 @@ def test_llamacpp_gemma3_post_norm_nodes(tmp_path):
     from engine.backend import Unsupported
     from engine.backends.llamacpp import LlamaCppSession
     from engine.loaders import load
-    from engine.why.llamacpp_edit import before_after
+    from engine.why.ablate import before_after
     from tests.tiny_families import write_checkpoint
 
     ck = write_checkpoint(tmp_path, "gemma3")
     lm, s = load(ck.gguf, device="cpu", dtype="float32", use_cache=False), LlamaCppSession(ck.gguf, threads=1)
+    lm_session = Session(lm, threads=1)
     ids = [5, 77, 140, 3, 250, 99, 12]
     try:
         for spec in (Ablation(attn_layers=(5,), mean=True), Ablation(mlp_layers=(2,), mean=True),
                      Ablation(heads=((6, 1),))):
             _, after = before_after(s, spec, ids)
-            with edited(lm.model, edits_for(lm.model, spec, ids)):
+            with edited(lm.model, edits_for(lm_session, spec, ids)):
                 want = engine_logits(lm.model, ids)[-1]
             assert (want - engine_logits(lm.model, ids)[-1]).abs().max() > 0.1
             assert_close(after, want, **LLAMA_TOL)
@@ -323,7 +329,7 @@ def test_llamacpp_gemma3_post_norm_nodes(tmp_path):
     ck = write_checkpoint(tmp_path, "qwen3")
     s = LlamaCppSession(ck.gguf, threads=1)
     try:
-        with pytest.raises(Unsupported, match="names no node attn_out-1"):
+        with pytest.raises(Unsupported, match="forms no node attn_out-1"):
             before_after(s, Ablation(attn_layers=(1,)), ids)
     finally:
         s.close()
@@ -338,7 +344,7 @@ def test_llamacpp_ablation_on_the_default_model_moves_what_the_engine_moves(real
 
     import_required("llama_cpp", name="llamacpp", dist="llama-cpp-python")
     from engine.backends.llamacpp import LlamaCppSession
-    from engine.why.llamacpp_edit import before_after
+    from engine.why.ablate import before_after
 
     session = Session(real_lm, threads="auto")
     llama = LlamaCppSession(default_model(), threads=2)
@@ -348,7 +354,7 @@ def test_llamacpp_ablation_on_the_default_model_moves_what_the_engine_moves(real
             lb, la = (torch.log_softmax(x.double(), -1) for x in before_after(llama, spec, ids))
             model = session.lm.model
             tb = torch.log_softmax(engine_logits(model, ids)[-1].double(), -1)
-            with edited(model, edits_for(model, spec, ids)):
+            with edited(model, edits_for(session, spec, ids)):
                 ta = torch.log_softmax(engine_logits(model, ids)[-1].double(), -1)
             top = torch.topk(tb, 20).indices
             effect_torch, effect_llama = (ta - tb)[top], (la - lb)[top]

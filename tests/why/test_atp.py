@@ -1,6 +1,6 @@
 """Attribution patching (engine.why.atp) held to TransformerLens's attribution-patching demo formula run by
 TransformerLens on the same weights ((a_clean − a_corrupt) · ∂metric/∂a at the corrupted run, from its forward and
-backward hooks), to the derivative of exact patching taken by finite differences through engine.why.hooks, and set
+backward hooks), to the derivative of exact patching taken by finite differences through engine.model.seam, and set
 beside engine.why.patch's exact grid; the Eiffel Tower / Colosseum pair on SmolLM2 (slow)."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_atp_is_the_derivative_of_exact_patching(tiny_session, tiny_lm):
     """Patching a cell part of the way, a_corrupt + α (a_clean − a_corrupt), moves the metric by α · AtP to first
     order: the central difference at α = ±1e-2 through the engine's own hooks (no autograd) gives the estimate."""
     from engine.model.kv_cache import KVCache
-    from engine.why.hooks import Edit, Point, edited
+    from engine.model.seam import Edit, Point, edited
 
     got = atp_grids(tiny_session, CLEAN, CORRUPT, ANSWER, WRONG, heads=True)
     model, a, w = tiny_lm.model, got["answer_id"], got["wrong_id"]

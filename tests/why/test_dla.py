@@ -72,7 +72,7 @@ def test_post_norms_gemma3_components_sum_to_the_logit_difference(tmp_path):
     output (the engine's own recording) and everything to the logit difference."""
     from engine.loaders import load
     from engine.model.kv_cache import KVCache
-    from engine.why.hooks import Point, edited
+    from engine.model.seam import Point, edited
     from tests.tiny_families import write_checkpoint
 
     ck = write_checkpoint(tmp_path, "gemma3")

@@ -1,4 +1,4 @@
-"""engine.why.hooks held to a forward pass written by hand (tests/why/conftest.py) on the tiny random Llama model,
+"""engine.model.seam held to a forward pass written by hand (tests/why/conftest.py) on the tiny random Llama model,
 and to Hugging Face transformers' Gemma 3 for the post-norm sites."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch.testing import assert_close
 
 from engine.model.kv_cache import KVCache
-from engine.why.hooks import Edit, Point, edited
+from engine.model.seam import Edit, Point, edited
 from tests.why.conftest import engine_logits
 
 IDS = [5, 77, 140, 3, 250, 99, 12, 200, 41]
@@ -218,7 +218,7 @@ def test_gemma3_attn_and_mlp_sites_are_after_the_post_norms(tmp_path):
 def test_a_ragged_batch_edits_each_row_at_its_own_positions():
     """Rows of a continuous batch start at their own positions: absolute position 4 is row 0's index 4 and row 1's
     index 1 when row 1 starts at 3 (written out here by hand)."""
-    from engine.why.hooks import _apply
+    from engine.model.seam import _apply
 
     x = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)
     want = x.clone()

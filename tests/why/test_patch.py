@@ -140,7 +140,6 @@ def test_cli_json_names_the_products_it_ran_not_the_models_mode(tiny_dir, capsys
     (["--answer", " the k"], 2, "--answer ' the k' is 3 tokens (' the', ' ', 'k')"),
     (["--wrong", "k"], 2, "--answer and --wrong are the same token"),
     (["--url", "http://127.0.0.1:9"], 2, "drop --url"),
-    (["--backend", "llama.cpp"], 1, "only the torch engine"),
 ])
 def test_cli_refuses_in_one_line(tiny_dir, capsys, argv, code, needle):
     args = {"--clean": CLEAN, "--corrupt": CORRUPT, "--answer": ANSWER, "--wrong": WRONG, "--backend": "torch"}
@@ -148,6 +147,54 @@ def test_cli_refuses_in_one_line(tiny_dir, capsys, argv, code, needle):
         args[flag] = value
     got, _, err = run_cli(capsys, "patch", "--model", str(tiny_dir.gguf), *[s for kv in args.items() for s in kv])
     assert got == code and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+# ---- llama.cpp: the same grids through its graph callback ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_dir):
+    import_required("llama_cpp", name="llamacpp", dist="llama-cpp-python")
+    from engine.backends.llamacpp import LlamaCppSession
+
+    s = LlamaCppSession(tiny_dir.gguf, threads=1)
+    yield s
+    s.close()
+
+
+def test_llamacpp_patching_equals_the_torch_engines(tiny_session, tiny_llama, tiny_dir, capsys):
+    """The tiny file is float32: llama.cpp's grids equal the torch engine's (itself held to TransformerLens above)
+    to llama.cpp's own differences (it keeps K and V in float16); the CLI runs it too."""
+    want = patch(tiny_session, CLEAN, CORRUPT, ANSWER, WRONG, heads=True)
+    seen: list[float] = []
+    got = patch(tiny_llama, CLEAN, CORRUPT, ANSWER, WRONG, heads=True, progress=lambda f, _m: seen.append(f))
+    assert seen[-1] == 1 and len(seen) == got["forwards"] + 1
+    np.testing.assert_allclose(got["restored"], want["restored"], atol=1e-2, rtol=0)
+    np.testing.assert_allclose(got["restored_heads"], want["restored_heads"], atol=1e-2, rtol=0)
+    assert np.ptp(got["restored_heads"]) > 0.01
+    code, out, err = run_cli(capsys, "patch", "--model", str(tiny_dir.gguf), "--backend", "llama.cpp",
+                             "--threads", "1", "--clean", CLEAN, "--corrupt", CORRUPT, "--answer", ANSWER,
+                             "--wrong", WRONG, "--json")
+    assert code == 0, err
+    np.testing.assert_allclose(json.loads(out)["restored"], want["restored"], atol=1e-2, rtol=0)
+
+
+@pytest.mark.slow
+def test_llamacpp_patching_on_the_default_models_file(real_lm):
+    """The issue's pair on the Q4_1 file: llama.cpp (which also rounds activations to 8 bits for its Q4_1 products)
+    against the torch engine's exact run of the same weights, residual and per-head grids within 0.05 of the
+    clean-corrupt difference."""
+    import_required("llama_cpp", name="llamacpp", dist="llama-cpp-python")
+    from engine.backends.llamacpp import LlamaCppSession
+    from tests.requires import default_model
+
+    pair = ("The Eiffel Tower is in the city of", "The Colosseum is in the city of", " Paris", " Rome")
+    want = patch(Session(real_lm), *pair, heads=True)
+    llama = LlamaCppSession(default_model(), threads=2)
+    try:
+        got = patch(llama, *pair, heads=True)
+    finally:
+        llama.close()
+    assert abs(np.asarray(got["restored"]) - want["restored"]).max() < 0.05
+    assert abs(np.asarray(got["restored_heads"]) - want["restored_heads"]).max() < 0.05
 
 
 # ---- the default model ---------------------------------------------------------------------------------------------

@@ -1,6 +1,15 @@
-"""Edits of the torch engine's forward pass through module hooks, in the spirit of TransformerLens's hook points.
+"""The intervention seam: the named places of a forward pass, and the torch engine's reads and writes of them.
 
-A Point names an activation of engine.model.transformer.Transformer, each of width W:
+Every capture, edit, patch and steer of a forward pass names its place with a Point, on either runtime: here the
+torch engine reaches it through module hooks (`edited`, `run_points`), and engine.backends.llamacpp_seam maps the
+same names onto llama.cpp's graph nodes. A Point's name (str(point), Point.parse) is one of
+    resid_pre.L     the residual stream block L reads (resid_pre.0: the embeddings, × embedding_scale)
+    resid_post.L    block L's output (= resid_pre.L+1; resid_post.n_layers−1 is what the final norm reads)
+    attn.z.L[.h]    head h's output z in layer L (every head when h is left out)
+    attn_out.L      what layer L's attention adds to the residual stream
+    mlp_out.L       what layer L's MLP adds to the residual stream
+
+As a class, a Point of engine.model.transformer.Transformer, each of width W:
     Point.z(L, h)      head h's output in layer L (TransformerLens's hook_z): the input of layers[L].attn.wo,
                        (B, T, H·hd) with the heads concatenated head-major, so head h is columns h·hd … (h+1)·hd − 1;
                        W = hd (head None: every head of the layer, W = H·hd)
@@ -74,18 +83,36 @@ class Point:
             return cfg.q_dim if self.head is None else cfg.head_dim
         return cfg.d_model
 
-    def __str__(self) -> str:  # TransformerLens's names: blocks.L.attn.hook_z, hook_attn_out, hook_mlp_out, …
+    def __str__(self) -> str:
         if self.site == "z":
-            return f"blocks.{self.layer}.attn.hook_z" + ("" if self.head is None else f"[{self.head}]")
+            return f"attn.z.{self.layer}" + ("" if self.head is None else f".{self.head}")
         if self.site == "resid":
-            return f"blocks.{self.layer}.hook_resid_pre"
-        return f"blocks.{self.layer}.hook_{self.site}_out"
+            return "resid_pre.0" if self.layer == 0 else f"resid_post.{self.layer - 1}"
+        return f"{self.site}_out.{self.layer}"
+
+    @classmethod
+    def parse(cls, name: str) -> Point:
+        """The point a name gives (the module docstring's names); ValueError listing them for anything else."""
+        parts = name.strip().split(".")
+        try:
+            nums = [int(x) for x in parts[2 if parts[:2] == ["attn", "z"] else 1:]]
+            kind = "attn.z" if parts[:2] == ["attn", "z"] else parts[0]
+            if kind == "attn.z" and len(nums) in (1, 2):
+                return cls.z(*nums)
+            if len(nums) == 1 and kind in ("resid_pre", "resid_post", "attn_out", "mlp_out"):
+                n = nums[0]
+                return {"resid_pre": cls.resid(n), "resid_post": cls.resid(n + 1),
+                        "attn_out": cls.attn(n), "mlp_out": cls.mlp(n)}[kind]
+        except ValueError:
+            pass
+        raise ValueError(f"unknown point {name!r}: name one of resid_pre.L, resid_post.L, attn.z.L, attn.z.L.H, "
+                         "attn_out.L, mlp_out.L")
 
 
 @dataclass(frozen=True, eq=False)
 class Edit:
     """Set `point` to `value` (None: zero) at `positions` (absolute; None: every position a forward pass runs) in
-    batch `rows` (None: every row).
+    batch `rows` (None: every row); with `add`, add `value` to it instead (steering).
 
     `value` broadcasts to (R, P, W): R the rows edited, P the positions edited (len(positions), or the T positions
     of the forward pass when positions is None), W the point's width. So (W,) sets the same vector everywhere,
@@ -97,6 +124,7 @@ class Edit:
     value: torch.Tensor | None = None
     positions: tuple[int, ...] | None = None
     rows: tuple[int, ...] | None = None
+    add: bool = False
 
 
 class Recording:
@@ -160,7 +188,11 @@ def _apply(x: torch.Tensor, edit: Edit, cols: slice, starts: list[int]) -> None:
             continue
         r = torch.tensor([rows[k] for k in group], device=x.device)[:, None]  # (R, 1)
         t = torch.tensor(local, device=x.device)[None, :]  # (1, P)
-        x[r, t, cols] = value[torch.tensor(group, device=x.device)[:, None], torch.tensor(which, device=x.device)]
+        v = value[torch.tensor(group, device=x.device)[:, None], torch.tensor(which, device=x.device)]
+        if edit.add:
+            x[r, t, cols] += v
+        else:
+            x[r, t, cols] = v
 
 
 @contextlib.contextmanager
@@ -239,3 +271,25 @@ def _sites(block: nn.Module, layer: int, wanted: set[Point]) -> list[tuple[list[
     if Point.resid(layer + 1) in wanted:  # the block's output
         out.append(([Point.resid(layer + 1)], block, False))
     return out
+
+
+def run_points(model: nn.Module, prompts: Sequence[Sequence[int]], edits: Iterable[Edit] = (),
+               record: Iterable[Point] = ()) -> tuple[torch.Tensor, Recording]:
+    """The float32 logits (B, V) of each prompt's last position and the recorded points (B, T, W): the B prompts,
+    all of one length T, run as the batch rows of one forward pass from an empty cache with `edits` applied.
+
+    The products are the float ones (F.linear on the weights as loaded), whatever form a decode step would take:
+    the experiments that use this are held to references that run the weights as they are.
+    """
+    from engine.model import kernels
+    from engine.model.kv_cache import KVCache
+
+    rows = [list(p) for p in prompts]
+    if not rows or len({len(r) for r in rows}) != 1 or not rows[0]:
+        raise ValueError("run_points takes one or more prompts of one non-zero length")
+    w = model.norm.weight  # the dtype and device the model runs in
+    tokens = torch.tensor(rows, dtype=torch.long, device=w.device)  # (B, T)
+    cache = KVCache(model.cfg, len(rows), tokens.shape[1], w.dtype, w.device)
+    with torch.inference_mode(), edited(model, edits, record) as rec, kernels.forced("linear"):
+        logits = model(tokens, 0, cache, None)  # (B, V) float32, the last position
+    return logits, rec

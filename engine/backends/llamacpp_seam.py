@@ -1,0 +1,269 @@
+"""The intervention seam on llama.cpp: engine.model.seam's points read and written through llama.cpp's graph callback.
+
+llama.cpp's scheduler asks the callback (`cb_eval`) of every graph node, in order, whether it wants the value; for a
+node it wants, it computes the graph up to that node, hands the node over (ask = False) and only then computes what
+reads it. So values written into the node's data there are what the rest of the graph reads, as a torch hook's are.
+
+A point and the node that holds it (llama.cpp's names, given by the graph builders' cb(…, il)):
+    resid_pre.0     embd (the selected token embeddings), or inp_scaled where the model scales them (Gemma 3)
+    resid_post.L    l_out-L, block L's output (after llama.cpp's own control vector, engine.backends.llamacpp_steer)
+    attn.z.L        kqv_out-L, the heads' outputs concatenated head-major before the output projection
+    attn_out.L      attn_out-L; attn_post_norm-L where the model normalises it (Gemma 3)
+    mlp_out.L       ffn_out-L; ffn_post_norm-L for Gemma 3. The llama graph names two nodes ffn_out-L, the MLP's
+                    output and the residual sum that adds ffn_inp-L to it: the point is the one that does not read
+                    ffn_inp-L.
+A node a model's graph does not form (Qwen3's attention output; kqv_out under flash attention) is refused in one
+sentence once a run shows it absent.
+
+The runs happen in a context of the seam's own on the session's model (weights held once), with every position's
+logits requested so the last layer keeps every row, and each prompt in one batch from an empty cache, so a node's
+rows are the prompt's positions 0…T−1. The session's own context and its capture callback are left untouched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine.backend import Unsupported
+from engine.model.seam import Edit, Point, Recording
+
+if TYPE_CHECKING:
+    from engine.model.config import ModelConfig
+
+
+def node_of(point: Point, cfg: ModelConfig) -> bytes:
+    """llama.cpp's name for the graph node that holds `point` (the module docstring's table)."""
+    post = cfg.post_norms
+    if point.site == "resid":
+        if point.layer == 0:
+            return b"inp_scaled" if cfg.embedding_scale != 1 else b"embd"
+        return f"l_out-{point.layer - 1}".encode()
+    if point.site == "z":
+        return f"kqv_out-{point.layer}".encode()
+    if point.site == "attn":
+        return f"{'attn_post_norm' if post else 'attn_out'}-{point.layer}".encode()
+    return f"{'ffn_post_norm' if post else 'ffn_out'}-{point.layer}".encode()
+
+
+def _columns(point: Point, cfg: ModelConfig) -> slice:
+    if point.site == "z" and point.head is not None:
+        return slice(point.head * cfg.head_dim, (point.head + 1) * cfg.head_dim)
+    return slice(None)
+
+
+class _Editor:
+    """The evaluation callback of one run: writes `writes` into their nodes and keeps a copy of each node in `keep`
+    (after its writes). `writes` maps a node to [(columns, positions or None for all, value (P, W) or None for
+    zero, add)]."""
+
+    def __init__(self, ggml) -> None:
+        self.ggml = ggml
+        self.writes: dict[bytes, list[tuple[slice, list[int] | None, np.ndarray | None, bool]]] = {}
+        self.keep: set[bytes] = set()
+        self.seen: dict[bytes, np.ndarray] = {}
+        self.hit: set[bytes] = set()  # the wanted nodes the graph formed
+        self.error: str | None = None
+
+    def reset(self, writes: dict, keep: set[bytes]) -> None:
+        self.writes, self.keep, self.seen, self.hit, self.error = writes, keep, {}, set(), None
+
+    def __call__(self, t: int, ask: bool, _user_data: int) -> bool:
+        from engine.backends.llamacpp import _NAME_OFFSET, _tensor_array
+
+        name = ctypes.string_at(t + _NAME_OFFSET)
+        if name not in self.keep and name not in self.writes:
+            return False
+        if name.startswith(b"ffn_out-") and _reads(t, b"ffn_inp-" + name[len(b"ffn_out-"):]):
+            return False  # the residual sum of the same name, not the MLP's output
+        if ask:
+            return True
+        self.hit.add(name)
+        try:
+            a = _tensor_array(self.ggml, t)[0, 0]  # (T, width): ggml (width, T)
+            for cols, rows, value, add in self.writes.get(name, ()):
+                r = slice(None) if rows is None else rows
+                if value is None:
+                    a[r, cols] = 0
+                elif add:
+                    a[r, cols] += value
+                else:
+                    a[r, cols] = value
+            if name in self.keep:
+                self.seen[name] = np.array(a, dtype=np.float32)
+        except Exception as e:  # noqa: BLE001 — an exception must not cross into C; the run reports it
+            self.error = f"{name.decode(errors='replace')}: {type(e).__name__}: {e}"
+        return True  # False would abort the graph
+
+
+def _reads(t: int, name: bytes) -> bool:
+    """Whether graph node `t` takes a node called `name` as an operand."""
+    from engine.backends.llamacpp import _NAME_OFFSET, _GGMLTensor
+
+    return any(src and ctypes.string_at(src + _NAME_OFFSET) == name for src in _GGMLTensor.from_address(t).src)
+
+
+class SeamContext:
+    """A llama.cpp context of the session's model whose graph callback is an _Editor: runs a prompt from an empty
+    cache with edits, and records points. Made on first use, grown when a longer prompt comes, freed by close()."""
+
+    def __init__(self, session) -> None:
+        self.session, self.llama = session, session.llama
+        self.editor = _Editor(self.llama._lab_ggml)
+        self.callback = self.llama.ggml_backend_sched_eval_callback(self.editor)  # outlives the context
+        self._ctx, self._batch, self.size = None, None, 0
+
+    def _ensure(self, n: int) -> None:
+        if n <= self.size:
+            return
+        self.close()
+        L, size = self.llama, max(256, -(-n // 256) * 256)
+        cp = L.llama_context_default_params()
+        cp.n_ctx = cp.n_batch = cp.n_ubatch = size
+        cp.n_outputs_max_per_seq = 0  # every position's logits: the last layer then keeps every row
+        cp.n_threads = cp.n_threads_batch = self.session.n_threads
+        cp.flash_attn_type = 0  # ggml's flash attention forms no kqv_out node
+        cp.no_perf = True
+        cp.cb_eval = self.callback
+        self._ctx = L.llama_init_from_model(self.session._model, cp)
+        if not self._ctx:
+            raise RuntimeError(f"llama.cpp could not make a context of {size} positions")
+        self._batch, self.size = L.llama_batch_init(size, 0, 1), size
+
+    def close(self) -> None:
+        from engine.runtime.llamacpp import free_context
+
+        free_context(self)
+        self.size = 0
+
+    def run(self, ids: Sequence[int], writes: dict, keep: set[bytes]) -> np.ndarray:
+        """Float32 logits (V,) of the last position of `ids`, run in one batch from an empty cache."""
+        n = len(ids)
+        self._ensure(n)
+        L, b = self.llama, self._batch
+        L.llama_memory_clear(L.llama_get_memory(self._ctx), True)
+        b.n_tokens = n
+        for i, token in enumerate(ids):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = int(token), i, 1, 1
+            b.seq_id[i][0] = 0
+        self.editor.reset(writes, keep)
+        rc = L.llama_decode(self._ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        if self.editor.error:
+            raise RuntimeError(f"the edit of node {self.editor.error}")
+        V = self.session.cfg.vocab_size
+        return np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, n - 1), shape=(V,)).copy()
+
+
+def run_points(session, prompts: Sequence[Sequence[int]], edits: Iterable[Edit] = (),
+               record: Iterable[Point] = ()) -> tuple[torch.Tensor, Recording]:
+    """engine.model.seam.run_points on llama.cpp: each prompt (batch row b) is its own run, given the edits that
+    name row b (or every row). Returns the last positions' float32 logits (B, V) and the recorded points (B, T, W)."""
+    cfg = session.cfg
+    rows = [list(p) for p in prompts]
+    if not rows or len({len(r) for r in rows}) != 1 or not rows[0]:
+        raise ValueError("run_points takes one or more prompts of one non-zero length")
+    edits, record = list(edits), list(dict.fromkeys(record))
+    for p in [e.point for e in edits] + record:
+        p.check(cfg)
+    if any(p.site == "z" for p in [e.point for e in edits] + record) and session.flash_attn:
+        raise Unsupported("llama.cpp's flash attention fuses the heads' outputs away: load without it to reach "
+                          "a head's output")
+    T, B = len(rows[0]), len(rows)
+    for e in edits:
+        if e.rows is not None and any(not 0 <= r < B for r in e.rows):
+            raise ValueError(f"the edit of {e.point} names rows {list(e.rows)}, but there are {B} prompts")
+        if e.positions is not None and any(not 0 <= p < T for p in e.positions):
+            raise ValueError(f"the edit of {e.point} names positions outside the prompt's 0…{T - 1}")
+    seam = session.seam_context()
+    nodes = {p: node_of(p, cfg) for p in [e.point for e in edits] + record}
+    keep = {nodes[p] for p in record}
+    logits, seen = [], []
+    for b, ids in enumerate(rows):
+        writes: dict[bytes, list] = {}
+        for e in edits:
+            if e.rows is not None and b not in e.rows:
+                continue
+            width = e.point.width(cfg)
+            n_pos = T if e.positions is None else len(e.positions)
+            value = None
+            if e.value is not None:
+                v = e.value.detach().float().cpu().numpy()
+                try:
+                    v = np.broadcast_to(v, (1 if e.rows is None else len(e.rows), n_pos, width))
+                except ValueError:
+                    raise ValueError(f"the edit of {e.point} has a value of shape {tuple(v.shape)}, which does not "
+                                     f"broadcast to (rows, positions {n_pos}, width {width})") from None
+                value = v[0 if e.rows is None else e.rows.index(b)]
+            rows_at = None if e.positions is None else list(e.positions)
+            writes.setdefault(nodes[e.point], []).append((_columns(e.point, cfg), rows_at, value, e.add))
+        logits.append(seam.run(ids, writes, keep))
+        absent = [n for n in set(writes) | keep if n not in seam.editor.hit]
+        if absent:
+            raise Unsupported(f"llama.cpp's graph for this {cfg.architecture} model forms no node "
+                              f"{absent[0].decode()}, so that point cannot be reached there: use --backend torch")
+        seen.append(dict(seam.editor.seen))
+    rec = Recording()
+    for p in record:
+        rec._add(p, torch.from_numpy(np.stack([s[nodes[p]][:, _columns(p, cfg)] for s in seen])))
+    return torch.from_numpy(np.stack(logits)), rec
+
+
+class Writes:
+    """The seam's edits kept on for a whole generation in the session's own context (its graph callback, the
+    session's _Tap, applies them each step): positions are absolute, so each step writes the positions it runs.
+
+    A value is None (zero), (W,) for every edited position, or (P, W) for the P positions an edit names. The last
+    layer's MLP output and block output hold only the rows whose logits a step asks for (llama.cpp drops the others
+    before them): their rows are taken to be the step's last positions.
+    """
+
+    def __init__(self, edits: Iterable[Edit], cfg: ModelConfig) -> None:
+        self.by_node: dict[bytes, list[tuple[slice, tuple[int, ...] | None, np.ndarray | None, bool]]] = {}
+        for e in edits:
+            e.point.check(cfg)
+            if e.rows not in (None, (0,)):
+                raise ValueError(f"the edit of {e.point} names batch rows {list(e.rows)}; a generation has one")
+            value = None if e.value is None else e.value.detach().float().cpu().numpy()
+            n_pos = None if e.positions is None else len(e.positions)
+            if value is not None and value.ndim > 1 and (n_pos is None or value.reshape(-1, value.shape[-1]).shape[0]
+                                                         != n_pos):
+                raise ValueError(f"the edit of {e.point} kept on for a generation takes one vector, or one per "
+                                 "position it names")
+            if value is not None:
+                value = value.reshape(-1, value.shape[-1]) if value.ndim > 1 else value
+            self.by_node.setdefault(node_of(e.point, cfg), []).append(
+                (_columns(e.point, cfg), e.positions, value, e.add))
+        last = cfg.n_layers - 1
+        self.pruned = {node_of(Point.mlp(last), cfg), node_of(Point.resid(last + 1), cfg)}
+
+    def wants(self, name: bytes) -> bool:
+        return name in self.by_node
+
+    def apply(self, name: bytes, a: np.ndarray, start: int, first: int, n_step: int) -> None:
+        """Write the edits of node `name` into `a` (rows, width), the rows being positions from start + first (or,
+        for a node pruned to the step's outputs, its last positions)."""
+        rows = a.shape[0]
+        if not rows:
+            return
+        pos0 = start + first if name not in self.pruned or first or rows == n_step else start + n_step - rows
+        for cols, positions, value, add in self.by_node[name]:
+            if positions is None:
+                local, v = slice(None), value
+            else:
+                which = [k for k, p in enumerate(positions) if pos0 <= p < pos0 + rows]
+                if not which:
+                    continue
+                local = [positions[k] - pos0 for k in which]
+                v = value if value is None or value.ndim == 1 else value[which]
+            if v is None:
+                a[local, cols] = 0
+            elif add:
+                a[local, cols] += v
+            else:
+                a[local, cols] = v
