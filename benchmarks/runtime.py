@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.labs.batching import bench_batch
     from engine.loaders import load
     from engine.run.sampling import SamplingParams
+    from engine.run.session import Session
 
     torch.set_num_threads(a.threads)
     path = model_path(a.model)
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             paged, contiguous = paged_over_contiguous(lm)
             print(f"torch decode step, paged runtime / contiguous KVCache: {paged / contiguous:.2f} "
                   f"({paged * 1e3:.1f} / {contiguous * 1e3:.1f} ms)")
-            rows["torch"] = bench_batch(lm, batches, a.prompt_tokens, a.new_tokens)
+            rows["torch"] = bench_batch(Session(lm), batches, a.prompt_tokens, a.new_tokens)
         print(f"{'runtime':<10}{'batch':>6}{'TPOT ms':>9}{'tok/s system':>14}{'× batch 1':>11}")
         for name, rs in rows.items():
             for r in rs:

@@ -22,6 +22,27 @@ class Unsupported(Exception):
     """This backend cannot do what was asked; the message says why and what to do instead, in one sentence."""
 
 
+# What a session's runtime may be able to do beyond generating (a session's `can` names those it can): each an
+# experiment's precondition, stated once with the words its refusal uses.
+CAPABILITIES = {
+    "gradients": "a backward pass and the weights as torch tensors",
+    "recompute": "the torch engine's KV cache, which a step is recomputed from",
+    "exit_logits": "a runtime that can stop after some of its layers",
+    "edit": "writes into the forward pass",
+}
+
+
+def require(session: object, capability: str, purpose: str,
+            instead: str = "load the model with --backend torch") -> None:
+    """Unsupported, in one sentence naming what `purpose` needs and what to do `instead`, unless the session's
+    runtime can do `capability` (one of CAPABILITIES)."""
+    if capability not in CAPABILITIES:
+        raise ValueError(f"unknown capability {capability!r}")
+    if capability not in session.can:
+        raise Unsupported(f"{purpose} needs {CAPABILITIES[capability]}, which the {session.runtime_name} runtime "
+                          f"does not give: {instead}")
+
+
 class Run(Protocol):
     """A running generation: iterate it for events; its knobs may change between tokens."""
 
@@ -70,8 +91,8 @@ class Backend(ABC):
         raise Unsupported(f"{LAB_NAMES[LAB_JOBS[type(request)]]} does not run on {self.source.name}")
 
     def why_session(self) -> object:
-        """The loaded model's session the why-experiments run on (engine.server.run_experiment): the torch engine's
-        Session or a runtime with its interface."""
+        """The loaded model's session the why-experiments run on (engine.server.run_experiment): a session of either
+        runtime, whose `can` says which experiments it runs."""
         raise Unsupported("the why-experiments look inside the local model: disconnect from the server to run them")
 
     def close(self) -> None:

@@ -250,22 +250,14 @@ def add_url_args(p: argparse.ArgumentParser) -> None:
 
 
 def lab_model_from_args(a: argparse.Namespace):
-    """What a lab runs on: llama.cpp's session or the torch engine's loaded model, as the arguments choose, with
-    --threads fixed when a count is given (a lab's batched products get no per-step adaptation); CliError with one
-    sentence when the model cannot load."""
-    from engine.backends import choose
-    from engine.loaders import ModelLoadError, load
-
+    """What a lab runs on: the session the arguments choose (either runtime), with --threads fixed when a count is
+    given (a lab's batched products get no per-step adaptation); CliError with one sentence when the model cannot
+    load."""
     if a.threads != "auto":
         import torch
 
         torch.set_num_threads(a.threads)
-    if choose(a.model, a.backend) == "llama.cpp":
-        return session_from_args(a)
-    try:
-        return load(a.model, a.device, a.dtype, kernels=a.kernels)
-    except ModelLoadError as e:
-        raise CliError(str(e)) from None
+    return session_from_args(a)
 
 
 def session_from_args(a: argparse.Namespace):

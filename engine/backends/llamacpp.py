@@ -480,7 +480,8 @@ class LlamaCppSession:
                 f"the prompt holds token id {outside}, outside this model's vocabulary (0…{self.cfg.vocab_size - 1})")
 
     # ---- the intervention seam (engine.model.seam's points, engine.backends.llamacpp_seam) ------------------------
-    can_gradients = False  # llama.cpp computes no backward pass
+    runtime_name = "llama.cpp"
+    can = frozenset({"edit"})  # engine.backend.CAPABILITIES: no backward pass, no early exit, its own KV cache
 
     def seam_context(self):
         """The seam's own llama.cpp context (made on first use, freed with the session)."""
@@ -490,11 +491,25 @@ class LlamaCppSession:
             self._seam = SeamContext(self)
         return self._seam
 
-    def run_points(self, prompts, edits=(), record=()):
+    def run_points(self, prompts, edits=(), record=(), every: bool = False):
         """engine.model.seam.run_points on llama.cpp (engine.backends.llamacpp_seam)."""
         from engine.backends.llamacpp_seam import run_points
 
-        return run_points(self, prompts, edits, record)
+        return run_points(self, prompts, edits, record, every)
+
+    def sibling(self, path: str) -> LlamaCppSession:
+        """A session of another GGUF file on llama.cpp, with this one's threads and attention setting."""
+        return LlamaCppSession(path, threads=self.n_threads, flash_attn=self.flash_attn)
+
+    @property
+    def dtype_name(self) -> str:
+        return self.info.file_type  # the file's own type: what llama.cpp multiplies
+
+    def new_runtime(self, n_seq: int = 1, capacity: int | None = None, page_size: int | None = None
+                    ) -> LlamaCppRuntime:
+        """A context of `n_seq` sequences of up to `capacity` positions over this model (weights held once);
+        `page_size`: one unified pool of cells instead of a stream per sequence."""
+        return LlamaCppRuntime(self, n_seq, capacity, pooled=page_size is not None)
 
     @contextlib.contextmanager
     def intervened(self, edits):

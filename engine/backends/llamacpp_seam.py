@@ -140,8 +140,9 @@ class SeamContext:
         free_context(self)
         self.size = 0
 
-    def run(self, ids: Sequence[int], writes: dict, keep: set[bytes]) -> np.ndarray:
-        """Float32 logits (V,) of the last position of `ids`, run in one batch from an empty cache."""
+    def run(self, ids: Sequence[int], writes: dict, keep: set[bytes], every: bool = False) -> np.ndarray:
+        """Float32 logits (V,) of the last position of `ids` (with `every`, (T, V) of each), run in one batch from
+        an empty cache."""
         n = len(ids)
         self._ensure(n)
         L, b = self.llama, self._batch
@@ -157,11 +158,13 @@ class SeamContext:
         if self.editor.error:
             raise RuntimeError(f"the edit of node {self.editor.error}")
         V = self.session.cfg.vocab_size
+        if every:  # one sequence, every position an output: the buffer holds them in order
+            return np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(n, V)).copy()
         return np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, n - 1), shape=(V,)).copy()
 
 
 def run_points(session, prompts: Sequence[Sequence[int]], edits: Iterable[Edit] = (),
-               record: Iterable[Point] = ()) -> tuple[torch.Tensor, Recording]:
+               record: Iterable[Point] = (), every: bool = False) -> tuple[torch.Tensor, Recording]:
     """engine.model.seam.run_points on llama.cpp: each prompt (batch row b) is its own run, given the edits that
     name row b (or every row). Returns the last positions' float32 logits (B, V) and the recorded points (B, T, W)."""
     cfg = session.cfg
@@ -202,7 +205,7 @@ def run_points(session, prompts: Sequence[Sequence[int]], edits: Iterable[Edit] 
                 value = v[0 if e.rows is None else e.rows.index(b)]
             rows_at = None if e.positions is None else list(e.positions)
             writes.setdefault(nodes[e.point], []).append((_columns(e.point, cfg), rows_at, value, e.add))
-        logits.append(seam.run(ids, writes, keep))
+        logits.append(seam.run(ids, writes, keep, every))
         absent = [n for n in set(writes) | keep if n not in seam.editor.hit]
         if absent:
             raise Unsupported(f"llama.cpp's graph for this {cfg.architecture} model forms no node "

@@ -30,46 +30,51 @@ def _greedy(logits: list[torch.Tensor]) -> list[int]:
 
 
 def generate_batch(
-    model: Runtime | object, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+    session: object, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[np.ndarray, float, np.ndarray]:
+    """decode_batch on a runtime of the session's model made for these prompts (and freed after)."""
+    if not prompts:
+        raise ValueError("need at least one non-empty prompt and at least one new token")
+    with runtime_of(session, len(prompts), max(len(p) for p in prompts) + max_new_tokens) as rt:
+        return decode_batch(rt, prompts, max_new_tokens, should_stop)
+
+
+def decode_batch(
+    rt: Runtime, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     should_stop: Callable[[], bool] | None = None,
 ) -> tuple[np.ndarray, float, np.ndarray]:
     """Greedy decode of B prompts together, sequence i of the runtime holding prompt i (prompts may differ in
-    length: each sequence keeps its own positions): (ids (B, n), prefill seconds, decode step seconds).
-
-    `model` is a runtime with at least B sequences, or a loaded model or session to make one for."""
+    length: each sequence keeps its own positions): (ids (B, n), prefill seconds, decode step seconds). The runtime
+    needs at least B sequences of the longest prompt + max_new_tokens positions."""
     B = len(prompts)
     if B == 0 or min(len(p) for p in prompts) == 0 or max_new_tokens < 1:
         raise ValueError("need at least one non-empty prompt and at least one new token")
     need = max(len(p) for p in prompts) + max_new_tokens
-    rt = model if isinstance(model, Runtime) else runtime_of(model, B, need)
-    try:
-        if B > rt.n_seq or need > rt.capacity:
-            raise ValueError(f"{B} sequences of {need} positions exceed this runtime's {rt.n_seq} of {rt.capacity}")
-        for i in range(B):
-            rt.remove(i)
-        out = np.empty((B, max_new_tokens), dtype=np.int64)
+    if B > rt.n_seq or need > rt.capacity:
+        raise ValueError(f"{B} sequences of {need} positions exceed this runtime's {rt.n_seq} of {rt.capacity}")
+    for i in range(B):
+        rt.remove(i)
+    out = np.empty((B, max_new_tokens), dtype=np.int64)
+    t0 = time.perf_counter()
+    out[:, 0] = _greedy(rt.forward([Row(i, list(p)) for i, p in enumerate(prompts)]))
+    prefill_s = time.perf_counter() - t0
+    steps = np.zeros(max_new_tokens - 1)
+    for j in range(1, max_new_tokens):
+        if should_stop is not None and should_stop():
+            raise Cancelled()
         t0 = time.perf_counter()
-        out[:, 0] = _greedy(rt.forward([Row(i, list(p)) for i, p in enumerate(prompts)]))
-        prefill_s = time.perf_counter() - t0
-        steps = np.zeros(max_new_tokens - 1)
-        for j in range(1, max_new_tokens):
-            if should_stop is not None and should_stop():
-                raise Cancelled()
-            t0 = time.perf_counter()
-            out[:, j] = _greedy(rt.forward([Row(i, [int(out[i, j - 1])]) for i in range(B)]))
-            steps[j - 1] = time.perf_counter() - t0
-        return out, prefill_s, steps
-    finally:
-        if rt is not model:
-            rt.close()
+        out[:, j] = _greedy(rt.forward([Row(i, [int(out[i, j - 1])]) for i in range(B)]))
+        steps[j - 1] = time.perf_counter() - t0
+    return out, prefill_s, steps
 
 
 def bench_batch(
-    model: object, batches: Sequence[int] = DEFAULT_BATCHES, prompt_tokens: int = 32, new_tokens: int = 16,
+    session: object, batches: Sequence[int] = DEFAULT_BATCHES, prompt_tokens: int = 32, new_tokens: int = 16,
     progress: Callable[[float, str], None] | None = None, should_stop: Callable[[], bool] | None = None,
     memory_limit_bytes: float | None = None, on_row: Callable[[BatchRow], None] | None = None,
 ) -> list[BatchRow]:
-    """Measure decode at each batch size (as memory allows) on `model` (a loaded model or a session, torch or
+    """Measure decode at each batch size (as memory allows) on `session`'s model (torch or
     llama.cpp: engine.runtime.runtime_of makes a runtime of each batch size); cancellable between steps (raises
     Cancelled)."""
     if new_tokens < 2 or prompt_tokens < 1:
@@ -79,7 +84,7 @@ def bench_batch(
     positions = prompt_tokens + new_tokens
     rows: list[BatchRow] = []
     rng = np.random.default_rng(0)
-    with runtime_of(model, 1, positions) as probe:  # the cache's bytes, from the kind of runtime that will hold it
+    with runtime_of(session, 1, positions) as probe:  # the cache's bytes, from the kind of runtime that will hold it
         cfg = probe.cfg
         kv_of = {b: probe.kv_bytes_per_position() * probe.cells_reserved(b, positions) for b in batches}
     for i, b in enumerate(batches):
@@ -89,8 +94,8 @@ def bench_batch(
         if progress is not None:
             progress(i / len(batches), f"batch {b}: decoding {new_tokens} tokens")
         prompts = rng.integers(min(100, cfg.vocab_size // 2), cfg.vocab_size, size=(b, prompt_tokens)).tolist()
-        with runtime_of(model, b, positions) as rt:
-            _, _, steps = generate_batch(rt, prompts, new_tokens, should_stop)
+        with runtime_of(session, b, positions) as rt:
+            _, _, steps = decode_batch(rt, prompts, new_tokens, should_stop)
             tpot = float(np.median(steps))
             mid = prompt_tokens + new_tokens // 2
             cost = rt.step_cost(1, mid - 1, batch=b)

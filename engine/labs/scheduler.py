@@ -177,20 +177,20 @@ def warm_up(rt: Runtime, prompt_lens: Sequence[int], max_batch: int, should_stop
     return True
 
 
-def schedule(model, cfg: SchedConfig, should_stop: Callable[[], bool] | None = None,
+def schedule(session, cfg: SchedConfig, should_stop: Callable[[], bool] | None = None,
              memory_limit_bytes: float | None = None) -> Iterator[SchedEvent]:
     """Serve the same requests under each policy of cfg: SchedPlan, then each policy's SchedSteps and
     SchedRequestDones (the policies' steps alternate), and its SchedSummary when its last request is done.
     Stops quietly (no further summary) when should_stop() turns true.
 
-    `model`: a LoadedModel or a session, run by its runtime (engine.runtime: the torch engine's paged cache, or
+    `session`: either runtime's session, run by its runtime (engine.runtime: the torch engine's paged cache, or
     llama.cpp's unified cache, whose pages are single positions). Bad settings raise ValueError with one sentence,
     before any step runs.
     """
-    cfg.validate(model.cfg.context_length)
+    cfg.validate(session.cfg.context_length)
     stop = should_stop or (lambda: False)
     longest = cfg.longest()
-    with runtime_of(model, 1, 1, page_size=cfg.page_size) as probe:
+    with runtime_of(session, 1, 1, page_size=cfg.page_size) as probe:
         bpp, page, dtype, device = probe.kv_bytes_per_position(), probe.page_size, probe.dtype_name, probe.device
     reserve_len = cfg.reserve_len or longest
     n_pages = cfg.max_batch * -(-longest // page)
@@ -203,11 +203,11 @@ def schedule(model, cfg: SchedConfig, should_stop: Callable[[], bool] | None = N
     budget = cfg.kv_budget_bytes or cfg.max_batch * reserve_len * bpp
     requests = make_requests(cfg)
     rng = np.random.default_rng(cfg.seed + 1)
-    low = 100 if model.cfg.vocab_size > 200 else 0
-    prompts = [rng.integers(low, model.cfg.vocab_size, size=r.prompt_len).tolist() for r in requests]
+    low = 100 if session.cfg.vocab_size > 200 else 0
+    prompts = [rng.integers(low, session.cfg.vocab_size, size=r.prompt_len).tolist() for r in requests]
     yield SchedPlan(config=cfg, policies=policies, requests=requests, kv_bytes_per_position=bpp,
                     reserve_len=reserve_len, pool_pages=n_pages, dtype=dtype, device=str(device), page_size=page)
-    runtimes = {p: runtime_of(model, cfg.max_batch, longest, page_size=cfg.page_size) for p in policies}
+    runtimes = {p: runtime_of(session, cfg.max_batch, longest, page_size=cfg.page_size) for p in policies}
     try:
         yield from _take_turns(runtimes, cfg, requests, prompts, bpp, reserve_len, budget, stop)
     finally:

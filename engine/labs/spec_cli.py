@@ -67,7 +67,7 @@ def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
     from engine.cliargs import UsageError, check_bias, stamped
     from engine.events import Failed
     from engine.labs import speculative as sp
-    from engine.loaders import ModelLoadError, load
+    from engine.loaders import ModelLoadError
 
     def fail(message: str) -> int:
         print(f"error: {message}", file=sys.stderr)
@@ -86,9 +86,7 @@ def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
     draft = None
     if a.draft_model is not None:
         try:
-            draft = (type(s)(a.draft_model, threads=a.threads) if hasattr(s, "llama")  # llama.cpp: another GGUF
-                     else load(a.draft_model, device=str(s.lm.device.type), dtype=s.dtype_name,
-                               kernels=s.info.kernels))
+            draft = s.sibling(a.draft_model)  # the same runtime and settings, another file
         except ModelLoadError as e:
             return fail(str(e))
     try:
@@ -140,9 +138,7 @@ def _machine(s) -> dict:
     except OSError:
         pass
     simd = "avx512_bf16" if "avx512_bf16" in words else "avx2" if "avx2" in words else "neither"
-    lm = getattr(s, "lm", None)  # None on llama.cpp, which runs on the CPU
-    return {"cpu": name, "simd": simd, "device": str(lm.device) if lm else "cpu",
-            "dtype": s.dtype_name if lm else s.info.file_type,
+    return {"cpu": name, "simd": simd, "device": s.info.device, "dtype": s.dtype_name,
             "threads": s.threads.describe() if s.threads is not None else None}
 
 

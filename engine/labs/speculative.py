@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from engine.backend import Unsupported
+from engine.backend import require
 from engine.events import Failed, Finished
 from engine.labs.spec_events import (  # noqa: F401 — the events are part of this module's interface
     Divergence,
@@ -53,10 +53,9 @@ from engine.labs.spec_events import (  # noqa: F401 — the events are part of t
     SweepPoint,
     SweepStarted,
 )
-from engine.loaders import LoadedModel
 from engine.run.sampling import SamplingParams, apply_penalties, choose, draw, funnel, make_generator
 from engine.run.session import Session
-from engine.runtime import Row, Runtime, runtime_class, runtime_of
+from engine.runtime import Row, Runtime, runtime_of
 from engine.tokenizer import StreamDecoder
 
 SOURCES = ("lookup", "early-exit", "draft-model")
@@ -72,7 +71,7 @@ class SpecConfig:
     source: str = "lookup"
     exit_layer: int = 0  # early-exit: layers run for a guess, 1…n_layers (0: half the model)
     ngram_max: int = 3  # lookup: the longest context suffix matched
-    # draft-model: the smaller model (a LoadedModel, or a session: a LlamaCppSession drafts on llama.cpp)
+    # draft-model: the smaller model's session (a llama.cpp session drafts on llama.cpp)
     draft: object | None = field(default=None, compare=False)
     baseline: bool = True  # also decode the prompt plainly, to measure the speedup
     ignore_eos: bool = False
@@ -251,11 +250,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _session(session_or_lm: Session | LoadedModel) -> Session:
-    """A session over a loaded model; a session (the torch engine's or a LlamaCppSession) as it is."""
-    return Session(session_or_lm) if isinstance(session_or_lm, LoadedModel) else session_or_lm
-
-
 def _prompt_ids(s: Session, prompt: str | Sequence[int], max_new_tokens: int) -> list[int]:
     ids = s.tokenize(prompt).ids if isinstance(prompt, str) else [int(i) for i in prompt]
     s.check_prompt(ids, max_new_tokens)
@@ -278,7 +272,7 @@ def _exit_layer(cfg: SpecConfig, n_layers: int) -> int:
 
 
 def speculate(
-    session_or_lm: Session | LoadedModel, prompt: str | Sequence[int], cfg: SpecConfig | None = None,
+    session: Session, prompt: str | Sequence[int], cfg: SpecConfig | None = None,
     params: SamplingParams | None = None, max_new_tokens: int = 64, should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[SpecEvent]:
     """Start a speculative generation; iterate it to run. Bad settings raise ValueError now, with the reason.
@@ -286,7 +280,7 @@ def speculate(
     The prompt is a text or token ids. `should_stop` is polled between passes. With cfg.baseline the same prompt is
     then decoded plainly (Session.generate) to measure the speedup; greedy runs also report whether the tokens agree.
     """
-    s = _session(session_or_lm)
+    s = session
     cfg = cfg or SpecConfig()
     params = params or SamplingParams.greedy_params()
     ids = _prompt_ids(s, prompt, max_new_tokens)
@@ -294,9 +288,9 @@ def speculate(
         raise ValueError(f"the early-exit layer must be between 1 and {s.cfg.n_layers}, got {cfg.exit_layer}")
     if cfg.source == "draft-model":
         check_draft_model(s, cfg.draft)
-    if cfg.source == "early-exit" and not hasattr(runtime_class(s), "exit_logits"):
-        raise Unsupported("early-exit drafting needs the model's own layers, which llama.cpp runs as one graph: "
-                          "draft by lookup or with a draft model, or load the model with the torch backend")
+    if cfg.source == "early-exit":
+        require(s, "exit_logits", "early-exit drafting",
+                "draft by lookup or with a draft model, or load the model with --backend torch")
     return _run(s, ids, cfg, params, max_new_tokens, should_stop or (lambda: False))
 
 
@@ -486,13 +480,13 @@ def plain_decode(
 
 
 def sweep(
-    session_or_lm: Session | LoadedModel, prompt: str | Sequence[int], cfg: SpecConfig | None = None,
+    session: Session, prompt: str | Sequence[int], cfg: SpecConfig | None = None,
     params: SamplingParams | None = None, max_new_tokens: int = 64, ks: Sequence[int] = SWEEP_KS,
     should_stop: Callable[[], bool] | None = None,
 ) -> Iterator[SpecEvent]:
     """Speculate with each k in `ks` against one plain-decoding baseline; yields SweepStarted, SpecBaseline, then
     one SweepPoint per k (or Failed). Settings are checked now (ValueError)."""
-    s = _session(session_or_lm)
+    s = session
     cfg = cfg or SpecConfig()
     params = params or SamplingParams.greedy_params()
     stop = should_stop or (lambda: False)

@@ -274,9 +274,10 @@ def _sites(block: nn.Module, layer: int, wanted: set[Point]) -> list[tuple[list[
 
 
 def run_points(model: nn.Module, prompts: Sequence[Sequence[int]], edits: Iterable[Edit] = (),
-               record: Iterable[Point] = ()) -> tuple[torch.Tensor, Recording]:
-    """The float32 logits (B, V) of each prompt's last position and the recorded points (B, T, W): the B prompts,
-    all of one length T, run as the batch rows of one forward pass from an empty cache with `edits` applied.
+               record: Iterable[Point] = (), every: bool = False) -> tuple[torch.Tensor, Recording]:
+    """The float32 logits (B, V) of each prompt's last position (with `every`, (B, T, V) of every position) and the
+    recorded points (B, T, W): the B prompts, all of one length T, run as the batch rows of one forward pass from an
+    empty cache with `edits` applied.
 
     The products are the float ones (F.linear on the weights as loaded), whatever form a decode step would take:
     the experiments that use this are held to references that run the weights as they are.
@@ -291,5 +292,5 @@ def run_points(model: nn.Module, prompts: Sequence[Sequence[int]], edits: Iterab
     tokens = torch.tensor(rows, dtype=torch.long, device=w.device)  # (B, T)
     cache = KVCache(model.cfg, len(rows), tokens.shape[1], w.dtype, w.device)
     with torch.inference_mode(), edited(model, edits, record) as rec, kernels.forced("linear"):
-        logits = model(tokens, 0, cache, None)  # (B, V) float32, the last position
+        logits = model(tokens, 0, cache, None, all_logits=every)  # (B, V) or (B, T, V), float32
     return logits, rec

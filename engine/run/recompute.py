@@ -69,11 +69,8 @@ def run_layers(model: torch.nn.Module, tokens: torch.Tensor, p: int, cache: Read
 def check_cache(session: object, ids: Sequence[int]) -> int:
     """The query position p = len(ids) − 1 when the session's cache holds exactly these tokens at 0…p (and every
     layer still holds the keys position p read); else CacheGone, or Unsupported on a runtime other than torch's."""
-    from engine.run.session import Session
-
-    if not isinstance(session, Session):
-        raise Unsupported(LLAMACPP_REFUSAL if type(session).__name__ == "LlamaCppSession" else
-                          f"a step is recomputed only on the torch runtime, not on {type(session).__name__}")
+    if "recompute" not in session.can:
+        raise Unsupported(LLAMACPP_REFUSAL)
     p = len(ids) - 1
     cache = session.cache
     if p < 0:

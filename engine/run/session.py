@@ -194,14 +194,29 @@ class Session:
         return formula - self._bytes_saved[key]
 
     # ---- prompts ---------------------------------------------------------------------------------------------
-    can_gradients = True  # the why experiments that take a backward pass run here
+    runtime_name = "torch"
+    cannot: tuple = ()  # every capture is made here
+    can = frozenset({"gradients", "recompute", "exit_logits", "edit"})  # engine.backend.CAPABILITIES
 
-    def run_points(self, prompts: Sequence[Sequence[int]], edits: Iterable = (),
-                   record: Iterable = ()) -> tuple[torch.Tensor, object]:
+    def run_points(self, prompts: Sequence[Sequence[int]], edits: Iterable = (), record: Iterable = (),
+                   every: bool = False) -> tuple[torch.Tensor, object]:
         """engine.model.seam.run_points on this session's model: the prompts as one batch from an empty cache."""
         from engine.model.seam import run_points
 
-        return run_points(self.lm.model, prompts, edits, record)
+        return run_points(self.lm.model, prompts, edits, record, every)
+
+    def sibling(self, path: str) -> Session:
+        """A session of another model file on this runtime, with this one's device, dtype and kernel mode."""
+        from engine.loaders import load
+
+        return Session(load(path, device=self.lm.device.type, dtype=self.dtype_name, kernels=self.info.kernels))
+
+    def new_runtime(self, n_seq: int = 1, capacity: int | None = None, page_size: int | None = None) -> Runtime:
+        """A runtime of `n_seq` sequences of up to `capacity` positions over this model (the weights shared, the cache
+        new); `page_size`: the cache as one pool of pages of that many positions."""
+        from engine.runtime.torch import PAGE_SIZE, TorchRuntime
+
+        return TorchRuntime(self.lm, n_seq, capacity, page_size=page_size or PAGE_SIZE)
 
     def intervened(self, edits: Iterable) -> contextlib.AbstractContextManager:
         """The seam's `edits` applied to every forward pass this session runs inside the `with` block (a generation

@@ -2,11 +2,17 @@
 
     heads.py      head roles (previous-token, duplicate-token, induction, attention sink), TransformerLens's
                   head_detector definitions, scored on the loaded model
-    hooks.py      edits of the forward pass (ablate a head or an MLP, set the residual stream at a layer and position)
     ablate.py     the next-token distribution before and after an ablation
     patch.py      activation patching between a clean and a corrupted prompt, layer × position
     attribute.py  which prompt tokens drove the next token (gradient × input, integrated gradients, occlusion)
     compare.py    what quantization changed: the same prompt through two files of one model, layer by layer
+    dla.py        direct logit attribution: what each head and MLP wrote into the logit difference of two tokens
+    atp.py        attribution patching: the patching grid from one forward and one backward pass
+    steer.py      steering vectors from contrast pairs, saved as llama.cpp control vectors, added while generating
+
+Every read and write of a forward pass goes through the session's seam (engine.model.seam's named points), so the
+experiments that only read and write run on either runtime; those that need a backward pass or the weights as torch
+tensors ask the session (engine.backend.require) and say so in one sentence where it cannot.
 
 Each module has a function the app's engine process calls (it returns the JSON-ready dict the CLI prints) and an
 `add_subcommand(sub)` for `python -m engine …` (engine.why.cli registers them).
@@ -14,9 +20,9 @@ Each module has a function the app's engine process calls (it returns the JSON-r
 
 from __future__ import annotations
 
-from engine.backend import Progress, ShouldStop, Unsupported
+from engine.backend import Progress, ShouldStop, Unsupported, require
 
-__all__ = ["Cancelled", "Progress", "ShouldStop", "Unsupported", "check_stop"]
+__all__ = ["Cancelled", "Progress", "ShouldStop", "Unsupported", "check_stop", "require"]
 
 
 class Cancelled(Exception):

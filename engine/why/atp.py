@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from engine.why import Cancelled, Progress, ShouldStop, Unsupported, check_stop
+from engine.why import Cancelled, Progress, ShouldStop, Unsupported, check_stop, require
 
 if TYPE_CHECKING:
     import torch
@@ -45,10 +45,7 @@ def _check(session, clean: str, corrupt: str, answer: str, wrong: str) -> tuple[
     """The prompts' ids and the two tokens' ids, or ValueError / Unsupported in one sentence (as patch's)."""
     from engine.why.patch import MAX_TOKENS, one_token
 
-    lm = getattr(session, "lm", None)
-    if lm is None:
-        raise Unsupported("attribution patching needs a backward pass through the model, which only the torch "
-                          "engine runs (llama.cpp computes no gradients): run with --backend torch")
+    require(session, "gradients", "attribution patching")
     tokenizer = session.tokenizer
     c, x = session.tokenize(clean), session.tokenize(corrupt)
     if len(c.ids) != len(x.ids):
@@ -61,7 +58,7 @@ def _check(session, clean: str, corrupt: str, answer: str, wrong: str) -> tuple[
     a_id, w_id = one_token(tokenizer, answer, "--answer"), one_token(tokenizer, wrong, "--wrong")
     if a_id == w_id:
         raise ValueError(f"--answer and --wrong are the same token {tokenizer.piece(a_id)!r}")
-    if lm.model.tok_embeddings.weight.is_inference():
+    if session.lm.model.tok_embeddings.weight.is_inference():
         raise Unsupported("this model's weights were loaded under torch.inference_mode, so no gradient can flow "
                           "through them: load it outside inference mode for attribution patching")
     return list(c.ids), list(x.ids), a_id, w_id

@@ -44,7 +44,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from engine.why import Progress, ShouldStop, Unsupported, check_stop
+from engine.why import Progress, ShouldStop, Unsupported, check_stop, require
 
 if TYPE_CHECKING:
     import torch
@@ -67,12 +67,6 @@ def _baseline_token(tokenizer) -> int:
     if not tokenizer.eos_ids:
         raise Unsupported("occlusion replaces a token by the end-of-text token, and this tokenizer names none")
     return int(tokenizer.eos_ids[0])
-
-
-def _is_torch(session) -> bool:
-    from engine.run.session import Session
-
-    return isinstance(session, Session)
 
 
 @contextlib.contextmanager
@@ -235,10 +229,8 @@ def attribute(session, prompt: str, method: str = "ig", steps: int = DEFAULT_STE
         raise ValueError(f"unknown attribution method {method!r}: choose ig, grad-input or occlusion")
     if method == "ig" and not 1 <= steps <= MAX_STEPS:
         raise ValueError(f"integrated gradients takes 1 to {MAX_STEPS} steps (the quadrature's points), got {steps}")
-    torch_engine = _is_torch(session)
-    if method in GRADIENT_METHODS and not torch_engine:
-        raise Unsupported(f"{method} needs gradients and llama.cpp runs the GGUF without them: use --method "
-                          "occlusion there, or --backend torch")
+    if method in GRADIENT_METHODS:
+        require(session, "gradients", method, "use --method occlusion there, or --backend torch")
     tok = session.tokenize(prompt, chat)
     ids = [int(i) for i in tok.ids]
     session.check_prompt(ids)
@@ -256,7 +248,7 @@ def attribute(session, prompt: str, method: str = "ig", steps: int = DEFAULT_STE
         result = _gradient_scores(session, ids, kept, method, steps, target, progress, should_stop)
     target = result.pop("target_id")
     return {
-        "method": method, "backend": "torch" if torch_engine else "llama.cpp",
+        "method": method, "backend": session.runtime_name,
         "tokens": {"ids": ids, "pieces": list(tok.pieces), "special": special},
         "target": {"id": target, "piece": session.tokenizer.piece(target), "logprob": result.pop("logprob"),
                    "chosen": "given" if given else "greedy"},

@@ -60,66 +60,46 @@ def js_distance_bits(p, q):
 
 # ---- one side: a session of either runtime, stepped by hand ------------------------------------------------------
 class _Side:
-    """One form of the model: a step runs `feed` at `start` and returns its logits, the residual stream of the newest
-    position (L + 1, d) and every layer's attention rows {layer: (H, rows, keys)}; `head` projects the lens."""
+    """One form of the model: a step runs `feed` at the next positions of the session's own runtime (the generation
+    loop's step, with a Capture) and returns its logits, the residual stream of the newest position (L + 1, d) and
+    every layer's attention rows {layer: (H, rows, keys)}; `head` projects the lens."""
 
     def __init__(self, session) -> None:
-        from engine.run.session import Session
-
         self.s = session
-        self.torch = isinstance(session, Session)
-        if not self.torch and not hasattr(session, "tap"):
-            raise Unsupported("compare runs on the local model (torch or llama.cpp), not on a server")
         self.cfg = session.cfg
         info = session.info
         self.info = info
-        runtime = f"torch {session.dtype_name}, {info.kernels} kernels" if self.torch else "llama.cpp"
-        self.label = f"{Path(info.path).name} ({info.file_type}) on {runtime}"
-        self.attention = self.torch or "attention" not in session.cannot
+        dtype = "" if session.dtype_name == info.file_type else f" {session.dtype_name}"
+        self.label = (f"{Path(info.path).name} ({info.file_type}) on {session.runtime_name}{dtype}, "
+                      f"{info.kernels} kernels")
+        self.attention = "attention" not in session.cannot
+        self.rt = None
 
     @property
     def head(self):
-        return self.s.lm.model if self.torch else self.s.lens_head()
+        return self.rt.lens_head()
 
     def reset(self, n_positions: int) -> None:
         self.s.forget_cache()
-        if self.torch:
-            self.s._prepare_cache([], n_positions)
+        self.rt = self.s.runtime(n_positions)
 
     def step(self, feed: list[int], start: int):
-        import numpy as np
         import torch
 
-        from engine.model.probe import RESID_STREAM, Probe, attn_point
+        from engine.protocol import Capture
+        from engine.run.session import check_finite
+        from engine.runtime.base import Row
 
-        L, H = self.cfg.n_layers, self.cfg.n_heads
-        n_keys = start + len(feed)
-        if self.torch:
-            probe = Probe.for_capture(range(L), residual_stream=True, max_attention_bytes=ATTENTION_BYTES)
-            with torch.inference_mode():
-                logits = self.s._forward(feed, start, probe)
-            attn = {i: probe.values[attn_point(i)][0] for i in range(L)}  # (H, rows, keys)
-            return logits.float(), torch.from_numpy(probe.values[RESID_STREAM][0]), attn
-        tap = self.s.tap
-        keep = Probe(max_attention_bytes=ATTENTION_BYTES).attention_rows(H, len(feed), n_keys)
-        tap.begin(frozenset(range(L)) if self.attention else frozenset(), True, len(feed), keep)
-        try:
-            logits = self.s._forward(feed, start)
-        finally:
-            tap.end()
-        if tap.error is not None:
-            raise RuntimeError(f"reading llama.cpp's tensor {tap.error}")
-        attn = {}
-        for layer, parts in tap.attn.items():  # a prefill in micro-batches: each piece saw the keys cached so far
-            w = np.zeros((H, sum(p.shape[1] for p in parts), n_keys), dtype=np.float32)
-            r = 0
-            for p in parts:
-                k = min(n_keys, p.shape[2])
-                w[:, r:r + p.shape[1], :k] = p[:, :, :k]
-                r += p.shape[1]
-            attn[layer] = w
-        stream = torch.from_numpy(np.stack([tap.resid[i] for i in range(L + 1)]))  # (L + 1, d)
-        return torch.from_numpy(logits), stream, attn
+        L = self.cfg.n_layers
+        if start != self.rt.length(0):  # one count of positions: the runtime's
+            raise ValueError(f"a step at position {start}, but the cache holds {self.rt.length(0)} positions")
+        capture = Capture(attention_layers=frozenset(range(L)) if self.attention else frozenset(),
+                          attention_max_bytes=ATTENTION_BYTES, lens_top=1)  # lens_top: the residual stream
+        logits = self.rt.forward([Row(0, list(feed), capture=capture)])[0].float()
+        check_finite(logits, start + len(feed) - 1, self.rt.kv_dtype)
+        c = self.rt.captured(0)
+        attn = {layer: w for layer, (w, _) in c.attention.items()}  # (H, rows, keys)
+        return logits, torch.as_tensor(c.stream), attn
 
 
 def _lens_logp(head, streams, logits):

@@ -33,7 +33,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from engine.why import Unsupported
+from engine.why import Unsupported, require
 
 if TYPE_CHECKING:
     import torch
@@ -113,11 +113,9 @@ def dla(session: object, prompt: str, answer: str, wrong: str, step: int = 0, ch
     CLI's JSON document. ValueError in one sentence for bad input; Unsupported on llama.cpp."""
     from engine.why.patch import one_token
 
-    lm = getattr(session, "lm", None)
-    if lm is None:
-        raise Unsupported("direct logit attribution multiplies each head's output z by its slice of the output "
-                          "projection, which needs the torch engine's activations and weights: run with "
-                          "--backend torch")
+    require(session, "gradients", "direct logit attribution (each head's z times its slice of the output "
+            "projection)")
+    lm = session.lm
     if not 0 <= step <= MAX_STEP:
         raise ValueError(f"--step must be 0 to {MAX_STEP}, got {step}")
     tokenizer = session.tokenizer

@@ -149,20 +149,11 @@ def second_copy_loss(logits, tokens: Sequence[int], repeat: int) -> float:
 
 
 def ablation_loss(session, tokens: Sequence[int], repeat: int, heads: Sequence[tuple[int, int]]) -> float:
-    """second_copy_loss with the heads' outputs (z) set to zero at every position: torch engine only."""
-    import torch
+    """second_copy_loss with the heads' outputs (z) set to zero at every position, through the session's seam."""
+    from engine.model.seam import Edit, Point
 
-    from engine.model.kv_cache import KVCache
-    from engine.model.seam import Edit, Point, edited
-
-    lm = getattr(session, "lm", None)
-    if lm is None:
-        raise Unsupported("zero-ablating heads edits the forward pass, which only the torch engine lets us do: "
-                          "run with --backend torch")
-    ids = torch.tensor([list(tokens)], dtype=torch.long, device=lm.device)  # (1, T)
-    cache = KVCache(session.cfg, 1, len(tokens), lm.dtype, lm.device)
-    with torch.inference_mode(), edited(lm.model, [Edit(Point.z(layer, head)) for layer, head in heads]):
-        logits = lm.model(ids, 0, cache, None, all_logits=True)[0]  # (T, V)
+    logits, _ = session.run_points([list(tokens)], [Edit(Point.z(layer, head)) for layer, head in heads], every=True)
+    logits = logits[0]  # (T, V)
     return second_copy_loss(logits, tokens, repeat)
 
 
@@ -218,9 +209,6 @@ def _cmd(a: argparse.Namespace) -> int:
         raise UsageError("`heads` needs every layer's attention, which a server does not report: drop --url")
     s = session_from_args(a)
     try:
-        if a.ablate_top is not None and getattr(s, "lm", None) is None:
-            raise Unsupported("--ablate-top edits the forward pass, which only the torch engine lets us do: run "
-                              "with --backend torch")
         if a.ablate_top is not None and a.ablate_top > s.cfg.n_layers * s.cfg.n_heads:
             raise UsageError(f"--ablate-top {a.ablate_top} is more than this model's "
                              f"{s.cfg.n_layers * s.cfg.n_heads} heads")

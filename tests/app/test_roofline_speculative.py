@@ -8,6 +8,7 @@ import numpy as np
 from engine.labs import speculative as sp
 from engine.protocol import Loaded
 from engine.run.sampling import SamplingParams
+from engine.run.session import Session
 from tests.engine.test_speculative import REPEATS
 
 
@@ -21,7 +22,8 @@ def test_verify_passes_are_drawn_right_of_decode(qtbot, bridge, tiny_lm):
     panel.show()
     panel.select_hardware("h100-sxm")
     k = 4
-    run = list(sp.speculate(tiny_lm, REPEATS, sp.SpecConfig(k=k, source="early-exit", exit_layer=1, ignore_eos=True),
+    run = list(sp.speculate(Session(tiny_lm), REPEATS,
+                            sp.SpecConfig(k=k, source="early-exit", exit_layer=1, ignore_eos=True),
                             SamplingParams.greedy_params(), 24))
     for ev in run:
         bridge.sig_spec.emit(ev)  # as the bridge routes them

@@ -10,6 +10,7 @@ import pytest
 from app.panels import scheduling
 from engine.labs.schedule_events import SchedConfig, SchedPlan, SchedRequestDone, SchedStep, SchedSummary
 from engine.protocol import LabDone
+from engine.run.session import Session
 
 CFG = SchedConfig(n_requests=6, rate=math.inf, prompt_len=10, output_len=6, max_batch=3, page_size=4, seed=2)
 
@@ -18,7 +19,7 @@ CFG = SchedConfig(n_requests=6, rate=math.inf, prompt_len=10, output_len=6, max_
 def events(tiny_lm):
     from engine.labs.scheduler import schedule
 
-    return list(schedule(tiny_lm, CFG))
+    return list(schedule(Session(tiny_lm), CFG))
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from engine.events import Failed
 from engine.labs import speculative as sp
 from engine.protocol import Loaded
 from engine.run.sampling import SamplingParams
+from engine.run.session import Session
 from tests.engine.test_speculative import REPEATS
 
 GREEDY = SamplingParams.greedy_params()
@@ -26,7 +27,8 @@ def cell(piece: str) -> str:
 @pytest.fixture(scope="module")
 def spec_run(tiny_lm):
     # the random model's first layer guesses right now and then: passes with kept and with rejected guesses
-    return list(sp.speculate(tiny_lm, REPEATS, sp.SpecConfig(k=4, source="early-exit", exit_layer=1, ignore_eos=True),
+    return list(sp.speculate(Session(tiny_lm), REPEATS,
+                             sp.SpecConfig(k=4, source="early-exit", exit_layer=1, ignore_eos=True),
                              GREEDY, 40))
 
 
@@ -77,7 +79,7 @@ def test_a_new_run_clears_the_last_and_a_failure_is_said(panel, spec_run):
 
 
 def test_a_sweep_plots_speedup_against_k(panel, tiny_lm):
-    for ev in sp.sweep(tiny_lm, REPEATS, sp.SpecConfig(ignore_eos=True), GREEDY, 8, ks=(1, 2, 3)):
+    for ev in sp.sweep(Session(tiny_lm), REPEATS, sp.SpecConfig(ignore_eos=True), GREEDY, 8, ks=(1, 2, 3)):
         panel.on_spec_event(ev)
         last = ev
     panel.flush()
@@ -111,7 +113,7 @@ def test_a_run_that_differs_says_where_and_why_in_one_sentence(panel, tiny_lm, m
     from tests.engine.test_spec_divergence import flip_one_pass
 
     flip_one_pass(monkeypatch)
-    run = list(sp.speculate(tiny_lm, REPEATS, sp.SpecConfig(k=3, ignore_eos=True), GREEDY, 12))
+    run = list(sp.speculate(Session(tiny_lm), REPEATS, sp.SpecConfig(k=3, ignore_eos=True), GREEDY, 12))
     for ev in run:
         panel.on_spec_event(ev)
     panel.flush()

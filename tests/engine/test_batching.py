@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from engine.labs.batching import bench_batch, generate_batch
+from engine.run.session import Session
 
 
 def _alone(lm, prompt: list[int], n: int) -> list[int]:
@@ -29,7 +30,7 @@ def _alone(lm, prompt: list[int], n: int) -> list[int]:
 def test_batched_greedy_equals_unbatched_exact_ids(tiny_lm):
     rng = np.random.default_rng(2)
     prompts = rng.integers(3, tiny_lm.cfg.vocab_size, size=(3, 6)).tolist()
-    batched, _, _ = generate_batch(tiny_lm, prompts, 5)
+    batched, _, _ = generate_batch(Session(tiny_lm), prompts, 5)
     for row, p in zip(batched, prompts, strict=True):
         assert row.tolist() == _alone(tiny_lm, p, 5)
 
@@ -37,12 +38,12 @@ def test_batched_greedy_equals_unbatched_exact_ids(tiny_lm):
 def test_prompts_of_different_lengths_keep_their_own_positions(tiny_lm):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, tiny_lm.cfg.vocab_size, size=n).tolist() for n in (2, 9, 5)]
-    batched, _, _ = generate_batch(tiny_lm, prompts, 6)
+    batched, _, _ = generate_batch(Session(tiny_lm), prompts, 6)
     assert [row.tolist() for row in batched] == [_alone(tiny_lm, p, 6) for p in prompts]
 
 
 def test_bench_rows_are_consistent(tiny_lm):
-    rows = bench_batch(tiny_lm, (1, 2, 4), prompt_tokens=8, new_tokens=5)
+    rows = bench_batch(Session(tiny_lm), (1, 2, 4), prompt_tokens=8, new_tokens=5)
     assert [r.batch for r in rows] == [1, 2, 4]
     for r in rows:
         assert r.tokens_per_s_system == pytest.approx(r.batch * r.tokens_per_s_per_stream)
@@ -52,7 +53,7 @@ def test_bench_rows_are_consistent(tiny_lm):
 
 
 def test_bench_stops_at_the_memory_limit(tiny_lm):
-    rows = bench_batch(tiny_lm, (1, 2, 64), prompt_tokens=8, new_tokens=3, memory_limit_bytes=50_000)
+    rows = bench_batch(Session(tiny_lm), (1, 2, 64), prompt_tokens=8, new_tokens=3, memory_limit_bytes=50_000)
     assert [r.batch for r in rows] == [1, 2]
 
 

@@ -38,7 +38,7 @@ LLAMA_PASSES = {"engine.runtime.llamacpp:LlamaCppRuntime._decode"}
 # generation the speculative lab measures its speedup against. A new caller (a lab stepping a model its own way, a
 # backend's copy of a loop) fails here until it is named.
 LAB_CALLERS = {
-    "batching": {"engine.labs.batching:generate_batch"},
+    "batching": {"engine.labs.batching:decode_batch"},
     "speculative": {"engine.labs.speculative:_passes", *GENERATION},
     "scheduling": {"engine.labs.scheduler:warm_up", "engine.labs.scheduler:_timed_step"},
 }

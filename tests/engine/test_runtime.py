@@ -19,6 +19,7 @@ from engine.labs import speculative as sp
 from engine.labs.batching import generate_batch
 from engine.model.kv_cache import KVCache
 from engine.protocol import Capture, SamplingParams
+from engine.run.session import Session
 from engine.runtime import Row
 from engine.runtime.torch import TorchRuntime
 
@@ -84,8 +85,8 @@ def test_a_row_past_its_capacity_is_refused(tiny_lm):
 def test_torch_batched_decode_equals_single_sequence_decode(tiny_lm):
     rng = np.random.default_rng(4)
     prompts = rng.integers(3, tiny_lm.cfg.vocab_size, size=(5, 6)).tolist()
-    batched, _, _ = generate_batch(tiny_lm, prompts, 8)
-    alone = [generate_batch(tiny_lm, [p], 8)[0][0].tolist() for p in prompts]
+    batched, _, _ = generate_batch(Session(tiny_lm), prompts, 8)
+    alone = [generate_batch(Session(tiny_lm), [p], 8)[0][0].tolist() for p in prompts]
     assert batched.tolist() == alone
 
 
@@ -202,7 +203,7 @@ def test_llamacpp_draft_model_is_another_gguf(lcpp):
 def test_llamacpp_refuses_early_exit_in_one_sentence(lcpp):
     from engine.backend import Unsupported
 
-    with pytest.raises(Unsupported, match="early-exit drafting needs the model's own layers"):
+    with pytest.raises(Unsupported, match="early-exit drafting needs a runtime that can stop after some of its layers"):
         sp.speculate(lcpp, "hello", sp.SpecConfig(source="early-exit"), GREEDY, 4)
 
 

@@ -29,6 +29,7 @@ from engine.labs.scheduler import (
     schedule,
 )
 from engine.model.kv_cache import KVCache
+from engine.run.session import Session
 from tests.requires import import_required
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,7 +124,7 @@ CFG = SchedConfig(n_requests=10, rate=math.inf, prompt_len=12, output_len=8, ran
 
 @pytest.fixture(scope="module")
 def run(tiny_lm):
-    events = list(schedule(tiny_lm, CFG))
+    events = list(schedule(Session(tiny_lm), CFG))
     return events
 
 
@@ -244,29 +245,30 @@ def test_workload_follows_rate_burstiness_and_lengths():
 ])
 def test_bad_settings_are_one_sentence(tiny_lm, bad, words):
     with pytest.raises(ValueError, match=words) as e:
-        next(schedule(tiny_lm, SchedConfig(**bad)))
+        next(schedule(Session(tiny_lm), SchedConfig(**bad)))
     assert "\n" not in str(e.value)
 
 
 def test_the_pool_must_fit_in_memory(tiny_lm):
     with pytest.raises(ValueError, match="exceed the memory available"):
-        next(schedule(tiny_lm, SchedConfig(max_batch=256, prompt_len=80, output_len=40), memory_limit_bytes=1e6))
+        next(schedule(Session(tiny_lm), SchedConfig(max_batch=256, prompt_len=80, output_len=40),
+                      memory_limit_bytes=1e6))
 
 
 def test_every_policys_pool_counts_against_memory(tiny_lm):
     cfg = SchedConfig(max_batch=8, prompt_len=16, output_len=8)
-    plan = next(schedule(tiny_lm, cfg))
+    plan = next(schedule(Session(tiny_lm), cfg))
     assert len(plan.policies) == 2  # static and continuous, each with a pool of its own
     one_pool = plan.pool_pages * plan.page_size * plan.kv_bytes_per_position
     with pytest.raises(ValueError, match="2 × 8 requests"):  # one pool fits, the two the run holds do not
-        next(schedule(tiny_lm, cfg, memory_limit_bytes=1.5 * one_pool))
-    assert isinstance(next(schedule(tiny_lm, cfg, memory_limit_bytes=2.5 * one_pool)), type(plan))
+        next(schedule(Session(tiny_lm), cfg, memory_limit_bytes=1.5 * one_pool))
+    assert isinstance(next(schedule(Session(tiny_lm), cfg, memory_limit_bytes=2.5 * one_pool)), type(plan))
 
 
 def test_stop_ends_the_run_without_a_summary(tiny_lm):
     events = []
     stop = lambda: sum(isinstance(e, SchedStep) for e in events) >= 3  # noqa: E731
-    for ev in schedule(tiny_lm, SchedConfig(n_requests=6, rate=math.inf, prompt_len=8, output_len=6), stop):
+    for ev in schedule(Session(tiny_lm), SchedConfig(n_requests=6, rate=math.inf, prompt_len=8, output_len=6), stop):
         events.append(ev)
     assert sum(isinstance(e, SchedStep) for e in events) == 3
     assert not any(isinstance(e, SchedSummary | SchedRequestDone) for e in events)

@@ -70,13 +70,13 @@ def test_a_run_that_differs_says_where_with_which_tokens_and_margin(tiny_lm, mon
 
 
 def test_a_run_that_agrees_reports_no_difference(tiny_lm):
-    fin = list(sp.speculate(tiny_lm, REPEATS, sp.SpecConfig(k=3, ignore_eos=True), GREEDY, N))[-1]
+    fin = list(sp.speculate(Session(tiny_lm), REPEATS, sp.SpecConfig(k=3, ignore_eos=True), GREEDY, N))[-1]
     assert fin.matches_baseline is True and fin.differs is None
 
 
 def test_the_sweep_says_where_a_k_differs(tiny_lm, monkeypatch):
     flip_one_pass(monkeypatch)  # only the first k's run reaches its second pass with the counter there
-    points = [e for e in sp.sweep(tiny_lm, REPEATS, sp.SpecConfig(ignore_eos=True), GREEDY, N, ks=(1, 2))
+    points = [e for e in sp.sweep(Session(tiny_lm), REPEATS, sp.SpecConfig(ignore_eos=True), GREEDY, N, ks=(1, 2))
               if isinstance(e, sp.SweepPoint)]
     assert points[0].matches_baseline is False and points[0].differs is not None
     assert points[1].matches_baseline is True and points[1].differs is None

@@ -31,11 +31,11 @@ def draft_lm(tmp_path_factory):
     g = torch.Generator().manual_seed(1)
     noisy = {k: v + 0.3 * v.std() * torch.randn(v.shape, generator=g) for k, v in w.items()}
     path = write_hf_dir(tmp_path_factory.mktemp("draft") / "draft-hf", noisy)
-    return load(path, device="cpu", dtype="float32", use_cache=False)
+    return Session(load(path, device="cpu", dtype="float32", use_cache=False))
 
 
 def run(lm, prompt, cfg, params=GREEDY, n=24):
-    events = list(sp.speculate(lm, prompt, cfg, params, n))
+    events = list(sp.speculate(Session(lm), prompt, cfg, params, n))
     assert not any(isinstance(e, Failed) for e in events), events[-1]
     return events
 
@@ -115,7 +115,7 @@ def test_baseline_and_speedup_are_reported(tiny_lm):
 
 
 def test_sweep_yields_one_point_per_k(tiny_lm):
-    events = list(sp.sweep(tiny_lm, REPEATS, sp.SpecConfig(ignore_eos=True), GREEDY, 12, ks=(1, 2, 5)))
+    events = list(sp.sweep(Session(tiny_lm), REPEATS, sp.SpecConfig(ignore_eos=True), GREEDY, 12, ks=(1, 2, 5)))
     assert isinstance(events[0], sp.SweepStarted) and isinstance(events[1], sp.SpecBaseline)
     points = events[2:]
     assert [p.k for p in points] == [1, 2, 5] and all(p.matches_baseline for p in points)
@@ -131,16 +131,16 @@ def test_bad_settings_say_why(tiny_lm):
         sp.parse_source("early-exit:x")
     assert sp.parse_source("early-exit:7") == ("early-exit", 7)
     with pytest.raises(ValueError, match="between 1 and 2"):
-        sp.speculate(tiny_lm, IDS, sp.SpecConfig(source="early-exit", exit_layer=3))
+        sp.speculate(Session(tiny_lm), IDS, sp.SpecConfig(source="early-exit", exit_layer=3))
     with pytest.raises(ValueError, match="draft model"):
         sp.SpecConfig(source="draft-model")
     with pytest.raises(ValueError, match="empty"):
-        sp.speculate(tiny_lm, [], sp.SpecConfig())
+        sp.speculate(Session(tiny_lm), [], sp.SpecConfig())
 
 
 def test_should_stop_ends_between_passes(tiny_lm):
     calls = []
-    events = list(sp.speculate(tiny_lm, IDS, sp.SpecConfig(k=2, ignore_eos=True), GREEDY, 40,
+    events = list(sp.speculate(Session(tiny_lm), IDS, sp.SpecConfig(k=2, ignore_eos=True), GREEDY, 40,
                                should_stop=lambda: calls.append(1) or len(calls) > 3))
     fin = events[-1]
     assert fin.reason == "stopped" and fin.n_passes == 3 and fin.baseline_tokens_per_s == 0.0

@@ -148,7 +148,8 @@ def test_the_llamacpp_runtime_of_the_same_file_differs_only_by_rounding(tiny_dir
         out = compare(_session(tiny_dir.gguf), lcpp, PROMPT, steps=6)
     finally:
         lcpp.close()
-    assert out["labels"] == ["tiny.gguf (ALL_F32) on torch float32, exact kernels", "tiny.gguf (ALL_F32) on llama.cpp"]
+    assert out["labels"] == ["tiny.gguf (ALL_F32) on torch float32, exact kernels",
+                             "tiny.gguf (ALL_F32) on llama.cpp, file kernels"]
     assert out["top1_flips"] == []
     assert 0 < max(out["kl"]) < 1e-4 and 0 < max(out["attention_js"]) < 1e-2  # float16 KV cache, not zero
 
