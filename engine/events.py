@@ -6,7 +6,8 @@ in another thread can keep it as long as it likes. A generation yields, in order
     RunStarted → PromptTokenized → [AttentionCaptured…, ResidualNorms, LensCaptured] → KVCacheGrew → PrefillDone
         → TokenSampled
     then per decode step: [AttentionCaptured…, ResidualNorms, LensCaptured] → KVCacheGrew → TokenSampled
-    and finally Finished (or Failed).
+    and finally Finished (or Failed). A steered run (engine.run.steered) adds Steered after PromptTokenized, and
+    again before the events of the first step at a new scale.
 """
 
 from __future__ import annotations
@@ -287,6 +288,72 @@ class Finished:
         return 1.0 / self.tpot_s if self.tpot_s > 0 else 0.0
 
 
+MAX_STEER_SCALE = 1e4  # a steering scale's bound either way (engine.why.steer.Steering refuses beyond it)
+MAX_STEER_LAYERS = 4096
+MAX_STEER_WIDTH = 1 << 16  # d_model
+MAX_STEER_NAME = 200  # characters
+
+
+def steer_problem(name: object, layers: object, directions: object, scale: object) -> str | None:
+    """What is wrong with a steering vector's plain data, in one sentence (None: nothing). `directions` may be None
+    (a Steered event that only changes the scale, with name "" and no layers)."""
+    if not isinstance(name, str) or len(name) > MAX_STEER_NAME:
+        return f"its name is not text of at most {MAX_STEER_NAME} characters"
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not abs(scale) <= MAX_STEER_SCALE:
+        return f"its scale {scale!r} is not a finite number within ±{MAX_STEER_SCALE:g}"
+    if not isinstance(layers, tuple) or len(layers) > MAX_STEER_LAYERS or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers):
+        return "its layers are not block indices"
+    if list(layers) != sorted(set(layers)):
+        return "its layers are not in increasing order, each once"
+    if directions is None:
+        return None if not layers else "it names layers but holds no directions"
+    if not isinstance(directions, np.ndarray) or directions.dtype.kind != "f" or directions.ndim != 2:
+        return "its directions are not a 2-D array of floats"
+    if not layers or directions.shape[0] != len(layers) or not 1 <= directions.shape[1] <= MAX_STEER_WIDTH:
+        return f"its directions have shape {directions.shape} for {len(layers)} layers"
+    if not np.isfinite(directions).all():
+        return "its directions hold values that are not finite"
+    return None
+
+
+def layers_text(layers: tuple[int, ...]) -> str:
+    """Blocks as a person writes them: "10–19", "8, 10", "1"."""
+    if not layers:
+        return "no layer"
+    if len(layers) > 2 and list(layers) == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}–{layers[-1]}"
+    return ", ".join(str(x) for x in layers)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Steered:
+    """A steering vector is on for this run (engine.run.steered): vector × scale is added to the output of each of
+    `layers`' blocks in every forward pass. The first one comes right after PromptTokenized and carries the vector;
+    a later one says the scale changed between two tokens, from token `step` on (keys and values cached before it
+    keep the scale they were computed with)."""
+
+    step: int  # the first step sampled at this scale (0: the prefill's token)
+    scale: float
+    name: str = ""  # the vector's: a file's name or "built from N pairs" (first event only)
+    layers: tuple[int, ...] = ()  # first event only
+    directions: np.ndarray | None = None  # (len(layers), d_model) float32, first event only
+
+    def problem(self) -> str | None:
+        """What a panel would trip over in this event (a session file's), in one sentence; None when sound."""
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            return f"its step {self.step!r} is not a step"
+        return steer_problem(self.name, self.layers, self.directions, self.scale)
+
+    @property
+    def label(self) -> str:
+        """e.g. "built from 4 pairs at layers 10–19 × +4" (the first event's; a later one: "× −2")."""
+        scale = f"× {self.scale:+g}".replace("-", "−")
+        if not self.layers:
+            return scale
+        return f"{self.name} at layer{'s' if len(self.layers) > 1 else ''} {layers_text(self.layers)} {scale}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Failed:
     """Generation could not go on; `message` is one clear sentence for the user."""
@@ -296,5 +363,5 @@ class Failed:
 
 Event = (
     RunStarted | PromptTokenized | PromptScored | AttentionCaptured | ResidualNorms | LensCaptured | KVCacheGrew
-    | PrefillDone | TokenSampled | Finished | Failed
+    | PrefillDone | TokenSampled | Steered | Finished | Failed
 )

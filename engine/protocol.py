@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal, get_args
 
+import numpy as np
+
+from engine.events import layers_text, steer_problem
+
 FUNNEL_TOP = 20  # candidates kept in each step's sampling funnel by the app and the benchmark
 ATTENTION_MAX_BYTES = 16 * 2**20  # float32 attention weights kept per layer and step
 
@@ -110,6 +114,7 @@ class GenerateRequest:
     regex: str | None = None  # the output must match this regular expression (engine.run.constrain)
     json_schema: str | None = None  # … or be JSON valid under this schema (JSON text)
     ablation: Ablated | None = None  # run every forward pass with these parts ablated (the local torch engine only)
+    steer: Steer | None = None  # add this steering vector in every forward pass (a local model, either runtime)
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,45 @@ class Ablated:
         parts = ([f"{layer}:{head}" for layer, head in self.heads] + [f"attn {i}" for i in self.attn_layers]
                  + [f"MLP {i}" for i in self.mlp_layers])
         return f"{'mean-' if self.mean else ''}ablated {', '.join(parts)}"
+
+
+@dataclass(frozen=True, eq=False)
+class Steer:
+    """A steering vector as it crosses the process boundary: `directions[i]` × `scale` is added to the output of
+    block `layers[i]` at every position of every forward pass (engine.why.steer, engine.run.steered). Plain data,
+    checked on construction (ValueError in one sentence); the array is a read-only float32 copy."""
+
+    name: str  # where it came from: a file's name, or "built from N pairs"
+    layers: tuple[int, ...]
+    directions: np.ndarray  # (len(layers), d_model) float32
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        layers = self.layers
+        if isinstance(layers, (tuple, list)):
+            layers = tuple(int(x) if isinstance(x, np.integer) else x for x in layers)
+        a = self.directions
+        if isinstance(a, np.ndarray) and a.dtype.kind == "f":
+            a = np.array(a, dtype=np.float32)  # a copy: the sender's array stays theirs
+            a.setflags(write=False)
+        scale = float(self.scale) if isinstance(self.scale, (int, float)) and not isinstance(self.scale, bool) else (
+            self.scale)
+        problem = steer_problem(self.name, layers, a, scale)
+        if problem is not None or a is None:
+            raise ValueError(f"not a steering vector: {problem or 'it holds no directions'}")
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "directions", a)
+        object.__setattr__(self, "scale", scale)
+
+    def at(self, scale: float) -> Steer:
+        """The same vector at another scale."""
+        return replace(self, scale=scale)
+
+    @property
+    def label(self) -> str:
+        """e.g. "happy.gguf at layers 10–19 × +4"."""
+        s = f"× {self.scale:+g}".replace("-", "−")
+        return f"{self.name} at layer{'s' if len(self.layers) > 1 else ''} {layers_text(self.layers)} {s}"
 
 
 class Command:
@@ -195,6 +239,13 @@ class Quit(Command):
 @dataclass(frozen=True)
 class SetParams(Command):
     params: SamplingParams
+
+
+@dataclass(frozen=True)
+class SetSteerScale(Command):
+    """The running steered generation's scale, from its next token on (ignored by a run that is not steered)."""
+
+    scale: float
 
 
 @dataclass(frozen=True)
@@ -368,6 +419,32 @@ class Experiment(Command):
         return EXPERIMENT_KINDS[type(self.params)]
 
 
+STEER_ACTIONS = ("build", "load", "save")
+
+
+@dataclass(frozen=True)
+class SteerVector(Command):
+    """A steering vector, made in the engine process: built from contrast pairs (positive, negative) at `layers` by
+    `method` ("mean" or "pca", engine.why.steer) on the loaded model, with Progress("steer", …) and Cancel between
+    forward passes; loaded from the control-vector file `path` and checked against the loaded model; or `vector`
+    saved to `path` as one. Answered by one SteerReady; a build waits for a running generation, a load or a save
+    is done between two of its tokens."""
+
+    request_id: int
+    action: str = "build"  # one of STEER_ACTIONS
+    pairs: tuple[tuple[str, str], ...] = ()
+    layers: tuple[int, ...] = ()
+    method: str = "mean"
+    path: str = ""
+    vector: Steer | None = None  # what "save" writes
+
+    def __post_init__(self) -> None:
+        if self.action not in STEER_ACTIONS:
+            raise ValueError(f"not a steering action: {self.action!r} (choose {', '.join(STEER_ACTIONS)})")
+        if self.action == "save" and (self.vector is None or not self.path):
+            raise ValueError("saving a steering vector needs the vector and a path")
+
+
 @dataclass(frozen=True)
 class ServeModel(Command):
     """Start llama.cpp's server on 127.0.0.1 for the loaded model and connect to it (Progress and Done "serve_model");
@@ -412,7 +489,7 @@ class Ping(Command):
 # -- notices
 @dataclass(frozen=True)
 class Progress(Notice):
-    """A long job's progress: job is "load", "batch", "measure", "serve" or "why"; fraction in [0, 1]."""
+    """A long job's progress: job is "load", "batch", "measure", "serve", "why" or "steer"; fraction in [0, 1]."""
 
     job: str
     fraction: float
@@ -550,6 +627,25 @@ class Recomputed(Notice):
     @property
     def ok(self) -> bool:
         return not self.error
+
+
+@dataclass(frozen=True)
+class SteerReady(Notice):
+    """How a SteerVector ended: the vector built or loaded (at scale 1) or saved, or cancelled, or why not (one
+    sentence)."""
+
+    request_id: int
+    action: str
+    steer: Steer | None = None
+    norms: tuple[float, ...] = ()  # |direction| of each layer, in the vector's layer order
+    error: str = ""
+    cancelled: bool = False
+    path: str = ""
+    seconds: float = 0.0  # wall time in the engine process
+
+    @property
+    def ok(self) -> bool:
+        return self.steer is not None and not self.error and not self.cancelled
 
 
 LabOutcome = Literal["done", "cancelled", "failed", "unsupported"]

@@ -62,8 +62,11 @@ from engine.protocol import (
     ServeBench,
     ServeModel,
     SetParams,
+    SetSteerScale,
     SetThreads,
     State,
+    SteerReady,
+    SteerVector,
     Step,
     Stop,
     Stopped,
@@ -99,7 +102,7 @@ class EngineServer:
             SetThreads: self.set_threads, Connect: self.connect, Disconnect: self.disconnect,
             Tokenize: self.tokenize, Ping: self.ping, ServeModel: self.serve_model,
             StopServing: self.stop_serving,
-            Experiment: self.experiment, Recompute: self.recompute,
+            Experiment: self.experiment, Recompute: self.recompute, SteerVector: self.steer_vector,
         }
         self._handlers.update(dict.fromkeys(LAB_JOBS, self.lab))  # every lab: one request type, one handler
         self.served = None  # the server this process started for the loaded model (engine.remote.launch)
@@ -249,15 +252,16 @@ class EngineServer:
         if result is not None:
             self.send(result)
 
-    def recompute(self, cmd: Recompute, ablated: bool = False) -> None:
+    def recompute(self, cmd: Recompute, edited: str = "") -> None:
         """A step's attention (and lens) run again from the loaded model's KV cache (engine.run.recompute); it reads
-        the cache and writes nothing, so it may run between two tokens of a generation."""
+        the cache and writes nothing, so it may run between two tokens of a generation. `edited`: how the running
+        generation edits its forward pass ("ablated", "steered"), which a recompute would not repeat."""
         from engine.run.recompute import answer
 
-        if self.local is None or ablated:  # an ablated run's cache holds the ablated model's keys and values
+        if self.local is None or edited:  # an edited run's cache holds the edited model's keys and values
             self.send(Recomputed(cmd.request_id, cmd.step, error="load a model first" if self.local is None else
-                                 "an ablated run's dropped steps cannot be recomputed: its KV cache holds the "
-                                 "ablated model's keys and values"))
+                                 f"an {edited} run's dropped steps cannot be recomputed: its KV cache holds the "
+                                 f"{edited} model's keys and values"))
             return
         idle = self.running is None and cmd.lens_top
         self.send(answer(self.local.session, cmd, self._answer_from_pass if idle else None))
@@ -297,14 +301,19 @@ class EngineServer:
             self.send(Failed(message="the model is not loaded yet"))
             self.send(State("idle"))
             return
+        steered = None  # the run whose steering scale SetSteerScale changes
         try:
-            # a backend that cannot edit its forward pass (a server) must refuse an ablation, not ignore it
-            if req.ablation is None:
-                gen = self.backend.generate(req)
-            else:
+            # a backend that cannot edit its forward pass (a server) must refuse an ablation or steering, not ignore it
+            if req.steer is not None:
+                from engine.run.steered import generate_steered
+
+                gen = steered = generate_steered(self.backend, req)
+            elif req.ablation is not None:
                 from engine.run.ablated import generate_ablated
 
                 gen = generate_ablated(self.backend, req)
+            else:
+                gen = self.backend.generate(req)
         except (ValueError, Unsupported) as e:
             self.send(Failed(message=str(e)))
             self.send(State("idle"))
@@ -361,8 +370,17 @@ class EngineServer:
                         gen.params = p if p.seed != gen.params.seed else replace(p, seed=gen.params.seed)
                     elif isinstance(c, Ping):
                         self.ping(c)
+                    elif isinstance(c, SetSteerScale):  # from the next token on
+                        if steered is not None:
+                            try:
+                                steered.set_scale(c.scale)
+                            except ValueError as e:
+                                self.send(Failed(message=str(e)))
+                    elif isinstance(c, SteerVector) and c.action != "build":  # a file read or written, no model run
+                        self.steer_vector(c)
                     elif isinstance(c, Recompute):  # between two tokens the cache holds every step so far
-                        self.recompute(c, ablated=req.ablation is not None)
+                        self.recompute(c, edited="ablated" if req.ablation is not None else
+                                       "steered" if req.steer is not None else "")
                     elif isinstance(c, (Preview, Tokenize)):
                         deferred[type(c)] = (self.current, c)  # the KV cache (or connection) is the run's until it ends
                     elif isinstance(c, (Generate, Load, BatchBench)):
@@ -455,6 +473,59 @@ class EngineServer:
                 done(failure=str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
         else:
             done(result=result)
+
+    def steer_vector(self, cmd: SteerVector) -> None:
+        """Build a steering vector from contrast pairs (Progress("steer", …); Cancel, Stop or Quit end it between
+        forward passes), load one from a control-vector file, or save one; one SteerReady says how it ended."""
+        import time
+        from pathlib import Path
+
+        import numpy as np
+
+        from engine.formats.control_vector import save
+        from engine.run.steered import to_steer, to_vector
+        from engine.why import Cancelled
+        from engine.why.steer import Pair, build, load_for
+
+        number, t0 = self.current, time.perf_counter()
+
+        def should_stop() -> bool:
+            return self.cancelled(number)
+
+        def done(**outcome) -> None:
+            self.send(SteerReady(cmd.request_id, cmd.action, path=cmd.path, seconds=time.perf_counter() - t0,
+                                 **outcome))
+
+        try:
+            if cmd.action == "save":
+                hint = self.local.info.architecture if self.local is not None else ""
+                save(to_vector(cmd.vector, hint), cmd.path)
+                done(steer=cmd.vector)
+                return
+            if self.backend is None:
+                raise ValueError("load a model first")
+            s = self.backend.why_session()
+            if cmd.action == "load":
+                vector, name = load_for(s, cmd.path), Path(cmd.path).name
+            else:
+                pairs = [Pair(p, n) for p, n in cmd.pairs]
+                vector = build(s, pairs, cmd.layers, cmd.method, progress=lambda f, m: self.send(
+                    Progress("steer", f, m)), should_stop=should_stop)
+                name = f"built from {len(pairs)} pair{'s' if len(pairs) != 1 else ''} ({cmd.method})"
+            norms = tuple(float(np.linalg.norm(vector.directions[L])) for L in vector.layers)
+            done(steer=to_steer(vector, name), norms=norms)
+        except Unsupported:  # a server
+            done(error="a steering vector is read from and checked against the local model's residual stream, which "
+                       "a server does not expose: disconnect from the server first")
+        except Cancelled:
+            done(cancelled=True)
+        except OSError as e:
+            done(error=f"cannot {'write' if cmd.action == 'save' else 'read'} {cmd.path}: {e.strerror or e}")
+        except Exception as e:  # noqa: BLE001 — the panel must learn that it ended; a ValueError is its own sentence
+            if should_stop():
+                done(cancelled=True)
+            else:
+                done(error=str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
 
     def _open_other(self, model: str, backend: str = "auto", kernels: str = "exact") -> object:
         """Another model's session beside the loaded one (a comparison's second side): on llama.cpp as the file is,

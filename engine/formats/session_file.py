@@ -466,6 +466,8 @@ def _other_problem(obj: Any) -> str | None:
         return "its sampling settings are not sampling settings"
     if type(obj).__name__ == "ServerInfo" and not (obj.config is None or isinstance(obj.config, ModelConfig)):
         return "its model config is not a model config"
+    if isinstance(obj, ev_mod.Steered):
+        return obj.problem()
     if isinstance(obj, ev_mod.ModelInfo) and obj.kernels not in (*KERNEL_MODES, KERNELS_NOT_RECORDED):
         return f"its kernel mode {_short(obj.kernels)} is not one of {', '.join(KERNEL_MODES)}"
     return None
@@ -877,7 +879,7 @@ def _shapes_fit(specs: list[dict[str, tuple[tuple[Any, ...], str]]], shapes: dic
 
 
 _CHECKED = (ev_mod.PromptTokenized, ev_mod.Funnel, ev_mod.LensCaptured, ev_mod.AttentionCaptured,
-            ev_mod.TokenSampled, ev_mod.ModelInfo, *(cls for cls, _spec in _SHAPES))
+            ev_mod.TokenSampled, ev_mod.ModelInfo, ev_mod.Steered, *(cls for cls, _spec in _SHAPES))
 _MAY: dict[type, bool] = {}
 
 

@@ -32,6 +32,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+    from engine.backend import Progress, ShouldStop
     from engine.formats.control_vector import ControlVector
 
 METHODS = ("mean", "pca")
@@ -74,8 +75,10 @@ def check_layers(layers: Sequence[int], n_layers: int) -> list[int]:
 
 
 def build(session: object, pairs: Sequence[Pair], layers: Sequence[int], method: str = "mean",
-          position: int = -1) -> ControlVector:
-    """The steering vector of `pairs` at each of `layers` (see the module docstring)."""
+          position: int = -1, progress: Progress | None = None, should_stop: ShouldStop | None = None
+          ) -> ControlVector:
+    """The steering vector of `pairs` at each of `layers` (see the module docstring); `progress` after each pair,
+    engine.why.Cancelled between forward passes once `should_stop()`."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}: choose {' or '.join(METHODS)}")
     if not pairs or len(pairs) > MAX_PAIRS:
@@ -83,8 +86,16 @@ def build(session: object, pairs: Sequence[Pair], layers: Sequence[int], method:
     if method == "pca" and len(pairs) < 2:
         raise ValueError("a principal component needs at least two pairs")
     layers = check_layers(layers, session.cfg.n_layers)
-    pos = np.stack([_last_resid(session, p.positive, layers, position) for p in pairs])  # (N, layers, d)
-    neg = np.stack([_last_resid(session, p.negative, layers, position) for p in pairs])
+    from engine.why import check_stop
+
+    rows = []  # (positive, negative) of each pair: (layers, d) each
+    for i, p in enumerate(pairs):
+        check_stop(should_stop)
+        rows.append([_last_resid(session, text, layers, position) for text in (p.positive, p.negative)])
+        if progress is not None:
+            progress((i + 1) / len(pairs), f"pair {i + 1} of {len(pairs)}")
+    pos = np.stack([r[0] for r in rows])  # (N, layers, d)
+    neg = np.stack([r[1] for r in rows])
     from engine.formats.control_vector import ControlVector
 
     diffs = pos - neg
