@@ -41,6 +41,7 @@ from engine.backend import Unsupported
 from engine.backends import isa
 from engine.backends.rule import DEFAULT_CONTEXT
 from engine.costs import formulas as costs
+from engine.costs.info import model_info
 from engine.events import (
     Capability,
     Funnel,
@@ -323,6 +324,7 @@ class LlamaCppSession:
     """
 
     threads = None  # Session's adaptive thread controller; llama.cpp keeps a fixed count (n_threads)
+    _ctx = _batch = _model = _seam = None  # until made (close frees what was)
 
     def __init__(self, model: str | os.PathLike | None = None, threads: int | str = "auto",
                  n_ctx: int | None = None, flash_attn: bool = False, ubatch: int = UBATCH) -> None:
@@ -384,25 +386,14 @@ class LlamaCppSession:
         files = stats["file_tensors"]
         self.file_bytes = sum(b for b, _ in files.values())
         self.embedding_file_bytes = stats["file_embedding_bytes"]
-        n_params = costs.n_params(self.cfg)
         bits = 8 * self.file_bytes / max(1, sum(n for _, n in files.values()))
-        per_position = costs.kv_bytes_per_token(self.cfg, self.kv_dtype) / self.cfg.n_layers
-        decode_file = round(costs.step_weight_bytes_file(self.cfg, self.file_bytes, self.embedding_file_bytes, 1))
-        cfg = self.cfg
-        self.info = ModelInfo(
-            name=cfg.name, path=str(self.path), architecture=cfg.architecture, n_layers=cfg.n_layers,
-            d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-            ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, context_length=cfg.context_length,
-            rope_base=cfg.rope_base, n_params=n_params, dtype=_info_dtype(file_type, bits), device="cpu",
-            weight_bytes=self.file_bytes, kv_bytes_per_token=round(costs.kv_bytes_per_token(cfg, self.kv_dtype)),
-            file_type=file_type, load_s=time.perf_counter() - t0, from_cache=False,
-            sliding_window=cfg.sliding_window, layer_types=cfg.layer_types, rope_base_local=cfg.rope_base_local,
-            kv_bytes_per_token_global=round(per_position * cfg.n_global_layers),
-            kv_bytes_per_token_local=round(per_position * cfg.n_local_layers),
-            file_bytes_by_type={k: b for k, (b, _) in files.items()},
-            file_params_by_type={k: n for k, (_, n) in files.items()},
-            file_bits_per_weight={k: round(8 * b / n, 4) for k, (b, n) in files.items() if n},
-            decode_weight_bytes_file=decode_file, decode_weight_bytes=decode_file, sha256=_sha256(self.path),
+        self.info = model_info(
+            self.cfg, str(self.path), n_params=costs.n_params(self.cfg), dtype=_info_dtype(file_type, bits),
+            device="cpu", kv_dtype=self.kv_dtype, kv_windowed=False,  # swa_full: every layer keeps every position
+            weight_bytes=self.file_bytes,
+            decode_weight_bytes=costs.step_weight_bytes_file(self.cfg, self.file_bytes, self.embedding_file_bytes, 1),
+            file_type=file_type, file_tensors=files, file_embedding_bytes=self.embedding_file_bytes,
+            load_s=time.perf_counter() - t0, from_cache=False, sha256=_sha256(self.path),
             kernels="file",  # llama.cpp multiplies the file's quantized blocks as they are
         )  # the one ModelInfo of this model: every runtime made over it (engine.runtime.llamacpp) reuses it
         self._runtime = LlamaCppRuntime.of_session(self)  # generations: sequence 0 of this context, watched
@@ -442,10 +433,10 @@ class LlamaCppSession:
 
     def close(self) -> None:
         """Free llama.cpp's contexts and model (also done when the object is collected)."""
-        if getattr(self, "_seam", None) is not None:
+        if self._seam is not None:
             self._seam.close()
         free_context(self)
-        if getattr(self, "_model", None):
+        if self._model:
             self.llama.llama_model_free(self._model)
             self._model = None
 
@@ -487,7 +478,7 @@ class LlamaCppSession:
         """The seam's own llama.cpp context (made on first use, freed with the session)."""
         from engine.backends.llamacpp_seam import SeamContext
 
-        if getattr(self, "_seam", None) is None:
+        if self._seam is None:
             self._seam = SeamContext(self)
         return self._seam
 

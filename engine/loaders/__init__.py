@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.costs import formulas as costs
+from engine.costs.info import model_info
 from engine.events import ModelInfo
 from engine.formats.locate import (  # noqa: F401 — re-exported: where callers have always found them
     DEFAULT_MODEL_DIST,
@@ -241,28 +242,15 @@ def load(
     del sd
     n_params = sum(p.numel() for p in net.parameters())
     dname = str(dt).removeprefix("torch.")
-    files = {k: tuple(v) for k, v in meta.get("file_tensors", {}).items()}  # type -> (bytes, values)
-    file_bytes = sum(b for b, _ in files.values())
-    per_position = costs.kv_bytes_per_token(cfg, dname) / cfg.n_layers  # one position in one layer
-    info = ModelInfo(
-        name=cfg.name, path=str(path), architecture=cfg.architecture, n_layers=cfg.n_layers,
-        d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-        ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, context_length=cfg.context_length,
-        rope_base=cfg.rope_base, n_params=n_params, dtype=dname, device=str(dev),
-        weight_bytes=int(costs.weight_bytes(cfg, dname)),
-        kv_bytes_per_token=round(costs.kv_bytes_per_token_at(cfg, dname, cfg.context_length)),
-        file_type=meta.get("file_type", "unknown"), load_s=time.perf_counter() - t0, from_cache=from_cache,
-        sliding_window=cfg.sliding_window, layer_types=cfg.layer_types, rope_base_local=cfg.rope_base_local,
-        kv_bytes_per_token_global=round(per_position * cfg.n_global_layers),
-        kv_bytes_per_token_local=round(per_position * cfg.n_local_layers),
-        file_bytes_by_type={k: b for k, (b, _) in files.items()},
-        file_params_by_type={k: n for k, (_, n) in files.items()},
-        file_bits_per_weight={k: round(8 * b / n, 4) for k, (b, n) in files.items() if n},
-        decode_weight_bytes_file=round(costs.step_weight_bytes_file(
-            cfg, file_bytes, meta.get("file_embedding_bytes", 0), rows=1)) if files else 0,
+    info = model_info(
+        cfg, str(path), n_params=n_params, dtype=dname, device=str(dev), kv_dtype=dname, kv_windowed=True,
+        weight_bytes=costs.weight_bytes(cfg, dname),
         # at the bytes the chosen decode kernels stream (a Q4 file's int4 form where that kernel won here)
         decode_weight_bytes=round(costs.step_weight_bytes(cfg, dname, rows=1)) - net.decode_bytes_saved(),
-        sha256=_sha256(path, use_cache), kernels=net.kernel_mode,  # the mode that runs: exact where no form was built
+        file_type=meta.get("file_type", "unknown"), file_tensors=meta.get("file_tensors", {}),
+        file_embedding_bytes=meta.get("file_embedding_bytes", 0), load_s=time.perf_counter() - t0,
+        from_cache=from_cache, sha256=_sha256(path, use_cache),
+        kernels=net.kernel_mode,  # the mode that runs: exact where no form was built
     )
     from engine.formats.discover import remember
 

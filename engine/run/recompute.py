@@ -163,8 +163,10 @@ def pass_key(session: object, p: int, step: int) -> tuple:
 def from_last_pass(session: object, cmd: Recompute) -> bool:
     """Whether the session's last pass answers `cmd` without running the model: attention of layers it ran, of the
     same step, and no lens (the lens's products over the vocabulary are most of a lens's time)."""
-    memo = getattr(session, "recomputed", None)
-    if memo is None or cmd.lens_top or not cmd.ids or getattr(session, "cache", None) is None:
+    if "recompute" not in session.can:
+        return False
+    memo = session.recomputed
+    if memo is None or cmd.lens_top or not cmd.ids or session.cache is None:
         return False
     return memo.key == pass_key(session, len(cmd.ids) - 1, cmd.step) and all(i in memo.attention for i in cmd.layers)
 
@@ -173,7 +175,7 @@ def answer(session: object, cmd: Recompute, meanwhile: Callable[[], None] | None
     """The engine process's reply to a Recompute: the events, or one sentence saying why not. `meanwhile`: as in
     `recompute`."""
     t0 = time.perf_counter()
-    memo = getattr(session, "recomputed", None)
+    memo = session.recomputed if "recompute" in session.can else None
     hits = memo.hits if memo is not None else 0
     try:
         attention, lens = recompute(session, cmd.ids, cmd.step, cmd.layers, cmd.lens_top, cmd.token, meanwhile)

@@ -29,20 +29,20 @@ from engine.runtime.base import Captured, Row, Runtime
 
 
 def free_context(owner: object) -> None:
-    """Free an owner's llama.cpp batch and context (`llama`, `_batch`, `_ctx`), once; nothing made, nothing freed."""
-    L = getattr(owner, "llama", None)
-    if L is None:  # refused before anything was made
-        return
-    if getattr(owner, "_batch", None) is not None:
-        L.llama_batch_free(owner._batch)
+    """Free an owner's llama.cpp batch and context (`_batch`, `_ctx`, both None until made; `llama` set before
+    either), once; nothing made, nothing freed."""
+    if owner._batch is not None:
+        owner.llama.llama_batch_free(owner._batch)
         owner._batch = None
-    if getattr(owner, "_ctx", None):
-        L.llama_free(owner._ctx)
+    if owner._ctx:
+        owner.llama.llama_free(owner._ctx)
         owner._ctx = None
 
 
 class LlamaCppRuntime(Runtime):
     """`session`'s model (engine.backends.llamacpp.LlamaCppSession) with a context of `n_seq` sequences."""
+
+    _ctx = _batch = None  # until made (free_context)
 
     def __init__(self, session, n_seq: int = 1, capacity: int | None = None, pooled: bool = False) -> None:
         capacity = session.cfg.context_length if capacity is None else capacity

@@ -87,7 +87,7 @@ def attention_all_layers(session, tokens: Sequence[int]) -> np.ndarray:
     from engine.protocol import Capture, SamplingParams
 
     cfg = session.cfg
-    if "attention" in getattr(session, "cannot", ()):
+    if "attention" in session.cannot:
         raise Unsupported("this llama.cpp context fuses attention (flash attention), so its weights never exist: "
                           "load the model without flash attention to score heads")
     T = len(tokens)

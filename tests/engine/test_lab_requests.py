@@ -132,7 +132,7 @@ def test_llamacpp_refuses_early_exit_as_unsupported_and_runs_lookup(tiny_dir):
         c.send(P.Speculate("the cat sat", source="early-exit", max_new_tokens=4))
         events, done = lab_done(c)
         assert (done.job, done.outcome) == ("spec", "unsupported") and one_sentence(done.message) and not events
-        assert done.message.startswith("early-exit drafting needs the model's own layers")
+        assert done.message.startswith("early-exit drafting needs a runtime that can stop after some of its layers")
         c.send(P.Speculate("the cat sat. the cat sat", source="lookup", max_new_tokens=4))
         events, done = lab_done(c)
         assert done.outcome == "done" and isinstance(events[-1], SpecFinished)
@@ -150,7 +150,7 @@ def test_cli_speculate_early_exit_on_llamacpp_is_refused_in_one_line(capsys, tin
     code, out, err = run_cli(capsys, "speculate", "--backend", "llama.cpp", "--model", str(tiny_dir.gguf),
                              "--prompt", "the cat", "--source", "early-exit", "--max-new-tokens", "4")
     assert code == 2 and out == ""
-    assert err.count("\n") == 1 and err.startswith("error: early-exit drafting needs the model's own layers")
+    assert err.count("\n") == 1 and err.startswith("error: early-exit drafting needs a runtime that can stop after some of its layers")
 
 
 @pytest.mark.parametrize("argv, says", [
