@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +44,7 @@ from engine.events import (
     ResidualNorms,
     RunSource,
     RunStarted,
+    Steered,
     TokenSampled,
 )
 from engine.labs.schedule_events import SchedPlan, SchedRequestDone, SchedStep, SchedSummary
@@ -77,6 +78,7 @@ class RequestOptions:
         self.lens_top = 0  # top tokens per layer of the logit lens (0 = none)
         self.score_prompt = False  # score every prompt token (PromptScored)
         self.grammar: dict[str, str] = {}  # {"regex": R} or {"json_schema": S}, or {} for none
+        self.steer: P.Steer | None = None  # the steering vector every later generation runs with (None: off)
 
     def capture_attention(self, layers: Iterable[int]) -> None:
         """Capture these layers' attention in every later generation, and in a running one from its next token."""
@@ -92,6 +94,21 @@ class RequestOptions:
     def set_grammar(self, *, regex: str | None = None, json_schema: str | None = None) -> None:
         """At most one of the two; neither clears the grammar."""
         self.grammar = {"regex": regex} if regex is not None else {"json_schema": json_schema} if json_schema else {}
+
+    def set_steer(self, steer: P.Steer | None) -> None:
+        """Steer every later generation with this vector at its scale (None: off). A steered generation running now
+        keeps its vector and takes the scale from its next token on: 0 when steering is turned off."""
+        was, self.steer = self.steer, steer
+        if was is not None or steer is not None:
+            self._bridge._post(P.SetSteerScale(steer.scale if steer is not None else 0.0))
+
+    def set_steer_scale(self, scale: float, live: bool = True) -> None:
+        """The steering scale of later generations and, with `live`, of a steered one running now from its next
+        token on."""
+        if self.steer is not None:
+            self.steer = self.steer.at(float(scale))
+            if live:
+                self._bridge._post(P.SetSteerScale(float(scale)))
 
 
 @contextlib.contextmanager
@@ -406,6 +423,13 @@ class Bridge(QtCore.QObject):
     """The engine started again after dying and has the same model loaded: its ModelInfo (panels keep their run)."""
     sig_recomputed = QtCore.Signal(object)
     """engine.protocol.Recomputed: a step's attention (and lens) run again from the live run's KV cache, or why not."""
+    sig_steered = QtCore.Signal(object)
+    """Steered: the run is steered (its vector, layers and scale), or its scale changed from a step on."""
+    sig_steer_progress = QtCore.Signal(float, str)
+    """Building a steering vector from contrast pairs: fraction done and which pair."""
+    sig_steer_done = QtCore.Signal(object)
+    """engine.protocol.SteerReady: a steering vector built, loaded or saved, or cancelled, or why not."""
+    _sig_steer_lost = QtCore.Signal(str)  # the engine died while building a vector: why (made a SteerReady)
 
     def __init__(self, parent: QtCore.QObject | None = None) -> None:
         super().__init__(parent)
@@ -424,6 +448,7 @@ class Bridge(QtCore.QObject):
         self._experiment_id = 0
         self._experiment: P.Experiment | None = None  # the newest experiment sent and not yet done
         self._recompute_id = 0
+        self._steer_id = 0
         self._machine: dict[tuple[str, str], object] = {}  # (device, dtype) → the engine's answer (None: none)
         self._answered: set[tuple[str, str]] = set()  # keys the engine has answered for
         # What a new engine process needs to stand in for one that died, and what the app knows of the dead one.
@@ -457,6 +482,7 @@ class Bridge(QtCore.QObject):
             P.ServeMetrics: self.sig_serve_metrics.emit, P.ServeLevelDone: lambda m: self.sig_serve_run.emit(m.figures),
             P.Tokenized: self.sig_server_tokens.emit, P.Pong: lambda m: self.sig_pong.emit(m.token),
             P.Stopped: lambda m: None, P.ExperimentDone: self._on_experiment_done,
+            Steered: self.sig_steered.emit, P.SteerReady: self._on_steer_ready,
         }
         for cls in SPEC_EVENTS:
             self._routes[cls] = self.sig_spec.emit
@@ -465,12 +491,14 @@ class Bridge(QtCore.QObject):
         self._routes[P.Recomputed] = self.sig_recomputed.emit
         self._progress = {"load": self.sig_load_progress, "batch": self.sig_batch_progress,
                           "measure": self.sig_measure_progress, "serve": self.sig_serve_progress,
-                          "serve_model": self.sig_serving_progress, "why": self.sig_why_progress}
+                          "serve_model": self.sig_serving_progress, "why": self.sig_why_progress,
+                          "steer": self.sig_steer_progress}
         self._done = {"measure": self.sig_measure_done, "serve_model": self.sig_serving_done,
-                      "why": self._sig_why_lost}
+                      "why": self._sig_why_lost, "steer": self._sig_steer_lost}
         self._lab_done = {"batch": self.sig_batch_done, "spec": self.sig_spec_done, "sched": self.sig_sched_done,
                           "serve": self.sig_serve_done}  # engine.protocol.LAB_JOBS' names
         self._sig_why_lost.connect(self._on_why_lost)
+        self._sig_steer_lost.connect(self._on_steer_lost)
         self._start_engine()
 
     def _start_engine(self) -> None:
@@ -556,7 +584,11 @@ class Bridge(QtCore.QObject):
         self._post(P.SetThreads(setting))
 
     def generate(self, req: GenerateRequest) -> None:
+        """Start a generation; with steering on (options.set_steer) it runs steered, unless it is an ablated branch
+        (a run is one or the other)."""
         self.params = req.params
+        if self.options.steer is not None and req.steer is None and req.ablation is None:
+            req = replace(req, steer=self.options.steer)
         if not self.engine_running and not self._closing:
             self.sig_failed.emit("the engine is not running: it was not restarted after it kept dying; open a model "
                                  "(File → Open model…) to start a new one")
@@ -669,6 +701,20 @@ class Bridge(QtCore.QObject):
         return cmd.request_id
 
     def cancel_experiment(self) -> None:
+        self._post(P.Cancel())
+
+    def steer_vector(self, action: str, **fields) -> int:
+        """Build a steering vector from contrast pairs (action "build": pairs, layers, method), load one ("load":
+        path) or save one ("save": vector, path) in the engine process, after any generation for a build;
+        sig_steer_progress while it builds, then sig_steer_done. Returns the request's id."""
+        self._steer_id += 1
+        cmd = P.SteerVector(self._steer_id, action, **fields)
+        if action == "build":
+            self._jobs.add("steer")
+        self._post(cmd)
+        return cmd.request_id
+
+    def cancel_steer(self) -> None:
         self._post(P.Cancel())
 
     def run_serve_bench(self, config: dict) -> None:
@@ -809,6 +855,14 @@ class Bridge(QtCore.QObject):
             self._experiment = None
             self._jobs.discard("why")
         self.sig_why_done.emit(m)
+
+    def _on_steer_ready(self, m: P.SteerReady) -> None:
+        if m.action == "build":
+            self._jobs.discard("steer")
+        self.sig_steer_done.emit(m)
+
+    def _on_steer_lost(self, message: str) -> None:
+        self.sig_steer_done.emit(P.SteerReady(self._steer_id, "build", error=message))
 
     def _on_why_lost(self, message: str) -> None:
         cmd, self._experiment = self._experiment, None

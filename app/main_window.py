@@ -698,6 +698,8 @@ class MainWindow(QtWidgets.QMainWindow):
             gen.set_max_new_tokens(s.max_new_tokens())
             if prompt is None:
                 gen.set_text(s.prompt_text())
+        if "steer" in self.panels:
+            self.panels["steer"].restore_settings(s.steer())
 
     def save_settings(self) -> None:
         s = self.settings
@@ -712,6 +714,8 @@ class MainWindow(QtWidgets.QMainWindow):
         max_new = gen.max_tokens.value() if gen is not None else s.max_new_tokens()
         s.save_session(text, chat, max_new)
         s.save_sampling_params(self.bridge.params)
+        if "steer" in self.panels:
+            s.save_steer(self.panels["steer"].settings_state())
         s.sync()
 
     # ---- lifetime ----

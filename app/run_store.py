@@ -1,7 +1,8 @@
 """The app's one record of its runs: every generation and every fork, as the engine sent them, within a memory bound.
 
 The session recorder, the Branches panel, the exports and replay all read this store; nothing else keeps a second
-copy of a run's events. Each run is one generation (a fork is a run whose parent is another run).
+copy of a run's events. Each run is one generation (a fork is a run whose parent is another run); a steered run's name
+says what steered it (`steered_name`: the vector, its layers and scales).
 
 Memory policy, so that a long session or many runs cannot grow the GUI process without bound:
 - a run keeps every event in arrival order; events are frozen and their arrays are shared read-only with the
@@ -42,6 +43,7 @@ from engine.events import (
     PromptScored,
     PromptTokenized,
     RunStarted,
+    Steered,
     TokenSampled,
 )
 
@@ -51,7 +53,9 @@ ATTENTION_HEAD = 8  # 1/8 of a run's attention budget keeps its first steps, the
 ATTENTION_TOTAL = 2 * ATTENTION_BYTES  # across all runs: older runs lose their captures first
 MAX_RUNS = 16  # runs and forks kept
 SIGNALS = ("sig_run_started", "sig_prompt", "sig_prompt_scores", "sig_attention", "sig_norms", "sig_lens", "sig_kv",
-           "sig_prefill", "sig_token", "sig_finished")
+           "sig_prefill", "sig_token", "sig_steered", "sig_finished")
+STEERED = " · steered by "  # a steered run's name: its own, then this, then what steered it
+SCALES_NAMED = 3  # a steered run's name lists its scale changes up to this many (the latest ones)
 
 _STORES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # bridge → its window's store
 
@@ -75,6 +79,17 @@ def nbytes(x: object) -> int:
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         return sum(nbytes(getattr(x, f.name)) for f in dataclasses.fields(x))
     return 0
+
+
+def steered_name(name: str, steered: list[Steered]) -> str:
+    """A run's name with what steered it (its Steered events): "run 3 · steered by built from 4 pairs (mean) at
+    layers 10–19 × +4", and its later scales ("… × +4 → −2 → +6"); `name` unchanged when there are none."""
+    if not steered:
+        return name
+    changes = [f"{e.scale:+g}".replace("-", "−") for e in steered[1:]]
+    if len(changes) > SCALES_NAMED:
+        changes = ["…", *changes[-SCALES_NAMED:]]
+    return name.split(STEERED)[0] + STEERED + " → ".join([steered[0].label, *changes])
 
 
 def _capture_nbytes(ev: AttentionCaptured | LensCaptured) -> int:
@@ -105,6 +120,7 @@ class Run:
     _first_bytes: int = 0
     capture_bytes: int = 0
     dropped: tuple[int, int] | None = None  # (first, last) step whose captures went to bound memory
+    steered: list[Steered] = field(default_factory=list)  # its Steered events: the vector, then each new scale
 
     @property
     def source(self) -> RunStarted | None:
@@ -277,6 +293,8 @@ class RunStore(QtCore.QObject):
         self._append(cur, ev)
         if isinstance(ev, (TokenSampled, Finished)):
             self.sig_run_updated.emit(cur.id)
+        if isinstance(ev, Steered):  # the run's name says so
+            self.sig_runs_changed.emit()
         if isinstance(ev, Finished):
             self.sig_runs_changed.emit()
             self.sig_finished.emit(cur.id)
@@ -302,6 +320,9 @@ class RunStore(QtCore.QObject):
             self._trim_captures(r)
             return
         r.events.append(ev)
+        if isinstance(ev, Steered):
+            r.steered.append(ev)
+            r.name = steered_name(r.name, r.steered)
         if isinstance(ev, TokenSampled):
             r._tokens.append(len(r.events) - 1)
             r._ids.append(int(ev.token_id))

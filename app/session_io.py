@@ -32,7 +32,7 @@ from app.bridge import age_heap
 from app.guard import guarded
 from app.run_store import RunStore
 from app.settings import ENV_FILE
-from engine.events import Finished
+from engine.events import Finished, Steered
 from engine.formats.session_file import (
     SavedSession,
     load_session,
@@ -580,6 +580,10 @@ def replay(window, saved: SavedSession, warning: str | None = None, wait: bool =
             why = window.panels.get("why")
             if why is not None:  # the why-experiments' results the session kept (none: the panel is cleared)
                 why.restore_results(saved.settings.get("why"))
+            steer = window.panels.get("steer")
+            vector = next((e for e in store.events() if isinstance(e, Steered) and e.directions is not None), None)
+            if steer is not None and vector is not None:  # the shown run's steering vector, back in its panel
+                steer.adopt(vector)
         finally:
             put_back()
         if done is not None:

@@ -7,8 +7,9 @@ a temporary file so the user's own settings are never read or written.
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 from PySide6 import QtCore
 
@@ -30,9 +31,30 @@ MODEL_PATH = "model/path"  # the last model the user opened ("" = the default mo
 THREADS = "engine/threads"  # decode threads: "auto" or a positive count (engine.run.threads)
 KERNELS = "engine/kernels"  # the torch runtime's kernel mode (engine.model.kernel_cache.KERNEL_MODES)
 SAMPLING_PREFIX = "sampling/"  # + a SamplingParams field name
+STEER_SCALE = "steer/scale"  # the Steering panel's last scale
+STEER_LAYERS = "steer/layers"  # its layers as typed ("" = the middle third of the loaded model's blocks)
+STEER_PAIRS = "steer/pairs"  # its contrast pairs: JSON, [[positive, negative], …]
+STEER_METHOD = "steer/method"  # "mean" or "pca"
 
 DEFAULT_PROMPT = "Explain what a KV cache is in two sentences."
 DEFAULT_MAX_NEW_TOKENS = 64
+DEFAULT_STEER_PAIRS = (
+    ("I love this. It is wonderful and makes me happy.", "I hate this. It is awful and makes me miserable."),
+    ("What a great day, everything went well.", "What a terrible day, everything went wrong."),
+    ("She smiled, delighted by the good news.", "She frowned, upset by the bad news."),
+    ("This film is brilliant: I enjoyed every minute.", "This film is dreadful: I regretted every minute."),
+)
+MAX_STORED_PAIRS = 256
+
+
+@dataclass(frozen=True)
+class SteerSettings:
+    """What the Steering panel remembers between runs of the app."""
+
+    scale: float = 4.0
+    layers: str = ""  # "" = the middle third of the loaded model's blocks
+    pairs: tuple[tuple[str, str], ...] = DEFAULT_STEER_PAIRS
+    method: str = "mean"
 
 
 def open_settings() -> QtCore.QSettings:
@@ -111,6 +133,30 @@ class Settings:
 
     def save_kernels(self, mode: str) -> None:
         self.store.setValue(KERNELS, mode)
+
+    # ---- steering ----
+    def steer(self) -> SteerSettings:
+        """The Steering panel's scale, layers, pairs and method (each a default when missing or bad)."""
+        d = SteerSettings()
+        scale = self._get(STEER_SCALE, d.scale, float)
+        method = str(self._get(STEER_METHOD, d.method, str))
+        pairs = d.pairs
+        try:
+            raw = json.loads(str(self._get(STEER_PAIRS, "", str)) or "null")
+            if isinstance(raw, list) and 0 < len(raw) <= MAX_STORED_PAIRS and all(
+                    isinstance(p, list) and len(p) == 2 and all(isinstance(t, str) for t in p) for p in raw):
+                pairs = tuple((p[0], p[1]) for p in raw)
+        except ValueError:
+            pass
+        return SteerSettings(scale=scale if abs(scale) <= 1e4 else d.scale,
+                             layers=str(self._get(STEER_LAYERS, d.layers, str)),
+                             pairs=pairs, method=method if method in ("mean", "pca") else d.method)
+
+    def save_steer(self, steer: SteerSettings) -> None:
+        self.store.setValue(STEER_SCALE, float(steer.scale))
+        self.store.setValue(STEER_LAYERS, steer.layers)
+        self.store.setValue(STEER_PAIRS, json.dumps([list(p) for p in steer.pairs[:MAX_STORED_PAIRS]]))
+        self.store.setValue(STEER_METHOD, steer.method)
 
     # ---- sampling ----
     def sampling_params(self) -> SamplingParams:

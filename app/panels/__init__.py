@@ -8,7 +8,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                       "lens", "branches", "constrain")),
     ("What-if labs", ("capacity", "batching", "speculative", "scheduling")),
     ("The server", ("load_lab",)),
-    ("Why it answers", ("why",)),
+    ("Why it answers", ("why", "steer")),
 )
 PANEL_MODULES = tuple(name for _, names in GROUPS for name in names)
 GROUP_OF = {name: group for group, names in GROUPS for name in names}
