@@ -83,7 +83,8 @@ class EngineServer:
         self.inbox: queue.Queue[tuple[int, Command]] = queue.Queue()  # (arrival number, command), from the reader
         self.pending: deque[tuple[int, Command]] = deque()  # taken early, handled later
         self.local: Backend | None = None  # the loaded model
-        self.backend: Backend | None = None  # where generations run now: the local model or a server
+        self.remote: Backend | None = None  # the server connected to, which generations run on while it is
+        self.remote_is_served = False  # whether that server is the one this process started (`served`)
         self.params = SamplingParams()
         self.threads: int | str = "auto"  # decode threads: "auto" (engine.run.threads) or a fixed count
         self.quit = False
@@ -106,7 +107,6 @@ class EngineServer:
         }
         self._handlers.update(dict.fromkeys(LAB_JOBS, self.lab))  # every lab: one request type, one handler
         self.served = None  # the server this process started for the loaded model (engine.remote.launch)
-        self.served_backend: Backend | None = None  # the connection to it
         # Pause, Resume, Step, Stop, CaptureAttention and Cancel act inside a generation or a job; outside one there
         # is nothing to act on.
         threading.Thread(target=self._read, daemon=True, name="engine-commands").start()
@@ -203,10 +203,8 @@ class EngineServer:
             return
         self.send(Progress("load", 0.97, "warming up (first-call costs are not the model's)"))
         backend.session.warm_up()
-        was_server = self.backend is not None and self.backend is not self.local
-        if was_server:
-            self.backend.close()
-        self.local = self.backend = backend
+        was_server = self._set_remote(None)
+        self.local = backend
         s = backend.session
         self.send(Loaded(backend.info, s.tokenizer, s.cfg, runtime))
         if was_server:
@@ -596,15 +594,25 @@ class EngineServer:
         except RemoteError as e:
             self.send(ConnectFailed(str(e)))
             return
-        if self.backend is not None and self.backend is not self.local:
-            self.backend.close()
-        self.backend = backend
+        self._set_remote(backend)
         self.send(Connected(backend.info))
 
+    @property
+    def backend(self) -> Backend | None:
+        """Where generations run now: the server connected to, else the loaded model (None: neither)."""
+        return self.remote if self.remote is not None else self.local
+
+    def _set_remote(self, backend: Backend | None, served: bool = False) -> bool:
+        """Connect generations to `backend` (None: back to the loaded model), closing the server connection there
+        was; whether there was one."""
+        was = self.remote is not None
+        if was:
+            self.remote.close()
+        self.remote, self.remote_is_served = backend, served and backend is not None
+        return was
+
     def disconnect(self, _cmd: Disconnect) -> None:
-        if self.backend is not None and self.backend is not self.local:
-            self.backend.close()
-        self.backend = self.local
+        self._set_remote(None)
         self.stop_serving(None)  # a server this process started lives as long as the connection to it
         self.send(Disconnected())
 
@@ -644,17 +652,18 @@ class EngineServer:
             self.served = None
             self.send(Done("serve_model", str(e).splitlines()[0]))
             return
+        if self._set_remote(None):  # another server was connected: this one takes its place
+            self.send(Disconnected())
         self.connect(Connect(server.url))
-        connected = self.backend is not self.local
-        self.served_backend = self.backend if connected else None
+        connected = self.remote is not None
+        self.remote_is_served = connected
         self.send(Done("serve_model", "" if connected else "the server started but did not accept the connection"))
 
     def stop_serving(self, _cmd: StopServing | None) -> None:
         if self.served is not None:
             server, self.served = self.served, None
-            if self.backend is not None and self.backend is self.served_backend:
-                self.backend.close()
-                self.backend = self.local
+            if self.remote_is_served:
+                self._set_remote(None)
                 self.send(Disconnected())
             server.stop(grace_s=5.0)
 

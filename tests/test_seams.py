@@ -113,7 +113,7 @@ def _transcript(backend: Backend) -> list[tuple]:
     cmd_recv, commands = multiprocessing.Pipe(duplex=False)
     events, events_send = multiprocessing.Pipe(duplex=False)
     server = EngineServer(cmd_recv, events_send)
-    server.backend = backend  # what Connect leaves it with; the engine holds no model of its own here
+    server.remote = backend  # what Connect leaves it with; the engine holds no model of its own here
     thread = threading.Thread(target=server.serve, daemon=True)
     thread.start()
     for cmd in (

@@ -39,6 +39,7 @@ import torch
 
 from engine.backend import Unsupported
 from engine.backends import isa
+from engine.backends.ggml_tensor import NAME_OFFSET, tensor_array
 from engine.backends.rule import DEFAULT_CONTEXT
 from engine.costs import formulas as costs
 from engine.costs.info import model_info
@@ -72,7 +73,6 @@ KV_TYPES = {0: "float32", 1: "float16", 30: "bfloat16", 8: "q8_0", 3: "q4_1"}
 LENS_ROWS = 1024  # rows of the output matrix dequantized at a time (the gguf package's temporaries: a few MiB each)
 HEAD_CHUNK = 1 << 20  # values of the lens's float16 output matrix widened to float32 at a time (4 MiB, held in
 # the last-level cache until the product reads it; a row count by values keeps a narrow model's loop short)
-GGML_F32, GGML_F16 = 0, 1
 
 
 def _header_cache(path: Path) -> Path:
@@ -82,19 +82,6 @@ def _header_cache(path: Path) -> Path:
     return cache_root() / "headers" / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
 
 
-class _GGMLTensor(ctypes.Structure):
-    """struct ggml_tensor of ggml.h (the version vendored by llama-cpp-python 0.3.x): only read, never written."""
-
-    _fields_ = [
-        ("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4),
-        ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16), ("flags", ctypes.c_int32),
-        ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p), ("view_offs", ctypes.c_size_t),
-        ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64), ("extra", ctypes.c_void_p),
-        ("padding", ctypes.c_char * 8),
-    ]
-
-
-_NAME_OFFSET = _GGMLTensor.name.offset
 _ATTN, _LOUT = b"kq_soft_max-", b"l_out-"
 _EMBEDDING = (b"embd", b"inp_embd", b"inp_scaled")  # the last of these a graph evaluates is the residual's start
 
@@ -125,24 +112,6 @@ def _llama():
         llama_cpp.llama_log_set(silent, None)
         llama_cpp.llama_backend_init()
     return llama_cpp
-
-
-def _tensor_array(ggml, t: int) -> np.ndarray:
-    """A ggml tensor's values as numpy (ne3, ne2, ne1, ne0): a view of host memory, or a copy from a device."""
-    tt = _GGMLTensor.from_address(t)
-    if tt.type not in (GGML_F32, GGML_F16):
-        raise ValueError(f"tensor {tt.name!r} has ggml type {tt.type}, not F32 or F16")
-    dtype = np.float32 if tt.type == GGML_F32 else np.float16
-    shape = tuple(int(n) for n in reversed(tt.ne))
-    strides = tuple(int(s) for s in reversed(tt.nb))
-    extent = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + np.dtype(dtype).itemsize
-    if tt.buffer and ggml.ggml_backend_buffer_is_host(tt.buffer):
-        raw = (ctypes.c_char * extent).from_address(tt.data)
-    else:  # a GPU build: the bytes come over first
-        n = int(ggml.ggml_nbytes(t))
-        raw = np.empty(max(n, extent), dtype=np.uint8)
-        ggml.ggml_backend_tensor_get(t, raw.ctypes.data, 0, n)
-    return np.ndarray(shape, dtype=dtype, buffer=raw, strides=strides)
 
 
 class _Tap:
@@ -186,7 +155,7 @@ class _Tap:
     def __call__(self, t: int, ask: bool, _user_data: int) -> bool:
         if not self.active:  # the fast path: one attribute read per graph node
             return False
-        name = ctypes.string_at(t + _NAME_OFFSET)
+        name = ctypes.string_at(t + NAME_OFFSET)
         if ask:
             return self._wants(name)
         try:
@@ -205,7 +174,7 @@ class _Tap:
         return False
 
     def _record(self, t: int, name: bytes) -> None:
-        a = _tensor_array(self.ggml, t)  # attention (1, H, q, n_kv); residual (1, 1, rows, d)
+        a = tensor_array(self.ggml, t)  # attention (1, H, q, n_kv); residual (1, 1, rows, d)
         if self.writes is not None and self.writes.wants(name):
             first = self.written.get(name, 0)
             self.written[name] = first + a.shape[2]
@@ -475,11 +444,11 @@ class LlamaCppSession:
     can = frozenset({"edit"})  # engine.backend.CAPABILITIES: no backward pass, no early exit, its own KV cache
 
     def seam_context(self):
-        """The seam's own llama.cpp context (made on first use, freed with the session)."""
-        from engine.backends.llamacpp_seam import SeamContext
+        """The seam's own llama.cpp runtime (made on first use, freed with the session)."""
+        from engine.backends.llamacpp_seam import SeamRuntime
 
         if self._seam is None:
-            self._seam = SeamContext(self)
+            self._seam = SeamRuntime(self)
         return self._seam
 
     def run_points(self, prompts, edits=(), record=(), every: bool = False):

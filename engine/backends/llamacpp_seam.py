@@ -15,9 +15,10 @@ A point and the node that holds it (llama.cpp's names, given by the graph builde
 A node a model's graph does not form (Qwen3's attention output; kqv_out under flash attention) is refused in one
 sentence once a run shows it absent.
 
-The runs happen in a context of the seam's own on the session's model (weights held once), with every position's
-logits requested so the last layer keeps every row, and each prompt in one batch from an empty cache, so a node's
-rows are the prompt's positions 0…T−1. The session's own context and its capture callback are left untouched.
+The runs happen in a runtime of the seam's own on the session's model (weights held once; its step is every other
+runtime's step, engine.runtime.llamacpp), with every position's logits requested so the last layer keeps every row,
+and each prompt in one batch from an empty cache, so a node's rows are the prompt's positions 0…T−1. The session's
+own context and its capture callback are left untouched; `Writes` keeps edits on in that context for a generation.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ import numpy as np
 import torch
 
 from engine.backend import Unsupported
-from engine.model.seam import Edit, Point, Recording
+from engine.backends.ggml_tensor import NAME_OFFSET, GGMLTensor, tensor_array
+from engine.model.seam import Edit, Point, Recording, check_prompts
 
 if TYPE_CHECKING:
     from engine.model.config import ModelConfig
@@ -73,9 +75,7 @@ class _Editor:
         self.writes, self.keep, self.seen, self.hit, self.error = writes, keep, {}, set(), None
 
     def __call__(self, t: int, ask: bool, _user_data: int) -> bool:
-        from engine.backends.llamacpp import _NAME_OFFSET, _tensor_array
-
-        name = ctypes.string_at(t + _NAME_OFFSET)
+        name = ctypes.string_at(t + NAME_OFFSET)
         if name not in self.keep and name not in self.writes:
             return False
         if name.startswith(b"ffn_out-") and _reads(t, b"ffn_inp-" + name[len(b"ffn_out-"):]):
@@ -84,7 +84,7 @@ class _Editor:
             return True
         self.hit.add(name)
         try:
-            a = _tensor_array(self.ggml, t)[0, 0]  # (T, width): ggml (width, T)
+            a = tensor_array(self.ggml, t)[0, 0]  # (T, width): ggml (width, T)
             for cols, rows, value, add in self.writes.get(name, ()):
                 r = slice(None) if rows is None else rows
                 if value is None:
@@ -102,65 +102,44 @@ class _Editor:
 
 def _reads(t: int, name: bytes) -> bool:
     """Whether graph node `t` takes a node called `name` as an operand."""
-    from engine.backends.llamacpp import _NAME_OFFSET, _GGMLTensor
-
-    return any(src and ctypes.string_at(src + _NAME_OFFSET) == name for src in _GGMLTensor.from_address(t).src)
+    return any(src and ctypes.string_at(src + NAME_OFFSET) == name for src in GGMLTensor.from_address(t).src)
 
 
-class SeamContext:
-    """A llama.cpp context of the session's model whose graph callback is an _Editor: runs a prompt from an empty
-    cache with edits, and records points. Made on first use, grown when a longer prompt comes, freed by close()."""
+class SeamRuntime:
+    """A one-sequence llama.cpp runtime of the session's model whose graph callback is an _Editor: each run is a
+    prompt from an empty cache with edits, every position an output (so the last layer keeps every row). Made on
+    first use, grown when a longer prompt comes, freed by close()."""
 
     def __init__(self, session) -> None:
-        self.session, self.llama = session, session.llama
-        self.editor = _Editor(self.llama._lab_ggml)
-        self.callback = self.llama.ggml_backend_sched_eval_callback(self.editor)  # outlives the context
-        self._ctx, self._batch, self.size = None, None, 0
-
-    def _ensure(self, n: int) -> None:
-        if n <= self.size:
-            return
-        self.close()
-        L, size = self.llama, max(256, -(-n // 256) * 256)
-        cp = L.llama_context_default_params()
-        cp.n_ctx = cp.n_batch = cp.n_ubatch = size
-        cp.n_outputs_max_per_seq = 0  # every position's logits: the last layer then keeps every row
-        cp.n_threads = cp.n_threads_batch = self.session.n_threads
-        cp.flash_attn_type = 0  # ggml's flash attention forms no kqv_out node
-        cp.no_perf = True
-        cp.cb_eval = self.callback
-        self._ctx = L.llama_init_from_model(self.session._model, cp)
-        if not self._ctx:
-            raise RuntimeError(f"llama.cpp could not make a context of {size} positions")
-        self._batch, self.size = L.llama_batch_init(size, 0, 1), size
+        self.session = session
+        self.editor = _Editor(session.llama._lab_ggml)
+        self.callback = session.llama.ggml_backend_sched_eval_callback(self.editor)  # outlives the context
+        self.rt = None
 
     def close(self) -> None:
-        from engine.runtime.llamacpp import free_context
-
-        free_context(self)
-        self.size = 0
+        if self.rt is not None:
+            self.rt.close()
+            self.rt = None
 
     def run(self, ids: Sequence[int], writes: dict, keep: set[bytes], every: bool = False) -> np.ndarray:
         """Float32 logits (V,) of the last position of `ids` (with `every`, (T, V) of each), run in one batch from
         an empty cache."""
+        from engine.runtime.base import Row
+        from engine.runtime.llamacpp import LlamaCppRuntime
+
         n = len(ids)
-        self._ensure(n)
-        L, b = self.llama, self._batch
-        L.llama_memory_clear(L.llama_get_memory(self._ctx), True)
-        b.n_tokens = n
-        for i, token in enumerate(ids):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = int(token), i, 1, 1
-            b.seq_id[i][0] = 0
+        if self.rt is None or self.rt.capacity < n:
+            self.close()
+            size = min(self.session.cfg.context_length, max(256, -(-n // 256) * 256))
+            self.rt = LlamaCppRuntime(self.session, 1, size, callback=self.callback)
+        if n > self.rt.n_ubatch:  # a node's rows are the prompt's positions only when it runs as one graph
+            raise ValueError(f"a seam run takes at most {self.rt.n_ubatch} tokens, got {n}")
+        self.rt.remove(0)
         self.editor.reset(writes, keep)
-        rc = L.llama_decode(self._ctx, b)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
+        logits = self.rt.forward([Row(0, list(ids), all_logits=True)])[0].numpy()  # (T, V)
         if self.editor.error:
             raise RuntimeError(f"the edit of node {self.editor.error}")
-        V = self.session.cfg.vocab_size
-        if every:  # one sequence, every position an output: the buffer holds them in order
-            return np.ctypeslib.as_array(L.llama_get_logits(self._ctx), shape=(n, V)).copy()
-        return np.ctypeslib.as_array(L.llama_get_logits_ith(self._ctx, n - 1), shape=(V,)).copy()
+        return logits if every else logits[-1]
 
 
 def run_points(session, prompts: Sequence[Sequence[int]], edits: Iterable[Edit] = (),
@@ -168,9 +147,7 @@ def run_points(session, prompts: Sequence[Sequence[int]], edits: Iterable[Edit] 
     """engine.model.seam.run_points on llama.cpp: each prompt (batch row b) is its own run, given the edits that
     name row b (or every row). Returns the last positions' float32 logits (B, V) and the recorded points (B, T, W)."""
     cfg = session.cfg
-    rows = [list(p) for p in prompts]
-    if not rows or len({len(r) for r in rows}) != 1 or not rows[0]:
-        raise ValueError("run_points takes one or more prompts of one non-zero length")
+    rows = check_prompts(prompts)
     edits, record = list(edits), list(dict.fromkeys(record))
     for p in [e.point for e in edits] + record:
         p.check(cfg)

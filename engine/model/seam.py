@@ -273,24 +273,9 @@ def _sites(block: nn.Module, layer: int, wanted: set[Point]) -> list[tuple[list[
     return out
 
 
-def run_points(model: nn.Module, prompts: Sequence[Sequence[int]], edits: Iterable[Edit] = (),
-               record: Iterable[Point] = (), every: bool = False) -> tuple[torch.Tensor, Recording]:
-    """The float32 logits (B, V) of each prompt's last position (with `every`, (B, T, V) of every position) and the
-    recorded points (B, T, W): the B prompts, all of one length T, run as the batch rows of one forward pass from an
-    empty cache with `edits` applied.
-
-    The products are the float ones (F.linear on the weights as loaded), whatever form a decode step would take:
-    the experiments that use this are held to references that run the weights as they are.
-    """
-    from engine.model import kernels
-    from engine.model.kv_cache import KVCache
-
-    rows = [list(p) for p in prompts]
+def check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The prompts of a seam run as lists: one or more, all of one non-zero length (ValueError otherwise)."""
+    rows = [[int(t) for t in p] for p in prompts]
     if not rows or len({len(r) for r in rows}) != 1 or not rows[0]:
-        raise ValueError("run_points takes one or more prompts of one non-zero length")
-    w = model.norm.weight  # the dtype and device the model runs in
-    tokens = torch.tensor(rows, dtype=torch.long, device=w.device)  # (B, T)
-    cache = KVCache(model.cfg, len(rows), tokens.shape[1], w.dtype, w.device)
-    with torch.inference_mode(), edited(model, edits, record) as rec, kernels.forced("linear"):
-        logits = model(tokens, 0, cache, None, all_logits=every)  # (B, V) or (B, T, V), float32
-    return logits, rec
+        raise ValueError("a seam run takes one or more prompts of one non-zero length")
+    return rows

@@ -200,10 +200,20 @@ class Session:
 
     def run_points(self, prompts: Sequence[Sequence[int]], edits: Iterable = (), record: Iterable = (),
                    every: bool = False) -> tuple[torch.Tensor, object]:
-        """engine.model.seam.run_points on this session's model: the prompts as one batch from an empty cache."""
-        from engine.model.seam import run_points
+        """The float32 logits (B, V) of each prompt's last position (with `every`, (B, T, V) of every position) and
+        the seam's recorded points (B, T, W) (engine.model.seam.Recording): the B prompts, all of one length T, run
+        as the rows of one step of a fresh runtime with `edits` applied.
 
-        return run_points(self.lm.model, prompts, edits, record, every)
+        The products are the float ones (F.linear on the weights as loaded), whatever form a decode step would
+        take: the experiments that use this are held to references that run the weights as they are."""
+        from engine.model import kernels
+        from engine.model.seam import check_prompts, edited
+
+        rows = check_prompts(prompts)
+        with self.new_runtime(len(rows), len(rows[0])) as rt, edited(self.lm.model, edits, record) as rec, \
+                kernels.forced("linear"):
+            out = rt.forward([Row(b, r, all_logits=every) for b, r in enumerate(rows)])
+        return torch.stack(out), rec
 
     def sibling(self, path: str) -> Session:
         """A session of another model file on this runtime, with this one's device, dtype and kernel mode."""
@@ -276,6 +286,10 @@ class Session:
 
     def forget_cache(self) -> None:
         self._rt = None
+
+    def close(self) -> None:
+        """Let go of the cache (the model's weights are the LoadedModel's, kept by whoever holds it)."""
+        self.forget_cache()
 
     def _forward(self, new_ids: Sequence[int], start: int, probe: Probe | None,
                  every: list | None = None) -> torch.Tensor:

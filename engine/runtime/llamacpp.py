@@ -10,7 +10,8 @@ pass is one `llama_batch` whose tokens carry their sequence id and position; eac
 seq_keep). No graph callback is set: the labs that run here ask for no captures.
 
 A generation's runtime (`LlamaCppRuntime.of_session`) is instead the session's own context of one sequence, whose
-graph callback (the session's `_Tap`) records what a row's Capture asks for; `captured` reads it out.
+graph callback (the session's `_Tap`) records what a row's Capture asks for; `captured` reads it out. The seam's runs
+(engine.backends.llamacpp_seam) make a runtime with a graph callback of their own (`callback`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class LlamaCppRuntime(Runtime):
 
     _ctx = _batch = None  # until made (free_context)
 
-    def __init__(self, session, n_seq: int = 1, capacity: int | None = None, pooled: bool = False) -> None:
+    def __init__(self, session, n_seq: int = 1, capacity: int | None = None, pooled: bool = False,
+                 callback=None) -> None:
         capacity = session.cfg.context_length if capacity is None else capacity
         if n_seq < 1 or not 1 <= capacity <= session.cfg.context_length:
             raise ValueError(f"a runtime needs at least one sequence of 1…{session.cfg.context_length} positions, "
@@ -65,9 +67,12 @@ class LlamaCppRuntime(Runtime):
         cp.flash_attn_type = 1 if session.flash_attn else 0  # as the session's generations run
         cp.swa_full = True  # a cell keeps its position's keys, so `remove` can cut anywhere
         cp.no_perf = True
+        if callback is not None:  # a graph callback of its own (engine.backends.llamacpp_seam): kept alive with it
+            cp.cb_eval, self._callback = callback, callback
         self._ctx = L.llama_init_from_model(session._model, cp)
         if not self._ctx:
             raise ValueError(f"llama.cpp could not make a context of {n_seq} sequences × {per_seq} positions")
+        self.n_ubatch = cp.n_ubatch
         self._mem = L.llama_get_memory(self._ctx)
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.n_cells = cp.n_ctx

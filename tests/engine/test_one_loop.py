@@ -42,6 +42,13 @@ LAB_CALLERS = {
     "speculative": {"engine.labs.speculative:_passes", *GENERATION},
     "scheduling": {"engine.labs.scheduler:warm_up", "engine.labs.scheduler:_timed_step"},
 }
+# Who calls Runtime.forward in each why-experiment that reads or writes the forward pass (through the seam,
+# engine.model.seam): each runtime's seam run, and compare's step with a Capture.
+SEAM = {"engine.run.session:Session.run_points", "engine.backends.llamacpp_seam:SeamRuntime.run"}
+WHY_CALLERS = {
+    "patch": SEAM, "ablate": SEAM, "steer": SEAM, "heads --ablate-top": SEAM,
+    "compare": {"engine.why.compare:_Side.step", *GENERATION},  # and the greedy continuation it compares on
+}
 HERE = __name__
 
 
@@ -160,6 +167,35 @@ def test_the_labs_loop_over_runtime_forward_on_both_runtimes(calls, session):
         run(s)
         assert set(calls["forward"]) == LAB_CALLERS[lab], (lab, name, calls["forward"])
         assert calls["pass"] and set(calls["pass"]) <= passes, (lab, name, calls["pass"])
+
+
+def test_the_why_experiments_step_through_the_runtimes_on_both_runtimes(calls, session):
+    """Patching, ablation, steering, head ablation and compare: every forward pass through a runtime's one step, and
+    the same experiment on either runtime (a seam run on torch or llama.cpp: engine.model.seam's points)."""
+    from engine.formats.control_vector import ControlVector
+    from engine.why.ablate import ablate
+    from engine.why.compare import compare
+    from engine.why.heads import ablation_loss
+    from engine.why.patch import patch
+    from engine.why.steer import next_token_logits
+
+    name, s, passes = session
+    d = s.cfg.d_model
+    experiments = {
+        "patch": lambda: patch(s, "zq vx kj wy", "zq vx kb wy", "k", "j", heads=True),
+        "ablate": lambda: ablate(s, "zq vx kj wy", heads=[(1, 2)], mean=True),
+        "steer": lambda: next_token_logits(s, PROMPT, ControlVector({1: torch.ones(d).numpy()}), 2.0),
+        "heads --ablate-top": lambda: ablation_loss(s, PROMPT * 2, 2, [(0, 1)]),
+        "compare": lambda: compare(s, other, "zq vx kj wy", 3),
+    }
+    other = s.sibling(s.info.path)  # a second session of the same file: compare keeps a cache on each side
+    for what, run in experiments.items():
+        calls["forward"].clear()
+        calls["pass"].clear()
+        run()
+        assert set(calls["forward"]) <= WHY_CALLERS[what] and calls["forward"], (what, name, calls["forward"])
+        assert calls["pass"] and set(calls["pass"]) <= passes, (what, name, calls["pass"])
+    other.close()
 
 
 # ---- one count of positions ------------------------------------------------------------------------------------
