@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.events import Event, PromptTokenized, RunSource
 from engine.protocol import LAB_JOBS, LAB_NAMES, GenerateRequest, Lab, PreviewResult, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.run.session import Engine
 
 
 class Unsupported(Exception):
@@ -32,7 +35,7 @@ CAPABILITIES = {
 }
 
 
-def require(session: object, capability: str, purpose: str,
+def require(session: Engine, capability: str, purpose: str,
             instead: str = "load the model with --backend torch") -> None:
     """Unsupported, in one sentence naming what `purpose` needs and what to do `instead`, unless the session's
     runtime can do `capability` (one of CAPABILITIES)."""

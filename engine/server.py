@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from engine.backend import Backend, Run, ShouldStop, Unsupported
 from engine.backend import Progress as ReportProgress
@@ -75,6 +76,9 @@ from engine.protocol import (
     Tokenize,
     Tokenized,
 )
+
+if TYPE_CHECKING:
+    from engine.run.session import Engine
 
 
 class EngineServer:
@@ -683,7 +687,7 @@ class EngineServer:
         self.send(Tokenized(cmd.request_id, cmd.text, **out))
 
 
-def run_experiment(session: object, params: object, progress: ReportProgress | None = None,
+def run_experiment(session: Engine, params: object, progress: ReportProgress | None = None,
                    should_stop: ShouldStop | None = None,
                    open_model: Callable[[str, str, str], object] | None = None) -> dict:
     """One why-experiment (engine.protocol's HeadsParams, AblateParams, …) on a loaded session, the torch engine's

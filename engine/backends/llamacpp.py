@@ -30,7 +30,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,7 +45,6 @@ from engine.costs import formulas as costs
 from engine.costs.info import model_info
 from engine.events import (
     Capability,
-    Funnel,
     KVCacheGrew,
     ModelInfo,
     RunSource,
@@ -54,16 +53,11 @@ from engine.events import (
 from engine.formats.locate import ModelLoadError, cache_root, load_tokenizer, resolve_model_path
 from engine.model.config import ModelConfig
 from engine.model.dtypes import lookup as dtype_lookup
-from engine.protocol import Capture
-from engine.run.branching import check_forced, tokenization_of
-from engine.run.constrain import Constraint
 from engine.run.local import LocalBackend
-from engine.run.sampling import FunnelStages, SamplingParams
-from engine.run.session import Generation, check_finite, condense_funnel
+from engine.run.session import Engine, check_finite
 from engine.run.threads import available_cores
 from engine.runtime.base import Row
 from engine.runtime.llamacpp import LlamaCppRuntime, free_context
-from engine.tokenizer import Tokenization
 
 HEADER_CACHE_VERSION = "2"  # bump when read_config, tensor_stats, _lens_places or file_type_name change their answer
 UBATCH = 512  # tokens per graph evaluation during a prefill (llama.cpp splits a longer batch itself)
@@ -284,8 +278,8 @@ def _sha256(path: Path) -> str:
         return ""
 
 
-class LlamaCppSession:
-    """A GGUF model run by llama.cpp, with the interface of engine.run.session.Session.
+class LlamaCppSession(Engine):
+    """A GGUF model run by llama.cpp: the engine (engine.run.session.Engine) over llama.cpp's runtime.
 
     `threads`: "auto" (every core this process may use) or a count; `n_ctx`: positions the KV cache holds (it is
     allocated whole, at load); `flash_attn`: llama.cpp's fused attention (faster on some machines; attention
@@ -420,25 +414,6 @@ class LlamaCppSession:
         self.n_threads = int(n)
         self.llama.llama_set_n_threads(self._ctx, self.n_threads, self.n_threads)
 
-    # ---- prompts ---------------------------------------------------------------------------------------------
-    def prompt_text(self, text: str, chat: bool = False) -> str:
-        return self.tokenizer.chat_prompt(text) if chat else text
-
-    def tokenize(self, text: str, chat: bool = False) -> Tokenization:
-        return self.tokenizer.encode(self.prompt_text(text, chat))
-
-    def check_prompt(self, ids: Sequence[int], max_new_tokens: int = 1) -> None:
-        if len(ids) == 0:
-            raise ValueError("the prompt is empty: type something first")
-        if len(ids) >= self.cfg.context_length:
-            raise ValueError(f"the prompt is {len(ids)} tokens; this context holds {self.cfg.context_length}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max new tokens must be at least 1, got {max_new_tokens}")
-        outside = next((int(i) for i in ids if not 0 <= int(i) < self.cfg.vocab_size), None)
-        if outside is not None:
-            raise ValueError(
-                f"the prompt holds token id {outside}, outside this model's vocabulary (0…{self.cfg.vocab_size - 1})")
-
     # ---- the intervention seam (engine.model.seam's points, engine.backends.llamacpp_seam) ------------------------
     runtime_name = "llama.cpp"
     can = frozenset({"edit"})  # engine.backend.CAPABILITIES: no backward pass, no early exit, its own KV cache
@@ -553,48 +528,6 @@ class LlamaCppSession:
         reuse = self._reuse(ids)
         logits = self._forward(ids[reuse:], reuse)
         return torch.from_numpy(logits), reuse, time.perf_counter() - t0
-
-    def make_funnel(self, stages: FunnelStages, params: SamplingParams, top: int, sampled: int | None = None) -> Funnel:
-        return condense_funnel(stages, params, top, self.tokenizer, sampled)
-
-    def warm_up(self) -> float:
-        """Pay the first-call costs once (llama.cpp's graph allocation, thread start), then forget the cache."""
-        t0 = time.perf_counter()
-        prompt = self.tokenizer.encode("Hello, world. The quick brown fox")
-        for capture in (Capture(), Capture.everything(self.cfg.n_layers, funnel_top=5)):
-            for _ in self.generate(prompt, SamplingParams(temperature=1.0, top_p=0.9, seed=0), 3, capture,
-                                   ignore_eos=True):
-                pass
-        self.forget_cache()
-        return time.perf_counter() - t0
-
-    def generate(
-        self, prompt: str | Tokenization | Sequence[int], params: SamplingParams | None = None,
-        max_new_tokens: int = 64, capture: Capture | None = None, chat: bool = False, ignore_eos: bool = False,
-        forced: Mapping[int, int] | None = None, constraint: Constraint | None = None,
-    ) -> Generation:
-        """Start a generation; iterate it to run. The prompt is checked now (ValueError on bad input)."""
-        if isinstance(prompt, Tokenization):
-            tok = prompt
-        elif isinstance(prompt, str):
-            tok = self.tokenize(prompt, chat)
-        else:
-            tok = tokenization_of(self.tokenizer, prompt)
-        self.check_prompt(tok.ids, max_new_tokens)
-        force = check_forced(forced or {}, self.cfg.vocab_size, max_new_tokens)
-        return Generation(self, tok, params or SamplingParams(), max_new_tokens, capture or Capture(), ignore_eos,
-                          force, constraint)
-
-    def fork(
-        self, prompt_ids: Sequence[int], generated_ids: Sequence[int], step: int, token: int,
-        params: SamplingParams | None = None, max_new_tokens: int = 64, capture: Capture | None = None,
-        ignore_eos: bool = False,
-    ) -> Generation:
-        """Branch a generation at `step` with `token` (see Session.fork): the cached prefix is kept."""
-        if not 0 <= step <= len(generated_ids):
-            raise ValueError(f"cannot fork at step {step}: the generation has steps 0..{len(generated_ids) - 1}")
-        prefix = [int(i) for i in prompt_ids] + [int(i) for i in generated_ids[:step]]
-        return self.generate(prefix, params, max_new_tokens, capture, ignore_eos=ignore_eos, forced={0: token})
 
 
 class LlamaCppBackend(LocalBackend):

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.protocol import BatchRow
 from engine.runtime import Row, Runtime, runtime_of
+
+if TYPE_CHECKING:
+    from engine.run.session import Engine
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32)
 
@@ -30,7 +34,7 @@ def _greedy(logits: list[torch.Tensor]) -> list[int]:
 
 
 def generate_batch(
-    session: object, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+    session: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     should_stop: Callable[[], bool] | None = None,
 ) -> tuple[np.ndarray, float, np.ndarray]:
     """decode_batch on a runtime of the session's model made for these prompts (and freed after)."""
@@ -70,7 +74,7 @@ def decode_batch(
 
 
 def bench_batch(
-    session: object, batches: Sequence[int] = DEFAULT_BATCHES, prompt_tokens: int = 32, new_tokens: int = 16,
+    session: Engine, batches: Sequence[int] = DEFAULT_BATCHES, prompt_tokens: int = 32, new_tokens: int = 16,
     progress: Callable[[float, str], None] | None = None, should_stop: Callable[[], bool] | None = None,
     memory_limit_bytes: float | None = None, on_row: Callable[[BatchRow], None] | None = None,
 ) -> list[BatchRow]:

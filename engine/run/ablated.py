@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from engine.backend import Backend, Run, Unsupported
 from engine.events import Event
 from engine.protocol import Capture, GenerateRequest, SamplingParams
 from engine.why.ablate import Ablation, ablation
+
+if TYPE_CHECKING:
+    from engine.run.session import Engine
 
 
 def generate_ablated(backend: Backend, req: GenerateRequest) -> Run:
@@ -38,7 +42,7 @@ class AblatedRun:
     ends, and the KV cache is forgotten both times, so no key or value of the intact model serves the ablated one
     or the other way round."""
 
-    def __init__(self, session: object, run: Run, spec: Ablation, prompt_ids: list[int]) -> None:
+    def __init__(self, session: Engine, run: Run, spec: Ablation, prompt_ids: list[int]) -> None:
         self._session, self._run, self._spec, self._prompt_ids = session, run, spec, prompt_ids
 
     @property

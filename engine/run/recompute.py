@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +30,9 @@ from engine.model.kv_cache import ReadOnlyCache
 from engine.model.probe import RESID_STREAM, Probe, attn_point
 from engine.protocol import Recompute, Recomputed
 from engine.run.lens import lens_event
+
+if TYPE_CHECKING:
+    from engine.run.session import Engine
 
 LLAMACPP_REFUSAL = ("kept steps only on llama.cpp: its KV cache lives inside llama.cpp, where a step cannot be run "
                     "again without changing it")
@@ -66,7 +70,7 @@ def run_layers(model: torch.nn.Module, tokens: torch.Tensor, p: int, cache: Read
         x = layer(x, p, ropes, cache, probe)
 
 
-def check_cache(session: object, ids: Sequence[int]) -> int:
+def check_cache(session: Engine, ids: Sequence[int]) -> int:
     """The query position p = len(ids) − 1 when the session's cache holds exactly these tokens at 0…p (and every
     layer still holds the keys position p read); else CacheGone, or Unsupported on a runtime other than torch's."""
     if "recompute" not in session.can:
@@ -86,7 +90,7 @@ def check_cache(session: object, ids: Sequence[int]) -> int:
 
 @torch.inference_mode()
 def recompute(
-    session: object, ids: Sequence[int], step: int, layers: Iterable[int], lens_top: int = 0, token: int = -1,
+    session: Engine, ids: Sequence[int], step: int, layers: Iterable[int], lens_top: int = 0, token: int = -1,
     meanwhile: Callable[[], None] | None = None,
 ) -> tuple[list[AttentionCaptured], LensCaptured | None]:
     """The attention of `layers` (and the logit lens, lens_top > 0) of the step whose query is the last of `ids`
@@ -118,7 +122,7 @@ def recompute(
     return [memo.attention[i] for i in wanted], lens
 
 
-def run_pass(session: object, ids: Sequence[int], step: int, p: int, key: tuple, wanted: list[int],
+def run_pass(session: Engine, ids: Sequence[int], step: int, p: int, key: tuple, wanted: list[int],
              lens_top: int) -> Recomputation:
     """One token at position p through the model's layers, every one of them probed: what `recompute` answers."""
     cfg, model = session.cfg, session.lm.model
@@ -152,7 +156,7 @@ def run_pass(session: object, ids: Sequence[int], step: int, p: int, key: tuple,
     return Recomputation(key, every, probe.values[RESID_STREAM][0] if full else None, logits)
 
 
-def pass_key(session: object, p: int, step: int) -> tuple:
+def pass_key(session: Engine, p: int, step: int) -> tuple:
     """What a pass's results hold for (Recomputation.key): the cache's epoch, the position, the step, the thread count
     and the forced kernel."""
     from engine.model import kernels
@@ -160,7 +164,7 @@ def pass_key(session: object, p: int, step: int) -> tuple:
     return session.cache.epoch, p, step, run_threads(session, p), kernels.forced_name()
 
 
-def from_last_pass(session: object, cmd: Recompute) -> bool:
+def from_last_pass(session: Engine, cmd: Recompute) -> bool:
     """Whether the session's last pass answers `cmd` without running the model: attention of layers it ran, of the
     same step, and no lens (the lens's products over the vocabulary are most of a lens's time)."""
     if "recompute" not in session.can:
@@ -171,7 +175,7 @@ def from_last_pass(session: object, cmd: Recompute) -> bool:
     return memo.key == pass_key(session, len(cmd.ids) - 1, cmd.step) and all(i in memo.attention for i in cmd.layers)
 
 
-def answer(session: object, cmd: Recompute, meanwhile: Callable[[], None] | None = None) -> Recomputed:
+def answer(session: Engine, cmd: Recompute, meanwhile: Callable[[], None] | None = None) -> Recomputed:
     """The engine process's reply to a Recompute: the events, or one sentence saying why not. `meanwhile`: as in
     `recompute`."""
     t0 = time.perf_counter()
@@ -186,7 +190,7 @@ def answer(session: object, cmd: Recompute, meanwhile: Callable[[], None] | None
                       threads=run_threads(session, len(cmd.ids) - 1), reused=reused)
 
 
-def run_threads(session: object, p: int) -> int:
+def run_threads(session: Engine, p: int) -> int:
     """The thread count a recompute of position p runs at: the one its step ran at, else the run's current one
     (threads "auto" adapts it), else torch's."""
     return session.threads_at(p) or (session.threads.current if session.threads is not None

@@ -138,7 +138,95 @@ def check_finite(logits: torch.Tensor, position: int, dtype_name: str) -> None:
         )
 
 
-class Session:
+class Engine:
+    """What a session does whatever runs its model: tokenize, check a prompt, generate, fork, condense the funnel,
+    warm up. A runtime-specific session (Session: the torch engine; engine.backends.llamacpp.LlamaCppSession)
+    gives the model's facts (`cfg`, `tokenizer`, `info`, `stop_ids`), its one-sequence `runtime`, and says what it
+    can do beyond generating (`can`, engine.backend.CAPABILITIES) and what it cannot capture (`cannot`)."""
+
+    runtime_name = ""
+    can: frozenset[str] = frozenset()
+    cannot: tuple = ()
+
+    def prompt_text(self, text: str, chat: bool = False) -> str:
+        return self.tokenizer.chat_prompt(text) if chat else text
+
+    def tokenize(self, text: str, chat: bool = False) -> Tokenization:
+        return self.tokenizer.encode(self.prompt_text(text, chat))
+
+    def check_prompt(self, ids: Sequence[int], max_new_tokens: int = 1) -> None:
+        if len(ids) == 0:
+            raise ValueError("the prompt is empty: type something first")
+        if len(ids) >= self.cfg.context_length:
+            raise ValueError(
+                f"the prompt is {len(ids)} tokens; this model's context holds {self.cfg.context_length}"
+            )
+        if max_new_tokens < 1:
+            raise ValueError(f"max new tokens must be at least 1, got {max_new_tokens}")
+        outside = next((int(i) for i in ids if not 0 <= int(i) < self.cfg.vocab_size), None)
+        if outside is not None:  # a tokenizer larger than the model's embedding (mismatched files), or bad ids
+            raise ValueError(
+                f"the prompt holds token id {outside}, outside this model's vocabulary (0…{self.cfg.vocab_size - 1}):"
+                " do its tokenizer and weights match?"
+            )
+
+    def make_funnel(
+        self, stages: FunnelStages, params: SamplingParams, top: int, sampled: int | None = None
+    ) -> Funnel:
+        return condense_funnel(stages, params, top, self.tokenizer, sampled)
+
+    def generate(
+        self, prompt: str | Tokenization | Sequence[int], params: SamplingParams | None = None,
+        max_new_tokens: int = 64, capture: Capture | None = None, chat: bool = False, ignore_eos: bool = False,
+        forced: Mapping[int, int] | None = None, constraint: Constraint | None = None,
+    ) -> Generation:
+        """Start a generation; iterate it to run. The prompt is checked now (ValueError on bad input).
+
+        The prompt is a text, a Tokenization or token ids. `forced` maps steps to token ids that replace the
+        sampled token at those steps (the funnel still shows what the model would have sampled).
+        """
+        if isinstance(prompt, Tokenization):
+            tok = prompt
+        elif isinstance(prompt, str):
+            tok = self.tokenize(prompt, chat)
+        else:
+            tok = tokenization_of(self.tokenizer, prompt)
+        self.check_prompt(tok.ids, max_new_tokens)
+        force = check_forced(forced or {}, self.cfg.vocab_size, max_new_tokens)
+        return Generation(self, tok, params or SamplingParams(), max_new_tokens, capture or Capture(), ignore_eos,
+                          force, constraint)
+
+    def fork(
+        self, prompt_ids: Sequence[int], generated_ids: Sequence[int], step: int, token: int,
+        params: SamplingParams | None = None, max_new_tokens: int = 64, capture: Capture | None = None,
+        ignore_eos: bool = False,
+    ) -> Generation:
+        """Branch a finished (or paused) generation at `step` with `token` and continue from there.
+
+        The new generation's prompt is prompt_ids + generated_ids[:step] and its step 0 is `token`. The KV cache
+        keeps every position of that prefix it already holds, so only the last prefix token is run again.
+        """
+        if not 0 <= step <= len(generated_ids):
+            raise ValueError(f"cannot fork at step {step}: the generation has steps 0..{len(generated_ids) - 1}")
+        prefix = [int(i) for i in prompt_ids] + [int(i) for i in generated_ids[:step]]
+        return self.generate(prefix, params, max_new_tokens, capture, ignore_eos=ignore_eos, forced={0: token})
+
+    def warm_up(self) -> float:
+        """Pay the first-call costs (kernel choice, thread pools, buffers) once, so the first TTFT shown is honest.
+
+        Runs a few tokens through both attention paths, then forgets the cache. Returns the seconds it took.
+        """
+        t0 = time.perf_counter()
+        prompt = self.tokenizer.encode("Hello, world. The quick brown fox")
+        for capture in (Capture(), Capture.everything(self.cfg.n_layers, funnel_top=5)):
+            for _ in self.generate(prompt, SamplingParams(temperature=1.0, top_p=0.9, seed=0), 3, capture,
+                                   ignore_eos=True):
+                pass
+        self.forget_cache()
+        return time.perf_counter() - t0
+
+
+class Session(Engine):
     """A loaded model plus the KV cache it keeps between generations: a one-sequence runtime over the contiguous
     cache (engine.runtime.torch.ContiguousRuntime), whose positions are the only count of what it holds."""
 
@@ -193,9 +281,8 @@ class Session:
             self._bytes_saved[key] = self.lm.model.decode_bytes_saved(key[0])
         return formula - self._bytes_saved[key]
 
-    # ---- prompts ---------------------------------------------------------------------------------------------
+    # ---- what this runtime can do, and the seam ---------------------------------------------------------------
     runtime_name = "torch"
-    cannot: tuple = ()  # every capture is made here
     can = frozenset({"gradients", "recompute", "exit_logits", "edit"})  # engine.backend.CAPABILITIES
 
     def run_points(self, prompts: Sequence[Sequence[int]], edits: Iterable = (), record: Iterable = (),
@@ -235,28 +322,6 @@ class Session:
 
         return edited(self.lm.model, edits)
 
-    def prompt_text(self, text: str, chat: bool = False) -> str:
-        return self.tokenizer.chat_prompt(text) if chat else text
-
-    def tokenize(self, text: str, chat: bool = False) -> Tokenization:
-        return self.tokenizer.encode(self.prompt_text(text, chat))
-
-    def check_prompt(self, ids: Sequence[int], max_new_tokens: int = 1) -> None:
-        if len(ids) == 0:
-            raise ValueError("the prompt is empty: type something first")
-        if len(ids) >= self.cfg.context_length:
-            raise ValueError(
-                f"the prompt is {len(ids)} tokens; this model's context holds {self.cfg.context_length}"
-            )
-        if max_new_tokens < 1:
-            raise ValueError(f"max new tokens must be at least 1, got {max_new_tokens}")
-        outside = next((int(i) for i in ids if not 0 <= int(i) < self.cfg.vocab_size), None)
-        if outside is not None:  # a tokenizer larger than the model's embedding (mismatched files), or bad ids
-            raise ValueError(
-                f"the prompt holds token id {outside}, outside this model's vocabulary (0…{self.cfg.vocab_size - 1}):"
-                " do its tokenizer and weights match?"
-            )
-
     # ---- the cache ---------------------------------------------------------------------------------------------
     def runtime(self, capacity: int) -> ContiguousRuntime:
         """The one-sequence runtime generations run on, with room for `capacity` positions (kept when it has it)."""
@@ -269,20 +334,6 @@ class Session:
     def _prepare_cache(self, ids: Sequence[int], capacity: int) -> int:
         """Make room for `capacity` positions; return how many leading prompt tokens are reused from the cache."""
         return self.runtime(capacity).reuse(0, ids)
-
-    def warm_up(self) -> float:
-        """Pay the first-call costs (kernel choice, thread pools, buffers) once, so the first TTFT shown is honest.
-
-        Runs a few tokens through both attention paths, then forgets the cache. Returns the seconds it took.
-        """
-        t0 = time.perf_counter()
-        prompt = self.tokenizer.encode("Hello, world. The quick brown fox")
-        for capture in (Capture(), Capture.everything(self.cfg.n_layers, funnel_top=5)):
-            for _ in self.generate(prompt, SamplingParams(temperature=1.0, top_p=0.9, seed=0), 3, capture,
-                                   ignore_eos=True):
-                pass
-        self.forget_cache()
-        return time.perf_counter() - t0
 
     def forget_cache(self) -> None:
         self._rt = None
@@ -329,48 +380,6 @@ class Session:
         logits = self._forward(ids[reuse:], reuse, None)
         _sync(self.lm.device)
         return logits, reuse, time.perf_counter() - t0
-
-    def make_funnel(
-        self, stages: FunnelStages, params: SamplingParams, top: int, sampled: int | None = None
-    ) -> Funnel:
-        return condense_funnel(stages, params, top, self.tokenizer, sampled)
-
-    def generate(
-        self, prompt: str | Tokenization | Sequence[int], params: SamplingParams | None = None,
-        max_new_tokens: int = 64, capture: Capture | None = None, chat: bool = False, ignore_eos: bool = False,
-        forced: Mapping[int, int] | None = None, constraint: Constraint | None = None,
-    ) -> Generation:
-        """Start a generation; iterate it to run. The prompt is checked now (ValueError on bad input).
-
-        The prompt is a text, a Tokenization or token ids. `forced` maps steps to token ids that replace the
-        sampled token at those steps (the funnel still shows what the model would have sampled).
-        """
-        if isinstance(prompt, Tokenization):
-            tok = prompt
-        elif isinstance(prompt, str):
-            tok = self.tokenize(prompt, chat)
-        else:
-            tok = tokenization_of(self.tokenizer, prompt)
-        self.check_prompt(tok.ids, max_new_tokens)
-        force = check_forced(forced or {}, self.cfg.vocab_size, max_new_tokens)
-        return Generation(self, tok, params or SamplingParams(), max_new_tokens, capture or Capture(), ignore_eos,
-                          force, constraint)
-
-    def fork(
-        self, prompt_ids: Sequence[int], generated_ids: Sequence[int], step: int, token: int,
-        params: SamplingParams | None = None, max_new_tokens: int = 64, capture: Capture | None = None,
-        ignore_eos: bool = False,
-    ) -> Generation:
-        """Branch a finished (or paused) generation at `step` with `token` and continue from there.
-
-        The new generation's prompt is prompt_ids + generated_ids[:step] and its step 0 is `token`. The KV cache
-        keeps every position of that prefix it already holds, so only the last prefix token is run again.
-        """
-        if not 0 <= step <= len(generated_ids):
-            raise ValueError(f"cannot fork at step {step}: the generation has steps 0..{len(generated_ids) - 1}")
-        prefix = [int(i) for i in prompt_ids] + [int(i) for i in generated_ids[:step]]
-        return self.generate(prefix, params, max_new_tokens, capture, ignore_eos=ignore_eos, forced={0: token})
-
 
 class RunLoop:
     """What a local generation keeps between steps, whichever runtime computes them (this engine or llama.cpp): the
@@ -460,7 +469,7 @@ class RunLoop:
             return "stopped"
         return None
 
-    def failed(self, session: object, error: Exception) -> Failed:
+    def failed(self, session: Engine, error: Exception) -> Failed:
         """The run broke: its cache is no longer trusted, and the consumer gets one sentence."""
         session.forget_cache()
         if isinstance(error, NonFiniteLogits):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,6 +19,9 @@ from engine.events import Event, PromptTokenized, Steered, TokenSampled
 from engine.formats.control_vector import ControlVector
 from engine.protocol import Capture, GenerateRequest, SamplingParams, Steer
 from engine.why.steer import check_vector, steering
+
+if TYPE_CHECKING:
+    from engine.run.session import Engine
 
 
 def to_vector(steer: Steer, model_hint: str = "") -> ControlVector:
@@ -54,7 +58,7 @@ class SteeredRun:
     run ends, the KV cache forgotten both times (engine.why.steer.steering). `set_scale` between two tokens acts from
     the next token on, and the run says so with a Steered event before that token's events."""
 
-    def __init__(self, session: object, run: Run, vector: ControlVector, steer: Steer) -> None:
+    def __init__(self, session: Engine, run: Run, vector: ControlVector, steer: Steer) -> None:
         self._session, self._run, self._vector, self._steer = session, run, vector, steer
         self._scale = steer.scale
         self._handle = None  # engine.why.steer.Steering, while the run iterates

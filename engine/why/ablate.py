@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     from engine.model.config import ModelConfig
     from engine.model.seam import Edit
+    from engine.run.session import Engine
 
 TOP = 5  # candidates shown before and after
 
@@ -81,7 +82,7 @@ class Ablation:
                 "positions": None if self.positions is None else list(self.positions)}
 
 
-def edits_for(session: object, spec: Ablation, ids: Sequence[int]) -> list[Edit]:
+def edits_for(session: Engine, spec: Ablation, ids: Sequence[int]) -> list[Edit]:
     """The seam's edits for `spec`; mean-ablation first runs the clean prompt `ids` to take each component's mean
     over its positions (all means from the same clean run, none from an already-ablated one)."""
     from engine.model.seam import Edit
@@ -94,7 +95,7 @@ def edits_for(session: object, spec: Ablation, ids: Sequence[int]) -> list[Edit]
 
 
 @contextlib.contextmanager
-def ablation(session: object, spec: Ablation, prompt_ids: Sequence[int]) -> Iterator[list[Edit]]:
+def ablation(session: Engine, spec: Ablation, prompt_ids: Sequence[int]) -> Iterator[list[Edit]]:
     """Run every forward pass of `session` with `spec` ablated inside the block (mean-ablation's means from the clean
     run of `prompt_ids`); generations must be iterated inside it. The KV cache is forgotten on entry and on exit:
     keys and values computed by the intact model must not serve the ablated one, nor the other way round."""
@@ -117,7 +118,7 @@ def _top(logits: torch.Tensor, tokenizer) -> dict:
     return {"ids": ids, "tokens": [tokenizer.piece(i) for i in ids], "probs": [float(x) for x in p]}
 
 
-def ablate(session: object, prompt: str, heads: Sequence[tuple[int, int]] = (), attn_layers: Sequence[int] = (),
+def ablate(session: Engine, prompt: str, heads: Sequence[tuple[int, int]] = (), attn_layers: Sequence[int] = (),
            mlp_layers: Sequence[int] = (), mean: bool = False, chat: bool = False,
            tokens: tuple[int, int] | None = None, positions: Sequence[int] | None = None) -> dict:
     """The next-token distribution of `prompt` before and after ablating the components (see the module docstring
@@ -148,7 +149,7 @@ def ablate(session: object, prompt: str, heads: Sequence[tuple[int, int]] = (), 
     return out
 
 
-def before_after(session: object, spec: Ablation, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def before_after(session: Engine, spec: Ablation, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 logits (V,) of the next token without and with the ablation, through the session's seam."""
     before, _ = session.run_points([ids])
     after, _ = session.run_points([ids], edits_for(session, spec, ids))

@@ -38,6 +38,8 @@ from engine.why import Unsupported, require
 if TYPE_CHECKING:
     import torch
 
+    from engine.run.session import Engine
+
 TOP = 10  # components listed by the size of their contribution
 MAX_STEP = 256
 DEFINITION = ("contribution = (v / s) · (g ⊙ (W_U[answer] − W_U[wrong])): v a component's output written into the "
@@ -107,7 +109,7 @@ def components(model: torch.nn.Module, ids: list[int], answer: int, wrong: int, 
             "logit_diff": float(logits[answer] - logits[wrong]), "scale": float(scale)}
 
 
-def dla(session: object, prompt: str, answer: str, wrong: str, step: int = 0, chat: bool = False,
+def dla(session: Engine, prompt: str, answer: str, wrong: str, step: int = 0, chat: bool = False,
         top: int = TOP) -> dict:
     """Direct logit attribution of `answer` over `wrong` at generation step `step` (see the module docstring); the
     CLI's JSON document. ValueError in one sentence for bad input; Unsupported on llama.cpp."""

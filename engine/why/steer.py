@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from engine.backend import Progress, ShouldStop
     from engine.formats.control_vector import ControlVector
+    from engine.run.session import Engine
 
 METHODS = ("mean", "pca")
 MAX_PAIRS = 512
@@ -46,7 +47,7 @@ class Pair:
     negative: str
 
 
-def _last_resid(session: object, text: str, layers: Sequence[int], position: int) -> np.ndarray:
+def _last_resid(session: Engine, text: str, layers: Sequence[int], position: int) -> np.ndarray:
     """(len(layers), d): resid_post.L of `text` at `position` (negative: from the end), each layer in `layers`."""
     from engine.model.seam import Point
 
@@ -74,7 +75,7 @@ def check_layers(layers: Sequence[int], n_layers: int) -> list[int]:
     return out
 
 
-def build(session: object, pairs: Sequence[Pair], layers: Sequence[int], method: str = "mean",
+def build(session: Engine, pairs: Sequence[Pair], layers: Sequence[int], method: str = "mean",
           position: int = -1, progress: Progress | None = None, should_stop: ShouldStop | None = None
           ) -> ControlVector:
     """The steering vector of `pairs` at each of `layers` (see the module docstring); `progress` after each pair,
@@ -149,7 +150,7 @@ def check_vector(vector: ControlVector, cfg) -> None:
 
 
 @contextlib.contextmanager
-def steering(session: object, vector: ControlVector, scale: float) -> Iterator[Steering]:
+def steering(session: Engine, vector: ControlVector, scale: float) -> Iterator[Steering]:
     """The vector × scale added to resid_post.L of every forward pass the session runs inside the block; the KV
     cache is forgotten on entry and on exit (keys and values of the unsteered model must not serve the steered one)."""
     check_vector(vector, session.cfg)
@@ -162,7 +163,7 @@ def steering(session: object, vector: ControlVector, scale: float) -> Iterator[S
         session.forget_cache()
 
 
-def next_token_logits(session: object, ids: Sequence[int], vector: ControlVector | None, scale: float
+def next_token_logits(session: Engine, ids: Sequence[int], vector: ControlVector | None, scale: float
                       ) -> torch.Tensor:
     """Float32 logits (V,) of the token after `ids` with the vector × scale added (or none), from an empty cache."""
     edits = [] if vector is None else Steering(vector, scale).edits()
@@ -193,7 +194,7 @@ def steer_arg(text: str) -> tuple[str, float]:
     raise argparse.ArgumentTypeError(f"takes FILE:SCALE (e.g. happy.gguf:4), got {text[:60]!r}")
 
 
-def load_for(session: object, path: str) -> ControlVector:
+def load_for(session: Engine, path: str) -> ControlVector:
     """A control-vector file, checked against the loaded model (ValueError in one sentence)."""
     from engine.formats.control_vector import load
 
