@@ -28,7 +28,7 @@ PROMPT_TEXT = "prompt/text"
 CHAT = "prompt/chat"  # wrap the prompt in the model's chat template
 MAX_NEW_TOKENS = "generation/max_new_tokens"
 MODEL_PATH = "model/path"  # the last model the user opened ("" = the default model)
-THREADS = "engine/threads"  # decode threads: "auto" or a positive count (engine.run.threads)
+THREADS = "engine/threads"  # decode threads: "auto" or a positive count (engine.model.threads)
 KERNELS = "engine/kernels"  # the torch runtime's kernel mode (engine.model.kernel_cache.KERNEL_MODES)
 SAMPLING_PREFIX = "sampling/"  # + a SamplingParams field name
 STEER_SCALE = "steer/scale"  # the Steering panel's last scale
@@ -51,7 +51,7 @@ MAX_STORED_PAIRS = 256
 class SteerSettings:
     """What the Steering panel remembers between runs of the app."""
 
-    scale: float = 4.0
+    scale: float = 0.5
     layers: str = ""  # "" = the middle third of the loaded model's blocks
     pairs: tuple[tuple[str, str], ...] = DEFAULT_STEER_PAIRS
     method: str = "mean"

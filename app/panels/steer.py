@@ -26,7 +26,7 @@ from engine.events import ModelInfo, RunStarted, Steered, TokenSampled, layers_t
 from engine.model.config import ModelConfig
 from engine.protocol import Steer, SteerReady
 
-SCALE_STEPS = 2  # slider ticks per unit of scale: 0.5 apart
+SCALE_STEPS = 10  # slider ticks per unit of scale: 0.1 apart (a mean vector over many layers acts below 1)
 SCALE_MAX = 10.0
 SCALE_SEND_MS = 100  # while the slider is dragged, the scale goes to the engine at most this often
 MAX_PAIRS = 512  # engine.why.steer.MAX_PAIRS
@@ -78,7 +78,10 @@ class SteerPanel(Panel):
         "that positives lie above their negatives (what repeng does). With Steer generations ticked, every forward "
         "pass of the next generations adds scale × that direction to those blocks' output at every position. The "
         "slider acts between two tokens of a running generation: the very next token is computed at the new scale, "
-        "while the keys and values already in the KV cache keep the scale they were made with. A steered run is "
+        "while the keys and values already in the KV cache keep the scale they were made with. A mean vector holds "
+        "the whole gap between the pairs, added at every chosen layer, so a fraction of 1 already moves a model "
+        "far (too far, and it only repeats itself); a PCA vector has length 1 and needs larger scales. A steered "
+        "run is "
         "named after its vector, layers and scales (Branches panel, sessions), and the plot shows its scale token "
         "by token. Load… and Save… read and write llama.cpp's control-vector GGUF (llama-cli --control-vector, "
         "repeng's export), which can hold blocks 1 to L − 1. Steering needs the local model (torch or llama.cpp); "
@@ -137,9 +140,12 @@ class SteerPanel(Panel):
         self.save_button = QtWidgets.QPushButton("Save…")
         self.save_button.setToolTip("Save the vector as a llama.cpp control vector (.gguf)")
         self.on_box = QtWidgets.QCheckBox("Steer generations")
+        self.on_box.setEnabled(False)  # until there is a vector (draw keeps these in step)
+        self.save_button.setEnabled(False)
         self.on_box.setToolTip("Add the vector × scale in every forward pass of the next generations")
         self.slider = QtWidgets.QSlider(QtCore.Qt.Orientation.Horizontal)
         self.slider.setRange(int(-SCALE_MAX * SCALE_STEPS), int(SCALE_MAX * SCALE_STEPS))
+        self.slider.setSingleStep(1)
         self.slider.setPageStep(SCALE_STEPS)
         self.slider.setToolTip("The scale the vector is multiplied by; while a generation runs, the next token "
                                "already uses it")
@@ -202,7 +208,7 @@ class SteerPanel(Panel):
         self.cancel_button.clicked.connect(self.cancel)
         self.load_button.clicked.connect(self._load_dialog)
         self.save_button.clicked.connect(self._save_dialog)
-        self.on_box.toggled.connect(lambda _on: self._apply())
+        self.on_box.toggled.connect(self._on_toggled)
         self.slider.valueChanged.connect(self._on_slider)
 
     # ---- reading and setting the knobs ----
@@ -335,6 +341,13 @@ class SteerPanel(Panel):
         self._apply()
         return True
 
+    @QtCore.Slot(bool)
+    def _on_toggled(self, on: bool) -> None:
+        self._say("The next generations are steered; the slider also acts on a running one, from its next token."
+                  if on else "Off: the next generations run unsteered (a steered one running now goes on at × 0).",
+                  "")
+        self._apply()
+
     def _apply(self) -> None:
         """Tell the bridge what the next generations carry (and a steered one running now its scale)."""
         on = self.on_box.isChecked() and self.vector is not None
@@ -382,7 +395,8 @@ class SteerPanel(Panel):
             if m.action == "build" and self.layers.text().strip() == "":
                 self.layers.setText(layers_text(m.steer.layers))
             self._say(f"{'Built' if m.action == 'build' else 'Loaded'} in {m.seconds:.1f} s."
-                      + ("" if self.on_box.isChecked() else " Tick Steer generations to use it."), "ok")
+                      + (" The next generations are steered with it." if self.on_box.isChecked() else
+                         " Tick Steer generations to use it."), "ok")
             self._apply()
         self.mark_dirty()
 

@@ -191,10 +191,10 @@ def test_a_server_refuses_steering_in_one_sentence(qtbot, steer_window):
         panel.set_on(True)
         w.connect_server(f"http://127.0.0.1:{srv.server_address[1]}")
         qtbot.waitUntil(lambda: w.bridge.server is not None, timeout=30_000)
-        with qtbot.waitSignal(w.bridge.sig_failed, timeout=30_000) as failed:
+        refusal = "steering adds a vector to the model's residual stream, which a server does not expose"
+        with qtbot.waitSignal(w.bridge.sig_failed, check_params_cb=lambda m: "steering" in m, timeout=30_000) as failed:
             assert w.panels["generation"].generate()
-        assert failed.args[0].startswith("steering adds a vector to the model's residual stream, which a server "
-                                         "does not expose")
+        assert failed.args[0].startswith(refusal) and "\n" not in failed.args[0]
         panel.flush()
         assert "a server does not expose" in panel.status.text()
         m = answer(qtbot, w, panel.build)
@@ -217,3 +217,25 @@ def test_scale_layers_pairs_and_method_are_remembered(qtbot, steer_window):
     again = steer_window(persist=True, load=False)
     p = again.panels["steer"]
     assert (p.scale, p.layers.text(), tuple(p.pair_list()), p.method.currentData()) == (-3.5, "1", pairs, "pca")
+
+
+@pytest.mark.slow
+def test_the_steering_stall_benchmark_runs(tmp_path):
+    """benchmarks.steer_stall end to end (a short smoke run on the real model, in a subprocess)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), QT_QPA_PLATFORM="offscreen")
+    shot = tmp_path / "steer.png"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.steer_stall", "--smoke", "--screenshot", str(shot)],
+                       capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    for run in (d["plain"], d["steered_and_dragged"]):
+        assert run["tokens"] == 8 and run["stall_max_ms"] >= run["stall_p99_ms"] >= 0
+    assert d["plain"]["scale_changes_in_run"] == 0 and " · steered by " in d["steered_and_dragged"]["run"]
+    assert shot.stat().st_size > 10_000
