@@ -164,7 +164,7 @@ class _LiveRun:
 def _memory_need(info: ModelInfo | None, runtime: str, load: P.Load | None) -> tuple[int, str]:
     """(bytes, what they are) the model needs in memory on `runtime`, from the loaded model's facts or, while it was
     still loading, from its file's header (engine.formats.discover); (0, "") when neither can be read."""
-    from engine.backends.rule import DEFAULT_CONTEXT
+    from engine.formats.runtime_rule import DEFAULT_CONTEXT
 
     if info is not None:
         if runtime == "llama.cpp":

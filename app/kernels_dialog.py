@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from PySide6 import QtCore, QtWidgets
 
-from engine.model import kernel_cache
-from engine.run import threads
+from engine.model import kernel_cache, threads
 
 SHOWN_CHAINS = 4  # the newest chain timings shown (one per model and dtype loaded on this machine)
 

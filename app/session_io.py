@@ -33,7 +33,7 @@ from app.guard import guarded
 from app.run_store import RunStore
 from app.settings import ENV_FILE
 from engine.events import Finished, Steered
-from engine.formats.session_file import (
+from engine.session_file import (
     SavedSession,
     load_session,
     model_identity,
@@ -263,7 +263,7 @@ def _files_from_child(model_path: str, tokenizer) -> dict[str, bytes] | None:
 
     if not model_path or not Path(model_path).exists():
         return None
-    code = ("import sys; from engine.formats.locate import load_tokenizer; "
+    code = ("import sys; from engine.tokenizer.load import load_tokenizer; "
             "load_tokenizer(sys.argv[1]).save(sys.argv[2])")
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as td:
@@ -297,8 +297,8 @@ def _same_tokenizer(files: dict[str, bytes], tokenizer) -> bool:
 
 
 def _cached_tokenizer_files(model_path: str) -> dict[str, bytes] | None:
-    from engine.formats.locate import tokenizer_cache_dir
     from engine.tokenizer.cache import CACHE_META
+    from engine.tokenizer.load import tokenizer_cache_dir
 
     try:
         path = Path(model_path)

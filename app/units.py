@@ -58,7 +58,7 @@ def fmt_amount(x: float, unit: str) -> str:
 
 def fmt_kernels(mode: object) -> str:
     """The kernel mode a model ran in, as every panel names it: 'exact kernels', 'fast kernels'; a session saved
-    before the mode was recorded (engine.formats.session_file.KERNELS_NOT_RECORDED) says so rather than guessing."""
+    before the mode was recorded (engine.session_file.KERNELS_NOT_RECORDED) says so rather than guessing."""
     from engine.model.kernel_cache import KERNEL_MODES
 
     return f"{mode} kernels" if isinstance(mode, str) and mode in KERNEL_MODES else "kernels: not recorded"

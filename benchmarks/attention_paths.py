@@ -20,8 +20,8 @@ import torch
 
 from engine.model import attention_choice
 from engine.model.kernels import this_machine
+from engine.model.threads import decode_thread_counts
 from engine.model.transformer import decode_ways, explicit_attention
-from engine.run.threads import decode_thread_counts
 
 G, KV, HD, LAYERS, CAPACITY, CONTEXT = 3, 3, 64, 30, 8448, 8192
 

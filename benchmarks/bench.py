@@ -118,7 +118,8 @@ def tokenizer_timings(tok, repeats: int = 15) -> dict:
 def gemma3_tokenizer_timings() -> dict | None:
     """tokenizer_timings of Gemma 3 270M's 262,144-token SentencePiece vocabulary, when it is installed (the
     speed a unit test used to assert; a test checks only that its tokenizations are right)."""
-    from engine.formats.locate import gemma3_path, load_tokenizer
+    from engine.formats.locate import gemma3_path
+    from engine.tokenizer.load import load_tokenizer
 
     path = gemma3_path(assemble=False)
     return None if path is None else tokenizer_timings(load_tokenizer(path))
@@ -248,9 +249,8 @@ def exported_default_model() -> Path:
     """
     import hashlib
 
-    from engine.formats import export_hf
     from engine.formats.locate import cache_root
-    from engine.loaders import default_model_path
+    from engine.loaders import default_model_path, export_hf
 
     path = default_model_path()
     st = path.stat()
@@ -347,7 +347,7 @@ def run_vllm(new_tokens: int, repeats: int, threads: int, dtype: str = "auto",
 def cmd_bench_one(a: argparse.Namespace) -> int:
     import torch
 
-    from engine.run.threads import available_cores
+    from engine.model.threads import available_cores
 
     fixed = a.threads if a.threads != "auto" else available_cores()
     dtype = a.dtype or ("auto" if a.impl == "vllm" else "float32")

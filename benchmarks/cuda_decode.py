@@ -93,7 +93,7 @@ def hf_decode(path: Path, dtype: str, new_tokens: int, repeats: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engine.formats.locate import load_tokenizer
+    from engine.tokenizer.load import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa")
     model = model.to(DEVICE).eval()

@@ -16,7 +16,7 @@ count (which a busy machine makes one), and each fixed count against HF at the s
 (target: never slower). `--decode-rounds R` runs the configurations R times in rotated order and keeps each one's
 best (on a shared machine a change of load then hits each alike); `--no-kernels` skips part 1. It also prints the
 CPU's flags, the load average at the start and the end, and the engine's own measurement of the step's products at
-each thread count, which caps `--threads auto` (engine.run.threads.ChainTiming).
+each thread count, which caps `--threads auto` (engine.model.threads.ChainTiming).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def decode_end_to_end(dtype: str, new_tokens: int, repeats: int, rounds: int = 1
     bench-one). `rounds` > 1 runs the configurations again in rotated order (a change of load on a shared machine
     then hits each alike) and keeps each one's best run."""
     from benchmarks.bench import _child
-    from engine.run.threads import available_cores
+    from engine.model.threads import available_cores
 
     base = ["--dtype", dtype, "--new-tokens", str(new_tokens), "--repeats", str(repeats)]
     cores = str(available_cores())
@@ -150,9 +150,9 @@ def decode_end_to_end(dtype: str, new_tokens: int, repeats: int, rounds: int = 1
 
 def _thread_choice(dtype: str) -> str | None:
     """The engine's own measurement of the step's products at each thread count (what caps `auto`), as its children
-    made or read it at load: the newest on this CPU in this dtype (engine.run.threads.ChainTiming)."""
+    made or read it at load: the newest on this CPU in this dtype (engine.model.threads.ChainTiming)."""
+    from engine.model import threads
     from engine.model.kernel_cache import this_cpu
-    from engine.run import threads
 
     cpu, cores = this_cpu()
     counts = set(threads.decode_thread_counts())  # not a chain of a process that had fewer threads
@@ -165,7 +165,7 @@ def _machine_line() -> str:
     """The CPU, its vector flags (benchmarks.llamacpp.cpu_flags), cores and the load average."""
     from benchmarks.llamacpp import cpu_flags
     from engine.model.kernel_cache import this_cpu
-    from engine.run.threads import available_cores
+    from engine.model.threads import available_cores
 
     one, five, _ = os.getloadavg()
     return (f"CPU: {this_cpu()[0]}; flags: {cpu_flags()}; {available_cores()} cores; load average {one:.1f} (1 min), "
@@ -223,7 +223,7 @@ def cmd_bench_gemv(a: argparse.Namespace) -> int:
     from benchmarks.bench import BusyMeter
     from engine.loaders import preferred_dtype
     from engine.model import kernels
-    from engine.run.threads import decode_thread_counts
+    from engine.model.threads import decode_thread_counts
 
     busy = BusyMeter()
     rounds = 3 if a.smoke else a.rounds

@@ -372,8 +372,8 @@ def compare(argv: list[str]) -> int:
         raise SystemExit(f"--conditions takes quiet, busy or both, got {','.join(conditions)}")
     model = ["--model", argv[argv.index("--model") + 1]] if "--model" in argv else []
     from benchmarks.bench import prompt_ids
-    from engine.formats.locate import load_tokenizer
     from engine.loaders import preferred_dtype
+    from engine.tokenizer.load import load_tokenizer
 
     # what the app loads (or --dtype); the CLI's own "auto" is float32 on a CPU
     dtype = argv[argv.index("--dtype") + 1] if "--dtype" in argv else preferred_dtype("cpu")

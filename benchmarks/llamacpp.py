@@ -204,7 +204,7 @@ def big_path(quant: str, shape: str = "1b") -> Path:
 
 # ---- one configuration, in this process --------------------------------------------------------------------------
 def run_one(config: str, model: str, tokens: int, n_ctx: int, threads: int) -> dict:
-    from engine.formats.locate import load_tokenizer
+    from engine.tokenizer.load import load_tokenizer
 
     tok = load_tokenizer(model)
     try:
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model-path", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    from engine.run.threads import available_cores
+    from engine.model.threads import available_cores
 
     threads = available_cores() if args.threads == "auto" else int(args.threads)
     if args.worker:

@@ -40,7 +40,7 @@ class Competitor:
         if kind == "busy":
             self.proc = subprocess.Popen(["timeout", str(int(limit)), "yes"], stdout=subprocess.DEVNULL)
         elif kind == "multithreaded":
-            from engine.run.threads import available_cores
+            from engine.model.threads import available_cores
 
             code = COMPETITOR_MT.format(threads=available_cores(), limit=limit)
             self.proc = subprocess.Popen(["nice", "-n", "5", sys.executable, "-c", code], stdout=subprocess.PIPE,
@@ -97,8 +97,11 @@ def measure(session, threads: str, new_tokens: int, time_limit: float) -> dict:
 def run(conditions: list[str], new_tokens: int, rounds: int, limit: float, dtype: str, also: str | None = None,
         model: str | None = None) -> dict:
     from engine.loaders import load
+    from engine.model.threads import (  # torch: imported when a bench runs, not for every command
+        CpuMeter,
+        available_cores,
+    )
     from engine.run.session import Session
-    from engine.run.threads import CpuMeter, available_cores  # torch: imported when a bench runs, not for every command
 
     lms = {None: load(model, device="cpu", dtype=dtype)}
     n_max = available_cores()

@@ -226,7 +226,7 @@ def make(path: str, n_new: int, step: int, model: str | None, layers: list[int] 
 
 
 def resave(source: str = "", target: str = "") -> int:
-    from engine.formats.session_file import VERSION, load_session, save_session
+    from engine.session_file import VERSION, load_session, save_session
 
     if not source or not target or not os.path.isfile(source):
         print("--resave IN.ilab OUT.ilab: IN must be a session file", file=sys.stderr)

@@ -1,7 +1,7 @@
 """How long a session's arrays take to read back: `python -m benchmarks.session_arrays [--arrays 20000,80000]`.
 
 A long run's session holds tens of thousands of small arrays (each step's funnel). This writes that many 16-value
-float32 arrays with the session writer's own arrays.npz (engine.formats.session_file._write_npz), stored in a zip
+float32 arrays with the session writer's own arrays.npz (engine.session_file._write_npz), stored in a zip
 as a session stores it, and times the reader the app uses (`_read_arrays`), printing µs per array.
 """
 
@@ -15,7 +15,7 @@ import zipfile
 
 import numpy as np
 
-from engine.formats import session_file as sf
+from engine import session_file as sf
 
 
 def time_read(n: int) -> float:

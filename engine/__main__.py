@@ -13,6 +13,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from engine.backends import lab_model_from_args, session_from_args
 from engine.cliargs import (
     CliError,
     Parser,
@@ -24,10 +25,8 @@ from engine.cliargs import (
     check_bias,
     int_in,
     int_list,
-    lab_model_from_args,
     regex,
     sampling_params,
-    session_from_args,
     stamped,
     threads,
 )
@@ -56,7 +55,8 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(a: argparse.Namespace) -> int:
-    from engine.formats.locate import ModelLoadError, load_tokenizer  # no torch: starts in a fraction of a second
+    from engine.formats.locate import ModelLoadError  # no torch: starts in a fraction of a second
+    from engine.tokenizer.load import load_tokenizer
 
     try:
         tok = load_tokenizer(a.model)  # the tokenizer only: no weights are read
@@ -377,15 +377,16 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_batch)
 
+    from engine.cli import export_hf
     from engine.costs import estimate
-    from engine.formats import export_hf
 
     estimate.add_subcommand(sub)
     export_hf.add_subcommand(sub)
     from engine.remote import cli as remote_cli
 
     remote_cli.add_subcommand(sub)
-    from engine.labs import schedule_cli, spec_cli
+    from engine.cli import schedule as schedule_cli
+    from engine.cli import speculate as spec_cli
 
     spec_cli.add_subcommand(sub)
     schedule_cli.add_subcommand(sub)

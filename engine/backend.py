@@ -1,6 +1,6 @@
 """The backend seam: what the engine process runs generations on.
 
-A backend is the local model (engine.run.local.LocalBackend) or a server (engine.remote.served.ServerBackend); a
+A backend is the local model (engine.backends.local.LocalBackend) or a server (engine.remote.served.ServerBackend); a
 third (another local runtime) is one more subclass. The engine process (engine.server) holds one backend and never
 asks which kind it is: it asks the backend, and a backend that cannot do something says so in one sentence
 (Unsupported). The labs come as one typed request (engine.protocol.Lab) to one method, run_lab, and end with one
@@ -83,7 +83,7 @@ class Backend(ABC):
         """The backend's own tokenization of `text` (chat: of the prompt its chat template makes)."""
 
     def set_threads(self, controller: object) -> None:
-        """Use this thread controller (engine.run.threads.AdaptiveThreads) from the next step on."""
+        """Use this thread controller (engine.model.threads.AdaptiveThreads) from the next step on."""
         return None  # a backend whose threads are not ours (a server) ignores it
 
     def run_lab(self, request: Lab, send: Callable[[object], None], should_stop: ShouldStop) -> None:

@@ -16,10 +16,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.model.kernel_cache import DEFAULT_MODE, KERNEL_MODES
-from engine.protocol import SamplingParams
-from engine.remote.client import API_KEY_ENV, Client, RemoteError
-from engine.run.threads import threads_arg
+from engine.protocol import API_KEY_ENV, DEFAULT_MODE, KERNEL_MODES, SamplingParams
+from engine.text import server_address
 
 MAX_INT = 2**31 - 1  # counts handed to C (llama.cpp's int32 fields, a server's max_tokens) stay in range
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed, numpy's default_rng and servers' int64 seeds all take it
@@ -115,7 +113,14 @@ def regex(text: str) -> str:
 
 def threads(text: str) -> int | str:
     """--threads: auto, or a count from 1 to four threads per CPU (more only queue; 99999 crashed torch)."""
-    n = threads_arg(text)
+    n: int | str = "auto"
+    if text != "auto":
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"takes auto or a positive integer, got {text!r}")
     most = 4 * (os.cpu_count() or 1)
     if n != "auto" and n > most:
         raise argparse.ArgumentTypeError(f"takes auto or a count from 1 to {most} (4 per CPU here), got {_shown(text)}")
@@ -224,8 +229,8 @@ def sampling_params(a: argparse.Namespace) -> SamplingParams:
 def server_url(text: str) -> str:
     """--url: an http(s) address with a host and a valid port (checked without connecting)."""
     try:
-        Client(text, api_key="")
-    except RemoteError as e:
+        server_address(text)
+    except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
@@ -247,31 +252,3 @@ def add_url_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float_in(0, 3600, lo_open=True), default=60.0, metavar="SECONDS",
                    help="how long to wait for the server's answer, and then for each complete streamed event "
                         "(default 60)")
-
-
-def lab_model_from_args(a: argparse.Namespace):
-    """What a lab runs on: the session the arguments choose (either runtime), with --threads fixed when a count is
-    given (a lab's batched products get no per-step adaptation); CliError with one sentence when the model cannot
-    load."""
-    if a.threads != "auto":
-        import torch
-
-        torch.set_num_threads(a.threads)
-    return session_from_args(a)
-
-
-def session_from_args(a: argparse.Namespace):
-    """A Session on the model the arguments name, run by the backend they choose (CliError with one sentence when
-    it cannot load)."""
-    from engine.backends import choose
-    from engine.loaders import ModelLoadError, load
-    from engine.run.session import Session
-
-    try:
-        if choose(a.model, getattr(a, "backend", "auto")) == "llama.cpp":
-            from engine.backends.llamacpp import LlamaCppSession
-
-            return LlamaCppSession(a.model, threads=a.threads)
-        return Session(load(a.model, device=a.device, dtype=a.dtype, kernels=a.kernels), threads=a.threads)
-    except (ModelLoadError, ValueError) as e:
-        raise CliError(str(e)) from None

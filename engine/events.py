@@ -6,7 +6,7 @@ in another thread can keep it as long as it likes. A generation yields, in order
     RunStarted → PromptTokenized → [AttentionCaptured…, ResidualNorms, LensCaptured] → KVCacheGrew → PrefillDone
         → TokenSampled
     then per decode step: [AttentionCaptured…, ResidualNorms, LensCaptured] → KVCacheGrew → TokenSampled
-    and finally Finished (or Failed). A steered run (engine.run.steered) adds Steered after PromptTokenized, and
+    and finally Finished (or Failed). A steered run (engine.why.steered) adds Steered after PromptTokenized, and
     again before the events of the first step at a new scale.
 """
 
@@ -328,7 +328,7 @@ def layers_text(layers: tuple[int, ...]) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class Steered:
-    """A steering vector is on for this run (engine.run.steered): vector × scale is added to the output of each of
+    """A steering vector is on for this run (engine.why.steered): vector × scale is added to the output of each of
     `layers`' blocks in every forward pass. The first one comes right after PromptTokenized and carries the vector;
     a later one says the scale changed between two tokens, from token `step` on (keys and values cached before it
     keep the scale they were computed with)."""

@@ -13,6 +13,18 @@ import numpy as np
 
 from engine.events import layers_text, steer_problem
 
+# How a model's decode products compute, as the user picks it (--kernels, the app's Engine menu and model picker):
+# what each mode means, for the CLI, the app and every output that names the mode that ran.
+KERNEL_MODES: dict[str, str] = {
+    "exact": "the file's weights, dequantized exactly, in the run's dtype (the default: the model's own numbers)",
+    "file": "a GGUF's Q4 blocks as they are, through torch's int4 kernel with bf16 activations, as llama.cpp runs "
+            "them; every other weight exact",
+    "fast": "also int8 requantizations of the other quantized weights (bf16 activations): the fastest, furthest "
+            "from the model's own numbers",
+}
+DEFAULT_MODE = "exact"
+API_KEY_ENV = "INFERENCE_LAB_API_KEY"  # a server's API key is read from here when none is typed
+
 FUNNEL_TOP = 20  # candidates kept in each step's sampling funnel by the app and the benchmark
 ATTENTION_MAX_BYTES = 16 * 2**20  # float32 attention weights kept per layer and step
 
@@ -142,7 +154,7 @@ class Ablated:
 @dataclass(frozen=True, eq=False)
 class Steer:
     """A steering vector as it crosses the process boundary: `directions[i]` × `scale` is added to the output of
-    block `layers[i]` at every position of every forward pass (engine.why.steer, engine.run.steered). Plain data,
+    block `layers[i]` at every position of every forward pass (engine.why.steer, engine.why.steered). Plain data,
     checked on construction (ValueError in one sentence); the array is a read-only float32 copy."""
 
     name: str  # where it came from: a file's name, or "built from N pairs"
@@ -257,7 +269,7 @@ class CaptureAttention(Command):
 
 @dataclass(frozen=True)
 class SetThreads(Command):
-    setting: int | str  # "auto" (engine.run.threads) or a fixed count
+    setting: int | str  # "auto" (engine.model.threads) or a fixed count
 
 
 @dataclass(frozen=True)

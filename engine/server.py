@@ -90,7 +90,7 @@ class EngineServer:
         self.remote: Backend | None = None  # the server connected to, which generations run on while it is
         self.remote_is_served = False  # whether that server is the one this process started (`served`)
         self.params = SamplingParams()
-        self.threads: int | str = "auto"  # decode threads: "auto" (engine.run.threads) or a fixed count
+        self.threads: int | str = "auto"  # decode threads: "auto" (engine.model.threads) or a fixed count
         self.quit = False
         self.running: Run | None = None  # the generation in progress, for the reader's Stop
         # Stop, Cancel and Quit end the long job in progress, or one queued before them: a job started by command
@@ -215,8 +215,8 @@ class EngineServer:
             self.send(Disconnected())
 
     def _load_torch(self, cmd: Load) -> Backend:
+        from engine.backends.local import LocalBackend
         from engine.loaders import load, preferred_dtype
-        from engine.run.local import LocalBackend
         from engine.run.session import Session
 
         # the app's default dtype: the fastest that keeps float32's greedy outputs
@@ -236,7 +236,7 @@ class EngineServer:
 
     def set_threads(self, cmd: SetThreads) -> None:
         """Use `cmd.setting` from the next step on (also in a running generation)."""
-        from engine.run.threads import AdaptiveThreads
+        from engine.model.threads import AdaptiveThreads
 
         try:
             controller = AdaptiveThreads(cmd.setting)
@@ -307,11 +307,11 @@ class EngineServer:
         try:
             # a backend that cannot edit its forward pass (a server) must refuse an ablation or steering, not ignore it
             if req.steer is not None:
-                from engine.run.steered import generate_steered
+                from engine.why.steered import generate_steered
 
                 gen = steered = generate_steered(self.backend, req)
             elif req.ablation is not None:
-                from engine.run.ablated import generate_ablated
+                from engine.why.ablated import generate_ablated
 
                 gen = generate_ablated(self.backend, req)
             else:
@@ -485,9 +485,9 @@ class EngineServer:
         import numpy as np
 
         from engine.formats.control_vector import save
-        from engine.run.steered import to_steer, to_vector
         from engine.why import Cancelled
         from engine.why.steer import Pair, build, load_for
+        from engine.why.steered import to_steer, to_vector
 
         number, t0 = self.current, time.perf_counter()
 

@@ -70,7 +70,7 @@ class _ThirdRun:
 
 
 class _ThirdBackend(Backend):
-    """A backend of neither kind the app ships (not engine.run.local's, not engine.remote.served's): the Backend
+    """A backend of neither kind the app ships (not engine.backends.local's, not engine.remote.served's): the Backend
     interface and nothing more, with the kind its RunSource states for the record."""
 
     def __init__(self, kind: str) -> None:
@@ -171,7 +171,7 @@ def test_the_engine_process_asks_its_backend_never_its_kind():
         ("State", ("idle",)),
         ("Failed", ("the third backend wants a prompt",)), ("State", ("idle",)),
         ("Failed", ("generating from an ablated model edits the model's forward pass, which a server does not "
-                    "expose",)),  # the backend had no why_session: engine.run.ablated's sentence
+                    "expose",)),  # the backend had no why_session: engine.why.ablated's sentence
         ("State", ("idle",)),
         ("tuple", ("third batch row", (1, 2))), ("LabDone", ("batch", "done", "")),
         ("LabDone", ("spec", "unsupported", "the speculative-decoding lab does not run on third")),

@@ -8,15 +8,20 @@ for models whose float32 weights stay small, llama.cpp for larger GGUF files whe
 
 from __future__ import annotations
 
+import argparse
 import os
+from typing import TYPE_CHECKING
 
-from engine.backends.rule import (  # noqa: F401 — the rule's names, re-exported where callers look for them
+from engine.formats.runtime_rule import (  # noqa: F401 — the rule's names, re-exported where callers look for them
     DEFAULT_CONTEXT,
     LLAMACPP_ABOVE_PARAMS,
     auto_backend,
     llamacpp_available,
     llamacpp_bytes,
 )
+
+if TYPE_CHECKING:
+    from engine.run.session import Engine
 
 BACKENDS = ("auto", "torch", "llama.cpp")
 
@@ -39,3 +44,32 @@ def choose(model: str | os.PathLike | None, requested: str = "auto") -> str:
     if path.suffix.lower() != ".gguf" or not llamacpp_available():
         return "torch"
     return auto_backend(True, read_model_facts(path, path.name, "file").n_params)
+
+
+# ---- the command line: a session as the arguments name it -------------------------------------------------
+def lab_model_from_args(a: argparse.Namespace) -> Engine:
+    """What a lab runs on: the session the arguments choose (either runtime), with --threads fixed when a count is
+    given (a lab's batched products get no per-step adaptation); CliError with one sentence when the model cannot
+    load."""
+    if a.threads != "auto":
+        import torch
+
+        torch.set_num_threads(a.threads)
+    return session_from_args(a)
+
+
+def session_from_args(a: argparse.Namespace) -> Engine:
+    """A Session on the model the arguments name, run by the backend they choose (CliError with one sentence when
+    it cannot load)."""
+    from engine.cliargs import CliError
+    from engine.loaders import ModelLoadError, load
+    from engine.run.session import Session
+
+    try:
+        if choose(a.model, getattr(a, "backend", "auto")) == "llama.cpp":
+            from engine.backends.llamacpp import LlamaCppSession
+
+            return LlamaCppSession(a.model, threads=a.threads)
+        return Session(load(a.model, device=a.device, dtype=a.dtype, kernels=a.kernels), threads=a.threads)
+    except (ModelLoadError, ValueError) as e:
+        raise CliError(str(e)) from None

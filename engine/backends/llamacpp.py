@@ -40,7 +40,7 @@ import torch
 from engine.backend import Unsupported
 from engine.backends import isa
 from engine.backends.ggml_tensor import NAME_OFFSET, tensor_array
-from engine.backends.rule import DEFAULT_CONTEXT
+from engine.backends.local import LocalBackend
 from engine.costs import formulas as costs
 from engine.costs.info import model_info
 from engine.events import (
@@ -50,14 +50,15 @@ from engine.events import (
     RunSource,
     StepCost,
 )
-from engine.formats.locate import ModelLoadError, cache_root, load_tokenizer, resolve_model_path
+from engine.formats.locate import ModelLoadError, cache_root, resolve_model_path
+from engine.formats.runtime_rule import DEFAULT_CONTEXT
 from engine.model.config import ModelConfig
 from engine.model.dtypes import lookup as dtype_lookup
-from engine.run.local import LocalBackend
+from engine.model.threads import available_cores
 from engine.run.session import Engine, check_finite
-from engine.run.threads import available_cores
 from engine.runtime.base import Row
 from engine.runtime.llamacpp import LlamaCppRuntime, free_context
+from engine.tokenizer.load import load_tokenizer
 
 HEADER_CACHE_VERSION = "2"  # bump when read_config, tensor_stats, _lens_places or file_type_name change their answer
 UBATCH = 512  # tokens per graph evaluation during a prefill (llama.cpp splits a longer batch itself)
@@ -270,7 +271,7 @@ def kv_cache_dtype(type_k: int, type_v: int) -> str:
 
 def _sha256(path: Path) -> str:
     """The file's SHA-256, hashed once per file version and remembered in the cache (a saved session names it)."""
-    from engine.formats.session_file import file_sha256
+    from engine.formats.locate import file_sha256
 
     try:
         return file_sha256(path, memo=cache_root() / "sha256")
@@ -408,7 +409,7 @@ class LlamaCppSession(Engine):
             self.close()
 
     def set_threads(self, n: int) -> None:
-        """Use `n` threads from the next step on (llama.cpp has no adaptive setting: see engine.run.threads)."""
+        """Use `n` threads from the next step on (llama.cpp has no adaptive setting: see engine.model.threads)."""
         if int(n) < 1:
             raise ValueError(f"threads must be at least 1, got {n}")
         self.n_threads = int(n)

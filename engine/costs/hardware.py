@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Any
 
 from engine.costs.catalog import Hardware, canonical_dtype
 from engine.model import dtypes
+from engine.model.threads import cpu_model
 
 MAX_AGE_S = 7 * 24 * 3600.0
 CACHE_FILE = "hardware.json"
@@ -41,17 +41,6 @@ def cache_dir_default() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "inference-lab"
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
 def _device_kind(device: str) -> str:
     return str(device).split(":", 1)[0].lower()
 
@@ -63,8 +52,8 @@ def _processor_name(device: str) -> str:
 
         return torch.cuda.get_device_name(torch.device(device))
     if kind == "mps":
-        return f"Apple GPU ({_cpu_model()})"
-    return _cpu_model()
+        return f"Apple GPU ({cpu_model()})"
+    return cpu_model()
 
 
 def _threads() -> int:

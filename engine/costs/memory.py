@@ -97,10 +97,10 @@ _HEADER_SKIP = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tok
 def file_memory(path: str, runtime: str, weights_bytes: int, dtype: str) -> str:
     """One line for a model not yet loaded: weights + the KV cache one sequence holds on `runtime`, from a GGUF
     header (llama.cpp: the float16 cache it allocates whole for DEFAULT_CONTEXT positions at load, the file's bytes
-    counted in `weights_bytes` as engine.backends.rule.llamacpp_bytes does; the torch engine: per position at
+    counted in `weights_bytes` as engine.formats.runtime_rule.llamacpp_bytes does; the torch engine: per position at
     `dtype`, since its cache grows with the run). A folder or an unreadable header: the weights alone."""
-    from engine.backends.rule import DEFAULT_CONTEXT, llamacpp_bytes
     from engine.formats.gguf_meta import read_metadata
+    from engine.formats.runtime_rule import DEFAULT_CONTEXT, llamacpp_bytes
 
     try:
         meta = read_metadata(path, skip=_HEADER_SKIP)

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.backends.rule import auto_backend, llamacpp_bytes
 from engine.formats.gguf_meta import read_metadata
+from engine.formats.runtime_rule import auto_backend, llamacpp_bytes
 
 __all__ = ["ModelEntry", "discover", "memory_available", "read_model_facts", "remember", "recent_files"]
 

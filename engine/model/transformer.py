@@ -25,7 +25,7 @@ from engine.model.config import ModelConfig
 from engine.model.kv_cache import KVCache
 from engine.model.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
 from engine.model.rope import apply_rope, rope_table
-from engine.run.threads import decode_thread_counts
+from engine.model.threads import decode_thread_counts
 
 ROPE_ROWS = 4096  # positions of the RoPE table built at load; it doubles as a generation needs more
 HEAD_RESCORE = 64  # candidates whose logits a bf16/fp16 head recomputes in float32 (see Transformer.head)

@@ -17,20 +17,19 @@ import http.client
 import ipaddress
 import json
 import os
-import re
 import socket
 import ssl
 import threading
 import time
-import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from urllib.parse import urlsplit
 
+from engine.protocol import API_KEY_ENV
 from engine.remote.sse import Chunk, StreamFormatError, parse_chunk, sse_data
+from engine.text import clean_text, display_url, server_address
 
-API_KEY_ENV = "INFERENCE_LAB_API_KEY"  # read when no key is typed; OPENAI_API_KEY as a fallback
 MAX_BODY = 16 << 20  # a JSON answer: vLLM's /tokenize of a long prompt with its token strings is a few MB
 MAX_ERROR_BODY = 64 << 10  # an error page is read only for its message
 MAX_LINE = 1 << 20  # one SSE line or event: a chunk of several tokens with top-20 candidates is tens of kB
@@ -48,16 +47,8 @@ def default_api_key() -> str | None:
 
 # ------------------------------------------------------------------------------------------- what the user sees
 
-_ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-_]?")
 
 
-def clean_text(text: str, limit: int = 200) -> str:
-    """`text` as one printable line: terminal escape sequences and control characters removed, whitespace collapsed,
-    at most `limit` characters."""
-    s = _ESCAPES.sub("", text[: limit * 8])
-    s = "".join(" " if unicodedata.category(ch)[0] == "C" else ch for ch in s)
-    s = " ".join(s.split())
-    return s if len(s) <= limit else s[: limit - 1].rstrip() + "…"
 
 
 class _HTMLText(HTMLParser):
@@ -96,9 +87,6 @@ def _looks_html(text: str, ctype: str) -> bool:
     return "html" in ctype.lower() or text.lstrip()[:1] == "<"
 
 
-def display_url(url: str) -> str:
-    """`url` without its `user:password@` part: the form shown in the status bar, messages and errors."""
-    return re.sub(r"^((?:[A-Za-z][A-Za-z0-9+.-]*:)?//)?[^/?#]*@", r"\1", url.strip(), count=1)
 
 
 def is_loopback(host: str) -> bool:
@@ -289,19 +277,10 @@ class Client:
     """One server. Each call opens its own connection, so threads may share a Client."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 30.0) -> None:
-        url = url.strip()
-        if "://" not in url:
-            url = "http://" + url
-        shown = display_url(url)
-        if any(unicodedata.category(ch)[0] == "C" or ch.isspace() for ch in url):
-            raise RemoteError(f"not a server URL: {clean_text(shown, 120)!r} (it holds spaces or control characters)")
         try:
-            parts = urlsplit(url)
-            port = parts.port
-        except ValueError:
-            raise RemoteError(f"not a server URL: {shown!r} (bad host or port)") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise RemoteError(f"not a server URL: {shown!r} (expected e.g. http://127.0.0.1:8000)")
+            parts, port = server_address(url)
+        except ValueError as e:
+            raise RemoteError(str(e)) from None
         self.scheme = parts.scheme
         self.host = parts.hostname
         self.port = port or (443 if parts.scheme == "https" else 80)

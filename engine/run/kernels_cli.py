@@ -1,6 +1,6 @@
 """`python -m engine kernels`: which decode product the engine chose for each of the model's weight shapes on this
 machine, with every candidate's measured time (engine.model.kernels), the step's chain of products at each thread
-count with the most threads `--threads auto` may use by it (engine.run.threads.ChainTiming), and `--remeasure` to
+count with the most threads `--threads auto` may use by it (engine.model.threads.ChainTiming), and `--remeasure` to
 measure again.
 
     python -m engine kernels [--model M] [--dtype float32|bfloat16] [--kernels exact|file|fast] [--remeasure] [--json]
@@ -81,8 +81,7 @@ def cmd_kernels(a: argparse.Namespace) -> int:
 
     from engine.cliargs import CliError
     from engine.loaders import ModelLoadError, load
-    from engine.model import kernels
-    from engine.run import threads
+    from engine.model import kernels, threads
 
     forced = os.environ.get(kernel_cache.KERNEL_ENV, "").strip()
     if forced and forced.lower() not in kernel_cache.NAMES:

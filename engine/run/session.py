@@ -44,12 +44,12 @@ from engine.events import (
 from engine.loaders import LoadedModel
 from engine.model.kv_cache import KVCache, ReadOnlyCache
 from engine.model.probe import Probe
+from engine.model.threads import AdaptiveThreads
 from engine.protocol import ATTENTION_MAX_BYTES, FUNNEL_TOP, Capture  # noqa: F401 — constants re-exported
 from engine.run.branching import check_forced, tokenization_of
 from engine.run.constrain import Constraint
 from engine.run.lens import lens_event
 from engine.run.sampling import FunnelStages, SamplingParams, choose, make_generator, sample
-from engine.run.threads import AdaptiveThreads
 from engine.runtime.base import Row, Runtime
 from engine.runtime.torch import ContiguousRuntime
 from engine.tokenizer import StreamDecoder, Tokenization, Tokenizer

@@ -194,7 +194,8 @@ def _text(doc: dict) -> str:
 
 
 def cmd_ablate(a: argparse.Namespace) -> int:
-    from engine.cliargs import CliError, UsageError, session_from_args, stamped
+    from engine.backends import session_from_args
+    from engine.cliargs import CliError, UsageError, stamped
 
     s = session_from_args(a)
     try:

@@ -242,7 +242,8 @@ def _grid(rows: list[list[float]], labels: list[str], first: str) -> None:
 
 
 def _cmd(a: argparse.Namespace) -> int:
-    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, session_from_args, stamped
+    from engine.backends import session_from_args
+    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, stamped
 
     if getattr(a, "url", None):
         raise UsageError("`atp` runs a backward pass through the model, which a server does not let us do: "

@@ -275,7 +275,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd(a: argparse.Namespace) -> int:
-    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, session_from_args, stamped
+    from engine.backends import session_from_args
+    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, stamped
     from engine.why import Cancelled
 
     if a.url:

@@ -265,7 +265,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 def cmd_compare(a: argparse.Namespace) -> int:
     import sys
 
-    from engine.cliargs import CliError, UsageError, session_from_args
+    from engine.backends import session_from_args
+    from engine.cliargs import CliError, UsageError
 
     if a.url:
         raise UsageError("`compare` needs every layer's residual stream and attention, which a server does not "

@@ -168,7 +168,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd(a: argparse.Namespace) -> int:
-    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, session_from_args, stamped
+    from engine.backends import session_from_args
+    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, stamped
 
     if getattr(a, "url", None):
         raise UsageError("`dla` reads each head's output inside the forward pass, which a server does not give: "

@@ -203,7 +203,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd(a: argparse.Namespace) -> int:
-    from engine.cliargs import CliError, UsageError, session_from_args, stamped
+    from engine.backends import session_from_args
+    from engine.cliargs import CliError, UsageError, stamped
 
     if getattr(a, "url", None):
         raise UsageError("`heads` needs every layer's attention, which a server does not report: drop --url")

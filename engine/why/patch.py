@@ -154,7 +154,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd(a: argparse.Namespace) -> int:
-    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, session_from_args, stamped
+    from engine.backends import session_from_args
+    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, stamped
 
     if getattr(a, "url", None):
         raise UsageError("`patch` edits the forward pass, which a server does not let us do: drop --url")

@@ -219,7 +219,8 @@ def _pairs_from(a: argparse.Namespace) -> list[Pair]:
 
 
 def cmd_steer(a: argparse.Namespace) -> int:
-    from engine.cliargs import CliError, UsageError, session_from_args, stamped
+    from engine.backends import session_from_args
+    from engine.cliargs import CliError, UsageError, stamped
     from engine.formats.control_vector import save
     from engine.why import Unsupported
 

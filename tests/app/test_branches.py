@@ -78,7 +78,7 @@ def test_fork_from_an_alternative_then_switch_and_compare(qtbot, window, tmp_pat
     # branches travel in the session file
     path = tmp_path / "b.ilab"
     assert session_io.save_session_to(window, path)
-    from engine.formats.session_file import load_session
+    from engine.session_file import load_session
 
     saved = load_session(path, with_tokenizer=False)
     assert [b["name"] for b in saved.branches] == [b.name for b in panel.branches]

@@ -11,7 +11,7 @@ from app.bridge import MAX_RESTARTS, EngineLost, death_cause
 from app.session_io import autosave_path
 from app.units import fmt_bytes
 from engine.events import Finished, TokenSampled
-from engine.formats.session_file import load_session
+from engine.session_file import load_session
 from tests.app.conftest import wait_loaded
 from tests.requires import import_required
 

@@ -13,9 +13,9 @@ from app import session_io
 from app.units import fmt_bytes
 from engine import protocol as P
 from engine.events import TokenSampled
-from engine.formats.session_file import SavedSession, save_session
 from engine.run.sampling import SamplingParams
 from engine.run.session import Session
+from engine.session_file import SavedSession, save_session
 from tests.engine.test_session_file_kernels import info_fields, rewrite
 
 N_NEW = 5

@@ -102,7 +102,8 @@ def test_early_exit_on_llamacpp_is_unsupported_in_the_speculative_panel(qtbot, b
     assert got.args[0].outcome == "unsupported" and panel.outcome == "unsupported"
     assert not panel.running and panel.run_button.isEnabled()
     text = shown("spec", panel)
-    assert text.startswith("early-exit drafting needs a runtime that can stop after some of its layers") and "\n" not in text
+    assert text.startswith("early-exit drafting needs a runtime that can stop after some of its layers")
+    assert "\n" not in text
 
 
 def test_an_engine_that_dies_mid_lab_ends_the_lab_as_failed(qtbot, bridge, tiny_dir):

@@ -196,7 +196,7 @@ def test_attention_exports_of_a_long_run_stream_every_weight(qtbot, tmp_path):
 
 
 def test_a_saved_long_run_says_which_steps_it_holds_when_reopened(qapp, tmp_path, monkeypatch):
-    from engine.formats.session_file import SavedSession, load_session, save_session
+    from engine.session_file import SavedSession, load_session, save_session
 
     monkeypatch.setattr(run_store, "ATTENTION_BYTES", 1 << 20)
     store = RunStore()
@@ -234,7 +234,7 @@ def test_a_saved_long_run_says_which_steps_it_holds_when_reopened(qapp, tmp_path
 def test_a_session_whose_dropped_steps_are_not_a_range_is_refused(tmp_path):
     import json as json_mod
 
-    from engine.formats.session_file import SavedSession, SessionFileError, load_session, save_session
+    from engine.session_file import SavedSession, SessionFileError, load_session, save_session
 
     path = tmp_path / "s.ilab"
     save_session(path, SavedSession(events=[prompt()], dropped=[5, 9]))

@@ -27,8 +27,8 @@ from engine.events import (
     StepCost,
     TokenSampled,
 )
-from engine.formats.session_file import SavedSession, load_session, save_session
 from engine.protocol import SamplingParams
+from engine.session_file import SavedSession, load_session, save_session
 
 pytestmark = pytest.mark.qt_log_ignore("This plugin does not support")  # offscreen
 COST = StepCost(flops=1e6, weight_bytes=1e5, kv_read_bytes=1e3, kv_write_bytes=1e2)

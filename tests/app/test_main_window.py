@@ -205,7 +205,7 @@ def test_cli_screenshot_on_the_tiny_model(qapp, tmp_path, tiny_dir):
 
 
 def test_cli_why_runs_the_experiment_into_the_picture_and_the_session(qapp, tmp_path, tiny_dir):
-    from engine.formats.session_file import load_session
+    from engine.session_file import load_session
 
     shot, session = tmp_path / "why.png", tmp_path / "why.ilab"
     r = run_cli("--model", str(tiny_dir.gguf), "--prompt", "hello there", "--max-new-tokens", "3", "--greedy",

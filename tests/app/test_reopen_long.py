@@ -100,7 +100,7 @@ def test_the_reopen_benchmark_runs_end_to_end(tiny_dir, tmp_path):
     assert [s["gil_switch_ms"] for s in saves] == [sys.getswitchinterval() * 1e3] * 3 + [0.5]
     assert all(s["save_s"] > 0 and s["objects_tracked"] > 0 and s["stall_p99_ms"] is not None for s in saves)
     # a file of the format before the packed one, written again in the current format: the same events
-    from engine.formats.session_file import VERSION, load_session, save_session
+    from engine.session_file import VERSION, load_session, save_session
     from tests.engine.test_session_file import assert_same
 
     old, again = tmp_path / "v1.ilab", tmp_path / "again.ilab"

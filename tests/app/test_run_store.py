@@ -25,10 +25,10 @@ from engine.events import (
     StepCost,
     TokenSampled,
 )
-from engine.formats.session_file import load_session, save_session
 from engine.protocol import FUNNEL_TOP, SamplingParams
 from engine.remote.backend import RemoteTokenSampled, TopNFunnel
 from engine.run.refunnel import funnel_stages
+from engine.session_file import load_session, save_session
 from tests.app.conftest import wait_loaded
 from tests.app.test_sessions import generate
 
@@ -308,7 +308,7 @@ def test_the_tokenizer_is_serialised_once_per_model(qtbot, window, tmp_path, mon
     # with the engine's tokenizer cache of the model file, its files are read, never serialised (which holds the GIL)
     from pathlib import Path
 
-    from engine.formats.locate import tokenizer_cache_dir
+    from engine.tokenizer.load import tokenizer_cache_dir
 
     real(tok, tokenizer_cache_dir(Path(window.bridge.info.path)))
     monkeypatch.setattr(session_io, "_cached_tokenizer_files", cached)

@@ -10,7 +10,7 @@ from PySide6 import QtGui
 
 from app import session_io
 from engine.events import LensCaptured, TokenSampled
-from engine.formats.session_file import load_session, save_session
+from engine.session_file import load_session, save_session
 from tests.app.conftest import wait_loaded
 from tests.app.test_main_window import _check_png, error_lines, run_cli
 from tests.app.test_prompt_generation import finish_generation

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from benchmarks import bench, gemv
-from engine.run import threads as th
+from engine.model import threads as th
 
 # mean TPOT in seconds per configuration (its --impl and --threads), and per round: the second round is under load
 TPOT = {("ours", "auto"): [0.020, 0.030], ("ours", "1"): [0.030, 0.031], ("ours", "2"): [0.016, 0.060],

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import kernel_cache, kernels
+from engine.model import threads as thread_count
 from engine.model.kernel_cache import Entry, Machine, entry_key
 from engine.model.transformer import linear, pack_for_decode
-from engine.run import threads as thread_count
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}  # relative: accumulation order; one bf16 rounding

@@ -48,8 +48,8 @@ def test_every_lab_is_one_request_type_with_one_job_name():
 
 def test_a_server_runs_only_the_load_lab_and_the_local_model_every_other(tiny_lm):
     """Each backend says in one sentence which labs it cannot run; nothing runs, nothing is sent."""
+    from engine.backends.local import LocalBackend
     from engine.remote.served import ServerBackend
-    from engine.run.local import LocalBackend
     from engine.run.session import Session
 
     sent = []
@@ -150,7 +150,8 @@ def test_cli_speculate_early_exit_on_llamacpp_is_refused_in_one_line(capsys, tin
     code, out, err = run_cli(capsys, "speculate", "--backend", "llama.cpp", "--model", str(tiny_dir.gguf),
                              "--prompt", "the cat", "--source", "early-exit", "--max-new-tokens", "4")
     assert code == 2 and out == ""
-    assert err.count("\n") == 1 and err.startswith("error: early-exit drafting needs a runtime that can stop after some of its layers")
+    assert err.count("\n") == 1
+    assert err.startswith("error: early-exit drafting needs a runtime that can stop after some of its layers")
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -260,10 +260,10 @@ def test_the_engine_process_runs_a_model_on_llamacpp_behind_the_backend_seam(tin
 
 def test_auto_sends_large_gguf_files_to_llamacpp(tiny_dir, monkeypatch):
     import engine.backends as backends
-    import engine.backends.rule  # noqa: F401 — the threshold lives there
+    from engine.formats import runtime_rule  # the threshold lives there
 
     assert backends.choose(tiny_dir.gguf) == "torch"  # a small model stays on the readable engine
-    monkeypatch.setattr(backends.rule, "LLAMACPP_ABOVE_PARAMS", 1)
+    monkeypatch.setattr(runtime_rule, "LLAMACPP_ABOVE_PARAMS", 1)
     assert backends.choose(tiny_dir.gguf) == "llama.cpp"
     assert backends.choose(tiny_dir.gguf, "torch") == "torch"
     with pytest.raises(ValueError, match="unknown backend"):

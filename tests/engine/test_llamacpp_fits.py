@@ -8,8 +8,8 @@ from tests.requires import import_required
 
 import_required("llama_cpp", name="llamacpp", dist="llama-cpp-python")
 
-from engine.backends import rule  # noqa: E402
 from engine.backends.llamacpp import LlamaCppSession  # noqa: E402
+from engine.formats import runtime_rule as rule  # noqa: E402
 from engine.formats.discover import read_model_facts  # noqa: E402
 
 

@@ -91,3 +91,68 @@ def test_point_names_round_trip():
     for bad in ("resid.1", "attn.z", "mlp_out.x", "logits.0", ""):
         with pytest.raises(ValueError, match="unknown point"):
             Point.parse(bad)
+
+
+# The engine's floors, bottom first: a folder (or top-level module) imports only from its own floor or below. Imports
+# made for type annotations alone (under TYPE_CHECKING) are not counted.
+FLOORS = [
+    ("events", "protocol", "backend", "text", "cliargs"),  # the vocabulary: data, commands, argument types
+    ("formats",),  # files on disk: GGUF headers, where models and caches live, control vectors
+    ("tokenizer",),
+    ("model",),  # the transformer, its kernels, the seam's points and torch hooks, thread counts
+    ("costs",),  # formulas over the model's shapes, this machine's hardware
+    ("loaders",),
+    ("runtime",),  # one model with a KV cache of several sequences, one step
+    ("run",),  # the engine: tokenize, generate, fork, sample, the torch session
+    ("labs",),
+    ("backends",),  # llama.cpp's session, the local backend, choosing one
+    ("remote",),  # servers
+    ("why",),  # experiments on a session, through the seam
+    ("cli", "session_file"),  # the labs' commands; a saved session (any event of any source)
+    ("server", "__main__", "__init__"),  # the engine process; the command line
+]
+
+
+def layer_violations(sources: dict[str, str]) -> list[str]:
+    """Each import in `sources` (module name -> source) of a module on a floor above the importer's."""
+    floor = {name: i for i, names in enumerate(FLOORS) for name in names}
+
+    def folder(module: str) -> str:
+        return module.split(".")[1] if "." in module else "__init__"
+
+    found = []
+    for module, source in sources.items():
+        tree = ast.parse(source)
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and _name(node.test) == "TYPE_CHECKING" for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("engine"):
+                targets = [f"engine.{a.name}" for a in node.names] if node.module == "engine" else [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names if a.name.startswith("engine.")]
+            else:
+                continue
+            for target in targets:
+                a, b = folder(module), folder(target)
+                assert a in floor and b in floor, f"{module} or {target} is on no floor: add it to FLOORS"
+                if floor[b] > floor[a]:
+                    found.append(f"{module}:{node.lineno} imports {target} (floor {floor[b]} over {floor[a]})")
+    return found
+
+
+def test_the_layer_check_catches_an_import_from_above():
+    assert layer_violations({"engine.model.x": "from engine.run.session import Session"})
+    assert layer_violations({"engine.run.x": "def f():\n    import engine.why.patch"})
+    assert not layer_violations({"engine.why.x": "from engine.run.session import Session"})
+    assert not layer_violations({"engine.model.x": "if TYPE_CHECKING:\n    from engine.run.session import Engine"})
+
+
+def test_no_engine_folder_imports_one_above_it():
+    sources = {}
+    for path in sorted(ENGINE.rglob("*.py")):
+        parts = path.relative_to(ENGINE.parent).with_suffix("").parts
+        sources[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path.read_text(encoding="utf-8")
+    found = layer_violations(sources)
+    assert not found, "an engine folder imports one above it:\n" + "\n".join(found)

@@ -283,7 +283,7 @@ def test_the_tuner_measures_the_tied_heads_forms_and_drops_them_where_float_wins
 def test_export_leaves_the_blocks_and_markers_out(tmp_path):
     from safetensors import safe_open
 
-    from engine.formats.export_hf import export
+    from engine.cli.export_hf import export
 
     out = export(write_mixed(tmp_path, "llama3"), tmp_path / "hf")  # gemma3 is not exportable
     with safe_open(str(out / "model.safetensors"), "pt") as f:

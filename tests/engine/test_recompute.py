@@ -258,7 +258,7 @@ def test_smollm2_steps_run_at_another_thread_count_are_recomputed_at_theirs(real
     """A run whose thread count changed midway (threads "auto" switches between steps): each step is recomputed at
     the count it ran at, so with the kernels it ran (int4 at one thread and int8 at two, here), and equals its
     capture; at the run's last count the early steps would differ by the two kernels' rounding."""
-    from engine.run.threads import AdaptiveThreads
+    from engine.model.threads import AdaptiveThreads
 
     prompt = real_lm.tokenizer.encode("Attention reads every key of the cache, and the cache grows by").ids
     s, first, ids = generate_everything(real_lm, prompt, 8, threads=1)

@@ -208,7 +208,7 @@ def test_llamacpp_refuses_early_exit_in_one_sentence(lcpp):
 
 
 def test_llamacpp_model_info_names_the_files_sha256(lcpp):
-    from engine.formats.session_file import file_sha256
+    from engine.formats.locate import file_sha256
 
     assert lcpp.info.sha256 == file_sha256(lcpp.path)
 

@@ -253,7 +253,7 @@ def test_an_ablated_generation_is_checked_and_ends_with_the_model_intact(client)
 
 def test_a_server_refuses_an_ablated_generation_in_one_sentence():
     from engine.backend import Backend, Unsupported
-    from engine.run.ablated import generate_ablated
+    from engine.why.ablated import generate_ablated
 
     class Remote(Backend):  # what the base class answers for a backend with no model of ours (a server)
         source = generate = preview = tokenize = None

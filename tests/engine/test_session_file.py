@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from engine.events import LensCaptured, ModelInfo, TokenSampled
-from engine.formats.session_file import (
+from engine.run.sampling import SamplingParams
+from engine.run.session import Capture, Session
+from engine.session_file import (
     SavedSession,
     SessionFileError,
     load_session,
@@ -18,8 +20,6 @@ from engine.formats.session_file import (
     same_model,
     save_session,
 )
-from engine.run.sampling import SamplingParams
-from engine.run.session import Capture, Session
 
 
 def assert_same(a, b, where="event"):

@@ -28,12 +28,12 @@ from engine.events import (
     StepCost,
     TokenSampled,
 )
-from engine.formats.session_file import MAX_ARRAYS, SavedSession, SessionFileError, load_session, save_session
 from engine.model.config import ModelConfig
 from engine.protocol import SamplingParams
 from engine.remote.backend import RemoteTokenSampled, ServerConnected, ServerMetricsSampled, TopNFunnel
 from engine.remote.client import ServerInfo
 from engine.remote.metrics import ServerMetrics
+from engine.session_file import MAX_ARRAYS, SavedSession, SessionFileError, load_session, save_session
 from tests.engine.test_session_file import assert_same
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ def test_a_server_run_saves_and_reopens_equal(tmp_path):
 
 def test_opening_a_session_keeps_the_gui_process_torch_free(tmp_path):
     save_session(tmp_path / "server.ilab", SavedSession(events=server_run()))
-    code = ("import sys; from engine.formats.session_file import load_session; "
+    code = ("import sys; from engine.session_file import load_session; "
             f"s = load_session({str(tmp_path / 'server.ilab')!r}); "
             "assert type(s.events[3]).__name__ == 'RemoteTokenSampled'; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
@@ -566,7 +566,7 @@ def _attention(w):
 
 CHILD = r"""
 import json, resource, sys
-from engine.formats.session_file import load_session
+from engine.session_file import load_session
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):

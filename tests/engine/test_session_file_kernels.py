@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.events import ModelInfo
-from engine.formats.session_file import (
+from engine.session_file import (
     KERNELS_NOT_RECORDED,
     SavedSession,
     SessionFileError,

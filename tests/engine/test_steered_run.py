@@ -1,4 +1,4 @@
-"""A generation with a steering vector on (engine.run.steered): the scale set between two tokens acts from the next
+"""A generation with a steering vector on (engine.why.steered): the scale set between two tokens acts from the next
 token on and the run says so (Steered events); scale 0 is the unsteered run; a server refuses in one sentence; the
 vector crosses the pipe as checked plain data (engine.protocol.Steer) and a session file keeps it, refusing a
 hostile one with one sentence."""
@@ -10,9 +10,9 @@ import pytest
 
 from engine.backend import Unsupported
 from engine.events import PromptTokenized, Steered, TokenSampled
-from engine.formats.session_file import SavedSession, SessionFileError, load_session, save_session
 from engine.protocol import Ablated, GenerateRequest, SamplingParams, Steer
-from engine.run.steered import generate_steered, to_steer, to_vector
+from engine.session_file import SavedSession, SessionFileError, load_session, save_session
+from engine.why.steered import generate_steered, to_steer, to_vector
 
 N_NEW = 8
 SWITCH_AFTER = 3  # the scale changes after this step's token
@@ -21,7 +21,7 @@ BIG = 40.0
 
 @pytest.fixture(scope="module")
 def local(tiny_lm):
-    from engine.run.local import LocalBackend
+    from engine.backends.local import LocalBackend
     from engine.run.session import Session
 
     return LocalBackend(Session(tiny_lm))

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine.model import kernel_cache, kernels
+from engine.model import threads as th
 from engine.model.kernel_cache import Machine
-from engine.run import threads as th
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,9 @@
-"""engine.run.threads: the decode thread count follows what the steps show (simulated machine, real controller)."""
+"""engine.model.threads: the decode thread count follows what the steps show (simulated machine, real controller)."""
 
 import pytest
 import torch
 
-from engine.run import threads as th
+from engine.model import threads as th
 
 
 class FakeMeter:

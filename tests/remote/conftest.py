@@ -10,7 +10,7 @@ from tests.requires import missing
 @pytest.fixture(scope="session")
 def exported_hf(tmp_path_factory):
     """The default GGUF exported with `export-hf` (what the vLLM fixture serves), written once per session."""
-    from engine.formats.export_hf import export
+    from engine.cli.export_hf import export
 
     return export(None, tmp_path_factory.mktemp("export") / "smollm2-hf")
 

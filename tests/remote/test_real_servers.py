@@ -264,7 +264,7 @@ def test_a_vllm_run_saves_and_reopens_with_its_source(vllm_server, tmp_path):
     """A generation on a real vLLM saved as a session (--save-session) reopens without the model or the server,
     and says where it came from: a server, which gave no attention."""
     from engine.events import RunStarted, TokenSampled
-    from engine.formats.session_file import load_session
+    from engine.session_file import load_session
 
     ilab = tmp_path / "vllm.ilab"
     env = dict(ENV, QT_QPA_PLATFORM="offscreen")

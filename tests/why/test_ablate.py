@@ -191,7 +191,7 @@ def test_head_ablation_matches_transformerlens_on_the_tiny_model(tiny_dir, sessi
 
 @pytest.mark.slow
 def test_head_ablation_matches_transformerlens_on_the_default_model(real_lm, tmp_path):
-    from engine.formats.export_hf import export
+    from engine.cli.export_hf import export
     from tests.requires import default_model
 
     bridge = _tl_bridge(export(default_model(), tmp_path / "smollm2-hf"))  # the GGUF's float32 values exactly

@@ -216,7 +216,7 @@ def real_session(real_lm):
 
 @pytest.fixture(scope="module")
 def real_hf(tmp_path_factory):
-    from engine.formats.export_hf import export
+    from engine.cli.export_hf import export
     from tests.requires import default_model
 
     out = export(default_model(), tmp_path_factory.mktemp("smollm2") / "hf")

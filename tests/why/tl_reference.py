@@ -27,7 +27,7 @@ def boot(hf_dir: Path):
 
 def export_default(out: Path) -> Path:
     """The default model (SmolLM2) as a Hugging Face directory, as `python -m engine export-hf` writes it."""
-    from engine.formats.export_hf import export
+    from engine.cli.export_hf import export
     from tests.requires import default_model
 
     default_model()  # skips (or fails where required) when the model is not installed

@@ -42,8 +42,8 @@ class LocalBackend(Backend):
         return RunSource(kind="local", name=self.info.name, token_ids_are_local=True, measured_by_server=False)
 
     def generate(self, req: GenerateRequest) -> Run:
-        if req.ablation is not None:  # the hooks that keep it on wrap the run: engine.run.ablated
-            raise ValueError("an ablated generation starts with engine.run.ablated.generate_ablated")
+        if req.ablation is not None:  # the hooks that keep it on wrap the run: engine.why.ablated
+            raise ValueError("an ablated generation starts with engine.why.ablated.generate_ablated")
         s = self.session
         constraint = None
         if req.regex is not None or req.json_schema is not None:

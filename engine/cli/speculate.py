@@ -53,7 +53,8 @@ def _source(text: str) -> str:
 
 
 def cmd_speculate(a: argparse.Namespace) -> int:
-    from engine.cliargs import CliError, UsageError, sampling_params, session_from_args
+    from engine.backends import session_from_args
+    from engine.cliargs import CliError, UsageError, sampling_params
 
     try:
         return _speculate(a, sampling_params, session_from_args)

@@ -62,7 +62,8 @@ def _table(plan: SchedPlan, summaries: list[SchedSummary]) -> str:
 def _cmd(a: argparse.Namespace) -> int:
     import psutil
 
-    from engine.cliargs import lab_model_from_args, stamped
+    from engine.backends import lab_model_from_args
+    from engine.cliargs import stamped
     from engine.labs.scheduler import schedule
 
     cfg = SchedConfig(policy=a.policy, n_requests=a.requests, rate=a.rate, burstiness=a.burstiness,

@@ -30,9 +30,9 @@ always N.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import platform
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -63,17 +63,16 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def threads_arg(value: str) -> int | str:
-    """The --threads flag: "auto" (adapt at run time) or a fixed count ≥ 1."""
-    if value == "auto":
-        return value
+def cpu_model() -> str:
+    """The CPU's model name as the OS reports it (a machine's measurements are keyed by it)."""
     try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"takes auto or a positive integer, got {value!r}")
-    return n
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def measured_quiet(others_cores: float | None, threads: int) -> bool:

@@ -1,7 +1,7 @@
 """A generation with a steering vector on: engine.why.steer's vector × scale added in every forward pass of a local
 run (either runtime), its scale changeable between two tokens (the app's Steering panel and its slider).
 
-The engine process (engine.server) starts it, as it starts engine.run.ablated's runs, and for the same reason it is
+The engine process (engine.server) starts it, as it starts engine.why.ablated's runs, and for the same reason it is
 not a LocalBackend method: engine.why reaches the runtimes through the CLI's argument helpers, and the local backend
 must not import what imports it.
 """

@@ -27,7 +27,6 @@ is wrong, the reader raises SessionFileError with one sentence.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import itertools
 import json
@@ -50,9 +49,13 @@ from typing import Any
 import numpy as np
 
 from engine import events as ev_mod
+from engine.formats.locate import file_sha256
 from engine.model.config import ModelConfig
-from engine.model.kernel_cache import KERNEL_MODES  # torch-free, as the rest
-from engine.protocol import Capture, SamplingParams  # plain data: the GUI process reads session files, torch-free
+from engine.protocol import (  # plain data: the GUI process reads session files, torch-free
+    KERNEL_MODES,
+    Capture,
+    SamplingParams,
+)
 
 FORMAT = "inference-lab-session"
 VERSION = 2
@@ -168,42 +171,6 @@ class SavedSession:
 
 
 # ---- model identity ------------------------------------------------------------------------------------------
-_HASHES: dict[tuple[str, int, int], str] = {}
-
-
-def file_sha256(path: str | os.PathLike[str], memo: Path | None = None) -> str:
-    """SHA-256 of a weights file, or of a model folder's config.json and *.safetensors in name order ("" if none).
-
-    Remembered per (path, size, mtime) in this process, and in the folder `memo` when given (the engine's cache:
-    a model is hashed once, not at every start).
-    """
-    p = Path(path)
-    files = [p] if p.is_file() else sorted([*p.glob("config.json"), *p.glob("*.safetensors")]) if p.is_dir() else []
-    if not files:
-        return ""
-    st = [f.stat() for f in files]
-    key = (str(p.resolve()), sum(s.st_size for s in st), max(s.st_mtime_ns for s in st))
-    note = memo / (hashlib.sha256(repr(key).encode()).hexdigest()[:20] + ".sha256") if memo is not None else None
-    if key not in _HASHES and note is not None and note.is_file():
-        text = note.read_text().strip()
-        if re.fullmatch(r"[0-9a-f]{64}", text):
-            _HASHES[key] = text
-    if key not in _HASHES:
-        h = hashlib.sha256()
-        for f in files:
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-        _HASHES[key] = h.hexdigest()
-        if note is not None:
-            try:
-                note.parent.mkdir(parents=True, exist_ok=True)
-                note.write_text(_HASHES[key])
-            except OSError:
-                pass  # a read-only cache only costs hashing again next time
-    return _HASHES[key]
-
-
 def model_identity(info: ev_mod.ModelInfo | None) -> dict:
     """The model a session was recorded with. Its SHA-256 comes from the engine (ModelInfo.sha256, hashed once at
     load); a ModelInfo from before that field existed is hashed here."""

@@ -1,0 +1,45 @@
+"""A model's tokenizer on its own, without its weights: a GGUF file's vocabulary (cached by file: a large one takes
+seconds to build) or a Hugging Face folder's tokenizer files."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from engine.formats.locate import ModelLoadError, cache_root, resolve_model_path
+from engine.tokenizer.cache import CACHE_FORMAT as TOKENIZER_CACHE_FORMAT
+from engine.tokenizer.core import Tokenizer
+
+
+def tokenizer_cache_dir(path: Path) -> Path:
+    """Where load_tokenizer caches the tokenizer of the GGUF file `path` (Tokenizer.save's files)."""
+    st = path.stat()
+    key = f"{TOKENIZER_CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
+def load_tokenizer(model: str | os.PathLike | None = None, use_cache: bool = True) -> Tokenizer:
+    """Only the tokenizer of a model: a GGUF file's metadata is read, its weights never (vocabulary-only files work).
+
+    A large vocabulary (Gemma's 262,144 tokens) takes seconds to build, so GGUF tokenizers are cached by file.
+    """
+    path = resolve_model_path(model)
+    try:
+        if path.is_dir():
+            return Tokenizer.from_dir(path)
+        cdir = tokenizer_cache_dir(path)
+        if use_cache:
+            try:
+                return Tokenizer.load(cdir)
+            except (FileNotFoundError, ValueError, OSError):
+                pass
+        tok = Tokenizer.from_gguf(path)
+        if use_cache:
+            try:
+                tok.save(cdir)
+            except OSError:
+                pass  # a read-only or full disk only costs the next start
+        return tok
+    except (ValueError, FileNotFoundError, KeyError, OSError) as e:
+        raise ModelLoadError(f"cannot read the tokenizer of {path.name}: {e}") from None
