@@ -3,23 +3,31 @@
 
 Issue 46 asks to steer on llama.cpp "through its control-vector adapter or the seam, whichever the measurement
 favours". This prints the decode TPOT (the median decode step of LlamaCppSession.generate, greedy, a fixed number
-of tokens) of the default model (SmolLM2-135M Q4_1) three ways:
+of tokens) of the default model (SmolLM2-135M Q4_1) five ways:
   plain     no steering (the graph callback answers "no" to every node);
   seam      engine.why.steer.steering: the session's graph callback adds v × scale into l_out-L of each steered
             layer, so the scheduler stops at those nodes and hands them to Python every step;
   adapter   llama_set_adapter_cvec on the session's own context: llama.cpp adds direction.L in the graph itself
             (build_cvec, just before l_out-L), no callback;
+  seam-live, adapter-live   the same with the scale moved after every token (a slider dragged through the whole
+            generation): Steering.set_scale writes the tensors the callback adds, while the adapter's buffer is set
+            again with llama_set_adapter_cvec, after which llama.cpp reserves its scheduler anew on the next step;
 and the median CPU time of the calling thread per token (on a shared machine the wall time of a step includes the
 time other processes held the cores; the CPU time does not. With --threads 1 ggml computes on the calling thread,
 so it is the whole step's work; with more, the other threads' share is left out), with the ratios between them,
-and whether the seam and the adapter generated the same tokens (they add the same
-vector at the same node, so they should). The vector is the engine's mean difference of a few contrast pairs at
---layers, built through the seam on the same session.
+and whether the seam and the adapter generated the same tokens, at a fixed and at a moving scale (they add the
+same vector at the same node, so they should). The vector is the engine's mean difference of a few contrast pairs
+at --layers, built through the seam on the same session.
 
 The rounds are interleaved (each round runs every configuration, in an order rotated by one each round) so slow
 drifts of a shared machine fall on all of them; each configuration's figure is the median of its rounds' median
 steps. The header names the CPU (model name, family/model), the cores this process may use, llama.cpp's threads and
 the load average, which is printed again at the end.
+
+Measured on an AMD EPYC (family 25, model 17: Zen 4), 2 cores, quiet, 3 layers, 64 tokens: with 2 threads plain
+7.99 ms, seam 9.03 (× 1.13), adapter 8.05 (× 1.01), seam-live 8.94, adapter-live 10.82 (the scheduler's reserve
+after each set costs ~3 ms); with 1 thread (3-configuration run) plain 13.54, seam 14.41 (× 1.06), adapter 13.39.
+So the adapter favours a fixed scale, the seam a scale moved at every token; both give the same tokens.
 """
 
 from __future__ import annotations
@@ -31,13 +39,13 @@ import itertools
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 PROMPT = "Write a short story about a lighthouse keeper."
 PAIRS = (("I love this", "I hate this"), ("What a wonderful day", "What a terrible day"),
          ("This is great news", "This is awful news"))
-CONFIGS = ("plain", "seam", "adapter")
+CONFIGS = ("plain", "seam", "adapter", "seam-live", "adapter-live")
 
 
 def machine() -> str:
@@ -55,28 +63,38 @@ def machine() -> str:
     return f"{name}{ident}; {len(os.sched_getaffinity(0))} cores; load average {os.getloadavg()[0]:.2f}"
 
 
-@contextlib.contextmanager
-def adapter(session, vector, scale: float) -> Iterator[None]:
-    """llama.cpp's control-vector adapter on the session's context for the block, cleared after; the KV cache is
-    forgotten on entry and exit (as engine.why.steer.steering does)."""
-    from engine.formats.control_vector import as_llama_buffer
+class Adapter:
+    """llama.cpp's control-vector adapter on the session's context while the `with` block runs, cleared after; the
+    KV cache is forgotten on entry and exit (as engine.why.steer.steering does). `set_scale` sets the buffer again
+    (the cached K/V stay: a change acts from the next step on, as the seam's does)."""
 
-    L, cfg = session.llama, session.cfg
-    buf = as_llama_buffer(vector, cfg.n_layers, cfg.d_model, scale)
-    if L.llama_set_adapter_cvec(session._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), buf.size,
-                                cfg.d_model, 1, cfg.n_layers - 1) != 0:
-        raise RuntimeError("llama_set_adapter_cvec refused the vector")
-    session.forget_cache()
-    try:
-        yield
-    finally:
-        L.llama_set_adapter_cvec(session._ctx, None, 0, cfg.d_model, -1, -1)
-        session.forget_cache()
+    def __init__(self, session, vector, scale: float) -> None:
+        self.session, self.vector, self.scale = session, vector, scale
+
+    def set_scale(self, scale: float) -> None:
+        from engine.formats.control_vector import as_llama_buffer
+
+        L, cfg = self.session.llama, self.session.cfg
+        buf = as_llama_buffer(self.vector, cfg.n_layers, cfg.d_model, scale)
+        if L.llama_set_adapter_cvec(self.session._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), buf.size,
+                                    cfg.d_model, 1, cfg.n_layers - 1) != 0:
+            raise RuntimeError("llama_set_adapter_cvec refused the vector")
+        self.scale = scale
+
+    def __enter__(self) -> Adapter:
+        self.set_scale(self.scale)
+        self.session.forget_cache()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.session.llama.llama_set_adapter_cvec(self.session._ctx, None, 0, self.session.cfg.d_model, -1, -1)
+        self.session.forget_cache()
 
 
-def generate(session, tokens: int) -> tuple[float, float, list[int]]:
+def generate(session, tokens: int, knob=None, scale: float = 1.0) -> tuple[float, float, list[int]]:
     """A greedy generation of `tokens` tokens: its median decode step (wall seconds), the median CPU seconds of
-    this thread between two tokens after the first (the decode step, and the loop around it), and the tokens."""
+    this thread between two tokens after the first (the decode step, and the loop around it), and the tokens. With
+    a `knob` (a Steering or an Adapter), the scale is moved after every token, to 1.1 × and 0.9 × `scale` in turn."""
     from engine.events import Finished, TokenSampled
     from engine.protocol import SamplingParams
 
@@ -84,6 +102,8 @@ def generate(session, tokens: int) -> tuple[float, float, list[int]]:
     for e in session.generate(PROMPT, SamplingParams(temperature=0.0), tokens, ignore_eos=True):
         if isinstance(e, TokenSampled):
             ids.append(e.token_id)
+            if knob is not None:
+                knob.set_scale(scale * (1.1 if len(ids) % 2 else 0.9))
             cpu.append(time.thread_time())
         elif isinstance(e, Finished):
             steps = list(e.step_seconds)
@@ -102,36 +122,40 @@ def run(a: argparse.Namespace) -> int:
         ways: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
             "plain": contextlib.nullcontext,
             "seam": lambda: steering(session, vector, a.scale),
-            "adapter": lambda: adapter(session, vector, a.scale),
+            "adapter": lambda: Adapter(session, vector, a.scale),
         }
         print(machine(), flush=True)
         print(f"{session.info.name} ({session.info.file_type}), llama.cpp {session.n_threads} threads; steered at "
               f"blocks {', '.join(map(str, vector.layers))} × {a.scale:g}; {a.tokens} tokens, {a.rounds} interleaved "
               f"rounds; decode TPOT = median step", flush=True)
+
+        def once(name: str, tokens: int) -> tuple[float, float, list[int]]:
+            with ways[name.removesuffix("-live")]() as knob:
+                return generate(session, tokens, knob if name.endswith("-live") else None, a.scale)
+
         for name in CONFIGS:  # first-call costs (graph allocation and reservation, thread start) are not TPOT
-            with ways[name]():
-                generate(session, 4)
+            once(name, 4)
         tpot: dict[str, list[float]] = {c: [] for c in CONFIGS}
         cpu: dict[str, list[float]] = {c: [] for c in CONFIGS}
         out: dict[str, list[int]] = {}
         for r in range(a.rounds):
-            for name in CONFIGS[r % 3:] + CONFIGS[:r % 3]:
-                with ways[name]():
-                    step, cpu_step, ids = generate(session, a.tokens)
+            k = r % len(CONFIGS)
+            for name in CONFIGS[k:] + CONFIGS[:k]:
+                step, cpu_step, ids = once(name, a.tokens)
                 tpot[name].append(step)
                 cpu[name].append(cpu_step)
                 out.setdefault(name, ids)
         med = {c: statistics.median(v) for c, v in tpot.items()}
         med_cpu = {c: statistics.median(v) for c, v in cpu.items()}
-        print(f"  {'config':<8} {'TPOT ms':>8} {'min ms':>7} {'max ms':>7} {'tok/s':>7} {'CPU ms/token':>13}")
+        print(f"  {'config':<13} {'TPOT ms':>8} {'min ms':>7} {'max ms':>7} {'tok/s':>7} {'CPU ms/token':>13}")
         for c in CONFIGS:
-            print(f"  {c:<8} {med[c] * 1e3:8.2f} {min(tpot[c]) * 1e3:7.2f} {max(tpot[c]) * 1e3:7.2f} "
+            print(f"  {c:<13} {med[c] * 1e3:8.2f} {min(tpot[c]) * 1e3:7.2f} {max(tpot[c]) * 1e3:7.2f} "
                   f"{1 / med[c]:7.1f} {med_cpu[c] * 1e3:13.2f}")
-        for x, y in (("seam", "plain"), ("adapter", "plain"), ("seam", "adapter")):
-            print(f"  {x + ' / ' + y:<16} TPOT {med[x] / med[y]:.3f}   CPU {med_cpu[x] / med_cpu[y]:.3f}")
-        same = out["seam"] == out["adapter"]
-        print(f"  seam and adapter generated the same {a.tokens} tokens: {'yes' if same else 'no'}; steered "
-              f"{'differs from' if out['seam'] != out['plain'] else 'equals'} plain")
+        for x, y in (("seam", "plain"), ("adapter", "plain"), ("seam", "adapter"), ("seam-live", "adapter-live")):
+            print(f"  {x + ' / ' + y:<27} TPOT {med[x] / med[y]:.3f}   CPU {med_cpu[x] / med_cpu[y]:.3f}")
+        same = out["seam"] == out["adapter"] and out["seam-live"] == out["adapter-live"]
+        print(f"  seam and adapter generated the same {a.tokens} tokens (fixed and moving scale): "
+              f"{'yes' if same else 'no'}; steered {'differs from' if out['seam'] != out['plain'] else 'equals'} plain")
         print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
     finally:
         session.close()
@@ -148,7 +172,7 @@ def _layers(text: str) -> list[int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a GGUF file (default: the default model, SmolLM2 Q4_1)")
     p.add_argument("--tokens", type=int, default=64, help="tokens generated per run")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the three configurations")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the configurations")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--layers", type=_layers, default=[6, 9, 12], help="blocks steered")
     p.add_argument("--scale", type=float, default=1.0, help="the multiplier of the mean-difference vector")
