@@ -28,7 +28,7 @@ class Unsupported(Exception):
 # What a session's runtime may be able to do beyond generating (a session's `can` names those it can): each an
 # experiment's precondition, stated once with the words its refusal uses.
 CAPABILITIES = {
-    "gradients": "a backward pass and the weights as torch tensors",
+    "gradients": "gradients (a backward pass) and the weights as torch tensors",
     "recompute": "the torch engine's KV cache, which a step is recomputed from",
     "exit_logits": "a runtime that can stop after some of its layers",
     "edit": "writes into the forward pass",

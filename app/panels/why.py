@@ -653,7 +653,7 @@ class WhyPanel(Panel):
     def continue_branch(self) -> bool:
         """Generate from the shown ablation's prompt with the same parts ablated in every forward pass, as a new
         run named after them, with the current sampling settings and max tokens; False (and a sentence) when it
-        cannot start now. A runtime that cannot keep an ablation on (llama.cpp, a server) refuses in the engine
+        cannot start now. A backend that cannot keep an ablation on (a server) refuses in the engine
         process, and its sentence shows here."""
         entry, info = self.results.get("ablate"), self.bridge.info
         try:

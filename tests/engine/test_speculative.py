@@ -34,8 +34,8 @@ def draft_lm(tmp_path_factory):
     return Session(load(path, device="cpu", dtype="float32", use_cache=False))
 
 
-def run(lm, prompt, cfg, params=GREEDY, n=24):
-    events = list(sp.speculate(Session(lm), prompt, cfg, params, n))
+def run(session, prompt, cfg, params=GREEDY, n=24):
+    events = list(sp.speculate(session, prompt, cfg, params, n))
     assert not any(isinstance(e, Failed) for e in events), events[-1]
     return events
 
@@ -52,7 +52,7 @@ def test_greedy_equals_plain_greedy_decoding(tiny_lm, draft_lm, source, layer, k
     draft = draft_lm if source == "draft-model" else None
     for prompt in (REPEATS, IDS):
         cfg = sp.SpecConfig(k=k, source=source, exit_layer=layer, draft=draft, baseline=False, ignore_eos=True)
-        events = run(tiny_lm, prompt, cfg, n=30)
+        events = run(Session(tiny_lm), prompt, cfg, n=30)
         fin = events[-1]
         assert isinstance(fin, sp.SpecFinished) and fin.reason == "length"
         assert fin.ids.tolist() == plain(tiny_lm, prompt, 30, ignore_eos=True)
@@ -65,14 +65,14 @@ def test_greedy_equals_plain_greedy_decoding(tiny_lm, draft_lm, source, layer, k
 
 def test_the_model_as_its_own_draft_is_always_accepted(tiny_lm):
     """Early exit after the last layer guesses the model's own argmax: every guess is kept, k + 1 tokens a pass."""
-    fin = run(tiny_lm, IDS, sp.SpecConfig(k=4, source="early-exit", exit_layer=CFG["n_layers"], baseline=False,
+    fin = run(Session(tiny_lm), IDS, sp.SpecConfig(k=4, source="early-exit", exit_layer=CFG["n_layers"], baseline=False,
                                           ignore_eos=True), n=31)[-1]
     assert fin.acceptance_rate == 1.0 and fin.n_passes == 6 and fin.tokens_per_pass == 5.0
     assert fin.drafted_by_position.tolist() == [6, 6, 6, 6]
 
 
 def test_lookup_accepts_on_repeated_text_and_rolls_back_rejections(tiny_lm):
-    events = run(tiny_lm, REPEATS, sp.SpecConfig(k=4, baseline=False, ignore_eos=True), n=40)
+    events = run(Session(tiny_lm), REPEATS, sp.SpecConfig(k=4, baseline=False, ignore_eos=True), n=40)
     steps = [e for e in events if isinstance(e, sp.SpecStep)]
     fin = events[-1]
     assert any(e.n_accepted < len(e.drafted) for e in steps)  # rejections happened: rollback was exercised
@@ -86,7 +86,7 @@ def test_lookup_accepts_on_repeated_text_and_rolls_back_rejections(tiny_lm):
 
 
 def test_early_exit_guesses_are_the_truncated_models_argmax(tiny_dir, tiny_lm):
-    events = run(tiny_lm, IDS, sp.SpecConfig(k=3, source="early-exit", exit_layer=1, baseline=False,
+    events = run(Session(tiny_lm), IDS, sp.SpecConfig(k=3, source="early-exit", exit_layer=1, baseline=False,
                                              ignore_eos=True), n=12)
     context = list(IDS) + [events[1].token_id]
     half = dict(CFG, n_layers=1)
@@ -106,7 +106,7 @@ def test_lookup_draft_takes_what_followed_the_latest_match():
 
 
 def test_baseline_and_speedup_are_reported(tiny_lm):
-    events = run(tiny_lm, REPEATS, sp.SpecConfig(k=3, ignore_eos=True), n=16)
+    events = run(Session(tiny_lm), REPEATS, sp.SpecConfig(k=3, ignore_eos=True), n=16)
     base = next(e for e in events if isinstance(e, sp.SpecBaseline))
     fin = events[-1]
     assert fin.matches_baseline is True and base.ids.tolist() == fin.ids.tolist()
