@@ -11,7 +11,7 @@ from engine.cliargs import CliError, Parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from benchmarks import bench, gemv, kernel_modes, load, profile, sampling
+    from benchmarks import bench, gemv, kernel_modes, load, profile, sampling, steer_llamacpp
 
     p = Parser(prog="python -m benchmarks", description="Inference Lab's benchmarks (ratios in one run).")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -21,6 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gemv.add_subcommand(sub)
     profile.add_subcommand(sub)
     sampling.add_subcommand(sub)
+    steer_llamacpp.add_subcommand(sub)
     args = p.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -5,13 +5,15 @@ Issue 46 asks to steer on llama.cpp "through its control-vector adapter or the s
 favours". This prints the decode TPOT (the median decode step of LlamaCppSession.generate, greedy, a fixed number
 of tokens) of the default model (SmolLM2-135M Q4_1) five ways:
   plain     no steering (the graph callback answers "no" to every node);
-  seam      engine.why.steer.steering: the session's graph callback adds v × scale into l_out-L of each steered
-            layer, so the scheduler stops at those nodes and hands them to Python every step;
-  adapter   llama_set_adapter_cvec on the session's own context: llama.cpp adds direction.L in the graph itself
-            (build_cvec, just before l_out-L), no callback;
+  seam      the session's graph callback adds v × scale into l_out-L of each steered layer
+            (LlamaCppSession.intervened(…, adapter=False)), so the scheduler stops at those nodes and hands them to
+            Python every step;
+  adapter   engine.why.steer.steering, which on llama.cpp sets llama_set_adapter_cvec on the session's own context
+            (engine.backends.llamacpp_seam.AdapterSteer): llama.cpp adds direction.L in the graph itself (build_cvec,
+            just before l_out-L), no callback;
   seam-live, adapter-live   the same with the scale moved after every token (a slider dragged through the whole
             generation): Steering.set_scale writes the tensors the callback adds, while the adapter's buffer is set
-            again with llama_set_adapter_cvec, after which llama.cpp reserves its scheduler anew on the next step;
+            again before the next step, after which llama.cpp reserves its scheduler anew;
 and the median CPU time of the calling thread per token (on a shared machine the wall time of a step includes the
 time other processes held the cores; the CPU time does not. With --threads 1 ggml computes on the calling thread,
 so it is the whole step's work; with more, the other threads' share is left out), with the ratios between them,
@@ -34,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import itertools
 import os
 import statistics
@@ -63,38 +64,25 @@ def machine() -> str:
     return f"{name}{ident}; {len(os.sched_getaffinity(0))} cores; load average {os.getloadavg()[0]:.2f}"
 
 
-class Adapter:
-    """llama.cpp's control-vector adapter on the session's context while the `with` block runs, cleared after; the
-    KV cache is forgotten on entry and exit (as engine.why.steer.steering does). `set_scale` sets the buffer again
-    (the cached K/V stay: a change acts from the next step on, as the seam's does)."""
+@contextlib.contextmanager
+def seam(session, vector, scale: float):
+    """The vector added through the session's graph callback (the seam's Writes), not the adapter the engine picks for
+    steering on llama.cpp; the KV cache forgotten on entry and exit, as engine.why.steer.steering does."""
+    from engine.why.steer import Steering
 
-    def __init__(self, session, vector, scale: float) -> None:
-        self.session, self.vector, self.scale = session, vector, scale
-
-    def set_scale(self, scale: float) -> None:
-        from engine.formats.control_vector import as_llama_buffer
-
-        L, cfg = self.session.llama, self.session.cfg
-        buf = as_llama_buffer(self.vector, cfg.n_layers, cfg.d_model, scale)
-        if L.llama_set_adapter_cvec(self.session._ctx, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), buf.size,
-                                    cfg.d_model, 1, cfg.n_layers - 1) != 0:
-            raise RuntimeError("llama_set_adapter_cvec refused the vector")
-        self.scale = scale
-
-    def __enter__(self) -> Adapter:
-        self.set_scale(self.scale)
-        self.session.forget_cache()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.session.llama.llama_set_adapter_cvec(self.session._ctx, None, 0, self.session.cfg.d_model, -1, -1)
-        self.session.forget_cache()
+    handle = Steering(vector, scale)
+    session.forget_cache()
+    try:
+        with session.intervened(handle.edits(), adapter=False):
+            yield handle
+    finally:
+        session.forget_cache()
 
 
 def generate(session, tokens: int, knob=None, scale: float = 1.0) -> tuple[float, float, list[int]]:
     """A greedy generation of `tokens` tokens: its median decode step (wall seconds), the median CPU seconds of
     this thread between two tokens after the first (the decode step, and the loop around it), and the tokens. With
-    a `knob` (a Steering or an Adapter), the scale is moved after every token, to 1.1 × and 0.9 × `scale` in turn."""
+    a `knob` (a steering handle: engine.why.steer.Steering), the scale is moved after every token, to 1.1 × and 0.9 × `scale` in turn."""
     from engine.events import Finished, TokenSampled
     from engine.protocol import SamplingParams
 
@@ -121,8 +109,8 @@ def run(a: argparse.Namespace) -> int:
         vector = build(session, [Pair(p, n) for p, n in PAIRS], a.layers)
         ways: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
             "plain": contextlib.nullcontext,
-            "seam": lambda: steering(session, vector, a.scale),
-            "adapter": lambda: Adapter(session, vector, a.scale),
+            "seam": lambda: seam(session, vector, a.scale),
+            "adapter": lambda: steering(session, vector, a.scale),  # what the engine does on llama.cpp
         }
         print(machine(), flush=True)
         print(f"{session.info.name} ({session.info.file_type}), llama.cpp {session.n_threads} threads; steered at "

@@ -129,6 +129,7 @@ class _Tap:
         self.callback = None  # the ctypes function object, built by the owner (it must outlive the context)
         # the seam's edits kept on for every step (engine.backends.llamacpp_seam.Writes), and the step they act in
         self.writes = None
+        self.adapter = None  # engine.backends.llamacpp_seam.AdapterSteer: added vectors through llama.cpp's adapter
         self.start = self.n_step = 0
         self.written: dict[bytes, int] = {}  # rows of each written node this step so far
 
@@ -146,6 +147,8 @@ class _Tap:
     def step(self, start: int, n: int) -> None:
         """A step of `n` tokens from position `start` begins (the positions the seam's edits are written at)."""
         self.start, self.n_step, self.written = start, n, {}
+        if self.adapter is not None:
+            self.adapter.update()
 
     def __call__(self, t: int, ask: bool, _user_data: int) -> bool:
         if not self.active:  # the fast path: one attribute read per graph node
@@ -448,17 +451,28 @@ class LlamaCppSession(Engine):
         return LlamaCppRuntime(self, n_seq, capacity, pooled=page_size is not None)
 
     @contextlib.contextmanager
-    def intervened(self, edits):
-        """The seam's `edits` applied to every step this session's context runs inside the `with` block, through its
-        graph callback (engine.backends.llamacpp_seam.Writes)."""
-        from engine.backends.llamacpp_seam import Writes
+    def intervened(self, edits, adapter: bool = True):
+        """The seam's `edits` applied to every step this session's context runs inside the `with` block: vectors
+        added to blocks' outputs at every position (steering) through llama.cpp's control-vector adapter, which costs
+        a step nothing while the vectors stay as they are (BENCHMARKS.md, "The why-experiments on llama.cpp"), unless
+        `adapter` is False; any other edit through the graph callback (engine.backends.llamacpp_seam.Writes)."""
+        from engine.backends.llamacpp_seam import AdapterSteer, Writes
 
+        edits = list(edits)
+        if self.tap.writes is not None or self.tap.adapter is not None:
+            raise ValueError("an intervention is already on for this session")
+        if adapter and edits and all(AdapterSteer.takes(e, self.cfg) for e in edits):
+            self.tap.adapter = AdapterSteer(self, edits)
+            try:
+                yield edits
+            finally:
+                self.tap.adapter.clear()
+                self.tap.adapter = None
+            return
         writes = Writes(edits, self.cfg)
         if self.flash_attn and any(n.startswith(b"kqv_out-") for n in writes.by_node):
             raise Unsupported("llama.cpp's flash attention fuses the heads' outputs away: load without it to edit a "
                               "head's output")
-        if self.tap.writes is not None:
-            raise ValueError("an intervention is already on for this session")
         self.tap.writes = writes
         self.tap.active = True
         try:

@@ -6,7 +6,7 @@ reads it. So values written into the node's data there are what the rest of the 
 
 A point and the node that holds it (llama.cpp's names, given by the graph builders' cb(…, il)):
     resid_pre.0     embd (the selected token embeddings), or inp_scaled where the model scales them (Gemma 3)
-    resid_post.L    l_out-L, block L's output (after llama.cpp's own control vector, engine.backends.llamacpp_steer)
+    resid_post.L    l_out-L, block L's output (after llama.cpp's own control-vector adapter, where one is set)
     attn.z.L        kqv_out-L, the heads' outputs concatenated head-major before the output projection
     attn_out.L      attn_out-L; attn_post_norm-L where the model normalises it (Gemma 3)
     mlp_out.L       ffn_out-L; ffn_post_norm-L for Gemma 3. The llama graph names two nodes ffn_out-L, the MLP's
@@ -247,3 +247,41 @@ class Writes:
                 a[local, cols] += v
             else:
                 a[local, cols] = v
+
+
+class AdapterSteer:
+    """Vectors added to blocks' outputs at every position, through llama.cpp's control-vector adapter on the
+    session's own context (direction L is added at the end of block L, just before l_out-L; block 0 has none).
+    `update`, before each step, sets the adapter again only when a vector changed (a steering scale moved): setting
+    it makes llama.cpp plan its graph again, which costs the next step more than the seam's callback would."""
+
+    def __init__(self, session, edits: Sequence[Edit]) -> None:
+        self.session, self.edits = session, list(edits)
+        self.last: np.ndarray | None = None
+
+    @staticmethod
+    def takes(edit: Edit, cfg: ModelConfig) -> bool:
+        """Whether the adapter can do `edit`: one vector added to block L ≥ 1's output at every position and row."""
+        return (edit.add and edit.point.site == "resid" and 2 <= edit.point.layer <= cfg.n_layers
+                and edit.positions is None and edit.rows is None and edit.value is not None
+                and edit.value.ndim == 1 and edit.value.shape[0] == cfg.d_model)
+
+    def update(self) -> None:
+        cfg, L = self.session.cfg, self.session.llama
+        data = np.zeros((cfg.n_layers - 1, cfg.d_model), dtype=np.float32)  # layer 1 first, as llama.cpp wants
+        for e in self.edits:
+            data[e.point.layer - 2] += e.value.detach().float().cpu().numpy()
+        if self.last is not None and np.array_equal(data, self.last):
+            return
+        flat = np.ascontiguousarray(data.reshape(-1))
+        rc = L.llama_set_adapter_cvec(self.session._ctx, flat.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                                      flat.size, cfg.d_model, 1, cfg.n_layers - 1)
+        if rc != 0:
+            raise RuntimeError(f"llama.cpp refused the control vector (llama_set_adapter_cvec returned {rc})")
+        self.last = data
+
+    def clear(self) -> None:
+        """Take the vectors off the context (its KV cache is the caller's to forget)."""
+        if self.last is not None:
+            self.session.llama.llama_set_adapter_cvec(self.session._ctx, None, 0, self.session.cfg.d_model, -1, -1)
+            self.last = None
