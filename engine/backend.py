@@ -58,6 +58,33 @@ class Run(Protocol):
         """End the run at the next token; safe to call from another thread (a server's stalled stream ends too)."""
 
 
+class WrappedRun:
+    """A run around another (a generation kept ablated or steered): its knobs and Stop are the inner run's, so the
+    sampling panel's settings and capture act between tokens as on any run."""
+
+    def __init__(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def params(self) -> SamplingParams:
+        return self._run.params
+
+    @params.setter
+    def params(self, value: SamplingParams) -> None:
+        self._run.params = value
+
+    @property
+    def capture(self) -> object:
+        return self._run.capture
+
+    @capture.setter
+    def capture(self, value: object) -> None:
+        self._run.capture = value
+
+    def stop(self) -> None:
+        self._run.stop()
+
+
 Progress = Callable[[float, str], None]
 ShouldStop = Callable[[], bool]
 

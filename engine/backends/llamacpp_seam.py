@@ -86,18 +86,22 @@ class _Editor:
         try:
             a = tensor_array(self.ggml, t)[0, 0]  # (T, width): ggml (width, T)
             for cols, rows, value, add in self.writes.get(name, ()):
-                r = slice(None) if rows is None else rows
-                if value is None:
-                    a[r, cols] = 0
-                elif add:
-                    a[r, cols] += value
-                else:
-                    a[r, cols] = value
+                _write(a, slice(None) if rows is None else rows, cols, value, add)
             if name in self.keep:
                 self.seen[name] = np.array(a, dtype=np.float32)
         except Exception as e:  # noqa: BLE001 — an exception must not cross into C; the run reports it
             self.error = f"{name.decode(errors='replace')}: {type(e).__name__}: {e}"
         return True  # False would abort the graph
+
+
+def _write(a: np.ndarray, rows, cols: slice, value: np.ndarray | None, add: bool) -> None:
+    """Set (or with `add`, add to) a node's rows × columns: zero where value is None."""
+    if value is None:
+        a[rows, cols] = 0
+    elif add:
+        a[rows, cols] += value
+    else:
+        a[rows, cols] = value
 
 
 def _reads(t: int, name: bytes) -> bool:
@@ -241,12 +245,7 @@ class Writes:
                     continue
                 local = [positions[k] - pos0 for k in which]
                 v = value if value is None or value.ndim == 1 else value[which]
-            if v is None:
-                a[local, cols] = 0
-            elif add:
-                a[local, cols] += v
-            else:
-                a[local, cols] = v
+            _write(a, local, cols, v, add)
 
 
 class AdapterSteer:

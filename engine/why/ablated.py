@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from engine.backend import Backend, Run, Unsupported
+from engine.backend import Backend, Run, Unsupported, WrappedRun
 from engine.events import Event
-from engine.protocol import Capture, GenerateRequest, SamplingParams
+from engine.protocol import GenerateRequest
 from engine.why.ablate import Ablation, ablation
 
 if TYPE_CHECKING:
@@ -37,32 +37,15 @@ def generate_ablated(backend: Backend, req: GenerateRequest) -> Run:
     return AblatedRun(s, backend.generate(replace(req, ablation=None)), spec, prompt_ids)
 
 
-class AblatedRun:
+class AblatedRun(WrappedRun):
     """A local run with an ablation on: the hooks go on when the first event is asked for and come off when the run
     ends, and the KV cache is forgotten both times, so no key or value of the intact model serves the ablated one
     or the other way round."""
 
     def __init__(self, session: Engine, run: Run, spec: Ablation, prompt_ids: list[int]) -> None:
-        self._session, self._run, self._spec, self._prompt_ids = session, run, spec, prompt_ids
+        super().__init__(run)
+        self._session, self._spec, self._prompt_ids = session, spec, prompt_ids
 
-    @property
-    def params(self) -> SamplingParams:
-        return self._run.params
-
-    @params.setter
-    def params(self, value: SamplingParams) -> None:  # the sampling panel's knobs act between tokens, as on any run
-        self._run.params = value
-
-    @property
-    def capture(self) -> Capture:
-        return self._run.capture
-
-    @capture.setter
-    def capture(self, value: Capture) -> None:
-        self._run.capture = value
-
-    def stop(self) -> None:
-        self._run.stop()
 
     def __iter__(self) -> Iterator[Event]:
         with ablation(self._session, self._spec, self._prompt_ids):

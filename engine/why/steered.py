@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.backend import Backend, Run, Unsupported
+from engine.backend import Backend, Run, Unsupported, WrappedRun
 from engine.events import Event, PromptTokenized, Steered, TokenSampled
 from engine.formats.control_vector import ControlVector
-from engine.protocol import Capture, GenerateRequest, SamplingParams, Steer
+from engine.protocol import GenerateRequest, Steer
 from engine.why.steer import check_vector, steering
 
 if TYPE_CHECKING:
@@ -53,32 +53,18 @@ def generate_steered(backend: Backend, req: GenerateRequest) -> Run:
     return SteeredRun(s, backend.generate(replace(req, steer=None)), vector, st)
 
 
-class SteeredRun:
+class SteeredRun(WrappedRun):
     """A local run with a steering vector on: it goes on when the first event is asked for and comes off when the
     run ends, the KV cache forgotten both times (engine.why.steer.steering). `set_scale` between two tokens acts from
     the next token on, and the run says so with a Steered event before that token's events."""
 
     def __init__(self, session: Engine, run: Run, vector: ControlVector, steer: Steer) -> None:
-        self._session, self._run, self._vector, self._steer = session, run, vector, steer
+        super().__init__(run)
+        self._session, self._vector, self._steer = session, vector, steer
         self._scale = steer.scale
         self._handle = None  # engine.why.steer.Steering, while the run iterates
         self._changed = False  # the scale changed since the last Steered event
 
-    @property
-    def params(self) -> SamplingParams:
-        return self._run.params
-
-    @params.setter
-    def params(self, value: SamplingParams) -> None:
-        self._run.params = value
-
-    @property
-    def capture(self) -> Capture:
-        return self._run.capture
-
-    @capture.setter
-    def capture(self, value: Capture) -> None:
-        self._run.capture = value
 
     @property
     def scale(self) -> float:
@@ -93,9 +79,6 @@ class SteeredRun:
             self._steer.at(scale)  # checks it
         if float(scale) != self._scale:
             self._scale, self._changed = float(scale), True
-
-    def stop(self) -> None:
-        self._run.stop()
 
     def __iter__(self) -> Iterator[Event]:
         st, step = self._steer, 0
