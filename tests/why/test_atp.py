@@ -139,7 +139,7 @@ def test_cli(tiny_dir, capsys):
     (["--corrupt", "zq vx kb wyy"], 2, "the clean prompt is 10 tokens and the corrupted one 11"),
     (["--wrong", "k"], 2, "--answer and --wrong are the same token"),
     (["--url", "http://127.0.0.1:9"], 2, "drop --url"),
-    (["--backend", "llama.cpp"], 1, "needs a backward pass"),
+    (["--backend", "llama.cpp"], 1, "needs gradients"),
 ])
 def test_cli_refuses_in_one_line(tiny_dir, capsys, argv, code, needle):
     args = {"--clean": CLEAN, "--corrupt": CORRUPT, "--answer": ANSWER, "--wrong": WRONG, "--backend": "torch"}

@@ -107,7 +107,7 @@ def test_cli_json_names_kernels_and_dtype(tiny_dir, capsys):
     (["--answer", " the k"], 2, "--answer ' the k' is 3 tokens"),
     (["--wrong", "k"], 2, "--answer and --wrong are the same token"),
     (["--url", "http://127.0.0.1:9"], 2, "drop --url"),
-    (["--backend", "llama.cpp"], 1, "needs a backward pass"),
+    (["--backend", "llama.cpp"], 1, "needs gradients"),
 ])
 def test_cli_refuses_in_one_line(tiny_dir, capsys, argv, code, needle):
     args = {"--prompt": PROMPT, "--answer": ANSWER, "--wrong": WRONG, "--backend": "torch"}
