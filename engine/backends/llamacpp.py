@@ -155,15 +155,15 @@ class _Tap:
             return False
         name = ctypes.string_at(t + NAME_OFFSET)
         if ask:
-            return self._wants(name)
+            return self._wants(t, name)
         try:
             self._record(t, name)
         except Exception as e:  # noqa: BLE001 — an exception must not cross into C; the step reports it
             self.error = f"{name.decode(errors='replace')}: {type(e).__name__}: {e}"
         return True  # False would abort the graph
 
-    def _wants(self, name: bytes) -> bool:
-        if self.writes is not None and self.writes.wants(name):
+    def _wants(self, t: int, name: bytes) -> bool:
+        if self.writes is not None and self.writes.wants(t, name):
             return True
         if name.startswith(_ATTN):
             return name[len(_ATTN):].isdigit() and int(name[len(_ATTN):]) in self.layers
@@ -173,11 +173,11 @@ class _Tap:
 
     def _record(self, t: int, name: bytes) -> None:
         a = tensor_array(self.ggml, t)  # attention (1, H, q, n_kv); residual (1, 1, rows, d)
-        if self.writes is not None and self.writes.wants(name):
+        if self.writes is not None and self.writes.wants(t, name):
             first = self.written.get(name, 0)
             self.written[name] = first + a.shape[2]
             self.writes.apply(name, a[0, 0], self.start, first, self.n_step)
-            if not (name.startswith(_LOUT) or name in _EMBEDDING):
+            if not (self.residual and (name.startswith(_LOUT) or name in _EMBEDDING)):
                 return
         if name.startswith(_ATTN):
             layer = int(name[len(_ATTN):])

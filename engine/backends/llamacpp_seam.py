@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from engine.backend import Unsupported
-from engine.backends.ggml_tensor import NAME_OFFSET, GGMLTensor, tensor_array
+from engine.backends.ggml_tensor import NAME_OFFSET, GGMLTensor
 from engine.model.seam import Edit, Point, Recording, check_prompts
 
 if TYPE_CHECKING:
@@ -58,66 +58,22 @@ def _columns(point: Point, cfg: ModelConfig) -> slice:
     return slice(None)
 
 
-class _Editor:
-    """The evaluation callback of one run: writes `writes` into their nodes and keeps a copy of each node in `keep`
-    (after its writes). `writes` maps a node to [(columns, positions or None for all, value (P, W) or None for
-    zero, add)]."""
-
-    def __init__(self, ggml) -> None:
-        self.ggml = ggml
-        self.writes: dict[bytes, list[tuple[slice, list[int] | None, np.ndarray | None, bool]]] = {}
-        self.keep: set[bytes] = set()
-        self.seen: dict[bytes, np.ndarray] = {}
-        self.hit: set[bytes] = set()  # the wanted nodes the graph formed
-        self.error: str | None = None
-
-    def reset(self, writes: dict, keep: set[bytes]) -> None:
-        self.writes, self.keep, self.seen, self.hit, self.error = writes, keep, {}, set(), None
-
-    def __call__(self, t: int, ask: bool, _user_data: int) -> bool:
-        name = ctypes.string_at(t + NAME_OFFSET)
-        if name not in self.keep and name not in self.writes:
-            return False
-        if name.startswith(b"ffn_out-") and _reads(t, b"ffn_inp-" + name[len(b"ffn_out-"):]):
-            return False  # the residual sum of the same name, not the MLP's output
-        if ask:
-            return True
-        self.hit.add(name)
-        try:
-            a = tensor_array(self.ggml, t)[0, 0]  # (T, width): ggml (width, T)
-            for cols, rows, value, add in self.writes.get(name, ()):
-                _write(a, slice(None) if rows is None else rows, cols, value, add)
-            if name in self.keep:
-                self.seen[name] = np.array(a, dtype=np.float32)
-        except Exception as e:  # noqa: BLE001 — an exception must not cross into C; the run reports it
-            self.error = f"{name.decode(errors='replace')}: {type(e).__name__}: {e}"
-        return True  # False would abort the graph
-
-
-def _write(a: np.ndarray, rows, cols: slice, value: np.ndarray | None, add: bool) -> None:
-    """Set (or with `add`, add to) a node's rows × columns: zero where value is None."""
-    if value is None:
-        a[rows, cols] = 0
-    elif add:
-        a[rows, cols] += value
-    else:
-        a[rows, cols] = value
-
-
 def _reads(t: int, name: bytes) -> bool:
     """Whether graph node `t` takes a node called `name` as an operand."""
     return any(src and ctypes.string_at(src + NAME_OFFSET) == name for src in GGMLTensor.from_address(t).src)
 
 
 class SeamRuntime:
-    """A one-sequence llama.cpp runtime of the session's model whose graph callback is an _Editor: each run is a
-    prompt from an empty cache with edits, every position an output (so the last layer keeps every row). Made on
-    first use, grown when a longer prompt comes, freed by close()."""
+    """A one-sequence llama.cpp runtime of the session's model with a graph callback of its own (a _Tap that only
+    writes and keeps whole nodes): each run is a prompt from an empty cache, every position an output (so the last
+    layer keeps every row). Made on first use, grown when a longer prompt comes, freed by close()."""
 
     def __init__(self, session) -> None:
+        from engine.backends.llamacpp import _Tap
+
         self.session = session
-        self.editor = _Editor(session.llama._lab_ggml)
-        self.callback = session.llama.ggml_backend_sched_eval_callback(self.editor)  # outlives the context
+        self.tap = _Tap(session.llama._lab_ggml)
+        self.tap.callback = session.llama.ggml_backend_sched_eval_callback(self.tap)  # outlives the context
         self.rt = None
 
     def close(self) -> None:
@@ -125,9 +81,9 @@ class SeamRuntime:
             self.rt.close()
             self.rt = None
 
-    def run(self, ids: Sequence[int], writes: dict, keep: set[bytes], every: bool = False) -> np.ndarray:
+    def run(self, ids: Sequence[int], writes: Writes, every: bool = False) -> np.ndarray:
         """Float32 logits (V,) of the last position of `ids` (with `every`, (T, V) of each), run in one batch from
-        an empty cache."""
+        an empty cache with `writes` (and the nodes it keeps) in the callback."""
         from engine.runtime.base import Row
         from engine.runtime.llamacpp import LlamaCppRuntime
 
@@ -135,14 +91,18 @@ class SeamRuntime:
         if self.rt is None or self.rt.capacity < n:
             self.close()
             size = min(self.session.cfg.context_length, max(256, -(-n // 256) * 256))
-            self.rt = LlamaCppRuntime(self.session, 1, size, callback=self.callback)
+            self.rt = LlamaCppRuntime(self.session, 1, size, callback=self.tap.callback)
+            self.rt.tap = self.tap  # the runtime tells it where each step starts
         if n > self.rt.n_ubatch:  # a node's rows are the prompt's positions only when it runs as one graph
             raise ValueError(f"a seam run takes at most {self.rt.n_ubatch} tokens, got {n}")
         self.rt.remove(0)
-        self.editor.reset(writes, keep)
-        logits = self.rt.forward([Row(0, list(ids), all_logits=True)])[0].numpy()  # (T, V)
-        if self.editor.error:
-            raise RuntimeError(f"the edit of node {self.editor.error}")
+        self.tap.writes, self.tap.error, self.tap.active = writes, None, True
+        try:
+            logits = self.rt.forward([Row(0, list(ids), all_logits=True)])[0].numpy()  # (T, V)
+        finally:
+            self.tap.writes, self.tap.active = None, False
+        if self.tap.error:
+            raise RuntimeError(f"the edit of node {self.tap.error}")
         return logits if every else logits[-1]
 
 
@@ -169,29 +129,31 @@ def run_points(session, prompts: Sequence[Sequence[int]], edits: Iterable[Edit] 
     keep = {nodes[p] for p in record}
     logits, seen = [], []
     for b, ids in enumerate(rows):
-        writes: dict[bytes, list] = {}
+        mine = []  # the edits of row b, as one prompt's: a value per row chosen, a (T, W) value's positions named
         for e in edits:
             if e.rows is not None and b not in e.rows:
                 continue
             width = e.point.width(cfg)
-            n_pos = T if e.positions is None else len(e.positions)
+            positions = e.positions
             value = None
             if e.value is not None:
-                v = e.value.detach().float().cpu().numpy()
+                n_pos = T if positions is None else len(positions)
+                v = e.value.detach().float().cpu()
                 try:
-                    v = np.broadcast_to(v, (1 if e.rows is None else len(e.rows), n_pos, width))
-                except ValueError:
+                    v = v.expand(1 if e.rows is None else len(e.rows), n_pos, width)
+                except RuntimeError:
                     raise ValueError(f"the edit of {e.point} has a value of shape {tuple(v.shape)}, which does not "
                                      f"broadcast to (rows, positions {n_pos}, width {width})") from None
-                value = v[0 if e.rows is None else e.rows.index(b)]
-            rows_at = None if e.positions is None else list(e.positions)
-            writes.setdefault(nodes[e.point], []).append((_columns(e.point, cfg), rows_at, value, e.add))
-        logits.append(seam.run(ids, writes, keep, every))
-        absent = [n for n in set(writes) | keep if n not in seam.editor.hit]
+                value = v[0 if e.rows is None else e.rows.index(b)]  # (P, W)
+                positions = tuple(range(T)) if positions is None else positions
+            mine.append(Edit(e.point, value, positions, None, e.add))
+        writes = Writes(mine, cfg, keep=keep)
+        logits.append(seam.run(ids, writes, every))
+        absent = [n for n in set(writes.by_node) | keep if n not in writes.hit]
         if absent:
             raise Unsupported(f"llama.cpp's graph for this {cfg.architecture} model forms no node "
                               f"{absent[0].decode()}, so that point cannot be reached there: use --backend torch")
-        seen.append(dict(seam.editor.seen))
+        seen.append(writes.seen)
     rec = Recording()
     for p in record:
         rec._add(p, torch.from_numpy(np.stack([s[nodes[p]][:, _columns(p, cfg)] for s in seen])))
@@ -207,8 +169,11 @@ class Writes:
     before them): their rows are taken to be the step's last positions.
     """
 
-    def __init__(self, edits: Iterable[Edit], cfg: ModelConfig) -> None:
+    def __init__(self, edits: Iterable[Edit], cfg: ModelConfig, keep: set[bytes] = frozenset()) -> None:
         self.by_node: dict[bytes, list[tuple[slice, tuple[int, ...] | None, np.ndarray | None, bool]]] = {}
+        self.keep = set(keep)  # nodes whose whole (rows, width) value is kept, after the writes (`seen`)
+        self.seen: dict[bytes, np.ndarray] = {}
+        self.hit: set[bytes] = set()  # the wanted nodes the graph formed
         for e in edits:
             e.point.check(cfg)
             if e.rows not in (None, (0,)):
@@ -226,17 +191,20 @@ class Writes:
         last = cfg.n_layers - 1
         self.pruned = {node_of(Point.mlp(last), cfg), node_of(Point.resid(last + 1), cfg)}
 
-    def wants(self, name: bytes) -> bool:
-        return name in self.by_node
+    def wants(self, t: int, name: bytes) -> bool:
+        """Whether graph node `t`, called `name`, is one to write or keep (the llama graph's second node called
+        ffn_out-L, the residual sum that reads ffn_inp-L, is not the MLP's output)."""
+        if name not in self.by_node and name not in self.keep:
+            return False
+        return not (name.startswith(b"ffn_out-") and _reads(t, b"ffn_inp-" + name[len(b"ffn_out-"):]))
 
     def apply(self, name: bytes, a: np.ndarray, start: int, first: int, n_step: int) -> None:
         """Write the edits of node `name` into `a` (rows, width), the rows being positions from start + first (or,
-        for a node pruned to the step's outputs, its last positions)."""
+        for a node pruned to the step's outputs, its last positions); then keep a copy if it is kept."""
+        self.hit.add(name)
         rows = a.shape[0]
-        if not rows:
-            return
         pos0 = start + first if name not in self.pruned or first or rows == n_step else start + n_step - rows
-        for cols, positions, value, add in self.by_node[name]:
+        for cols, positions, value, add in self.by_node.get(name, ()) if rows else ():
             if positions is None:
                 local, v = slice(None), value
             else:
@@ -245,7 +213,14 @@ class Writes:
                     continue
                 local = [positions[k] - pos0 for k in which]
                 v = value if value is None or value.ndim == 1 else value[which]
-            _write(a, local, cols, v, add)
+            if v is None:
+                a[local, cols] = 0
+            elif add:
+                a[local, cols] += v
+            else:
+                a[local, cols] = v
+        if name in self.keep:
+            self.seen[name] = np.array(a, dtype=np.float32)
 
 
 class AdapterSteer:
