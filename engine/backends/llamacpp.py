@@ -39,7 +39,7 @@ import torch
 
 from engine.backend import Unsupported
 from engine.backends import isa
-from engine.backends.ggml_tensor import NAME_OFFSET, tensor_array
+from engine.backends.llamacpp_seam import _Tap
 from engine.backends.local import LocalBackend
 from engine.costs import formulas as costs
 from engine.costs.info import model_info
@@ -77,8 +77,6 @@ def _header_cache(path: Path) -> Path:
     return cache_root() / "headers" / (hashlib.sha256(key.encode()).hexdigest()[:20] + ".json")
 
 
-_ATTN, _LOUT = b"kq_soft_max-", b"l_out-"
-_EMBEDDING = (b"embd", b"inp_embd", b"inp_scaled")  # the last of these a graph evaluates is the residual's start
 
 
 def _llama():
@@ -107,89 +105,6 @@ def _llama():
         llama_cpp.llama_log_set(silent, None)
         llama_cpp.llama_backend_init()
     return llama_cpp
-
-
-class _Tap:
-    """The evaluation callback: which graph nodes one step wants, and their values once computed.
-
-    Attention rows are kept per layer as they arrive (a prefill longer than UBATCH arrives in pieces, each with the
-    keys cached so far); only the last `keep_rows` query rows of the step are copied (engine.model.probe's bound).
-    """
-
-    def __init__(self, ggml) -> None:
-        self.ggml = ggml
-        self.active = False
-        self.error: str | None = None
-        self.layers: frozenset[int] = frozenset()
-        self.residual = False
-        self.n_rows = self.keep_rows = 0
-        self.attn: dict[int, list[np.ndarray]] = {}
-        self.rows_seen: dict[int, int] = {}
-        self.resid: dict[int, np.ndarray] = {}
-        self.callback = None  # the ctypes function object, built by the owner (it must outlive the context)
-        # the seam's edits kept on for every step (engine.backends.llamacpp_seam.Writes), and the step they act in
-        self.writes = None
-        self.adapter = None  # engine.backends.llamacpp_seam.AdapterSteer: added vectors through llama.cpp's adapter
-        self.start = self.n_step = 0
-        self.written: dict[bytes, int] = {}  # rows of each written node this step so far
-
-    def begin(self, layers: frozenset[int], residual: bool, n_rows: int, keep_rows: int) -> None:
-        self.layers, self.residual = layers, residual
-        self.n_rows, self.keep_rows = n_rows, keep_rows
-        self.attn, self.rows_seen, self.resid = {}, {}, {}
-        self.error = None
-        self.active = bool(layers) or residual or self.writes is not None
-
-    def end(self) -> None:
-        self.layers, self.residual = frozenset(), False
-        self.active = self.writes is not None
-
-    def step(self, start: int, n: int) -> None:
-        """A step of `n` tokens from position `start` begins (the positions the seam's edits are written at)."""
-        self.start, self.n_step, self.written = start, n, {}
-        if self.adapter is not None:
-            self.adapter.update()
-
-    def __call__(self, t: int, ask: bool, _user_data: int) -> bool:
-        if not self.active:  # the fast path: one attribute read per graph node
-            return False
-        name = ctypes.string_at(t + NAME_OFFSET)
-        if ask:
-            return self._wants(t, name)
-        try:
-            self._record(t, name)
-        except Exception as e:  # noqa: BLE001 — an exception must not cross into C; the step reports it
-            self.error = f"{name.decode(errors='replace')}: {type(e).__name__}: {e}"
-        return True  # False would abort the graph
-
-    def _wants(self, t: int, name: bytes) -> bool:
-        if self.writes is not None and self.writes.wants(t, name):
-            return True
-        if name.startswith(_ATTN):
-            return name[len(_ATTN):].isdigit() and int(name[len(_ATTN):]) in self.layers
-        if self.residual:
-            return (name.startswith(_LOUT) and name[len(_LOUT):].isdigit()) or name in _EMBEDDING
-        return False
-
-    def _record(self, t: int, name: bytes) -> None:
-        a = tensor_array(self.ggml, t)  # attention (1, H, q, n_kv); residual (1, 1, rows, d)
-        if self.writes is not None and self.writes.wants(t, name):
-            first = self.written.get(name, 0)
-            self.written[name] = first + a.shape[2]
-            self.writes.apply(name, a[0, 0], self.start, first, self.n_step)
-            if not (self.residual and (name.startswith(_LOUT) or name in _EMBEDDING)):
-                return
-        if name.startswith(_ATTN):
-            layer = int(name[len(_ATTN):])
-            first = self.rows_seen.get(layer, 0)
-            n = a.shape[2]
-            self.rows_seen[layer] = first + n
-            lo = max(0, self.n_rows - self.keep_rows - first)  # rows of this piece among the step's last keep_rows
-            if lo < n:
-                self.attn.setdefault(layer, []).append(np.array(a[0, :, lo:, :], dtype=np.float32))
-        elif a.shape[2]:  # the last layer keeps only the rows whose logits are wanted: none in a prompt's early pieces
-            index = 0 if name in _EMBEDDING else int(name[len(_LOUT):]) + 1
-            self.resid[index] = np.array(a[0, 0, -1, :], dtype=np.float32)  # the newest position
 
 
 class _LensHead(torch.nn.Module):
