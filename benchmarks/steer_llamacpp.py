@@ -82,7 +82,8 @@ def seam(session, vector, scale: float):
 def generate(session, tokens: int, knob=None, scale: float = 1.0) -> tuple[float, float, list[int]]:
     """A greedy generation of `tokens` tokens: its median decode step (wall seconds), the median CPU seconds of
     this thread between two tokens after the first (the decode step, and the loop around it), and the tokens. With
-    a `knob` (a steering handle: engine.why.steer.Steering), the scale is moved after every token, to 1.1 × and 0.9 × `scale` in turn."""
+    a `knob` (a steering handle: engine.why.steer.Steering), the scale is moved after every token, to 1.1 × and
+    0.9 × `scale` in turn."""
     from engine.events import Finished, TokenSampled
     from engine.protocol import SamplingParams
 
