@@ -25,6 +25,7 @@ from app.units import fmt_bytes
 from engine.events import ModelInfo, RunStarted, Steered, TokenSampled, layers_text
 from engine.model.config import ModelConfig
 from engine.protocol import Steer, SteerReady
+from engine.why.steer import check_layers  # torch-free: numpy only
 
 SCALE_STEPS = 10  # slider ticks per unit of scale: 0.1 apart (a mean vector over many layers acts below 1)
 SCALE_MAX = 10.0
@@ -52,13 +53,7 @@ def parse_layers(text: str, n_layers: int) -> tuple[int, ...]:
         if hi < lo or hi - lo > 4096:
             raise ValueError(f"{part!r} is not a range of layers")
         out.extend(range(lo, hi + 1))
-    if not out:
-        raise ValueError("name at least one layer to steer")
-    bad = [x for x in out if not 1 <= x < n_layers]
-    if bad:
-        raise ValueError(f"layer {bad[0]} cannot be steered: this model's control vectors hold blocks 1–"
-                         f"{n_layers - 1}")
-    return tuple(sorted(set(out)))
+    return tuple(check_layers(out, n_layers))
 
 
 def scale_text(scale: float) -> str:

@@ -20,17 +20,23 @@ if TYPE_CHECKING:
     from engine.run.session import Engine
 
 
+def edited_session(backend: Backend, refusal: str) -> Engine:
+    """The backend's local session, whose forward pass a kept edit (an ablation, a steering vector) runs in;
+    Unsupported with `refusal` where there is none (a server: nothing of its forward pass is ours to edit)."""
+    try:
+        return backend.why_session()
+    except Unsupported:
+        raise Unsupported(refusal) from None
+
+
 def generate_ablated(backend: Backend, req: GenerateRequest) -> Run:
     """Start `req` with req.ablation on in every forward pass; Unsupported (one sentence) where the forward pass is not
     ours to edit (a server), ValueError (one sentence) for a part not in the model."""
     a = req.ablation
     if a is None:
         raise ValueError("this request names nothing to ablate")
-    try:
-        s = backend.why_session()
-    except Unsupported:  # a server: nothing of its forward pass is ours to edit
-        raise Unsupported("generating from an ablated model edits the model's forward pass, which a server does not "
-                          "expose: disconnect from the server to continue as a branch") from None
+    s = edited_session(backend, "generating from an ablated model edits the model's forward pass, which a server "
+                                "does not expose: disconnect from the server to continue as a branch")
     spec = Ablation(a.heads, a.attn_layers, a.mlp_layers, a.mean)
     prompt_ids = list(req.prompt_ids) if req.prompt_ids else s.tokenize(req.text, req.chat).ids
     spec.check(s.cfg, len(prompt_ids))

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engine.backend import Backend, Run, Unsupported, WrappedRun
+from engine.backend import Backend, Run, WrappedRun
 from engine.events import Event, PromptTokenized, Steered, TokenSampled
 from engine.formats.control_vector import ControlVector
 from engine.protocol import GenerateRequest, Steer
+from engine.why.ablated import edited_session
 from engine.why.steer import check_vector, steering
 
 if TYPE_CHECKING:
@@ -43,11 +44,8 @@ def generate_steered(backend: Backend, req: GenerateRequest) -> Run:
         raise ValueError("this request names no steering vector")
     if req.ablation is not None:
         raise ValueError("a run is either ablated or steered, not both: turn steering off to continue as a branch")
-    try:
-        s = backend.why_session()
-    except Unsupported:  # a server: nothing of its forward pass is ours to edit
-        raise Unsupported("steering adds a vector to the model's residual stream, which a server does not expose: "
-                          "turn steering off, or disconnect from the server") from None
+    s = edited_session(backend, "steering adds a vector to the model's residual stream, which a server does not "
+                                "expose: turn steering off, or disconnect from the server")
     vector = to_vector(st, s.cfg.architecture)
     check_vector(vector, s.cfg)
     return SteeredRun(s, backend.generate(replace(req, steer=None)), vector, st)
