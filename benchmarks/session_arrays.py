@@ -1,13 +1,14 @@
 """How long a session's arrays take to read back: `python -m benchmarks.session_arrays [--arrays 20000,80000]`.
 
-A long run's session holds tens of thousands of small arrays (each step's funnel). This writes that many 16-value
-float32 arrays with the session writer's own arrays.npz (engine.session_file._write_npz), stored in a zip
-as a session stores it, and times the reader the app uses (`_read_arrays`), printing µs per array.
+A long run's session of the first format (version 1) holds tens of thousands of small arrays (each step's funnel)
+in arrays.npz. This writes that many 16-value float32 arrays as that format did (np.savez, uncompressed, stored in a
+zip as a session stores it), and times the reader the app uses for it (`_read_arrays`), printing µs per array.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import tempfile
 import time
@@ -22,9 +23,10 @@ def time_read(n: int) -> float:
     arrays = {f"a{i}": np.arange(16, dtype=np.float32) + i for i in range(n)}
     with tempfile.TemporaryDirectory() as td:
         path = os.path.join(td, "arrays.zip")
-        with open(path, "wb") as fh, zipfile.ZipFile(fh, "w") as z:
-            with z.open(zipfile.ZipInfo("arrays.npz"), "w", force_zip64=True) as m:
-                sf._write_npz(m, arrays)
+        npz = io.BytesIO()
+        np.savez(npz, **arrays)
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("arrays.npz", npz.getvalue())
         t0 = time.perf_counter()
         with open(path, "rb") as fh, zipfile.ZipFile(fh) as z:
             got = sf._read_arrays(z, z.getinfo("arrays.npz"), fh)

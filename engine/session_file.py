@@ -12,9 +12,9 @@ Settings and configs in session.json are tagged: {"$type": "SamplingParams", "fi
 listed in `readable_types()` (the engine's events, a server run's events, settings and configs), {"$tuple": [...]},
 {"$frozenset": [...]}, {"$array": [pack, offset, *shape]}.
 
-Version 1 (still read; written with `version=1`) held every event tagged one by one, and arrays.npz with one
-member per array, named a0, a1, … ({"$array": "a0"}): reading a long run's tens of thousands of both one at a time
-was most of the time it took to reopen.
+Version 1 (still read) held every event tagged one by one, and arrays.npz with one member per array, named a0,
+a1, … ({"$array": "a0"}): reading a long run's tens of thousands of both one at a time was most of the time it took
+to reopen.
 
 A session file may come from anyone, so reading one is bounded before anything is inflated: how many members,
 how large each says it is and how far it is compressed (checked in the zip directory and again while reading, in
@@ -27,6 +27,7 @@ is wrong, the reader raises SessionFileError with one sentence.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import itertools
 import json
@@ -59,7 +60,6 @@ from engine.protocol import (  # plain data: the GUI process reads session files
 
 FORMAT = "inference-lab-session"
 VERSION = 2
-SUFFIX = ".ilab"
 
 # ---- what a file may make the reader hold -------------------------------------------------------------------
 # Sized from a long real run: SmolLM2-135M with the app's captures (funnel, full logits, logit lens, and attention
@@ -96,36 +96,26 @@ def _not_recorded(cls: type, present: Any) -> dict[str, Any]:
 
 
 # ---- the records a file may hold ----------------------------------------------------------------------------
-_TYPES: dict[str, type] | None = None
-
-
+@functools.cache
 def readable_types() -> dict[str, type]:
     """Every dataclass a session file may hold, by name: the engine's events, a server run's events (their own
     subclasses), and the settings and configs saved beside them. Nothing else is ever built from a file."""
-    global _TYPES
-    if _TYPES is None:
-        # torch-free at import (torch is imported inside the functions that need it): the GUI process reads files
-        from engine.remote import backend, client, metrics
+    # torch-free at import (torch is imported inside the functions that need it): the GUI process reads files
+    from engine.remote import backend, client, metrics
 
-        classes = [c for c in vars(ev_mod).values()
-                   if dataclasses.is_dataclass(c) and c.__module__ == ev_mod.__name__]
-        classes += [SamplingParams, Capture, ModelConfig, backend.TopNFunnel, backend.RemoteTokenSampled,
-                    backend.ServerConnected, backend.ServerMetricsSampled, client.ServerInfo, metrics.ServerMetrics]
-        by_name = {c.__name__: c for c in classes}
-        if len(by_name) != len(classes):
-            raise RuntimeError("two session record types share a name")
-        _TYPES = by_name
-    return _TYPES
+    classes = [c for c in vars(ev_mod).values() if dataclasses.is_dataclass(c) and c.__module__ == ev_mod.__name__]
+    classes += [SamplingParams, Capture, ModelConfig, backend.TopNFunnel, backend.RemoteTokenSampled,
+                backend.ServerConnected, backend.ServerMetricsSampled, client.ServerInfo, metrics.ServerMetrics]
+    by_name = {c.__name__: c for c in classes}
+    if len(by_name) != len(classes):
+        raise RuntimeError("two session record types share a name")
+    return by_name
 
 
-_CHECKS: dict[type, dict[str, tuple[Callable[[Any], bool], str]]] = {}
-
-
+@functools.cache
 def _checks(cls: type) -> dict[str, tuple[Callable[[Any], bool], str]]:
     """For each field of a record type, a test of whether a decoded value fits its annotation, and its name."""
-    if cls not in _CHECKS:
-        _CHECKS[cls] = {name: (_checker(h), _label(h)) for name, h in _hints(cls).items()}
-    return _CHECKS[cls]
+    return {name: (_checker(h), _label(h)) for name, h in _hints(cls).items()}
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -135,20 +125,18 @@ def _hints(cls: type) -> dict[str, Any]:
         return {}
 
 
-_BY_TYPE: dict[type, frozenset[str]] = {}
+def _by_type(hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or origin is types.UnionType:
+        return all(_by_type(a) for a in typing.get_args(hint))
+    return origin is None and (hint is None or isinstance(hint, type))
 
 
+@functools.cache
 def _checked_by_type(cls: type) -> frozenset[str]:
     """The fields whose check looks only at a value's type (not at a Literal's value or a container's items): a
     column of them is checked with one value of each type it holds."""
-    if cls not in _BY_TYPE:
-        def by_type(h: Any) -> bool:
-            origin = typing.get_origin(h)
-            if origin is typing.Union or origin is types.UnionType:
-                return all(by_type(a) for a in typing.get_args(h))
-            return origin is None and (h is None or isinstance(h, type))
-        _BY_TYPE[cls] = frozenset(name for name, h in _hints(cls).items() if by_type(h))
-    return _BY_TYPE[cls]
+    return frozenset(name for name, h in _hints(cls).items() if _by_type(h))
 
 
 @dataclass
@@ -197,30 +185,17 @@ def same_model(saved: dict, info: ev_mod.ModelInfo | None) -> str | None:
 
 # ---- encoding ------------------------------------------------------------------------------------------------
 class _Encoder:
-    """Values as tagged JSON (version 1's records, and in version 2 what is not a column: settings, configs)."""
+    """Values as tagged JSON: what is not a column (settings, configs), and version 1's records one by one."""
 
-    def __init__(self, packs: _Packs | None = None) -> None:
-        self.arrays: dict[str, np.ndarray] = {}  # version 1: the arrays by name, for arrays.npz
-        self.names: dict[int, str] = {}  # id of an array → its name (an array two events share is stored once)
-        self.packs = packs  # version 2: an array is a place in a pack
+    def __init__(self, array: Callable[[np.ndarray], Any]) -> None:
+        self.array = array  # an array → how the file names it (a place in a pack)
         self.types = readable_types()
-
-    def event(self, e: Any) -> str:
-        return json.dumps(self(e), ensure_ascii=False)
 
     def __call__(self, x: Any) -> Any:
         if x is None or isinstance(x, (bool, int, float, str)):
             return x
         if isinstance(x, np.ndarray):
-            if x.dtype.kind not in "biufc":
-                raise TypeError(f"cannot store an array of dtype {x.dtype}")
-            if self.packs is not None:
-                return {"$array": self.packs.ref(x)}
-            name = self.names.get(id(x))
-            if name is None:
-                name = self.names[id(x)] = f"a{len(self.names)}"
-                self.arrays[name] = x  # held: its id stays its own for the whole save
-            return {"$array": name}
+            return {"$array": self.array(x)}
         if isinstance(x, np.generic):
             return x.item()
         if isinstance(x, tuple):
@@ -239,14 +214,9 @@ class _Encoder:
         raise TypeError(f"cannot store a {type(x).__module__}.{name} in a session file")
 
 
-_FIELDS: dict[type, tuple[str, ...]] = {}
-
-
+@functools.cache
 def _init_fields(cls: type) -> tuple[str, ...]:
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.init)
-    return names
+    return tuple(f.name for f in dataclasses.fields(cls) if f.init)
 
 
 # ---- decoding: every value checked against what the record declares ------------------------------------------
@@ -300,8 +270,8 @@ _TAGS = ("$array", "$tuple", "$frozenset", "$type", "fields")
 
 
 class _Decoder:
-    def __init__(self, arrays: dict[str, np.ndarray] | Callable[[Any], np.ndarray]) -> None:
-        self.arrays = arrays  # version 1: arrays by name; version 2: a reference into the packs resolved
+    def __init__(self, array: Callable[[Any], np.ndarray]) -> None:
+        self.array = array  # what a file names an array by → the array (version 1: a name; 2: a place in a pack)
         self.types = readable_types()
 
     def __call__(self, x: Any, depth: int = 0) -> Any:
@@ -318,11 +288,7 @@ class _Decoder:
             raise SessionFileError(f"session.json holds a malformed tagged value with keys {_short(sorted(x))}")
         tag, value = tags[0], x[tags[0]]
         if tag == "$array":
-            if callable(self.arrays):
-                return self.arrays(value)
-            if not isinstance(value, str) or value not in self.arrays:
-                raise SessionFileError(f"session.json names an array {_short(value)} that arrays.npz lacks")
-            return self.arrays[value]
+            return self.array(value)
         if tag in ("$tuple", "$frozenset"):
             if not isinstance(value, list) or "fields" in x:
                 raise SessionFileError(f"session.json holds a {tag[1:]} that is not a list")
@@ -399,14 +365,10 @@ _SHAPES: tuple[tuple[type, dict[str, tuple[tuple[Any, ...], str]]], ...] = (
 )
 
 
-_SPECS: dict[type, list[dict[str, tuple[tuple[Any, ...], str]]]] = {}
-
-
+@functools.cache
 def _specs(cls: type) -> list[dict[str, tuple[tuple[Any, ...], str]]]:
     """The array shapes a record of this type must have (from _SHAPES)."""
-    if cls not in _SPECS:
-        _SPECS[cls] = [spec for c, spec in _SHAPES if issubclass(cls, c)]
-    return _SPECS[cls]
+    return [spec for c, spec in _SHAPES if issubclass(cls, c)]
 
 
 def _inconsistent(obj: Any) -> str | None:
@@ -534,29 +496,25 @@ class _Columns:
         return {"x": [self.tagged(v) for v in values]}
 
 
-class _Chunked:
-    """Text written to a binary stream in pieces of about WRITE_CHUNK characters: many small json.dumps calls instead
-    of one for a whole document, so no one call holds the GIL for long (the GUI thread keeps running while the writer
-    thread saves)."""
-
-    def __init__(self, out: Any) -> None:
-        self.out, self.parts, self.size = out, [], 0
-
-    def __call__(self, text: str) -> None:
-        self.parts.append(text)
-        self.size += len(text)
-        if self.size >= WRITE_CHUNK:
-            self.flush()
-
-    def flush(self) -> None:
-        self.out.write("".join(self.parts).encode("utf-8"))
-        self.parts.clear()
-        self.size = 0
-
-
 def _write_json(out: Any, doc: Any) -> None:
-    """A document written in pieces: a long list of plain values is dumped a slice at a time."""
-    put = _Chunked(out)
+    """A document written to a binary stream in pieces of about WRITE_CHUNK characters (a long list of plain values a
+    slice at a time): many small json.dumps calls instead of one for the whole document, so no one call holds the
+    GIL for long (the GUI thread keeps running while the writer thread saves)."""
+    parts: list[str] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal size
+        out.write("".join(parts).encode("utf-8"))
+        parts.clear()
+        size = 0
+
+    def put(text: str) -> None:
+        nonlocal size
+        parts.append(text)
+        size += len(text)
+        if size >= WRITE_CHUNK:
+            flush()
 
     def dump(x: Any) -> None:
         if isinstance(x, dict):
@@ -581,7 +539,7 @@ def _write_json(out: Any, doc: Any) -> None:
             put(json.dumps(x, ensure_ascii=False))
 
     dump(doc)
-    put.flush()
+    flush()
 
 
 def _put_bytes(out: Any, buf: bytearray, data: memoryview) -> None:
@@ -604,7 +562,7 @@ def _write_packs(z: zipfile.ZipFile, packs: _Packs) -> None:
         member = zipfile.ZipInfo(f"arrays/{p}.npy", time.localtime()[:6])
         member.compress_type = zipfile.ZIP_STORED
         with z.open(member, "w", force_zip64=True) as out:
-            buf = bytearray(_npy_header(np.dtype(key.rstrip("+")), (packs.counts[p],))[0])
+            buf = bytearray(_npy_header(np.dtype(key.rstrip("+")), (packs.counts[p],)))
             for a in packs.parts[p]:
                 _put_bytes(out, buf, memoryview(np.ascontiguousarray(a)).cast("B"))
             out.write(buf)
@@ -617,60 +575,13 @@ def _read_packs(z: zipfile.ZipFile, infos: dict[str, zipfile.ZipInfo], fh: Any) 
         raise SessionFileError("the archive's arrays/ folder is not packs 0, 1, 2, …")
     packs, budget = [], MAX_ARRAY_BYTES
     for i in numbers:
-        a = _read_pack(z, infos[f"arrays/{i}.npy"], fh, budget)
+        name = f"arrays/{i}.npy"
+        a = _read_npy_member(z, fh, infos[name], name, budget, {})
+        if a.ndim != 1 or not _PACK_DTYPE.fullmatch(a.dtype.str):
+            raise SessionFileError(f"{name} is not a pack (a 1-D array of numbers)")
         budget -= a.nbytes
         packs.append(a)
     return packs
-
-
-def _read_pack(z: zipfile.ZipFile, info: zipfile.ZipInfo, fh: Any, budget: int) -> np.ndarray:
-    """One pack: its .npy header checked against the member's size and the budget before anything is allocated,
-    then its data read in chunks straight into the array (in place when stored), its checksum checked."""
-    name = info.filename
-    _check_entry(info, budget + 4096)
-    stored = info.compress_type == zipfile.ZIP_STORED
-    if stored:
-        fh.seek(info.header_offset)
-        local = fh.read(30)
-        if len(local) != 30 or local[:4] != b"PK\x03\x04":
-            raise SessionFileError(f"{name} is damaged (no local header)")
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
-        start = info.header_offset + 30 + name_len + extra_len
-        if start + info.file_size > os.fstat(fh.fileno()).st_size:
-            raise SessionFileError(f"{name} is cut short")
-        source: Any = _Window(fh, start, info.file_size)
-    else:
-        source = z.open(info)
-    with source:
-        head = source.read(10)
-        if len(head) < 10 or head[:6] != b"\x93NUMPY" or head[6] not in (1, 2):
-            raise SessionFileError(f"{name} is not an .npy array")
-        if head[6] == 2:
-            head += source.read(2)
-        header_len = int.from_bytes(head[8:], "little")
-        if len(head) + header_len > min(info.file_size, 4096):
-            raise SessionFileError(f"{name} has an .npy header longer than its member")
-        prefix = head[8:] + source.read(header_len)
-        shape, _fortran, dtype = _parsed_npy_header(prefix, name, {})
-        if len(shape) != 1 or not _PACK_DTYPE.fullmatch(dtype.str):
-            raise SessionFileError(f"{name} is not a pack (a 1-D array of numbers)")
-        count = shape[0]
-        nbytes = count * dtype.itemsize
-        if nbytes > budget or 8 + len(prefix) + nbytes != info.file_size:
-            raise SessionFileError(f"{name} claims {count:,} values, not what its {info.file_size:,} bytes hold")
-        flat = np.empty(count, dtype)
-        view = memoryview(flat.view(np.uint8)) if count else memoryview(b"")
-        done = 0
-        while done < nbytes:
-            got = source.readinto(view[done:done + CHUNK])
-            if not got:
-                raise SessionFileError(f"{name} is cut short")
-            done += got
-        if source.read(1):  # the zip reader checks a deflated member's CRC at its end
-            raise SessionFileError(f"{name} holds more bytes than its header says")
-    if stored and zlib.crc32(view, zlib.crc32(head[:8] + prefix)) != info.CRC:
-        raise SessionFileError(f"{name} is damaged (its checksum does not match)")
-    return flat
 
 
 def _ints(x: Any, what: str) -> np.ndarray:
@@ -847,142 +758,44 @@ def _shapes_fit(specs: list[dict[str, tuple[tuple[Any, ...], str]]], shapes: dic
 
 _CHECKED = (ev_mod.PromptTokenized, ev_mod.Funnel, ev_mod.LensCaptured, ev_mod.AttentionCaptured,
             ev_mod.TokenSampled, ev_mod.ModelInfo, ev_mod.Steered, *(cls for cls, _spec in _SHAPES))
-_MAY: dict[type, bool] = {}
 
 
+@functools.cache
 def _may_be_inconsistent(cls: type) -> bool:
     """Whether `_inconsistent` has anything to check in a record of this type."""
-    if cls not in _MAY:
-        _MAY[cls] = issubclass(cls, _CHECKED) or cls.__name__ == "ServerInfo"
-    return _MAY[cls]
+    return issubclass(cls, _CHECKED) or cls.__name__ == "ServerInfo"
 
 
 # ---- files ---------------------------------------------------------------------------------------------------
 WRITE_CHUNK = 1 << 20  # characters of session.json encoded before each write
 
 
-def _write_document(out: Any, head: dict, s: SavedSession, enc: _Encoder) -> None:
-    """session.json, written event by event: one json.dumps of the whole document holds the GIL until it is done
-    (seconds for a long run, the GUI thread frozen meanwhile); small ones let other threads run between them."""
-    put = _Chunked(out)
-
-    def events(evs: list) -> None:
-        put("[")
-        for i, e in enumerate(evs):
-            put(("," if i else "") + enc.event(e))
-        put("]")
-
-    put("{")
-    for k, v in head.items():
-        put(f"{json.dumps(k)}:{json.dumps(v, ensure_ascii=False)},")
-    put('"events":')
-    events(s.events)
-    put(',"branches":[')
-    for j, b in enumerate(s.branches):
-        put(("," if j else "") + "{")
-        for k, v in b.items():
-            if k != "events":
-                put(f"{json.dumps(k)}:{json.dumps(v, ensure_ascii=False)},")
-        put('"events":')
-        events(b.get("events", []))
-        put("}")
-    put("]}")
-    put.flush()
+def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
+    """The .npy header numpy writes for a C-ordered array of this dtype and shape."""
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                                             "shape": shape})
+    return f.getvalue()
 
 
-_NPY_HEADERS: dict[tuple[np.dtype, tuple[int, ...]], tuple[bytes, int]] = {}
-_ZIP64_LIMIT = (1 << 32) - 1
-_LOCAL = struct.Struct(zipfile.structFileHeader)
-_CENTRAL = struct.Struct(zipfile.structCentralDir)
-
-
-def _npy_header(dtype: np.dtype, shape: tuple[int, ...]) -> tuple[bytes, int]:
-    """The .npy header numpy writes for a C-ordered array of this dtype and shape, and its CRC-32 (remembered: a
-    run's arrays come in a few shapes)."""
-    key = (dtype, shape)
-    h = _NPY_HEADERS.get(key)
-    if h is None:
-        f = io.BytesIO()
-        np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
-                                                 "fortran_order": False, "shape": shape})
-        h = (f.getvalue(), zlib.crc32(f.getvalue()))
-        if len(_NPY_HEADERS) < 65536:
-            _NPY_HEADERS[key] = h
-    return h
-
-
-def _write_npz(out: Any, arrays: dict[str, np.ndarray]) -> None:
-    """arrays.npz as np.savez writes it uncompressed (a zip of .npy members, read by np.load and by `_read_arrays`),
-    without np.savez's cost per array: a long run stores tens of thousands of small ones (each step's funnel),
-    which made the autosave take seconds (BENCHMARKS.md "Long runs", the autosave). Small members are gathered
-    into one write."""
-    total = sum(a.nbytes + 256 for a in arrays.values())
-    if total >= _ZIP64_LIMIT:  # offsets past 4 GiB need zip64 entries: zipfile's writer makes them
-        np.savez(out, **arrays)
-        return
-    t = time.localtime()
-    dos_time, dos_date = t[5] // 2 | t[4] << 5 | t[3] << 11, t[2] | t[1] << 5 | (t[0] - 1980) << 9
-    version = zipfile.DEFAULT_VERSION
-    central = bytearray()
-    buf = bytearray()
-    offset = 0
-    for key, a in arrays.items():
-        if not a.flags.c_contiguous:
-            a = np.ascontiguousarray(a)
-        header, header_crc = _npy_header(a.dtype, a.shape)
-        data = memoryview(a).cast("B")
-        name = f"{key}.npy".encode()
-        size = len(header) + data.nbytes
-        crc = zlib.crc32(data, header_crc)
-        buf += _LOCAL.pack(zipfile.stringFileHeader, version, 0, 0, 0, dos_time, dos_date, crc, size, size,
-                           len(name), 0)
-        buf += name
-        buf += header
-        central += _CENTRAL.pack(zipfile.stringCentralDir, version, 3, version, 0, 0, 0, dos_time, dos_date, crc,
-                                 size, size, len(name), 0, 0, 0, 0, 0o600 << 16, offset)
-        central += name
-        _put_bytes(out, buf, data)
-        offset += _LOCAL.size + len(name) + size
-    cd_start, cd_size, n = offset, len(central), len(arrays)
-    buf += central
-    if n > 0xFFFF:  # more members than the plain end record counts: the zip64 end record and its locator
-        buf += struct.pack(zipfile.structEndArchive64, zipfile.stringEndArchive64, 44, zipfile.ZIP64_VERSION,
-                           zipfile.ZIP64_VERSION, 0, 0, n, n, cd_size, cd_start)
-        buf += struct.pack(zipfile.structEndArchive64Locator, zipfile.stringEndArchive64Locator, 0,
-                           cd_start + cd_size, 1)
-    buf += struct.pack(zipfile.structEndArchive, zipfile.stringEndArchive, 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
-                       cd_size, cd_start, 0)
-    out.write(buf)
-
-
-def save_session(path: str | os.PathLike[str], s: SavedSession, version: int = VERSION) -> None:
+def save_session(path: str | os.PathLike[str], s: SavedSession) -> None:
     """Write `s` to `path` (write to a temporary file, then rename: an existing file is never left half-written).
 
     Nothing is written outside the folder of `path`. OSError with one sentence naming the path when it cannot be
-    written; TypeError when `s` holds something a session file cannot. `version` 1: the format older versions of
-    the app read (session.json's records one by one, arrays.npz).
+    written; TypeError when `s` holds something a session file cannot.
     """
-    _save(Path(path), s, _Encoder(), version)
-
-
-def _save(path: Path, s: SavedSession, enc: _Encoder, version: int) -> None:
-    if version == 1:
-        head = {
-            "format": FORMAT, "version": 1, "created": s.created or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "model": s.model, "prompt": s.prompt, "chat": s.chat, "settings": enc(s.settings),
-            "info": enc(s.info), "cfg": enc(s.cfg), **({"dropped": list(s.dropped)} if s.dropped else {}),
-        }
-    else:
-        packs = enc.packs = _Packs()
-        columns = _Columns(packs, enc)
-        head = {
-            "format": FORMAT, "version": VERSION, "created": s.created or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "model": s.model, "prompt": s.prompt, "chat": s.chat, "settings": enc(s.settings),
-            "info": enc(s.info), "cfg": enc(s.cfg), **({"dropped": list(s.dropped)} if s.dropped else {}),
-            "events": columns.rows(s.events),
-            "branches": [{**{k: v for k, v in b.items() if k != "events"}, "events": columns.rows(b.get("events", []))}
-                         for b in s.branches],
-        }
+    path = Path(path)
+    packs = _Packs()
+    enc = _Encoder(packs.ref)
+    columns = _Columns(packs, enc)
+    head = {
+        "format": FORMAT, "version": VERSION, "created": s.created or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "model": s.model, "prompt": s.prompt, "chat": s.chat, "settings": enc(s.settings),
+        "info": enc(s.info), "cfg": enc(s.cfg), **({"dropped": list(s.dropped)} if s.dropped else {}),
+        "events": columns.rows(s.events),
+        "branches": [{**{k: v for k, v in b.items() if k != "events"}, "events": columns.rows(b.get("events", []))}
+                     for b in s.branches],
+    }
     for b in s.branches:  # what a branch holds besides its events is plain data: checked before anything is written
         json.dumps({k: v for k, v in b.items() if k != "events"})
     folder = path.parent if str(path.parent) else Path(".")
@@ -999,17 +812,8 @@ def _save(path: Path, s: SavedSession, enc: _Encoder, version: int) -> None:
             doc = zipfile.ZipInfo("session.json", time.localtime()[:6])
             doc.compress_type = zipfile.ZIP_DEFLATED
             with z.open(doc, "w", force_zip64=True) as out:
-                _write_document(out, head, s, enc) if version == 1 else _write_json(out, head)
-            if version == 1:
-                member = zipfile.ZipInfo("arrays.npz", time.localtime()[:6])
-                member.compress_type = zipfile.ZIP_STORED  # read in place, never inflated
-                with z.open(member, "w", force_zip64=True) as npz:
-                    # Not deflated: a run's float32 logits are most of it and hardly shrink, while deflating them
-                    # cost the autosave seconds of a core after every run (BENCHMARKS.md, "The app as users
-                    # run it").
-                    _write_npz(npz, enc.arrays)
-            else:
-                _write_packs(z, packs)
+                _write_json(out, head)
+            _write_packs(z, packs)
             if s.tokenizer is not None:
                 with tempfile.TemporaryDirectory(prefix=".ilab-", dir=folder) as td:  # beside the file, not in /tmp
                     s.tokenizer.save(td)
@@ -1078,6 +882,11 @@ def _load(fh: io.BufferedReader, with_tokenizer: bool) -> SavedSession:
             packs = _read_packs(z, infos, fh)
         else:
             arrays = _read_arrays(z, infos["arrays.npz"], fh) if "arrays.npz" in infos else {}
+
+            def named(name: Any) -> np.ndarray:
+                if not isinstance(name, str) or name not in arrays:
+                    raise SessionFileError(f"session.json names an array {_short(name)} that arrays.npz lacks")
+                return arrays[name]
         tokenizer = None
         tok_files = [i for n, i in infos.items() if n.startswith("tokenizer/") and not n.endswith("/")]
         if with_tokenizer and tok_files:
@@ -1088,7 +897,7 @@ def _load(fh: io.BufferedReader, with_tokenizer: bool) -> SavedSession:
         events: Callable[[Any], list] = columns.rows
         empty: Any = {"rows": 0, "c": {"v": []}}
     else:
-        dec = _Decoder(arrays)
+        dec = _Decoder(named)
         events, empty = dec, []
     s = SavedSession(
         events=events(doc.get("events", empty)), prompt=doc.get("prompt", ""), chat=doc.get("chat", False),
@@ -1240,21 +1049,28 @@ class _Window(io.RawIOBase):
         return got
 
 
+def _member_window(fh: Any, info: zipfile.ZipInfo, name: str) -> _Window:
+    """A stored member's bytes, read in place from the file (or window) `fh` the archive lies in."""
+    fh.seek(info.header_offset)
+    local = fh.read(30)
+    if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        raise SessionFileError(f"{name} is damaged (no local header)")
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    start = info.header_offset + 30 + name_len + extra_len
+    if start + info.file_size > fh.seek(0, os.SEEK_END):
+        raise SessionFileError(f"{name} is cut short")
+    return _Window(fh, start, info.file_size)
+
+
 def _read_arrays(z: zipfile.ZipFile, info: zipfile.ZipInfo, fh: Any) -> dict[str, np.ndarray]:
-    """arrays.npz: read in place when stored (this version writes it so), else inflated under the same caps."""
-    _check_entry(info, MAX_ARRAY_BYTES + MAX_ARRAYS * 4096)  # its arrays plus their headers and directory
+    """Version 1's arrays.npz: read in place when stored (as the last version 1 wrote it), else inflated under the
+    same caps."""
+    cap = MAX_ARRAY_BYTES + MAX_ARRAYS * 4096  # its arrays plus their headers and directory
+    _check_entry(info, cap)
     if info.compress_type == zipfile.ZIP_STORED:
-        fh.seek(info.header_offset)
-        local = fh.read(30)
-        if len(local) != 30 or local[:4] != b"PK\x03\x04":
-            raise SessionFileError("arrays.npz is damaged (no local header)")
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
-        start = info.header_offset + 30 + name_len + extra_len
-        if start + info.file_size > os.fstat(fh.fileno()).st_size:
-            raise SessionFileError("arrays.npz is cut short")
-        source: Any = _Window(fh, start, info.file_size)
+        source: Any = _member_window(fh, info, "arrays.npz")
     else:
-        source = io.BytesIO(_read_member(z, info, MAX_ARRAY_BYTES + MAX_ARRAYS * 4096))
+        source = io.BytesIO(_read_member(z, info, cap))
     # an array's directory entry is ~60 bytes (a 46-byte record and its name)
     with _open_zip(source, MAX_ARRAYS, "arrays.npz is not an .npz archive", entry_bytes=96) as npz:
         arrays: dict[str, np.ndarray] = {}
@@ -1263,15 +1079,10 @@ def _read_arrays(z: zipfile.ZipFile, info: zipfile.ZipInfo, fh: Any) -> dict[str
         for member in npz.infolist():
             if not re.fullmatch(r"a[0-9]{1,7}\.npy", member.filename):
                 raise SessionFileError(f"arrays.npz holds an unexpected member {_short(member.filename)}")
-            a = _read_stored_npy(source, member, budget, headers) if isinstance(source, _Window) else None
-            if a is None:
-                a = _read_npy(npz, member, budget)
+            a = _read_npy_member(npz, source, member, f"arrays.npz's {member.filename}", budget, headers)
             budget -= a.nbytes
             arrays[member.filename[:-4]] = a
     return arrays
-
-
-_NPY_PREFIX = 512  # bytes read at once: a member's local header, its name and the .npy header of a session's arrays
 
 
 def _parsed_npy_header(prefix: bytes, name: str, headers: dict) -> tuple[tuple[int, ...], bool, np.dtype]:
@@ -1293,80 +1104,40 @@ def _parsed_npy_header(prefix: bytes, name: str, headers: dict) -> tuple[tuple[i
     return shape, fortran, dtype
 
 
-def _read_stored_npy(window: _Window, member: zipfile.ZipInfo, budget: int, headers: dict) -> np.ndarray | None:
-    """One stored .npy member read straight from the file: its local header and .npy header from one read, then its
-    data into the array, with the checks _read_npy makes (the CRC included). None: not this simple case (compressed,
-    or a header longer than one read), for _read_npy."""
-    if member.compress_type != zipfile.ZIP_STORED or member.flag_bits & 0x1:
-        return None
-    _check_entry(member, budget)
-    name = f"arrays.npz's {member.filename}"
-    window.seek(member.header_offset)
-    head = window.read(_NPY_PREFIX)
-    if len(head) < 30 or head[:4] != b"PK\x03\x04" or struct.unpack("<H", head[8:10])[0] != 0:
-        return None
-    name_len, extra_len = struct.unpack("<HH", head[26:30])
-    at = 30 + name_len + extra_len  # where the member's bytes (the .npy file) begin
-    if head[30:30 + name_len] != member.filename.encode() or len(head) < at + 10:
-        return None
-    npy = head[at:]
-    if npy[:6] != b"\x93NUMPY" or npy[6] not in (1, 2):
-        raise SessionFileError(f"{name} is not an .npy array")
-    length_bytes = 2 if npy[6] == 1 else 4
-    header_len = int.from_bytes(npy[8:8 + length_bytes], "little")
-    data_at = 8 + length_bytes + header_len  # within the member
-    if data_at > len(npy):
-        return None
-    shape, fortran, dtype = _parsed_npy_header(npy[8:data_at], name, headers)
-    count = math.prod(shape)
-    nbytes = count * dtype.itemsize
-    if nbytes > budget or data_at + nbytes != member.file_size:
-        raise SessionFileError(f"{name} claims {count:,} values, not what its {member.file_size:,} bytes hold")
-    if member.header_offset + at + member.file_size > window.size:
-        raise SessionFileError(f"{name} is cut short")
-    flat = np.empty(count, dtype)
-    view = memoryview(flat.view(np.uint8)) if count else memoryview(b"")
-    done = min(nbytes, len(npy) - data_at)  # a small array came with the headers
-    if done:
-        view[:done] = npy[data_at:data_at + done]
-    window.seek(member.header_offset + at + data_at + done)
-    while done < nbytes:
-        got = window.readinto(view[done:done + CHUNK])
-        if not got:
-            raise SessionFileError(f"{name} is cut short")
-        done += got
-    if zlib.crc32(view, zlib.crc32(npy[:data_at])) != member.CRC:
-        raise SessionFileError(f"{name} is damaged (its checksum does not match)")
-    return flat.reshape(shape[::-1]).transpose() if fortran else flat.reshape(shape)
-
-
-def _read_npy(npz: zipfile.ZipFile, member: zipfile.ZipInfo, budget: int) -> np.ndarray:
-    """One .npy member: its header checked (no objects, no more bytes than the member and the budget hold), then
-    its data read in chunks straight into the array."""
-    _check_entry(member, budget)
-    name = f"arrays.npz's {member.filename}"
-    with npz.open(member) as m:
-        version = np.lib.format.read_magic(m)
-        if version not in ((1, 0), (2, 0)):
-            raise SessionFileError(f"{name} has an .npy header version {version} this version cannot read")
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran, dtype = read_header(m)
-        if dtype.hasobject or dtype.kind not in "biufc":
-            raise SessionFileError(f"{name} holds {dtype} values, not numbers (Python objects are never read)")
+def _read_npy_member(z: zipfile.ZipFile, fh: Any, info: zipfile.ZipInfo, name: str, budget: int,
+                     headers: dict) -> np.ndarray:
+    """One .npy member of `z`, which lies in `fh`: its .npy header checked against the member's size and the budget
+    before anything is allocated, then its data read in chunks straight into the array; a stored member is read in
+    place and its checksum checked here (zipfile checks a deflated one's as it reaches the end)."""
+    _check_entry(info, budget + 4096)
+    stored = info.compress_type == zipfile.ZIP_STORED
+    with _member_window(fh, info, name) if stored else z.open(info) as source:
+        head = source.read(10)
+        if len(head) < 10 or head[:6] != b"\x93NUMPY" or head[6] not in (1, 2):
+            raise SessionFileError(f"{name} is not an .npy array")
+        if head[6] == 2:
+            head += source.read(2)
+        header_len = int.from_bytes(head[8:], "little")
+        if len(head) + header_len > min(info.file_size, 4096):
+            raise SessionFileError(f"{name} has an .npy header longer than its member")
+        prefix = head[8:] + source.read(header_len)
+        shape, fortran, dtype = _parsed_npy_header(prefix, name, headers)
         count = math.prod(shape)
         nbytes = count * dtype.itemsize
-        if nbytes > member.file_size or nbytes > budget:
-            raise SessionFileError(f"{name} claims {count:,} values, more than the file holds")
+        if nbytes > budget or len(head) + header_len + nbytes != info.file_size:
+            raise SessionFileError(f"{name} claims {count:,} values, not what its {info.file_size:,} bytes hold")
         flat = np.empty(count, dtype)
         view = memoryview(flat.view(np.uint8)) if count else memoryview(b"")
         done = 0
         while done < nbytes:
-            got = m.readinto(view[done:done + CHUNK])
+            got = source.readinto(view[done:done + CHUNK])
             if not got:
                 raise SessionFileError(f"{name} is cut short")
             done += got
-        if m.read(1):  # also lets the zip reader check the CRC at the end
-            raise SessionFileError(f"{name} holds more bytes than its shape")
+        if source.read(1):
+            raise SessionFileError(f"{name} holds more bytes than its header says")
+    if stored and zlib.crc32(view, zlib.crc32(head[:8] + prefix)) != info.CRC:
+        raise SessionFileError(f"{name} is damaged (its checksum does not match)")
     return flat.reshape(shape[::-1]).transpose() if fortran else flat.reshape(shape)
 
 

@@ -29,6 +29,7 @@ from engine.events import (
 )
 from engine.protocol import SamplingParams
 from engine.session_file import SavedSession, load_session, save_session
+from tests.session_v1 import save_v1
 
 pytestmark = pytest.mark.qt_log_ignore("This plugin does not support")  # offscreen
 COST = StepCost(flops=1e6, weight_bytes=1e5, kv_read_bytes=1e3, kv_write_bytes=1e2)
@@ -254,7 +255,7 @@ def test_arrays_npz_with_more_members_than_a_plain_zip_counts(tmp_path):
     """Version 1: past 65,535 arrays the end of arrays.npz is the zip64 record; numpy's own reader reads it too."""
     many = [np.full(i % 4, i, np.int32) for i in range(66_000)]
     path = tmp_path / "many.ilab"
-    save_session(path, SavedSession(events=[], settings={"many": many, "f": np.linspace(0, 1, 7)}), version=1)
+    save_v1(path, SavedSession(events=[], settings={"many": many, "f": np.linspace(0, 1, 7)}))
     back = load_session(path, with_tokenizer=False)
     assert len(back.settings["many"]) == len(many)
     for a, b in zip(back.settings["many"], many, strict=True):

@@ -100,11 +100,12 @@ def test_the_reopen_benchmark_runs_end_to_end(tiny_dir, tmp_path):
     assert [s["gil_switch_ms"] for s in saves] == [sys.getswitchinterval() * 1e3] * 3 + [0.5]
     assert all(s["save_s"] > 0 and s["objects_tracked"] > 0 and s["stall_p99_ms"] is not None for s in saves)
     # a file of the format before the packed one, written again in the current format: the same events
-    from engine.session_file import VERSION, load_session, save_session
+    from engine.session_file import VERSION, load_session
     from tests.engine.test_session_file import assert_same
+    from tests.session_v1 import save_v1
 
     old, again = tmp_path / "v1.ilab", tmp_path / "again.ilab"
-    save_session(old, load_session(path), version=1)
+    save_v1(old, load_session(path))
     r = subprocess.run([sys.executable, "-m", "benchmarks.reopen", "--resave", str(old), str(again)],
                        capture_output=True, text=True, env=env, cwd=root, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -31,6 +31,7 @@ from engine.run.refunnel import funnel_stages
 from engine.session_file import load_session, save_session
 from tests.app.conftest import wait_loaded
 from tests.app.test_sessions import generate
+from tests.session_v1 import save_v1
 
 pytestmark = pytest.mark.qt_log_ignore("This plugin does not support raise")
 
@@ -181,7 +182,7 @@ def test_a_session_saved_with_context_ids_still_opens(qtbot, window, tmp_path):
     """Files written before TokenSampled lost its context_ids field keep opening (the field is ignored)."""
     generate(qtbot, window, n=3)
     path, old = tmp_path / "new.ilab", tmp_path / "old.ilab"
-    save_session(path, session_io.current_session(window), version=1)  # as those files were written
+    save_v1(path, session_io.current_session(window))  # as those files were written
     with zipfile.ZipFile(path) as z:
         files = {n: z.read(n) for n in z.namelist()}
     doc = json.loads(files["session.json"])

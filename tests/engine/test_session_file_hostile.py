@@ -35,6 +35,7 @@ from engine.remote.client import ServerInfo
 from engine.remote.metrics import ServerMetrics
 from engine.session_file import MAX_ARRAYS, SavedSession, SessionFileError, load_session, save_session
 from tests.engine.test_session_file import assert_same
+from tests.session_v1 import save, save_v1
 
 ROOT = Path(__file__).resolve().parents[2]
 MB = 1 << 20
@@ -119,7 +120,7 @@ def valid_file_bytes() -> io.BytesIO:
         with tempfile.TemporaryDirectory() as td:
             # the cases below are edits of a version-1 file (session.json's records tagged one by one, arrays.npz):
             # files written before the packed format; the version-2 cases follow them
-            save_session(Path(td) / "valid.ilab", SavedSession(events=[prompt_event(), tok], prompt="ab"), version=1)
+            save_v1(Path(td) / "valid.ilab", SavedSession(events=[prompt_event(), tok], prompt="ab"))
             _VALID["v"] = (Path(td) / "valid.ilab").read_bytes()
             save_session(Path(td) / "valid2.ilab", SavedSession(events=[prompt_event(), tok], prompt="ab"))
             _VALID["v2"] = (Path(td) / "valid2.ilab").read_bytes()
@@ -612,7 +613,7 @@ def test_a_hostile_file_is_refused_in_one_sentence(build, tmp_path):
 @pytest.mark.parametrize("name", sorted(LENGTH_CASES))
 def test_per_step_arrays_that_disagree_are_refused(name, version, tmp_path):
     path = tmp_path / f"{name}.ilab"
-    save_session(path, SavedSession(events=LENGTH_CASES[name]()), version=version)  # it stores what it is given
+    save(path, SavedSession(events=LENGTH_CASES[name]()), version)  # it stores what it is given
     with pytest.raises(SessionFileError) as e:
         load_session(path)
     assert "inconsistent" in str(e.value) and "\n" not in str(e.value)

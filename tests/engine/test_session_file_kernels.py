@@ -17,8 +17,8 @@ from engine.session_file import (
     SavedSession,
     SessionFileError,
     load_session,
-    save_session,
 )
+from tests.session_v1 import save
 
 
 def info(kernels: str = "exact") -> ModelInfo:
@@ -51,20 +51,20 @@ def info_fields(doc: dict) -> dict:
 @pytest.mark.parametrize("version", [2, 1])
 @pytest.mark.parametrize("mode", ["exact", "file", "fast"])
 def test_the_kernel_mode_round_trips(mode, version, tmp_path):
-    save_session(tmp_path / "s.ilab", SavedSession(info=info(mode)), version=version)
+    save(tmp_path / "s.ilab", SavedSession(info=info(mode)), version)
     back = load_session(tmp_path / "s.ilab", with_tokenizer=False)
     assert back.info == info(mode) and back.info.kernels == mode
 
 
 @pytest.mark.parametrize("version", [2, 1])
 def test_a_file_saved_before_the_mode_was_recorded_says_not_recorded(version, tmp_path):
-    save_session(tmp_path / "s.ilab", SavedSession(info=info("fast")), version=version)
+    save(tmp_path / "s.ilab", SavedSession(info=info("fast")), version)
     old = rewrite(tmp_path / "s.ilab", lambda d: info_fields(d).pop("kernels"))
     back = load_session(old, with_tokenizer=False)
     assert back.info.kernels == KERNELS_NOT_RECORDED != "exact"
     assert dataclasses.replace(back.info, kernels="fast") == info("fast")  # everything else as saved
     # saved again as it is, it still says not recorded (never becomes "exact" on the way)
-    save_session(tmp_path / "again.ilab", back, version=version)
+    save(tmp_path / "again.ilab", back, version)
     assert load_session(tmp_path / "again.ilab", with_tokenizer=False).info.kernels == KERNELS_NOT_RECORDED
 
 
@@ -75,7 +75,7 @@ HOSTILE = {"unknown_word": "turbo", "a_number": 5, "a_list": ["exact"], "huge": 
 @pytest.mark.parametrize("version", [2, 1])
 @pytest.mark.parametrize("name", sorted(HOSTILE))
 def test_a_hostile_kernel_mode_is_refused_in_one_sentence(name, version, tmp_path):
-    save_session(tmp_path / "s.ilab", SavedSession(info=info()), version=version)
+    save(tmp_path / "s.ilab", SavedSession(info=info()), version)
     path = rewrite(tmp_path / "s.ilab", lambda d: info_fields(d).__setitem__("kernels", HOSTILE[name]))
     with pytest.raises(SessionFileError) as e:
         load_session(path, with_tokenizer=False)
@@ -86,7 +86,7 @@ def test_a_hostile_kernel_mode_is_refused_in_one_sentence(name, version, tmp_pat
 @pytest.mark.parametrize("version", [2, 1])
 def test_a_hostile_mode_among_the_events_is_refused_too(version, tmp_path):
     """A ModelInfo is a record a file may hold anywhere: as an event (version 2 reads events as columns), too."""
-    save_session(tmp_path / "s.ilab", SavedSession(events=[info("turbo")]), version=version)  # stored as given
+    save(tmp_path / "s.ilab", SavedSession(events=[info("turbo")]), version)  # stored as given
     with pytest.raises(SessionFileError) as e:
         load_session(tmp_path / "s.ilab", with_tokenizer=False)
     assert "turbo" in str(e.value) and "kernel mode" in str(e.value)
