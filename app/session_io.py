@@ -325,6 +325,11 @@ def snapshot(window) -> SavedSession:
     shown = store.shown_run()
     why = window.panels.get("why")
     extra = {"why": why.saved_results()} if why is not None and why.saved_results() else {}
+    lab, requests = window.panels.get("load_lab"), window.panels.get("requests")
+    if lab is not None and lab.runs:  # the Load lab's last run: its levels' figures and each request's timeline
+        extra["load_lab"] = lab.saved_results()
+    if requests is not None and requests.requests:
+        extra["load_requests"] = requests.saved_results()
     return SavedSession(
         events=store.events(), prompt=text, chat=chat,
         settings={"params": bridge.params, "max_new_tokens": int(max_new), **extra},
@@ -580,6 +585,10 @@ def replay(window, saved: SavedSession, warning: str | None = None, wait: bool =
             why = window.panels.get("why")
             if why is not None:  # the why-experiments' results the session kept (none: the panel is cleared)
                 why.restore_results(saved.settings.get("why"))
+            for name, key in (("load_lab", "load_lab"), ("requests", "load_requests")):
+                panel = window.panels.get(name)
+                if panel is not None and key in saved.settings:  # none kept: a live server's runs stay
+                    panel.restore_results(saved.settings[key])
             steer = window.panels.get("steer")
             vector = next((e for e in store.events() if isinstance(e, Steered) and e.directions is not None), None)
             if steer is not None and vector is not None:  # the shown run's steering vector, back in its panel

@@ -264,6 +264,32 @@ class LoadLabPanel(Panel):
                 json.dump({"server": server.to_dict() if server is not None else None, "runs": self.runs}, f,
                           indent=2)
 
+    def saved_results(self) -> dict:
+        """The last run's levels (and the settings they ran with) as plain data for a session file."""
+        return {"runs": [dict(r) for r in self.runs], "config": dict(self._cfg)}
+
+    def restore_results(self, saved: object) -> str:
+        """Show the levels a session holds (replacing the panel's); "" or one sentence on what was skipped."""
+        from engine.remote.loadlab import CSV_FIELDS
+
+        def number(v: object) -> bool:
+            return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+        runs = saved.get("runs") if isinstance(saved, dict) else None
+        cfg = saved.get("config") if isinstance(saved, dict) else None
+        good = [r for r in runs if isinstance(r, dict) and all(number(r.get(k)) for k in CSV_FIELDS)
+                and number(r.get("completed")) and r.get("completed") is not None] if isinstance(runs, list) else []
+        if self.running:
+            return "a load run is going on: the session's load-lab results are not shown"
+        self.runs, self.level_requests, self.metrics = good, [], []
+        self._cfg = cfg if isinstance(cfg, dict) else {}
+        self.levels = [r.get("concurrency") for r in good]
+        skipped = (len(runs) - len(good)) if isinstance(runs, list) else 1
+        msg = f"{skipped} saved load-lab level(s) skipped: not a level's figures" if skipped else ""
+        self.status = f"⚠ {msg}" if msg else (summarize(self.runs) or "")
+        self.mark_dirty()
+        return msg
+
     def _export_dialog(self) -> None:
         path, _ = QtWidgets.QFileDialog.getSaveFileName(self, "Export load-lab results", "load-lab.json",
                                                         "JSON (*.json);;CSV (*.csv)")

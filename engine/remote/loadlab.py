@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -36,8 +36,17 @@ PROMPTS = (
 )
 
 
+MAX_TIMELINE = 4096  # content chunks whose arrival, token count and text a request keeps (its Gantt row)
+MAX_PIECES_CHARS = 64 << 10  # the text of a request's chunks kept for its detail, in all
+
+
 @dataclass(frozen=True)
 class RequestResult:
+    """One request of a load run. Its timeline: `token_times_s[k]` is when content chunk k arrived, in seconds after
+    the request was sent (so TTFT = token_times_s[0] and E2EL = token_times_s[-1] are the same subtractions), with
+    `chunk_tokens[k]` tokens and the text `pieces[k]`; at most MAX_TIMELINE chunks are kept (`timeline_cut` says
+    more came). `sent_wall_s` is the send time on the wall clock (time.time()), where a server's spans are placed."""
+
     ok: bool
     ttft_s: float = 0.0
     e2el_s: float = 0.0
@@ -46,6 +55,16 @@ class RequestResult:
     prompt_tokens: int = 0
     error: str = ""
     start_s: float = 0.0  # since the run began
+    index: int = -1  # which request of its level (the order they were started in)
+    concurrency: int | None = None  # its level
+    request_id: str = ""  # the server's id for it (the stream's `id`)
+    sent_wall_s: float = 0.0
+    token_times_s: tuple[float, ...] = ()
+    chunk_tokens: tuple[int, ...] = ()
+    pieces: tuple[str, ...] = ()
+    end_s: float = 0.0  # the stream closed, seconds after sending (after the last chunk: usage, [DONE])
+    timeline_cut: bool = False
+    server: object = None  # engine.remote.spans.ServerSpan: the server's own account, where it exports one
 
     @property
     def tpot_s(self) -> float:
@@ -140,16 +159,30 @@ def one_request(backend: RemoteBackend, prompt: str | Sequence[int], max_new_tok
     `prompt` is text, or token ids sent as they are (no template, no BOS added by the server)."""
     path, payload = backend.request_payload(prompt, SamplingParams(temperature=0.0), max_new_tokens, chat=False,
                                             top_logprobs=0, ignore_eos=True)
+    wall = time.time()
     t0 = time.perf_counter()
     ttft = 0.0
     last = t0
     itl: list[float] = []
-    n_tokens = 0
+    times: list[float] = []
+    counts: list[int] = []
+    pieces: list[str] = []
+    kept_chars = 0
+    n_tokens = n_chunks = 0
     usage = None
+    rid = ""
+
+    def failed(error: str) -> RequestResult:
+        return RequestResult(ok=False, error=error, start_s=t0 - t_run, request_id=rid, sent_wall_s=wall,
+                             token_times_s=tuple(times), chunk_tokens=tuple(counts), pieces=tuple(pieces),
+                             end_s=time.perf_counter() - t0, timeline_cut=n_chunks > len(times))
+
     try:
         stream = backend.client.stream(path, payload, timeout=timeout_s)
         try:
             for t, chunk in stream:
+                if chunk.id and not rid:
+                    rid = chunk.id
                 if chunk.usage:
                     usage = chunk.usage
                 if not chunk.text and not chunk.tokens:
@@ -159,17 +192,27 @@ def one_request(backend: RemoteBackend, prompt: str | Sequence[int], max_new_tok
                 else:
                     itl.append(t - last)
                 last = t
-                n_tokens += max(1, len(chunk.tokens))
+                n = max(1, len(chunk.tokens))
+                n_tokens += n
+                n_chunks += 1
+                if len(times) < MAX_TIMELINE:
+                    times.append(t - t0)
+                    counts.append(n)
+                    piece = chunk.text[:max(0, MAX_PIECES_CHARS - kept_chars)]
+                    kept_chars += len(piece)
+                    pieces.append(piece)
                 if cancel.is_set():
-                    return RequestResult(ok=False, error="cancelled", start_s=t0 - t_run)
+                    return failed("cancelled")
         finally:
             stream.close()
     except RemoteError as e:
-        return RequestResult(ok=False, error=str(e), start_s=t0 - t_run)
+        return failed(str(e))
     out = int(usage.get("completion_tokens", n_tokens)) if usage else n_tokens
     pin = int(usage.get("prompt_tokens", 0)) if usage else 0
     return RequestResult(ok=True, ttft_s=ttft, e2el_s=last - t0, itl_s=tuple(itl), output_tokens=out,
-                         prompt_tokens=pin, start_s=t0 - t_run)
+                         prompt_tokens=pin, start_s=t0 - t_run, request_id=rid, sent_wall_s=wall,
+                         token_times_s=tuple(times), chunk_tokens=tuple(counts), pieces=tuple(pieces),
+                         end_s=time.perf_counter() - t0, timeline_cut=n_chunks > len(times))
 
 
 def run_once(backend: RemoteBackend, concurrency: int | None, num_prompts: int, max_new_tokens: int,
@@ -210,6 +253,7 @@ def run_once(backend: RemoteBackend, concurrency: int | None, num_prompts: int, 
             else:
                 r = one_request(backend, PROMPTS[i % len(PROMPTS)], max_new_tokens, cancel, t_run,
                                 timeout_s=max(1.0, remaining))
+            r = replace(r, index=i, concurrency=concurrency)
             with lock:
                 results.append(r)
             if on_request:

@@ -55,6 +55,7 @@ class Chunk:
     model: str | None = None
     timings: dict | None = None  # llama.cpp's server reports its own prompt/decode timings
     extra: dict = field(default_factory=dict)
+    id: str | None = None  # the response's id (vLLM names its request, and that request's spans, after it)
 
 
 def sse_data(lines: Iterable[bytes], max_event: int | None = None) -> Iterator[str]:
@@ -211,8 +212,9 @@ def _chunk(d, payload: str) -> Chunk:
     usage = _numbers(d.get("usage"), ints=True)
     timings = _numbers(d.get("timings"), ints=False)
     model = d.get("model") if isinstance(d.get("model"), str) else None
+    rid = d["id"][:200] if isinstance(d.get("id"), str) else None
     if not choices:
-        return Chunk(usage=usage, model=model, timings=timings)
+        return Chunk(usage=usage, model=model, timings=timings, id=rid)
     c = _dict(choices[0], "choice")
     if "delta" in c:
         delta = c.get("delta") or {}
@@ -224,7 +226,7 @@ def _chunk(d, payload: str) -> Chunk:
     tokens = _tokens(c.get("logprobs"), text, ids)
     return Chunk(
         tokens=tokens, text=text, finish_reason=_str(c.get("finish_reason"), "finish_reason"), usage=usage,
-        prompt_token_ids=prompt_ids or None, model=model, timings=timings,
+        prompt_token_ids=prompt_ids or None, model=model, timings=timings, id=rid,
     )
 
 
