@@ -102,30 +102,18 @@ def from_vocab(
         orphans = {ch for t, k in zip(tokens, types.tolist(), strict=True) if k == _TYPE_NORMAL for ch in t}
         orphans -= vocab.keys()
         if orphans:
-            warnings.append(
-                f"{len(orphans)} characters occur inside tokens but are no token themselves; text with them "
-                "may tokenize differently from llama.cpp"
-            )
-        rules = _Rules(
-            "spm",
-            types,
-            _partition_order(tokens, types, name),
-            add_space_prefix=True if add_space_prefix is None else bool(add_space_prefix),
-            add_eos=add_eos,
-        )
-        if add_bos is None:
-            add_bos = True
-        eos = list(eos_ids)
-        eos += [i for text in _EOG_TEXTS if (i := vocab.get(text)) is not None]
-        return cls(backend, bos_id=bos_id, eos_ids=eos, chat_template=chat_template, add_bos=add_bos,
-                   warnings=warnings, rules=rules)
+            warnings.append(f"{len(orphans)} characters occur inside tokens but are no token themselves; text with "
+                            "them may tokenize differently from llama.cpp")
+        rules = _Rules("spm", types, _partition_order(tokens, types, name), add_eos=add_eos,
+                       add_space_prefix=True if add_space_prefix is None else bool(add_space_prefix))
+        eos = [*eos_ids, *(i for text in _EOG_TEXTS if (i := vocab.get(text)) is not None)]
+        return cls(backend, bos_id=bos_id, eos_ids=eos, chat_template=chat_template,
+                   add_bos=True if add_bos is None else add_bos, warnings=warnings, rules=rules)
 
     pre_name = "default" if pre is None or pre == "" else str(pre)
     group = llama_cpp_pre_type(pre_name)
     if extra:
-        warnings.append(
-            f"{len(extra)} token strings occur more than once; later copies are never produced"
-        )
+        warnings.append(f"{len(extra)} token strings occur more than once; later copies are never produced")
     pairs: list[tuple[str, str]] = []
     for m in merges:
         if isinstance(m, str):
@@ -156,22 +144,10 @@ def from_vocab(
     if pre_name in _PRE_NO_BOS:
         bos_id = None
         add_bos = False
-    eos = list(eos_ids)
-    for text in _EOG_TEXTS:
-        i = vocab.get(text)
-        if i is not None:
-            eos.append(i)
+    eos = [*eos_ids, *(i for text in _EOG_TEXTS if (i := vocab.get(text)) is not None)]
     rules = _Rules("bpe", types, _partition_order(tokens, types, name, pre_name), add_eos=add_eos)
-    return cls(
-        backend,
-        bos_id=bos_id,
-        eos_ids=eos,
-        chat_template=chat_template,
-        add_bos=add_bos,
-        warnings=warnings,
-        extra_tokens=extra,
-        rules=rules,
-    )
+    return cls(backend, bos_id=bos_id, eos_ids=eos, chat_template=chat_template, add_bos=add_bos, warnings=warnings,
+               extra_tokens=extra, rules=rules)
 
 def from_gguf(cls: type[Tokenizer], source: Any) -> Tokenizer:
     """Build from the tokenizer metadata of a GGUF file: a path, a `gguf.GGUFReader`, or read_metadata()'s dict.
@@ -252,10 +228,8 @@ def from_dir(cls: type[Tokenizer], path: str | Path) -> Tokenizer:
     path = Path(path)
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
-        raise FileNotFoundError(
-            f"no tokenizer.json in {path}: a Hugging Face model directory with a fast-tokenizer "
-            "file is needed"
-        )
+        raise FileNotFoundError(f"no tokenizer.json in {path}: a Hugging Face model directory with a fast-tokenizer "
+                                "file is needed")
     raw_text = tok_file.read_text(encoding="utf-8")
     raw = json.loads(raw_text)
     model_type = (raw.get("model") or {}).get("type")
@@ -282,9 +256,7 @@ def from_dir(cls: type[Tokenizer], path: str | Path) -> Tokenizer:
         backend.add_tokens([token])
         got = backend.token_to_id(content)
         if str(got) != str(key):
-            warnings.append(
-                f"added token {content!r} is id {got} here but {key} in tokenizer_config.json"
-            )
+            warnings.append(f"added token {content!r} is id {got} here but {key} in tokenizer_config.json")
 
     def token_id(value: Any) -> int | None:
         text = _token_content(value)
@@ -313,9 +285,7 @@ def from_dir(cls: type[Tokenizer], path: str | Path) -> Tokenizer:
         add_bos = bos_id is not None and prefix[:1] == [bos_id]
 
     template = _template_from_dir(path, config)
-    return cls(
-        backend, bos_id=bos_id, eos_ids=eos, chat_template=template, add_bos=add_bos, warnings=warnings
-    )
+    return cls(backend, bos_id=bos_id, eos_ids=eos, chat_template=template, add_bos=add_bos, warnings=warnings)
 
 def _template_from_dir(path: Path, config: dict[str, Any]) -> str | None:
     # Newer transformers write the template to its own file; it takes precedence over the config entry.

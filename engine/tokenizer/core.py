@@ -9,7 +9,6 @@ import codecs
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -192,22 +191,15 @@ class Tokenizer:
         translate, outside = _byte_level_tables()
         out: list[bytes] = []
         rules = self._rules
-        if rules is None:
-            for i, text in enumerate(texts):
-                if text is None:
-                    out.append(b"")
-                elif i in added or outside.search(text):
-                    # Added tokens are matched in the raw text, so they stand for their own UTF-8 bytes.
-                    out.append(text.encode("utf-8"))
-                else:
-                    out.append(text.translate(translate).encode("latin-1"))
-            return out
         literal = (_TYPE_CONTROL, _TYPE_UNKNOWN, _TYPE_USER_DEFINED)
-        spm = rules.kind == "spm"
-        for text, kind in zip(texts, self._types.tolist(), strict=True):
+        spm = rules is not None and rules.kind == "spm"
+        # a Hugging Face directory's added tokens are matched in the raw text, as a GGUF's literal kinds are
+        kinds = self._types.tolist() if rules is not None else [
+            _TYPE_USER_DEFINED if i in added else _TYPE_NORMAL for i in range(len(texts))]
+        for text, kind in zip(texts, kinds, strict=True):
             if text is None:
                 out.append(b"")
-            elif kind in literal:
+            elif kind in literal:  # stands for its own UTF-8 bytes
                 out.append(text.encode("utf-8"))
             elif spm:
                 m = _BYTE_TOKEN.fullmatch(text) if kind == _TYPE_BYTE else None
@@ -223,56 +215,13 @@ class Tokenizer:
         """"spm" (SentencePiece-style GGUF), "bpe" (byte-level GGUF) or "hf" (a Hugging Face tokenizer.json)."""
         return self._rules.kind if self._rules is not None else "hf"
 
-    # ----------------------------------------------------------------------------------------- constructors
-
-    @classmethod
-    def from_vocab(
-        cls,
-        tokens: Sequence[str],
-        merges: Sequence[str] | Sequence[tuple[str, str]] = (),
-        token_types: Sequence[int] | None = None,
-        *,
-        model: str = "gpt2",
-        scores: Sequence[float] | None = None,
-        pre: str | None = "smollm",
-        bos_id: int | None = None,
-        eos_ids: Iterable[int] = (),
-        chat_template: str | None = None,
-        add_bos: bool | None = None,
-        add_eos: bool = False,
-        add_space_prefix: bool | None = None,
-        name: str = "",
-    ) -> Tokenizer:
-        """Build from a vocabulary in GGUF form, tokenizing exactly as llama.cpp does (engine.tokenizer.build)."""
-        return build.from_vocab(
-            cls, tokens, merges, token_types, model=model, scores=scores, pre=pre, bos_id=bos_id, eos_ids=eos_ids,
-            chat_template=chat_template, add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix,
-            name=name,
-        )
-
-    @classmethod
-    def from_gguf(cls, source: Any) -> Tokenizer:
-        """Build from the tokenizer metadata of a GGUF file: a path, a `gguf.GGUFReader`, or read_metadata()'s dict."""
-        return build.from_gguf(cls, source)
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Build from a Hugging Face model directory (tokenizer.json, tokenizer_config.json, ...)."""
-        return build.from_dir(cls, path)
-
-    # ---------------------------------------------------------------------------------------------- cache
-
-    def save(self, directory: str | Path) -> None:
-        """Write a cache that `load` reads back quickly (tokenizer.json plus a small metadata file)."""
-        cache.save(self, directory)
-
-    @classmethod
-    def load(cls, directory: str | Path) -> Tokenizer:
-        """Read a cache written by `save`.
-
-        Raises FileNotFoundError when it is missing and ValueError when it is stale or inconsistent.
-        """
-        return cache.load(cls, directory)
+    # ------------------------------------------------------------------------ constructors (build.py), cache (cache.py)
+    # build's and cache's functions take the class (or the tokenizer) first, as a classmethod (or method) is called.
+    from_vocab = classmethod(build.from_vocab)
+    from_gguf = classmethod(build.from_gguf)
+    from_dir = classmethod(build.from_dir)
+    load = classmethod(cache.load)
+    save = cache.save
 
     # -------------------------------------------------------------------------------------------- encoding
 
