@@ -211,6 +211,7 @@ def cmd_lens(a: argparse.Namespace) -> int:
     params = sampling_params(a)
     s = session_from_args(a)
     check_bias(params, s.cfg.vocab_size)
+    fitted = _tuned_lens(a, s) if a.tuned else None
     try:
         n_prompt = len(s.tokenize(a.prompt, a.chat).ids)
         room = s.cfg.context_length - n_prompt - 1  # the decode step whose token takes the context's last position
@@ -236,17 +237,51 @@ def cmd_lens(a: argparse.Namespace) -> int:
         raise CliError(f"the generation ended at step {last} (end of text) before step {a.step}")
     rows = lens_rows(lens)
     if a.json:
-        print(json.dumps(stamped({
-            "prompt_ids": gen.prompt.ids, "step": a.step, "position": lens.position,
-            "sampled": {"id": chosen.token_id, "token": chosen.piece}, "layers": rows,
-        }, s.info), ensure_ascii=False))
+        out = {"prompt_ids": gen.prompt.ids, "step": a.step, "position": lens.position,
+               "sampled": {"id": chosen.token_id, "token": chosen.piece}, "layers": rows}
+        if fitted is not None:
+            from engine.why.tuned_lens import summary
+
+            out["tuned_lens"] = summary(fitted)
+        print(json.dumps(stamped(out, s.info), ensure_ascii=False))
     else:
-        print(f"step {a.step} (position {lens.position}); the model chose {chosen.piece!r} ({chosen.token_id})")
-        print(f"{'layer':<10} {'H bits':>7}  top tokens")
-        for r in rows:
-            tops = "  ".join(f"{t['token']!r} {t['prob']:.3f}" for t in r["top"])
-            print(f"{r['name']:<10} {r['entropy_bits']:7.2f}  {tops}")
+        shown = lens.tuned if lens.tuned is not None else lens
+        print(f"step {a.step} (position {lens.position}); the model chose {chosen.piece!r} ({chosen.token_id})"
+              + ("; the tuned lens's top tokens, each lens's KL to the output" if lens.tuned is not None else ""))
+        kl = f"{'KL logit':>9} {'KL tuned':>9}" if lens.tuned is not None else f"{'KL bits':>8}"
+        print(f"{'layer':<10} {'H bits':>7} {kl}  top tokens")
+        for r, t in zip(rows, lens_rows(shown), strict=True):
+            tops = "  ".join(f"{x['token']!r} {x['prob']:.3f}" for x in t["top"])
+            kls = (f"{r['kl_bits']:9.3f} {t['kl_bits']:9.3f}" if lens.tuned is not None else f"{r['kl_bits']:8.3f}")
+            print(f"{r['name']:<10} {t['entropy_bits']:7.2f} {kls}  {tops}")
     return 0
+
+
+def _tuned_lens(a: argparse.Namespace, s):
+    """The loaded model's tuned lens, put in use: the one saved for its file, else (or with --refit) fitted now on
+    --corpus (Python's help text by default) and saved; progress on stderr."""
+    from engine.backend import Unsupported
+    from engine.why import tuned_lens as tl
+
+    tokens = tl.DEFAULT_TOKENS if a.fit_tokens is None else a.fit_tokens
+    steps = tl.DEFAULT_STEPS if a.fit_steps is None else a.fit_steps
+    try:
+        fitted = None if a.refit or a.corpus else tl.load_for(s)
+        if fitted is None:
+            print(f"fitting a tuned lens for {s.info.name} ({tokens:,} tokens, {steps} KL steps)…", file=sys.stderr)
+            last = [-1]
+
+            def progress(f: float, message: str) -> None:
+                if int(f * 10) != last[0]:
+                    last[0] = int(f * 10)
+                    print(f"  {f:4.0%} {message}", file=sys.stderr)
+
+            fitted = tl.fit(s, a.corpus, tokens=tokens, steps=steps, progress=progress)
+            print(f"saved to {tl.save(fitted, tl.saved_path(s))}", file=sys.stderr)
+        tl.use(s, fitted)
+    except (ValueError, Unsupported) as e:
+        raise CliError(str(e)) from None
+    return fitted
 
 
 def cmd_models(a: argparse.Namespace) -> int:
@@ -360,6 +395,17 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--step", type=int_in(0), default=0,
                    help="0 = the prefill's prediction; K = the K-th decode step of a generation with these settings")
     q.add_argument("--top", type=int_in(1), default=5)
+    q.add_argument("--tuned", action="store_true",
+                   help="also read every layer through the tuned lens saved for this model file (fitted first, and "
+                        "saved in the engine's cache, when there is none): its top tokens, and both lenses' KL to the "
+                        "output")
+    q.add_argument("--corpus", default=None, metavar="FILE",
+                   help="with --tuned: fit on this UTF-8 text (default: Python's help text) even if a lens is saved")
+    q.add_argument("--refit", action="store_true", help="with --tuned: fit again even if a lens is saved")
+    q.add_argument("--fit-tokens", type=int_in(256), default=None,
+                   help="with --tuned: training tokens of a fit (default: engine.why.tuned_lens.DEFAULT_TOKENS)")
+    q.add_argument("--fit-steps", type=int_in(0), default=None,
+                   help="with --tuned: KL steps after the least-squares start (default: DEFAULT_STEPS there)")
     add_threads_arg(q)
     q.set_defaults(func=cmd_lens)
 

@@ -200,6 +200,8 @@ class LensCaptured:
     pieces: tuple[tuple[str, ...], ...] = ()  # readable text of `ids`, row by row
     token_id: int = -1  # the token this step chose (-1: not known)
     token_probs: np.ndarray | None = None  # (n_layers + 2,) its probability in every row
+    kl_bits: np.ndarray | None = None  # (n_layers + 2,) float32: KL(output ‖ row) in bits (None: not computed)
+    tuned: LensCaptured | None = None  # the same step through the tuned lens (engine.run.lens.TunedLens), when in use
 
 
 @dataclass(frozen=True, kw_only=True)
