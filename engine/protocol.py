@@ -457,6 +457,28 @@ class SteerVector(Command):
             raise ValueError("saving a steering vector needs the vector and a path")
 
 
+TUNE_LENS_ACTIONS = ("fit", "use", "off")
+
+
+@dataclass(frozen=True)
+class TuneLens(Command):
+    """The tuned lens of the loaded model (engine.why.tuned_lens): "fit" one on `corpus` (a UTF-8 text file; "":
+    Python's help text) with Progress("tuned_lens", …) and Cancel between steps, then save it under the model file's
+    SHA-256 and use it; "use" the one saved for the model file; "off": the logit lens alone. Answered by one
+    LensTuned; a fit waits for a running generation, "use" and "off" act between two of its tokens."""
+
+    request_id: int
+    action: str = "use"  # one of TUNE_LENS_ACTIONS
+    corpus: str = ""
+    tokens: int = 0  # training tokens of a fit (0: the fit's default)
+    steps: int = -1  # KL steps of a fit (-1: the fit's default)
+    seconds: float = 0.0  # the KL steps' time bound (0: the fit's default)
+
+    def __post_init__(self) -> None:
+        if self.action not in TUNE_LENS_ACTIONS:
+            raise ValueError(f"not a tuned-lens action: {self.action!r} (choose {', '.join(TUNE_LENS_ACTIONS)})")
+
+
 @dataclass(frozen=True)
 class ServeModel(Command):
     """Start llama.cpp's server on 127.0.0.1 for the loaded model and connect to it (Progress and Done "serve_model");
@@ -501,7 +523,8 @@ class Ping(Command):
 # -- notices
 @dataclass(frozen=True)
 class Progress(Notice):
-    """A long job's progress: job is "load", "batch", "measure", "serve", "why" or "steer"; fraction in [0, 1]."""
+    """A long job's progress: job is "load", "batch", "measure", "serve", "why", "steer" or "tuned_lens"; fraction
+    in [0, 1]."""
 
     job: str
     fraction: float
@@ -658,6 +681,21 @@ class SteerReady(Notice):
     @property
     def ok(self) -> bool:
         return self.steer is not None and not self.error and not self.cancelled
+
+
+@dataclass(frozen=True)
+class LensTuned(Notice):
+    """How a TuneLens ended: whether a tuned lens is in use now, its summary (engine.why.tuned_lens.summary: how it
+    was fitted, both lenses' mean KL to the output per layer on held-out text), or cancelled, or why not (one
+    sentence)."""
+
+    request_id: int
+    action: str
+    in_use: bool = False
+    summary: dict | None = None
+    cancelled: bool = False
+    error: str = ""
+    seconds: float = 0.0  # wall time in the engine process
 
 
 LabOutcome = Literal["done", "cancelled", "failed", "unsupported"]

@@ -46,6 +46,7 @@ from engine.protocol import (
     Lab,
     LabDone,
     LabOutcome,
+    LensTuned,
     Load,
     Loaded,
     LoadFailed,
@@ -75,6 +76,7 @@ from engine.protocol import (
     ThisMachine,
     Tokenize,
     Tokenized,
+    TuneLens,
 )
 
 if TYPE_CHECKING:
@@ -108,6 +110,7 @@ class EngineServer:
             Tokenize: self.tokenize, Ping: self.ping, ServeModel: self.serve_model,
             StopServing: self.stop_serving,
             Experiment: self.experiment, Recompute: self.recompute, SteerVector: self.steer_vector,
+            TuneLens: self.tune_lens,
         }
         self._handlers.update(dict.fromkeys(LAB_JOBS, self.lab))  # every lab: one request type, one handler
         self.served = None  # the server this process started for the loaded model (engine.remote.launch)
@@ -380,6 +383,8 @@ class EngineServer:
                                 self.send(Failed(message=str(e)))
                     elif isinstance(c, SteerVector) and c.action != "build":  # a file read or written, no model run
                         self.steer_vector(c)
+                    elif isinstance(c, TuneLens) and c.action != "fit":  # the next token's lens reads through it
+                        self.tune_lens(c)
                     elif isinstance(c, Recompute):  # between two tokens the cache holds every step so far
                         self.recompute(c, edited="ablated" if req.ablation is not None else
                                        "steered" if req.steer is not None else "")
@@ -523,6 +528,55 @@ class EngineServer:
             done(cancelled=True)
         except OSError as e:
             done(error=f"cannot {'write' if cmd.action == 'save' else 'read'} {cmd.path}: {e.strerror or e}")
+        except Exception as e:  # noqa: BLE001 — the panel must learn that it ended; a ValueError is its own sentence
+            if should_stop():
+                done(cancelled=True)
+            else:
+                done(error=str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+
+    def tune_lens(self, cmd: TuneLens) -> None:
+        """Fit the loaded model's tuned lens (Progress("tuned_lens", …); Cancel, Stop or Quit end it between steps),
+        save and use it; use the one saved for the model file; or stop using one. One LensTuned says how it ended."""
+        import time
+
+        from engine.why import Cancelled
+        from engine.why import tuned_lens as tl
+
+        number, t0 = self.current, time.perf_counter()
+
+        def should_stop() -> bool:
+            return self.cancelled(number)
+
+        def done(**outcome) -> None:
+            self.send(LensTuned(cmd.request_id, cmd.action, seconds=time.perf_counter() - t0, **outcome))
+
+        try:
+            if self.backend is None:
+                raise ValueError("load a model first")
+            s = self.backend.why_session()
+            if cmd.action == "off":
+                tl.use(s, None)
+                done()
+                return
+            if cmd.action == "use":
+                fitted = tl.load_for(s)
+                if fitted is None:
+                    done(error="no tuned lens is saved for this model file yet: fit one first")
+                    return
+            else:
+                fitted = tl.fit(s, cmd.corpus or None, tokens=cmd.tokens or tl.DEFAULT_TOKENS,
+                                steps=tl.DEFAULT_STEPS if cmd.steps < 0 else cmd.steps,
+                                seconds=cmd.seconds or tl.DEFAULT_SECONDS,
+                                progress=lambda f, m: self.send(Progress("tuned_lens", f, m)), should_stop=should_stop)
+                tl.save(fitted, tl.saved_path(s))
+            tl.use(s, fitted)
+            done(in_use=True, summary=tl.summary(fitted))
+        except Unsupported as e:  # a runtime without gradients, or a server
+            done(error=str(e))
+        except Cancelled:
+            done(cancelled=True)
+        except OSError as e:
+            done(error=f"cannot save the tuned lens: {e.strerror or e}")
         except Exception as e:  # noqa: BLE001 — the panel must learn that it ended; a ValueError is its own sentence
             if should_stop():
                 done(cancelled=True)

@@ -194,3 +194,51 @@ def test_fitted_on_the_default_model_beats_the_logit_lens_on_held_out_text(real_
     rows = tl.residual_rows(llama, data.held[:1])[:, :64]
     logit_l, tuned_l = tl.held_out_kl(llama, rows, tuned)
     assert all(t < g for t, g in zip(tuned_l[:L], logit_l[:L], strict=True)), (logit_l, tuned_l)
+
+
+def test_the_engine_process_fits_uses_and_drops_it(tiny_dir):
+    """TuneLens through the engine process (as the app drives it): "use" before a fit says none is saved; a fit
+    reports progress, is saved and in use (the next generation's lens carries the tuned rows and KL); "off" drops
+    it; "use" finds the saved one again; Cancel ends a fit with nothing saved over."""
+    from engine import protocol as P
+    from engine.protocol import Capture as Cap
+    from engine.protocol import GenerateRequest
+    from tests.engine.test_server import Client
+
+    c = Client()
+    try:
+        c.send(P.Load(str(tiny_dir.gguf), "cpu", "float32"))
+        assert isinstance(c.until(lambda m: isinstance(m, (P.Loaded, P.LoadFailed)))[-1], P.Loaded)
+        c.send(P.TuneLens(1, "use"))
+        none = c.until(lambda m: isinstance(m, P.LensTuned))[-1]
+        assert not none.in_use and "no tuned lens is saved" in none.error
+
+        c.send(P.TuneLens(2, "fit", tokens=512, steps=2))
+        seen = c.until(lambda m: isinstance(m, P.LensTuned))
+        fitted = seen[-1]
+        assert fitted.in_use and not fitted.error, fitted
+        assert any(isinstance(m, P.Progress) and m.job == "tuned_lens" for m in seen)
+        L = tiny_dir.cfg["n_layers"]
+        assert len(fitted.summary["held_out_tuned_kl_bits"]) == L + 1 and fitted.summary["kl_steps"] == "2"
+
+        def lens_of_a_generation():
+            req = GenerateRequest("the cat sat", chat=False, max_new_tokens=1, params=SamplingParams.greedy_params(),
+                                  capture=Cap(lens_top=3), ignore_eos=True)
+            c.send(P.Generate(req))
+            msgs = c.until(lambda m: type(m).__name__ == "Finished")
+            return [m for m in msgs if isinstance(m, LensCaptured)][0]
+
+        ev = lens_of_a_generation()
+        assert ev.tuned is not None and ev.tuned.kl_bits.shape == (L + 2,) and ev.kl_bits.shape == (L + 2,)
+        c.send(P.TuneLens(3, "off"))
+        assert not c.until(lambda m: isinstance(m, P.LensTuned))[-1].in_use
+        assert lens_of_a_generation().tuned is None
+        c.send(P.TuneLens(4, "use"))
+        again = c.until(lambda m: isinstance(m, P.LensTuned))[-1]
+        assert again.in_use and again.summary == fitted.summary
+        c.send(P.TuneLens(5, "fit", tokens=512, steps=10_000))
+        c.send(P.Cancel())
+        assert c.until(lambda m: isinstance(m, P.LensTuned))[-1].cancelled
+    finally:
+        c.send(P.Quit())
+        c.thread.join(10)
