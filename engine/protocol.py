@@ -410,8 +410,41 @@ class CompareParams:
     kernels: str = "exact"  # the other model's kernel mode on torch (the same file under another mode: what it costs)
 
 
+@dataclass(frozen=True)
+class DlaParams:
+    """Direct logit attribution of `answer` over `wrong` (one token each) at generation step `step` of `prompt`: what
+    each head, each MLP and the embeddings wrote into their logit difference (engine.why.dla)."""
+
+    prompt: str
+    answer: str
+    wrong: str
+    step: int = 0  # 0: the prompt's last position; N: after N greedy tokens
+    chat: bool = False
+
+
+@dataclass(frozen=True)
+class AtpParams:
+    """Attribution patching (engine.why.atp): PatchParams' grids estimated from one backward pass, beside the exact
+    grids when `exact`, with their correlation and the cells where the two part."""
+
+    clean: str
+    corrupt: str
+    answer: str
+    wrong: str
+    heads: bool = False
+    exact: bool = True
+
+
+@dataclass(frozen=True)
+class GalleryParams:
+    """One of the gallery's canned experiments (engine.why.gallery.GALLERY) on the loaded model, by name."""
+
+    name: str
+
+
 EXPERIMENT_KINDS: dict[type, str] = {HeadsParams: "heads", AblateParams: "ablate", PatchParams: "patch",
-                                     AttributeParams: "attribute", CompareParams: "compare"}
+                                     AttributeParams: "attribute", CompareParams: "compare", DlaParams: "dla",
+                                     AtpParams: "atp", GalleryParams: "gallery"}
 
 
 @dataclass(frozen=True)
@@ -420,7 +453,8 @@ class Experiment(Command):
     Cancel stops it between forward passes."""
 
     request_id: int
-    params: HeadsParams | AblateParams | PatchParams | AttributeParams | CompareParams
+    params: (HeadsParams | AblateParams | PatchParams | AttributeParams | CompareParams | DlaParams | AtpParams
+             | GalleryParams)
 
     def __post_init__(self) -> None:
         if type(self.params) not in EXPERIMENT_KINDS:
@@ -632,7 +666,7 @@ class ExperimentDone(Notice):
     (one sentence; `unsupported` when the runtime cannot run this experiment at all)."""
 
     request_id: int
-    kind: str  # "heads", "ablate", "patch", "attribute" or "compare"
+    kind: str  # EXPERIMENT_KINDS' names: "heads", "ablate", "patch", "attribute", "compare", "dla", "atp", "gallery"
     params: object  # the Experiment's params
     result: dict | None = None
     cancelled: bool = False

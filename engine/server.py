@@ -772,6 +772,21 @@ def run_experiment(session: Engine, params: object, progress: ReportProgress | N
 
         return attribute(session, params.prompt, method=params.method, steps=params.steps, target=params.target,
                          chat=params.chat, progress=progress, should_stop=should_stop)
+    if isinstance(params, P.DlaParams):
+        from engine.why import check_stop
+        from engine.why.dla import dla
+
+        check_stop(should_stop)  # one forward pass (and `step` greedy tokens before it)
+        return dla(session, params.prompt, params.answer, params.wrong, step=params.step, chat=params.chat)
+    if isinstance(params, P.AtpParams):
+        from engine.why.atp import atp
+
+        return atp(session, params.clean, params.corrupt, params.answer, params.wrong, heads=params.heads,
+                   exact=params.exact, progress=progress, should_stop=should_stop)
+    if isinstance(params, P.GalleryParams):
+        from engine.why.gallery import run
+
+        return run(session, params.name, progress=progress, should_stop=should_stop)
     if isinstance(params, P.CompareParams):
         from engine.why import check_stop
         from engine.why.compare import compare

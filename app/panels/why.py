@@ -1,12 +1,15 @@
 """Why: experiments that say what a part of the model caused, run on the loaded model in the engine process.
 
-Five modes, each one engine.why experiment (engine.protocol's HeadsParams, AblateParams, PatchParams,
-AttributeParams, CompareParams): head roles, ablation, activation patching, token attribution, and a comparison of
-two files of one model. Run sends one Experiment through the bridge; progress arrives as sig_why_progress and the
+Seven modes, each one engine.why experiment (engine.protocol's HeadsParams, AblateParams, PatchParams or
+AtpParams, AttributeParams, CompareParams, DlaParams, GalleryParams): head roles, ablation, activation patching
+(exact, attribution patching or both, by a toggle), token attribution, a comparison of two files of one model,
+direct logit attribution, and the gallery of canned experiments (app.gallery picks one; its result is drawn in its
+own experiment's view). Run sends one Experiment through the bridge; progress arrives as sig_why_progress and the
 end as one ExperimentDone (sig_why_done): a result dict (what the CLI prints), cancelled, or a one-line failure.
-The panel keeps the newest result of each kind (sessions save them, exports write them) and draws the one of the
-mode shown. Clicking a head in the head-roles heatmaps asks the window to show that layer and head in the Attention
-panel (sig_show_head). Nothing here imports torch.
+The panel keeps the newest result of each kind and of each gallery experiment (sessions save them, exports write
+them) and draws the one of the mode shown. Clicking a head in the head-roles heatmaps, the per-head patching grid
+or the logit-attribution map asks the window to show that layer and head in the Attention panel (sig_show_head).
+Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
+from app.gallery import GalleryPicker
 from app.panels.base import Panel, reserve_lines, spin_box
 from app.run_store import store_for
 from app.theme import (
@@ -47,18 +51,28 @@ from engine.model.kernel_cache import KERNEL_MODES
 from engine.protocol import (
     Ablated,
     AblateParams,
+    AtpParams,
     AttributeParams,
     CompareParams,
+    DlaParams,
     ExperimentDone,
+    GalleryParams,
     GenerateRequest,
     HeadsParams,
     PatchParams,
 )
+from engine.why.gallery import NAMES as GALLERY_NAMES
 
 FONT_PT = 9
 MODES = (("heads", "Head roles"), ("ablate", "Ablate"), ("patch", "Patch"), ("attribute", "Attribute"),
-         ("compare", "Compare"))
-KINDS = tuple(k for k, _ in MODES)
+         ("compare", "Compare"), ("dla", "Logit attribution"), ("gallery", "Gallery"))
+MODE_KINDS = tuple(k for k, _ in MODES)
+# The results kept, one of each kind: every mode's but the gallery's (kept per experiment), and attribution
+# patching's, which the patch mode shows by its toggle
+KINDS = tuple(k for k in MODE_KINDS if k != "gallery") + ("atp",)
+PATCH_METHODS = (("exact", "exact"), ("AtP", "atp"), ("both", "both"))
+OUTLINED = 8  # the cells where AtP and exact patching part most, outlined (engine.why.atp's TOP)
+DLA_GAP = 0.5  # between the heads' map and the MLP column (and the embeddings' cell below it), in cells
 SCORES = (("previous_token", "previous token"), ("duplicate_token", "duplicate token"), ("induction", "induction"),
           ("sink", "attention sink"))
 # Our own one-line reading of each score (TransformerLens's head_detector definitions); the engine's exact words, when
@@ -75,6 +89,7 @@ DIVERGING = pg.colormap.get("CET-D1")  # blue (negative) … grey … red (posit
 DEFAULT_CLEAN, DEFAULT_CORRUPT = "The Eiffel Tower is in the city of", "The Colosseum is in the city of"
 DEFAULT_ANSWER, DEFAULT_WRONG = " Paris", " Rome"
 DEFAULT_PROMPT = "The capital of France is"
+DEFAULT_DLA = ("The Eiffel Tower is in the city of", " Paris", " Rome")
 HELP_PROMPT_TOKENS = 12  # the patching grid the model-specific help sentence prices
 MAX_CELLS = 1 << 22  # a saved result larger than this (a hostile file) is not drawn
 
@@ -150,6 +165,28 @@ def check_result(kind: str, result: Any) -> None:
         shapes = {_matrix(scores[k], k).shape for k, _ in SCORES}
         if len(shapes) != 1:
             raise ResultError("its four score tables differ in shape")
+    elif kind == "dla":
+        heads = _matrix(result.get("heads"), "per-head contributions")
+        if len(_vector(result.get("mlp"), "MLP contributions")) != heads.shape[0]:
+            raise ResultError("its heads and its MLPs differ in layers")
+        for key in ("embeddings", "logit_diff", "sum"):
+            if not isinstance(result.get(key), (int, float)):
+                raise ResultError(f"its {key.replace('_', ' ')} is not a number")
+    elif kind == "atp":
+        grid = _matrix(result.get("atp"), "AtP grid")
+        if grid.shape[1] != len(_strings(result.get("tokens"), "tokens")):
+            raise ResultError("its grid and its tokens differ in width")
+        if result.get("restored") is not None and _matrix(result["restored"], "exact grid").shape != grid.shape:
+            raise ResultError("its AtP and exact grids differ in shape")
+        for key in ("atp_heads", "restored_heads"):
+            if result.get(key) is not None:
+                _matrix(result[key], "per-head grid")
+    elif kind == "gallery":
+        if result.get("name") not in GALLERY_NAMES:
+            raise ResultError("it names no experiment of the gallery")
+        if result.get("kind") not in ("heads", "patch", "dla") or not isinstance(result.get("params"), dict):
+            raise ResultError("it does not say which experiment it ran")
+        check_result(result["kind"], result.get("result"))
     elif kind == "ablate":
         for side in ("before", "after"):
             d = result.get(side)
@@ -173,6 +210,11 @@ def check_result(kind: str, result: Any) -> None:
         raise ResultError(f"{kind!r} is not an experiment")
     if kind == "patch" and result.get("restored_heads") is not None:
         _matrix(result["restored_heads"], "per-head grid")
+
+
+def mode_of(kind: str) -> str:
+    """The mode that shows a result of experiment kind `kind` (attribution patching's: the patch mode)."""
+    return "patch" if kind == "atp" else kind
 
 
 def _piece(s: str) -> str:
@@ -232,7 +274,17 @@ class WhyPanel(Panel):
         "model, e.g. a 4-bit and an 8-bit quantization: per layer, the KL divergence of their logit-lens "
         "distributions and the Jensen–Shannon distance of their attention rows, and the greedy steps whose top "
         "token differs. The other side on torch runs in the kernel mode chosen beside it: the loaded file itself in "
-        "fast mode against the loaded model in exact mode shows what the fast kernels cost."
+        "fast mode against the loaded model in exact mode shows what the fast kernels cost. Patch's toggle: exact "
+        "runs the grid as above; AtP (attribution patching) estimates the whole grid from one forward pass of each "
+        "prompt and one backward pass, as the activation's change times the gradient of the restored share (a "
+        "straight-line guess that fails where the model saturates: a softmax or a norm); both runs the two side by "
+        "side, with their correlation and the cells where they part most outlined (AtP needs gradients: the torch "
+        "runtime). Logit attribution: the logit difference of two tokens at a chosen step split into what each "
+        "head, each MLP and the embeddings wrote into the residual stream, read off one forward pass with the final "
+        "norm's scale held at this run's (the parts add up to the logit difference; the gap is shown); click a head "
+        "to see its attention. Gallery: canned experiments set up for the loaded model (induction heads on repeated "
+        "random tokens, an indirect-object name pair, greater-than, factual recall), each with a few words on what "
+        "it shows and what to look for, drawn in its experiment's own view and kept in the session."
     )
 
     def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
@@ -253,6 +305,8 @@ class WhyPanel(Panel):
         self._status = ""  # a failure or a cancellation, for the mode it happened in
         self._status_kind = ""
         self._selected_head: tuple[int, int] | None = None  # (layer, head) framed in the head-role maps
+        self.gallery_results: dict[str, dict] = {}  # gallery name → an entry like results' (its kind "gallery")
+        self._atp_refusal = ""  # the engine's sentence on why this runtime cannot run attribution patching
         self.branch_label: str | None = None  # the ablated branch asked for, until it starts or is refused
         self._branch_started = ""  # the last ablated branch that started, named in the summary
         self._build()
@@ -289,6 +343,10 @@ class WhyPanel(Panel):
         self.inputs.addWidget(self._patch_inputs())
         self.inputs.addWidget(self._attribute_inputs())
         self.inputs.addWidget(self._compare_inputs())
+        self.inputs.addWidget(self._dla_inputs())
+        self.gallery = GalleryPicker()
+        self.gallery.sig_chosen.connect(lambda _name: self._on_mode(self.mode_combo.currentIndex()))
+        self.inputs.addWidget(self.gallery)
         self.inputs.setSizePolicy(QtWidgets.QSizePolicy.Policy.Preferred, QtWidgets.QSizePolicy.Policy.Maximum)
 
         self.summary = QtWidgets.QLabel()
@@ -303,6 +361,12 @@ class WhyPanel(Panel):
         self.views.addWidget(self._patch_view())
         self.views.addWidget(self._attribute_view())
         self.views.addWidget(self._compare_view())
+        self.views.addWidget(self._dla_view())
+        self.gallery_note = QtWidgets.QLabel("Pick an experiment above and Run it: its result shows here, in its own "
+                                             "experiment's view.")
+        self.gallery_note.setAlignment(QtCore.Qt.AlignmentFlag.AlignCenter)
+        self.gallery_note.setStyleSheet(f"color: {MUTED}")
+        self.views.addWidget(self.gallery_note)
         self.mode_combo.currentIndexChanged.connect(self._on_mode)
         self._on_mode(0)
 
@@ -369,9 +433,17 @@ class WhyPanel(Panel):
         self.wrong_edit.setToolTip("The corrupted prompt's answer")
         self.patch_heads_box = QtWidgets.QCheckBox("per head too")
         self.patch_heads_box.setToolTip("Also patch each head's output (layers × heads more forward passes)")
+        self.patch_method = QtWidgets.QComboBox()
+        for label, key in PATCH_METHODS:
+            self.patch_method.addItem(label, key)
+        self.patch_method.setToolTip("exact: one patched forward pass per cell; AtP: attribution patching, the "
+                                     "whole grid estimated from one backward pass (needs gradients: the torch "
+                                     "runtime); both: the two side by side, where they part outlined")
+        self.patch_method.currentIndexChanged.connect(lambda _i: self.mark_dirty())
         return self._form([("clean", self.clean_edit), ("corrupted", self.corrupt_edit),
                            ("answer", self._row(self.answer_edit, QtWidgets.QLabel("wrong"), self.wrong_edit,
-                                                self.patch_heads_box))])
+                                                self.patch_heads_box, QtWidgets.QLabel("grid"),
+                                                self.patch_method))])
 
     def _attribute_inputs(self) -> QtWidgets.QWidget:
         self.attr_prompt = QtWidgets.QLineEdit(DEFAULT_PROMPT)
@@ -383,6 +455,19 @@ class WhyPanel(Panel):
         return self._form([("prompt", self.attr_prompt),
                            ("method", self._row(self.method_combo, QtWidgets.QLabel("steps"), self.steps_spin,
                                                 self.attr_chat))])
+
+    def _dla_inputs(self) -> QtWidgets.QWidget:
+        self.dla_prompt = QtWidgets.QLineEdit(DEFAULT_DLA[0])
+        self.dla_answer = QtWidgets.QLineEdit(DEFAULT_DLA[1])
+        self.dla_answer.setToolTip("The token whose logit is credited, one token (mind the leading space)")
+        self.dla_wrong = QtWidgets.QLineEdit(DEFAULT_DLA[2])
+        self.dla_wrong.setToolTip("The token it is measured against, one token")
+        self.dla_step = spin_box(0, 256, 0, "Generation step: 0 reads the prompt's last position; N reads the "
+                                 "position after N greedy tokens")
+        self.dla_chat = QtWidgets.QCheckBox("chat")
+        return self._form([("prompt", self.dla_prompt),
+                           ("logit diff of", self._row(self.dla_answer, QtWidgets.QLabel("over"), self.dla_wrong,
+                                                       QtWidgets.QLabel("step"), self.dla_step, self.dla_chat))])
 
     def _compare_inputs(self) -> QtWidgets.QWidget:
         self.other_edit = QtWidgets.QLineEdit()
@@ -506,10 +591,30 @@ class WhyPanel(Panel):
         self.patch_heads_image = pg.ImageItem(axisOrder="row-major")
         self.patch_heads_image.setColorMap(DIVERGING)
         hi.addItem(self.patch_heads_image)
+        ai = self.patch_atp_item = pg.PlotItem()  # in the layout only beside an exact grid (the toggle's "both")
+        style_plot(ai, left=None, bottom=("position", None), grid=(False, False))
+        ai.setTitle("AtP's estimate", size=f"{FONT_PT}pt", color=FOREGROUND)
+        ai.getViewBox().invertY(True)
+        ai.getViewBox().setXLink(pi.getViewBox())
+        ai.getViewBox().setYLink(pi.getViewBox())
+        self.patch_atp_image = pg.ImageItem(axisOrder="row-major")
+        self.patch_atp_image.setColorMap(DIVERGING)
+        ai.addItem(self.patch_atp_image)
+        self.patch_outlines: dict[str, list[QtWidgets.QGraphicsRectItem]] = {}  # the cells where AtP and exact part
+        for name, item in (("main", pi), ("atp", ai)):
+            rects = []
+            for _ in range(OUTLINED):
+                r = QtWidgets.QGraphicsRectItem(0, 0, 1, 1)
+                r.setPen(pg.mkPen(ACCENT, width=2))
+                r.setVisible(False)
+                item.addItem(r)
+                rects.append(r)
+            self.patch_outlines[name] = rects
         self.patch_bar = pg.ColorBarItem(values=(-1, 1), colorMap=DIVERGING, interactive=False, width=10)
-        self.patch_bar.setImageItem([self.patch_image, self.patch_heads_image])
-        self.patch_plot.addItem(self.patch_bar, row=0, col=2)
-        self._heads_shown = False
+        self.patch_bar.setImageItem([self.patch_image, self.patch_heads_image, self.patch_atp_image])
+        self.patch_plot.addItem(self.patch_bar, row=0, col=1)
+        self._patch_placed: tuple[str, ...] = ()  # the grids laid out beside the main one: "atp", "heads"
+        self._patch_cells: list[tuple[pg.PlotItem, str]] = []  # (plot, the result's key) of each grid drawn
         self.patch_plot.scene().sigMouseMoved.connect(self._on_patch_hover)
         self.patch_plot.scene().sigMouseClicked.connect(self._on_patch_clicked)
         self.patch_hover = QtWidgets.QLabel(" ")
@@ -531,6 +636,36 @@ class WhyPanel(Panel):
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addWidget(self.attr_view, 1)
         lay.addWidget(self.attr_legend)
+        return w
+
+    def _dla_view(self) -> QtWidgets.QWidget:
+        """One plot: the heads' map (layers × heads), each layer's MLP in a column beside it and the embeddings in a
+        cell below that column, on one diverging colour scale symmetric about 0."""
+        self.dla_plot = pg.GraphicsLayoutWidget()
+        self.dla_plot.setBackground(BACKGROUND)
+        pi = self.dla_item = self.dla_plot.addPlot(row=0, col=0)
+        style_plot(pi, left=("layer", None), bottom=("head", None), grid=(False, False), mouse=False)
+        pi.getViewBox().invertY(True)
+        self.dla_images = {part: pg.ImageItem(axisOrder="row-major") for part in ("heads", "mlp", "embeddings")}
+        for img in self.dla_images.values():
+            img.setColorMap(DIVERGING)
+            pi.addItem(img)
+        self.dla_box = QtWidgets.QGraphicsRectItem(0, 0, 1, 1)
+        self.dla_box.setPen(pg.mkPen(ACCENT, width=2))
+        self.dla_box.setVisible(False)
+        pi.addItem(self.dla_box)
+        self.dla_bar = pg.ColorBarItem(values=(-1, 1), colorMap=DIVERGING, interactive=False, width=10)
+        self.dla_bar.setImageItem(list(self.dla_images.values()))
+        self.dla_plot.addItem(self.dla_bar, row=0, col=1)
+        self.dla_note = placeholder(pi)
+        self.dla_plot.scene().sigMouseMoved.connect(self._on_dla_hover)
+        self.dla_plot.scene().sigMouseClicked.connect(self._on_dla_clicked)
+        self.dla_hover = QtWidgets.QLabel(" ")
+        w = QtWidgets.QWidget()
+        lay = QtWidgets.QVBoxLayout(w)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addWidget(self.dla_plot, 1)
+        lay.addWidget(self.dla_hover)
         return w
 
     def _compare_view(self) -> QtWidgets.QWidget:
@@ -560,17 +695,50 @@ class WhyPanel(Panel):
         return str(self.mode_combo.currentData())
 
     def set_mode(self, kind: str) -> None:
-        self.mode_combo.setCurrentIndex(KINDS.index(kind))
+        """Show the mode of a result's kind: attribution patching's is the patch mode with its toggle on AtP, or on
+        both when the toggle shows exact."""
+        if kind == "atp":
+            if self.patch_method.currentData() == "exact":
+                self.patch_method.setCurrentIndex(self.patch_method.findData("both"))
+            kind = "patch"
+        self.mode_combo.setCurrentIndex(MODE_KINDS.index(kind))
 
     def _on_mode(self, index: int) -> None:
-        for stack in (self.inputs, self.views):
-            stack.setCurrentIndex(index)
+        view = index
+        if MODE_KINDS[index] == "gallery":  # the chosen experiment's result in its own experiment's view
+            shown = self.gallery_results.get(self.gallery.name())
+            view = MODE_KINDS.index(shown["result"]["kind"]) if shown is not None else index
+        for stack, page in ((self.inputs, index), (self.views, view)):
+            stack.setCurrentIndex(page)
             for i in range(stack.count()):  # a stack is as tall as its tallest page: count the shown one only
                 ignored, preferred = QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred
-                policy = preferred if i == index else ignored
+                policy = preferred if i == page else ignored
                 stack.widget(i).setSizePolicy(policy, policy)
             stack.adjustSize()
         self.mark_dirty()
+
+    def shown(self, view: str | None = None) -> dict | None:
+        """The result entry drawn in the view of experiment kind `view` (default: the shown mode's view): the
+        gallery's chosen experiment's in gallery mode; in patch mode the exact or the AtP result, by the toggle."""
+        mode = self.mode()
+        if mode == "gallery":
+            g = self.gallery_results.get(self.gallery.name())
+            if g is None or (view is not None and g["result"]["kind"] != view):
+                return None
+            r = g["result"]
+            return {"kind": r["kind"], "params": r["params"], "result": r["result"], "seconds": g["seconds"],
+                    "model": g["model"], "gallery": r}
+        view = view or mode
+        if view == "patch" and self.patch_method.currentData() != "exact":
+            return self.results.get("atp")
+        return self.results.get(view)
+
+    def _kind_to_run(self) -> str:
+        """The kind of experiment Run sends from the shown mode (the patch toggle's AtP or both: "atp")."""
+        mode = self.mode()
+        if mode == "patch" and self.patch_method.currentData() != "exact":
+            return "atp"
+        return mode
 
     def params(self) -> object:
         """The shown mode's request from the inputs; ValueError with one sentence when they are not usable."""
@@ -602,7 +770,19 @@ class WhyPanel(Panel):
             fields = [e.text() for e in (self.clean_edit, self.corrupt_edit, self.answer_edit, self.wrong_edit)]
             if not all(f.strip() for f in fields):
                 raise ValueError("patching needs a clean and a corrupted prompt, an answer and a wrong answer")
+            method = self.patch_method.currentData()
+            if method != "exact":
+                return AtpParams(*fields, heads=self.patch_heads_box.isChecked(), exact=method == "both")
             return PatchParams(*fields, heads=self.patch_heads_box.isChecked())
+        if kind == "dla":
+            prompt, answer, wrong = (e.text() for e in (self.dla_prompt, self.dla_answer, self.dla_wrong))
+            if not prompt.strip():
+                raise ValueError("type a prompt to attribute the logit difference on")
+            if not (answer and wrong):
+                raise ValueError("name the two tokens whose logit difference is split (one token each)")
+            return DlaParams(prompt, answer, wrong, step=self.dla_step.value(), chat=self.dla_chat.isChecked())
+        if kind == "gallery":
+            return GalleryParams(self.gallery.name())
         if kind == "attribute":
             if not self.attr_prompt.text().strip():
                 raise ValueError("type a prompt to attribute")
@@ -699,6 +879,7 @@ class WhyPanel(Panel):
         """The other side's kernel mode follows the loaded model's when that changes: fast against exact (one click
         shows what the fast kernels cost), else exact (what the loaded mode costs against the model's own numbers);
         a choice the user made stands while the mode stays."""
+        self._atp_refusal = ""  # another model, perhaps on another runtime: its own answer comes with its first run
         if info.kernels == self._loaded_kernels:
             return
         self._loaded_kernels = info.kernels
@@ -729,54 +910,78 @@ class WhyPanel(Panel):
         self.running = None
         self.run_button.setEnabled(True)
         self.cancel_button.setEnabled(False)
+        mode = mode_of(done.kind)
+        if done.kind == "atp":  # the toggle says what this runtime cannot, until another model is loaded
+            self._atp_refusal = done.failure if done.unsupported else ""
         if done.result is not None:
             try:
                 check_result(done.kind, done.result)
             except ResultError as e:
-                self._status, self._status_kind = f"the engine's {done.kind} result cannot be drawn: {e}", done.kind
+                self._status, self._status_kind = f"the engine's {done.kind} result cannot be drawn: {e}", mode
             else:
                 info = self.bridge.info
-                self.results[done.kind] = {"kind": done.kind, "params": _plain(done.params), "result": done.result,
-                                           "seconds": float(done.seconds), "model": info.name if info else ""}
+                entry = {"kind": done.kind, "params": _plain(done.params), "result": done.result,
+                         "seconds": float(done.seconds), "model": info.name if info else ""}
+                if done.kind == "gallery":
+                    self.gallery_results[done.result["name"]] = entry
+                    self._gallery_ran()
+                else:
+                    self.results[done.kind] = entry
                 self._status, self._status_kind = "", ""
         elif done.cancelled:
             self._status = f"Cancelled after {done.seconds:.1f} s: nothing of that run is kept."
-            self._status_kind = done.kind
+            self._status_kind = mode
         else:
-            self._status, self._status_kind = done.failure or "the experiment failed", done.kind
+            self._status, self._status_kind = done.failure or "the experiment failed", mode
+        if mode == self.mode():
+            self._on_mode(self.mode_combo.currentIndex())  # a gallery result shows in its experiment's view
         self.mark_dirty()
+
+    def _gallery_ran(self) -> None:
+        self.gallery.set_ran({name: f"{e['seconds']:.1f} s" + (f" on {e['model']}" if e.get("model") else "")
+                              for name, e in self.gallery_results.items()})
 
     # ---- sessions and exports -----------------------------------------------------------------------------------
     def saved_results(self) -> list[dict]:
-        """The newest result of each kind, as plain data for a session file."""
-        return [self.results[k] for k in KINDS if k in self.results]
+        """The newest result of each kind and of each gallery experiment, as plain data for a session file."""
+        return ([self.results[k] for k in KINDS if k in self.results]
+                + [self.gallery_results[n] for n in GALLERY_NAMES if n in self.gallery_results])
 
     def restore_results(self, saved: object) -> str:
         """Show the results a session holds (replacing the panel's); returns "" or one sentence on what could not
         be read (a damaged or foreign file: that part is skipped)."""
         self.results.clear()
+        self.gallery_results.clear()
         self._status, self._status_kind = "", ""
         problems = []
         for entry in saved if isinstance(saved, list) else []:
             kind = entry.get("kind") if isinstance(entry, dict) else None
             try:
-                if kind not in KINDS:
+                if kind not in KINDS and kind != "gallery":
                     raise ResultError("it names no experiment")
                 check_result(kind, entry.get("result"))
                 seconds = entry.get("seconds", 0.0)
                 params = entry.get("params", {})
                 model = entry.get("model", "")
-                self.results[kind] = {"kind": kind, "params": params if isinstance(params, dict) else {},
-                                      "result": entry["result"],
-                                      "seconds": float(seconds) if isinstance(seconds, (int, float)) else 0.0,
-                                      "model": model if isinstance(model, str) else ""}
+                kept = {"kind": kind, "params": params if isinstance(params, dict) else {},
+                        "result": entry["result"],
+                        "seconds": float(seconds) if isinstance(seconds, (int, float)) else 0.0,
+                        "model": model if isinstance(model, str) else ""}
+                if kind == "gallery":
+                    self.gallery_results[entry["result"]["name"]] = kept
+                else:
+                    self.results[kind] = kept
             except ResultError as e:
                 problems.append(f"a saved {kind if isinstance(kind, str) else 'why'} result is skipped: {e}")
         if saved is not None and not isinstance(saved, list):
             problems.append("the session's why results are not a list")
+        self._gallery_ran()
         shown = next((k for k in KINDS if k in self.results), None)
         if shown is not None and self.mode() not in self.results:
             self.set_mode(shown)
+        elif shown is None and self.gallery_results:  # only gallery results: the gallery, on the first of them
+            self.gallery.choose(next(n for n in GALLERY_NAMES if n in self.gallery_results))
+            self.set_mode("gallery")
         if problems:
             self._status, self._status_kind = "; ".join(problems), self.mode()
         self.mark_dirty()
@@ -784,11 +989,24 @@ class WhyPanel(Panel):
 
     def export_rows(self, kind: str | None = None) -> list[dict]:
         """The shown mode's result as rows of plain values (CSV / JSON export); [] when there is none."""
-        kind = kind or self.mode()
-        entry = self.results.get(kind)
+        entry = self.shown() if kind is None else self.results.get(kind)
         if entry is None:
             return []
-        r = entry["result"]
+        kind, r = entry["kind"], entry["result"]
+        if kind == "dla":
+            m = np.asarray(r["heads"], dtype=float)
+            rows = [{"component": f"L{layer}H{head}", "layer": layer, "head": head,
+                     "contribution": float(m[layer, head])}
+                    for layer in range(m.shape[0]) for head in range(m.shape[1])]
+            rows += [{"component": f"MLP{layer}", "layer": layer, "head": "", "contribution": float(v)}
+                     for layer, v in enumerate(r["mlp"])]
+            return [*rows, {"component": "embeddings", "layer": "", "head": "", "contribution": float(r["embeddings"])}]
+        if kind == "atp":
+            a, texts = np.asarray(r["atp"], dtype=float), pieces(r["tokens"])
+            e = np.asarray(r["restored"], dtype=float) if r.get("restored") is not None else None
+            return [{"layer": layer, "position": pos, "token": texts[pos], "atp": float(a[layer, pos]),
+                     **({"exact": float(e[layer, pos])} if e is not None else {})}
+                    for layer in range(a.shape[0]) for pos in range(a.shape[1])]
         if kind == "heads":
             rows = []
             for key, _ in SCORES:
@@ -817,7 +1035,7 @@ class WhyPanel(Panel):
     # ---- clicks --------------------------------------------------------------------------------------------------
     def head_at(self, scene_pos: QtCore.QPointF) -> tuple[str, int, int] | None:
         """(score, layer, head) of the heatmap cell under a scene position, or None."""
-        entry = self.results.get("heads")
+        entry = self.shown("heads")
         if entry is None:
             return None
         for key, pi in self.heads_items.items():
@@ -845,13 +1063,13 @@ class WhyPanel(Panel):
         self.sig_show_head.emit(int(layer), int(head))
 
     def patch_cell_at(self, scene_pos: QtCore.QPointF) -> tuple[str, int, int] | None:
-        """("restored", stream row, position) or ("restored_heads", layer, head) of the patching cell under a scene
-        point, or None."""
-        entry = self.results.get("patch")
+        """(the result's key, row, column) of the patching cell under a scene point, or None: ("restored" or "atp",
+        stream row, position) or ("restored_heads" or "atp_heads", layer, head)."""
+        entry = self.shown("patch")
         if entry is None:
             return None
         r = entry["result"]
-        for item, key in ((self.patch_item, "restored"), (self.patch_heads_item, "restored_heads")):
+        for item, key in self._patch_cells:
             vb = item.getViewBox()
             if r.get(key) is None or item.scene() is None or not vb.sceneBoundingRect().contains(scene_pos):
                 continue
@@ -867,18 +1085,66 @@ class WhyPanel(Panel):
         if hit is None:
             return
         key, row, col = hit
-        r = self.results["patch"]["result"]
+        r = self.shown("patch")["result"]
         value = float(np.asarray(r[key], dtype=float)[row, col])
-        where = (f"the stream after {row} layer{'s' if row != 1 else ''}, position {col} "
-                 f"({patch_labels(r)[col]})" if key == "restored" else f"head {row}:{col}'s output (click: its "
-                 "attention)")
-        self.patch_hover.setText(f"{where}: {value:+.3f} of the logit difference restored")
+        heads = key.endswith("_heads")
+        where = (f"head {row}:{col}'s output (click: its attention)" if heads else
+                 f"the stream after {row} layer{'s' if row != 1 else ''}, position {col} ({patch_labels(r)[col]})")
+        what = "AtP estimates" if key.startswith("atp") else "exact patching restores"
+        other = {"atp": "restored", "restored": "atp", "atp_heads": "restored_heads",
+                 "restored_heads": "atp_heads"}[key]
+        beside = ""
+        if r.get(other) is not None and np.shape(r[other]) == np.shape(r[key]):
+            v = float(np.asarray(r[other], dtype=float)[row, col])
+            beside = f" (exact {v:+.3f})" if key.startswith("atp") else f" (AtP {v:+.3f})"
+        self.patch_hover.setText(f"{where}: {what} {value:+.3f} of the logit difference{beside}")
 
     def _on_patch_clicked(self, event) -> None:
         if event.button() != QtCore.Qt.MouseButton.LeftButton:
             return
         hit = self.patch_cell_at(event.scenePos())
-        if hit is not None and hit[0] == "restored_heads":  # a head's cell: its attention in the Attention panel
+        if hit is not None and hit[0].endswith("_heads"):  # a head's cell: its attention in the Attention panel
+            self.select_head(hit[1], hit[2])
+
+    def dla_cell_at(self, scene_pos: QtCore.QPointF) -> tuple[str, int, int] | None:
+        """("head", layer, head), ("mlp", layer, -1) or ("embeddings", -1, -1) under a scene point in the logit
+        attribution map, or None."""
+        entry = self.shown("dla")
+        vb = self.dla_item.getViewBox()
+        if entry is None or not vb.sceneBoundingRect().contains(scene_pos):
+            return None
+        L, H = np.shape(entry["result"]["heads"])
+        p = vb.mapSceneToView(scene_pos)
+        x, y = p.x(), p.y()
+        if 0 <= x < H and 0 <= y < L:
+            return "head", int(math.floor(y)), int(math.floor(x))
+        if H + DLA_GAP <= x < H + DLA_GAP + 1:
+            if 0 <= y < L:
+                return "mlp", int(math.floor(y)), -1
+            if L + DLA_GAP <= y < L + DLA_GAP + 1:
+                return "embeddings", -1, -1
+        return None
+
+    def _on_dla_hover(self, pos: QtCore.QPointF) -> None:
+        hit = self.dla_cell_at(pos)
+        if hit is None:
+            return
+        part, layer, head = hit
+        r = self.shown("dla")["result"]
+        if part == "head":
+            value, where = float(r["heads"][layer][head]), f"head {layer}:{head} (click: its attention)"
+        elif part == "mlp":
+            value, where = float(r["mlp"][layer]), f"layer {layer}'s MLP"
+        else:
+            value, where = float(r["embeddings"]), "the embeddings"
+        share = f", {value / r['sum']:.0%} of the sum" if r["sum"] else ""
+        self.dla_hover.setText(f"{where}: {value:+.4f} to the logit difference{share}")
+
+    def _on_dla_clicked(self, event) -> None:
+        if event.button() != QtCore.Qt.MouseButton.LeftButton:
+            return
+        hit = self.dla_cell_at(event.scenePos())
+        if hit is not None and hit[0] == "head":
             self.select_head(hit[1], hit[2])
 
     # ---- drawing -------------------------------------------------------------------------------------------------
@@ -891,13 +1157,17 @@ class WhyPanel(Panel):
                          f"{html.escape(self._progress[1])}</span>")
         if self._status and self._status_kind == kind:
             parts.append(f"<span style='color:{ERROR_COLOR}'>{html.escape(self._status)}</span>")
-        entry = self.results.get(kind)
+        if kind == "patch" and self._kind_to_run() == "atp" and self._atp_refusal and self._atp_refusal != (
+                self._status if self._status_kind == kind else ""):
+            parts.append(f"<span style='color:{ERROR_COLOR}'>{html.escape(self._atp_refusal)}</span>")
+        entry = self.shown()
         if entry is None:
             if not parts:
-                parts.append(f"<span style='color:{MUTED}'>Run {html.escape(dict(MODES)[kind].lower())} to see what "
-                             "it shows.</span>")
+                what = (f"“{self.gallery.entry().title}”" if kind == "gallery" else
+                        "attribution patching" if self._kind_to_run() == "atp" else dict(MODES)[kind].lower())
+                parts.append(f"<span style='color:{MUTED}'>Run {html.escape(what)} to see what it shows.</span>")
             return "<br>".join(parts)
-        parts.append(self._result_line(kind, entry))
+        parts.append(self._result_line(entry["kind"], entry))
         if kind == "ablate" and self._branch_started:
             parts.append(f"<span style='color:{MUTED}'>Continued as the run “{html.escape(self._branch_started)}” "
                          "(Branches panel).</span>")
@@ -914,7 +1184,51 @@ class WhyPanel(Panel):
                     layer, head = np.unravel_index(int(np.nanargmax(m)), m.shape)
                     best.append(f"{label} <b>{layer}:{head}</b> ({m[layer, head]:.2f})")
             n = r.get("repeat", entry["params"].get("repeat", "?"))
-            return f"Strongest heads (layer:head) on {n} random tokens repeated once, {took}: " + " · ".join(best)
+            line = f"Strongest heads (layer:head) on {n} random tokens repeated once, {took}: " + " · ".join(best)
+            ab = r.get("ablation")  # the gallery's induction run switches its top induction heads off
+            if isinstance(ab, dict) and all(isinstance(ab.get(k), (int, float)) for k in ("loss", "loss_ablated",
+                                                                                           "loss_control")):
+                heads = ", ".join(f"{h.get('layer')}:{h.get('head')}" for h in ab.get("heads", [])
+                                  if isinstance(h, dict))
+                line += (f"<br>Second copy's loss {ab['loss']:.3f} nats; with the induction heads {html.escape(heads)}"
+                         f" off <b>{ab['loss_ablated']:.3f}</b>; with as many other heads off "
+                         f"{ab['loss_control']:.3f}")
+            return line
+        if kind == "dla":
+            pair = f"{_piece(r['answer']['token'])!r} − {_piece(r['wrong']['token'])!r}"
+            at = f"step {r.get('step', 0)}" + (f" (after {_piece(''.join(r['generated']))!r})"
+                                               if r.get("generated") else "")
+            top = ", ".join(f"{c['component']} {c['contribution']:+.2f}" for c in r.get("top", [])[:4])
+            return html.escape(f"logit difference {pair} at {at}: {r['logit_diff']:+.3f}; the parts sum to "
+                               f"{r['sum']:+.3f} (frozen-norm error {r['logit_diff'] - r['sum']:+.1e}); embeddings "
+                               f"{r['embeddings']:+.2f}; largest: {top} · {took}", quote=False)
+        if kind == "atp":
+            def esc(text: str) -> str:
+                return html.escape(text, quote=False)
+
+            parts = [esc(f"AtP (2 forwards, 1 backward) for {_piece(r['answer']['token'])!r} over "
+                         f"{_piece(r['wrong']['token'])!r}")]
+            if r.get("restored") is None:
+                m = np.asarray(r["atp"], dtype=float)
+                if m.size and np.isfinite(m).any():
+                    layer, pos = np.unravel_index(int(np.nanargmax(m)), m.shape)
+                    parts.append(esc(f"largest estimate {m[layer, pos]:+.2f} after {layer} layers at position {pos} "
+                                     f"({patch_labels(r)[pos]})"))
+                parts.append("no exact grid: set the toggle to both to see where AtP parts from it")
+            else:
+                pr, pc = r.get("pearson"), r.get("pearson_changed")
+                parts.append(f"Pearson r with the exact grid <b>{'n/a' if pr is None else f'{pr:.3f}'}</b> over "
+                             f"every cell, {'n/a' if pc is None else f'{pc:.3f}'} over the "
+                             f"{esc(str(r.get('changed_cells', '?')))} whose activations differ")
+                if isinstance(r.get("pearson_heads"), (int, float)):
+                    parts.append(f"per head {r['pearson_heads']:.3f}")
+                far = r.get("disagree") or []
+                if far:
+                    d = far[0]
+                    parts.append(esc(f"most apart: after {d['layer']} layers at {_piece(d['token'])!r}, AtP "
+                                     f"{d['atp']:+.2f} against exact {d['exact']:+.2f} (outlined: the "
+                                     f"{len(far[:OUTLINED])} cells most apart)"))
+            return " · ".join([*parts, esc(took)])
         if kind == "ablate":
             b, a = r["before"], r["after"]
             parts = []
@@ -974,8 +1288,11 @@ class WhyPanel(Panel):
         self.progress_bar.setValue(int(1000 * self._progress[0]) if running else 0)
         self.progress_bar.setFormat(f"{100 * self._progress[0]:.0f}%" if running else "")
         self.summary.setText(self.summary_html())
-        kind = self.mode()
-        getattr(self, f"_draw_{kind}")(self.results.get(kind))
+        entry = self.shown()
+        view = entry["kind"] if entry is not None else self.mode()
+        view = "patch" if view == "atp" else view
+        if view != "gallery":  # the gallery without a result shows its note
+            getattr(self, f"_draw_{view}")(entry)
 
     def _draw_heads(self, entry: dict | None) -> None:
         defs = entry["result"].get("definitions") if entry is not None else None
@@ -1026,22 +1343,49 @@ class WhyPanel(Panel):
                 set_number_cell(table, i, 2, f"{float(probs[i]):.4f}")
 
     def _draw_patch(self, entry: dict | None) -> None:
-        pi, hi = self.patch_item, self.patch_heads_item
-        heads = entry["result"].get("restored_heads") if entry is not None else None
-        if (heads is not None) != self._heads_shown:
-            self._heads_shown = heads is not None
-            if self._heads_shown:
-                self.patch_plot.addItem(hi, row=0, col=1)
-            else:
-                self.patch_plot.removeItem(hi)
-            self.patch_plot.ci.layout.setColumnStretchFactor(1, 1 if self._heads_shown else 0)
-            self.patch_plot.ci.layout.setColumnStretchFactor(0, 3 if self._heads_shown else 1)
-        if heads is not None:
-            h = np.asarray(heads, dtype=float)
+        """The exact grid, AtP's (by the toggle), or both side by side with the cells where they part outlined; a
+        result's per-head grid beside it (not in both)."""
+        pi, hi, ai = self.patch_item, self.patch_heads_item, self.patch_atp_item
+        r = entry["result"] if entry is not None else {}
+        atp = entry is not None and entry["kind"] == "atp"
+        both = atp and self.patch_method.currentData() == "both" and r.get("restored") is not None
+        main_key = "atp" if atp and not both else "restored"
+        heads_key = None if both else ("atp_heads" if atp else "restored_heads")
+        if heads_key is not None and r.get(heads_key) is None:
+            heads_key = None
+        placed = (("atp",) if both else ()) + (("heads",) if heads_key else ())
+        if placed != self._patch_placed:
+            items = {"atp": ai, "heads": hi}
+            for name in self._patch_placed:
+                self.patch_plot.removeItem(items[name])
+            self.patch_plot.removeItem(self.patch_bar)
+            for col, name in enumerate(placed, start=1):
+                self.patch_plot.addItem(items[name], row=0, col=col)
+            self.patch_plot.addItem(self.patch_bar, row=0, col=len(placed) + 1)
+            layout = self.patch_plot.ci.layout
+            stretch = {0: 3 if "heads" in placed else 1, **{c: 1 for c in range(1, len(placed) + 1)}}
+            for col in range(4):
+                layout.setColumnStretchFactor(col, stretch.get(col, 0))
+            self._patch_placed = placed
+        self._patch_cells = ([(pi, main_key)] + ([(ai, "atp")] if both else [])
+                             + ([(hi, heads_key)] if heads_key else []))
+        pi.setTitle(("exact patching" if both else "AtP's estimate") if atp else None, size=f"{FONT_PT}pt",
+                    color=FOREGROUND)
+        hi.setTitle("AtP's estimate per head" if atp else "each head's output patched", size=f"{FONT_PT}pt",
+                    color=FOREGROUND)
+        if heads_key is not None:
+            h = np.asarray(r[heads_key], dtype=float)
             self.patch_heads_image.setImage(np.nan_to_num(h), levels=(-1.0, 1.0), autoLevels=False)
             hi.getViewBox().setRange(xRange=(0, h.shape[1]), yRange=(0, h.shape[0]), padding=0)
         else:
             self.patch_heads_image.clear()
+        far = r.get("disagree") if both and isinstance(r.get("disagree"), list) else []
+        for name in ("main", "atp"):
+            for i, rect in enumerate(self.patch_outlines[name]):
+                d = far[i] if i < len(far) and isinstance(far[i], dict) else None
+                if d is not None:
+                    rect.setRect(float(d.get("position", 0)), float(d.get("layer", 0)), 1, 1)
+                rect.setVisible(d is not None)
         if entry is None:
             self.patch_image.clear()
             pi.getAxis("bottom").setTicks(None)
@@ -1050,13 +1394,56 @@ class WhyPanel(Panel):
                        "restores", (0, 12), (0, 8))
             return
         self.patch_note.setVisible(False)
-        r = entry["result"]
-        m = np.asarray(r["restored"], dtype=float)
+        m = np.asarray(r[main_key], dtype=float)
         self.patch_image.setImage(np.nan_to_num(m), levels=(-1.0, 1.0), autoLevels=False)
         pi.getViewBox().setRange(xRange=(0, m.shape[1]), yRange=(0, m.shape[0]), padding=0)
-        pi.getAxis("bottom").setTicks([[(i + 0.5, t) for i, t in enumerate(patch_labels(r, "\n"))]])
+        ticks = [[(i + 0.5, t) for i, t in enumerate(patch_labels(r, "\n"))]]
+        pi.getAxis("bottom").setTicks(ticks)
         step = max(1, m.shape[0] // 8)
         pi.getAxis("left").setTicks([[(j + 0.5, str(j)) for j in range(0, m.shape[0], step)]])
+        if both:
+            self.patch_atp_image.setImage(np.nan_to_num(np.asarray(r["atp"], dtype=float)), levels=(-1.0, 1.0),
+                                          autoLevels=False)
+            ai.getAxis("bottom").setTicks(ticks)
+        else:
+            self.patch_atp_image.clear()
+
+    def _draw_dla(self, entry: dict | None) -> None:
+        pi = self.dla_item
+        if entry is None:
+            for img in self.dla_images.values():
+                img.clear()
+            self.dla_box.setVisible(False)
+            pi.getAxis("bottom").setTicks(None)
+            pi.getAxis("left").setTicks(None)
+            show_empty(pi, self.dla_note, "Run to split the logit difference of two tokens\ninto what each head, "
+                       "MLP and the embeddings wrote", (0, 10), (0, 8))
+            return
+        self.dla_note.setVisible(False)
+        r = entry["result"]
+        heads = np.asarray(r["heads"], dtype=float)
+        mlp = np.asarray(r["mlp"], dtype=float)[:, None]
+        emb = np.array([[float(r["embeddings"])]])
+        L, H = heads.shape
+        top = float(np.nanmax(np.abs(np.concatenate([heads.ravel(), mlp.ravel(), emb.ravel()]))))
+        top = top if np.isfinite(top) and top > 0 else 1.0
+        for part, values, rect in (("heads", heads, (0, 0, H, L)), ("mlp", mlp, (H + DLA_GAP, 0, 1, L)),
+                                   ("embeddings", emb, (H + DLA_GAP, L + DLA_GAP, 1, 1))):
+            img = self.dla_images[part]
+            img.setImage(np.nan_to_num(values), levels=(-top, top), autoLevels=False)
+            img.setRect(QtCore.QRectF(*rect))
+        self.dla_bar.setLevels((-top, top))
+        pi.getViewBox().setRange(xRange=(0, H + DLA_GAP + 1), yRange=(0, L + DLA_GAP + 1), padding=0)
+        hstep = max(1, H // 12)
+        pi.getAxis("bottom").setTicks([[(h + 0.5, str(h)) for h in range(0, H, hstep)] + [(H + DLA_GAP + 0.5, "MLP")]])
+        step = max(1, L // 10)
+        pi.getAxis("left").setTicks([[(j + 0.5, str(j)) for j in range(0, L, step)] + [(L + DLA_GAP + 0.5, "emb")]])
+        sel = self._selected_head
+        if sel is not None and sel[0] < L and sel[1] < H:
+            self.dla_box.setRect(sel[1], sel[0], 1, 1)
+            self.dla_box.setVisible(True)
+        else:
+            self.dla_box.setVisible(False)
 
     def _draw_attribute(self, entry: dict | None) -> None:
         if entry is None:

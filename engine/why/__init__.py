@@ -9,6 +9,8 @@
     dla.py        direct logit attribution: what each head and MLP wrote into the logit difference of two tokens
     atp.py        attribution patching: the patching grid from one forward and one backward pass
     steer.py      steering vectors from contrast pairs, saved as llama.cpp control vectors, added while generating
+    gallery.py    canned experiments (induction, an indirect-object name pair, greater-than, factual recall), each
+                  set up for the loaded model, with words on what it shows and what to look for
 
 Every read and write of a forward pass goes through the session's seam (engine.model.seam's named points), so the
 experiments that only read and write run on either runtime; those that need a backward pass or the weights as torch

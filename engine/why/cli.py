@@ -1,5 +1,5 @@
 """Registers the why-experiments' subcommands (`heads`, `ablate`, `patch`, `attribute`, `compare`,
-`dla`, `atp`, `steer`) on the engine's CLI.
+`dla`, `atp`, `steer`, `gallery`) on the engine's CLI.
 
 Each module owns its parser and its command; importing one must not import torch (the CLI's start-up stays fast).
 """
@@ -10,7 +10,7 @@ import argparse
 import importlib
 
 MODULES: tuple[str, ...] = (  # engine.why.<name>, each with add_subcommand(sub)
-    "ablate", "atp", "attribute", "compare", "dla", "heads", "patch", "steer",
+    "ablate", "atp", "attribute", "compare", "dla", "gallery", "heads", "patch", "steer",
 )
 
 
