@@ -400,7 +400,7 @@ class AttributeParams:
 
 @dataclass(frozen=True)
 class CompareParams:
-    """The same prompt through the loaded model and another file of the same model (engine.why.compare)."""
+    """The same prompt, or a corpus, through the loaded model and another file of one model (engine.why.compare)."""
 
     other: str  # path of the other model file or folder
     prompt: str
@@ -408,6 +408,15 @@ class CompareParams:
     backend: str = "auto"  # the other model's runtime: "torch", "llama.cpp" or "auto"
     chat: bool = False
     kernels: str = "exact"  # the other model's kernel mode on torch (the same file under another mode: what it costs)
+    corpus: str = ""  # a text file's path: compare over its text in windows (engine.why.compare), not over `prompt`
+    window: int = 0  # tokens per window of the corpus (0: CORPUS_WINDOW)
+    max_tokens: int = 0  # the corpus's tokens compared at most (0: CORPUS_MAX_TOKENS)
+
+
+# A corpus comparison's default window and cap: llama-perplexity's windows are 512 tokens, but on two cores a
+# comparison through both sides has to end while the user waits.
+CORPUS_WINDOW = 256
+CORPUS_MAX_TOKENS = 2048
 
 
 @dataclass(frozen=True)

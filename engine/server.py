@@ -789,15 +789,20 @@ def run_experiment(session: Engine, params: object, progress: ReportProgress | N
         return run(session, params.name, progress=progress, should_stop=should_stop)
     if isinstance(params, P.CompareParams):
         from engine.why import check_stop
-        from engine.why.compare import compare
+        from engine.why.compare import compare, compare_corpus, read_corpus
 
         if open_model is None:
             raise ValueError("a comparison needs a way to open the other model")
+        window, cap = params.window or P.CORPUS_WINDOW, params.max_tokens or P.CORPUS_MAX_TOKENS
+        text = read_corpus(params.corpus, cap) if params.corpus else ""  # a bad file refused before any loading
         if progress is not None:
             progress(0.0, f"loading {params.other}")
         other = open_model(params.other, params.backend, params.kernels)
         try:
             check_stop(should_stop)
+            if params.corpus:
+                return compare_corpus(session, other, text, window, cap, name=os.path.basename(params.corpus),
+                                      progress=progress, should_stop=should_stop)
             return compare(session, other, params.prompt, steps=params.steps, chat=params.chat, progress=progress,
                            should_stop=should_stop)
         finally:

@@ -17,6 +17,23 @@ token) and is compared at its newest position:
 
 Beside them each side's weight bytes a decode step reads (engine.costs: the run dtype for torch, the file's own
 blocks for llama.cpp) and its measured TPOT, from an uncaptured greedy run of the same tokens.
+
+Over a corpus (`compare_corpus`, `compare --corpus FILE`), as llama.cpp's `llama-perplexity --kl-divergence` judges
+a quant: the text's tokens are cut into windows of W tokens (the first replaced by BOS where the model starts with
+one), each window run from an empty cache through both sides, teacher-forced. The first ⌊W/2⌋ positions are context
+only (one prefill); every later position j < W − 1 is scored by the distribution it gives for token j + 1, fed in
+steps of a decode product's rows, so that a kernel mode's decode products are the ones scored. Per scored position,
+in float64 from each side's float32 logits, with a = the loaded side (the base) and b = the other:
+
+    nll           −ln p(actual next token), per side; perplexity = exp(mean nll), in tokens
+    kl            KL(p_a ‖ p_b) = Σ p_a · (ln p_a − ln p_b) over the vocabulary, in nats
+    Δp            p_b(actual next token) − p_a(actual next token), in probability
+    same top      whether argmax of a's logits equals b's
+
+reported as perplexities, KL's mean (with its standard error), median, percentiles and max, Δp's mean, RMS and
+percentiles, and the share of positions with the same top token. Percentiles interpolate linearly between sorted
+values, as llama.cpp's do. Only these per-position scalars are kept: never a window's vocabulary-wide logits beyond
+one step of each side.
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ import math
 import time
 from pathlib import Path
 
+from engine.protocol import CORPUS_MAX_TOKENS, CORPUS_WINDOW
 from engine.why import Cancelled, Progress, ShouldStop, Unsupported, check_stop
 
 SHAPE_FIELDS = ("vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim")
@@ -244,6 +262,193 @@ def compare(a, b, prompt: str, steps: int = 16, chat: bool = False, progress: Pr
     }
 
 
+# ---- over a corpus -------------------------------------------------------------------------------------------------
+BYTES_PER_TOKEN_READ = 32  # corpus bytes read per token compared: English runs near 4 bytes a token, so this is ample
+KL_PERCENTILES = (90.0, 95.0, 99.0, 99.9)
+DELTA_P_PERCENTILES = (0.1, 1.0, 5.0, 10.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0, 99.9)
+QUANTILE_POINTS = 101  # the quantile curves a result carries for a plot: 0 %, 1 %, …, 100 %
+
+
+def percentile_key(q: float) -> str:
+    """A percentile's key in a result: p99, p99_9, p0_1."""
+    return "p" + f"{q:g}".replace(".", "_")
+
+
+def read_corpus(path: str | Path, max_tokens: int = CORPUS_MAX_TOKENS) -> str:
+    """The text of a corpus file, read up to the bytes `max_tokens` tokens can take (BYTES_PER_TOKEN_READ each); one
+    sentence (ValueError) for a missing file, a folder, a binary or non-UTF-8 file, or one that holds no text."""
+    import codecs
+
+    p = Path(path)
+    limit = max(1, max_tokens) * BYTES_PER_TOKEN_READ
+    try:
+        with open(p, "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        raise ValueError(f"no corpus file at {p}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{p} is a folder: choose a text file as the corpus") from None
+    except OSError as e:
+        raise ValueError(f"cannot read the corpus {p}: {e.strerror or e}") from None
+    cut = len(data) > limit
+    data = data[:limit]
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"{p.name} is not text: it holds a NUL byte at offset {nul} (a binary file?)")
+    try:  # a read cut short may end inside a character: the incremental decoder keeps those bytes back
+        text = codecs.getincrementaldecoder("utf-8")().decode(data, final=not cut)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{p.name} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start}") from None
+    if not text.strip():
+        raise ValueError(f"{p.name} holds no text to compare on" + (" (it is empty)" if not data else ""))
+    return text
+
+
+def _quantiles(values, qs):
+    import numpy as np
+
+    return [float(x) for x in np.percentile(values, qs)]  # numpy's "linear": llama.cpp's interpolation
+
+
+def corpus_statistics(nll_a, nll_b, kl, p_a, p_b, same_top) -> dict:
+    """The reported statistics of per-position arrays (float64 numpy, one entry per scored position)."""
+    import numpy as np
+
+    n = len(kl)
+    dp = p_b - p_a
+    kl_q = _quantiles(kl, KL_PERCENTILES)
+    dp_q = _quantiles(dp, DELTA_P_PERCENTILES)
+    mean_nll = [float(nll_a.mean()), float(nll_b.mean())]
+    same = float(same_top.mean())
+    return {
+        "positions": n,
+        "nll_mean": mean_nll,
+        "ppl": [math.exp(x) for x in mean_nll],
+        "ln_ppl_ratio": float((nll_b - nll_a).mean()),  # ln(PPL_b / PPL_a)
+        "kl_stats": {"mean": float(kl.mean()),
+                     "mean_se": float(kl.std(ddof=1) / math.sqrt(n)) if n > 1 else None,
+                     "median": float(np.median(kl)),
+                     **{percentile_key(q): v for q, v in zip(KL_PERCENTILES, kl_q, strict=True)},
+                     "max": float(kl.max()), "min": float(kl.min())},
+        "delta_p": {"mean": float(dp.mean()), "rms": float(np.sqrt(np.mean(dp * dp))),
+                    **{percentile_key(q): v for q, v in zip(DELTA_P_PERCENTILES, dp_q, strict=True)},
+                    "max": float(dp.max()), "min": float(dp.min())},
+        "same_top": same,
+        "kl_quantiles": _quantiles(kl, np.linspace(0, 100, QUANTILE_POINTS)),
+        "delta_p_quantiles": _quantiles(dp, np.linspace(0, 100, QUANTILE_POINTS)),
+    }
+
+
+def _scored(logits_a, logits_b, targets):
+    """Per position of one step: (nll_a, nll_b, kl, p_a, p_b, same top) as float64 numpy arrays."""
+    import torch
+
+    la, lb = torch.log_softmax(logits_a.double(), -1), torch.log_softmax(logits_b.double(), -1)
+    t = torch.as_tensor(targets, dtype=torch.long).reshape(-1, 1)
+    lpa, lpb = la.gather(1, t)[:, 0], lb.gather(1, t)[:, 0]
+    same = torch.argmax(logits_a, -1) == torch.argmax(logits_b, -1)
+    return [x.numpy() for x in (-lpa, -lpb, kl_nats(la, lb), lpa.exp(), lpb.exp(), same.double())]
+
+
+def corpus_windows(ids: list[int], window: int, max_tokens: int, bos: int | None) -> list[list[int]]:
+    """The windows of `ids` compared: whole windows of `window` tokens within the first `max_tokens`, each starting
+    with `bos` where the model starts with one (it replaces the window's first token, as llama-perplexity does)."""
+    n = min(len(ids), max_tokens) // window
+    out = [list(ids[k * window:(k + 1) * window]) for k in range(n)]
+    if bos is not None:
+        for w in out:
+            w[0] = bos
+    return out
+
+
+def compare_corpus(a, b, text: str, window: int = CORPUS_WINDOW, max_tokens: int = CORPUS_MAX_TOKENS,
+                   name: str = "", progress: Progress | None = None, should_stop: ShouldStop | None = None) -> dict:
+    """Sessions `a` (the base) and `b` of one model over `text` in windows (the module's docstring); the JSON-ready
+    result. Unsupported when the two are not one model or tokenize the text differently; ValueError when the text
+    gives no whole window or a window does not fit a side's cache; Cancelled when should_stop says so between
+    steps."""
+    import numpy as np
+
+    from engine.model.transformer import SPLIT_MAX_ROWS
+    from engine.run.session import check_finite
+    from engine.runtime.base import Row
+
+    t_start = time.perf_counter()
+    if a is b:
+        raise ValueError("compare needs two sessions (each keeps its own KV cache), got the same one twice")
+    A, B = _Side(a), _Side(b)
+    check_same_model(A.cfg, B.cfg)
+    if window < 4:
+        raise ValueError(f"a window takes at least 4 tokens (half of them context), got {window}")
+    if max_tokens < window:
+        raise ValueError(f"at most {max_tokens} tokens leave no whole window of {window}")
+    text = text[:max_tokens * BYTES_PER_TOKEN_READ]  # a long text is tokenized only as far as the cap can reach
+    ids = [int(i) for i in a.tokenizer.encode(text, parse_special=False, add_special=False).ids]
+    other = [int(i) for i in b.tokenizer.encode(text, parse_special=False, add_special=False).ids]
+    if ids != other:
+        raise Unsupported(f"the two tokenizers split the corpus differently ({len(ids)} against {len(other)} tokens)")
+    tok = a.tokenizer
+    windows = corpus_windows(ids, window, max_tokens, tok.bos_id if tok.add_bos else None)
+    if not windows:
+        raise ValueError(f"the corpus is {len(ids)} tokens, less than one window of {window}: give a longer text "
+                         "or a smaller window")
+    V = A.cfg.vocab_size
+    outside = next((i for i in ids[:len(windows) * window] if not 0 <= i < V), None)
+    if outside is not None:
+        raise ValueError(f"the corpus holds token id {outside}, outside this model's vocabulary (0…{V - 1})")
+    first = window // 2  # context only; positions first … window − 2 are scored
+    per_window = window - 1 - first
+    n = len(windows) * per_window
+    cols = [np.empty(n) for _ in range(6)]  # nll_a, nll_b, kl, p_a, p_b, same top: one entry per scored position
+    done = 0
+    for k, w in enumerate(windows):
+        rts = []
+        for side in (A, B):
+            side.s.forget_cache()
+            rt = side.s.runtime(window)
+            if rt.capacity < window:
+                raise ValueError(f"a window of {window} tokens does not fit {side.label}'s cache of {rt.capacity}")
+            rts.append(rt)
+        check_stop(should_stop)
+        for rt in rts:  # the context: one prefill, its logits unused
+            rt.forward([Row(0, w[:first])])
+        for j in range(first, window - 1, SPLIT_MAX_ROWS):
+            check_stop(should_stop)
+            feed = w[j:min(j + SPLIT_MAX_ROWS, window - 1)]
+            logits = []
+            for side, rt in zip((A, B), rts, strict=True):
+                out = rt.forward([Row(0, feed, all_logits=True)])[0].float().cpu().reshape(len(feed), V)
+                check_finite(out, j + len(feed) - 1, side.s.dtype_name)
+                logits.append(out)
+            for col, vals in zip(cols, _scored(logits[0], logits[1], w[j + 1:j + 1 + len(feed)]), strict=True):
+                col[done:done + len(feed)] = vals
+            done += len(feed)
+        if progress is not None:
+            progress((k + 1) / len(windows), f"window {k + 1} of {len(windows)}: {done} positions compared")
+    for side in (A, B):
+        side.s.forget_cache()
+    nll_a, nll_b, kl, p_a, p_b, same = cols
+    seconds = time.perf_counter() - t_start
+    return {
+        "mode": "corpus",
+        "labels": [A.label, B.label],
+        "corpus": name,
+        "corpus_tokens": len(ids),
+        "tokens": len(windows) * window,
+        "window": window,
+        "windows": len(windows),
+        "scored_from": first,
+        **corpus_statistics(nll_a, nll_b, kl, p_a, p_b, same),
+        "units": {"ppl": "tokens (exp of the mean nll in nats)", "kl": "nats: KL(a ‖ b)",
+                  "delta_p": "probability of the actual next token, b − a"},
+        "bytes_per_token": [float(A.info.decode_weight_bytes), float(B.info.decode_weight_bytes)],
+        "kernels": [A.info.kernels, B.info.kernels],
+        "dtype": [A.info.dtype, B.info.dtype],
+        "vocab_size": V,
+        "seconds": seconds,
+    }
+
+
 # ---- the command line ------------------------------------------------------------------------------------------
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
     from engine.cliargs import add_kernels_arg, add_model_args, add_threads_arg, int_in
@@ -255,9 +460,16 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--other-backend", default="auto", choices=["auto", "torch", "llama.cpp"],
                    help="the runtime of --other, as --backend")
     add_kernels_arg(q, "--other-kernels", "--other")
-    q.add_argument("--prompt", required=True)
+    q.add_argument("--prompt", default=None, help="the prompt whose greedy continuation is compared")
     q.add_argument("--chat", action="store_true")
     q.add_argument("--steps", type=int_in(1, 4096), default=16, help="tokens of a's greedy continuation compared")
+    q.add_argument("--corpus", default=None, metavar="FILE",
+                   help="compare over this text file instead of a prompt, as llama-perplexity --kl-divergence "
+                   "does: perplexity of each side, KL and Δp percentiles, same top token")
+    q.add_argument("--window", type=int_in(4, 1 << 16), default=CORPUS_WINDOW,
+                   help="--corpus: tokens per window, the first half context only")
+    q.add_argument("--max-tokens", type=int_in(4, 1 << 22), default=CORPUS_MAX_TOKENS,
+                   help="--corpus: the corpus's tokens compared at most (whole windows)")
     add_threads_arg(q)
     q.set_defaults(func=cmd_compare)
 
@@ -271,10 +483,15 @@ def cmd_compare(a: argparse.Namespace) -> int:
     if a.url:
         raise UsageError("`compare` needs every layer's residual stream and attention, which a server does not "
                          "report: drop --url to run it on the local model")
+    if (a.prompt is None) == (a.corpus is None):
+        raise UsageError("give --prompt (one sequence) or --corpus FILE (a text, in windows), one of the two")
+    text = read_corpus_or_fail(a.corpus, a.max_tokens) if a.corpus is not None else ""
     first = session_from_args(a)
     second = session_from_args(argparse.Namespace(**{**vars(a), "model": a.other if a.other else a.model,
                                                       "backend": a.other_backend, "kernels": a.other_kernels}))
     shown = None if a.json else (lambda f, m: print(f"  {m}", file=sys.stderr))
+    if a.corpus is not None:
+        return _corpus_cli(a, first, second, text, shown)
     n_prompt = len(first.tokenize(a.prompt, a.chat).ids)
     room = min(first.cfg.context_length, second.cfg.context_length) - n_prompt
     if a.steps > room:
@@ -303,3 +520,51 @@ def cmd_compare(a: argparse.Namespace) -> int:
         f"step {f['step']} {f['a_piece']!r}→{f['b_piece']!r}" for f in flips) if flips else ""))
     print(f"[{out['seconds']:.1f} s]", file=sys.stderr)
     return 0
+
+
+def read_corpus_or_fail(path: str, max_tokens: int) -> str:
+    """read_corpus, its refusal a CliError (one line, exit code 1)."""
+    from engine.cliargs import CliError
+
+    try:
+        return read_corpus(path, max_tokens)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+
+
+def _corpus_cli(a: argparse.Namespace, first, second, text: str, shown) -> int:
+    import sys
+
+    from engine.cliargs import CliError
+
+    try:
+        out = compare_corpus(first, second, text, a.window, a.max_tokens, name=Path(a.corpus).name, progress=shown)
+    except (Unsupported, ValueError, Cancelled) as e:
+        raise CliError(str(e)) from None
+    if a.json:
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    print(corpus_report(out))
+    print(f"[{out['seconds']:.1f} s]", file=sys.stderr)
+    return 0
+
+
+def corpus_report(out: dict) -> str:
+    """A corpus comparison as the lines the CLI prints (llama-perplexity's statistics, in its order)."""
+    kl, dp = out["kl_stats"], out["delta_p"]
+    se = f" ± {kl['mean_se']:.6f}" if kl["mean_se"] is not None else ""
+    lines = [f"a: {out['labels'][0]}", f"b: {out['labels'][1]}",
+             f"{out['corpus']}: {out['tokens']} of its {out['corpus_tokens']} tokens in {out['windows']} windows of "
+             f"{out['window']}, {out['positions']} positions scored (each window's first {out['scored_from']} are "
+             "context)",
+             f"{'PPL(a)':<16} {out['ppl'][0]:.4f}", f"{'PPL(b)':<16} {out['ppl'][1]:.4f}",
+             f"{'ln(PPL(b)/PPL(a))':<16} {out['ln_ppl_ratio']:+.6f}",
+             f"{'Mean KL':<16} {kl['mean']:.6f}{se} nats"]
+    lines += [f"{name:<16} {kl[key]:.6f}" for name, key in
+              (("Maximum KL", "max"), ("99.9% KL", "p99_9"), ("99.0% KL", "p99"), ("95.0% KL", "p95"),
+               ("90.0% KL", "p90"), ("Median KL", "median"), ("Minimum KL", "min"))]
+    lines += [f"{'Mean Δp':<16} {100 * dp['mean']:+.4f} %", f"{'Maximum Δp':<16} {100 * dp['max']:+.4f} %"]
+    lines += [f"{f'{q:g}% Δp':<16} {100 * dp[percentile_key(q)]:+.4f} %" for q in reversed(DELTA_P_PERCENTILES)]
+    lines += [f"{'Minimum Δp':<16} {100 * dp['min']:+.4f} %", f"{'RMS Δp':<16} {100 * dp['rms']:.4f} %",
+              f"{'Same top p':<16} {100 * out['same_top']:.3f} %"]
+    return "\n".join(lines)
