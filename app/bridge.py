@@ -430,6 +430,11 @@ class Bridge(QtCore.QObject):
     sig_steer_done = QtCore.Signal(object)
     """engine.protocol.SteerReady: a steering vector built, loaded or saved, or cancelled, or why not."""
     _sig_steer_lost = QtCore.Signal(str)  # the engine died while building a vector: why (made a SteerReady)
+    sig_tune_progress = QtCore.Signal(float, str)
+    """Fitting the tuned lens: fraction done and the stage (reading residuals, a KL step's loss, judging)."""
+    sig_lens_tuned = QtCore.Signal(object)
+    """engine.protocol.LensTuned: a tuned lens fitted, in use, dropped, or cancelled, or why not."""
+    _sig_tune_lost = QtCore.Signal(str)  # the engine died while fitting a tuned lens: why (made a LensTuned)
 
     def __init__(self, parent: QtCore.QObject | None = None) -> None:
         super().__init__(parent)
@@ -449,6 +454,7 @@ class Bridge(QtCore.QObject):
         self._experiment: P.Experiment | None = None  # the newest experiment sent and not yet done
         self._recompute_id = 0
         self._steer_id = 0
+        self._tune_id = 0
         self._machine: dict[tuple[str, str], object] = {}  # (device, dtype) → the engine's answer (None: none)
         self._answered: set[tuple[str, str]] = set()  # keys the engine has answered for
         # What a new engine process needs to stand in for one that died, and what the app knows of the dead one.
@@ -482,7 +488,7 @@ class Bridge(QtCore.QObject):
             P.ServeMetrics: self.sig_serve_metrics.emit, P.ServeLevelDone: lambda m: self.sig_serve_run.emit(m.figures),
             P.Tokenized: self.sig_server_tokens.emit, P.Pong: lambda m: self.sig_pong.emit(m.token),
             P.Stopped: lambda m: None, P.ExperimentDone: self._on_experiment_done,
-            Steered: self.sig_steered.emit, P.SteerReady: self._on_steer_ready,
+            Steered: self.sig_steered.emit, P.SteerReady: self._on_steer_ready, P.LensTuned: self._on_lens_tuned,
         }
         for cls in SPEC_EVENTS:
             self._routes[cls] = self.sig_spec.emit
@@ -492,13 +498,14 @@ class Bridge(QtCore.QObject):
         self._progress = {"load": self.sig_load_progress, "batch": self.sig_batch_progress,
                           "measure": self.sig_measure_progress, "serve": self.sig_serve_progress,
                           "serve_model": self.sig_serving_progress, "why": self.sig_why_progress,
-                          "steer": self.sig_steer_progress}
+                          "steer": self.sig_steer_progress, "tuned_lens": self.sig_tune_progress}
         self._done = {"measure": self.sig_measure_done, "serve_model": self.sig_serving_done,
-                      "why": self._sig_why_lost, "steer": self._sig_steer_lost}
+                      "why": self._sig_why_lost, "steer": self._sig_steer_lost, "tuned_lens": self._sig_tune_lost}
         self._lab_done = {"batch": self.sig_batch_done, "spec": self.sig_spec_done, "sched": self.sig_sched_done,
                           "serve": self.sig_serve_done}  # engine.protocol.LAB_JOBS' names
         self._sig_why_lost.connect(self._on_why_lost)
         self._sig_steer_lost.connect(self._on_steer_lost)
+        self._sig_tune_lost.connect(self._on_tune_lost)
         self._start_engine()
 
     def _start_engine(self) -> None:
@@ -717,6 +724,20 @@ class Bridge(QtCore.QObject):
     def cancel_steer(self) -> None:
         self._post(P.Cancel())
 
+    def tune_lens(self, action: str, **fields) -> int:
+        """The tuned lens in the engine process (engine.protocol.TuneLens): "fit" (corpus, tokens, steps, seconds;
+        after any generation, sig_tune_progress while it runs), "use" the saved one, or "off"; then sig_lens_tuned.
+        Returns the request's id."""
+        self._tune_id += 1
+        cmd = P.TuneLens(self._tune_id, action, **fields)
+        if action == "fit":
+            self._jobs.add("tuned_lens")
+        self._post(cmd)
+        return cmd.request_id
+
+    def cancel_tune_lens(self) -> None:
+        self._post(P.Cancel())
+
     def run_serve_bench(self, config: dict) -> None:
         """Load lab: `config` holds concurrency (list), num_prompts, max_new_tokens, request_rate, time_limit_s."""
         self.run_lab(P.ServeBench(dict(config)))
@@ -860,6 +881,14 @@ class Bridge(QtCore.QObject):
         if m.action == "build":
             self._jobs.discard("steer")
         self.sig_steer_done.emit(m)
+
+    def _on_lens_tuned(self, m: P.LensTuned) -> None:
+        if m.action == "fit":
+            self._jobs.discard("tuned_lens")
+        self.sig_lens_tuned.emit(m)
+
+    def _on_tune_lost(self, message: str) -> None:
+        self.sig_lens_tuned.emit(P.LensTuned(self._tune_id, "fit", error=message))
 
     def _on_steer_lost(self, message: str) -> None:
         self.sig_steer_done.emit(P.SteerReady(self._steer_id, "build", error=message))

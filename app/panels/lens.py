@@ -1,5 +1,10 @@
 """Logit lens: the next-token guess the model would make if it stopped after each layer, for the selected step.
 
+Beside the logit lens, the tuned lens (engine.why.tuned_lens: one affine map per layer, fitted on this machine to the
+model's own output): Fit fits and saves one for the loaded model file (on Python's help text, or the text file
+Corpus… names) with progress and Cancel; the switch reads each step through either lens, and the plot draws both
+lenses' KL to the output per layer wherever the step carries them.
+
 A long run holds the lens of its first LENS_FIRST steps and its newest ones, LENS_STEPS in all: the run store
 (app.run_store) bounds what it keeps the same way, and the header says when a selected step's lens is gone. While
 the shown run is the engine's live one, a selected step whose lens is not held (let go, or never captured) is
@@ -17,18 +22,22 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app.bridge import Bridge
 from app.panels.base import Panel
 from app.run_store import store_for
-from app.theme import ACCENT, BACKGROUND, MUTED, WARNING_COLOR, style_plot
+from app.theme import ACCENT, BACKGROUND, ERROR_COLOR, MUTED, OK_COLOR, WARNING_COLOR, style_plot
 from engine.events import LensCaptured, ModelInfo, PromptTokenized, TokenSampled
 from engine.model.config import ModelConfig
-from engine.protocol import Recomputed
+from engine.protocol import LensTuned, Recomputed
 
 LENS_TOP = 5  # top tokens per layer the generation captures while this panel exists
 LENS_STEPS = 1024  # steps whose lens the panel holds: the first LENS_FIRST and the newest
 LENS_FIRST = 64
+FIXED_COLUMNS = 3  # layer, entropy, KL; then the top tokens
 RECOMPUTED_STEPS = 64  # steps whose recomputed lens the panel keeps
 FONT_PT = 9
 AXIS_WIDTH = 48
 ENTROPY_COLOR = WARNING_COLOR
+KL_LOGIT_COLOR = ERROR_COLOR
+KL_TUNED_COLOR = OK_COLOR
+KINDS = ("logit", "tuned")
 
 
 def row_name(row: int, n_rows: int) -> str:
@@ -48,6 +57,9 @@ class LensPanel(Panel):
         "sig_token": "_on_token",
         "sig_step_selected": "_on_step_selected",
         "sig_recomputed": "_on_recomputed",
+        "sig_lens_tuned": "_on_lens_tuned",
+        "sig_tune_progress": "_on_tune_progress",
+        "sig_model_loaded": "_on_model_loaded",
     }
     help_text = (
         "The logit lens reads the residual stream of the newest token after the embedding and after every layer "
@@ -57,7 +69,14 @@ class LensPanel(Panel):
         "layer's whole distribution in bits (log₂ of the number of equally likely tokens it amounts to). The "
         "last row, 'output', is the model's real distribution before any sampling setting. Click a token in the "
         "Generation panel to see its step. Capturing the lens costs one LM head per layer per step; the step "
-        "times shown elsewhere do not include it."
+        "times shown elsewhere do not include it. "
+        "The logit lens reads the middle layers poorly: their residual is not yet in the basis the head reads. The "
+        "tuned lens (Belrose et al. 2023) first moves row ℓ by an affine map fitted for it, x + A_ℓ x + b_ℓ, so that "
+        "its distribution matches the output; 'Fit tuned lens' fits the maps on this machine for the loaded model "
+        "file (a least-squares start, then steps that lower the KL; a few minutes on two cores) on Python's own "
+        "help text, or on a text file you choose, and saves them; 'tuned' reads every later step through them, on "
+        "either runtime. The plot's solid lines are each lens's KL(output ‖ layer) in bits: how many extra bits per "
+        "token the layer's guess costs when the model's own output is the truth; 0 at the output."
     )
 
     def model_help(self, cfg: ModelConfig, info: ModelInfo) -> str:
@@ -73,6 +92,10 @@ class LensPanel(Panel):
         self.dropped: tuple[int, int] | None = None  # (first, last) step whose lens this panel let go
         self.recomputed: dict[int, LensCaptured | str] = {}  # step → its lens from the KV cache, or why not
         self._asked: dict[int, int] = {}  # request id → step, not yet answered
+        self.kind = "logit"  # which lens the table reads each step through (KINDS)
+        self.corpus = ""  # the text file a fit reads ("": Python's help text)
+        self.fitting = False
+        self.tuned_summary: dict | None = None  # the tuned lens in use: engine.why.tuned_lens.summary
         self._build()
         self.mark_dirty()
 
@@ -84,6 +107,34 @@ class LensPanel(Panel):
         self.capture_box.setToolTip("Each step then also projects every layer's residual through the LM head "
                                     "(about one extra decode step of time per token here)")
         self.capture_box.toggled.connect(self.set_capture)
+        self.kind_buttons = {k: QtWidgets.QRadioButton(k) for k in KINDS}
+        self.kind_buttons["logit"].setChecked(True)
+        self.kind_buttons["tuned"].setToolTip("Read each step through the tuned lens saved for this model file")
+        group = QtWidgets.QButtonGroup(self)
+        for k, b in self.kind_buttons.items():
+            group.addButton(b)
+            b.toggled.connect(lambda on, k=k: on and self.set_kind(k))
+        self.fit_button = QtWidgets.QPushButton("Fit tuned lens")
+        self.fit_button.setToolTip("Fit one affine map per layer to the model's own output on the corpus, save it for "
+                                   "this model file and use it (after any generation)")
+        self.fit_button.clicked.connect(self.fit)
+        self.corpus_button = QtWidgets.QPushButton("Corpus…")
+        self.corpus_button.setToolTip("A UTF-8 text file to fit on (default: Python's help text)")
+        self.corpus_button.clicked.connect(self._choose_corpus)
+        self.cancel_button = QtWidgets.QPushButton("Cancel")
+        self.cancel_button.setEnabled(False)
+        self.cancel_button.clicked.connect(self.bridge.cancel_tune_lens)
+        self.tune_status = QtWidgets.QLabel("")
+        self.tune_status.setWordWrap(True)
+        self.tune_status.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        kinds = QtWidgets.QHBoxLayout()
+        kinds.addWidget(QtWidgets.QLabel("lens:"))
+        for b in self.kind_buttons.values():
+            kinds.addWidget(b)
+        kinds.addSpacing(12)
+        for w in (self.fit_button, self.corpus_button, self.cancel_button):
+            kinds.addWidget(w)
+        kinds.addStretch(1)
         self.header.setTextFormat(QtCore.Qt.TextFormat.RichText)
         self.header.setWordWrap(True)
         self.plot = pg.PlotWidget(background=BACKGROUND)
@@ -102,15 +153,22 @@ class LensPanel(Panel):
         pi.getAxis("right").linkToView(self.entropy_view)
         pi.getAxis("right").setWidth(AXIS_WIDTH)
         self.entropy_view.setXLink(pi)
-        pi.getAxis("right").setLabel("entropy", units="bits", **{"color": ENTROPY_COLOR, "font-size": f"{FONT_PT}pt"})
+        pi.getAxis("right").setLabel("entropy · KL", units="bits",
+                                     **{"color": ENTROPY_COLOR, "font-size": f"{FONT_PT}pt"})
         dash = QtCore.Qt.PenStyle.DashLine
         self.h_curve = pg.PlotDataItem([], [], pen=pg.mkPen(ENTROPY_COLOR, width=1.5, style=dash))
         self.entropy_view.addItem(self.h_curve)
         legend.addItem(self.h_curve, "entropy (bits)")
+        self.kl_curves = {k: pg.PlotDataItem([], [], pen=pg.mkPen(c, width=1.5), symbol="t", symbolSize=4,
+                                             symbolBrush=c, symbolPen=None)
+                          for k, c in (("logit", KL_LOGIT_COLOR), ("tuned", KL_TUNED_COLOR))}
+        for k, curve in self.kl_curves.items():
+            self.entropy_view.addItem(curve)
+            legend.addItem(curve, f"KL {k} lens → output (bits)")
         pi.vb.sigResized.connect(lambda: self.entropy_view.setGeometry(pi.vb.sceneBoundingRect()))
 
-        self.table = QtWidgets.QTableWidget(0, 2 + LENS_TOP)
-        self.table.setHorizontalHeaderLabels(["layer", "H bits"] + [f"#{i + 1}" for i in range(LENS_TOP)])
+        self.table = QtWidgets.QTableWidget(0, FIXED_COLUMNS + LENS_TOP)
+        self.table.setHorizontalHeaderLabels(["layer", "H bits", "KL bits"] + [f"#{i + 1}" for i in range(LENS_TOP)])
         self.table.verticalHeader().setVisible(False)
         self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
@@ -126,6 +184,8 @@ class LensPanel(Panel):
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.capture_box)
+        layout.addLayout(kinds)
+        layout.addWidget(self.tune_status)
         layout.addWidget(self.header)
         layout.addWidget(split, 1)
 
@@ -136,6 +196,82 @@ class LensPanel(Panel):
             self.capture_box.setChecked(bool(on))  # comes back here through toggled
             return
         self.bridge.options.set_lens(LENS_TOP if on else 0)
+
+    def set_kind(self, kind: str) -> None:
+        """Read the steps through the logit or the tuned lens; "tuned" asks the engine to use the lens saved for this
+        model file (sig_lens_tuned answers), "logit" to stop computing it."""
+        if kind not in KINDS:
+            raise ValueError(f"not a lens: {kind!r} (choose {', '.join(KINDS)})")
+        if not self.kind_buttons[kind].isChecked():
+            self.kind_buttons[kind].setChecked(True)  # comes back here through toggled
+            return
+        if kind == self.kind:
+            return
+        self.kind = kind
+        if self.bridge.info is not None:
+            self.bridge.tune_lens("use" if kind == "tuned" else "off")
+            if kind == "tuned" and self.tuned_summary is None:
+                self.tune_status.setText("Looking for a tuned lens saved for this model file…")
+        self.mark_dirty()
+
+    def set_corpus(self, path: str) -> None:
+        """Fit later tuned lenses on this UTF-8 text file ("": Python's help text)."""
+        self.corpus = path
+        name = path.replace("\\", "/").rsplit("/", 1)[-1] if path else ""
+        self.corpus_button.setText(f"Corpus: {name}" if name else "Corpus…")
+
+    def _choose_corpus(self) -> None:
+        path, _ = QtWidgets.QFileDialog.getOpenFileName(self, "Text to fit the tuned lens on", "",
+                                                        "Text (*.txt *.md *.rst);;All files (*)")
+        if path:
+            self.set_corpus(path)
+
+    def fit(self, tokens: int = 0, steps: int = -1) -> int | None:
+        """Fit the tuned lens of the loaded model on the corpus (0 / -1: the fit's own defaults); None while one is
+        fitting or no model is loaded."""
+        if self.fitting or self.bridge.info is None:
+            return None
+        self.fitting = True
+        self.fit_button.setEnabled(False)
+        self.cancel_button.setEnabled(True)
+        self.tune_status.setText("Fitting the tuned lens (after any generation)…")
+        return self.bridge.tune_lens("fit", corpus=self.corpus, tokens=tokens, steps=steps)
+
+    @QtCore.Slot(float, str)
+    def _on_tune_progress(self, fraction: float, message: str) -> None:
+        self.tune_status.setText(f"Fitting the tuned lens: {fraction:.0%} · {html.escape(message)}")
+
+    @QtCore.Slot(object)
+    def _on_lens_tuned(self, m: LensTuned) -> None:
+        if m.action == "fit":
+            self.fitting = False
+            self.fit_button.setEnabled(True)
+            self.cancel_button.setEnabled(False)
+        if m.in_use:
+            self.tuned_summary = m.summary
+            self.tune_status.setText(tuned_summary_text(m.summary or {}, m.action == "fit"))
+            if self.kind != "tuned":
+                self.kind = "tuned"
+                self.kind_buttons["tuned"].setChecked(True)
+        elif m.cancelled:
+            self.tune_status.setText("The fit was cancelled; nothing was saved.")
+        elif m.error:
+            self.tune_status.setText(f"<span style='color:{ERROR_COLOR}'>Tuned lens: {html.escape(m.error)}</span>")
+            if m.action == "use" and self.kind == "tuned":
+                self.kind = "logit"
+                self.kind_buttons["logit"].setChecked(True)
+        elif m.action == "off":
+            self.tuned_summary = None
+            self.tune_status.setText("")
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_model_loaded(self, _info: ModelInfo) -> None:
+        """Another model (or the same again): the tuned lens in use was the old head's; ask for this file's."""
+        self.tuned_summary = None
+        self.tune_status.setText("")
+        if self.kind == "tuned":
+            self.bridge.tune_lens("use")
 
     # ---- slots: store, mark dirty ----
     @QtCore.Slot(object)
@@ -230,10 +366,27 @@ class LensPanel(Panel):
         step = ev.step
         n = ev.ids.shape[0]
         x = np.arange(n)
+        kl = {"logit": _row_values(ev.kl_bits, n),
+              "tuned": _row_values(ev.tuned.kl_bits, n) if ev.tuned is not None else None}
+        if self.kind == "tuned" and ev.tuned is not None and ev.tuned.ids.shape == ev.ids.shape:
+            ev, note = ev.tuned, note + " · <b>tuned lens</b>"
+        elif self.kind == "tuned":
+            note += " · <b>logit lens</b> (this step was captured without a tuned lens in use)"
         if ev.token_probs is not None:
             self.p_curve.setData(x, ev.token_probs)
         self.h_curve.setData(x, ev.entropy_bits)
-        self.entropy_view.setYRange(0, max(1.0, float(np.max(ev.entropy_bits)) * 1.05), padding=0)
+        top = float(np.max(ev.entropy_bits))
+        for k, curve in self.kl_curves.items():
+            values = kl[k]
+            # a row whose KL is infinite (the output's token ruled out) is drawn at the axis's top
+            shown = None if values is None else np.where(np.isfinite(values), values, np.nan)
+            if shown is None:
+                curve.setData([], [])
+            else:
+                curve.setData(x, shown)
+            if shown is not None and np.isfinite(shown).any():
+                top = max(top, float(np.nanmax(shown)))
+        self.entropy_view.setYRange(0, max(1.0, top * 1.05), padding=0)
         chosen = self.pieces.get(step, "")
         first = ""
         if ev.token_probs is not None and ev.token_id >= 0:
@@ -261,15 +414,21 @@ class LensPanel(Panel):
 
     def _fill_table(self, ev: LensCaptured) -> None:
         n, k = ev.ids.shape
-        self.table.setColumnCount(2 + k)
-        self.table.setHorizontalHeaderLabels(["layer", "H bits"] + [f"#{i + 1}" for i in range(k)])
+        self.table.setColumnCount(FIXED_COLUMNS + k)
+        self.table.setHorizontalHeaderLabels(["layer", "H bits", "KL bits"] + [f"#{i + 1}" for i in range(k)])
         self.table.setRowCount(n)
         accent = QtGui.QColor(ACCENT)
+        kl = _row_values(ev.kl_bits, n)
+        right = QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter
         for r in range(n):
             self.table.setItem(r, 0, QtWidgets.QTableWidgetItem(row_name(r, n)))
             h = QtWidgets.QTableWidgetItem(f"{ev.entropy_bits[r]:.2f}")
-            h.setTextAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
+            h.setTextAlignment(right)
             self.table.setItem(r, 1, h)
+            d = QtWidgets.QTableWidgetItem("" if kl is None else f"{kl[r]:.2f}")
+            d.setTextAlignment(right)
+            d.setToolTip("KL(output ‖ this row) in bits: what this row's guess costs per token against the output")
+            self.table.setItem(r, 2, d)
             for j in range(k):
                 piece = ev.pieces[r][j] if ev.pieces else str(ev.ids[r, j])
                 p = float(ev.probs[r, j])
@@ -282,7 +441,28 @@ class LensPanel(Panel):
                     f = item.font()
                     f.setBold(True)
                     item.setFont(f)
-                self.table.setItem(r, 2 + j, item)
+                self.table.setItem(r, FIXED_COLUMNS + j, item)
+
+
+def _row_values(values: np.ndarray | None, n: int) -> np.ndarray | None:
+    """A per-row array of n float values, or None (absent, or the wrong shape: a damaged session file)."""
+    if not isinstance(values, np.ndarray) or values.shape != (n,) or values.dtype.kind not in "fiu":
+        return None
+    return values.astype(np.float64)
+
+
+def tuned_summary_text(summary: dict, fitted_now: bool) -> str:
+    """One line on the tuned lens in use: what it was fitted on and its held-out KL against the logit lens's."""
+    logit, tuned = summary.get("held_out_logit_kl_bits") or [], summary.get("held_out_tuned_kl_bits") or []
+    judged = ""
+    if len(logit) == len(tuned) and len(logit) > 1:  # the mean over layers 0…L − 1 (row L is the output's own)
+        a, b = float(np.mean(logit[:-1])), float(np.mean(tuned[:-1]))
+        judged = (f"; held-out mean KL to the output over the layers: logit {a:.2f} bits → "
+                  f"<b>tuned {b:.2f} bits</b> ({summary.get('held_out_tokens', '?')} positions)")
+    how = "fitted and saved" if fitted_now else "loaded"
+    return (f"Tuned lens {how}: {html.escape(str(summary.get('corpus', '?')))}, "
+            f"{summary.get('train_tokens', '?')} tokens, {summary.get('kl_steps', '?')} KL steps, "
+            f"{summary.get('seconds', '?')} s{judged}")
 
 
 PANEL = LensPanel

@@ -242,3 +242,24 @@ def test_the_engine_process_fits_uses_and_drops_it(tiny_dir):
     finally:
         c.send(P.Quit())
         c.thread.join(10)
+
+
+def test_a_session_file_keeps_both_lenses(tiny_lm, tmp_path):
+    """A step's LensCaptured with its KL and its tuned rows is saved in a session file and read back as it was."""
+    from engine.session_file import SavedSession, load_session, save_session
+
+    s = Session(tiny_lm)
+    stream, logits = _stream(s, IDS)
+    head = s.runtime(1).lens_head()
+    tl.use(s, _random_lens(s.cfg.n_layers, s.cfg.d_model))
+    try:
+        ev = lens_event(head, s.tokenizer, 0, len(IDS) - 1, stream, logits, 5, token=7)
+    finally:
+        tl.use(s, None)
+    save_session(tmp_path / "run.ilab", SavedSession(events=[ev]))
+    (back,) = load_session(tmp_path / "run.ilab", with_tokenizer=False).events
+    for a, b in ((ev, back), (ev.tuned, back.tuned)):
+        for name in ("ids", "probs", "entropy_bits", "token_probs", "kl_bits"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        assert a.pieces == b.pieces
+    assert back.tuned.tuned is None
