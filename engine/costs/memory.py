@@ -89,21 +89,16 @@ def lab_memory(info: ModelInfo, cfg: ModelConfig, runtime: str, n_seq: int, posi
                      positions=positions, cells=cells_reserved(runtime, n_seq, positions, pooled, page_size))
 
 
-# tokenizer arrays a memory estimate never reads (stepped over in the header)
-_HEADER_SKIP = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-                          "tokenizer.ggml.merges", "tokenizer.chat_template"})
-
-
 def file_memory(path: str, runtime: str, weights_bytes: int, dtype: str) -> str:
     """One line for a model not yet loaded: weights + the KV cache one sequence holds on `runtime`, from a GGUF
     header (llama.cpp: the float16 cache it allocates whole for DEFAULT_CONTEXT positions at load, the file's bytes
     counted in `weights_bytes` as engine.formats.runtime_rule.llamacpp_bytes does; the torch engine: per position at
     `dtype`, since its cache grows with the run). A folder or an unreadable header: the weights alone."""
-    from engine.formats.gguf_meta import read_metadata
+    from engine.formats.gguf_meta import BULK_KEYS, read_metadata
     from engine.formats.runtime_rule import DEFAULT_CONTEXT, llamacpp_bytes
 
     try:
-        meta = read_metadata(path, skip=_HEADER_SKIP)
+        meta = read_metadata(path, skip=BULK_KEYS)
     except (OSError, ValueError):
         return f"{runtime}: weights {size(weights_bytes)}, KV cache not known"
     arch = meta.get("general.architecture")

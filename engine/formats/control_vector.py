@@ -15,10 +15,10 @@ of (n_layer - 1) × n_embd holding layers 1 … n_layer - 1, layer 1 first (`as_
 refuses layer 0, while `load` without a model accepts it (repeng can write one).
 
 A control vector file may come from anyone, so `load` is bounded before GGUFReader sees it: a regular file of at
-most MAX_FILE_BYTES, its header walked first (how many keys, tensors and string-array items it declares, each
-inside the file), so that GGUFReader, which builds Python objects per item, cannot be made to build many; then
-only the direction tensors themselves are read. Whatever is wrong, it raises ControlVectorError (a ValueError)
-with one sentence naming the file.
+most MAX_FILE_BYTES, its header walked first (engine.formats.gguf_meta: how many keys, tensors and string-array items
+it declares, each inside the file), so that GGUFReader, which builds Python objects per item, cannot be made to
+build many; then only the direction tensors themselves are read. Whatever is wrong, it raises ControlVectorError (a
+ValueError) with one sentence naming the file.
 """
 
 from __future__ import annotations
@@ -26,22 +26,19 @@ from __future__ import annotations
 import os
 import re
 import stat
-import struct
 from dataclasses import dataclass
-from typing import BinaryIO
 
 import numpy as np
+
+from engine.formats.gguf_meta import EVERY_KEY, read_metadata
 
 ARCH = "controlvector"
 KEY_MODEL_HINT = f"{ARCH}.model_hint"
 KEY_LAYER_COUNT = f"{ARCH}.layer_count"
 
 MAX_FILE_BYTES = 1 << 30  # a control vector is n_layers × n_embd floats: far below this for any model
-MAX_KEYS = 256  # a control vector has three
-MAX_TENSORS = 4096  # one per layer
+MAX_ENTRIES = 4096  # keys, and tensors (one per layer); a control vector has three keys
 MAX_STRING_ITEMS = 4096  # items of string arrays, in all: GGUFReader builds objects per item
-MAX_NAME_BYTES = 1024  # a key's or a tensor's name
-MAX_DIMS = 4  # GGML_MAX_DIMS
 
 _NAME = re.compile(r"direction\.([0-9]{1,9})")
 
@@ -142,10 +139,11 @@ def load(path: str | os.PathLike[str], n_layers: int | None = None, d_model: int
             raise refuse("is not a regular file")
         if st.st_size > MAX_FILE_BYTES:
             raise refuse(f"is {st.st_size} bytes, more than the {MAX_FILE_BYTES} a control vector file may be")
-        with open(name, "rb") as f:
-            _walk_header(f, st.st_size, refuse)
+        read_metadata(name, EVERY_KEY, tensors=True, max_entries=MAX_ENTRIES, max_strings=MAX_STRING_ITEMS)
     except OSError as e:
         raise refuse(f"cannot be read ({e.strerror or e})") from None
+    except ValueError as e:
+        raise refuse(str(e)) from None
 
     try:
         reader = gguf.GGUFReader(name, "r")
@@ -226,75 +224,3 @@ def _string_field(reader, key: str, refuse, missing: str | None = None) -> str:
         return bytes(f.parts[f.data[0]]).decode("utf-8")
     except UnicodeDecodeError:
         raise refuse(f"has a {key} that is not UTF-8") from None
-
-
-# GGUF value types (gguf.GGUFValueType): the byte size of each scalar; 8 is a string, 9 an array
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
-
-
-def _walk_header(f: BinaryIO, size: int, refuse) -> None:
-    """Walk a GGUF header (keys and tensor infos) with bounded counts, each piece inside the file; else refuse."""
-    head = f.read(8)
-    if len(head) < 8 or head[:4] != b"GGUF":
-        raise refuse("is not a GGUF file")
-    order = "<"
-    (version,) = struct.unpack("<I", head[4:])
-    if version & 0xFFFF == 0:  # written on a big-endian machine, which GGUFReader reads too
-        order = ">"
-        (version,) = struct.unpack(">I", head[4:])
-    if version not in (2, 3):
-        raise refuse(f"is GGUF version {version}, not 2 or 3")
-
-    def take(fmt: str) -> int:
-        n = struct.calcsize(fmt)
-        b = f.read(n)
-        if len(b) < n:
-            raise refuse("is cut short inside its header")
-        return struct.unpack(order + fmt, b)[0]
-
-    def skip(n: int) -> None:
-        if f.tell() + n > size:
-            raise refuse("is cut short inside its header")
-        f.seek(n, os.SEEK_CUR)
-
-    def string(limit: int | None = None) -> None:
-        n = take("Q")
-        if limit is not None and n > limit:
-            raise refuse(f"has a name of {n} bytes")
-        skip(n)
-
-    n_tensors, n_keys = take("Q"), take("Q")
-    if n_keys > MAX_KEYS or n_tensors > MAX_TENSORS:
-        raise refuse(f"declares {n_keys} keys and {n_tensors} tensors, more than a control vector has")
-    strings_left = MAX_STRING_ITEMS
-    for _ in range(n_keys):
-        string(MAX_NAME_BYTES)
-        kind = take("I")
-        if kind in _SCALAR_BYTES:
-            skip(_SCALAR_BYTES[kind])
-        elif kind == _STRING:
-            string()
-        elif kind == _ARRAY:
-            item, count = take("I"), take("Q")
-            if item in _SCALAR_BYTES:
-                skip(count * _SCALAR_BYTES[item])
-            elif item == _STRING and count <= strings_left:
-                strings_left -= count
-                for _ in range(count):
-                    string()
-            else:
-                raise refuse(f"has an array of {count} items of value type {item}, which no control vector holds")
-        else:
-            raise refuse(f"has a value of unknown type {kind}")
-    for _ in range(n_tensors):
-        string(MAX_NAME_BYTES)
-        n_dims = take("I")
-        if n_dims > MAX_DIMS:
-            raise refuse(f"has a tensor of {n_dims} dimensions")
-        elements = 1
-        for _ in range(n_dims):
-            elements *= take("Q")
-        if elements > 8 * size:  # no type packs more than eight values in a byte
-            raise refuse(f"has a tensor of {elements} values, more than the file can hold")
-        skip(4 + 8)  # its type and its data's offset: GGUFReader checks both

@@ -13,14 +13,16 @@ listing of dozens of models takes a fraction of a second. Scans are bounded (fil
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.formats.gguf_meta import read_metadata
+from engine.formats.gguf_meta import BULK_KEYS, GGUFMetadata, read_metadata
 from engine.formats.runtime_rule import auto_backend, llamacpp_bytes
 
 __all__ = ["ModelEntry", "discover", "memory_available", "read_model_facts", "remember", "recent_files"]
@@ -30,17 +32,6 @@ MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit on its JSON header
 RECENT_MAX = 20
 # Bytes per parameter when the engine runs a model at these dtypes.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Metadata arrays a model list never needs: stepped over without being read.
-_SKIP = frozenset(
-    {
-        "tokenizer.ggml.tokens",
-        "tokenizer.ggml.scores",
-        "tokenizer.ggml.token_type",
-        "tokenizer.ggml.merges",
-        "tokenizer.ggml.precompiled_charsmap",
-        "tokenizer.chat_template",
-    }
-)
 # GGUF tensor types (ggml_type) by number, as the gguf package names them.
 _GGML_TYPES = {
     0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
@@ -74,38 +65,11 @@ class ModelEntry:
 # ------------------------------------------------------------------------------------------------ headers
 
 
-def _gguf_facts(path: Path) -> tuple[str | None, int, dict[str, int], str | None]:
-    """(architecture, parameter count, tensor types, general.name) from a GGUF file's header."""
-    meta = read_metadata(path, skip=_SKIP)
-    types: dict[str, int] = {}
-    n_params = 0
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        f.seek(meta.end)
-        if meta.n_tensors > 1_000_000:
-            raise ValueError(f"implausible tensor count {meta.n_tensors}")
-        buf = f.read(min(size - meta.end, 64 << 20))
-    o = 0
-    unpack = struct.unpack_from
-    for _ in range(meta.n_tensors):
-        (n,) = unpack("<Q", buf, o)
-        o += 8 + n
-        (n_dims,) = unpack("<I", buf, o)
-        o += 4
-        if n_dims > 8:
-            raise ValueError(f"tensor with {n_dims} dimensions")
-        dims = unpack(f"<{n_dims}Q", buf, o)
-        o += 8 * n_dims
-        (kind,) = unpack("<I", buf, o)
-        o += 4 + 8  # type, then the data offset
-        count = 1
-        for d in dims:
-            count *= int(d)
-        n_params += count
-        name = _GGML_TYPES.get(int(kind), f"type {kind}")
-        types[name] = types.get(name, 0) + 1
-    arch = meta.text("general.architecture")
-    return arch, n_params, types, meta.text("general.name")
+def _gguf_facts(path: Path) -> tuple[GGUFMetadata, int, dict[str, int]]:
+    """(the header's metadata, parameter count, tensor types) of a GGUF file."""
+    meta = read_metadata(path, skip=BULK_KEYS, tensors=True)
+    types = Counter(_GGML_TYPES.get(t.ggml_type, f"type {t.ggml_type}") for t in meta.tensors)
+    return meta, sum(math.prod(t.dims) for t in meta.tensors), dict(types)
 
 
 def _safetensors_facts(directory: Path) -> tuple[str | None, int, dict[str, int]]:
@@ -130,10 +94,7 @@ def _safetensors_facts(directory: Path) -> tuple[str | None, int, dict[str, int]
         for key, t in header.items():
             if key == "__metadata__":
                 continue
-            count = 1
-            for d in t["shape"]:
-                count *= int(d)
-            n_params += count
+            n_params += math.prod(int(d) for d in t["shape"])
             types[t["dtype"]] = types.get(t["dtype"], 0) + 1
     return arch, n_params, types
 
@@ -168,10 +129,11 @@ def read_model_facts(path: str | os.PathLike[str], name: str, source: str, memor
         if is_dir:
             entry.architecture, entry.n_params, entry.quant_types = _safetensors_facts(path)
         else:
-            entry.architecture, entry.n_params, entry.quant_types, _ = _gguf_facts(path)
+            meta, entry.n_params, entry.quant_types = _gguf_facts(path)
+            entry.architecture = meta.text("general.architecture")
         # a GGUF that "auto" sends to llama.cpp runs as it is at any dtype: the file plus llama.cpp's KV cache
         on_llamacpp = auto_backend(not is_dir, entry.n_params) == "llama.cpp"
-        llamacpp_need = llamacpp_bytes(read_metadata(path, skip=_SKIP), size) if on_llamacpp else 0
+        llamacpp_need = llamacpp_bytes(meta, size) if on_llamacpp else 0
         entry.runtime = "llama.cpp" if on_llamacpp else "torch"
     except (OSError, ValueError, KeyError, TypeError, struct.error, json.JSONDecodeError) as e:
         entry.error = f"{type(e).__name__}: {e}"

@@ -1,28 +1,66 @@
-"""A small, fast reader for the metadata section of a GGUF file (no tensors, no weights).
+"""A small, fast reader for the header of a GGUF file: its metadata and, when asked, its tensor descriptions.
 
 `gguf.GGUFReader` maps the whole file and builds Python objects for every field and tensor; that costs seconds on a
 large vocabulary and it rejects vocabulary-only files (llama.cpp's test vocabularies have no tensor section). This
-reader walks the key/value section once: numeric arrays come back as numpy views, string arrays as lists of `bytes`
-(decoded only where the caller wants), and `skip` leaves chosen keys unread so a model list can read headers cheaply.
+reader walks the header once: numeric arrays come back as numpy views, string arrays as lists of `bytes` (decoded
+only where the caller wants), and `skip` leaves chosen keys unread so a model list can read headers cheaply.
+
+A GGUF file may come from anyone, and the gguf package trusts its numbers (a huge count or length makes it loop or
+read past the end). So every count, length and shape is held against the bytes that remain, and the counts against
+`max_entries`, before anything is built: the loaders and the control-vector reader walk a header here before
+GGUFReader sees it.
+
+Layout (v2/v3, either byte order): "GGUF", version u32, tensor count u64, metadata count u64; each metadata entry is
+a key (u64 length + UTF-8), a value type u32 and the value; each tensor description is a name, n_dims u32, n_dims
+u64 sizes, a ggml type u32 and a data offset u64; the data starts at the next multiple of general.alignment.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
+from collections.abc import Container
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["GGUFMetadata", "read_metadata"]
+__all__ = ["BULK_KEYS", "EVERY_KEY", "GGUFMetadata", "TensorInfo", "read_metadata"]
 
-_MAGIC = b"GGUF"
 # GGUF value types: 0..7 and 10..12 are scalars, 8 a string, 9 an array.
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-_MAX_KV = 1 << 20  # a sanity bound: a damaged count must not make us loop for ever
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SIZE = {code: struct.calcsize("<" + code) for code in _SCALAR.values()}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+MAX_NAME = 65535  # bytes of a key or a tensor's name (the GGUF spec's bound on keys)
+MAX_ENTRIES = 1 << 20  # metadata entries or tensors: real files hold hundreds to a few thousand
+MAX_DIMS = 4  # GGML_MAX_DIMS
+DEFAULT_ALIGNMENT = 32  # GGUF_DEFAULT_ALIGNMENT
+# The metadata arrays a model list or a memory estimate never needs: stepped over without being read.
+BULK_KEYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+                       "tokenizer.ggml.merges", "tokenizer.ggml.precompiled_charsmap", "tokenizer.chat_template"})
+
+
+class _Every:
+    """`skip=EVERY_KEY`: the header is walked and checked, no value built (general.alignment is always read)."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+
+EVERY_KEY = _Every()
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as the header describes it."""
+
+    name: str
+    dims: tuple[int, ...]  # ggml's order (ne): the row length first
+    ggml_type: int
+    offset: int  # of its data, from the start of the data section
 
 
 class GGUFMetadata(dict):
@@ -31,6 +69,9 @@ class GGUFMetadata(dict):
     version: int
     n_tensors: int
     end: int  # byte offset where the key/value section ends (the tensor infos start there)
+    alignment: int
+    tensors: list[TensorInfo]  # read with tensors=True, else empty
+    data_start: int  # where the tensors' data begins (with tensors=True)
 
     def text(self, key: str) -> str | None:
         value = self.get(key)
@@ -46,96 +87,142 @@ class GGUFMetadata(dict):
         return [b.decode("utf-8", "replace") for b in value]
 
 
-def read_metadata(path: str | os.PathLike[str], skip: frozenset[str] | set[str] = frozenset()) -> GGUFMetadata:
-    """Read the key/value metadata of a GGUF file. Keys in `skip` are stepped over without building values.
+def read_metadata(path: str | os.PathLike[str], skip: Container[str] = frozenset(), *, tensors: bool = False,
+                  max_entries: int = MAX_ENTRIES, max_strings: int | None = None) -> GGUFMetadata:
+    """Read the key/value metadata of a GGUF file (and with `tensors`, its tensor descriptions). Keys in `skip` are
+    stepped over without building values; more than `max_entries` keys or tensors, or `max_strings` string-array
+    items in all, are refused before they are walked.
 
-    Raises ValueError for a file that is not GGUF or whose metadata is cut short or damaged.
+    Raises ValueError, one sentence naming the file, for a file that is not GGUF or whose header is cut short or
+    damaged.
     """
     path = Path(path)
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        if size < 24:
-            raise ValueError(f"{path.name} is not a GGUF file (only {size} bytes)")
+        if size == 0:
+            raise ValueError(f"{path.name} is not a GGUF file (it is empty)")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            try:
-                return _parse(mm, size, path.name, skip)
-            except (struct.error, IndexError, OverflowError) as exc:
-                raise ValueError(f"{path.name}: the GGUF metadata is cut short or damaged ({exc})") from None
+            return _Walk(mm, size, path.name, max_entries, max_strings).header(skip, tensors)
 
 
-def _parse(buf: mmap.mmap, size: int, name: str, skip: frozenset[str] | set[str]) -> GGUFMetadata:
-    if buf[:4] != _MAGIC:
-        raise ValueError(f"{name} is not a GGUF file (it does not start with 'GGUF')")
-    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-    if version not in (2, 3):
-        raise ValueError(f"{name}: unsupported GGUF version {version} (2 and 3 are read)")
-    if n_kv > _MAX_KV:
-        raise ValueError(f"{name}: implausible metadata count {n_kv}")
-    out = GGUFMetadata()
-    out.version, out.n_tensors = int(version), int(n_tensors)
-    unpack = struct.unpack_from
-    o = 24
+class _Walk:
+    """The header read from a map, with every length checked against the bytes that remain."""
 
-    def read_str(o: int) -> tuple[bytes, int]:
-        (n,) = unpack("<Q", buf, o)
-        o += 8
-        if o + n > size:
-            raise ValueError(f"{name}: a string runs past the end of the file")
-        return buf[o : o + n], o + n
+    def __init__(self, buf: mmap.mmap, size: int, name: str, max_entries: int, max_strings: int | None) -> None:
+        self.buf, self.size, self.file, self.pos, self.order = buf, size, name, 0, "<"
+        self.max_entries, self.strings_left = max_entries, max_strings
 
-    def skip_str(o: int) -> int:
-        (n,) = unpack("<Q", buf, o)
-        o += 8 + n
-        if o > size:
-            raise ValueError(f"{name}: a string runs past the end of the file")
-        return o
+    def damaged(self, what: str) -> ValueError:
+        return ValueError(f"{self.file} is damaged: {what}")
 
-    def read_value(kind: int, o: int, keep: bool) -> tuple[Any, int]:
+    def take(self, n: int, what: str) -> int:
+        if n > self.size - self.pos:
+            raise self.damaged(
+                f"{what} claims {n:,} bytes at byte {self.pos:,}, but the file ends at byte {self.size:,}")
+        self.pos += n
+        return self.pos - n
+
+    def scalar(self, code: str, what: str) -> Any:
+        return struct.unpack_from(self.order + code, self.buf, self.take(_SIZE[code], what))[0]
+
+    def string(self, what: str, keep: bool = True) -> bytes | None:
+        n = self.scalar("Q", what)
+        start = self.take(n, what)
+        return self.buf[start:start + n] if keep else None
+
+    def name(self, what: str) -> str:
+        n = struct.unpack_from(self.order + "Q", self.buf, self.pos)[0] if self.size - self.pos >= 8 else 0
+        if MAX_NAME < n <= self.size - self.pos - 8:  # a name past the end is said so by string()
+            raise self.damaged(f"{what} has a name of {n:,} bytes (at most {MAX_NAME:,})")
+        return self.string(what).decode("utf-8", "replace")
+
+    def strings(self, n: int, what: str, keep: bool) -> list[bytes] | None:
+        """n strings one after another: the vocabulary's hundreds of thousands, so in one loop of its own."""
+        buf, size, pos, fmt, items = self.buf, self.size, self.pos, self.order + "Q", []
+        for _ in range(n):
+            k = struct.unpack_from(fmt, buf, pos)[0] if size - pos >= 8 else size
+            if k > size - pos - 8:
+                self.pos = pos
+                self.string(what)  # says where it runs past the end
+            if keep:
+                items.append(buf[pos + 8:pos + 8 + k])
+            pos += 8 + k
+        self.pos = pos
+        return items if keep else None
+
+    def count(self, n: int, what: str) -> None:
+        if n > self.max_entries:
+            raise self.damaged(f"it claims {n:,} {what}, more than the {self.max_entries:,} a file may hold")
+
+    def value(self, kind: int, what: str, keep: bool, depth: int = 0) -> Any:
         if kind in _SCALAR:
-            fmt = _SCALAR[kind]
-            return (unpack(fmt, buf, o)[0] if keep else None), o + struct.calcsize(fmt)
+            return self.scalar(_SCALAR[kind], what) if keep else self.take(_SIZE[_SCALAR[kind]], what)
         if kind == _STRING:
-            if not keep:
-                return None, skip_str(o)
-            raw, o = read_str(o)
-            return raw.decode("utf-8", "replace"), o
-        if kind == _ARRAY:
-            item, n = unpack("<IQ", buf, o)
-            o += 12
-            if item == _STRING:
-                if not keep:
-                    for _ in range(n):
-                        o = skip_str(o)
-                    return None, o
-                items = []
-                for _ in range(n):
-                    raw, o = read_str(o)
-                    items.append(raw)
-                return items, o
-            if item in _SCALAR:
-                dt = np.dtype(_SCALAR[item])
-                end = o + n * dt.itemsize
-                if end > size:
-                    raise ValueError(f"{name}: an array runs past the end of the file")
-                arr = np.frombuffer(buf[o:end], dtype=dt) if keep else None
-                return arr, end
-            if item == _ARRAY:  # nested arrays: legal, rare; read element by element
-                values = []
-                for _ in range(n):
-                    v, o = read_value(_ARRAY, o, keep)
-                    values.append(v)
-                return (values if keep else None), o
-            raise ValueError(f"{name}: unknown GGUF array item type {item}")
-        raise ValueError(f"{name}: unknown GGUF value type {kind}")
+            raw = self.string(what, keep)
+            return None if raw is None else raw.decode("utf-8", "replace")
+        if kind != _ARRAY or depth > 1:
+            raise self.damaged(f"{what} has unknown value type {kind}")
+        item, n = self.scalar("I", what), self.scalar("Q", what)
+        if item in _SCALAR:
+            dt = np.dtype(self.order + _SCALAR[item])
+            start = self.take(n * dt.itemsize, what)
+            return np.frombuffer(self.buf[start:start + n * dt.itemsize], dt) if keep else None
+        if item not in (_STRING, _ARRAY):
+            raise self.damaged(f"{what} is an array of unknown value type {item}")
+        if n * 8 > self.size - self.pos:  # a string or an array takes at least its 8-byte length
+            raise self.damaged(f"{what} claims an array of {n:,} items at byte {self.pos:,}, but the file ends at "
+                               f"byte {self.size:,}")
+        if item == _STRING and self.strings_left is not None:
+            if n > self.strings_left:
+                raise self.damaged(f"{what} is an array of {n:,} strings, more than such a file holds")
+            self.strings_left -= n
+        if item == _STRING:
+            return self.strings(n, what, keep)
+        items = [self.value(_ARRAY, what, keep, depth + 1) for _ in range(n)]
+        return items if keep else None
 
-    for _ in range(n_kv):
-        key_raw, o = read_str(o)
-        key = key_raw.decode("utf-8", "replace")
-        (kind,) = unpack("<I", buf, o)
-        o += 4
-        keep = key not in skip
-        value, o = read_value(kind, o, keep)
-        if keep:
-            out[key] = value
-    out.end = o
-    return out
+    def header(self, skip: Container[str], tensors: bool) -> GGUFMetadata:
+        if self.buf[:4] != b"GGUF":
+            raise ValueError(f"{self.file} is not a GGUF file (it does not start with the bytes 'GGUF')")
+        self.pos = 4
+        version = self.scalar("I", "the version")
+        if version & 0xFFFF == 0:  # written on a big-endian machine, which GGUFReader reads too
+            self.order = ">"
+            version = struct.unpack(">I", self.buf[4:8])[0]
+        if version not in (2, 3):
+            raise ValueError(f"{self.file}: GGUF version {version} is not supported (2 and 3 are)")
+        n_tensors, n_kv = self.scalar("Q", "the tensor count"), self.scalar("Q", "the metadata count")
+        self.count(n_kv, "metadata keys")
+        self.count(n_tensors, "tensors")
+        out = GGUFMetadata()
+        out.version, out.n_tensors, out.alignment = int(version), int(n_tensors), DEFAULT_ALIGNMENT
+        for i in range(n_kv):
+            key = self.name(f"the key of metadata entry {i}")
+            kind = self.scalar("I", f"the type of metadata {key!r}")
+            if key == "general.alignment" and kind == _UINT32:
+                out.alignment = self.value(kind, f"metadata {key!r}", True)
+                if out.alignment == 0 or out.alignment & (out.alignment - 1):
+                    raise self.damaged(f"general.alignment {out.alignment} is not a power of two")
+                if key not in skip:
+                    out[key] = out.alignment
+                continue
+            keep = key not in skip
+            value = self.value(kind, f"metadata {key!r}", keep)
+            if keep:
+                out[key] = value
+        out.end = self.pos
+        out.tensors = [self.tensor(i) for i in range(n_tensors)] if tensors else []
+        out.data_start = -(-self.pos // out.alignment) * out.alignment
+        return out
+
+    def tensor(self, i: int) -> TensorInfo:
+        name = self.name(f"the name of tensor {i}")
+        n_dims = self.scalar("I", f"the dimension count of tensor {name!r}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise self.damaged(f"tensor {name!r} has {n_dims:,} dimensions (GGUF allows 1…{MAX_DIMS})")
+        dims = tuple(self.scalar("Q", f"the shape of tensor {name!r}") for _ in range(n_dims))
+        if math.prod(dims) > 8 * self.size:  # no type packs more than eight values in a byte
+            raise self.damaged(f"tensor {name!r} claims {math.prod(dims):,} values, but the file ends at byte "
+                               f"{self.size:,}")
+        kind = self.scalar("I", f"the type of tensor {name!r}")
+        return TensorInfo(name, dims, kind, self.scalar("Q", f"the data offset of tensor {name!r}"))

@@ -20,14 +20,13 @@ A tied model's token table is its LM head, so it keeps its blocks or marker the 
 from __future__ import annotations
 
 import math
-import mmap
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from engine.formats.gguf_meta import EVERY_KEY, read_metadata
 from engine.model import quant
 from engine.model.config import LIMITS, ModelConfig, checked_float, checked_int
 from engine.model.rope import halves_to_pairs, halves_to_pairs_all
@@ -247,124 +246,32 @@ def read_weights(
     return halves_to_pairs_all(sd, cfg)
 
 
-# GGUF layout (v2/v3, little-endian): "GGUF", version u32, tensor count u64, metadata count u64; each metadata
-# entry is a key (u64 length + UTF-8), a value type u32 and the value; each tensor description is a name, n_dims u32,
-# n_dims u64 sizes, a ggml type u32 and a data offset u64; the data starts at the next multiple of the alignment.
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
-MAX_ENTRIES = 1 << 20  # metadata entries or tensors: real files hold hundreds to a few thousand
-
-
-class _Cursor:
-    """Reads the header with every length checked against the bytes that remain."""
-
-    def __init__(self, buf: mmap.mmap | bytes, size: int, name: str) -> None:
-        self.buf, self.size, self.name, self.pos = buf, size, name, 0
-
-    def damaged(self, what: str) -> ValueError:
-        return ValueError(f"{self.name} is damaged: {what}")
-
-    def take(self, n: int, what: str) -> int:
-        if n > self.size - self.pos:
-            raise self.damaged(
-                f"{what} claims {n:,} bytes at byte {self.pos:,}, but the file ends at byte {self.size:,}")
-        self.pos += n
-        return self.pos - n
-
-    def u32(self, what: str) -> int:
-        return struct.unpack_from("<I", self.buf, self.take(4, what))[0]
-
-    def u64(self, what: str) -> int:
-        return struct.unpack_from("<Q", self.buf, self.take(8, what))[0]
-
-    def string(self, what: str) -> str:
-        n = self.u64(what)
-        start = self.take(n, what)
-        try:
-            return bytes(self.buf[start:start + n]).decode("utf-8")
-        except UnicodeDecodeError:
-            raise self.damaged(f"{what} is not UTF-8 text") from None
-
-    def value(self, vtype: int, what: str, depth: int = 0) -> None:
-        if vtype in _SCALAR_BYTES:
-            self.take(_SCALAR_BYTES[vtype], what)
-        elif vtype == _STRING:
-            self.take(self.u64(what), what)
-        elif vtype == _ARRAY and depth < 2:
-            itype, n = self.u32(what), self.u64(what)
-            per_item = _SCALAR_BYTES.get(itype, 8)  # a string or an array takes at least its 8-byte length
-            if itype not in _SCALAR_BYTES and itype not in (_STRING, _ARRAY):
-                raise self.damaged(f"{what} is an array of unknown value type {itype}")
-            if n * per_item > self.size - self.pos:
-                raise self.damaged(
-                    f"{what} claims an array of {n:,} items at byte {self.pos:,}, but the file ends at byte "
-                    f"{self.size:,}")
-            if itype in _SCALAR_BYTES:
-                self.take(n * per_item, what)
-            else:
-                for _ in range(n):
-                    self.value(itype, what, depth + 1)
-        else:
-            raise self.damaged(f"{what} has unknown value type {vtype}")
-
-
 def check_file(path: Path) -> None:
-    """Walk a GGUF file's header and hold every count, length, shape and offset against the file's size.
+    """Walk a GGUF file's header (engine.formats.gguf_meta: every count, length and shape held against the file's
+    size) and hold each tensor's type, rows and data against the file too.
 
     The gguf package trusts these numbers (a huge count or length makes it loop or read past the end); after this
     check it only sees a header whose claims fit the file.
     """
     import gguf
 
+    meta = read_metadata(path, EVERY_KEY, tensors=True)
     size = path.stat().st_size
-    if size == 0:
-        raise ValueError(f"{path.name} is empty (0 bytes)")
-    with path.open("rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path.name} is not a GGUF file (it does not start with the bytes 'GGUF')")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            c = _Cursor(buf, size, path.name)
-            c.take(4, "the magic")
-            version = c.u32("the version")
-            if version not in (2, 3):
-                raise ValueError(f"{path.name}: GGUF version {version} is not supported (2 and 3 are)")
-            n_tensors, n_kv = c.u64("the tensor count"), c.u64("the metadata count")
-            if n_kv > MAX_ENTRIES or n_kv * 13 > size:  # an entry takes at least 8 + 1 + 4 bytes
-                raise c.damaged(f"it claims {n_kv:,} metadata entries, more than its {size:,} bytes can hold")
-            if n_tensors > MAX_ENTRIES or n_tensors * 24 > size:  # a description takes at least 24 bytes
-                raise c.damaged(f"it claims {n_tensors:,} tensors, more than its {size:,} bytes can describe")
-            alignment = gguf.GGUF_DEFAULT_ALIGNMENT
-            for i in range(n_kv):
-                key = c.string(f"the key of metadata entry {i}")
-                vtype = c.u32(f"the type of metadata {key!r}")
-                if key == "general.alignment" and vtype == _UINT32:
-                    alignment = struct.unpack_from("<I", buf, c.pos)[0] if c.size - c.pos >= 4 else 1
-                    if alignment == 0 or alignment & (alignment - 1):
-                        raise c.damaged(f"general.alignment {alignment} is not a power of two")
-                c.value(vtype, f"metadata {key!r}")
-            tensors = []
-            for i in range(n_tensors):
-                name = c.string(f"the name of tensor {i}")
-                n_dims = c.u32(f"the dimension count of tensor {name!r}")
-                if not 1 <= n_dims <= 4:
-                    raise c.damaged(f"tensor {name!r} has {n_dims:,} dimensions (GGUF allows 1…4)")
-                dims = [c.u64(f"the shape of tensor {name!r}") for _ in range(n_dims)]
-                ttype = c.u32(f"the type of tensor {name!r}")
-                offset = c.u64(f"the data offset of tensor {name!r}")
-                try:
-                    block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ttype)]
-                except (ValueError, KeyError):
-                    raise c.damaged(f"tensor {name!r} has unknown ggml type {ttype}") from None
-                if dims[0] % block:
-                    raise c.damaged(f"tensor {name!r} has rows of {dims[0]:,} values, not whole {block}-value blocks")
-                tensors.append((name, offset, math.prod(dims) // block * type_size))
-            data_start = -(-c.pos // alignment) * alignment
-            for name, offset, nbytes in tensors:
-                begin, end = data_start + offset, data_start + offset + nbytes
-                if offset % alignment or end > size:
-                    raise c.damaged(
-                        f"tensor {name!r} claims bytes {begin:,}…{end:,}, but the file ends at byte {size:,} "
-                        "(truncated?)" if end > size else f"tensor {name!r} starts at an unaligned offset {offset:,}")
+    for t in meta.tensors:
+        try:
+            block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.ggml_type)]
+        except (ValueError, KeyError):
+            raise ValueError(f"{path.name} is damaged: tensor {t.name!r} has unknown ggml type {t.ggml_type}") from None
+        if t.dims[0] % block:
+            raise ValueError(f"{path.name} is damaged: tensor {t.name!r} has rows of {t.dims[0]:,} values, not whole "
+                             f"{block}-value blocks")
+        begin = meta.data_start + t.offset
+        end = begin + math.prod(t.dims) // block * type_size
+        if end > size:
+            raise ValueError(f"{path.name} is damaged: tensor {t.name!r} claims bytes {begin:,}…{end:,}, but the file "
+                             f"ends at byte {size:,} (truncated?)")
+        if t.offset % meta.alignment:
+            raise ValueError(f"{path.name} is damaged: tensor {t.name!r} starts at an unaligned offset {t.offset:,}")
 
 
 def open_reader(path: Path):
