@@ -645,6 +645,16 @@ class ServeLevelDone(Notice):
 
 
 @dataclass(frozen=True)
+class ServeSpans(Notice):
+    """Load lab with the server's spans: a level's requests again, each with the span the server exported for it
+    (engine.remote.spans.ServerSpan, or None), and one line per trouble the span receiver met."""
+
+    results: tuple  # engine.remote.loadlab.RequestResult
+    endpoint: str = ""  # where the receiver listens (what the server's --otlp-traces-endpoint names)
+    problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Tokenized(Notice):
     """The backend's tokenization of a prompt (and of its chat form); errors are one sentence, "" when none."""
 

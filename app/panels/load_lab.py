@@ -80,7 +80,10 @@ class LoadLabPanel(Panel):
         "against C. The level still running is drawn hollow from the requests finished so far and moves with "
         "every request. Right: the server's own KV-cache usage and queue (from /metrics) during the run. SLO "
         "TTFT/TPOT/E2EL (ms, 0 = none): goodput counts the requests per second that met every SLO set. Every run "
-        "is bounded by its request count and a time limit; Cancel stops it at once. Export writes JSON or CSV."
+        "is bounded by its request count and a time limit; Cancel stops it at once. Export writes JSON or CSV. Each "
+        "request's own timeline is in the Requests panel; with 'server spans' on, a vLLM started with "
+        "--otlp-traces-endpoint http://127.0.0.1:4318/v1/traces (and OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="
+        "http/protobuf) adds its own queue, prefill and decode times to each request."
     )
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
@@ -135,6 +138,14 @@ class LoadLabPanel(Panel):
             spin.setMinimumWidth(105)
             self.slo_spins[key] = spin
             row2.addWidget(spin)
+        self.spans_check = QtWidgets.QCheckBox("server spans on port")
+        self.spans_check.setToolTip(
+            "Receive the server's OpenTelemetry spans (OTLP/HTTP) on 127.0.0.1 and show its queue, prefill and decode "
+            "for each request in the Requests panel. Start vLLM with --otlp-traces-endpoint "
+            "http://127.0.0.1:PORT/v1/traces and OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf")
+        self.spans_port = spin_box(1024, 65535, 4318, "The span receiver's port (OTLP/HTTP's usual one is 4318)")
+        row2.addWidget(self.spans_check)
+        row2.addWidget(self.spans_port)
         row2.addStretch(1)
         self.run_button = QtWidgets.QPushButton("Run")
         self.run_button.clicked.connect(lambda: self.run())
@@ -223,7 +234,8 @@ class LoadLabPanel(Panel):
         return {"slo_ms": slo or None, "concurrency": parse_levels(self.levels_edit.text()),
                 "num_prompts": int(self.prompts_spin.value()),
                 "max_new_tokens": int(self.tokens_spin.value()), "request_rate": rate or None,
-                "burstiness": float(self.burst_spin.value()), "time_limit_s": float(self.limit_spin.value())}
+                "burstiness": float(self.burst_spin.value()), "time_limit_s": float(self.limit_spin.value()),
+                "spans_port": int(self.spans_port.value()) if self.spans_check.isChecked() else None}
 
     def run(self, config: dict | None = None) -> bool:
         if self.bridge.server is None:

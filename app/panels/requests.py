@@ -45,7 +45,8 @@ class RequestsPanel(Panel):
     title = "Requests"
     object_name = "panel_requests"
     shortcut = "Ctrl+Alt+8"
-    subscriptions = {"sig_serve_request": "_on_request", "sig_serve_done": "_on_done"}
+    subscriptions = {"sig_serve_request": "_on_request", "sig_serve_done": "_on_done",
+                     "sig_serve_spans": "_on_spans"}
     help_text = (
         "Every request of the Load lab's last run as a row of a Gantt chart, in the order they were sent, on one "
         "time axis (s since the first was sent). Amber: waiting for the first token — queued, then the prompt's "
@@ -65,6 +66,8 @@ class RequestsPanel(Panel):
         self.selected: int | None = None
         self._plain: list[dict] | None = None  # saved_results(), made once per change (every autosave asks)
         self._run_over = True  # the next request starts a new run
+        self.span_problems: list[str] = []  # what the span receiver met (one line each)
+        self.span_endpoint = ""
         self.status = "Run the Load lab: each request it sends shows here as a row."
         self._build()
         self.mark_dirty()
@@ -133,8 +136,18 @@ class RequestsPanel(Panel):
     @QtCore.Slot(object)
     def _on_request(self, r) -> None:
         if self._run_over:
-            self.requests, self.selected, self._run_over = [], None, False
+            self.requests, self.selected, self._run_over, self.span_problems = [], None, False, []
         self.requests.append(r)
+        self._plain = None
+        self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_spans(self, notice) -> None:
+        """A level's requests again, with the server's spans: each replaces the one it was."""
+        again = {(r.concurrency, r.index, r.request_id): r for r in notice.results}
+        self.requests = [again.get((r.concurrency, r.index, r.request_id), r) for r in self.requests]
+        self.span_problems = list(notice.problems)
+        self.span_endpoint = notice.endpoint
         self._plain = None
         self.mark_dirty()
 
@@ -182,6 +195,11 @@ class RequestsPanel(Panel):
             lines.append("server: " + ", ".join(f"{k} {(e - a) * 1e3:.1f} ms" for k, a, e in b.server)
                          + f"; its TTFT {s.ttft_s * 1e3:.1f} ms, E2EL {s.e2el_s * 1e3:.1f} ms"
                          if s.ttft_s is not None and s.e2el_s is not None else "")
+            gaps = timeline.delivery(r)
+            if gaps is not None:
+                lines.append(f"the server's first token reached the client {gaps[0] * 1e3:.1f} ms after the server "
+                             f"made it, its last {gaps[1] * 1e3:.1f} ms after; its engine saw the request "
+                             f"{b.server[0][1] * 1e3:.1f} ms after it was sent")
         lines.append("")
         lines.append(f"{'chunk':>5} {'at ms':>9} {'ITL ms':>8} {'tok':>4}  text")
         times = b.token_times_s
@@ -237,9 +255,10 @@ class RequestsPanel(Panel):
         self.bars = bars = timeline.bars(self.requests)
         ok = [b for b in bars if b.result.ok]
         if bars and not self.status.startswith(("⚠", "Saved")):
-            self.status = (f"{len(bars)} requests, {len(ok)} complete"
-                           + (f", {sum(1 for b in bars if b.server)} with the server's spans" if ok else "")
-                           + ". Click one for its tokens.")
+            spans = (f", {sum(1 for b in bars if b.server)} with the server's spans (from {self.span_endpoint})"
+                     if self.span_endpoint else "")
+            trouble = f" Span receiver: {'; '.join(self.span_problems[:3])}." if self.span_problems else ""
+            self.status = f"{len(bars)} requests, {len(ok)} complete{spans}. Click one for its tokens.{trouble}"
         self.status_label.setText(self.status)
         self.export_button.setEnabled(bool(bars))
         for kind, item in self.segment_items.items():

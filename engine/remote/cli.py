@@ -183,9 +183,22 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
     b = _backend(a)
     rate = a.request_rate if a.request_rate is not None else math.inf
     runs = []
+    requests: list = []
+    receiver = None
+    if a.spans_port is not None:
+        from engine.remote.otlp import OTLPError, receiver_on
+
+        try:
+            receiver = receiver_on(a.spans_port)
+        except OTLPError as e:
+            raise _fail(e) from None
+        print(f"receiving the server's spans at {receiver.endpoint}", file=sys.stderr)
     for c in a.concurrency:
+        kept: list = []
         r = bench.run_once(b, c, a.num_prompts, a.max_new_tokens, request_rate=rate, burstiness=a.burstiness,
-                           seed=a.seed, time_limit_s=a.time_limit, slo_ms=slo or None)
+                           seed=a.seed, time_limit_s=a.time_limit, slo_ms=slo or None, on_request=kept.append,
+                           spans=receiver, on_spans=lambda rs, kept=kept: kept.__setitem__(slice(None), rs))
+        requests += kept
         d = r.to_dict()
         d["request_rate"] = None if math.isinf(rate) else rate
         runs.append(d)
@@ -199,6 +212,22 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
             raise _fail(RemoteError(f"serve-bench at concurrency {c}: {msg}"))
     out = {"server": b.info.to_dict(), "max_new_tokens": a.max_new_tokens, "num_prompts": a.num_prompts,
            "runs": runs}
+    if receiver is not None and receiver.problems():
+        print("span receiver: " + "; ".join(receiver.problems()), file=sys.stderr)
+    if a.requests_out:
+        from engine.remote import timeline
+
+        low = a.requests_out.lower()
+        try:
+            with open(a.requests_out, "w", encoding="utf-8") as f:
+                if low.endswith(".csv"):
+                    f.write(timeline.to_csv(requests))
+                else:
+                    doc = timeline.perfetto(requests) if low.endswith((".perfetto.json", ".trace.json")) \
+                        else timeline.to_json(requests)
+                    f.write(json.dumps(_finite(doc), allow_nan=False))
+        except OSError as e:
+            raise _fail(e) from None
     if a.out:
         path = a.out
         try:
@@ -235,6 +264,12 @@ def add_subcommand(sub) -> None:
     for name in ("ttft", "tpot", "e2el"):
         q.add_argument(f"--slo-{name}-ms", type=float_in(0, lo_open=True), default=None)
     q.add_argument("--out", type=output_file, default=None, help="also write the results (.json or .csv)")
+    q.add_argument("--requests-out", type=output_file, default=None,
+                   help="write each request's timeline: .csv (one row each), .json (every chunk) or .perfetto.json "
+                        "(a trace ui.perfetto.dev opens)")
+    q.add_argument("--spans-port", type=int_in(1, 65535), default=None,
+                   help="receive the server's OpenTelemetry spans (OTLP/HTTP protobuf) on 127.0.0.1:PORT; start "
+                        "vLLM with --otlp-traces-endpoint http://127.0.0.1:PORT/v1/traces")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=_require_url(cmd_serve_bench))
 

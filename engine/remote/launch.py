@@ -227,17 +227,28 @@ def _allowed_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+def otlp_env(endpoint: str, delay_ms: int = 100) -> dict[str, str]:
+    """What vLLM's OpenTelemetry SDK needs to export its spans to an OTLP/HTTP receiver (engine.remote.otlp) soon
+    after each request: protobuf over HTTP (its default is gRPC) and a batch delay of `delay_ms` (default 5 s)."""
+    return {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": str(delay_ms),
+            "OTEL_SERVICE_NAME": "vllm", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": endpoint}
+
+
 def start_vllm(hf_dir: Path, log_dir: Path, api_key: str | None = None, timeout_s: float = 420.0,
                threads: int | None = None, dtype: str = "float32", extra_args: Sequence[str] = (),
-               python: Path | None = None) -> RunningServer:
+               python: Path | None = None, otlp_endpoint: str | None = None) -> RunningServer:
     """vLLM's OpenAI server on `hf_dir`, eager mode, KV cache 1 GiB.
 
     threads None: vLLM binds its own OpenMP threads (auto: it keeps a core for its scheduler); a count: that many
-    threads bound to the first allowed CPUs (VLLM_CPU_OMP_THREADS_BIND), as a benchmark wants.
+    threads bound to the first allowed CPUs (VLLM_CPU_OMP_THREADS_BIND), as a benchmark wants. `otlp_endpoint`: it
+    exports a span per request there (`--otlp-traces-endpoint`, OTLP/HTTP protobuf: engine.remote.otlp receives).
     """
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS=str(threads or min(2, os.cpu_count() or 1)))
+    if otlp_endpoint:
+        env.update(otlp_env(otlp_endpoint))
+        extra_args = (*extra_args, "--otlp-traces-endpoint", otlp_endpoint)
     if threads is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(threads, _allowed_cpus())
     env.pop("PYTHONPATH", None)

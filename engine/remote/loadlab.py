@@ -23,6 +23,7 @@ from engine.protocol import SamplingParams
 from engine.remote.backend import RemoteBackend
 from engine.remote.client import RemoteError
 from engine.remote.metrics import ServerMetrics
+from engine.remote.otlp import SpanReceiver
 
 PROMPTS = (
     "Explain what a KV cache is in two sentences.",
@@ -101,6 +102,7 @@ class RunResult:
     errors: list[str] = field(default_factory=list)
     server_kv_usage_max: float | None = None
     server_waiting_max: float | None = None
+    server_spans: int | None = None  # completed requests the server's spans were found for (None: not asked)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -219,8 +221,13 @@ def run_once(backend: RemoteBackend, concurrency: int | None, num_prompts: int, 
              request_rate: float = math.inf, burstiness: float = 1.0, seed: int = 0, time_limit_s: float = 120.0,
              slo_ms: dict[str, float] | None = None, cancel: threading.Event | None = None,
              on_request: Callable[[RequestResult], None] | None = None,
-             on_metrics: Callable[[float, ServerMetrics], None] | None = None) -> RunResult:
-    """One bounded run: `num_prompts` requests, at most `concurrency` in flight, within `time_limit_s`."""
+             on_metrics: Callable[[float, ServerMetrics], None] | None = None,
+             spans: SpanReceiver | None = None, span_wait_s: float = 5.0,
+             on_spans: Callable[[list[RequestResult]], None] | None = None) -> RunResult:
+    """One bounded run: `num_prompts` requests, at most `concurrency` in flight, within `time_limit_s`.
+
+    With `spans` (a receiver the server exports to), the completed requests get the server's span (waiting up to
+    `span_wait_s` after the last request for the server's batch to arrive), and `on_spans` gets them all again."""
     cancel = cancel or threading.Event()
     stop = threading.Event()
     gaps = arrival_gaps(num_prompts, request_rate, burstiness, seed)
@@ -285,12 +292,24 @@ def run_once(backend: RemoteBackend, concurrency: int | None, num_prompts: int, 
     stop.set()
     if watcher.is_alive():
         watcher.join(timeout=2)
+    if spans is not None and not cancel.is_set():
+        results = attach_spans(results, spans, span_wait_s)
+        if on_spans:
+            on_spans(list(results))
     run = summarize([r for r in results if r.error != "cancelled"], duration, concurrency, request_rate,
                     burstiness, slo_ms)
     run.timed_out = timed_out or any(r.error.startswith("not sent") for r in results)
     run.server_kv_usage_max = max(kv) if kv else None
     run.server_waiting_max = max(waiting) if waiting else None
+    if spans is not None:
+        run.server_spans = sum(1 for r in results if r.server is not None)
     return run
+
+
+def attach_spans(results: list[RequestResult], spans: SpanReceiver, wait_s: float) -> list[RequestResult]:
+    """The results, each completed one with the server's span for it where one arrived within `wait_s`."""
+    found = spans.wait_for([r.request_id for r in results if r.ok and r.request_id], wait_s)
+    return [replace(r, server=found[r.request_id]) if r.ok and r.request_id in found else r for r in results]
 
 
 def sweep(backend: RemoteBackend, concurrencies: list[int | None], num_prompts: int, max_new_tokens: int,

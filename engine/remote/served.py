@@ -25,6 +25,7 @@ from engine.protocol import (
     ServeLevelDone,
     ServeMetrics,
     ServeRequestDone,
+    ServeSpans,
 )
 from engine.remote.backend import RemoteBackend, RemoteGeneration, RemoteTokenSampled, ServerConnected
 from engine.remote.client import RemoteError, ServerInfo
@@ -135,6 +136,18 @@ class ServerBackend(Backend):
             send(ServeRequestDone(r))
             send(Progress("serve", min(1.0, done[0] / total), f"{done[0]} of {total} requests"))
 
+        receiver = None
+        if config.get("spans_port") is not None:  # the server exports its spans to this engine process
+            from engine.remote.otlp import OTLPError, receiver_on
+
+            try:
+                receiver = receiver_on(int(config["spans_port"]))
+            except OTLPError as e:
+                raise ValueError(str(e)) from None
+
+        def on_spans(results) -> None:
+            send(ServeSpans(tuple(results), receiver.endpoint, tuple(receiver.problems())))
+
         def work() -> None:
             try:
                 for c in levels:
@@ -145,7 +158,8 @@ class ServerBackend(Backend):
                         self.client, c, n, int(config.get("max_new_tokens", 32)), request_rate=rate,
                         burstiness=float(config.get("burstiness", 1.0)), seed=int(config.get("seed", 0)),
                         time_limit_s=float(config.get("time_limit_s", 60.0)), slo_ms=config.get("slo_ms"),
-                        cancel=cancel, on_request=on_request, on_metrics=lambda t, m: send(ServeMetrics(t, m)))
+                        cancel=cancel, on_request=on_request, on_metrics=lambda t, m: send(ServeMetrics(t, m)),
+                        spans=receiver, on_spans=on_spans if receiver is not None else None)
                     d = run.to_dict()
                     d["request_rate"] = None if math.isinf(rate) else rate
                     if not cancel.is_set():

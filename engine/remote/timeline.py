@@ -76,6 +76,18 @@ def server_phases(r: RequestResult) -> tuple[tuple[str, float, float], ...]:
     return tuple(out)
 
 
+def delivery(r: RequestResult) -> tuple[float, float] | None:
+    """How long after the server's own first and last token (its span's arrival + TTFT, arrival + E2EL, placed on
+    the client's axis) the client saw them, in seconds: the two accounts of the same two events compared. The raw
+    TTFTs differ by more: the client's counts from sending, the server's from its engine's arrival (after the HTTP
+    request was read and the prompt tokenized). None without a span that says both."""
+    s = r.server
+    if not isinstance(s, ServerSpan) or s.ttft_s is None or s.e2el_s is None or not r.ok:
+        return None
+    at = s.start_wall_s - r.sent_wall_s
+    return r.ttft_s - (at + s.ttft_s), r.e2el_s - (at + s.e2el_s)
+
+
 def bars(requests: Iterable[RequestResult]) -> list[Bar]:
     """The Gantt's rows: every request that was sent, in sending order."""
     rs = sent(requests)
@@ -99,8 +111,9 @@ def bars(requests: Iterable[RequestResult]) -> list[Bar]:
 
 # ---- exports --------------------------------------------------------------------------------------------------
 ROW_FIELDS = ("number", "concurrency", "index", "request_id", "ok", "sent_s", "ttft_ms", "tpot_ms", "e2el_ms",
-              "output_tokens", "prompt_tokens", "chunks", "itl_max_ms", "server_queue_ms", "server_prefill_ms",
-              "server_decode_ms", "server_ttft_ms", "server_e2el_ms", "error")
+              "output_tokens", "prompt_tokens", "chunks", "itl_max_ms", "server_arrival_ms", "server_queue_ms",
+              "server_prefill_ms", "server_decode_ms", "server_ttft_ms", "server_e2el_ms", "first_token_delivery_ms",
+              "last_token_delivery_ms", "error")
 
 
 def _ms(x: float | None) -> float | None:
@@ -113,12 +126,16 @@ def rows(requests: Iterable[RequestResult]) -> list[dict]:
     for b in bars(requests):
         r, s = b.result, b.result.server if isinstance(b.result.server, ServerSpan) else None
         itl = b.itl_s
+        gaps = delivery(r)
         out.append({
             "number": b.number, "concurrency": r.concurrency, "index": r.index, "request_id": r.request_id,
             "ok": r.ok, "sent_s": b.t0_s, "ttft_ms": b.ttft_s * 1e3 if r.ok else None,
             "tpot_ms": r.tpot_s * 1e3 if r.ok else None, "e2el_ms": b.e2el_s * 1e3 if r.ok else None,
             "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens, "chunks": len(b.token_times_s),
             "itl_max_ms": float(itl.max()) * 1e3 if len(itl) else None,
+            "server_arrival_ms": (s.start_wall_s - r.sent_wall_s) * 1e3 if s else None,
+            "first_token_delivery_ms": gaps[0] * 1e3 if gaps else None,
+            "last_token_delivery_ms": gaps[1] * 1e3 if gaps else None,
             "server_queue_ms": _ms(s.queue_s) if s else None, "server_prefill_ms": _ms(s.prefill_s) if s else None,
             "server_decode_ms": _ms(s.decode_s) if s else None, "server_ttft_ms": _ms(s.ttft_s) if s else None,
             "server_e2el_ms": _ms(s.e2el_s) if s else None, "error": r.error,

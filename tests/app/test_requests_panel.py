@@ -16,6 +16,7 @@ from PySide6 import QtCore
 from app import session_io
 from app.panels.load_lab import COLUMNS
 from app.panels.requests import ROW_HEIGHT
+from tests.remote.test_otlp import export_bytes
 from tests.remote.test_timeline import PIECES, Stub
 
 
@@ -29,10 +30,11 @@ def stub_url():
     srv.server_close()
 
 
-def drawn(item) -> dict[int, tuple[float, float]]:
-    """A bar item's bars as {row: (x0, x1)}: what is on the screen."""
+def drawn(item, dy: float = -ROW_HEIGHT / 2) -> dict[int, tuple[float, float]]:
+    """A bar item's bars as {row: (x0, x1)}: what is on the screen (the client's bars start at row - 0.35, the
+    server's at row + 0.35)."""
     o = item.opts
-    rows = np.rint(np.asarray(o["y0"]) + ROW_HEIGHT / 2).astype(int)
+    rows = np.rint(np.asarray(o["y0"]) - dy).astype(int)
     return {int(r): (float(a), float(b)) for r, a, b in zip(rows, o["x0"], o["x1"], strict=True)}
 
 
@@ -118,3 +120,66 @@ def test_a_damaged_sessions_load_lab_part_is_one_sentence(qtbot, window):
     assert lab.restore_results({"runs": [{"concurrency": 1, "completed": "all"}]}).startswith("1 saved load-lab")
     window.tick_panels(flush=True)
     assert req.status_label.text().startswith("⚠ 2 saved") and lab.status_label.text().startswith("⚠ 1 saved")
+
+
+class TracedStub(Stub):
+    """The stub, which also exports a vLLM-like span for each request to the receiver at server.spans_port, as
+    vLLM would: started at the request's arrival, TTFT and E2EL from its own clock."""
+
+    def do_POST(self):  # noqa: N802
+        import time
+
+        arrival = time.time()
+        super().do_POST()
+        if not self.path.endswith("/completions"):
+            return
+        done = time.time()
+        rid = f"cmpl-stub{self.server.count}-0"  # the engine request's id: the response's, with "-0"
+        attrs = {"gen_ai.request.id": rid, "gen_ai.latency.time_to_first_token": 0.0005,
+                 "gen_ai.latency.e2e": done - arrival, "gen_ai.latency.time_in_queue": 0.0001,
+                 "gen_ai.latency.time_in_model_prefill": 0.0004,
+                 "gen_ai.latency.time_in_model_decode": max(0.0, done - arrival - 0.0005),
+                 "gen_ai.usage.prompt_tokens": 7, "gen_ai.usage.completion_tokens": len(PIECES)}
+        body = export_bytes([("llm_request", attrs, int(arrival * 1e9), int(done * 1e9))])
+        import http.client
+
+        c = http.client.HTTPConnection("127.0.0.1", self.server.spans_port, timeout=10)
+        c.request("POST", "/v1/traces", body=body, headers={"Content-Type": "application/x-protobuf"})
+        c.getresponse().read()
+        c.close()
+
+
+def test_the_servers_spans_reach_the_gantt(qtbot, window):
+    """With 'server spans' on, the engine process receives the spans (its own receiver on the port asked for), the
+    level's requests come back with them, and the Gantt draws the server's phases under each row."""
+    from engine.remote.launch import free_port
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), TracedStub)
+    srv.count, srv.lock, srv.spans_port = 0, threading.Lock(), free_port()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        window.connect_server(f"http://127.0.0.1:{srv.server_address[1]}")
+        qtbot.waitUntil(lambda: window.bridge.server is not None, timeout=30_000)
+        lab, req = window.panels["load_lab"], window.panels["requests"]
+        lab.spans_check.setChecked(True)
+        lab.spans_port.setValue(srv.spans_port)
+        cfg = {**lab.config(), "concurrency": [2], "num_prompts": 4, "max_new_tokens": len(PIECES)}
+        assert cfg["spans_port"] == srv.spans_port
+        with qtbot.waitSignal(window.bridge.sig_serve_spans, timeout=60_000) as spans:
+            with qtbot.waitSignal(window.bridge.sig_serve_done, timeout=60_000):
+                assert lab.run(cfg)
+        notice = spans.args[0]
+        assert notice.endpoint == f"http://127.0.0.1:{srv.spans_port}/v1/traces" and notice.problems == ()
+        req.flush()
+        assert len(req.bars) == 4 and all(b.result.server is not None for b in req.bars)
+        for b in req.bars:
+            assert b.result.server.request_id == f"{b.result.request_id}-0"
+        queue = drawn(req.server_items["queue"], ROW_HEIGHT / 2)
+        assert sorted(queue) == [0, 1, 2, 3]
+        assert "4 with the server's spans" in req.status_label.text()
+        req.select(1)
+        req.flush()
+        assert "server: queue" in req.detail.toPlainText()
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -195,3 +195,24 @@ def test_plain_data_round_trip_and_hostile_records():
         got, msg = timeline.restore([good, bad])
         assert got == [a] and msg.startswith("1 saved load-lab request(s) skipped") and words in msg, (words, msg)
     assert timeline.restore({"a": 1}) == ([], "the session's load-lab requests are not a list")
+
+
+def test_serve_bench_writes_the_timelines_and_receives_spans(stub_url, tmp_path):
+    """`serve-bench --requests-out` (CSV, JSON, Perfetto by the name) and `--spans-port` from the command line."""
+    import subprocess
+    import sys
+
+    from engine.remote.launch import free_port
+
+    port = free_port()
+    for name in ("r.csv", "r.json", "r.perfetto.json"):
+        out = tmp_path / name
+        p = subprocess.run([sys.executable, "-m", "engine", "serve-bench", "--url", stub_url, "--concurrency", "1",
+                            "--num-prompts", "2", "--max-new-tokens", str(len(PIECES)), "--requests-out", str(out),
+                            "--spans-port", str(port)], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert f"receiving the server's spans at http://127.0.0.1:{port}/v1/traces" in p.stderr
+    assert (tmp_path / "r.csv").read_text().count("\n") == 3
+    assert len(json.loads((tmp_path / "r.json").read_text())["requests"]) == 2
+    trace = json.loads((tmp_path / "r.perfetto.json").read_text())
+    assert sum(1 for e in trace["traceEvents"] if e["name"] == "request") == 2
