@@ -270,9 +270,10 @@ _TAGS = ("$array", "$tuple", "$frozenset", "$type", "fields")
 
 
 class _Decoder:
-    def __init__(self, array: Callable[[Any], np.ndarray]) -> None:
-        self.array = array  # what a file names an array by → the array (version 1: a name; 2: a place in a pack)
-        self.types = readable_types()
+    def __init__(self, packs: list[np.ndarray], array: Callable[[Any], np.ndarray] | None = None) -> None:
+        self.columns = _ColumnDecoder(packs, self)
+        # what a file names an array by → the array (version 1: a name in arrays.npz; 2: a place in a pack)
+        self.array = array or self.columns.array
 
     def __call__(self, x: Any, depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
@@ -302,30 +303,9 @@ class _Decoder:
         return self._record(value, x.get("fields"), depth + 1)
 
     def _record(self, name: Any, fields: Any, depth: int) -> Any:
-        cls = self.types.get(name) if isinstance(name, str) else None
-        if cls is None:
-            raise SessionFileError(f"session.json holds an unknown kind of record, {_short(name)}")
-        if not isinstance(fields, dict):
-            raise SessionFileError(f"a saved {name} has no fields object")
-        checks = _checks(cls)
-        kw = {}
-        for f in dataclasses.fields(cls):
-            if not f.init or f.name not in fields:  # fields of a newer version are skipped; missing ones said below
-                continue
-            v = self(fields[f.name], depth + 1)
-            fits, label = checks.get(f.name, (None, ""))
-            if fits is not None and not fits(v):
-                raise SessionFileError(f"a saved {name}'s {f.name} is {_short(v)}, not {label}")
-            kw[f.name] = v
-        kw.update(_not_recorded(cls, fields))
-        try:
-            obj = cls(**kw)
-        except Exception as e:  # noqa: BLE001 — a missing field (TypeError) or a value __post_init__ refuses
-            raise SessionFileError(f"a saved {name} does not fit this version ({type(e).__name__}: {e})") from None
-        problem = _inconsistent(obj)
-        if problem:
-            raise SessionFileError(f"a saved {name} is inconsistent: {problem}")
-        return obj
+        """One tagged record, read as a column of one row per field: checked as the columns' records are."""
+        cols = {k: {"x": [v]} for k, v in fields.items()} if isinstance(fields, dict) else fields
+        return self.columns.records(name, cols, 1, depth)[0]
 
 
 def _shape_problem(obj: Any, spec: dict[str, tuple[tuple[Any, ...], str]]) -> str | None:
@@ -597,7 +577,7 @@ def _ints(x: Any, what: str) -> np.ndarray:
 class _ColumnDecoder:
     """Columns back into values: every reference checked against its pack, every field against its annotation."""
 
-    def __init__(self, packs: list[np.ndarray], tagged: _Decoder | None) -> None:
+    def __init__(self, packs: list[np.ndarray], tagged: _Decoder) -> None:
         self.packs, self.tagged, self.types = packs, tagged, readable_types()
         self.shapes: tuple[np.ndarray, np.ndarray] | None = None  # the last column of arrays: (shapes, packs)
 
@@ -892,12 +872,11 @@ def _load(fh: io.BufferedReader, with_tokenizer: bool) -> SavedSession:
         if with_tokenizer and tok_files:
             tokenizer = _read_tokenizer(z, tok_files)
     if version >= 2:
-        columns = _ColumnDecoder(packs, None)
-        dec = columns.tagged = _Decoder(columns.array)
-        events: Callable[[Any], list] = columns.rows
+        dec = _Decoder(packs)
+        events: Callable[[Any], list] = dec.columns.rows
         empty: Any = {"rows": 0, "c": {"v": []}}
     else:
-        dec = _Decoder(named)
+        dec = _Decoder([], named)
         events, empty = dec, []
     s = SavedSession(
         events=events(doc.get("events", empty)), prompt=doc.get("prompt", ""), chat=doc.get("chat", False),
