@@ -127,14 +127,19 @@ class LensPanel(Panel):
         self.tune_status = QtWidgets.QLabel("")
         self.tune_status.setWordWrap(True)
         self.tune_status.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        # Two short rows, each no wider than the capture box above them: the panel's minimum width (and so the
+        # window's, in a full layout) stays what it was.
         kinds = QtWidgets.QHBoxLayout()
         kinds.addWidget(QtWidgets.QLabel("lens:"))
         for b in self.kind_buttons.values():
             kinds.addWidget(b)
-        kinds.addSpacing(12)
-        for w in (self.fit_button, self.corpus_button, self.cancel_button):
-            kinds.addWidget(w)
         kinds.addStretch(1)
+        fits = QtWidgets.QHBoxLayout()
+        fits.setSpacing(4)
+        for w in (self.fit_button, self.corpus_button, self.cancel_button):
+            w.setMinimumWidth(w.fontMetrics().horizontalAdvance(w.text()) + 12)  # not the style's wider minimum
+            fits.addWidget(w)
+        fits.addStretch(1)
         self.header.setTextFormat(QtCore.Qt.TextFormat.RichText)
         self.header.setWordWrap(True)
         self.plot = pg.PlotWidget(background=BACKGROUND)
@@ -185,6 +190,7 @@ class LensPanel(Panel):
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.capture_box)
         layout.addLayout(kinds)
+        layout.addLayout(fits)
         layout.addWidget(self.tune_status)
         layout.addWidget(self.header)
         layout.addWidget(split, 1)
@@ -217,8 +223,10 @@ class LensPanel(Panel):
     def set_corpus(self, path: str) -> None:
         """Fit later tuned lenses on this UTF-8 text file ("": Python's help text)."""
         self.corpus = path
-        name = path.replace("\\", "/").rsplit("/", 1)[-1] if path else ""
-        self.corpus_button.setText(f"Corpus: {name}" if name else "Corpus…")
+        name = path.replace("\\", "/").rsplit("/", 1)[-1] if path else "Python's help text"
+        self.corpus_button.setToolTip(f"A UTF-8 text file to fit on; now: {path or name}")
+        if not self.fitting:
+            self.tune_status.setText(f"The next fit reads {html.escape(name)}.")
 
     def _choose_corpus(self) -> None:
         path, _ = QtWidgets.QFileDialog.getOpenFileName(self, "Text to fit the tuned lens on", "",
