@@ -263,3 +263,26 @@ def test_a_session_file_keeps_both_lenses(tiny_lm, tmp_path):
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
         assert a.pieces == b.pieces
     assert back.tuned.tuned is None
+
+
+def test_llama_cpp_generations_read_through_the_same_maps(tiny_dir, tiny_lm):
+    """A tuned lens in use on a llama.cpp session: its generation's lens carries the tuned rows, which equal the
+    torch engine's through the same maps within llama.cpp's float16 K/V rounding."""
+    llama = _llama(tiny_dir.gguf)
+    torch_s = Session(tiny_lm)
+    tuned = _random_lens(torch_s.cfg.n_layers, torch_s.cfg.d_model)
+    capture = Capture(lens_top=4)
+    got = {}
+    for name, s in (("llama", llama), ("torch", torch_s)):
+        tl.use(s, tuned)
+        try:
+            got[name] = [e for e in s.generate(IDS, SamplingParams.greedy_params(), 2, capture, ignore_eos=True)
+                         if isinstance(e, LensCaptured)]
+        finally:
+            tl.use(s, None)
+    assert len(got["llama"]) == len(got["torch"]) == 2
+    for a, b in zip(got["llama"], got["torch"], strict=True):
+        assert a.tuned is not None and b.tuned is not None
+        np.testing.assert_allclose(a.tuned.token_probs, b.tuned.token_probs, atol=2e-2)
+        np.testing.assert_allclose(a.tuned.kl_bits, b.tuned.kl_bits, atol=5e-2)
+        assert not np.allclose(a.tuned.kl_bits[:-2], a.kl_bits[:-2], atol=1e-3)  # the maps moved the rows
