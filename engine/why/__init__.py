@@ -9,6 +9,7 @@
     dla.py        direct logit attribution: what each head and MLP wrote into the logit difference of two tokens
     atp.py        attribution patching: the patching grid from one forward and one backward pass
     steer.py      steering vectors from contrast pairs, saved as llama.cpp control vectors, added while generating
+    tuned_lens.py the tuned lens: one affine map per layer fitted to the model's own output, saved per model file
     gallery.py    canned experiments (induction, an indirect-object name pair, greater-than, factual recall), each
                   set up for the loaded model, with words on what it shows and what to look for
 

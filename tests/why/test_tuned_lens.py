@@ -286,3 +286,28 @@ def test_llama_cpp_generations_read_through_the_same_maps(tiny_dir, tiny_lm):
         np.testing.assert_allclose(a.tuned.token_probs, b.tuned.token_probs, atol=2e-2)
         np.testing.assert_allclose(a.tuned.kl_bits, b.tuned.kl_bits, atol=5e-2)
         assert not np.allclose(a.tuned.kl_bits[:-2], a.kl_bits[:-2], atol=1e-3)  # the maps moved the rows
+
+
+def test_the_lens_command_fits_once_then_loads(capsys, tiny_dir, tmp_path, monkeypatch):
+    """`engine lens --tuned`: the first run fits and saves (progress on stderr), a later one loads the saved maps, on
+    llama.cpp too; the JSON's rows carry both lenses; llama.cpp with none saved refuses in one line."""
+    import json
+
+    from tests.why.conftest import run_cli
+
+    monkeypatch.setenv("INFERENCE_LAB_CACHE", str(tmp_path / "cache"))
+    base = ("lens", "--model", str(tiny_dir.gguf), "--prompt", "the cat sat", "--greedy", "--threads", "1")
+    code, out, err = run_cli(capsys, *base, "--backend", "llama.cpp", "--tuned")
+    assert code == 1 and "fitting a tuned lens needs gradients" in err and len(err.strip().splitlines()) == 2
+    code, out, err = run_cli(capsys, *base, "--tuned", "--fit-tokens", "512", "--fit-steps", "1", "--json")
+    assert code == 0, err
+    assert "fitting a tuned lens" in err and "saved to" in err
+    d = json.loads(out)
+    L = tiny_dir.cfg["n_layers"]
+    assert len(d["layers"]) == L + 2 and all("tuned" in r and "kl_bits" in r["tuned"] for r in d["layers"])
+    assert d["tuned_lens"]["kl_steps"] == "1" and len(d["tuned_lens"]["held_out_tuned_kl_bits"]) == L + 1
+    code, out2, err2 = run_cli(capsys, *base, "--backend", "llama.cpp", "--tuned", "--json")
+    assert code == 0 and "fitting" not in err2, err2
+    assert json.loads(out2)["tuned_lens"] == d["tuned_lens"]
+    code, text, _ = run_cli(capsys, *base, "--tuned")
+    assert code == 0 and "KL tuned" in text and "the tuned lens's top tokens" in text
