@@ -57,6 +57,7 @@ DEFAULT_SECONDS = 300.0  # the KL steps stop here (the least-squares start and t
 EVAL_POSITIONS = 256  # held-out positions the KL is averaged over (each costs 2 (L + 1) products with the head)
 EVAL_CHUNK = 32  # held-out positions judged at once
 MAX_CORPUS_BYTES = 32 << 20  # a corpus file is read up to here; more text than a fit uses is not needed
+MAX_ROW_BYTES = 1 << 30  # the training text's residual rows, (L + 1) · d float32 values a token, held at once
 FILE_SUFFIX = ".safetensors"
 
 
@@ -340,6 +341,10 @@ def fit(session: Engine, corpus: str | None = None, tokens: int = DEFAULT_TOKENS
         raise ValueError(f"a tuned lens takes 0 to {MAX_STEPS:,} KL steps, got {steps}")
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ValueError(f"the time bound must be a positive number of seconds, got {seconds}")
+    per_token = 4 * (session.cfg.n_layers + 1) * session.cfg.d_model
+    if tokens * per_token > MAX_ROW_BYTES:
+        raise ValueError(f"{tokens:,} training tokens would hold {tokens * per_token / 2**30:.1f} GiB of residuals; "
+                         f"this model takes at most {MAX_ROW_BYTES // per_token:,}")
     t0 = clock()
     say = progress or (lambda f, m: None)
     say(0.0, "tokenizing the corpus")

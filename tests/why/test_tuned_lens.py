@@ -173,6 +173,10 @@ def test_fit_on_the_tiny_model_lowers_held_out_kl_and_is_bounded(tiny_lm):
 
     with pytest.raises(Cancelled):
         tl.fit(s, tokens=512, held_out=256, steps=5, should_stop=lambda: True)
+    with pytest.raises(ValueError, match="GiB of residuals; this model takes at most"):
+        tl.fit(s, tokens=10**9)
+    with pytest.raises(ValueError, match="0 to 10,000 KL steps"):
+        tl.fit(s, steps=-1)
 
 
 @pytest.mark.slow
