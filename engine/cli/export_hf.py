@@ -27,26 +27,6 @@ if TYPE_CHECKING:  # torch and the tokenizer load only when exporting: `python -
 
 HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
-# engine (unfused) name -> Hugging Face name; {} is the layer index. The inverse of engine.loaders.hf.WEIGHT_MAP.
-WEIGHT_MAP: dict[str, str] = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "layers.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
-    "layers.{}.attn.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
-    "layers.{}.attn.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
-    "layers.{}.attn.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
-    "layers.{}.attn.wq.bias": "model.layers.{}.self_attn.q_proj.bias",
-    "layers.{}.attn.wk.bias": "model.layers.{}.self_attn.k_proj.bias",
-    "layers.{}.attn.wv.bias": "model.layers.{}.self_attn.v_proj.bias",
-    "layers.{}.attn.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
-    "layers.{}.mlp_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
-    "layers.{}.mlp.w_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
-    "layers.{}.mlp.w_up.weight": "model.layers.{}.mlp.up_proj.weight",
-    "layers.{}.mlp.w_down.weight": "model.layers.{}.mlp.down_proj.weight",
-}
-
-
 class ExportError(Exception):
     """The model cannot be exported; the message is one sentence for the user."""
 
@@ -58,15 +38,12 @@ def pairs_to_halves(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def _hf_name(name: str) -> str:
-    parts = name.split(".")
-    if parts[0] == "layers" and parts[1].isdigit():
-        templ = WEIGHT_MAP.get(".".join(["layers", "{}", *parts[2:]]))
-        if templ is None:
-            raise ExportError(f"tensor {name!r} has no Hugging Face name")
-        return templ.format(parts[1])
-    if name not in WEIGHT_MAP:
+    from engine.loaders.hf import WEIGHT_MAP, renamed
+
+    hf = renamed(name, {engine: hf for hf, engine in WEIGHT_MAP.items()})
+    if hf is None:
         raise ExportError(f"tensor {name!r} has no Hugging Face name")
-    return WEIGHT_MAP[name]
+    return hf
 
 
 def hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -127,19 +127,13 @@ def _draft_source(text: str) -> str:
 
 
 def _machine(s) -> dict:
-    """The CPU's name and whether it has native bf16 dot products (avx512_bf16) or only avx2, from /proc/cpuinfo."""
-    name, words = "", []
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for ln in fh:
-                if ln.startswith("model name") and not name:
-                    name = ln.split(":", 1)[1].strip()
-                elif ln.startswith("flags") and not words:
-                    words = ln.split(":", 1)[1].split()
-    except OSError:
-        pass
-    simd = "avx512_bf16" if "avx512_bf16" in words else "avx2" if "avx2" in words else "neither"
-    return {"cpu": name, "simd": simd, "device": s.info.device, "dtype": s.dtype_name,
+    """The CPU's name and whether it has native bf16 dot products (avx512_bf16) or only avx2."""
+    from engine.backends.isa import cpu_flags
+    from engine.model.threads import cpu_model
+
+    flags = cpu_flags()
+    simd = "avx512_bf16" if "avx512_bf16" in flags else "avx2" if "avx2" in flags else "neither"
+    return {"cpu": cpu_model(), "simd": simd, "device": s.info.device, "dtype": s.dtype_name,
             "threads": s.threads.describe() if s.threads is not None else None}
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from engine.formats.gguf_meta import EVERY_KEY, read_metadata
+from engine.loaders.hf import renamed
 from engine.model import quant
 from engine.model.config import LIMITS, ModelConfig, checked_float, checked_int
 from engine.model.rope import halves_to_pairs, halves_to_pairs_all
@@ -71,14 +72,6 @@ def _field(reader, key: str, default=None):
     if f is None:
         return default
     return f.contents()
-
-
-def _engine_name(gguf_name: str) -> str | None:
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
-        templ = WEIGHT_MAP.get(".".join(["blk", "{}", *parts[2:]]))
-        return templ.format(parts[1]) if templ else None
-    return WEIGHT_MAP.get(gguf_name)
 
 
 def read_config(reader, name: str) -> ModelConfig:
@@ -205,7 +198,7 @@ def read_weights(
     for i, t in enumerate(reader.tensors):
         if t.name == ROPE_FREQS:
             continue  # read into the config
-        name = _engine_name(t.name)
+        name = renamed(t.name, WEIGHT_MAP)
         if name is None:
             raise ValueError(f"tensor {t.name!r} is not part of a {cfg.architecture} model this engine knows")
         arr = gguf.quants.dequantize(t.data, t.tensor_type)

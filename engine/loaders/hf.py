@@ -60,13 +60,19 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_t
 _REQUIRED = object()
 
 
+def renamed(name: str, table: Mapping[str, str]) -> str | None:
+    """`name` through a table of tensor names whose layer index is written {} (the first part of a name that is a
+    number); None where the table has no such name. Every loader's and the exporter's names go through it."""
+    parts = name.split(".")
+    i = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    if i is None:
+        return table.get(name)
+    template = table.get(".".join([*parts[:i], "{}", *parts[i + 1:]]))
+    return template.format(parts[i]) if template else None
+
+
 def _engine_name(hf_name: str, model_type: str = "llama") -> str | None:
-    names = {**WEIGHT_MAP, **COMMON_EXTRA, **FAMILY_MAPS.get(model_type, {})}
-    parts = hf_name.split(".")
-    if parts[:2] == ["model", "layers"] and len(parts) > 3 and parts[2].isdigit():
-        templ = names.get(".".join(["model", "layers", "{}", *parts[3:]]))
-        return templ.format(parts[2]) if templ else None
-    return names.get(hf_name)
+    return renamed(hf_name, {**WEIGHT_MAP, **COMMON_EXTRA, **FAMILY_MAPS.get(model_type, {})})
 
 
 def _rope(c: dict, layer_type: str = "full_attention") -> dict:
