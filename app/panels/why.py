@@ -49,6 +49,8 @@ from engine.events import ModelInfo
 from engine.model.config import ModelConfig
 from engine.model.kernel_cache import KERNEL_MODES
 from engine.protocol import (
+    CORPUS_MAX_TOKENS,
+    CORPUS_WINDOW,
     Ablated,
     AblateParams,
     AtpParams,
@@ -201,6 +203,8 @@ def check_result(kind: str, result: Any) -> None:
     elif kind == "attribute":
         if len(_vector(result.get("scores"), "scores")) != len(_strings(result.get("tokens"), "tokens")):
             raise ResultError("its scores and its tokens differ in number")
+    elif kind == "compare" and result.get("mode") == "corpus":
+        check_corpus_result(result)
     elif kind == "compare":
         kl = _vector(result.get("kl"), "kl")
         js = result.get("attention_js")  # per layer (one fewer than the residual points), None: not captured
@@ -274,7 +278,12 @@ class WhyPanel(Panel):
         "model, e.g. a 4-bit and an 8-bit quantization: per layer, the KL divergence of their logit-lens "
         "distributions and the Jensen–Shannon distance of their attention rows, and the greedy steps whose top "
         "token differs. The other side on torch runs in the kernel mode chosen beside it: the loaded file itself in "
-        "fast mode against the loaded model in exact mode shows what the fast kernels cost. Patch's toggle: exact "
+        "fast mode against the loaded model in exact mode shows what the fast kernels cost. With a corpus file, "
+        "Compare judges the two over a text as llama-perplexity --kl-divergence does: windows of the text, each "
+        "half context, half scored, both sides fed the same tokens; each side's perplexity, the KL divergence at "
+        "every scored position (mean, median, 99th and 99.9th percentile, max), Δp (the actual next token's "
+        "probability under the other side minus the loaded one's) and the share of positions with the same top "
+        "token, with each position's KL and Δp drawn sorted. Patch's toggle: exact "
         "runs the grid as above; AtP (attribution patching) estimates the whole grid from one forward pass of each "
         "prompt and one backward pass, as the activation's change times the gradient of the restored share (a "
         "straight-line guess that fails where the model saturates: a softmax or a norm); both runs the two side by "
@@ -498,10 +507,30 @@ class WhyPanel(Panel):
         self.compare_prompt = QtWidgets.QLineEdit(DEFAULT_PROMPT)
         self.compare_steps = spin_box(1, 256, 16, "Greedy steps compared")
         self.compare_chat = QtWidgets.QCheckBox("chat")
+        self.corpus_edit = QtWidgets.QLineEdit()
+        self.corpus_edit.setPlaceholderText("a text file: compare over it in windows instead of the prompt")
+        self.corpus_edit.setToolTip("As llama-perplexity --kl-divergence judges a quant: both sides teacher-forced "
+                                    "over the text, every position's next-token distribution compared")
+        corpus_browse = QtWidgets.QPushButton("…")
+        corpus_browse.setToolTip("Pick the corpus text file")
+        corpus_browse.clicked.connect(self._browse_corpus)
+        self.corpus_window = spin_box(4, 4096, CORPUS_WINDOW, "Tokens per window; the first half of each is "
+                                      "context only, the rest is scored")
+        self.corpus_tokens = spin_box(4, 1 << 20, CORPUS_MAX_TOKENS, "The corpus's tokens compared at most "
+                                      "(whole windows): the run's time grows with it")
         return self._form([("other model", self._row(self.other_edit, browse, this)),
                            ("runs on", self._row(self.other_backend, self.other_kernels, QtWidgets.QLabel("steps"),
                                                  self.compare_steps, self.compare_chat)),
-                           ("prompt", self.compare_prompt)])
+                           ("prompt", self.compare_prompt),
+                           ("or corpus", self._row(self.corpus_edit, corpus_browse, QtWidgets.QLabel("window"),
+                                                   self.corpus_window, QtWidgets.QLabel("tokens"),
+                                                   self.corpus_tokens))])
+
+    def _browse_corpus(self) -> None:
+        path, _ = QtWidgets.QFileDialog.getOpenFileName(self, "A text to compare the two sides over", "",
+                                                        "Text files (*.txt *.md *.rst);;All files (*)")
+        if path:
+            self.corpus_edit.setText(path)
 
     def _browse_other(self) -> None:
         path, _ = QtWidgets.QFileDialog.getOpenFileName(self, "Another file of the loaded model", "",
@@ -688,6 +717,36 @@ class WhyPanel(Panel):
         lay.setContentsMargins(0, 0, 0, 0)
         lay.addWidget(self.compare_plot, 1)
         lay.addWidget(self.flips_label)
+        self.compare_pages = QtWidgets.QStackedWidget()  # 0: one prompt, layer by layer; 1: a corpus
+        self.compare_pages.addWidget(w)
+        self.compare_pages.addWidget(self._corpus_view())
+        return self.compare_pages
+
+    def _corpus_view(self) -> QtWidgets.QWidget:
+        """Each position's KL and Δp, sorted (the quantile curves a corpus result carries), and its statistics."""
+        self.corpus_plots = pg.GraphicsLayoutWidget()
+        self.corpus_plots.setBackground(BACKGROUND)
+        self.corpus_kl_plot = self.corpus_plots.addPlot(row=0, col=0)
+        self.corpus_dp_plot = self.corpus_plots.addPlot(row=0, col=1)
+        style_plot(self.corpus_kl_plot, left=("nats", None), bottom=("positions, sorted (%)", None),
+                   log=(False, True))
+        style_plot(self.corpus_dp_plot, left=("%", None), bottom=("positions, sorted (%)", None))
+        self.corpus_kl_plot.setTitle("KL(a ‖ b) at each position", color=FOREGROUND, size=f"{FONT_PT}pt")
+        self.corpus_dp_plot.setTitle("Δp = p_b − p_a of the actual next token", color=FOREGROUND,
+                                     size=f"{FONT_PT}pt")
+        self.corpus_kl_curve = self.corpus_kl_plot.plot([], [], pen=pg.mkPen(PREFILL_COLOR, width=2))
+        self.corpus_dp_curve = self.corpus_dp_plot.plot([], [], pen=pg.mkPen(DECODE_COLOR, width=2))
+        self.corpus_dp_plot.addLine(y=0, pen=pg.mkPen(MUTED, width=1, style=QtCore.Qt.PenStyle.DashLine))
+        self.corpus_label = QtWidgets.QLabel()
+        self.corpus_label.setWordWrap(True)
+        self.corpus_label.setTextFormat(QtCore.Qt.TextFormat.RichText)
+        self.corpus_label.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        reserve_lines(self.corpus_label, 3)
+        w = QtWidgets.QWidget()
+        lay = QtWidgets.QVBoxLayout(w)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addWidget(self.corpus_plots, 1)
+        lay.addWidget(self.corpus_label)
         return w
 
     # ---- modes and requests --------------------------------------------------------------------------------------
@@ -791,8 +850,17 @@ class WhyPanel(Panel):
         other = self.other_edit.text().strip()
         if not other:
             raise ValueError("choose the other file of the model to compare with")
+        corpus = self.corpus_edit.text().strip()
+        if corpus:
+            if self.corpus_tokens.value() < self.corpus_window.value():
+                raise ValueError(f"{self.corpus_tokens.value()} tokens make no whole window of "
+                                 f"{self.corpus_window.value()}")
+            return CompareParams(other=other, prompt=self.compare_prompt.text(), corpus=corpus,
+                                 window=self.corpus_window.value(), max_tokens=self.corpus_tokens.value(),
+                                 backend=str(self.other_backend.currentData()),
+                                 kernels=str(self.other_kernels.currentData()))
         if not self.compare_prompt.text().strip():
-            raise ValueError("type a prompt to compare on")
+            raise ValueError("type a prompt to compare on (or choose a corpus)")
         return CompareParams(other=other, prompt=self.compare_prompt.text(), steps=self.compare_steps.value(),
                              backend=str(self.other_backend.currentData()), chat=self.compare_chat.isChecked(),
                              kernels=str(self.other_kernels.currentData()))
@@ -1027,6 +1095,8 @@ class WhyPanel(Panel):
             return [{"position": i, "token": t, "score": float(s), "method": r.get("method", ""),
                      "target": target_piece(r)} for i, (t, s) in enumerate(zip(pieces(r["tokens"]), r["scores"],
                                                                                     strict=True))]
+        if r.get("mode") == "corpus":
+            return corpus_rows(r)
         kl, js = compare_curves(r)
         names = r.get("layers") if isinstance(r.get("layers"), list) and len(r["layers"]) == len(kl) else None
         return [{"point": str(names[i]) if names else i, "kl_nats": float(kl[i]), "attention_js_bits": float(js[i])}
@@ -1265,6 +1335,8 @@ class WhyPanel(Panel):
                 most += f" · completeness gap {gap:+.2g}"
             return html.escape(f"{label} for the next token {target!r}, sum {np.nansum(scores):+.4g}{most} · {took}",
                                quote=False)
+        if r.get("mode") == "corpus":
+            return corpus_summary(r, took)
         kl, _js = compare_curves(r)
         worst = (f"largest KL {np.nanmax(kl):.3g} nats at {point_name(r, int(np.nanargmax(kl)))}"
                  if kl.size and np.isfinite(kl).any() else "")
@@ -1454,6 +1526,11 @@ class WhyPanel(Panel):
         self.attr_view.setHtml(attribution_html(pieces(r["tokens"]), np.asarray(r["scores"], dtype=float)))
 
     def _draw_compare(self, entry: dict | None) -> None:
+        corpus = entry is not None and entry["result"].get("mode") == "corpus"
+        self.compare_pages.setCurrentIndex(1 if corpus else 0)
+        if corpus:
+            self._draw_corpus(entry["result"])
+            return
         pi = self.compare_plot.getPlotItem()
         if entry is None:
             self.kl_curve.setData([], [])
@@ -1478,6 +1555,80 @@ class WhyPanel(Panel):
         listed = _flip_text(r.get("top1_flips"))
         self.flips_label.setText(f"<b>top-1 flips</b>: {html.escape(listed)}" if listed else
                                  f"<span style='color:{OK_COLOR}'>no step's greedy token differs</span>")
+
+    def _draw_corpus(self, r: dict) -> None:
+        kl, dp = (np.asarray(r[k], dtype=float) for k in ("kl_quantiles", "delta_p_quantiles"))
+        x = np.linspace(0.0, 100.0, len(kl))
+        positive = kl > 0  # the log scale has no place for a position where the two agree exactly
+        self.corpus_kl_curve.setData(x[positive], kl[positive])
+        self.corpus_dp_curve.setData(x, 100 * dp)
+        for plot in (self.corpus_kl_plot, self.corpus_dp_plot):
+            plot.enableAutoRange()
+        self.corpus_label.setText(corpus_stats_html(r))
+
+
+CORPUS_NUMBERS = ("ppl", "kl_stats", "delta_p", "same_top", "kl_quantiles", "delta_p_quantiles")
+
+
+def check_corpus_result(r: dict) -> None:
+    """ResultError unless a corpus comparison has its statistics (engine.why.compare.compare_corpus)."""
+    missing = [k for k in CORPUS_NUMBERS if k not in r]
+    if missing:
+        raise ResultError(f"its corpus comparison lacks {', '.join(missing)}")
+    if len(_vector(r["ppl"], "perplexities")) != 2:
+        raise ResultError("it does not have one perplexity per side")
+    if len(_vector(r["kl_quantiles"], "KL quantiles")) != len(_vector(r["delta_p_quantiles"], "Δp quantiles")):
+        raise ResultError("its KL and Δp quantiles differ in number")
+    for key in ("kl_stats", "delta_p"):
+        d = r[key]
+        if not isinstance(d, dict) or not all(v is None or isinstance(v, (int, float)) for v in d.values()):
+            raise ResultError(f"its {key} is not a table of numbers")
+    if not isinstance(r["same_top"], (int, float)):
+        raise ResultError("its same-top share is not a number")
+
+
+def _stat(d: dict, key: str, fmt: str, scale: float = 1.0) -> str:
+    v = d.get(key)
+    return format(scale * v, fmt) if isinstance(v, (int, float)) else "?"
+
+
+def corpus_stats_html(r: dict) -> str:
+    """A corpus comparison's statistics, llama-perplexity's in its order: perplexities, KL, Δp, same top."""
+    kl, dp = r["kl_stats"], r["delta_p"]
+    se = f" ± {_stat(kl, 'mean_se', '.2g')}" if isinstance(kl.get("mean_se"), (int, float)) else ""
+    ppl = f"PPL a <b>{r['ppl'][0]:.4g}</b>, b <b>{r['ppl'][1]:.4g}</b>"
+    if isinstance(r.get("ln_ppl_ratio"), (int, float)):
+        ppl += f" (ln ratio {r['ln_ppl_ratio']:+.4f})"
+    lines = [ppl + f" · same top token at <b>{100 * r['same_top']:.2f} %</b> of {r.get('positions', '?')} positions",
+             f"KL nats: mean <b>{_stat(kl, 'mean', '.4g')}</b>{se} · median {_stat(kl, 'median', '.3g')} · "
+             f"p99 {_stat(kl, 'p99', '.3g')} · p99.9 {_stat(kl, 'p99_9', '.3g')} · max {_stat(kl, 'max', '.3g')}",
+             f"Δp: RMS <b>{_stat(dp, 'rms', '.3f', 100)} %</b> · mean {_stat(dp, 'mean', '+.3f', 100)} % · "
+             + " · ".join(f"p{q} {_stat(dp, 'p' + q.replace('.', '_'), '+.2f', 100)} %"
+                          for q in ("1", "5", "10", "25", "50", "75", "90", "95", "99"))]
+    return "<br>".join(html.escape(line, quote=False).replace("&lt;b&gt;", "<b>").replace("&lt;/b&gt;", "</b>")
+                       for line in lines)
+
+
+def corpus_summary(r: dict, took: str) -> str:
+    """The summary line of a corpus comparison: the two sides, the corpus and the headline numbers."""
+    labels = r.get("labels")
+    sides = [html.escape(f"{side}: {labels[i] if isinstance(labels, list) and len(labels) == 2 else side}",
+                         quote=False) for i, side in enumerate("ab")]
+    kl = r["kl_stats"]
+    line = (f"{r.get('corpus') or 'the corpus'}: {r.get('tokens', '?')} tokens in {r.get('windows', '?')} windows of "
+            f"{r.get('window', '?')} · PPL {r['ppl'][0]:.4g} → {r['ppl'][1]:.4g} · mean KL "
+            f"{_stat(kl, 'mean', '.3g')} nats · same top {100 * r['same_top']:.1f} % · {took}")
+    return "<br>".join([*sides, html.escape(line, quote=False)])
+
+
+def corpus_rows(r: dict) -> list[dict]:
+    """A corpus comparison's statistics as rows (statistic, value)."""
+    rows = [{"statistic": "positions", "value": r.get("positions")},
+            {"statistic": "ppl_a", "value": r["ppl"][0]}, {"statistic": "ppl_b", "value": r["ppl"][1]},
+            {"statistic": "ln_ppl_ratio", "value": r.get("ln_ppl_ratio")}]
+    rows += [{"statistic": f"kl_{k}", "value": v} for k, v in r["kl_stats"].items()]
+    rows += [{"statistic": f"delta_p_{k}", "value": v} for k, v in r["delta_p"].items()]
+    return [*rows, {"statistic": "same_top", "value": r["same_top"]}]
 
 
 def compare_curves(r: dict) -> tuple[np.ndarray, np.ndarray]:

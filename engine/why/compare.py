@@ -557,14 +557,14 @@ def corpus_report(out: dict) -> str:
              f"{out['corpus']}: {out['tokens']} of its {out['corpus_tokens']} tokens in {out['windows']} windows of "
              f"{out['window']}, {out['positions']} positions scored (each window's first {out['scored_from']} are "
              "context)",
-             f"{'PPL(a)':<16} {out['ppl'][0]:.4f}", f"{'PPL(b)':<16} {out['ppl'][1]:.4f}",
-             f"{'ln(PPL(b)/PPL(a))':<16} {out['ln_ppl_ratio']:+.6f}",
-             f"{'Mean KL':<16} {kl['mean']:.6f}{se} nats"]
-    lines += [f"{name:<16} {kl[key]:.6f}" for name, key in
+             f"{'PPL(a)':<18} {out['ppl'][0]:.4f}", f"{'PPL(b)':<18} {out['ppl'][1]:.4f}",
+             f"{'ln(PPL(b)/PPL(a))':<18} {out['ln_ppl_ratio']:+.6f}",
+             f"{'Mean KL':<18} {kl['mean']:.6f}{se} nats"]
+    lines += [f"{name:<18} {kl[key]:.6f}" for name, key in
               (("Maximum KL", "max"), ("99.9% KL", "p99_9"), ("99.0% KL", "p99"), ("95.0% KL", "p95"),
                ("90.0% KL", "p90"), ("Median KL", "median"), ("Minimum KL", "min"))]
-    lines += [f"{'Mean Δp':<16} {100 * dp['mean']:+.4f} %", f"{'Maximum Δp':<16} {100 * dp['max']:+.4f} %"]
-    lines += [f"{f'{q:g}% Δp':<16} {100 * dp[percentile_key(q)]:+.4f} %" for q in reversed(DELTA_P_PERCENTILES)]
-    lines += [f"{'Minimum Δp':<16} {100 * dp['min']:+.4f} %", f"{'RMS Δp':<16} {100 * dp['rms']:.4f} %",
-              f"{'Same top p':<16} {100 * out['same_top']:.3f} %"]
+    lines += [f"{'Mean Δp':<18} {100 * dp['mean']:+.4f} %", f"{'Maximum Δp':<18} {100 * dp['max']:+.4f} %"]
+    lines += [f"{f'{q:.1f}% Δp':<18} {100 * dp[percentile_key(q)]:+.4f} %" for q in reversed(DELTA_P_PERCENTILES)]
+    lines += [f"{'Minimum Δp':<18} {100 * dp['min']:+.4f} %", f"{'RMS Δp':<18} {100 * dp['rms']:.4f} %",
+              f"{'Same top p':<18} {100 * out['same_top']:.3f} %"]
     return "\n".join(lines)
