@@ -383,18 +383,25 @@ class LensPanel(Panel):
         if ev.token_probs is not None:
             self.p_curve.setData(x, ev.token_probs)
         self.h_curve.setData(x, ev.entropy_bits)
-        top = float(np.max(ev.entropy_bits))
+        top, above = float(np.max(ev.entropy_bits)), []
         for k, curve in self.kl_curves.items():
             values = kl[k]
-            # a row whose KL is infinite (the output's token ruled out) is drawn at the axis's top
+            # an infinite KL (the row rules out a token the output gives) is left out of the line: a gap
             shown = None if values is None else np.where(np.isfinite(values), values, np.nan)
             if shown is None:
                 curve.setData([], [])
-            else:
-                curve.setData(x, shown)
-            if shown is not None and np.isfinite(shown).any():
-                top = max(top, float(np.nanmax(shown)))
+                continue
+            curve.setData(x, shown)
+            # The axis follows the layers, not the embedding row: the logit lens reads the embeddings far from the
+            # output (well over every layer's KL), and scaling to it would flatten every other point.
+            rest = shown[1:]
+            if np.isfinite(rest).any():
+                top = max(top, float(np.nanmax(rest)))
+            if np.isfinite(shown[0]) and shown[0] > max(1.0, top) * 1.05:
+                above.append(f"{k} {shown[0]:.1f}")
         self.entropy_view.setYRange(0, max(1.0, top * 1.05), padding=0)
+        if above:
+            note += f" · the embedding row's KL ({', '.join(above)} bits) is above the plot"
         chosen = self.pieces.get(step, "")
         first = ""
         if ev.token_probs is not None and ev.token_id >= 0:
