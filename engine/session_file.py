@@ -57,6 +57,7 @@ from engine.protocol import (  # plain data: the GUI process reads session files
     Capture,
     SamplingParams,
 )
+from engine.text import clean_text
 
 FORMAT = "inference-lab-session"
 VERSION = 2
@@ -826,21 +827,16 @@ def load_session(path: str | os.PathLike[str], with_tokenizer: bool = True) -> S
     try:
         fh = open(path, "rb")  # noqa: SIM115 — closed below, after the archive that reads it
     except OSError as e:
-        raise OSError(_one_line(f"cannot open {path}: {e.strerror or e}")) from None
+        raise OSError(clean_text(f"cannot open {path}: {e.strerror or e}", 300)) from None
     try:
         with fh:
             return _load(fh, with_tokenizer)
     except SessionFileError as e:
-        raise SessionFileError(_one_line(f"{path.name}: {e}")) from None
+        raise SessionFileError(clean_text(f"{path.name}: {e}", 300)) from None
     except MemoryError:
-        raise SessionFileError(_one_line(f"{path.name}: needs more memory than this machine gives")) from None
+        raise SessionFileError(clean_text(f"{path.name}: needs more memory than this machine gives", 300)) from None
     except Exception as e:  # noqa: BLE001 — a session file is untrusted input: one sentence, never a traceback
-        raise SessionFileError(_one_line(f"{path.name} is damaged ({type(e).__name__}: {e})")) from None
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
+        raise SessionFileError(clean_text(f"{path.name} is damaged ({type(e).__name__}: {e})", 300)) from None
 
 
 def _load(fh: io.BufferedReader, with_tokenizer: bool) -> SavedSession:
@@ -1075,7 +1071,7 @@ def _parsed_npy_header(prefix: bytes, name: str, headers: dict) -> tuple[tuple[i
     try:
         shape, fortran, dtype = read(io.BytesIO(prefix))
     except ValueError as e:
-        raise SessionFileError(f"{name} has a damaged .npy header ({_one_line(str(e), 80)})") from None
+        raise SessionFileError(f"{name} has a damaged .npy header ({clean_text(str(e), 80)})") from None
     if dtype.hasobject or dtype.kind not in "biufc":
         raise SessionFileError(f"{name} holds {dtype} values, not numbers (Python objects are never read)")
     if len(headers) < 4096:

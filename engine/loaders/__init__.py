@@ -6,7 +6,6 @@ config and tokenizer to a cache directory; later loads map that cache in well un
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -29,6 +28,7 @@ from engine.formats.locate import (  # noqa: F401 — re-exported: where callers
     KNOWN_MODELS,
     KnownModel,
     ModelLoadError,
+    cache_dir_for,
     cache_root,
     default_model_path,
     gemma3_path,
@@ -39,6 +39,7 @@ from engine.formats.locate import (  # noqa: F401 — re-exported: where callers
 from engine.model.config import ModelConfig
 from engine.model.kernel_cache import KERNEL_MODES
 from engine.model.transformer import Transformer, build_model, fuse_state_dict
+from engine.text import clean_text
 from engine.tokenizer import Tokenizer
 
 CACHE_VERSION = "7"  # bump when the converted weights or the tokenizer change (7: a tied head's blocks)
@@ -94,12 +95,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _cache_dir(path: Path) -> Path:
-    st = path.stat()
-    key = f"{CACHE_VERSION}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    return cache_root() / "models" / hashlib.sha256(key.encode()).hexdigest()[:20]
-
-
 def _read_source(
     path: Path, progress: Progress
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, dict]:
@@ -142,12 +137,6 @@ def _check_finite(sd: dict[str, torch.Tensor]) -> None:
     for name, t in sd.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ValueError(f"tensor {name!r} holds NaN or infinite values: the weights are damaged")
-
-
-def _one_line(text: str, limit: int = 400) -> str:
-    """An error text as one line of at most `limit` characters."""
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def _sha256(path: Path, use_cache: bool) -> str:
@@ -206,7 +195,7 @@ def load(
 
         leave_out_cudnn_attention()
     try:
-        cdir = _cache_dir(path) if use_cache and path.is_file() else None
+        cdir = cache_dir_for(path, "models", CACHE_VERSION) if use_cache and path.is_file() else None
         from_cache = cdir is not None and (cdir / "meta.json").is_file()
         if from_cache:
             report(0.2, "reading cached weights")
@@ -233,11 +222,11 @@ def load(
         raise
     except (ValueError, FileNotFoundError, OSError) as e:
         text = str(e) if str(e).startswith(f"{path.name} ") else f"cannot load {path.name}: {e}"  # named once
-        raise ModelLoadError(_one_line(text)) from None
+        raise ModelLoadError(clean_text(text, 400)) from None
     except MemoryError:
         raise ModelLoadError(f"cannot load {path.name}: it needs more memory than this machine gives") from None
     except Exception as e:  # noqa: BLE001 — a model file is untrusted input: one clear line, never a traceback
-        raise ModelLoadError(_one_line(f"cannot load {path.name}: {type(e).__name__}: {e}")) from None
+        raise ModelLoadError(clean_text(f"cannot load {path.name}: {type(e).__name__}: {e}", 400)) from None
     del sd
     n_params = sum(p.numel() for p in net.parameters())
     dname = str(dt).removeprefix("torch.")

@@ -3,20 +3,17 @@ seconds to build) or a Hugging Face folder's tokenizer files."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
-from engine.formats.locate import ModelLoadError, cache_root, resolve_model_path
+from engine.formats.locate import ModelLoadError, cache_dir_for, resolve_model_path
 from engine.tokenizer.cache import CACHE_FORMAT as TOKENIZER_CACHE_FORMAT
 from engine.tokenizer.core import Tokenizer
 
 
 def tokenizer_cache_dir(path: Path) -> Path:
     """Where load_tokenizer caches the tokenizer of the GGUF file `path` (Tokenizer.save's files)."""
-    st = path.stat()
-    key = f"{TOKENIZER_CACHE_FORMAT}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    return cache_root() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:20]
+    return cache_dir_for(path, "tokenizers", TOKENIZER_CACHE_FORMAT)
 
 
 def load_tokenizer(model: str | os.PathLike | None = None, use_cache: bool = True) -> Tokenizer:
