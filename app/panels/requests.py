@@ -22,13 +22,15 @@ from app.panels.base import Panel
 from engine.remote import timeline
 
 MAX_TICKS = 60_000  # chunk ticks drawn at most (a long run's rows keep all theirs; only the drawing thins them)
-SEGMENT_COLORS = {"waiting": theme.PREFILL_COLOR, "decode": theme.DECODE_COLOR, "failed": theme.ERROR_COLOR,
-                  "queue": theme.MUTED, "prefill": theme.PREFILL_COLOR}
+SEGMENT_COLORS = {"waiting": theme.PREFILL_COLOR, "decode": theme.DECODE_COLOR, "failed": theme.ERROR_COLOR}
+# the server's phases: the same hues, darker, so the thin bar under a row reads as another account of it
+SERVER_COLORS = {"queue": theme.MUTED, "prefill": "#9a6a24", "decode": "#2c7399"}
 TABLE = (("#", "number"), ("C", "concurrency"), ("ok", "ok"), ("sent s", "sent_s"), ("TTFT ms", "ttft_ms"),
          ("TPOT ms", "tpot_ms"), ("E2EL ms", "e2el_ms"), ("out", "output_tokens"), ("ITL max ms", "itl_max_ms"),
          ("srv queue", "server_queue_ms"), ("srv prefill", "server_prefill_ms"), ("srv TTFT", "server_ttft_ms"),
          ("srv E2EL", "server_e2el_ms"), ("id", "request_id"))
 ROW_HEIGHT = 0.7  # of a row's 1.0: the client bar; the server's phases sit under it
+SERVER_GAP = 0.04  # between the client's bar and the server's
 
 
 def itl_colors(itl_s: np.ndarray, median_s: float) -> np.ndarray:
@@ -55,8 +57,9 @@ class RequestsPanel(Panel):
         "chunk of tokens arriving, coloured by the gap before it (its inter-token latency, ITL): green at the run's "
         "median ITL, red at four times it — stalls show where the server batched a new prompt's prefill with the "
         "running decodes. With a server that exports OpenTelemetry spans, a thin bar under each row is the "
-        "server's own account: queue (grey), prefill (amber), decode (blue). Click a row for its tokens and timings. "
-        "Export writes the requests as CSV, JSON (with every chunk's time) or a Perfetto trace (ui.perfetto.dev)."
+        "server's own account: queue (grey), prefill (dark amber), decode (dark blue). Click a row for its tokens "
+        "and timings. Export writes the requests as CSV, JSON (with every chunk's time) or a Perfetto trace "
+        "(ui.perfetto.dev)."
     )
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
@@ -95,7 +98,7 @@ class RequestsPanel(Panel):
             self.segment_items[kind] = item
         self.server_items = {}
         for kind in ("queue", "prefill", "decode"):
-            item = pg.BarGraphItem(x0=[], x1=[], y0=[], height=[], brush=SEGMENT_COLORS[kind], pen=None)
+            item = pg.BarGraphItem(x0=[], x1=[], y0=[], height=[], brush=SERVER_COLORS[kind], pen=None)
             p.addItem(item)
             self.server_items[kind] = item
         self.ticks = pg.ScatterPlotItem(size=7, symbol="|", pxMode=True)
@@ -266,7 +269,7 @@ class RequestsPanel(Panel):
             self._set_bars(item, segs, -ROW_HEIGHT / 2, ROW_HEIGHT)
         for kind, item in self.server_items.items():
             segs = [(b.number, b.t0_s + a, b.t0_s + e) for b in bars for k, a, e in b.server if k == kind]
-            self._set_bars(item, segs, ROW_HEIGHT / 2, 1 - ROW_HEIGHT)
+            self._set_bars(item, segs, ROW_HEIGHT / 2 + SERVER_GAP, 1 - ROW_HEIGHT - SERVER_GAP)
         itls = [b.itl_s for b in ok]
         all_itl = np.concatenate(itls) if itls else np.zeros(0)
         median = float(np.median(all_itl)) if len(all_itl) else 0.0

@@ -15,7 +15,7 @@ from PySide6 import QtCore
 
 from app import session_io
 from app.panels.load_lab import COLUMNS
-from app.panels.requests import ROW_HEIGHT
+from app.panels.requests import ROW_HEIGHT, SERVER_GAP
 from tests.remote.test_otlp import export_bytes
 from tests.remote.test_timeline import PIECES, Stub
 
@@ -134,7 +134,7 @@ class TracedStub(Stub):
         if not self.path.endswith("/completions"):
             return
         done = time.time()
-        rid = f"cmpl-stub{self.server.count}-0"  # the engine request's id: the response's, with "-0"
+        rid = f"{self.rid}-0"  # the engine request's id: the response's, with "-0"
         attrs = {"gen_ai.request.id": rid, "gen_ai.latency.time_to_first_token": 0.0005,
                  "gen_ai.latency.e2e": done - arrival, "gen_ai.latency.time_in_queue": 0.0001,
                  "gen_ai.latency.time_in_model_prefill": 0.0004,
@@ -174,7 +174,7 @@ def test_the_servers_spans_reach_the_gantt(qtbot, window):
         assert len(req.bars) == 4 and all(b.result.server is not None for b in req.bars)
         for b in req.bars:
             assert b.result.server.request_id == f"{b.result.request_id}-0"
-        queue = drawn(req.server_items["queue"], ROW_HEIGHT / 2)
+        queue = drawn(req.server_items["queue"], ROW_HEIGHT / 2 + SERVER_GAP)
         assert sorted(queue) == [0, 1, 2, 3]
         assert "4 with the server's spans" in req.status_label.text()
         req.select(1)

@@ -50,7 +50,7 @@ class Stub(BaseHTTPRequestHandler):
             return
         with self.server.lock:
             self.server.count += 1
-            rid = f"cmpl-stub{self.server.count}"
+            rid = self.rid = f"cmpl-stub{self.server.count}"
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
