@@ -8,7 +8,6 @@ import html
 
 from PySide6 import QtCore, QtWidgets
 
-from app.panels.base import reserve_lines
 from app.theme import MUTED, OK_COLOR
 from engine.why.gallery import GALLERY, Entry
 
@@ -28,15 +27,16 @@ class GalleryPicker(QtWidgets.QWidget):
             item = QtWidgets.QListWidgetItem(e.title)
             item.setData(QtCore.Qt.ItemDataRole.UserRole, e.name)
             self.list.addItem(item)
-        rows = len(GALLERY)
-        self.list.setFixedHeight(self.list.sizeHintForRow(0) * rows + 2 * self.list.frameWidth() + 4)
-        self.list.setMaximumWidth(320)
-        self.text = QtWidgets.QLabel()
-        self.text.setWordWrap(True)
-        self.text.setTextFormat(QtCore.Qt.TextFormat.RichText)
-        self.text.setAlignment(QtCore.Qt.AlignmentFlag.AlignTop | QtCore.Qt.AlignmentFlag.AlignLeft)
-        self.text.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
-        reserve_lines(self.text, rows)
+        self.list.setHorizontalScrollBarPolicy(QtCore.Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.list.setTextElideMode(QtCore.Qt.TextElideMode.ElideRight)
+        rows = len(GALLERY) + 2  # the words beside the list need a few lines more than its four rows
+        self.list.setFixedHeight(self.list.sizeHintForRow(0) * rows + 2 * self.list.frameWidth())
+        self.list.setFixedWidth(290)
+        # the words scroll in a box as tall as the list, so that the result below keeps its room in a small dock
+        self.text = QtWidgets.QTextBrowser()
+        self.text.setOpenLinks(False)
+        self.text.setFrameShape(QtWidgets.QFrame.Shape.NoFrame)
+        self.text.setFixedHeight(self.list.height())
         self._ran: dict[str, str] = {}  # name → a few words on its kept result
         lay = QtWidgets.QHBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
@@ -65,12 +65,16 @@ class GalleryPicker(QtWidgets.QWidget):
             self.list.item(i).setText(e.title + ("  ✓" if e.name in self._ran else ""))
         self._on_row(self.list.currentRow())
 
+    def words(self) -> str:
+        """The chosen experiment's words as shown, in plain text."""
+        return self.text.toPlainText()
+
     def _on_row(self, row: int) -> None:
         e = GALLERY[max(0, row)]
         ran = self._ran.get(e.name)
         kept = (f"<span style='color:{OK_COLOR}'>Result kept ({html.escape(ran)}): shown below; Run runs it "
                 "again.</span>" if ran else f"<span style='color:{MUTED}'>Run sets it up for the loaded model and "
                 f"shows it below ({KIND_NAMES.get(e.kind, e.kind)}).</span>")
-        self.text.setText(f"<b>{html.escape(e.title)}</b>. {html.escape(e.shows)}<br><b>What to look for</b>: "
+        self.text.setHtml(f"<b>{html.escape(e.title)}</b>. {html.escape(e.shows)}<br><b>What to look for</b>: "
                           f"{html.escape(e.look_for)}<br>{kept}")
         self.sig_chosen.emit(e.name)

@@ -774,6 +774,10 @@ class WhyPanel(Panel):
                 policy = preferred if i == page else ignored
                 stack.widget(i).setSizePolicy(policy, policy)
             stack.adjustSize()
+        layout = self.layout()
+        if layout is not None:  # adjustSize shrank the stacks to their hints: lay them out again now, not at the
+            layout.invalidate()  # next event (an export or a picture can come first)
+            layout.activate()
         self.mark_dirty()
 
     def shown(self, view: str | None = None) -> dict | None:

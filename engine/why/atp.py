@@ -35,10 +35,13 @@ if TYPE_CHECKING:
     import torch
 
 TOP = 8  # disagreeing cells listed
+MAX_IG_STEPS = 256  # each step is one forward and one backward pass
 DEFINITION = ("atp[l][p] = (a_clean − a_corrupt) · ∂m/∂a at the corrupted run, summed over d_model, a the residual "
               "stream entering block l (0 = the embeddings, L = the last block's output) at position p; "
               "m = (d − d_corrupt) / (d_clean − d_corrupt), d = logit[answer] − logit[wrong] at the last position")
 HEADS_DEFINITION = "atp_heads[l][h]: the same with a = head h's z in layer l, summed over every position and hd"
+IG_DEFINITION = ("; with ig_steps K, ∂m/∂a is averaged over K runs whose token embeddings are e_corrupt + α (e_clean − "
+                 "e_corrupt), α = (j + 1/2) / K (EAP-IG)")
 
 
 def _check(session, clean: str, corrupt: str, answer: str, wrong: str) -> tuple[list[int], list[int], int, int]:
@@ -64,10 +67,12 @@ def _check(session, clean: str, corrupt: str, answer: str, wrong: str) -> tuple[
     return list(c.ids), list(x.ids), a_id, w_id
 
 
-def _activations(model: torch.nn.Module, ids: Sequence[int], heads: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _activations(model: torch.nn.Module, ids: Sequence[int], heads: bool,
+                 embeddings: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One forward of `ids` with autograd on: float32 logits (V,) of the last position, and the tensors in the graph
     for the residual stream entering each block and after the last (L + 1 of (1, T, d)), then (heads) each layer's
-    z, the output projection's input (L of (1, T, H·hd))."""
+    z, the output projection's input (L of (1, T, H·hd)). `embeddings` (1, T, d): the token embeddings' output
+    replaced by these (a point on the path between two prompts' embeddings)."""
     import torch
 
     from engine.model.kv_cache import KVCache
@@ -76,7 +81,7 @@ def _activations(model: torch.nn.Module, ids: Sequence[int], heads: bool) -> tup
     resid: list[torch.Tensor | None] = [None] * (cfg.n_layers + 1)
     zs: list[torch.Tensor | None] = [None] * cfg.n_layers
     handles = [model.tok_embeddings.register_forward_hook(  # a leaf that needs a gradient: the whole graph follows
-        lambda _m, _a, out: out.detach().requires_grad_(True))]
+        lambda _m, _a, out: (out if embeddings is None else embeddings.to(out.dtype)).detach().requires_grad_(True))]
 
     def keep_input(i: int):
         def hook(_m, args):
@@ -120,9 +125,16 @@ def _pearson(a: Sequence[float], b: Sequence[float]) -> float | None:
     return math.fsum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True)) / math.sqrt(sa * sb)
 
 
-def atp_grids(session, clean: str, corrupt: str, answer: str, wrong: str, heads: bool = False) -> dict:
+def atp_grids(session, clean: str, corrupt: str, answer: str, wrong: str, heads: bool = False,
+              ig_steps: int = 0) -> dict:
     """The AtP grids alone (one clean forward, one corrupted forward, one backward): "atp" ((L + 1) × T), with
-    heads "atp_heads" (L × H), the prompts' ids and logit differences, and which cells' activations differ."""
+    heads "atp_heads" (L × H), the prompts' ids and logit differences, and which cells' activations differ.
+
+    `ig_steps` K > 0: the gradient is not taken at the corrupted run alone but averaged over K runs whose token
+    embeddings lie on the straight line from the corrupted prompt's to the clean one's, at α = (j + ½) / K (the
+    midpoint rule; EAP-IG, Hanna et al. 2024, integrated gradients from the input): K forwards and backwards more,
+    and a straight-line guess taken along the whole patch rather than at its start. Along that path the embeddings'
+    row adds up to the whole change of the metric (1) as K grows: integrated gradients' completeness."""
     import torch
 
     from engine.model import kernels
@@ -132,6 +144,8 @@ def atp_grids(session, clean: str, corrupt: str, answer: str, wrong: str, heads:
     model = session.lm.model
     cfg = model.cfg
     L, T, H, hd = cfg.n_layers, len(c_ids), cfg.n_heads, cfg.head_dim
+    if not 0 <= ig_steps <= MAX_IG_STEPS:
+        raise ValueError(f"--ig-steps must be 0 to {MAX_IG_STEPS}, got {ig_steps}")
     with torch.inference_mode(False), torch.enable_grad(), _differentiable_products(), kernels.forced("linear"):
         with torch.no_grad():
             clean_logits, clean_acts = _activations(model, c_ids, heads)
@@ -143,22 +157,39 @@ def atp_grids(session, clean: str, corrupt: str, answer: str, wrong: str, heads:
             raise ValueError(f"both prompts give the same logit difference ({d_clean:.4g}) of "
                              f"{session.tokenizer.piece(a_id)!r} over {session.tokenizer.piece(w_id)!r}: there is "
                              "nothing to restore")
-        metric = (d - d_corrupt) / (d_clean - d_corrupt)
-        grads = torch.autograd.grad(metric, acts)
+        if ig_steps == 0:
+            metric = (d - d_corrupt) / (d_clean - d_corrupt)
+            grads = torch.autograd.grad(metric, acts)
+        else:
+            device = model.lm_head.device
+            with torch.no_grad():
+                e_clean, e_corrupt = (model.tok_embeddings(torch.tensor([list(ids)], device=device)).float()
+                                      for ids in (c_ids, x_ids))
+            sums = [torch.zeros_like(a, dtype=torch.float32) for a in acts]
+            for j in range(ig_steps):
+                alpha = (j + 0.5) / ig_steps
+                point = e_corrupt + alpha * (e_clean - e_corrupt)
+                lg, on_path = _activations(model, x_ids, heads, embeddings=point)
+                metric = (lg[a_id] - lg[w_id] - d_corrupt) / (d_clean - d_corrupt)
+                for total, g in zip(sums, torch.autograd.grad(metric, on_path), strict=True):
+                    total += g.float() / ig_steps
+            grads = tuple(sums)
     with torch.no_grad():
         delta = [(ca.float() - a.float())[0] for ca, a in zip(clean_acts, acts, strict=True)]  # (T, W) each
         cells = [(dl * g.float()[0]) for dl, g in zip(delta, grads, strict=True)]  # (T, W)
         grid = [cells[i].sum(dim=-1).tolist() for i in range(L + 1)]  # (L + 1) × T
         changed = [(delta[i].abs().amax(dim=-1) > 0).tolist() for i in range(L + 1)]
         out = {"ids": {"clean": c_ids, "corrupt": x_ids}, "answer_id": a_id, "wrong_id": w_id,
-               "clean_logit_diff": d_clean, "corrupt_logit_diff": d_corrupt, "atp": grid, "changed": changed}
+               "clean_logit_diff": d_clean, "corrupt_logit_diff": d_corrupt, "atp": grid, "changed": changed,
+               "ig_steps": ig_steps}
         if heads:
             out["atp_heads"] = [cells[L + 1 + i].view(T, H, hd).sum(dim=(0, 2)).tolist() for i in range(L)]
     return out
 
 
 def atp(session, clean: str, corrupt: str, answer: str, wrong: str, heads: bool = False, exact: bool = True,
-        top: int = TOP, progress: Progress | None = None, should_stop: ShouldStop | None = None) -> dict:
+        top: int = TOP, progress: Progress | None = None, should_stop: ShouldStop | None = None,
+        ig_steps: int = 0) -> dict:
     """AtP's grids beside engine.why.patch's exact ones (`exact`), their Pearson correlations and the `top` cells
     where they part most; the CLI's JSON document (see the module docstring). ValueError in one sentence for bad
     input; Unsupported on llama.cpp; Cancelled when `should_stop` says so."""
@@ -166,7 +197,7 @@ def atp(session, clean: str, corrupt: str, answer: str, wrong: str, heads: bool 
 
     check_stop(should_stop)
     t0 = time.perf_counter()
-    got = atp_grids(session, clean, corrupt, answer, wrong, heads=heads)
+    got = atp_grids(session, clean, corrupt, answer, wrong, heads=heads, ig_steps=ig_steps)
     seconds_atp = time.perf_counter() - t0
     tokenizer = session.tokenizer
     a_id, w_id = got["answer_id"], got["wrong_id"]
@@ -177,8 +208,9 @@ def atp(session, clean: str, corrupt: str, answer: str, wrong: str, heads: bool 
         "answer": {"id": a_id, "token": tokenizer.piece(a_id)},
         "wrong": {"id": w_id, "token": tokenizer.piece(w_id)},
         "clean_logit_diff": got["clean_logit_diff"], "corrupt_logit_diff": got["corrupt_logit_diff"],
-        "atp": got["atp"], "definition": DEFINITION,
-        "cost": {"atp": {"forwards": 2, "backwards": 1, "seconds": seconds_atp}},
+        "atp": got["atp"], "definition": DEFINITION if not ig_steps else DEFINITION + IG_DEFINITION,
+        "ig_steps": ig_steps,
+        "cost": {"atp": {"forwards": 2 + ig_steps, "backwards": max(1, ig_steps), "seconds": seconds_atp}},
     }
     if heads:
         out["atp_heads"] = got["atp_heads"]
@@ -231,6 +263,9 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--no-exact", dest="exact", action="store_false",
                    help="AtP alone: skip the exact grid (its (L + 1) × T patched forwards)")
     q.add_argument("--top", type=int_in(1, 1000), default=TOP, help=f"disagreeing cells listed (default {TOP})")
+    q.add_argument("--ig-steps", type=int_in(0, MAX_IG_STEPS), default=0, metavar="K",
+                   help="average the gradient over K points on the path between the prompts' embeddings "
+                        "(EAP-IG; K forwards and backwards more); 0 (default): AtP at the corrupted run")
     q.set_defaults(func=_cmd)
 
 
@@ -250,7 +285,8 @@ def _cmd(a: argparse.Namespace) -> int:
                          "drop --url")
     s = session_from_args(a)
     try:
-        out = atp(s, a.clean, a.corrupt, a.answer, a.wrong, heads=a.heads, exact=a.exact, top=a.top)
+        out = atp(s, a.clean, a.corrupt, a.answer, a.wrong, heads=a.heads, exact=a.exact, top=a.top,
+                  ig_steps=a.ig_steps)
     except ValueError as e:
         raise UsageError(str(e)) from None
     except (Unsupported, Cancelled, RuntimeError) as e:

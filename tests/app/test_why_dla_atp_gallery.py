@@ -27,11 +27,11 @@ CLEAN, CORRUPT = "zq vx kj wy", "zq vx kb wy"  # tests/why/test_atp.py's: 10 tok
 
 @pytest.fixture
 def why_window(qtbot, make_window):
-    def make(model=None, load=True):
+    def make(model=None, load=True, timeout=180_000):
         w = make_window(model, persist=False, load=load)
         w.resize(1600, 1000)
         if load:
-            wait_loaded(qtbot, w, timeout=180_000)
+            wait_loaded(qtbot, w, timeout=timeout)  # a real model's first load converts it (minutes on a busy box)
         w.docks["why"].show()
         w.docks["why"].raise_()
         return w
@@ -230,7 +230,7 @@ def test_the_gallery_page_says_what_each_experiment_shows(qtbot, bridge):
     assert panel.gallery.list.count() == len(GALLERY) == 4
     for e in GALLERY:
         panel.gallery.choose(e.name)
-        text = panel.gallery.text.text()
+        text = panel.gallery.words()
         assert e.title in text and "What to look for" in text and len(e.shows) > 100 and len(e.look_for) > 100
         assert panel.params() == P.GalleryParams(e.name)
     assert panel.views.currentWidget() is panel.gallery_note  # nothing run yet
@@ -258,7 +258,7 @@ def test_gallery_on_the_tiny_model_runs_what_it_can_and_says_why_not_in_one_line
     ab = r["result"]["ablation"]
     assert len(ab["heads"]) == 2  # a quarter of the tiny model's 8 heads
     assert "Second copy's loss" in panel.summary.text() and f"{ab['loss_ablated']:.3f}" in panel.summary.text()
-    assert "Result kept" in panel.gallery.text.text() and panel.gallery.list.item(0).text().endswith("✓")
+    assert "Result kept" in panel.gallery.words() and panel.gallery.list.item(0).text().endswith("✓")
     assert "heads" not in panel.results  # the head-roles mode keeps its own result
 
     panel.gallery.choose("greater-than")
@@ -349,9 +349,12 @@ def test_every_gallery_experiment_runs_on_the_real_models(qtbot, why_window, mod
     must give by construction; a picture of the panel per entry (pytest --basetemp keeps them to look at)."""
     from tests.requires import default_model, gemma3
 
-    w = why_window(default_model() if model == "default" else gemma3())
+    w = why_window(default_model() if model == "default" else gemma3(), timeout=600_000)
     panel: WhyPanel = w.panels["why"]
     info = w.bridge.info
+    dock = w.docks["why"]  # the pictures: the panel alone, at a size that a reader sees it at
+    dock.setFloating(True)
+    dock.resize(1400, 900)
     panel.set_mode("gallery")
     for name in NAMES:
         panel.gallery.choose(name)
