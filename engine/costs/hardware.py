@@ -8,7 +8,7 @@ time well, then the fastest of several repeats gives the FLOP/s. Both are what P
 device and dtype, so they sit somewhat below the vendor's peak figures; that is the honest roof for the
 engine, which runs on the same PyTorch.
 
-Results are cached as JSON in ~/.cache/inference-lab/hardware.json (or $INFERENCE_LAB_CACHE/hardware.json),
+Results are cached as JSON in hardware.json under the engine's cache folder (engine.formats.locate.cache_root),
 keyed by device, dtype, processor and thread count, because measuring takes a couple of seconds.
 """
 
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.costs.catalog import Hardware, canonical_dtype
+from engine.formats.locate import cache_root
 from engine.model import dtypes
 from engine.model.threads import cpu_model
 
@@ -33,12 +34,6 @@ CACHE_FILE = "hardware.json"
 
 class MeasurementCancelled(RuntimeError):
     """should_stop() returned True while measuring."""
-
-
-def cache_dir_default() -> Path:
-    """$INFERENCE_LAB_CACHE if set, else ~/.cache/inference-lab."""
-    env = os.environ.get("INFERENCE_LAB_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "inference-lab"
 
 
 def _device_kind(device: str) -> str:
@@ -198,7 +193,7 @@ def measure_this_machine(
 
 
 def _cache_path(cache_dir: str | Path | None) -> Path:
-    return (Path(cache_dir) if cache_dir is not None else cache_dir_default()) / CACHE_FILE
+    return (Path(cache_dir) if cache_dir is not None else cache_root()) / CACHE_FILE
 
 
 def _read_cache(path: Path) -> dict[str, Any]:

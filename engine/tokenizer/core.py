@@ -241,15 +241,7 @@ class Tokenizer:
         else:
             enc = self._backend.encode(text, add_special_tokens=False)
             ids = enc.ids
-            tb = self._token_bytes
-            if b"".join([tb[i] for i in ids]) == data:
-                # The common case: tokens tile the input, so spans are running sums of cached byte lengths.
-                lengths = self._lengths[np.asarray(ids, dtype=np.int64)]
-                ends = np.cumsum(lengths)
-                starts = ends - lengths
-                unrepresentable = []
-            else:
-                starts, ends, unrepresentable = self._align(text, data, ids, enc.offsets, tb)
+            starts, ends, unrepresentable = self._spans(text, data, enc, {})
 
         if add_special and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
@@ -327,12 +319,7 @@ class Tokenizer:
         rules = self._rules
         assert rules is not None
         spm = rules.kind == "spm"
-        if len(data) == len(text):
-            char_to_byte = None
-        else:
-            cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-            char_len = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
-            char_to_byte = np.concatenate([np.zeros(1, np.int64), np.cumsum(char_len)])
+        char_to_byte = None if len(data) == len(text) else _char_to_byte(text)
         ids: list[int] = []
         starts: list[np.ndarray] = []
         ends: list[np.ndarray] = []
@@ -352,17 +339,8 @@ class Tokenizer:
             core = " " + piece if prefix else piece
             enc = self._backend.encode(core.replace(" ", _SPACE) if spm else core, add_special_tokens=False)
             fids = enc.ids
-            fdata = core.encode("utf-8")
-            cb = self._core_bytes
-            tb = self._token_bytes
-            if b"".join([cb.get(i) or tb[i] for i in fids]) == fdata:
-                lengths = self._core_lengths[np.asarray(fids, dtype=np.int64)]
-                e = np.cumsum(lengths)
-                s = e - lengths
-            else:
-                view = [cb.get(i) or tb[i] for i in range(self.vocab_size)] if cb else tb
-                s, e, bad = self._align(core, fdata, fids, enc.offsets, view)
-                unrepresentable.extend((base + j - prefix, v) for j, v in bad if j >= prefix)
+            s, e, bad = self._spans(core, core.encode("utf-8"), enc, self._core_bytes)
+            unrepresentable.extend((base + j - prefix, v) for j, v in bad if j >= prefix)
             if prefix:
                 s = np.maximum(s - 1, 0)
                 e = np.maximum(e - 1, 0)
@@ -373,6 +351,19 @@ class Tokenizer:
         if not ids:
             return [], np.zeros(0, np.int64), np.zeros(0, np.int64), unrepresentable
         return ids, np.concatenate(starts), np.concatenate(ends), unrepresentable
+
+    def _spans(self, text: str, data: bytes, enc: Any, core_bytes: dict[int, bytes]
+               ) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
+        """Byte spans of an encoding's tokens over `data`, and the bytes no token stands for. `core_bytes`: the
+        tokens that stand for other bytes inside the merged text than token_bytes says (_core_bytes)."""
+        tb, ids = self._token_bytes, enc.ids
+        if b"".join([core_bytes.get(i) or tb[i] for i in ids]) == data:
+            # The common case: tokens tile the input, so spans are running sums of cached byte lengths.
+            lengths = (self._core_lengths if core_bytes else self._lengths)[np.asarray(ids, dtype=np.int64)]
+            ends = np.cumsum(lengths)
+            return ends - lengths, ends, []
+        view = [core_bytes.get(i) or tb[i] for i in range(self.vocab_size)] if core_bytes else tb
+        return self._align(text, data, ids, enc.offsets, view)
 
     def _align(
         self, text: str, data: bytes, ids: list[int], char_offsets: list[tuple[int, int]], tb: Sequence[bytes]
@@ -396,8 +387,7 @@ class Tokenizer:
             # Only a normaliser or an unknown-token substitute (possible in tokenizer.json files) gets here:
             # the token's bytes are not in the input, so trust the backend's own character offsets.
             if char_to_byte is None:
-                lens = [len(ch.encode("utf-8", "surrogatepass")) for ch in text]
-                char_to_byte = np.concatenate([np.zeros(1, np.int64), np.cumsum(lens, dtype=np.int64)])
+                char_to_byte = _char_to_byte(text)
             cs, ce = char_offsets[k]
             starts[k], ends[k] = char_to_byte[cs], char_to_byte[ce]
             p = max(p, int(ends[k]))
@@ -520,9 +510,14 @@ class StreamDecoder:
 def char_spans(text: str, starts: np.ndarray, ends: np.ndarray) -> list[tuple[int, int]]:
     """Character spans of byte spans over text's UTF-8 encoding (a span inside a multi-byte character gets that
     character's span; an empty span stays empty at its start)."""
-    cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-    char_len = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
-    byte_to_char = np.append(np.repeat(np.arange(len(text), dtype=np.int64), char_len), len(text))
+    byte_to_char = np.append(np.repeat(np.arange(len(text), dtype=np.int64), np.diff(_char_to_byte(text))), len(text))
     cstart = byte_to_char[starts]
     cend = np.where(ends > starts, byte_to_char[np.maximum(ends - 1, 0)] + 1, cstart)
     return list(zip(cstart.tolist(), cend.tolist(), strict=True))
+
+
+def _char_to_byte(text: str) -> np.ndarray:
+    """Where each character of `text` starts in its UTF-8 encoding, and where the encoding ends (len(text) + 1)."""
+    cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    char_len = 1 + (cps >= 0x80).astype(np.int64) + (cps >= 0x800) + (cps >= 0x10000)
+    return np.concatenate([np.zeros(1, np.int64), np.cumsum(char_len)])

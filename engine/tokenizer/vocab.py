@@ -4,6 +4,7 @@ end-of-generation, the order and lstrip/rstrip rules of special-token matching, 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,23 +103,13 @@ class _Rules:
     add_eos: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "token_types": self.token_types.tolist(),
-            "specials": [list(s) for s in self.specials],
-            "add_space_prefix": self.add_space_prefix,
-            "add_eos": self.add_eos,
-        }
+        return {**dataclasses.asdict(self), "token_types": self.token_types.tolist()}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> _Rules:
-        return cls(
-            kind=d["kind"],
-            token_types=np.asarray(d["token_types"], dtype=np.int32),
-            specials=[(int(i), int(f)) for i, f in d["specials"]],
-            add_space_prefix=bool(d["add_space_prefix"]),
-            add_eos=bool(d["add_eos"]),
-        )
+        return cls(kind=d["kind"], token_types=np.asarray(d["token_types"], dtype=np.int32),
+                   specials=[(int(i), int(f)) for i, f in d["specials"]],
+                   add_space_prefix=bool(d["add_space_prefix"]), add_eos=bool(d["add_eos"]))
 
 
 def _partition_order(

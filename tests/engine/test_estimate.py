@@ -14,6 +14,7 @@ import pytest
 from engine.costs import estimate as est
 from engine.costs import hardware
 from engine.costs.catalog import Hardware
+from engine.formats.locate import cache_root
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED_KEYS = {
@@ -171,7 +172,7 @@ def test_cache_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_cache_dir_follows_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("INFERENCE_LAB_CACHE", str(tmp_path / "lab"))
-    assert hardware.cache_dir_default() == tmp_path / "lab"
+    assert cache_root() == tmp_path / "lab"
     hardware.cached_this_machine("cpu", "float32", quick=True)
     assert (tmp_path / "lab" / "hardware.json").is_file()
     assert hardware.load_cached("cpu", "float32") is not None
