@@ -411,6 +411,7 @@ class CompareParams:
     corpus: str = ""  # a text file's path: compare over its text in windows (engine.why.compare), not over `prompt`
     window: int = 0  # tokens per window of the corpus (0: CORPUS_WINDOW)
     max_tokens: int = 0  # the corpus's tokens compared at most (0: CORPUS_MAX_TOKENS)
+    lens: bool = False  # a corpus comparison also compares the logit lens per layer
 
 
 # A corpus comparison's default window and cap: llama-perplexity's windows are 512 tokens, but on two cores a

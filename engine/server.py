@@ -802,7 +802,7 @@ def run_experiment(session: Engine, params: object, progress: ReportProgress | N
             check_stop(should_stop)
             if params.corpus:
                 return compare_corpus(session, other, text, window, cap, name=os.path.basename(params.corpus),
-                                      progress=progress, should_stop=should_stop)
+                                      progress=progress, should_stop=should_stop, lens=params.lens)
             return compare(session, other, params.prompt, steps=params.steps, chat=params.chat, progress=progress,
                            should_stop=should_stop)
         finally:

@@ -518,13 +518,16 @@ class WhyPanel(Panel):
                                       "context only, the rest is scored")
         self.corpus_tokens = spin_box(4, 1 << 20, CORPUS_MAX_TOKENS, "The corpus's tokens compared at most "
                                       "(whole windows): the run's time grows with it")
+        self.corpus_lens = QtWidgets.QCheckBox("per layer")
+        self.corpus_lens.setToolTip("Also the KL of the two sides' logit-lens distributions at every layer, at the "
+                                    "last position of each step (each costs one LM head per layer)")
         return self._form([("other model", self._row(self.other_edit, browse, this)),
                            ("runs on", self._row(self.other_backend, self.other_kernels, QtWidgets.QLabel("steps"),
                                                  self.compare_steps, self.compare_chat)),
                            ("prompt", self.compare_prompt),
                            ("or corpus", self._row(self.corpus_edit, corpus_browse, QtWidgets.QLabel("window"),
                                                    self.corpus_window, QtWidgets.QLabel("tokens"),
-                                                   self.corpus_tokens))])
+                                                   self.corpus_tokens, self.corpus_lens))])
 
     def _browse_corpus(self) -> None:
         path, _ = QtWidgets.QFileDialog.getOpenFileName(self, "A text to compare the two sides over", "",
@@ -737,6 +740,12 @@ class WhyPanel(Panel):
         self.corpus_kl_curve = self.corpus_kl_plot.plot([], [], pen=pg.mkPen(PREFILL_COLOR, width=2))
         self.corpus_dp_curve = self.corpus_dp_plot.plot([], [], pen=pg.mkPen(DECODE_COLOR, width=2))
         self.corpus_dp_plot.addLine(y=0, pen=pg.mkPen(MUTED, width=1, style=QtCore.Qt.PenStyle.DashLine))
+        self.corpus_lens_plot = pg.PlotItem()  # in the layout only while a result carries the lens
+        style_plot(self.corpus_lens_plot, left=("nats", None), bottom=("layer", None), log=(False, True))
+        self.corpus_lens_plot.setTitle("KL of the logit lens per layer", color=FOREGROUND, size=f"{FONT_PT}pt")
+        self.corpus_lens_curve = self.corpus_lens_plot.plot([], [], pen=pg.mkPen(PREFILL_COLOR, width=2),
+                                                            symbol="o", symbolSize=5, symbolBrush=PREFILL_COLOR,
+                                                            symbolPen=None)
         self.corpus_label = QtWidgets.QLabel()
         self.corpus_label.setWordWrap(True)
         self.corpus_label.setTextFormat(QtCore.Qt.TextFormat.RichText)
@@ -862,7 +871,7 @@ class WhyPanel(Panel):
             return CompareParams(other=other, prompt=self.compare_prompt.text(), corpus=corpus,
                                  window=self.corpus_window.value(), max_tokens=self.corpus_tokens.value(),
                                  backend=str(self.other_backend.currentData()),
-                                 kernels=str(self.other_kernels.currentData()))
+                                 kernels=str(self.other_kernels.currentData()), lens=self.corpus_lens.isChecked())
         if not self.compare_prompt.text().strip():
             raise ValueError("type a prompt to compare on (or choose a corpus)")
         return CompareParams(other=other, prompt=self.compare_prompt.text(), steps=self.compare_steps.value(),
@@ -1566,7 +1575,16 @@ class WhyPanel(Panel):
         positive = kl > 0  # the log scale has no place for a position where the two agree exactly
         self.corpus_kl_curve.setData(x[positive], kl[positive])
         self.corpus_dp_curve.setData(x, 100 * dp)
-        for plot in (self.corpus_kl_plot, self.corpus_dp_plot):
+        lens = corpus_lens(r)
+        shown = self.corpus_lens_plot.scene() is not None
+        if lens is not None and not shown:
+            self.corpus_plots.addItem(self.corpus_lens_plot, row=0, col=2)
+        elif lens is None and shown:
+            self.corpus_plots.removeItem(self.corpus_lens_plot)
+        if lens is not None:
+            positive = lens > 0
+            self.corpus_lens_curve.setData(np.arange(len(lens), dtype=float)[positive], lens[positive])
+        for plot in (self.corpus_kl_plot, self.corpus_dp_plot, self.corpus_lens_plot):
             plot.enableAutoRange()
         self.corpus_label.setText(corpus_stats_html(r))
 
@@ -1589,6 +1607,17 @@ def check_corpus_result(r: dict) -> None:
             raise ResultError(f"its {key} is not a table of numbers")
     if not isinstance(r["same_top"], (int, float)):
         raise ResultError("its same-top share is not a number")
+
+
+def corpus_lens(r: dict) -> np.ndarray | None:
+    """A corpus comparison's lens KL per residual point (0: the embeddings), or None when it has none."""
+    lens = r.get("lens")
+    if not isinstance(lens, dict):
+        return None
+    try:
+        return _vector(lens.get("kl"), "lens KL")
+    except ResultError:
+        return None
 
 
 def _stat(d: dict, key: str, fmt: str, scale: float = 1.0) -> str:
@@ -1632,7 +1661,12 @@ def corpus_rows(r: dict) -> list[dict]:
             {"statistic": "ln_ppl_ratio", "value": r.get("ln_ppl_ratio")}]
     rows += [{"statistic": f"kl_{k}", "value": v} for k, v in r["kl_stats"].items()]
     rows += [{"statistic": f"delta_p_{k}", "value": v} for k, v in r["delta_p"].items()]
-    return [*rows, {"statistic": "same_top", "value": r["same_top"]}]
+    rows.append({"statistic": "same_top", "value": r["same_top"]})
+    lens = corpus_lens(r)
+    if lens is not None:
+        rows += [{"statistic": f"lens_kl_{point_name(r['lens'], i).replace(' ', '_')}", "value": float(v)}
+                 for i, v in enumerate(lens)]
+    return rows
 
 
 def compare_curves(r: dict) -> tuple[np.ndarray, np.ndarray]:

@@ -33,7 +33,9 @@ in float64 from each side's float32 logits, with a = the loaded side (the base) 
 reported as perplexities, KL's mean (with its standard error), median, percentiles and max, Δp's mean, RMS and
 percentiles, and the share of positions with the same top token. Percentiles interpolate linearly between sorted
 values, as llama.cpp's do. Only these per-position scalars are kept: never a window's vocabulary-wide logits beyond
-one step of each side.
+one step of each side. With `lens`, each step also captures the residual stream of its newest position, and the
+result carries per residual point the mean KL(a ‖ b) of the two logit-lens distributions there (the layer-by-layer
+view `compare` gives one sequence, over the corpus at every step's last position).
 """
 
 from __future__ import annotations
@@ -362,14 +364,19 @@ def corpus_windows(ids: list[int], window: int, max_tokens: int, bos: int | None
 
 
 def compare_corpus(a, b, text: str, window: int = CORPUS_WINDOW, max_tokens: int = CORPUS_MAX_TOKENS,
-                   name: str = "", progress: Progress | None = None, should_stop: ShouldStop | None = None) -> dict:
+                   name: str = "", progress: Progress | None = None, should_stop: ShouldStop | None = None,
+                   lens: bool = False) -> dict:
     """Sessions `a` (the base) and `b` of one model over `text` in windows (the module's docstring); the JSON-ready
-    result. Unsupported when the two are not one model or tokenize the text differently; ValueError when the text
-    gives no whole window or a window does not fit a side's cache; Cancelled when should_stop says so between
+    result. With `lens`, also per residual point the KL of the two sides' logit-lens distributions (as `compare`
+    reports for one sequence), mean over the last position of every step (a capture keeps the newest position's
+    stream only). Unsupported when the two are not one model or tokenize the text differently; ValueError when the
+    text gives no whole window or a window does not fit a side's cache; Cancelled when should_stop says so between
     steps."""
     import numpy as np
+    import torch
 
     from engine.model.transformer import SPLIT_MAX_ROWS
+    from engine.protocol import Capture
     from engine.run.session import check_finite
     from engine.runtime.base import Row
 
@@ -401,6 +408,19 @@ def compare_corpus(a, b, text: str, window: int = CORPUS_WINDOW, max_tokens: int
     n = len(windows) * per_window
     cols = [np.empty(n) for _ in range(6)]  # nll_a, nll_b, kl, p_a, p_b, same top: one entry per scored position
     done = 0
+    L = A.cfg.n_layers
+    capture = Capture(lens_top=1) if lens else None  # lens_top: the residual stream of the step's newest position
+    lens_sum, lens_n, pending = np.zeros(L + 2), 0, []
+    chunk = max(1, LENS_BYTES // ((L + 2) * V * 8))  # steps whose float64 lens one side holds at once
+
+    def lens_flush() -> None:
+        nonlocal lens_n, pending
+        if pending:
+            by_step = np.asarray(_lens_kl(A, B, pending))  # (n, L + 2)
+            lens_sum[:] += by_step.sum(axis=0)
+            lens_n += len(by_step)
+            pending = []
+
     for k, w in enumerate(windows):
         rts = []
         for side in (A, B):
@@ -409,25 +429,35 @@ def compare_corpus(a, b, text: str, window: int = CORPUS_WINDOW, max_tokens: int
             if rt.capacity < window:
                 raise ValueError(f"a window of {window} tokens does not fit {side.label}'s cache of {rt.capacity}")
             rts.append(rt)
+            side.rt = rt  # the lens head is the runtime's
         check_stop(should_stop)
         for rt in rts:  # the context: one prefill, its logits unused
             rt.forward([Row(0, w[:first])])
         for j in range(first, window - 1, SPLIT_MAX_ROWS):
             check_stop(should_stop)
             feed = w[j:min(j + SPLIT_MAX_ROWS, window - 1)]
-            logits = []
+            logits, streams = [], []
             for side, rt in zip((A, B), rts, strict=True):
-                out = rt.forward([Row(0, feed, all_logits=True)])[0].float().cpu().reshape(len(feed), V)
+                row = Row(0, feed, all_logits=True, capture=capture)
+                out = rt.forward([row])[0].float().cpu().reshape(len(feed), V)
                 check_finite(out, j + len(feed) - 1, side.s.dtype_name)
                 logits.append(out)
+                if lens:
+                    streams.append(torch.as_tensor(rt.captured(0).stream))
+            if lens:
+                pending.append((streams[0], logits[0][-1], streams[1], logits[1][-1]))
+                if len(pending) == chunk:
+                    lens_flush()
             for col, vals in zip(cols, _scored(logits[0], logits[1], w[j + 1:j + 1 + len(feed)]), strict=True):
                 col[done:done + len(feed)] = vals
             done += len(feed)
         if progress is not None:
             progress((k + 1) / len(windows), f"window {k + 1} of {len(windows)}: {done} positions compared")
+    lens_flush()
     for side in (A, B):
         side.s.forget_cache()
     nll_a, nll_b, kl, p_a, p_b, same = cols
+    lens_mean = lens_sum / max(lens_n, 1)
     seconds = time.perf_counter() - t_start
     return {
         "mode": "corpus",
@@ -439,6 +469,9 @@ def compare_corpus(a, b, text: str, window: int = CORPUS_WINDOW, max_tokens: int
         "windows": len(windows),
         "scored_from": first,
         **corpus_statistics(nll_a, nll_b, kl, p_a, p_b, same),
+        "lens": {"layers": ["embedding", *(f"layer {i}" for i in range(1, L + 1))],
+                 "kl": [float(x) for x in lens_mean[:L + 1]], "kl_output": float(lens_mean[L + 1]),
+                 "positions": lens_n, "every": SPLIT_MAX_ROWS} if lens else None,
         "units": {"ppl": "tokens (exp of the mean nll in nats)", "kl": "nats: KL(a ‖ b)",
                   "delta_p": "probability of the actual next token, b − a"},
         "bytes_per_token": [float(A.info.decode_weight_bytes), float(B.info.decode_weight_bytes)],
@@ -470,6 +503,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
                    help="--corpus: tokens per window, the first half context only")
     q.add_argument("--max-tokens", type=int_in(4, 1 << 22), default=CORPUS_MAX_TOKENS,
                    help="--corpus: the corpus's tokens compared at most (whole windows)")
+    q.add_argument("--lens", action="store_true",
+                   help="--corpus: also the KL of the two sides' logit lens per layer (L + 1 LM heads a step)")
     add_threads_arg(q)
     q.set_defaults(func=cmd_compare)
 
@@ -538,7 +573,8 @@ def _corpus_cli(a: argparse.Namespace, first, second, text: str, shown) -> int:
     from engine.cliargs import CliError
 
     try:
-        out = compare_corpus(first, second, text, a.window, a.max_tokens, name=Path(a.corpus).name, progress=shown)
+        out = compare_corpus(first, second, text, a.window, a.max_tokens, name=Path(a.corpus).name, progress=shown,
+                             lens=a.lens)
     except (Unsupported, ValueError, Cancelled) as e:
         raise CliError(str(e)) from None
     if a.json:
@@ -567,4 +603,10 @@ def corpus_report(out: dict) -> str:
     lines += [f"{f'{q:.1f}% Δp':<18} {100 * dp[percentile_key(q)]:+.4f} %" for q in reversed(DELTA_P_PERCENTILES)]
     lines += [f"{'Minimum Δp':<18} {100 * dp['min']:+.4f} %", f"{'RMS Δp':<18} {100 * dp['rms']:.4f} %",
               f"{'Same top p':<18} {100 * out['same_top']:.3f} %"]
+    lens = out.get("lens")
+    if lens:
+        lines.append(f"logit lens, KL(a ‖ b) in nats, mean over {lens['positions']} positions (the last of each "
+                     f"step of {lens['every']}):")
+        lines += [f"  {name:<16} {v:.6f}" for name, v in zip(lens["layers"], lens["kl"], strict=True)]
+        lines.append(f"  {'output':<16} {lens['kl_output']:.6f}")
     return "\n".join(lines)

@@ -60,11 +60,12 @@ def test_a_corpus_comparison_is_drawn_kept_and_exported(qtbot, make_window, pert
     panel.corpus_edit.setText(str(corpus))
     panel.corpus_window.setValue(32)
     panel.corpus_tokens.setValue(96)
+    panel.corpus_lens.setChecked(True)
     done = _run(qtbot, panel)
     assert done.ok, done.failure
     assert done.params == P.CompareParams(other=str(perturbed), prompt=panel.compare_prompt.text(), backend="torch",
                                           kernels=panel.other_kernels.currentData(), corpus=str(corpus), window=32,
-                                          max_tokens=96)
+                                          max_tokens=96, lens=True)
     r = done.result
     assert r["mode"] == "corpus" and r["windows"] == 3 and r["positions"] == 45
     assert "window 3 of 3: 45 positions compared" in panel.progress_seen
@@ -76,6 +77,11 @@ def test_a_corpus_comparison_is_drawn_kept_and_exported(qtbot, make_window, pert
                                rtol=1e-12)
     _, dp = panel.corpus_dp_curve.getData()
     np.testing.assert_allclose(dp, 100 * np.asarray(r["delta_p_quantiles"]), rtol=1e-12)
+    lens = np.asarray(r["lens"]["kl"])
+    assert len(lens) == 3 and panel.corpus_lens_plot.scene() is not None
+    _, y = panel.corpus_lens_curve.getData()
+    np.testing.assert_allclose(10 ** y if panel.corpus_lens_plot.ctrl.logYCheck.isChecked() else y, lens[lens > 0],
+                               rtol=1e-12)
     stats = panel.corpus_label.text()
     assert f"PPL a <b>{r['ppl'][0]:.4g}</b>, b <b>{r['ppl'][1]:.4g}</b>" in stats and "RMS" in stats
     assert "corpus.txt: 96 tokens in 3 windows of 32" in panel.summary.text()
@@ -84,6 +90,7 @@ def test_a_corpus_comparison_is_drawn_kept_and_exported(qtbot, make_window, pert
     by_name = {row["statistic"]: row["value"] for row in rows}
     assert by_name["ppl_b"] == r["ppl"][1] and by_name["kl_p99_9"] == r["kl_stats"]["p99_9"]
     assert by_name["delta_p_rms"] == r["delta_p"]["rms"] and by_name["same_top"] == r["same_top"]
+    assert by_name["lens_kl_layer_2"] == r["lens"]["kl"][2] and by_name["lens_kl_embedding"] == r["lens"]["kl"][0]
     assert exports.export_data_to(w, "why", str(tmp_path / "why.json")), w.last_error
     assert json.loads((tmp_path / "why.json").read_text()) == json.loads(json.dumps(rows))
 

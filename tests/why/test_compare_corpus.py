@@ -135,6 +135,54 @@ def test_a_perturbed_copy_over_a_corpus_equals_the_statistics_by_hand(tiny_dir, 
     assert out["kl_quantiles"][0] == out["kl_stats"]["min"] and out["kl_quantiles"][-1] == out["kl_stats"]["max"]
 
 
+def _lens_by_hand(w: dict, ids: list[int]) -> torch.Tensor:
+    """(T, L + 1, V) float64 log-probabilities of the logit lens at every residual point of tests/tiny_model.py's
+    forward: the stream entering each layer (and entering the final norm), through the final norm and the head."""
+    seen = {}
+
+    def keep(site, layer, value):
+        if site == "resid":
+            seen[layer] = value.clone()
+        return value
+
+    final = reference_logits(w, ids, edit=keep)
+    assert len(seen) == tiny_model.CFG["n_layers"] + 1
+    g, head = w["model.norm.weight"].double(), w["lm_head.weight"].double()
+    x = torch.stack([seen[i] for i in range(len(seen))], dim=1)  # (T, L + 1, d)
+    normed = x / torch.sqrt((x * x).mean(-1, keepdim=True) + tiny_model.CFG["norm_eps"]) * g
+    lens = torch.log_softmax(normed @ head.T, -1)
+    torch.testing.assert_close(lens[:, -1], torch.log_softmax(final, -1))  # the last point's lens is the output
+    return lens
+
+
+def test_the_lens_per_layer_over_a_corpus_equals_the_forward_pass_by_hand(tiny_dir, perturbed):
+    """With `lens`, each residual point's KL between the two sides' lens distributions, mean over the last position
+    of every step, as tests/tiny_model.py's float64 forward of each weight set gives it; the output's KL at those
+    positions too."""
+    from engine.model.transformer import SPLIT_MAX_ROWS
+
+    path, w_b = perturbed
+    a, b = _session(tiny_dir.gguf), _session(path)
+    window, cap = 32, 96
+    out = compare_corpus(a, b, TEXT, window=window, max_tokens=cap, lens=True)
+    plain = compare_corpus(a, b, TEXT, window=window, max_tokens=cap)
+    assert plain["lens"] is None
+    assert out["kl_stats"] == plain["kl_stats"] and out["ppl"] == plain["ppl"]  # the capture changes no logit
+    kl_sum, n = 0.0, 0
+    for w in _windows(a, TEXT, window, cap):
+        la, lb = _lens_by_hand(tiny_dir.hf_weights, w), _lens_by_hand(w_b, w)
+        last = [min(j + SPLIT_MAX_ROWS, window - 1) - 1 for j in range(window // 2, window - 1, SPLIT_MAX_ROWS)]
+        p = la[last].exp()
+        kl_sum = kl_sum + (p * (la[last] - lb[last])).sum(-1).sum(0)  # (L + 1,)
+        n += len(last)
+    want = (kl_sum / n).tolist()
+    lens = out["lens"]
+    assert lens["positions"] == n == 3 * 4 and lens["every"] == SPLIT_MAX_ROWS
+    assert lens["layers"] == ["embedding", "layer 1", "layer 2"]
+    assert lens["kl"] == pytest.approx(want, rel=1e-4, abs=1e-9)
+    assert lens["kl_output"] == pytest.approx(want[-1], rel=1e-4) and all(k > 1e-4 for k in want)
+
+
 def test_a_model_against_itself_costs_nothing(tiny_dir):
     out = compare_corpus(_session(tiny_dir.gguf), _session(tiny_dir.gguf), TEXT, window=32, max_tokens=64)
     assert out["kl_stats"]["max"] == 0.0 and out["delta_p"]["rms"] == 0.0 and out["same_top"] == 1.0
@@ -198,11 +246,12 @@ def test_llamacpp_runs_the_other_side_of_the_same_file(tiny_dir):
 
     lcpp = LlamaCppSession(tiny_dir.gguf, threads=1)
     try:
-        out = compare_corpus(_session(tiny_dir.gguf), lcpp, TEXT, window=32, max_tokens=96)
+        out = compare_corpus(_session(tiny_dir.gguf), lcpp, TEXT, window=32, max_tokens=96, lens=True)
     finally:
         lcpp.close()
     assert out["labels"][1] == "tiny.gguf (ALL_F32) on llama.cpp, file kernels"
     assert 0 < out["kl_stats"]["max"] < 1e-4 and out["ppl"][1] == pytest.approx(out["ppl"][0], rel=1e-3)
+    assert out["lens"]["positions"] == 12 and 0 < max(out["lens"]["kl"]) < 1e-4  # its float16 KV cache: not zero
 
 
 # ---- hostile input: one sentence each, in bounded time and memory --------------------------------------------------
@@ -255,8 +304,10 @@ def test_the_cli_compares_a_corpus_and_refuses_in_one_line(tiny_dir, perturbed, 
     rc, out, _ = run_cli(capsys, *base, "--corpus", str(corpus), "--window", "32", "--max-tokens", "64", "--json")
     r = json.loads(out)
     assert rc == 0 and r["mode"] == "corpus" and r["positions"] == 30
-    rc, out, _ = run_cli(capsys, *base, "--corpus", str(corpus), "--window", "32", "--max-tokens", "64")
+    rc, out, _ = run_cli(capsys, *base, "--corpus", str(corpus), "--window", "32", "--max-tokens", "64", "--lens")
     assert rc == 0 and "Mean KL" in out and "RMS Δp" in out and "Same top p" in out and "PPL(b)" in out
+    assert "logit lens, KL(a ‖ b) in nats, mean over 8 positions (the last of each step of 4)" in out
+    assert "  layer 2" in out and "  output" in out
     for argv, code, words in (([], 2, "give --prompt"), (["--prompt", "x", "--corpus", str(corpus)], 2, "one of"),
                               (["--corpus", str(tmp_path / "absent.txt")], 1, "no corpus file at"),
                               (["--corpus", str(tiny_dir.gguf)], 1, "is not text"),
