@@ -48,14 +48,14 @@ def paged_over_contiguous(lm, steps: int = 12) -> tuple[float, float]:
     rt, cache = TorchRuntime(lm, 1, 64), KVCache(lm.cfg, 1, 64, lm.dtype)
     a = int(rt.forward([Row(0, ids)])[0].argmax())
     with torch.inference_mode():
-        b = int(lm.model(torch.tensor([ids]), 0, cache)[0].argmax())
+        b = int(lm.model(torch.tensor([ids]), cache)[0].argmax())
     times = np.zeros((steps, 2))
     for i in range(steps):
         t0 = time.perf_counter()
         a = int(rt.forward([Row(0, [a])])[0].argmax())
         t1 = time.perf_counter()
         with torch.inference_mode():
-            b = int(lm.model(torch.tensor([[b]]), 32 + i, cache)[0].argmax())
+            b = int(lm.model(torch.tensor([[b]]), cache)[0].argmax())
         times[i] = t1 - t0, time.perf_counter() - t1
     return tuple(np.median(times, axis=0))
 

@@ -158,7 +158,7 @@ class AttentionCaptured:
     query_start: int  # absolute position of the first query row
     weights: np.ndarray  # (n_heads, n_queries, n_keys) float32
     group_size: int  # query heads per KV head: head h reads KV head h // group_size
-    rows_skipped: int = 0  # the step's first query rows left out to bound memory (engine.model.probe); 0: all are here
+    rows_skipped: int = 0  # the first query rows left out to bound memory (engine.model.seam.Reads); 0: all here
 
 
 @dataclass(frozen=True, kw_only=True)

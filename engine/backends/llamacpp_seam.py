@@ -71,7 +71,7 @@ class _Tap:
     """The evaluation callback: which graph nodes one step wants, and their values once computed.
 
     Attention rows are kept per layer as they arrive (a prefill longer than UBATCH arrives in pieces, each with the
-    keys cached so far); only the last `keep_rows` query rows of the step are copied (engine.model.probe's bound).
+    keys cached so far); only the last `keep_rows` query rows of the step are copied (engine.model.seam.Reads' bound).
     """
 
     def __init__(self, ggml) -> None:

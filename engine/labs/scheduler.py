@@ -52,8 +52,8 @@ def forward_rows(lm: LoadedModel, cache: PagedKVCache, request_ids: Sequence[int
     """One forward step of rows at their own positions (equal token counts): float32 logits of each row's last
     token (B, V)."""
     with torch.inference_mode():
-        starts = cache.bind(request_ids, len(tokens[0]))
-        return lm.model(torch.tensor(tokens, dtype=torch.long, device=lm.device), starts, cache)
+        cache.bind(request_ids, len(tokens[0]))
+        return lm.model(torch.tensor(tokens, dtype=torch.long, device=lm.device), cache)
 
 
 @dataclass

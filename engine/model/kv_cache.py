@@ -86,6 +86,11 @@ class KVCache:
         """Absolute position of the first key `update` returned for this layer (0 for global layers)."""
         return self.first[layer]
 
+    @property
+    def start(self) -> int:
+        """Where the next forward pass's tokens go: the one count of positions."""
+        return self.pos
+
     def advance(self, n: int) -> None:
         """Mark n more positions as filled (after every layer has written them)."""
         self.pos += n
@@ -139,7 +144,7 @@ class ReadOnlyCache:
     advance)."""
 
     def __init__(self, cache: KVCache, p: int) -> None:
-        self.cache, self.p = cache, p
+        self.cache, self.p, self.start = cache, p, p
         self.first = [0] * len(cache.k)
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

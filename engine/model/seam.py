@@ -6,6 +6,7 @@ same names onto llama.cpp's graph nodes. A Point's name (str(point), Point.parse
     resid_pre.L     the residual stream block L reads (resid_pre.0: the embeddings, × embedding_scale)
     resid_post.L    block L's output (= resid_pre.L+1; resid_post.n_layers−1 is what the final norm reads)
     attn.z.L[.h]    head h's output z in layer L (every head when h is left out)
+    attn.pattern.L  layer L's attention weights after softmax, causal mask applied (read by captures: `Reads`)
     attn_out.L      what layer L's attention adds to the residual stream
     mlp_out.L       what layer L's MLP adds to the residual stream
 
@@ -25,6 +26,10 @@ applies edits and records points for the duration of a `with` block and always r
 Positions are absolute (position p is the token at index p of the sequence), so an edit also holds across KV-cached
 decode steps: a step edits the positions it runs, and an edit of every position (positions None) edits each new token.
 A recorded point holds the value the model went on with (after any edit of that same point).
+
+`Reads` is the seam's other use: what the panels and the lens copy out of every step as it runs (attention patterns
+of chosen layers, the residual stream's last position at every resid point), recorded inside the forward pass
+itself, since the attention computes its weights explicitly only when they are read.
 """
 
 from __future__ import annotations
@@ -34,12 +39,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import nn
 
 from engine.model.config import ModelConfig
+from engine.protocol import ATTENTION_MAX_BYTES, Capture
 
-Site = Literal["z", "attn", "mlp", "resid"]
+Site = Literal["z", "attn", "mlp", "resid", "pattern"]
 
 
 @dataclass(frozen=True)
@@ -66,10 +73,16 @@ class Point:
     def resid(cls, layer: int) -> Point:
         return cls("resid", layer)
 
+    @classmethod
+    def pattern(cls, layer: int) -> Point:
+        return cls("pattern", layer)
+
     def check(self, cfg: ModelConfig) -> None:
         """ValueError naming the model's layers and heads when this point is not one of its places."""
-        if self.site not in ("z", "attn", "mlp", "resid"):
-            raise ValueError(f"unknown site {self.site!r}: choose z, attn, mlp or resid")
+        if self.site not in ("z", "attn", "mlp", "resid", "pattern"):
+            raise ValueError(f"unknown site {self.site!r}: choose z, attn, mlp, resid or pattern")
+        if self.site == "pattern":
+            raise ValueError(f"{self} is read by a step's captures (the panels' attention), not by a seam run")
         top = cfg.n_layers if self.site == "resid" else cfg.n_layers - 1
         what = "residual stream points 0 (the embeddings)" if self.site == "resid" else "layers 0"
         if not 0 <= self.layer <= top:
@@ -88,6 +101,8 @@ class Point:
             return f"attn.z.{self.layer}" + ("" if self.head is None else f".{self.head}")
         if self.site == "resid":
             return "resid_pre.0" if self.layer == 0 else f"resid_post.{self.layer - 1}"
+        if self.site == "pattern":
+            return f"attn.pattern.{self.layer}"
         return f"{self.site}_out.{self.layer}"
 
     @classmethod
@@ -95,10 +110,13 @@ class Point:
         """The point a name gives (the module docstring's names); ValueError listing them for anything else."""
         parts = name.strip().split(".")
         try:
-            nums = [int(x) for x in parts[2 if parts[:2] == ["attn", "z"] else 1:]]
-            kind = "attn.z" if parts[:2] == ["attn", "z"] else parts[0]
+            two = parts[:2] in (["attn", "z"], ["attn", "pattern"])
+            nums = [int(x) for x in parts[2 if two else 1:]]
+            kind = ".".join(parts[:2]) if two else parts[0]
             if kind == "attn.z" and len(nums) in (1, 2):
                 return cls.z(*nums)
+            if kind == "attn.pattern" and len(nums) == 1:
+                return cls.pattern(nums[0])
             if len(nums) == 1 and kind in ("resid_pre", "resid_post", "attn_out", "mlp_out"):
                 n = nums[0]
                 return {"resid_pre": cls.resid(n), "resid_post": cls.resid(n + 1),
@@ -106,7 +124,7 @@ class Point:
         except ValueError:
             pass
         raise ValueError(f"unknown point {name!r}: name one of resid_pre.L, resid_post.L, attn.z.L, attn.z.L.H, "
-                         "attn_out.L, mlp_out.L")
+                         "attn_out.L, mlp_out.L, attn.pattern.L")
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,6 +143,48 @@ class Edit:
     positions: tuple[int, ...] | None = None
     rows: tuple[int, ...] | None = None
     add: bool = False
+
+
+class Reads:
+    """What one forward pass copies out as it runs, for the panels and the lens: the attention patterns of the layers
+    in `patterns` (`pattern[L]`: (B, H, rows, S)), and the residual stream's last position at every resid point,
+    (B, n_layers + 1, d) (`stream`, when asked for) and its L2 norms (B, n_layers + 1) (`norms`). Values are detached
+    numpy copies, so nothing keeps a tensor alive after the step.
+
+    A step keeps all its query rows of attention, or, when they would take more than `max_attention_bytes` (a long
+    prefill), only its last rows, as many as fit: a panel cannot show more, and the event says how many were left out.
+    """
+
+    def __init__(self, patterns: Iterable[int] = (), norms: bool = False, stream: bool = False,
+                 max_attention_bytes: int = ATTENTION_MAX_BYTES) -> None:
+        self.patterns, self.want_norms, self.want_stream = frozenset(patterns), norms, stream
+        self.max_attention_bytes = max_attention_bytes
+        self.pattern: dict[int, np.ndarray] = {}
+        self.norms: np.ndarray | None = None
+        self.stream: np.ndarray | None = None
+
+    @classmethod
+    def for_request(cls, capture: Capture) -> Reads | None:
+        """The reads a Capture asks for, or None when it asks for nothing a forward pass must record."""
+        if not capture.attention_layers and not capture.residual_norms and not capture.lens_top:
+            return None
+        return cls(capture.attention_layers, capture.residual_norms, capture.lens_top > 0,
+                   capture.attention_max_bytes)
+
+    def attention_rows(self, n_heads: int, n_queries: int, n_keys: int) -> int:
+        """How many of a step's query rows (the last ones) to capture: all that fit in max_attention_bytes, ≥ 1."""
+        return max(1, min(n_queries, self.max_attention_bytes // (n_heads * n_keys * 4)))
+
+    def record_pattern(self, layer: int, weights: torch.Tensor) -> None:
+        self.pattern[layer] = weights.detach().float().cpu().numpy()
+
+    def record_resid(self, rows: list[torch.Tensor]) -> None:
+        """The last position after the embedding and after each layer, (B, d) each: one stack and one norm for all."""
+        stacked = torch.stack(rows, dim=1)  # (B, n_layers + 1, d)
+        if self.want_norms:
+            self.norms = stacked.float().norm(dim=-1).cpu().numpy()
+        if self.want_stream:
+            self.stream = stacked.detach().float().cpu().numpy()
 
 
 class Recording:

@@ -23,8 +23,8 @@ from torch import nn
 from engine.model import attention_choice, kernel_cache, kernels, quant
 from engine.model.config import ModelConfig
 from engine.model.kv_cache import KVCache
-from engine.model.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
 from engine.model.rope import apply_rope, rope_table
+from engine.model.seam import Reads
 from engine.model.threads import decode_thread_counts
 
 ROPE_ROWS = 4096  # positions of the RoPE table built at load; it doubles as a generation needs more
@@ -255,10 +255,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None  # Gemma 3, Qwen3
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.window = cfg.sliding_window if cfg.is_local(layer) else 0
-        self.point = attn_point(layer)
 
     def forward(
-        self, x: torch.Tensor, start: int | torch.Tensor, rope: torch.Tensor, cache: KVCache, probe: Probe | None
+        self, x: torch.Tensor, start: int | torch.Tensor, rope: torch.Tensor, cache: KVCache, reads: Reads | None
     ) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
@@ -273,8 +272,8 @@ class Attention(nn.Module):
         k_all, v_all = cache.update(self.layer, start, k, v)  # (B, KV, S, hd)
         key_start, S = cache.first_position(self.layer), k_all.shape[2]
         mask = attention_mask(start, T, key_start, S, self.window, x.device)  # (T, S) or None
-        capture = probe is not None and probe.wants(self.point)
-        n = probe.attention_rows(cfg.n_heads, T, S) if capture else 0
+        capture = reads is not None and self.layer in reads.patterns
+        n = reads.attention_rows(cfg.n_heads, T, S) if capture else 0
         plain = (not isinstance(start, torch.Tensor) and start == key_start and T == S
                  and (not self.window or T <= self.window))  # a square causal mask
         if T == 1 and x.device.type == "cpu":  # one query row: the way measured fastest here for this many keys
@@ -282,15 +281,15 @@ class Attention(nn.Module):
             ways = _DECODE_WAYS.get(q.dtype) or _DECODE_WAYS.setdefault(q.dtype, decode_ways(q.dtype))
             y, weights = ways[way](q, k_all, v_all, cfg.group_size, cfg.softmax_scale, mask)
             if capture:
-                probe.record(self.point, weights)  # (B, H, 1, S)
+                reads.record_pattern(self.layer, weights)  # (B, H, 1, S)
         elif capture and n == T:  # the weights, when a panel wants them, come for free
             y, weights = explicit_attention(q, k_all, v_all, cfg.group_size, cfg.softmax_scale, mask)
-            probe.record(self.point, weights)  # (B, H, T, S)
+            reads.record_pattern(self.layer, weights)  # (B, H, T, S)
         elif capture:  # a long prefill: every row through the fused kernel, the weights of the last n rows only
             y = sdpa_attention(q, k_all, v_all, cfg.softmax_scale, mask, plain)
             rows = None if mask is None else mask[T - n:]
             weights = explicit_attention(q[:, :, T - n:], k_all, v_all, cfg.group_size, cfg.softmax_scale, rows)[1]
-            probe.record(self.point, weights)  # (B, H, n, S)
+            reads.record_pattern(self.layer, weights)  # (B, H, n, S)
         else:
             y = sdpa_attention(q, k_all, v_all, cfg.softmax_scale, mask, plain)
         return self.wo(y.transpose(1, 2).reshape(B, T, cfg.q_dim))  # (B, T, d)
@@ -310,9 +309,9 @@ class Block(nn.Module):
 
     def forward(
         self, x: torch.Tensor, start: int | torch.Tensor, ropes: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
-        probe: Probe | None,
+        reads: Reads | None,
     ) -> torch.Tensor:
-        a = self.attn(self.attn_norm(x), start, ropes[self.local], cache, probe)
+        a = self.attn(self.attn_norm(x), start, ropes[self.local], cache, reads)
         h = x + (a if self.post_attn_norm is None else self.post_attn_norm(a))
         m = self.mlp(self.mlp_norm(h))
         return h + (m if self.post_mlp_norm is None else self.post_mlp_norm(m))
@@ -460,22 +459,25 @@ class Transformer(nn.Module):
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
     def forward(
-        self, tokens: torch.Tensor, start: int | torch.Tensor, cache: KVCache, probe: Probe | None = None,
-        all_logits: bool = False,
-    ) -> torch.Tensor:
-        """Run T new tokens (B, T) at positions start..start+T-1 and append their K/V to the cache.
+        self, tokens: torch.Tensor, cache: KVCache, reads: Reads | None = None, all_logits: bool = False,
+        layers: int | None = None, head: bool = True,
+    ) -> torch.Tensor | None:
+        """Run T new tokens (B, T) at the cache's next positions through the first `layers` layers (every one when
+        None), append their K/V to the cache, and copy out what `reads` names (engine.model.seam.Reads); without
+        `head`, stop there (a capture of early layers needs nothing after them) and return None.
 
-        `start` may be a tensor (B,) on the model's device: row b's tokens then sit at start[b]..start[b]+T-1 (rows
-        of a continuous batch, each at its own length); the cache must then write and return each row's own keys
-        (engine.labs.scheduler.PagedKVCache) and no probe listens.
+        The cache is the one count of positions: its `start` is where the tokens go, an int, or a tensor (B,) on the
+        model's device for the rows of a continuous batch, each at its own length (engine.labs.scheduler.PagedKVCache,
+        which writes and returns each row's own keys; no reads are taken then).
         Returns float32 logits of the last position (B, V), or of every position (B, T, V) if all_logits.
         """
         B, T = tokens.shape
+        start = cache.start
         ragged = isinstance(start, torch.Tensor)
         end = (int(start.max()) if ragged else start) + T
         if end > self.cfg.context_length:
             raise ValueError(f"position {end - 1} is beyond the context length {self.cfg.context_length}")
-        if ragged and probe is not None:
+        if ragged and reads is not None:
             raise ValueError("captures need one position for the whole batch, not a start per row")
         if self.rope is None or self.rope.shape[0] < end:  # grow geometrically: amortised O(1) per token
             self.init_rope(max(end, 2 * (0 if self.rope is None else self.rope.shape[0]), ROPE_ROWS))
@@ -487,22 +489,18 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens)  # (B, T, d): a row lookup, no matmul
         if self.cfg.embedding_scale != 1.0:
             x = x * self.cfg.embedding_scale  # Gemma: × √d_model
-        want_norms = probe is not None and probe.wants(RESID_NORMS)
-        want_stream = probe is not None and probe.wants(RESID_STREAM)
         # the last position after the embedding and after each layer; a view keeps its whole tensor alive, so a
         # prefill (T rows) keeps a copy of the one row instead (a view would hold every layer's (T, d) output)
-        rows = [x[:, -1] if T == 1 else x[:, -1].clone()] if want_norms or want_stream else None
-        for layer in self.layers:
-            x = layer(x, start, ropes, cache, probe)
+        rows = [x[:, -1] if T == 1 else x[:, -1].clone()] if reads and (reads.want_norms or reads.want_stream) else None
+        for layer in self.layers[:layers]:
+            x = layer(x, start, ropes, cache, reads)
             if rows is not None:
                 rows.append(x[:, -1] if T == 1 else x[:, -1].clone())
         cache.advance(T)
-        if rows is not None:  # one stack and one norm for all layers, not a norm per layer
-            stacked = torch.stack(rows, dim=1)  # (B, n_layers + 1, d)
-            if want_norms:
-                probe.record(RESID_NORMS, stacked.float().norm(dim=-1))  # (B, n_layers + 1)
-            if want_stream:
-                probe.record(RESID_STREAM, stacked)  # (B, n_layers + 1, d)
+        if rows is not None:
+            reads.record_resid(rows)
+        if not head:
+            return None
         return self.head(x if all_logits else x[:, -1])  # (B, [T,] V)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

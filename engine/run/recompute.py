@@ -4,7 +4,7 @@ A long run cannot keep every step's attention (heads × position × layers a ste
 run), so the app keeps a bounded part and asks for the rest when a step is selected. The session's cache still
 holds the keys and values of every position of the live run, so the token fed at position p can be run again
 through the model's own forward pass, one token at position p, reading the cached keys and values 0…p: its query at
-every layer meets exactly the keys it met in the step, and the probe records the same weights a capture would have.
+every layer meets exactly the keys it met in the step, and its reads record the same weights a capture would have.
 
 Nothing is written: the cache is read through `ReadOnlyCache`, which hands the model views of the positions the
 step read (a sliding-window layer's band, as in the forward pass) and ignores the new key and value (they equal the
@@ -27,7 +27,7 @@ import torch
 from engine.backend import Unsupported
 from engine.events import AttentionCaptured, LensCaptured
 from engine.model.kv_cache import ReadOnlyCache
-from engine.model.probe import RESID_STREAM, Probe, attn_point
+from engine.model.seam import Reads
 from engine.protocol import Recompute, Recomputed
 from engine.run.lens import lens_event
 
@@ -40,7 +40,7 @@ LLAMACPP_REFUSAL = ("kept steps only on llama.cpp: its KV cache lives inside lla
 
 @dataclass
 class Recomputation:
-    """The session's last recompute: every layer it ran (it probes each, whichever were asked for), so a switch to
+    """The session's last recompute: every layer it ran (it reads each, whichever were asked for), so a switch to
     another of them is answered without running the model again. Valid while `key` holds: the cache not truncated or
     replaced since (KVCache.epoch), the same query position and step, thread count and forced kernel. A pass that
     ran every layer keeps what the logit lens needs too."""
@@ -54,20 +54,6 @@ class Recomputation:
 
 class CacheGone(ValueError):
     """The session's KV cache no longer holds what the step read (the message says why, in one sentence)."""
-
-
-def run_layers(model: torch.nn.Module, tokens: torch.Tensor, p: int, cache: ReadOnlyCache, probe: Probe,
-               last: int) -> None:
-    """The first layers 0…last of the model's own forward pass (Transformer.forward up to the layer asked for) for
-    one token at position p: an attention capture needs nothing after its layer, so the later layers and the LM
-    head (a fifth of SmolLM2's weights) are not run."""
-    cfg = model.cfg
-    x = model.tok_embeddings(tokens)  # (1, 1, d)
-    if cfg.embedding_scale != 1.0:
-        x = x * cfg.embedding_scale
-    ropes = (model.rope[p:p + 1], model.rope_local[p:p + 1])  # (1, hd/2) global, local
-    for layer in model.layers[:last + 1]:
-        x = layer(x, p, ropes, cache, probe)
 
 
 def check_cache(session: Engine, ids: Sequence[int]) -> int:
@@ -124,36 +110,33 @@ def recompute(
 
 def run_pass(session: Engine, ids: Sequence[int], step: int, p: int, key: tuple, wanted: list[int],
              lens_top: int) -> Recomputation:
-    """One token at position p through the model's layers, every one of them probed: what `recompute` answers."""
+    """One token at position p through the model's layers, every one of them read: what `recompute` answers."""
     cfg, model = session.cfg, session.lm.model
-    # Every layer the pass runs is probed, not only the wanted ones: a probed layer computes its attention weights
-    # explicitly, an unprobed one through the fused kernel, and the two round differently; a run that captured every
+    # Every layer the pass runs is read, not only the wanted ones: a read layer computes its attention weights
+    # explicitly, an unread one through the fused kernel, and the two round differently; a run that captured every
     # layer (the app does for a prompt under 64 tokens) is matched only when each layer runs as it ran then (the
     # bfloat16 activations of the int4/int8 decode kernels amplify the difference to ~1e-3).
     # A pass through the last layer goes on through the LM head and keeps the residual stream: the Logit lens panel
     # asks for the same step a moment later, and then needs no pass of its own.
-    full = bool(lens_top) or model.rope is None or model.rope.shape[0] <= p or cfg.n_layers - 1 in wanted
+    full = bool(lens_top) or cfg.n_layers - 1 in wanted
     last = cfg.n_layers - 1 if full else (wanted[-1] if wanted else -1)
-    probe = Probe.for_capture(range(last + 1), residual_stream=full)
+    reads = Reads(range(last + 1), stream=full)
     tokens = torch.tensor([[int(ids[p])]], dtype=torch.long, device=session.lm.device)  # (1, 1)
     # The decode kernel of each product is chosen per thread count (engine.model.kernels: int4 at one thread, int8 at
     # two, for some of SmolLM2's), so the step is run at the count it ran at (threads "auto" switches between steps)
     before = torch.get_num_threads()
     torch.set_num_threads(key[3])
     cache = ReadOnlyCache(session.cache, p)
-    logits = None
-    try:
-        if full:
-            logits = model(tokens, p, cache, probe)[0]  # (V,): the lens needs every layer and the output
-        else:
-            run_layers(model, tokens, p, cache, probe, last)
+    try:  # past the last layer asked for only when the lens needs every layer and the output; logits (V,)
+        logits = model(tokens, cache, reads, layers=last + 1, head=full)
+        logits = None if logits is None else logits[0]
     finally:
         torch.set_num_threads(before)
     phase = "prefill" if step == 0 else "decode"
     every = {i: AttentionCaptured(step=step, phase=phase, layer=i, query_start=p,
-                                  weights=probe.values[attn_point(i)][0], group_size=cfg.group_size)
+                                  weights=reads.pattern[i][0], group_size=cfg.group_size)
              for i in range(last + 1)}  # batch row 0: (H, 1, S)
-    return Recomputation(key, every, probe.values[RESID_STREAM][0] if full else None, logits)
+    return Recomputation(key, every, reads.stream[0] if full else None, logits)
 
 
 def pass_key(session: Engine, p: int, step: int) -> tuple:

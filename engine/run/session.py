@@ -43,7 +43,6 @@ from engine.events import (
 )
 from engine.loaders import LoadedModel
 from engine.model.kv_cache import KVCache, ReadOnlyCache
-from engine.model.probe import Probe
 from engine.model.threads import AdaptiveThreads
 from engine.protocol import ATTENTION_MAX_BYTES, FUNNEL_TOP, Capture  # noqa: F401 — constants re-exported
 from engine.run.branching import check_forced, tokenization_of
@@ -342,18 +341,13 @@ class Session(Engine):
         """Let go of the cache (the model's weights are the LoadedModel's, kept by whoever holds it)."""
         self.forget_cache()
 
-    def _forward(self, new_ids: Sequence[int], start: int, probe: Probe | None,
-                 every: list | None = None) -> torch.Tensor:
-        """Logits (V,) of the last new token, run at `start` (which must be where the cache ends); with `every` (a
-        list), also append every position's (T, V) to it. A step by hand, for engine.why's own loops."""
+    def _forward(self, new_ids: Sequence[int], start: int) -> torch.Tensor:
+        """Logits (V,) of the last new token, run at `start` (which must be where the cache ends)."""
         rt = self._rt
         held = 0 if rt is None else rt.length(0)
         if rt is None or start != held:  # one count of positions: the cache's
             raise ValueError(f"a step at position {start}, but the cache holds {held} positions")
-        logits = rt.run(new_ids, probe, all_logits=every is not None)
-        if every is not None:
-            every.append(logits)
-            logits = logits[-1]
+        logits = rt.run(new_ids)
         try:
             check_finite(logits, start + len(new_ids) - 1, self.dtype_name)
         except NonFiniteLogits:
@@ -373,11 +367,11 @@ class Session(Engine):
             # The cache holds these tokens and more (a preview of the prompt after its run): read it and write
             # nothing, so the run's cache stays whole for recomputing its steps and for the next Generate to reuse.
             tokens = torch.tensor([[int(ids[-1])]], dtype=torch.long, device=self.lm.device)
-            logits = self.lm.model(tokens, p, ReadOnlyCache(cache, p), None)[0]
+            logits = self.lm.model(tokens, ReadOnlyCache(cache, p))[0]
             _sync(self.lm.device)
             return logits, p, time.perf_counter() - t0
         reuse = self._prepare_cache(ids, len(ids) + 1)
-        logits = self._forward(ids[reuse:], reuse, None)
+        logits = self._forward(ids[reuse:], reuse)
         _sync(self.lm.device)
         return logits, reuse, time.perf_counter() - t0
 
@@ -406,8 +400,12 @@ class RunLoop:
         self.suspended = 0.0
         self.outside = 0.0
         self.t_start = time.perf_counter()
-        self.pos = self.n_prompt  # position of the next token to be produced
         self.step = 0
+
+    @property
+    def pos(self) -> int:
+        """The position of the next token to be produced: the ids so far, not a second count."""
+        return len(self.ids)
 
     def begin_step(self) -> tuple[str, SamplingParams, Capture]:
         """(phase, sampling settings, captures) of the step about to run: the knobs as they are now."""
@@ -457,7 +455,6 @@ class RunLoop:
         self.ids.append(token)
         if pos < self.capacity:
             self.context[pos] = token
-        self.pos += 1
         self.step += 1
         if is_stop or grammar_done:
             return "eos"

@@ -25,7 +25,7 @@ import torch
 from engine.costs import formulas as costs
 from engine.costs.memory import STREAM_GRANULE, cells_reserved
 from engine.events import KVCacheGrew
-from engine.model.probe import Probe
+from engine.model.seam import Reads
 from engine.runtime.base import Captured, Row, Runtime
 
 
@@ -179,7 +179,7 @@ class LlamaCppRuntime(Runtime):
         c, n, start = row.capture, len(row.tokens), self.length(row.seq)
         layers = frozenset() if "attention" in self.cannot else frozenset(c.attention_layers)
         residual = c.residual_norms or c.lens_top > 0
-        keep = Probe(max_attention_bytes=c.attention_max_bytes).attention_rows(self.cfg.n_heads, n, start + n)
+        keep = Reads(max_attention_bytes=c.attention_max_bytes).attention_rows(self.cfg.n_heads, n, start + n)
         self.tap.begin(layers, residual, n, keep)
         self._asked = (row.seq, c, start, n)
 

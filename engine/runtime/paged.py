@@ -35,6 +35,7 @@ class PagedKVCache:
         self.free = list(range(n_pages - 1, -1, -1))  # popped from the end: page 0 first
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}  # positions written per request
+        self.start = torch.zeros(0, dtype=torch.long, device=device)  # the bound rows' starts (bind)
         self._rows: list[int] = []
         self._table = torch.zeros((1, 1), dtype=torch.long)
         self._end = 0
@@ -49,7 +50,8 @@ class PagedKVCache:
         return len(self.tables.get(request_id, ()))
 
     def bind(self, request_ids: Sequence[int], n_new: int) -> torch.Tensor:
-        """Rows of the next step: allocate pages for n_new more positions of each; returns their starts (B,)."""
+        """Rows of the next step: allocate pages for n_new more positions of each; returns their starts (B,), which
+        the next forward pass reads as `start`."""
         starts = []
         for rid in request_ids:
             table = self.tables.setdefault(rid, [])
@@ -61,7 +63,8 @@ class PagedKVCache:
         self._table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in request_ids],
                                    dtype=torch.long, device=self.device)  # (B, pages); padding reads page 0
         self._end = max(starts) + n_new
-        return torch.tensor(starts, dtype=torch.long, device=self.device)
+        self.start = torch.tensor(starts, dtype=torch.long, device=self.device)
+        return self.start
 
     def _grow(self, table: list[int], n_positions: int) -> None:
         need = -(-n_positions // self.page_size)  # ceil

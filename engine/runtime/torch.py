@@ -15,8 +15,7 @@ import torch
 from engine.events import KVCacheGrew
 from engine.loaders import LoadedModel
 from engine.model.kv_cache import KVCache
-from engine.model.probe import RESID_NORMS, RESID_STREAM, Probe, attn_point
-from engine.model.transformer import ROPE_ROWS
+from engine.model.seam import Reads
 from engine.runtime.base import Captured, Row, Runtime
 from engine.runtime.paged import PagedKVCache
 
@@ -45,9 +44,9 @@ class TorchRuntime(Runtime):
         for n in sorted({len(r.tokens) for r in rows}):
             group = [i for i, r in enumerate(rows) if len(r.tokens) == n]
             every = any(rows[i].all_logits for i in group)
-            starts = self.cache.bind([rows[i].seq for i in group], n)
+            self.cache.bind([rows[i].seq for i in group], n)
             tokens = torch.tensor([list(rows[i].tokens) for i in group], dtype=torch.long, device=self.lm.device)
-            logits = self.lm.model(tokens, starts, self.cache, all_logits=every)  # (B, V) or (B, n, V)
+            logits = self.lm.model(tokens, self.cache, all_logits=every)  # (B, V) or (B, n, V)
             for j, i in enumerate(group):
                 out[i] = logits[j] if rows[i].all_logits or not every else logits[j, -1]
         return out
@@ -58,19 +57,8 @@ class TorchRuntime(Runtime):
         and the output head (early-exit drafting); those layers' keys and values are written and the position is
         taken, so the next call drafts the token after it. `remove` gives the positions back."""
         self.check_fits([Row(seq, [token])])
-        model = self.lm.model
-        start = self.cache.bind([seq], 1)  # (1,)
-        end = int(start[0]) + 1
-        if model.rope is None or model.rope.shape[0] < end:  # as Transformer.forward grows it
-            model.init_rope(max(end, 2 * (0 if model.rope is None else model.rope.shape[0]), ROPE_ROWS))
-        ropes = (model.rope[start[:, None]][:, None], model.rope_local[start[:, None]][:, None])  # (1, 1, 1, hd/2)
-        x = model.tok_embeddings(torch.tensor([[token]], device=self.lm.device))  # (1, 1, d)
-        if self.cfg.embedding_scale != 1.0:
-            x = x * self.cfg.embedding_scale
-        for layer in model.layers[:n_layers]:
-            x = layer(x, start, ropes, self.cache, None)
-        self.cache.advance(1)
-        return model.head(x[:, -1])[0]
+        self.cache.bind([seq], 1)
+        return self.lm.model(torch.tensor([[token]], device=self.lm.device), self.cache, layers=n_layers)[0]
 
     def length(self, seq: int) -> int:
         return self.cache.lengths.get(seq, 0)
@@ -120,8 +108,8 @@ class ContiguousRuntime(Runtime):
         self.cache = KVCache(lm.cfg, 1, capacity, lm.dtype, lm.device, keep_all_bytes=KEEP_ALL_WINDOW_BYTES)
         self.ids: list[int] = []  # the tokens at positions 0…cache.pos − 1
         self.threads_at = bytearray()  # the thread count each position's step ran at (each count has its kernels)
-        self._probe: Probe | None = None  # the last forward's, with its row's length and attention layers
-        self._n_fed, self._layers = 0, frozenset()
+        self._reads: Reads | None = None  # the last forward's, with its row's length
+        self._n_fed = 0
 
     def fits(self, capacity: int) -> bool:
         """Whether this runtime's cache holds `capacity` positions of the model's dtype and device as it is."""
@@ -130,32 +118,28 @@ class ContiguousRuntime(Runtime):
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         self.check_fits(rows)
         (row,) = rows  # check_fits: one sequence, once
-        probe = Probe.for_request(row.capture) if row.capture is not None else None
-        self._probe, self._n_fed = probe, len(row.tokens)
-        self._layers = row.capture.attention_layers if probe is not None else frozenset()
-        return [self.run(row.tokens, probe, row.all_logits)]
+        reads = Reads.for_request(row.capture) if row.capture is not None else None
+        self._reads, self._n_fed = reads, len(row.tokens)
+        return [self.run(row.tokens, reads, row.all_logits)]
 
     @torch.inference_mode()
-    def run(self, tokens: Sequence[int], probe: Probe | None = None, all_logits: bool = False) -> torch.Tensor:
-        """`tokens` at the next positions, `probe` listening: logits (V,) of the last, or (T, V) of each."""
+    def run(self, tokens: Sequence[int], reads: Reads | None = None, all_logits: bool = False) -> torch.Tensor:
+        """`tokens` at the next positions, copying out what `reads` names: logits (V,) of the last, or (T, V) of
+        each."""
         x = torch.tensor([list(tokens)], dtype=torch.long, device=self.lm.device)  # (1, T)
-        logits = self.lm.model(x, self.cache.pos, self.cache, probe, all_logits=all_logits)[0]
+        logits = self.lm.model(x, self.cache, reads, all_logits=all_logits)[0]
         self.ids.extend(int(i) for i in tokens)
         self.threads_at.extend(bytes([min(torch.get_num_threads(), 255)]) * len(tokens))
         return logits
 
     def captured(self, seq: int = 0) -> Captured:
-        p, n = self._probe, self._n_fed
-        if p is None:
+        r, n = self._reads, self._n_fed
+        if r is None:
             return Captured(attention={})
-        attention = {}
-        for layer in sorted(self._layers):
-            w = p.values.get(attn_point(layer))
-            if w is not None:  # batch row 0: (H, rows, S); a long prefill keeps its last rows (engine.model.probe)
-                attention[layer] = (w[0], n - w.shape[2])
-        norms, stream = p.values.get(RESID_NORMS), p.values.get(RESID_STREAM)
-        return Captured(attention=attention, norms=None if norms is None else norms[0],
-                        stream=None if stream is None else stream[0])
+        # batch row 0: (H, rows, S); a long prefill keeps its last rows (engine.model.seam.Reads)
+        attention = {layer: (w[0], n - w.shape[2]) for layer, w in sorted(r.pattern.items())}
+        return Captured(attention=attention, norms=None if r.norms is None else r.norms[0],
+                        stream=None if r.stream is None else r.stream[0])
 
     def lens_head(self) -> torch.nn.Module:
         return self.lm.model

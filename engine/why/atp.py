@@ -107,7 +107,7 @@ def _activations(model: torch.nn.Module, ids: Sequence[int], heads: bool,
     device = model.lm_head.device
     try:
         cache = KVCache(cfg, 1, len(ids), model.lm_head.dtype, device)
-        logits = model(torch.tensor([list(ids)], device=device), 0, cache)[0].float()  # (V,)
+        logits = model(torch.tensor([list(ids)], device=device), cache)[0].float()  # (V,)
     finally:
         for h in handles:
             h.remove()

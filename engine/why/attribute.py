@@ -104,7 +104,7 @@ def _log_probs(session, ids: list[int], embeds: torch.Tensor) -> torch.Tensor:
     try:
         if session.threads is not None:
             session.threads.begin_step()
-        logits = lm.model(tokens, 0, KVCache(lm.cfg, B, T, lm.dtype, lm.device))  # (B, V) float32
+        logits = lm.model(tokens, KVCache(lm.cfg, B, T, lm.dtype, lm.device))  # (B, V) float32
     finally:
         hook.remove()
     return torch.log_softmax(logits.float(), dim=-1)

@@ -58,11 +58,10 @@ def _greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
     device = model.lm_head.device
     out = list(ids)
     cache = KVCache(model.cfg, 1, len(ids) + n, model.lm_head.dtype, device)
-    feed, start = out, 0
+    feed = out
     with torch.inference_mode(), kernels.forced("linear"):
         for _ in range(n):
-            logits = model(torch.tensor([feed], device=device), start, cache)[0]
-            start += len(feed)
+            logits = model(torch.tensor([feed], device=device), cache)[0]
             out.append(int(logits.argmax()))
             feed = out[-1:]
     return out
@@ -86,7 +85,7 @@ def components(model: torch.nn.Module, ids: list[int], answer: int, wrong: int, 
     points = [Point.resid(0), Point.resid(L)] + [Point.z(i) for i in range(L)] + [Point.mlp(i) for i in range(L)]
     cache = KVCache(cfg, 1, len(ids), model.lm_head.dtype, device)
     with torch.inference_mode(), edited(model, (), points) as rec, kernels.forced("linear"):
-        logits = model(torch.tensor([ids], device=device), 0, cache, None, all_logits=True)[0, position]  # (V,)
+        logits = model(torch.tensor([ids], device=device), cache, None, all_logits=True)[0, position]  # (V,)
         f64 = torch.float64
         x = rec[Point.resid(L)][0, position].to(f64)  # (d,) what the final norm reads
         scale = torch.sqrt(x.pow(2).mean() + model.norm.eps)

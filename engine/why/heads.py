@@ -17,7 +17,7 @@ mean over all T rows of the attention on the pattern's keys. The patterns, as Tr
     induction        the key just after each such earlier copy (here t − N + 1)
     sink             key 0 (not one of TransformerLens's named heads: the same formula with P's first column 1)
 
-Attention comes from one prefill through the session's own capture (engine.model.probe on the torch engine, the
+Attention comes from one prefill through the session's own capture (engine.model.seam.Reads on the torch engine, the
 graph callback on llama.cpp), every layer and every query row.
 
 The confirmation of induction heads (`ablation_loss`): zero-ablate heads (their output z, engine.model.seam) and

@@ -1,5 +1,5 @@
-"""A long prompt's attention: the engine sends only the prefill's last query rows (engine.model.probe bounds them by
-bytes); the panel must keep memory bounded by what the events carry — never a (heads, S, S) array — draw those rows
+"""A long prompt's attention: the engine sends only the prefill's last query rows (engine.model.seam.Reads bounds
+their bytes); the panel must keep memory bounded by what the events carry — never a (heads, S, S) array — draw those rows
 at their real positions and say that the first rows were left out. The sizes below are the issue's 4,054-token
 prompt; the expected row count comes from the engine's own bound."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.events import AttentionCaptured
-from engine.model.probe import Probe
+from engine.model.seam import Reads
 from engine.protocol import ATTENTION_MAX_BYTES, Loaded
 
 S = 4054  # prompt tokens
@@ -31,7 +31,7 @@ def loaded(bridge, tiny_lm):
 
 
 def long_prefill(h: int, layer: int) -> AttentionCaptured:
-    kept = Probe().attention_rows(h, S, S)
+    kept = Reads().attention_rows(h, S, S)
     assert 1 <= kept < S
     return AttentionCaptured(step=0, phase="prefill", layer=layer, query_start=S - kept,
                              weights=causal_rows(h, S - kept, kept, S), group_size=1, rows_skipped=S - kept)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engine.events import AttentionCaptured, PrefillDone
-from engine.model.probe import ATTENTION_MAX_BYTES
+from engine.model.seam import ATTENTION_MAX_BYTES
 from engine.run.sampling import SamplingParams
 from engine.run.session import Capture, Session
 from tests.tiny_model import reference_logits
@@ -50,13 +50,13 @@ def test_a_short_prefill_keeps_every_row(tiny_lm, reference):
 
 def test_the_default_budget_bounds_the_issue_s_case() -> None:
     """The 4,054-token prompt on SmolLM2 (9 heads): 590 MB for one layer's full matrix; the default keeps ≤ 16 MiB."""
-    from engine.model.probe import Probe
+    from engine.model.seam import Reads
 
     full = 9 * 4054 * 4054 * 4
     assert full > 590e6
-    rows = Probe().attention_rows(9, 4054, 4054)
+    rows = Reads().attention_rows(9, 4054, 4054)
     assert 1 <= rows < 4054 and rows * 9 * 4054 * 4 <= ATTENTION_MAX_BYTES
-    assert Probe().attention_rows(9, 1, 4054) == 1  # a decode step always keeps its one row
+    assert Reads().attention_rows(9, 1, 4054) == 1  # a decode step always keeps its one row
 
 
 def test_every_layer_is_captured_only_while_the_context_is_short(tiny_lm, reference):

@@ -98,10 +98,10 @@ def test_a_forced_way_runs_where_it_applies(fresh_table):
 
 def _decode(lm, ids: list[int], way: str) -> torch.Tensor:
     cache = KVCache(lm.cfg, 1, len(ids), lm.dtype)
-    out = [lm.model(torch.tensor([ids[:1]]), 0, cache)[0]]
+    out = [lm.model(torch.tensor([ids[:1]]), cache)[0]]
     with attention_choice.forced(way):
-        for i, t in enumerate(ids[1:], start=1):
-            out.append(lm.model(torch.tensor([[t]]), i, cache)[0])
+        for t in ids[1:]:
+            out.append(lm.model(torch.tensor([[t]]), cache)[0])
     return torch.stack(out).float()
 
 

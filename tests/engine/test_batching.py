@@ -21,9 +21,9 @@ def _alone(lm, prompt: list[int], n: int) -> list[int]:
 
     cache = KVCache(lm.cfg, 1, len(prompt) + n, torch.float32)
     with torch.inference_mode():
-        out = [int(lm.model(torch.tensor([prompt]), 0, cache)[0].argmax())]
-        for i in range(n - 1):
-            out.append(int(lm.model(torch.tensor([[out[-1]]]), len(prompt) + i, cache)[0].argmax()))
+        out = [int(lm.model(torch.tensor([prompt]), cache)[0].argmax())]
+        for _ in range(n - 1):
+            out.append(int(lm.model(torch.tensor([[out[-1]]]), cache)[0].argmax()))
     return out
 
 

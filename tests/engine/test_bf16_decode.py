@@ -59,9 +59,9 @@ def test_nothing_is_packed_where_it_cannot_help():
 def decode_logits(lm, ids: list[int]) -> torch.Tensor:
     """Prefill the first token, then decode the rest one at a time (the decode path): logits of every step."""
     cache = KVCache(lm.cfg, 1, len(ids), lm.dtype)
-    out = [lm.model(torch.tensor([ids[:1]]), 0, cache)[0]]
-    for i, t in enumerate(ids[1:], start=1):
-        out.append(lm.model(torch.tensor([[t]]), i, cache)[0])
+    out = [lm.model(torch.tensor([ids[:1]]), cache)[0]]
+    for t in ids[1:]:
+        out.append(lm.model(torch.tensor([[t]]), cache)[0])
     return torch.stack(out)  # (T, V) float32
 
 

@@ -20,7 +20,7 @@ from engine import protocol as P
 from engine.events import AttentionCaptured, Failed, Finished, LensCaptured, ResidualNorms, TokenSampled
 from engine.loaders import load
 from engine.model.kv_cache import KVCache
-from engine.model.probe import Probe
+from engine.model.seam import Reads
 from engine.protocol import Capture, GenerateRequest, SamplingParams
 from engine.run.session import Session
 from tests.engine.test_cli import cli
@@ -74,9 +74,9 @@ def test_cached_decode_on_the_device_equals_the_full_forward(tiny_dir):
     lm = load(tiny_dir.gguf, device=DEVICE, dtype="float32", use_cache=False)
     full = full_logits(lm, IDS)
     cache = KVCache(lm.cfg, 1, 64, torch.float32, device=lm.device)
-    out = [lm.model(torch.tensor([IDS[:6]], device=lm.device), 0, cache)[0]]
+    out = [lm.model(torch.tensor([IDS[:6]], device=lm.device), cache)[0]]
     for p in range(6, len(IDS)):
-        out.append(lm.model(torch.tensor([[IDS[p]]], device=lm.device), p, cache)[0])
+        out.append(lm.model(torch.tensor([[IDS[p]]], device=lm.device), cache)[0])
     assert_close(torch.stack([o[-1] if o.dim() > 1 else o for o in out]), full[5:], atol=1e-4, rtol=1e-4)
 
 
@@ -177,7 +177,7 @@ def test_every_family_on_the_device_matches_transformers(families, family, kind)
     ids = [5, 77, 140, 3, 250, 99, 12, 200, 41, 7, 66, 13, 290, 31, 8]  # several sliding windows of 4
     ref = family_reference(ck.model, ids)
     assert_close(family_logits(lm.model, lm.cfg, ids).cpu(), ref, atol=1e-4, rtol=1e-4)
-    probe = Probe.for_capture(range(lm.cfg.n_layers))
+    probe = Reads(range(lm.cfg.n_layers))
     assert_close(family_logits(lm.model, lm.cfg, ids, probe).cpu(), ref, atol=1e-4, rtol=1e-4)
 
 

@@ -20,7 +20,7 @@ import_required("transformers")
 
 from engine.loaders import load  # noqa: E402
 from engine.model.kv_cache import KVCache  # noqa: E402
-from engine.model.probe import Probe  # noqa: E402
+from engine.model.seam import Reads  # noqa: E402
 from engine.model.transformer import build_model  # noqa: E402
 from tests.tiny_families import FAMILIES, reference_logits, write_checkpoint  # noqa: E402
 
@@ -36,7 +36,7 @@ def checkpoints(tmp_path_factory):
 def full_logits(model, cfg, ids, probe=None):
     device = next(model.parameters()).device
     cache = KVCache(cfg, 1, len(ids), torch.float32, device=device)
-    return model(torch.tensor([ids], device=device), 0, cache, probe, all_logits=True)[0]  # (T, V)
+    return model(torch.tensor([ids], device=device), cache, probe, all_logits=True)[0]  # (T, V)
 
 
 def _sources(checkpoints):
@@ -50,7 +50,7 @@ def test_family_matches_transformers(checkpoints, family, kind):
     ref = reference_logits(ck.model, IDS)
     assert_close(full_logits(lm.model, lm.cfg, IDS), ref, atol=1e-4, rtol=1e-4)
     # the explicit (captured) attention path gives the same logits
-    probe = Probe.for_capture(range(lm.cfg.n_layers))
+    probe = Reads(range(lm.cfg.n_layers))
     assert_close(full_logits(lm.model, lm.cfg, IDS, probe), ref, atol=1e-4, rtol=1e-4)
 
 
@@ -100,10 +100,10 @@ def test_windowed_cache_decode_equals_transformers(checkpoints, family):
     lm = load(ck.gguf or ck.hf_dir, device="cpu", dtype="float32", use_cache=False)
     ref = reference_logits(ck.model, IDS)
     cache = KVCache(lm.cfg, 1, 64, torch.float32)
-    out = [lm.model(torch.tensor([IDS[:3]]), 0, cache)[0]]
+    out = [lm.model(torch.tensor([IDS[:3]]), cache)[0]]
     for p in range(3, len(IDS)):
-        probe = Probe.for_capture([0, lm.cfg.n_layers - 1]) if p % 2 else None
-        out.append(lm.model(torch.tensor([[IDS[p]]]), p, cache, probe)[0])
+        probe = Reads([0, lm.cfg.n_layers - 1]) if p % 2 else None
+        out.append(lm.model(torch.tensor([[IDS[p]]]), cache, probe)[0])
     assert_close(torch.stack(out), ref[2:], atol=1e-4, rtol=1e-4)
     W = lm.cfg.sliding_window
     held = [cache.positions_held(i) for i in range(lm.cfg.n_layers)]
@@ -119,20 +119,20 @@ def test_long_prefill_after_prefix_and_truncate(checkpoints):
     lm = load(ck.gguf, device="cpu", dtype="float32", use_cache=False)
     ref = reference_logits(ck.model, IDS)
     cache = KVCache(lm.cfg, 1, 64, torch.float32)
-    lm.model(torch.tensor([IDS[:2]]), 0, cache)
-    last = lm.model(torch.tensor([IDS[2:]]), 2, cache)[0]  # 13 new tokens > 2 · window slots
+    lm.model(torch.tensor([IDS[:2]]), cache)
+    last = lm.model(torch.tensor([IDS[2:]]), cache)[0]  # 13 new tokens > 2 · window slots
     assert_close(last, ref[-1], atol=1e-4, rtol=1e-4)
     assert cache.truncate(len(IDS) - 3) == len(IDS) - 3  # the window before it is still held
-    assert_close(lm.model(torch.tensor([IDS[-3:]]), len(IDS) - 3, cache)[0], ref[-1], atol=1e-4, rtol=1e-4)
+    assert_close(lm.model(torch.tensor([IDS[-3:]]), cache)[0], ref[-1], atol=1e-4, rtol=1e-4)
     assert cache.truncate(3) == 0  # local layers dropped positions 0..: nothing can be reused
 
 
 def test_captured_attention_shows_the_window_band(checkpoints):
     ck = checkpoints["gemma3"]
     lm = load(ck.gguf, device="cpu", dtype="float32", use_cache=False)
-    probe = Probe.for_capture([0, 5])
+    probe = Reads([0, 5])
     full_logits(lm.model, lm.cfg, IDS, probe)
-    local, glob = probe.values["layers.0.attn.pattern"][0], probe.values["layers.5.attn.pattern"][0]  # (H, T, S)
+    local, glob = probe.pattern[0][0], probe.pattern[5][0]  # (H, T, S)
     T = len(IDS)
     q, k = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")
     assert (local[:, (k > q) | (q - k >= 4)] == 0).all() and (local[:, (k <= q) & (q - k < 4)] > 0).all()
@@ -179,11 +179,11 @@ def test_residual_norms_match_transformers_hidden_states(checkpoints, family):
     transformers' own hidden states at the last position (its last entry is after the final norm: left out)."""
     ck = checkpoints[family]
     lm = load(ck.hf_dir, device="cpu", dtype="float32", use_cache=False)
-    probe = Probe.for_capture(residual_norms=True)
+    probe = Reads(norms=True)
     full_logits(lm.model, lm.cfg, IDS, probe)
     with torch.no_grad():
         hidden = ck.model(torch.tensor([IDS]), output_hidden_states=True).hidden_states
     ref = np.array([h[0, -1].float().norm().item() for h in hidden[:-1]])
-    got = probe.values["resid.norms"][0]
+    got = probe.norms[0]
     assert got.shape == (lm.cfg.n_layers + 1,)
     np.testing.assert_allclose(got[:-1], ref, rtol=1e-4)

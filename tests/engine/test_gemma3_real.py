@@ -92,7 +92,7 @@ def test_logits_match_transformers(engine_model, reference, text):
     ids = PROMPTS[text]
     cache = KVCache(cfg, 1, len(ids), torch.float32)
     with torch.inference_mode():
-        ours = model(torch.tensor([ids]), 0, cache, all_logits=True)[0]  # (T, V)
+        ours = model(torch.tensor([ids]), cache, all_logits=True)[0]  # (T, V)
     ref = reference[text][0]
     assert_close(ours, ref, atol=2e-3, rtol=1e-4)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
@@ -105,10 +105,10 @@ def test_greedy_continuation_matches_transformers(engine_model, reference, text)
     cache = KVCache(cfg, 1, len(ids) + NEW_TOKENS, torch.float32)
     out: list[int] = []
     with torch.inference_mode():
-        logits = model(torch.tensor([ids]), 0, cache)[0]
+        logits = model(torch.tensor([ids]), cache)[0]
         for _ in range(NEW_TOKENS):
             out.append(int(logits.argmax()))
-            logits = model(torch.tensor([[out[-1]]]), len(ids) + len(out) - 1, cache)[0]
+            logits = model(torch.tensor([[out[-1]]]), cache)[0]
     assert out == reference[text][1]
 
 
@@ -161,7 +161,7 @@ def test_bfloat16_picks_the_same_next_token(engine_model, reference):
     text = "The capital of France is"
     ids = PROMPTS[text]
     with torch.inference_mode():
-        logits = lm.model(torch.tensor([ids]), 0, KVCache(lm.cfg, 1, len(ids), torch.bfloat16))[0]
+        logits = lm.model(torch.tensor([ids]), KVCache(lm.cfg, 1, len(ids), torch.bfloat16))[0]
     ref = reference[text][0][-1]
     assert int(logits.argmax()) == int(ref.argmax())
     assert torch.corrcoef(torch.stack([logits, ref]))[0, 1] > 0.99

@@ -9,8 +9,8 @@ from torch.testing import assert_close
 
 from engine.loaders import ModelLoadError, load
 from engine.model.kv_cache import KVCache
-from engine.model.probe import Probe
 from engine.model.rope import halves_to_pairs
+from engine.model.seam import Reads
 from tests.tiny_model import (
     CFG,
     llama_cpp_permute,
@@ -24,7 +24,7 @@ IDS = [5, 77, 140, 3, 250, 99, 12, 200, 41, 7, 66]
 
 def full_logits(lm, ids):
     cache = KVCache(lm.cfg, 1, len(ids), lm.dtype, device=lm.device)
-    return lm.model(torch.tensor([ids], device=lm.device), 0, cache, all_logits=True)[0]  # (T, V)
+    return lm.model(torch.tensor([ids], device=lm.device), cache, all_logits=True)[0]  # (T, V)
 
 
 def test_gguf_loader_matches_reference(tiny_dir, tiny_lm):
@@ -60,26 +60,26 @@ def test_permutation_is_the_inverse_of_llama_cpp():
 def test_sdpa_and_explicit_attention_agree(tiny_lm):
     ids = torch.tensor([IDS])
     c1, c2 = KVCache(tiny_lm.cfg, 1, 32, torch.float32), KVCache(tiny_lm.cfg, 1, 32, torch.float32)
-    probe = Probe.for_capture(range(tiny_lm.cfg.n_layers), residual_norms=True)
-    fast = tiny_lm.model(ids, 0, c1, None, all_logits=True)
-    slow = tiny_lm.model(ids, 0, c2, probe, all_logits=True)
+    probe = Reads(range(tiny_lm.cfg.n_layers), norms=True)
+    fast = tiny_lm.model(ids, c1, None, all_logits=True)
+    slow = tiny_lm.model(ids, c2, probe, all_logits=True)
     assert_close(fast, slow, atol=1e-5, rtol=1e-5)
-    w = probe.values["layers.1.attn.pattern"][0]  # (H, T, T)
+    w = probe.pattern[1][0]  # (H, T, T)
     assert w.shape == (CFG["n_heads"], len(IDS), len(IDS))
     assert abs(w.sum(-1) - 1).max() < 1e-5  # every row is a distribution
     above = np.triu_indices(len(IDS), 1)
     assert (w[:, above[0], above[1]] == 0).all()  # causal: no query reads a later key
-    assert probe.values["resid.norms"].shape == (1, CFG["n_layers"] + 1)
+    assert probe.norms.shape == (1, CFG["n_layers"] + 1)
 
 
 def test_cached_decode_equals_full_forward(tiny_lm):
     """Prefill 6 tokens, then decode the rest one at a time: every step's logits equal the full forward's."""
     full = full_logits(tiny_lm, IDS)
     cache = KVCache(tiny_lm.cfg, 1, 64, torch.float32)
-    out = [tiny_lm.model(torch.tensor([IDS[:6]]), 0, cache)[0]]
+    out = [tiny_lm.model(torch.tensor([IDS[:6]]), cache)[0]]
     for p in range(6, len(IDS)):
-        probe = Probe.for_capture([0]) if p % 2 else None  # mix both attention paths
-        out.append(tiny_lm.model(torch.tensor([[IDS[p]]]), p, cache, probe)[0])
+        probe = Reads([0]) if p % 2 else None  # mix both attention paths
+        out.append(tiny_lm.model(torch.tensor([[IDS[p]]]), cache, probe)[0])
     assert cache.pos == len(IDS)
     assert_close(torch.stack(out), full[5:], atol=2e-5, rtol=1e-5)
 
@@ -87,17 +87,17 @@ def test_cached_decode_equals_full_forward(tiny_lm):
 def test_prefill_after_a_cached_prefix_equals_full_forward(tiny_lm):
     full = full_logits(tiny_lm, IDS)
     cache = KVCache(tiny_lm.cfg, 1, 64, torch.float32)
-    tiny_lm.model(torch.tensor([IDS[:4]]), 0, cache)
-    for probe in (None, Probe.for_capture([1])):
+    tiny_lm.model(torch.tensor([IDS[:4]]), cache)
+    for probe in (None, Reads([1])):
         cache.truncate(4)
-        last = tiny_lm.model(torch.tensor([IDS[4:]]), 4, cache, probe)[0]
+        last = tiny_lm.model(torch.tensor([IDS[4:]]), cache, probe)[0]
         assert_close(last, full[-1], atol=2e-5, rtol=1e-5)
 
 
 def test_batch_rows_are_independent(tiny_lm):
     a, b = IDS[:8], IDS[3:11]
     cache = KVCache(tiny_lm.cfg, 2, 16, torch.float32)
-    both = tiny_lm.model(torch.tensor([a, b]), 0, cache)
+    both = tiny_lm.model(torch.tensor([a, b]), cache)
     assert_close(both[0], full_logits(tiny_lm, a)[-1], atol=2e-5, rtol=1e-5)
     assert_close(both[1], full_logits(tiny_lm, b)[-1], atol=2e-5, rtol=1e-5)
 
@@ -180,7 +180,7 @@ def test_rope_table_grows_with_the_positions_used(tiny_lm):
     net = build_model(cfg, tiny_lm.model.state_dict())
     assert net.rope.shape[0] == ROPE_ROWS
     cache = KVCache(cfg, 1, ROPE_ROWS + 8, torch.float32)
-    net(torch.zeros(1, ROPE_ROWS, dtype=torch.long), 0, cache)
-    net(torch.tensor([[5, 6, 7]]), ROPE_ROWS, cache)  # positions past the first table
+    net(torch.zeros(1, ROPE_ROWS, dtype=torch.long), cache)
+    net(torch.tensor([[5, 6, 7]]), cache)  # positions past the first table
     assert net.rope.shape[0] == 2 * ROPE_ROWS
     torch.testing.assert_close(net.rope, rope_table(cfg.head_dim, 2 * ROPE_ROWS, cfg.rope_base))

@@ -202,7 +202,7 @@ def test_the_why_experiments_step_through_the_runtimes_on_both_runtimes(calls, s
 def _reference(lm, ids: list[int]) -> torch.Tensor:
     """Logits (V,) after `ids`, from a fresh cache: the model's single-sequence path."""
     with torch.inference_mode():
-        return lm.model(torch.tensor([ids]), 0, KVCache(lm.cfg, 1, len(ids), lm.dtype))[0]
+        return lm.model(torch.tensor([ids]), KVCache(lm.cfg, 1, len(ids), lm.dtype))[0]
 
 
 def test_a_step_runs_only_where_the_cache_ends(tiny_lm):
@@ -212,9 +212,9 @@ def test_a_step_runs_only_where_the_cache_ends(tiny_lm):
     assert s.cache.pos == len(s.cached_ids) == held
     assert s.cached_ids == PROMPT + fin.ids.tolist()[:-1]
     with pytest.raises(ValueError, match=f"cache holds {held} positions"):
-        s._forward([1], held - 2, None)  # the caller's count drifted from the cache's: refused, nothing written
+        s._forward([1], held - 2)  # the caller's count drifted from the cache's: refused, nothing written
     assert s.cache.pos == len(s.cached_ids) == held
-    got = s._forward([int(fin.ids[-1])], held, None)
+    got = s._forward([int(fin.ids[-1])], held)
     assert_close(got, _reference(tiny_lm, PROMPT + fin.ids.tolist()), rtol=1e-4, atol=1e-4)
 
 

@@ -123,5 +123,5 @@ def test_quantized_model_runs(tmp_path, qtype):
         qtype][0]
     from engine.model.kv_cache import KVCache
 
-    logits = lm.model(torch.tensor([[5, 7, 9]]), 0, KVCache(lm.cfg, 1, 8, torch.float32))
+    logits = lm.model(torch.tensor([[5, 7, 9]]), KVCache(lm.cfg, 1, 8, torch.float32))
     assert torch.isfinite(logits).all()

@@ -30,7 +30,7 @@ def reference_logits(lm, ids: list[int]) -> torch.Tensor:
     """Logits (V,) after `ids` on the single-sequence path."""
     cache = KVCache(lm.cfg, 1, len(ids), lm.dtype)
     with torch.inference_mode():
-        return lm.model(torch.tensor([ids]), 0, cache)[0]
+        return lm.model(torch.tensor([ids]), cache)[0]
 
 
 def test_rows_at_different_positions_equal_each_sequence_alone(tiny_lm):

@@ -39,9 +39,9 @@ def single_row(lm, prompt: list[int], then: list[int]) -> list[torch.Tensor]:
     """Logits after the prompt, then after each token of `then`, by the single-sequence path."""
     cache = KVCache(lm.cfg, 1, len(prompt) + len(then) + 1, lm.dtype)
     with torch.inference_mode():
-        out = [lm.model(torch.tensor([prompt]), 0, cache)[0]]
-        for i, t in enumerate(then):
-            out.append(lm.model(torch.tensor([[t]]), len(prompt) + i, cache)[0])
+        out = [lm.model(torch.tensor([prompt]), cache)[0]]
+        for t in then:
+            out.append(lm.model(torch.tensor([[t]]), cache)[0])
     return out
 
 
@@ -92,13 +92,13 @@ def test_ragged_step_on_sliding_window_layers(tmp_path):
     check_ragged(load(ckpt.hf_dir, device="cpu", dtype="float32", use_cache=False), page_size=4)
 
 
-def test_ragged_start_refuses_a_probe(tiny_lm):
-    from engine.model.probe import Probe
+def test_ragged_start_refuses_reads(tiny_lm):
+    from engine.model.seam import Reads
 
     cache = PagedKVCache(tiny_lm.cfg, 4, 4, torch.float32)
-    starts = cache.bind([0], 2)
+    cache.bind([0], 2)  # a start per row
     with pytest.raises(ValueError, match="one position"):
-        tiny_lm.model(torch.tensor([[5, 6]]), starts, cache, probe=Probe.for_capture({0}, False))
+        tiny_lm.model(torch.tensor([[5, 6]]), cache, reads=Reads({0}))
 
 
 def test_pages_are_allocated_as_needed_and_freed(tiny_lm):

@@ -80,7 +80,7 @@ def test_greedy_generation_matches_a_plain_loop(session, tiny_lm):
     expect = []
     for _ in range(5):
         cache = KVCache(tiny_lm.cfg, 1, 64, torch.float32)
-        nxt = int(tiny_lm.model(torch.tensor([ids + expect]), 0, cache)[0].argmax())
+        nxt = int(tiny_lm.model(torch.tensor([ids + expect]), cache)[0].argmax())
         expect.append(nxt)
     assert gen_ids == expect
 

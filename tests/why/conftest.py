@@ -50,7 +50,7 @@ def engine_logits(model: torch.nn.Module, ids: list[list[int]] | list[int]) -> t
     rows = ids if ids and isinstance(ids[0], list) else [ids]
     cache = KVCache(model.cfg, len(rows), len(rows[0]), model.lm_head.dtype)
     with torch.inference_mode():
-        out = model(torch.tensor(rows), 0, cache, all_logits=True)
+        out = model(torch.tensor(rows), cache, all_logits=True)
     return out if rows is ids else out[0]
 
 

@@ -76,7 +76,7 @@ def test_atp_is_the_derivative_of_exact_patching(tiny_session, tiny_lm):
 
     def metric(ids, edits=(), record=()):
         with torch.inference_mode(), edited(model, edits, record) as rec:
-            logits = model(torch.tensor([ids]), 0, KVCache(model.cfg, 1, len(ids), torch.float32))[0].double()
+            logits = model(torch.tensor([ids]), KVCache(model.cfg, 1, len(ids), torch.float32))[0].double()
         return (float(logits[a] - logits[w]) - d_corrupt) / (d_clean - d_corrupt), rec
 
     points = [Point.resid(i) for i in range(3)] + [Point.z(i) for i in range(2)]

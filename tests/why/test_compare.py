@@ -209,7 +209,7 @@ def test_a_requantized_file_holds_the_weights_rounded_through_its_type(tiny_dir,
     ids = s.tokenize(PROMPT).ids
     cache = KVCache(s.cfg, 1, len(ids), torch.float32, torch.device("cpu"))
     with torch.inference_mode():
-        got = s.lm.model(torch.tensor([ids]), 0, cache, None, all_logits=True)[0]  # (T, V)
+        got = s.lm.model(torch.tensor([ids]), cache, None, all_logits=True)[0]  # (T, V)
     want = reference_logits(_rounded(tiny_dir.hf_weights, qtype), ids)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(want, reference_logits(tiny_dir.hf_weights, ids), rtol=1e-4, atol=1e-4)

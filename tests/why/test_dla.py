@@ -83,7 +83,7 @@ def test_post_norms_gemma3_components_sum_to_the_logit_difference(tmp_path):
     assert abs(c["logit_diff"]) > 0.1 and c["logit_diff"] == pytest.approx(total, abs=1e-4)
     L, model = lm.cfg.n_layers, lm.model
     with torch.inference_mode(), edited(model, (), [Point.attn(i) for i in range(L)]) as rec:
-        model(torch.tensor([ids]), 0, KVCache(lm.cfg, 1, len(ids), torch.float32))
+        model(torch.tensor([ids]), KVCache(lm.cfg, 1, len(ids), torch.float32))
     scale = c["scale"]
     u = (model.norm.weight * (model.lm_head[11] - model.lm_head[29])).double() / scale
     attn = torch.stack([rec[Point.attn(i)][0, -1].double() @ u for i in range(L)])

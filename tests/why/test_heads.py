@@ -137,7 +137,7 @@ def test_cli_refuses_bad_input_in_one_line(tiny_dir, capsys, argv, needle):
 
 
 def test_llama_cpp_scores_equal_the_torch_engine(tiny_dir, tiny_session):
-    """The llama.cpp runtime's captured attention gives the same scores (its graph callback, not the Probe)."""
+    """The llama.cpp runtime's captured attention gives the same scores (its graph callback, not the torch Reads)."""
     try:
         from engine.backends.llamacpp import LlamaCppSession
     except ImportError:

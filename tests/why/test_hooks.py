@@ -131,9 +131,9 @@ def test_an_edit_holds_across_kv_cached_decode_steps(tiny_dir, tiny_lm, by_hand)
     ref = by_hand(w, IDS, zero).float()
     cache = KVCache(model.cfg, 1, len(IDS), torch.float32)
     with edited(model, [Edit(Point.z(1, 0)), Edit(Point.mlp(0), positions=(1, 7))]), torch.inference_mode():
-        rows = [model(torch.tensor([IDS[:6]]), 0, cache, all_logits=True)[0]]
+        rows = [model(torch.tensor([IDS[:6]]), cache, all_logits=True)[0]]
         for t in range(6, len(IDS)):
-            rows.append(model(torch.tensor([[IDS[t]]]), t, cache, all_logits=True)[0])
+            rows.append(model(torch.tensor([[IDS[t]]]), cache, all_logits=True)[0])
     assert_close(torch.cat(rows), ref, **TOL)
 
 
