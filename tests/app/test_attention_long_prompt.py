@@ -1,7 +1,7 @@
-"""A long prompt's attention: the engine sends only the prefill's last query rows (engine.model.seam.Reads bounds
-their bytes); the panel must keep memory bounded by what the events carry — never a (heads, S, S) array — draw those rows
-at their real positions and say that the first rows were left out. The sizes below are the issue's 4,054-token
-prompt; the expected row count comes from the engine's own bound."""
+"""A long prompt's attention: the engine sends only the prefill's last query rows (their bytes bounded by
+engine.model.seam.Reads); the panel must keep memory bounded by what the events carry — never a (heads, S, S)
+array — draw those rows at their real positions and say that the first rows were left out. The sizes below are the
+issue's 4,054-token prompt; the expected row count comes from the engine's own bound."""
 
 from __future__ import annotations
 
