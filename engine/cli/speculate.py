@@ -148,14 +148,6 @@ def _summary_on_top(doc: dict) -> None:
                plain_tpot_s=doc.get("baseline", {}).get("tpot_s"), speedup=s["speedup"])
 
 
-def _first_difference(ids: list[int], other: list[int] | None) -> int | None:
-    """Index of the first generated token where two runs differ (None: no other run, or the same tokens)."""
-    if other is None:
-        return None
-    i = next((i for i, (a, b) in enumerate(zip(ids, other, strict=False)) if a != b), min(len(ids), len(other)))
-    return None if i == len(ids) == len(other) else i
-
-
 def _pct(x: float) -> str:
     return "  -" if np.isnan(x) else f"{100 * x:3.0f}%"
 
@@ -203,7 +195,8 @@ def _print(ev, doc: dict, as_json: bool, tok) -> None:
             "decode_s": ev.decode_s, "draft_s": ev.draft_s, "verify_s": ev.verify_s,
             "tokens_per_s": ev.tokens_per_s, "baseline_tokens_per_s": ev.baseline_tokens_per_s,
             "speedup": ev.speedup, "matches_baseline": ev.matches_baseline,
-            "first_difference": _first_difference(ev.ids.tolist(), doc.get("baseline", {}).get("ids")),
+            "first_difference": (None if "baseline" not in doc
+                                 else sp.first_difference(ev.ids.tolist(), doc["baseline"]["ids"])),
             "differs": ev.differs.to_dict() if ev.differs is not None else None,
         }
         if not as_json:

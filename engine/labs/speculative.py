@@ -416,10 +416,7 @@ def _passes(
         if fin is not None:
             yield fin
             baseline = fin.tokens_per_s
-            if params.greedy and fin.reason != "stopped":
-                matches = fin.ids.tolist() == out
-                if not matches:
-                    differs = divergence(s, prompt_ids.tolist(), out, fin.ids.tolist(), dtype)
+            matches, differs = _against(s, prompt_ids.tolist(), out, fin, params.greedy, dtype)
     yield SpecFinished(
         reason=reason, source=cfg.source, source_label=label, k=k, prompt_ids=prompt_ids,
         ids=np.asarray(out, np.int64), text="".join(text), ttft_s=ttft, n_passes=n_passes,
@@ -435,6 +432,23 @@ def _check_finite(logits: torch.Tensor, position: int, dtype: str) -> None:
                          f"(damaged weights, or values beyond {dtype}'s range)")
 
 
+def _against(s: Session, prompt: list[int], ids: list[int], base: SpecBaseline | None, greedy: bool,
+             dtype: str) -> tuple[bool | None, Divergence | None]:
+    """Whether greedy speculative `ids` are plain greedy decoding's, and where they part (None, None: not comparable:
+    sampled, or no finished baseline)."""
+    if not greedy or base is None or base.reason == "stopped":
+        return None, None
+    differs = divergence(s, prompt, ids, base.ids.tolist(), dtype)
+    return differs is None, differs
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first token where two runs' ids differ (one ending early differs there); None: the same ids."""
+    if list(a) == list(b):
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def divergence(
     s: Session, prompt: list[int], spec: Sequence[int], plain: Sequence[int], dtype: str,
 ) -> Divergence | None:
@@ -442,9 +456,9 @@ def divergence(
     plain decoding's top-1 − top-2 logit margin at that step, computed as plain decoding computed it: a prefill for
     the first token, a one-position step on the cached prefix for a later one."""
     spec, plain = [int(t) for t in spec], [int(t) for t in plain]
-    if spec == plain:
+    i = first_difference(spec, plain)
+    if i is None:
         return None
-    i = next((j for j, (a, b) in enumerate(zip(spec, plain, strict=False)) if a != b), min(len(spec), len(plain)))
     margin = math.nan
     if i < len(plain):
         prefix = [*prompt, *plain[:i]]
@@ -517,14 +531,12 @@ def sweep(
             if fin is None or fin.reason == "stopped":
                 return
             rate = base.tokens_per_s if base is not None else 0.0
-            differs = (divergence(s, ids, fin.ids.tolist(), base.ids.tolist(), dtype)
-                       if params.greedy and base is not None else None)
+            matches, differs = _against(s, ids, fin.ids.tolist(), base, params.greedy, dtype)
             yield SweepPoint(
                 k=k, acceptance_rate=fin.acceptance_rate, acceptance_by_position=fin.acceptance_by_position,
                 tokens_per_pass=fin.tokens_per_pass, tokens_per_s=fin.tokens_per_s, baseline_tokens_per_s=rate,
                 speedup=fin.tokens_per_s / rate if rate > 0 else 0.0,
-                matches_baseline=(base.ids.tolist() == fin.ids.tolist()) if params.greedy and base else None,
-                differs=differs,
+                matches_baseline=matches, differs=differs,
             )
 
     return run()
