@@ -443,6 +443,7 @@ class AtpParams:
     wrong: str
     heads: bool = False
     exact: bool = True
+    ig_steps: int = 0  # > 0: the gradient averaged along the path between the prompts' embeddings (EAP-IG)
 
 
 @dataclass(frozen=True)

@@ -782,7 +782,7 @@ def run_experiment(session: Engine, params: object, progress: ReportProgress | N
         from engine.why.atp import atp
 
         return atp(session, params.clean, params.corrupt, params.answer, params.wrong, heads=params.heads,
-                   exact=params.exact, progress=progress, should_stop=should_stop)
+                   exact=params.exact, progress=progress, should_stop=should_stop, ig_steps=params.ig_steps)
     if isinstance(params, P.GalleryParams):
         from engine.why.gallery import run
 

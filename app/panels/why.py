@@ -448,11 +448,22 @@ class WhyPanel(Panel):
         self.patch_method.setToolTip("exact: one patched forward pass per cell; AtP: attribution patching, the "
                                      "whole grid estimated from one backward pass (needs gradients: the torch "
                                      "runtime); both: the two side by side, where they part outlined")
-        self.patch_method.currentIndexChanged.connect(lambda _i: self.mark_dirty())
+        self.patch_method.currentIndexChanged.connect(self._on_patch_method)
+        self.ig_steps = spin_box(0, 256, 0, "AtP's gradient averaged over this many points on the path between the "
+                                 "two prompts' embeddings (EAP-IG: one forward and backward pass each); 0: taken at "
+                                 "the corrupted run alone, as plain AtP")
+        self.ig_label = QtWidgets.QLabel("path steps")
+        self._on_patch_method()
         return self._form([("clean", self.clean_edit), ("corrupted", self.corrupt_edit),
                            ("answer", self._row(self.answer_edit, QtWidgets.QLabel("wrong"), self.wrong_edit,
                                                 self.patch_heads_box, QtWidgets.QLabel("grid"),
-                                                self.patch_method))])
+                                                self.patch_method, self.ig_label, self.ig_steps))])
+
+    def _on_patch_method(self, _index: int = 0) -> None:
+        exact = self.patch_method.currentData() == "exact"
+        self.ig_steps.setEnabled(not exact)
+        self.ig_label.setEnabled(not exact)
+        self.mark_dirty()
 
     def _attribute_inputs(self) -> QtWidgets.QWidget:
         self.attr_prompt = QtWidgets.QLineEdit(DEFAULT_PROMPT)
@@ -844,7 +855,8 @@ class WhyPanel(Panel):
                 raise ValueError("patching needs a clean and a corrupted prompt, an answer and a wrong answer")
             method = self.patch_method.currentData()
             if method != "exact":
-                return AtpParams(*fields, heads=self.patch_heads_box.isChecked(), exact=method == "both")
+                return AtpParams(*fields, heads=self.patch_heads_box.isChecked(), exact=method == "both",
+                                 ig_steps=self.ig_steps.value())
             return PatchParams(*fields, heads=self.patch_heads_box.isChecked())
         if kind == "dla":
             prompt, answer, wrong = (e.text() for e in (self.dla_prompt, self.dla_answer, self.dla_wrong))
@@ -1289,8 +1301,10 @@ class WhyPanel(Panel):
             def esc(text: str) -> str:
                 return html.escape(text, quote=False)
 
-            parts = [esc(f"AtP (2 forwards, 1 backward) for {_piece(r['answer']['token'])!r} over "
-                         f"{_piece(r['wrong']['token'])!r}")]
+            k = r.get("ig_steps") if isinstance(r.get("ig_steps"), int) else 0
+            how = (f"AtP along the path, {k} steps ({2 + k} forwards, {k} backwards)" if k else
+                   "AtP (2 forwards, 1 backward)")
+            parts = [esc(f"{how} for {_piece(r['answer']['token'])!r} over {_piece(r['wrong']['token'])!r}")]
             if r.get("restored") is None:
                 m = np.asarray(r["atp"], dtype=float)
                 if m.size and np.isfinite(m).any():
@@ -1462,6 +1476,9 @@ class WhyPanel(Panel):
             h = np.asarray(r[heads_key], dtype=float)
             self.patch_heads_image.setImage(np.nan_to_num(h), levels=(-1.0, 1.0), autoLevels=False)
             hi.getViewBox().setRange(xRange=(0, h.shape[1]), yRange=(0, h.shape[0]), padding=0)
+            hstep, lstep = max(1, h.shape[1] // 12), max(1, h.shape[0] // 8)  # whole heads and layers, centred
+            hi.getAxis("bottom").setTicks([[(j + 0.5, str(j)) for j in range(0, h.shape[1], hstep)]])
+            hi.getAxis("left").setTicks([[(j + 0.5, str(j)) for j in range(0, h.shape[0], lstep)]])
         else:
             self.patch_heads_image.clear()
         far = r.get("disagree") if both and isinstance(r.get("disagree"), list) else []

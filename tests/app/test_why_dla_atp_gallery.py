@@ -145,6 +145,16 @@ def test_the_patch_toggle_runs_atp_alone_and_beside_the_exact_grid(qtbot, why_wi
     vb = panel.patch_item.getViewBox()
     panel._on_patch_hover(vb.mapViewToScene(QtCore.QPointF(7.5, 1.5)))
     assert f"AtP estimates {ref_atp['atp'][1][7]:+.3f}" in panel.patch_hover.text()
+    # along the path between the prompts' embeddings (EAP-IG): the spin's steps reach the engine
+    assert panel.ig_steps.isEnabled()
+    panel.ig_steps.setValue(4)
+    done = run_and_wait(qtbot, panel, "patch")
+    assert done.ok and done.params.ig_steps == 4 and done.result["ig_steps"] == 4, done.failure
+    w.tick_panels(flush=True)
+    path = atp_grids(here, CLEAN, CORRUPT, ANSWER, WRONG, ig_steps=4)
+    np.testing.assert_allclose(panel.patch_image.image, np.asarray(path["atp"]), rtol=1e-4, atol=1e-5)
+    assert "AtP along the path, 4 steps (6 forwards, 4 backwards)" in panel.summary.text()
+    panel.ig_steps.setValue(0)
 
     # both: the exact grid, AtP's beside it, their correlation and the cells where they part outlined
     panel.patch_method.setCurrentIndex(panel.patch_method.findData("both"))
@@ -177,7 +187,7 @@ def test_the_patch_toggle_runs_atp_alone_and_beside_the_exact_grid(qtbot, why_wi
     # the toggle on exact shows the exact result, which has not run yet; exact runs PatchParams as before
     panel.patch_method.setCurrentIndex(panel.patch_method.findData("exact"))
     w.tick_panels(flush=True)
-    assert panel.patch_image.image is None and panel._patch_placed == ()
+    assert panel.patch_image.image is None and panel._patch_placed == () and not panel.ig_steps.isEnabled()
     done = run_and_wait(qtbot, panel, "patch")
     assert done.ok and done.kind == "patch" and set(panel.results) == {"atp", "patch"}
     assert all(not rect.isVisible() for rect in panel.patch_outlines["main"])
