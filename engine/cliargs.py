@@ -113,18 +113,14 @@ def regex(text: str) -> str:
 
 def threads(text: str) -> int | str:
     """--threads: auto, or a count from 1 to four threads per CPU (more only queue; 99999 crashed torch)."""
-    n: int | str = "auto"
-    if text != "auto":
-        try:
-            n = int(text)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"takes auto or a positive integer, got {text!r}")
+    if text == "auto":
+        return text
     most = 4 * (os.cpu_count() or 1)
-    if n != "auto" and n > most:
-        raise argparse.ArgumentTypeError(f"takes auto or a count from 1 to {most} (4 per CPU here), got {_shown(text)}")
-    return n
+    try:
+        return int_in(1, most)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"takes auto or a count from 1 to {most} (4 per CPU here), got "
+                                         f"{_shown(text)}") from None
 
 
 def logit_bias(text: str) -> tuple[int, float]:

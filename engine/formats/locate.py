@@ -114,11 +114,9 @@ def installed_models() -> dict[str, Path]:
     out = {}
     for key in KNOWN_MODELS:
         try:
-            path = default_model_path() if key == "smollm2" else gemma3_path()
+            out[key] = known_model_path(key)
         except ModelLoadError:
-            path = None
-        if path is not None:
-            out[key] = path
+            pass
     return out
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -116,10 +117,8 @@ def requantize(src: str | os.PathLike, dst: str | os.PathLike, qtype: str = "Q8_
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
-    counts: dict[str, int] = {}
-    for _, kind, _ in plan:
-        counts[kind.name] = counts.get(kind.name, 0) + 1
-    return {"path": str(dst), "type": qtype, "bytes": dst.stat().st_size, "tensors_by_type": counts}
+    counts = Counter(kind.name for _, kind, _ in plan)
+    return {"path": str(dst), "type": qtype, "bytes": dst.stat().st_size, "tensors_by_type": dict(counts)}
 
 
 def _check(path: Path, plan: list) -> None:
