@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -99,12 +100,10 @@ def _strftime_now(fmt: str) -> str:
 # ------------------------------------------------------------------------------------------------- budget
 
 
+@dataclass(slots=True)
 class _Budget:
-    __slots__ = ("deadline", "limit")
-
-    def __init__(self, deadline: float, limit: int) -> None:
-        self.deadline = deadline
-        self.limit = limit
+    deadline: float
+    limit: int
 
 
 _local = threading.local()  # the budget of the render running in this thread
@@ -216,14 +215,6 @@ def _price_format(fmt: str | bytes, values: Iterable[Any], ints_are_widths: bool
     _refuse_size(len(text) + fields * (largest + width), limit)
 
 
-def _format_values(right: Any) -> list[Any]:
-    if isinstance(right, tuple):
-        return list(right)
-    if isinstance(right, dict):
-        return list(right.values())
-    return [right]
-
-
 def _price_binop(operator: str, left: Any, right: Any, limit: int) -> None:
     seqs = _SEQUENCES
     if operator == "*":
@@ -242,7 +233,8 @@ def _price_binop(operator: str, left: Any, right: Any, limit: int) -> None:
         if isinstance(left, seqs) and isinstance(right, seqs):
             _refuse_size(_size(left, limit) + _size(right, limit), limit)
     elif operator == "%" and isinstance(left, (str, bytes)):
-        _price_format(left, _format_values(right), "*" in str(left), limit)
+        values = right.values() if isinstance(right, dict) else right if isinstance(right, tuple) else [right]
+        _price_format(left, values, "*" in str(left), limit)
 
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str, default: Any) -> Any:
@@ -418,9 +410,8 @@ class _BudgetedEnvironment(ImmutableSandboxedEnvironment):
         for a in (*args, *kwargs.values()):
             _measured(a, b.limit)
         owner, name = _method_of(obj)
-        if isinstance(owner, str | bytes | int) and name not in ("format", "format_map"):
-            _check_int_args((*args, *kwargs.values()), b.limit)
-        elif obj is generate_lorem_ipsum:
+        if obj is generate_lorem_ipsum or (isinstance(owner, str | bytes | int)
+                                           and name not in ("format", "format_map")):
             _check_int_args((*args, *kwargs.values()), b.limit)
         args = _price_call(obj, args, kwargs, b.limit)
         args = tuple(_bounded(a, b, True) if _lazy(a) else a for a in args)
