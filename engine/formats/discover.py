@@ -19,6 +19,7 @@ import struct
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -191,15 +192,11 @@ def _lmstudio_roots() -> list[Path]:
 def _gguf_files(root: Path) -> Iterator[tuple[Path, str]]:
     if not root.is_dir():
         return
-    count = 0
     for dirpath, _dirs, files in os.walk(root):
         for f in sorted(files):
             if f.endswith(".gguf"):
                 path = Path(dirpath) / f
                 yield path, str(path.relative_to(root))
-                count += 1
-                if count >= MAX_FILES_PER_ROOT:
-                    return
 
 
 def _ollama_roots() -> list[Path]:
@@ -216,7 +213,6 @@ def _ollama(root: Path) -> Iterator[tuple[Path, str]]:
     manifests = root / "manifests"
     if not manifests.is_dir():
         return
-    count = 0
     for dirpath, _dirs, files in os.walk(manifests):
         for tag in sorted(files):
             manifest = Path(dirpath) / tag
@@ -237,9 +233,6 @@ def _ollama(root: Path) -> Iterator[tuple[Path, str]]:
                 namespace = parts[-3] if len(parts) >= 3 else "library"
                 name = f"{model}:{tag}" if namespace == "library" else f"{namespace}/{model}:{tag}"
                 yield blob, name
-                count += 1
-                if count >= MAX_FILES_PER_ROOT:
-                    return
 
 
 # ----------------------------------------------------------------------------------------------- recent files
@@ -335,9 +328,9 @@ def discover(
         for path, name in _huggingface(Path(root)):
             add(path, name, "huggingface")
     for root in _lmstudio_roots() if lmstudio_roots is None else lmstudio_roots:
-        for path, name in _gguf_files(Path(root)):
+        for path, name in islice(_gguf_files(Path(root)), MAX_FILES_PER_ROOT):
             add(path, name, "lmstudio")
     for root in _ollama_roots() if ollama_roots is None else ollama_roots:
-        for path, name in _ollama(Path(root)):
+        for path, name in islice(_ollama(Path(root)), MAX_FILES_PER_ROOT):
             add(path, name, "ollama")
     return out
