@@ -28,7 +28,6 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
 
 import torch
 
@@ -183,10 +182,6 @@ def tune(ways: dict[str, Way], heads: tuple[int, int, int], dtype: torch.dtype, 
                     entries.append(e)
     finally:
         torch.set_num_threads(before)
-    if measured:
-        others = load.since_start()
-        measured = [replace(e, others_cores=others) for e in measured]
-        entries = [next((m for m in measured if m.key == e.key), e) for e in entries]
-        kernel_cache.write(measured, path, AttentionEntry)
+    entries = load.record(measured, entries, path, AttentionEntry)
     use(entries)
     return entries

@@ -65,12 +65,16 @@ ATTENTION_DESCRIPTIONS: dict[str, str] = {
 WEIGHT_WAYS = ("upcast", "blocked", "explicit")  # the ways that form the weights (a captured layer runs one of them)
 
 
+def _named(value: str, names: tuple[str, ...] | dict, what: str) -> str:
+    name = value.strip().lower()
+    if name not in names:
+        raise ValueError(f"unknown {what} {value!r}; valid: {', '.join(names)}")
+    return name
+
+
 def kernel_name(value: str) -> str:
     """A candidate's name as typed (--kernel, $INFERENCE_LAB_KERNEL); ValueError naming the valid ones."""
-    name = value.strip().lower()
-    if name not in DESCRIPTIONS:
-        raise ValueError(f"unknown kernel {value!r}; valid: {', '.join(NAMES)}")
-    return name
+    return _named(value, NAMES, "kernel")
 
 
 @dataclass(frozen=True)
@@ -82,19 +86,20 @@ class Machine:
     torch: str  # torch.__version__
     capability: str  # torch.backends.cpu.get_cpu_capability(): the kernel set ATen dispatches to
 
+    def key(self, dtype: str) -> str:
+        """The start of every measurement's key on this machine (the products', the attention's, the chain's)."""
+        return f"{self.cpu}|{self.cores} cores|torch {self.torch}|{self.capability}|{dtype}"
+
 
 def attention_way(value: str) -> str:
     """A way's name as typed ($INFERENCE_LAB_ATTENTION, --attention); ValueError naming the valid ones."""
-    name = value.strip().lower()
-    if name not in ATTENTION_DESCRIPTIONS:
-        raise ValueError(f"unknown attention way {value!r}; valid: {', '.join(ATTENTION_DESCRIPTIONS)}")
-    return name
+    return _named(value, ATTENTION_DESCRIPTIONS, "attention way")
 
 
 def entry_key(machine: Machine, dtype: str, threads: int, shape: tuple[int, int], weights: str = FLOAT) -> str:
     """One measurement's identity: machine, dtype, thread count, weight shape (out, in) and weights (WEIGHTS)."""
-    return (f"{machine.cpu}|{machine.cores} cores|torch {machine.torch}|{machine.capability}|{dtype}|"
-            f"{threads} threads|{shape[0]}x{shape[1]}" + ("" if weights == FLOAT else f"|{weights}"))
+    kind = "" if weights == FLOAT else f"|{weights}"
+    return machine.key(dtype) + f"|{threads} threads|{shape[0]}x{shape[1]}{kind}"
 
 
 @dataclass(frozen=True)
@@ -159,8 +164,7 @@ class Entry:
 def attention_key(machine: Machine, dtype: str, threads: int, heads: tuple[int, int, int], keys: int) -> str:
     """One attention measurement's identity: machine, dtype, thread count, heads (KV heads, queries per KV head,
     head size) and key count."""
-    return (f"{machine.cpu}|{machine.cores} cores|torch {machine.torch}|{machine.capability}|{dtype}|"
-            f"{threads} threads|heads {heads[0]}x{heads[1]}x{heads[2]}|{keys} keys")
+    return machine.key(dtype) + f"|{threads} threads|heads {heads[0]}x{heads[1]}x{heads[2]}|{keys} keys"
 
 
 @dataclass(frozen=True)
@@ -221,30 +225,32 @@ def cache_path(kind: type = Entry) -> Path:
     return cache_root() / kind.FILE
 
 
-def read(path: Path | None = None, kind: type = Entry) -> dict:
-    """Every valid entry of the file by key; {} when it is missing, unreadable or not this format."""
+def read(path: Path | None = None, kind: type = Entry, records: str = "entries") -> dict:
+    """Every valid record of `kind` in the file (its list `records`) by key; {} when it is missing, unreadable or
+    not this format."""
     path = path or cache_path(kind)
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return {}
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("entries"), list):
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get(records), list):
         return {}
-    entries = (kind.from_json(d) for d in doc["entries"])
+    entries = (kind.from_json(d) for d in doc[records])
     return {e.key: e for e in entries if e is not None}
 
 
-def write(new: list, path: Path | None = None, kind: type = Entry) -> None:
-    """Merge `new` into the file (replacing entries of the same key), atomically; a read-only disk only costs the
-    next start a measurement."""
+def write(new: list, path: Path | None = None, kind: type = Entry, records: str = "entries",
+          most: int = MAX_ENTRIES) -> None:
+    """Merge `new` into the file (replacing records of the same key, keeping the `most` newest), atomically; a
+    read-only disk only costs the next start a measurement."""
     path = path or cache_path(kind)
-    entries = read(path, kind)
+    entries = read(path, kind, records)
     entries.update({e.key: e for e in new})
-    keep = sorted(entries.values(), key=lambda e: e.measured_at)[-MAX_ENTRIES:]
+    keep = sorted(entries.values(), key=lambda e: e.measured_at)[-most:]
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"format": FORMAT, "entries": [e.to_json() for e in keep]}, indent=1),
+        tmp.write_text(json.dumps({"format": FORMAT, records: [e.to_json() for e in keep]}, indent=1),
                        encoding="utf-8")
         tmp.replace(path)
     except OSError:

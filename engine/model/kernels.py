@@ -254,10 +254,8 @@ def keeping_forms() -> Iterator[None]:
 def _force_from_environment() -> None:
     value = os.environ.get(KERNEL_ENV, "").strip()
     if value:
-        try:
+        with contextlib.suppress(ValueError):  # `python -m engine kernels` names a bad value; the measured choice runs
             force(value)
-        except ValueError:
-            pass  # `python -m engine kernels` names a bad value; the engine runs the measured choice
 
 
 _force_from_environment()
@@ -362,11 +360,7 @@ def tune(groups: dict[tuple[int, int], list[Product]], *, remeasure: bool = Fals
                     entries.append(e)
     finally:
         torch.set_num_threads(before)
-    if measured:
-        others = load.since_start()
-        measured = [replace(e, others_cores=others) for e in measured]
-        entries = [next((m for m in measured if m.key == e.key), e) for e in entries]
-        kernel_cache.write(measured, path)
+    entries = load.record(measured, entries, path, Entry)
     use(entries)
     thread_count.use_chain(measure_chain(groups, counts, machine, remeasure=remeasure, time_once=time_once,
                                          others_cores=others_cores, path=chain_path, load=load))
@@ -393,6 +387,15 @@ class Load:
     def since_start(self) -> float | None:
         return self._injected() if self._injected is not None else self._whole.others_cores()
 
+    def record(self, measured: list, entries: list, path: os.PathLike | None, kind: type) -> list:
+        """`entries` with the `measured` ones stamped with the load since the start, which are written to the cache."""
+        if not measured:
+            return entries
+        others = self.since_start()
+        measured = [replace(e, others_cores=others) for e in measured]
+        kernel_cache.write(measured, path, kind)
+        return [next((m for m in measured if m.key == e.key), e) for e in entries]
+
     def quiet_now(self, threads: int) -> bool:
         if self._now is None:
             if self._injected is not None:
@@ -414,8 +417,7 @@ def chain_key(groups: dict[tuple[int, int, str], list[Product]], counts: Sequenc
                  for n in counts]
         kind = "" if weights == kernel_cache.FLOAT else f" {weights}"
         parts.append(f"{out_f}x{in_f}{kind}*{len(products)}:{'/'.join(names)}")
-    return (f"{machine.cpu}|{machine.cores} cores|torch {machine.torch}|{machine.capability}|{dtype}|"
-            f"threads {'/'.join(map(str, counts))}|{' '.join(parts)}")
+    return machine.key(dtype) + f"|threads {'/'.join(map(str, counts))}|{' '.join(parts)}"
 
 
 def measure_chain(groups: dict[tuple[int, int, str], list[Product]], counts: Sequence[int], machine: Machine, *,

@@ -30,13 +30,15 @@ always N.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
+
+from engine.model import kernel_cache
 
 SLOWER_THAN_ONE = 0.9  # many threads must beat this fraction of one thread's time per byte, or one thread wins
 SUDDEN_SLOWDOWN = 1.5  # a many-thread step this much slower than the best recent ones → probe one thread
@@ -144,14 +146,14 @@ def decode_thread_counts() -> list[int]:
 
 
 # ---- the measured chain: the cap on `auto` ---------------------------------------------------------------------
-CHAIN_FILE = "threads.json"
-CHAIN_FORMAT = 1
 MAX_CHAINS = 100  # the oldest go first
 
 
 @dataclass(frozen=True)
 class ChainTiming:
     """A decode step's chain of products timed at each thread count, with the kernels chosen for that count."""
+
+    FILE: ClassVar[str] = "threads.json"  # beside the kernels' cache (engine.model.kernel_cache)
 
     key: str  # machine, dtype and chain (engine.model.kernels.chain_key): anything changing measures again
     cpu: str
@@ -213,39 +215,14 @@ class ChainTiming:
         return t if ok and (t.others_cores is None or t.others_cores >= 0) else None
 
 
-def chain_path() -> Path:
-    from engine.formats.locate import cache_root
-
-    return cache_root() / CHAIN_FILE
-
-
 def read_chains(path: Path | None = None) -> dict[str, ChainTiming]:
     """Every valid record of the file by key; {} when it is missing, unreadable or not this format."""
-    path = path or chain_path()
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return {}
-    if not isinstance(doc, dict) or doc.get("format") != CHAIN_FORMAT or not isinstance(doc.get("chains"), list):
-        return {}
-    records = (ChainTiming.from_json(d) for d in doc["chains"])
-    return {t.key: t for t in records if t is not None}
+    return kernel_cache.read(path, ChainTiming, "chains")
 
 
 def write_chain(t: ChainTiming, path: Path | None = None) -> None:
     """Merge `t` into the file, atomically; a read-only disk only costs the next start a measurement."""
-    path = path or chain_path()
-    records = read_chains(path)
-    records[t.key] = t
-    keep = sorted(records.values(), key=lambda r: r.measured_at)[-MAX_CHAINS:]
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"format": CHAIN_FORMAT, "chains": [r.to_json() for r in keep]}, indent=1),
-                       encoding="utf-8")
-        tmp.replace(path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+    kernel_cache.write([t], path, ChainTiming, "chains", MAX_CHAINS)
 
 
 _MEASURED: list[ChainTiming] = []  # the loaded model's (the last tuned): what `auto` controllers made now obey
