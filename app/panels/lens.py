@@ -374,9 +374,9 @@ class LensPanel(Panel):
         step = ev.step
         n = ev.ids.shape[0]
         x = np.arange(n)
-        kl = {"logit": _row_values(ev.kl_bits, n),
-              "tuned": _row_values(ev.tuned.kl_bits, n) if ev.tuned is not None else None}
-        if self.kind == "tuned" and ev.tuned is not None and ev.tuned.ids.shape == ev.ids.shape:
+        tuned = ev.tuned if _same_rows(ev.tuned, ev) else None
+        kl = {"logit": _row_values(ev.kl_bits, n), "tuned": _row_values(tuned.kl_bits, n) if tuned else None}
+        if self.kind == "tuned" and tuned is not None:
             ev, note = ev.tuned, note + " · <b>tuned lens</b>"
         elif self.kind == "tuned":
             note += " · <b>logit lens</b> (this step was captured without a tuned lens in use)"
@@ -457,6 +457,20 @@ class LensPanel(Panel):
                     f.setBold(True)
                     item.setFont(f)
                 self.table.setItem(r, FIXED_COLUMNS + j, item)
+
+
+def _same_rows(tuned: object, ev: LensCaptured) -> bool:
+    """Whether `tuned` is a tuned lens's record of ev's step with arrays a table can read row for row (a session
+    file's record may not be)."""
+    if not isinstance(tuned, LensCaptured):
+        return False
+    n, k = ev.ids.shape
+    arrays = (tuned.ids, tuned.probs, tuned.entropy_bits, tuned.token_probs)
+    if not all(a is None or isinstance(a, np.ndarray) for a in arrays) or tuned.ids is None or tuned.probs is None:
+        return False
+    return (tuned.ids.shape == tuned.probs.shape == (n, k) and getattr(tuned.entropy_bits, "shape", None) == (n,)
+            and (tuned.token_probs is None or tuned.token_probs.shape == (n,))
+            and (not tuned.pieces or (len(tuned.pieces) == n and all(len(r) == k for r in tuned.pieces))))
 
 
 def _row_values(values: np.ndarray | None, n: int) -> np.ndarray | None:

@@ -7,6 +7,7 @@ panel is saved (INFERENCE_LAB_SHOTS, when set, names the folder)."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -109,3 +110,10 @@ def test_a_damaged_kl_array_is_not_drawn(qtbot, lens_window):
     panel.draw()
     assert panel.table.rowCount() == 4 and panel.table.item(0, 2).text() == ""
     assert len(panel.kl_curves["logit"].getData()[0] or []) == 0
+    # a tuned record whose rows do not match the step's is not read: the logit rows are shown
+    bad = replace(ev, step=1, ids=np.zeros((3, 2), np.int64), pieces=(("x", "y"),) * 3)
+    panel.kind = "tuned"
+    panel._on_lens(replace(ev, step=1, tuned=bad))
+    panel.draw()
+    assert panel.table.rowCount() == 4 and panel.table.item(0, 3).text() == "'a' 0.50"
+    assert "captured without a tuned lens" in panel.header.text()
