@@ -410,6 +410,8 @@ class Bridge(QtCore.QObject):
     """Load lab: the figures of one concurrency level (a dict with `vllm bench serve`'s keys)."""
     sig_serve_spans = QtCore.Signal(object)
     """Load lab: a level's requests with the server's spans (engine.protocol.ServeSpans)."""
+    sig_serve_blocks = QtCore.Signal(object)
+    """Load lab: the server's prefix-cache blocks from its KV events (engine.protocol.ServeBlocks)."""
     sig_serve_done = QtCore.Signal(object)
     """Load lab ended: engine.protocol.LabDone."""
     sig_server_tokens = QtCore.Signal(object)
@@ -488,7 +490,7 @@ class Bridge(QtCore.QObject):
             P.ConnectFailed: lambda m: self.sig_server_failed.emit(m.message), P.Disconnected: self._on_disconnected,
             P.ServeRequestDone: lambda m: self.sig_serve_request.emit(m.result),
             P.ServeMetrics: self.sig_serve_metrics.emit, P.ServeLevelDone: lambda m: self.sig_serve_run.emit(m.figures),
-            P.ServeSpans: self.sig_serve_spans.emit,
+            P.ServeSpans: self.sig_serve_spans.emit, P.ServeBlocks: self.sig_serve_blocks.emit,
             P.Tokenized: self.sig_server_tokens.emit, P.Pong: lambda m: self.sig_pong.emit(m.token),
             P.Stopped: lambda m: None, P.ExperimentDone: self._on_experiment_done,
             Steered: self.sig_steered.emit, P.SteerReady: self._on_steer_ready, P.LensTuned: self._on_lens_tuned,

@@ -657,6 +657,16 @@ class ServeSpans(Notice):
 
 
 @dataclass(frozen=True)
+class ServeBlocks(Notice):
+    """Load lab with the server's KV events: its prefix cache's blocks now (engine.remote.kvevents.BlockSnapshot),
+    beside /metrics' KV usage at the same scrape (None: not known)."""
+
+    t: float
+    blocks: object  # engine.remote.kvevents.BlockSnapshot
+    kv_usage: float | None = None
+
+
+@dataclass(frozen=True)
 class Tokenized(Notice):
     """The backend's tokenization of a prompt (and of its chat form); errors are one sentence, "" when none."""
 

@@ -144,8 +144,20 @@ class LoadLabPanel(Panel):
             "for each request in the Requests panel. Start vLLM with --otlp-traces-endpoint "
             "http://127.0.0.1:PORT/v1/traces and OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf")
         self.spans_port = spin_box(1024, 65535, 4318, "The span receiver's port (OTLP/HTTP's usual one is 4318)")
-        row2.addWidget(self.spans_check)
-        row2.addWidget(self.spans_port)
+        # what the server itself reports, beside the client's measurements: a row of its own (the panel's width)
+        row_server = QtWidgets.QHBoxLayout()
+        row_server.setContentsMargins(0, 0, 0, 0)
+        row_server.addWidget(self.spans_check)
+        row_server.addWidget(self.spans_port)
+        self.kv_check = QtWidgets.QCheckBox("KV events on port")
+        self.kv_check.setToolTip(
+            "Subscribe to vLLM's KV-cache events (ZeroMQ) on 127.0.0.1 and draw its prefix cache's blocks in the "
+            "Server KV blocks panel. Start vLLM with --kv-events-config '{\"enable_kv_cache_events\": true, "
+            "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:PORT\"}'")
+        self.kv_port = spin_box(1024, 65535, 5557, "The KV-event subscriber's port (vLLM's default is 5557)")
+        row_server.addWidget(self.kv_check)
+        row_server.addWidget(self.kv_port)
+        row_server.addStretch(1)
         row2.addStretch(1)
         self.run_button = QtWidgets.QPushButton("Run")
         self.run_button.clicked.connect(lambda: self.run())
@@ -214,6 +226,7 @@ class LoadLabPanel(Panel):
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addLayout(row)
         lay.addLayout(row2)
+        lay.addLayout(row_server)
         lay.addLayout(row3)
         lay.addWidget(self.progress)
         lay.addWidget(self.status_label)
@@ -235,7 +248,8 @@ class LoadLabPanel(Panel):
                 "num_prompts": int(self.prompts_spin.value()),
                 "max_new_tokens": int(self.tokens_spin.value()), "request_rate": rate or None,
                 "burstiness": float(self.burst_spin.value()), "time_limit_s": float(self.limit_spin.value()),
-                "spans_port": int(self.spans_port.value()) if self.spans_check.isChecked() else None}
+                "spans_port": int(self.spans_port.value()) if self.spans_check.isChecked() else None,
+                "kv_events_port": int(self.kv_port.value()) if self.kv_check.isChecked() else None}
 
     def run(self, config: dict | None = None) -> bool:
         if self.bridge.server is None:

@@ -171,6 +171,82 @@ class BlockPool:
         return n
 
 
+MAX_SNAPSHOT = 20_000  # blocks a snapshot carries to the app (the newest)
+
+
+@dataclass(frozen=True)
+class BlockSnapshot:
+    """The pool at one moment, as plain arrays for a view: blocks in chain order (each after its parent), `parent[i]`
+    the index of block i's parent in this snapshot (−1: none cached), `sharers[i]` how many cached chain ends lie
+    after it (2 or more: a prefix shared by that many sequences)."""
+
+    n_blocks: int  # in the pool (the snapshot holds at most MAX_SNAPSHOT of them)
+    parent: object  # np.ndarray int32
+    sharers: object  # np.ndarray int32
+    block_size: int | None
+    stored: int
+    removed: int
+    cleared: int
+    problems: tuple[str, ...] = ()
+
+
+def snapshot(pool: BlockPool, limit: int = MAX_SNAPSHOT) -> BlockSnapshot:
+    """The pool as a BlockSnapshot (its newest `limit` blocks)."""
+    import numpy as np
+
+    with pool._lock:
+        blocks = list(pool.blocks.values())[-limit:]
+        stats = (len(pool.blocks), pool.block_size, pool.stored, pool.removed, pool.cleared)
+    index = {b.key: i for i, b in enumerate(blocks)}
+    children: dict[int, list[int]] = {}
+    parent = np.full(len(blocks), -1, dtype=np.int32)
+    for i, b in enumerate(blocks):
+        if b.parent is not None and b.parent in index:
+            parent[i] = index[b.parent]
+            children.setdefault(int(parent[i]), []).append(i)
+    order: list[int] = []  # depth-first from each root: a chain's blocks side by side
+    for root in (i for i in range(len(blocks)) if parent[i] < 0):
+        stack = [root]
+        while stack:
+            i = stack.pop()
+            order.append(i)
+            stack.extend(reversed(children.get(i, [])))
+    sharers = np.zeros(len(blocks), dtype=np.int32)
+    for i in reversed(order):  # children come after their parent in `order`
+        sharers[i] = max(1, int(sum(sharers[c] for c in children.get(i, []))))
+    at = np.asarray(order, dtype=np.int64)
+    pos = np.empty(len(blocks), dtype=np.int64)
+    pos[at] = np.arange(len(at))  # where each block sits in chain order
+    old = parent[at]
+    new_parent = np.where(old >= 0, pos[np.maximum(old, 0)], -1).astype(np.int32)
+    return BlockSnapshot(n_blocks=stats[0], parent=new_parent, sharers=sharers[at], block_size=stats[1],
+                         stored=stats[2], removed=stats[3], cleared=stats[4], problems=tuple(pool.problems()))
+
+
+_SUBSCRIBERS: dict[int, KVEventSubscriber] = {}
+_SUBSCRIBERS_LOCK = threading.Lock()
+
+
+def subscriber_on(port: int, replay_port: int | None = None) -> KVEventSubscriber:
+    """This process's subscriber bound at tcp://127.0.0.1:`port`, started at the first call and kept for the
+    process's life (a vLLM started with that endpoint connects whenever it runs). KVEventError, one sentence, when
+    the port cannot be had."""
+    import zmq
+
+    if not 1 <= port <= 65535 or (replay_port is not None and not 1 <= replay_port <= 65535):
+        raise KVEventError("the KV-event ports must be between 1 and 65535")
+    with _SUBSCRIBERS_LOCK:
+        sub = _SUBSCRIBERS.get(port)
+        if sub is None:
+            replay = f"tcp://127.0.0.1:{replay_port}" if replay_port else None
+            try:
+                sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}", replay).start()
+            except zmq.ZMQError as e:
+                raise KVEventError(f"the KV-event subscriber cannot listen on 127.0.0.1:{port}: {e}") from None
+            _SUBSCRIBERS[port] = sub
+        return sub
+
+
 class KVEventSubscriber:
     """Subscribes to a vLLM's KV events: binds `endpoint` (tcp://127.0.0.1:PORT, which vLLM's publisher connects to),
     applies each message to `pool`, and asks `replay_endpoint` (vLLM's, when given) for what a gap in the sequence

@@ -236,12 +236,14 @@ def otlp_env(endpoint: str, delay_ms: int = 100) -> dict[str, str]:
 
 def start_vllm(hf_dir: Path, log_dir: Path, api_key: str | None = None, timeout_s: float = 420.0,
                threads: int | None = None, dtype: str = "float32", extra_args: Sequence[str] = (),
-               python: Path | None = None, otlp_endpoint: str | None = None) -> RunningServer:
+               python: Path | None = None, otlp_endpoint: str | None = None,
+               kv_events: dict | None = None) -> RunningServer:
     """vLLM's OpenAI server on `hf_dir`, eager mode, KV cache 1 GiB.
 
     threads None: vLLM binds its own OpenMP threads (auto: it keeps a core for its scheduler); a count: that many
     threads bound to the first allowed CPUs (VLLM_CPU_OMP_THREADS_BIND), as a benchmark wants. `otlp_endpoint`: it
     exports a span per request there (`--otlp-traces-endpoint`, OTLP/HTTP protobuf: engine.remote.otlp receives).
+    `kv_events`: its --kv-events-config (engine.remote.kvevents.kv_events_config), KV-cache events published.
     """
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
@@ -249,6 +251,8 @@ def start_vllm(hf_dir: Path, log_dir: Path, api_key: str | None = None, timeout_
     if otlp_endpoint:
         env.update(otlp_env(otlp_endpoint))
         extra_args = (*extra_args, "--otlp-traces-endpoint", otlp_endpoint)
+    if kv_events:
+        extra_args = (*extra_args, "--kv-events-config", json.dumps(kv_events))
     if threads is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(threads, _allowed_cpus())
     env.pop("PYTHONPATH", None)

@@ -22,6 +22,7 @@ from engine.protocol import (
     Progress,
     SamplingParams,
     ServeBench,
+    ServeBlocks,
     ServeLevelDone,
     ServeMetrics,
     ServeRequestDone,
@@ -145,6 +146,20 @@ class ServerBackend(Backend):
             except OTLPError as e:
                 raise ValueError(str(e)) from None
 
+        kv = None
+        if config.get("kv_events_port") is not None:  # the server publishes its KV-cache events to this process
+            from engine.remote.kvevents import KVEventError, snapshot, subscriber_on
+
+            try:
+                kv = subscriber_on(int(config["kv_events_port"]), config.get("kv_replay_port"))
+            except KVEventError as e:
+                raise ValueError(str(e)) from None
+
+        def on_metrics(t: float, m) -> None:
+            send(ServeMetrics(t, m))
+            if kv is not None:  # the blocks beside the usage of the same scrape
+                send(ServeBlocks(t, snapshot(kv.pool), m.kv_usage))
+
         def on_spans(results) -> None:
             send(ServeSpans(tuple(results), receiver.endpoint, tuple(receiver.problems())))
 
@@ -158,7 +173,7 @@ class ServerBackend(Backend):
                         self.client, c, n, int(config.get("max_new_tokens", 32)), request_rate=rate,
                         burstiness=float(config.get("burstiness", 1.0)), seed=int(config.get("seed", 0)),
                         time_limit_s=float(config.get("time_limit_s", 60.0)), slo_ms=config.get("slo_ms"),
-                        cancel=cancel, on_request=on_request, on_metrics=lambda t, m: send(ServeMetrics(t, m)),
+                        cancel=cancel, on_request=on_request, on_metrics=on_metrics,
                         spans=receiver, on_spans=on_spans if receiver is not None else None)
                     d = run.to_dict()
                     d["request_rate"] = None if math.isinf(rate) else rate

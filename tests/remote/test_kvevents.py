@@ -137,3 +137,25 @@ def test_hostile_messages_each_get_one_line_and_the_pool_stays_bounded():
             assert sum(words in m for m in problems) == 1, (words, problems)
         assert len(pool) <= 50 and all("\n" not in m for m in problems)
         assert any("missed and could not be replayed" in m for m in problems)  # no replay endpoint was given
+
+
+def test_a_snapshot_orders_chains_and_counts_sharers_by_hand():
+    from engine.remote.kvevents import snapshot
+
+    pool = BlockPool()
+
+    def stored(hashes, parent):
+        return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                "token_ids": [0] * (4 * len(hashes)), "block_size": 4}
+
+    # stored in this order: 9 alone; 1 → 2; 3 after 2; 4 after 2; 5 after 4
+    pool.apply(msgpack.packb([1.0, [stored([9], None), stored([1, 2], None), stored([3], 2), stored([4], 2),
+                                    stored([5], 4)]]))
+    s = snapshot(pool)
+    # chain order by hand: 9 | 1 2 3 4 5 (a root, then depth first in the order stored)
+    assert s.parent.tolist() == [-1, -1, 1, 2, 2, 4]
+    # sequences through each: 9 one; 1 and 2 two (3 and 5 end there); 3 one; 4 one; 5 one
+    assert s.sharers.tolist() == [1, 2, 2, 1, 1, 1]
+    assert (s.n_blocks, s.block_size, s.stored) == (6, 4, 6)
+    newest = snapshot(pool, limit=2)  # the newest two: 4 → 5, one sequence through both (4's parent not drawn)
+    assert newest.parent.tolist() == [-1, 0] and newest.sharers.tolist() == [1, 1] and newest.n_blocks == 6
