@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -154,11 +155,15 @@ def cmd_generate(a: argparse.Namespace) -> int:
             steer = steering(s, load_for(s, a.steer[0]), a.steer[1])
     except ValueError as e:
         raise CliError(str(e)) from None
-    with steer:
-        return _print_run(a, s, gen)
+    with steer as handle:
+        steered = None if handle is None else {"vector": os.path.basename(a.steer[0]), "layers": handle.layers,
+                                                 "scale": a.steer[1]}
+        return _print_run(a, s, gen, steered)
 
 
-def _print_run(a: argparse.Namespace, s: object, gen) -> int:
+def _print_run(a: argparse.Namespace, s: object, gen, steered: dict | None = None) -> int:
+    """Print a run's text as it comes, then its figures (JSON with --json); a steered run says its vector, layers
+    and scale in both."""
     from engine.events import Failed, Finished, TokenSampled
 
     done_forced: list[list[int]] = []
@@ -193,6 +198,7 @@ def _print_run(a: argparse.Namespace, s: object, gen) -> int:
                     "ttft_s": ev.ttft_s, "tpot_s": ev.tpot_s, "tokens_per_s": ev.tokens_per_s,
                     "total_s": ev.total_s, "finish_reason": ev.reason, "forced": done_forced,
                     "step_seconds": [round(float(x), 6) for x in ev.step_seconds],
+                    **({} if steered is None else {"steered": steered}),
                 }, s.info), ensure_ascii=False))
             else:
                 print()
@@ -200,6 +206,9 @@ def _print_run(a: argparse.Namespace, s: object, gen) -> int:
                     f"[{len(ev.ids)} tokens, {ev.reason}; TTFT {ev.ttft_s * 1e3:.1f} ms, "
                     f"TPOT {ev.tpot_s * 1e3:.1f} ms ({ev.tokens_per_s:.1f} tok/s)]", file=sys.stderr,
                 )
+                if steered is not None:
+                    print(f"[steered by {steered['vector']} at layers {steered['layers']} × {steered['scale']:+g}]",
+                          file=sys.stderr)
     return 0
 
 

@@ -416,3 +416,31 @@ def test_default_model_flips(real_lm):
         assert all(t == lt for _, t, lt in firm), firm
     finally:
         llama.close()
+
+
+def test_generate_steer_on_the_command_line_names_the_vector_and_changes_the_tokens(tiny_dir, tmp_path, capsys):
+    """`engine steer --out` writes a control vector; `generate --steer FILE:SCALE` runs with it: at scale 0 the
+    tokens are the plain run's, at a large scale they are not, and the JSON and the summary line name the vector,
+    its layers and the scale."""
+    import json
+
+    from engine.__main__ import main
+
+    model = ["--model", str(tiny_dir.gguf), "--backend", "torch", "--threads", "1"]
+    vec = tmp_path / "mood.gguf"
+    assert main(["steer", *model, "--pair", "I love this", "I hate this", "--layers", "1", "--out", str(vec)]) == 0
+    capsys.readouterr()
+
+    def run(*extra: str) -> dict:
+        assert main(["generate", *model, "--prompt", "the cat", "--greedy", "--max-new-tokens", "6",
+                     "--ignore-eos", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    plain, zero, strong = run(), run("--steer", f"{vec}:0"), run("--steer", f"{vec}:40")
+    assert "steered" not in plain
+    assert zero["ids"] == plain["ids"]
+    assert strong["ids"] != plain["ids"]
+    assert strong["steered"] == {"vector": "mood.gguf", "layers": [1], "scale": 40.0}
+    assert main(["generate", *model, "--prompt", "the cat", "--greedy", "--max-new-tokens", "2",
+                 "--steer", f"{vec}:-2.5"]) == 0
+    assert "[steered by mood.gguf at layers [1] × -2.5]" in capsys.readouterr().err
