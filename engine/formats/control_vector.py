@@ -157,7 +157,6 @@ def load(path: str | os.PathLike[str], n_layers: int | None = None, d_model: int
 
     float_types = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F64}
     directions: dict[int, np.ndarray] = {}
-    width = None
     for t in reader.tensors:
         m = _NAME.fullmatch(t.name)
         if m is None:
@@ -171,13 +170,8 @@ def load(path: str | os.PathLike[str], n_layers: int | None = None, d_model: int
             raise refuse(f"{t.name} is of type {t.tensor_type.name}, not a float type")
         if t.data.size != t.n_elements or t.n_elements == 0:
             raise refuse(f"{t.name} is cut short or empty ({t.data.size} of {t.n_elements} values)")
-        with np.errstate(over="ignore"):  # a float64 beyond float32 becomes inf, refused below
+        with np.errstate(over="ignore"):  # a float64 beyond float32 becomes inf, which ControlVector refuses
             a = np.array(t.data, dtype=np.float32)  # reads this tensor alone, from the mapped file
-        if not np.isfinite(a).all():
-            raise refuse(f"{t.name} holds non-finite values")
-        if width is not None and a.size != width:
-            raise refuse(f"{t.name} has width {a.size}, the directions before it {width}")
-        width = a.size
         if n_layers is not None and not 1 <= layer <= n_layers - 1:
             raise refuse(f"steers layer {layer}, but the loaded model's {n_layers} layers can be steered at "
                          f"1 … {n_layers - 1} only")
@@ -187,7 +181,10 @@ def load(path: str | os.PathLike[str], n_layers: int | None = None, d_model: int
     del reader  # lets the file's mapping go
     if not directions:
         raise refuse("holds no directions")
-    return ControlVector(directions, hint)
+    try:
+        return ControlVector(directions, hint)  # every direction finite, all of one width
+    except ValueError as e:
+        raise refuse(str(e)) from None
 
 
 def as_llama_buffer(vector: ControlVector, n_layers: int, d_model: int, scale: float = 1.0) -> np.ndarray:
