@@ -1408,10 +1408,13 @@ class WhyPanel(Panel):
             if entry is None:
                 img.clear()
                 box.setVisible(False)
+                pi.getAxis("bottom").setTicks(None)
                 continue
             m = np.asarray(entry["result"]["scores"][key], dtype=float)
             img.setImage(np.nan_to_num(m), levels=(0.0, 1.0), autoLevels=False)
             pi.getViewBox().setRange(xRange=(0, m.shape[1]), yRange=(0, m.shape[0]), padding=0)
+            hstep = max(1, m.shape[1] // 6)  # whole heads under their columns (a 4-head model showed 0.5, 1, 1.5)
+            pi.getAxis("bottom").setTicks([[(h + 0.5, str(h)) for h in range(0, m.shape[1], hstep)]])
             if sel is not None and sel[0] < m.shape[0] and sel[1] < m.shape[1]:
                 box.setRect(sel[1], sel[0], 1, 1)
                 box.setVisible(True)

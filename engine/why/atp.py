@@ -1,7 +1,8 @@
 """Attribution patching (AtP): the whole activation-patching grid of engine.why.patch estimated from one clean
 forward, one corrupted forward and one backward pass, beside the exact grid, with where the two part.
 
-    python -m engine atp --clean C --corrupt X --answer A --wrong W [--heads] [--no-exact] [--top K] [--json]
+    python -m engine atp --clean C --corrupt X --answer A --wrong W [--heads] [--no-exact] [--top K]
+        [--ig-steps K] [--json]
 
 Patching an activation a of the corrupted run to its clean value moves the metric
     m = (d − d_corrupt) / (d_clean − d_corrupt),   d = logit[answer] − logit[wrong] at the last position
@@ -17,6 +18,10 @@ activation at once, so every cell costs a dot product:
 The estimate is linear in the change; where the model is not (a softmax that saturates, a norm's scale) it parts
 from the exact grid. The result carries both grids, their Pearson correlation (over every cell, and over only the
 cells whose clean and corrupted activations differ: the others are 0 in both), and the cells where they part most.
+
+`--ig-steps K` takes ∂m/∂a not at the corrupted run alone but averaged over K runs whose token embeddings lie on
+the straight path from the corrupted prompt's to the clean one's (EAP-IG; see atp_grids): K forwards and backwards
+more, and an estimate that follows the patch's whole length rather than its start.
 
 Gradients need the torch engine (llama.cpp runs no backward pass). The exact grid is engine.why.patch's own.
 """

@@ -69,9 +69,10 @@ FACTUAL_RECALL = Entry(
     "length in tokens and ask for a city. Patching the clean residual stream into the corrupted run, one layer and "
     "one position at a time, finds where the fact about the subject is looked up and how it travels to the last "
     "position.",
-    "Two bright regions: at the subject's last token in the early and middle layers (the model recalls the fact "
-    "there, much of it in MLPs), then at the last position from the middle layers on (attention has moved it "
-    "there). Cells at the shared words restore nothing: both runs are the same there.")
+    "Two bright regions: at the subject's tokens in the early and middle layers (the model recalls the fact there, "
+    "much of it in MLPs; the token that tells the two landmarks apart carries most of it), then at the last "
+    "position from the middle layers on (attention has moved it there). Cells at the shared words restore nothing: "
+    "both runs are the same there.")
 GALLERY: tuple[Entry, ...] = (INDUCTION, IOI, GREATER_THAN, FACTUAL_RECALL)
 NAMES = tuple(e.name for e in GALLERY)
 
