@@ -22,6 +22,7 @@ COLUMNS = 64  # cells per row of the grid
 SINGLE = (79, 176, 224)  # theme.DECODE_COLOR: a block one sequence holds
 SHARED = (224, 160, 64)  # theme.PREFILL_COLOR: a prefix several sequences share
 EMPTY = (40, 42, 50)
+EMPTY_GAP = (30, 31, 36)  # the background between cells
 
 
 def cell_colors(sharers: np.ndarray, columns: int = COLUMNS) -> np.ndarray:
@@ -38,6 +39,19 @@ def cell_colors(sharers: np.ndarray, columns: int = COLUMNS) -> np.ndarray:
         x = np.clip((s[shared] - 2) / 6.0, 0, 1)[:, None]
         img[:n][shared] = (np.array(SHARED) * (1 - x) + 240 * x).astype(np.ubyte)
     return img.reshape(rows, columns, 3)
+
+
+def columns_for(n: int) -> int:
+    """Cells per row: a few blocks in a short row, many in rows of COLUMNS."""
+    return min(COLUMNS, max(8, 1 << math.ceil(math.log2(max(1.0, math.sqrt(2 * n))))))
+
+
+def upsample(grid: np.ndarray, cell: int = 6) -> np.ndarray:
+    """Each cell as `cell` × `cell` pixels with a one-pixel gap of the background after it."""
+    img = np.repeat(np.repeat(grid, cell, axis=0), cell, axis=1)
+    img[cell - 1::cell, :, :] = EMPTY_GAP
+    img[:, cell - 1::cell, :] = EMPTY_GAP
+    return img
 
 
 class ServerBlocksPanel(Panel):
@@ -59,6 +73,7 @@ class ServerBlocksPanel(Panel):
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)
         self.snapshot = None  # engine.remote.kvevents.BlockSnapshot
+        self.grid = cell_colors(np.zeros(0, dtype=np.int32), 8)
         self.kv_usage: float | None = None
         self.status = "Tick 'KV events' in the Load lab and run it against a vLLM that publishes them."
         self.status_label = QtWidgets.QLabel()
@@ -67,7 +82,7 @@ class ServerBlocksPanel(Panel):
         self.view.setBackground(theme.BACKGROUND)
         self.plot = self.view.addPlot()
         self.plot.hideAxis("bottom")
-        self.plot.setLabel("left", f"block ÷ {COLUMNS}")
+        self.plot.hideAxis("left")
         self.plot.invertY(True)
         self.plot.setAspectLocked(True)
         self.image = pg.ImageItem(axisOrder="row-major")
@@ -99,7 +114,9 @@ class ServerBlocksPanel(Panel):
     def draw(self) -> None:
         self.status_label.setText(self.summary())
         sharers = np.zeros(0, dtype=np.int32) if self.snapshot is None else np.asarray(self.snapshot.sharers)
-        self.image.setImage(cell_colors(sharers), autoLevels=False, levels=(0, 255))
+        self.grid = cell_colors(sharers, columns_for(len(sharers)))  # one pixel per block (the tests read it)
+        self.image.setImage(upsample(self.grid), autoLevels=False, levels=(0, 255))
+        self.plot.getViewBox().autoRange(padding=0.02)
 
     def clear(self) -> None:
         """A new generation does not clear the server's blocks."""

@@ -13,7 +13,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from app.panels.server_blocks import SHARED, SINGLE
+from app.panels.server_blocks import EMPTY, EMPTY_GAP, SHARED, SINGLE
 from engine.remote.launch import free_port
 from tests.remote.test_timeline import Stub
 
@@ -73,10 +73,11 @@ def test_the_servers_blocks_are_drawn_by_sharing(qtbot, window):
         panel.flush()
         # by hand: chain order 1 2 3 4 | 7; sequences through them: 2 2 1 1 | 1
         assert last.blocks.sharers.tolist() == [2, 2, 1, 1, 1] and last.kv_usage == 0.25
-        img = panel.image.image
-        cells = img.reshape(-1, 3)[:5]
-        assert [tuple(c) for c in cells] == [SHARED, SHARED, SINGLE, SINGLE, SINGLE]
-        assert np.all(img.reshape(-1, 3)[5:] == img.reshape(-1, 3)[-1])  # the rest of the grid is empty
+        cells = panel.grid.reshape(-1, 3)
+        assert [tuple(c) for c in cells[:5]] == [SHARED, SHARED, SINGLE, SINGLE, SINGLE]
+        assert np.all(cells[5:] == EMPTY) and panel.grid.shape == (1, 8, 3)  # one short row: 5 blocks, 3 empty
+        img = panel.image.image  # on the screen: each cell 6 × 6 pixels, its last row and column the gap
+        assert img.shape == (6, 48, 3) and tuple(img[2, 6 * 2 + 2]) == SINGLE and tuple(img[5, 2]) == EMPTY_GAP
         text = panel.status_label.text()
         assert text.startswith("5 blocks of 16 tokens cached, 2 of them a prefix two or more sequences share")
         assert "/metrics KV usage 25.0%" in text
