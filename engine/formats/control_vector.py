@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.formats.gguf_meta import EVERY_KEY, read_metadata
+from engine.formats.gguf_meta import every_key_but, read_metadata
 
 ARCH = "controlvector"
 KEY_MODEL_HINT = f"{ARCH}.model_hint"
@@ -139,7 +139,8 @@ def load(path: str | os.PathLike[str], n_layers: int | None = None, d_model: int
             raise refuse("is not a regular file")
         if st.st_size > MAX_FILE_BYTES:
             raise refuse(f"is {st.st_size} bytes, more than the {MAX_FILE_BYTES} a control vector file may be")
-        read_metadata(name, EVERY_KEY, tensors=True, max_entries=MAX_ENTRIES, max_strings=MAX_STRING_ITEMS)
+        meta = read_metadata(name, every_key_but("general.architecture", KEY_MODEL_HINT), tensors=True,
+                             max_entries=MAX_ENTRIES, max_strings=MAX_STRING_ITEMS)
     except OSError as e:
         raise refuse(f"cannot be read ({e.strerror or e})") from None
     except ValueError as e:
@@ -150,10 +151,11 @@ def load(path: str | os.PathLike[str], n_layers: int | None = None, d_model: int
     except Exception as e:  # any damage GGUFReader trips over (the header walk above let through only a bounded file)
         raise refuse(f"is not a readable GGUF file ({type(e).__name__}: {e})") from None
 
-    arch = _string_field(reader, "general.architecture", refuse)
+    arch, hint = meta.get("general.architecture"), meta.get(KEY_MODEL_HINT, "")
     if arch != ARCH:
-        raise refuse(f"is a GGUF of architecture {arch!r}, not {ARCH!r}")
-    hint = _string_field(reader, KEY_MODEL_HINT, refuse, missing="")
+        raise refuse(f"is a GGUF of architecture {arch!r}, not {ARCH!r}" if arch else "has no general.architecture")
+    if not isinstance(hint, str):
+        raise refuse(f"has a {KEY_MODEL_HINT} that is not a string")
 
     float_types = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F64}
     directions: dict[int, np.ndarray] = {}
@@ -204,20 +206,3 @@ def as_llama_buffer(vector: ControlVector, n_layers: int, d_model: int, scale: f
             raise ValueError(f"the control vector steers layer {layer}, past this model's last, {n_layers - 1}")
         buf[(layer - 1) * d_model:layer * d_model] = direction * np.float32(scale)
     return buf
-
-
-def _string_field(reader, key: str, refuse, missing: str | None = None) -> str:
-    """The string value of `key` (`missing` where absent and allowed)."""
-    from gguf import GGUFValueType
-
-    f = reader.get_field(key)
-    if f is None:
-        if missing is None:
-            raise refuse(f"has no {key}")
-        return missing
-    if f.types != [GGUFValueType.STRING] or len(f.data) != 1:
-        raise refuse(f"has a {key} that is not a string")
-    try:
-        return bytes(f.parts[f.data[0]]).decode("utf-8")
-    except UnicodeDecodeError:
-        raise refuse(f"has a {key} that is not UTF-8") from None

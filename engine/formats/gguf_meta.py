@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BULK_KEYS", "EVERY_KEY", "GGUFMetadata", "TensorInfo", "read_metadata"]
+__all__ = ["BULK_KEYS", "EVERY_KEY", "GGUFMetadata", "TensorInfo", "every_key_but", "read_metadata"]
 
 # GGUF value types: 0..7 and 10..12 are scalars, 8 a string, 9 an array.
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -43,14 +43,22 @@ BULK_KEYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokeni
                        "tokenizer.ggml.merges", "tokenizer.ggml.precompiled_charsmap", "tokenizer.chat_template"})
 
 
-class _Every:
-    """`skip=EVERY_KEY`: the header is walked and checked, no value built (general.alignment is always read)."""
+class _AllBut:
+    """A `skip` of every key but `keep`: the whole header is walked and checked, only those values built
+    (general.alignment is always read)."""
+
+    def __init__(self, keep: frozenset[str]) -> None:
+        self.keep = keep
 
     def __contains__(self, key: object) -> bool:
-        return True
+        return key not in self.keep
 
 
-EVERY_KEY = _Every()
+EVERY_KEY = _AllBut(frozenset())
+
+
+def every_key_but(*keys: str) -> Container[str]:
+    return _AllBut(frozenset(keys))
 
 
 @dataclass(frozen=True)
