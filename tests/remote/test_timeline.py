@@ -216,3 +216,16 @@ def test_serve_bench_writes_the_timelines_and_receives_spans(stub_url, tmp_path)
     assert len(json.loads((tmp_path / "r.json").read_text())["requests"]) == 2
     trace = json.loads((tmp_path / "r.perfetto.json").read_text())
     assert sum(1 for e in trace["traceEvents"] if e["name"] == "request") == 2
+
+
+def test_a_session_file_keeps_the_timelines_with_their_spans(tmp_path):
+    """Through the real session file (engine.session_file), not only the plain data: arrays, text and the span."""
+    from engine.session_file import SavedSession, load_session, save_session
+
+    span = ServerSpan("cmpl-a-0", 5.01, 5.3, "llm_request", 0.08, 0.28, 0.0, 0.07, 0.2, 3, 2)
+    a = _request(5.0, [0.1, 0.3], request_id="cmpl-a", concurrency=2, index=1, server=span)
+    b = RequestResult(ok=False, error="boom", sent_wall_s=5.5, end_s=0.01)
+    save_session(tmp_path / "s.ilab", SavedSession(events=[], settings={"load_requests": [timeline.to_plain(a),
+                                                                                          timeline.to_plain(b)]}))
+    back, msg = timeline.restore(load_session(tmp_path / "s.ilab").settings["load_requests"])
+    assert msg == "" and back == [a, b]
