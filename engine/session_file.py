@@ -162,10 +162,10 @@ class SavedSession:
 # ---- model identity ------------------------------------------------------------------------------------------
 def model_identity(info: ev_mod.ModelInfo | None) -> dict:
     """The model a session was recorded with. Its SHA-256 comes from the engine (ModelInfo.sha256, hashed once at
-    load); a ModelInfo from before that field existed is hashed here."""
+    load); a ModelInfo from before that field existed (read back with it empty) is hashed here."""
     if info is None:
         return {}
-    sha = getattr(info, "sha256", "") or (file_sha256(info.path) if info.path else "")
+    sha = info.sha256 or (file_sha256(info.path) if info.path else "")
     return {"name": info.name, "path": info.path, "architecture": info.architecture, "file_type": info.file_type,
             "n_params": info.n_params, "sha256": sha}
 

@@ -95,7 +95,7 @@ def hf_backend(tok: Tokenizer):
 
     from engine.tokenizer.vocab import _TYPE_CONTROL, _TYPE_UNKNOWN, _TYPE_USER_DEFINED
 
-    rules = getattr(tok, "_rules", None)
+    rules = tok._rules
     if rules is not None and rules.kind != "bpe":
         raise ExportError("only byte-level BPE tokenizers can be exported yet (this one is SentencePiece-style)")
     backend = tok._backend.__class__.from_str(tok._backend.to_str())
