@@ -74,6 +74,9 @@ MODE_KINDS = tuple(k for k, _ in MODES)
 KINDS = tuple(k for k in MODE_KINDS if k != "gallery") + ("atp",)
 PATCH_METHODS = (("exact", "exact"), ("AtP", "atp"), ("both", "both"))
 OUTLINED = 8  # the cells where AtP and exact patching part most, outlined (engine.why.atp's TOP)
+# Of those, the ones outlined: where the two differ by at least this share of the clean–corrupt difference (the
+# engine lists its top cells even where every other cell agrees exactly, and an outline there would say they part)
+PART = 0.05
 DLA_GAP = 0.5  # between the heads' map and the MLP column (and the embeddings' cell below it), in cells
 SCORES = (("previous_token", "previous token"), ("duplicate_token", "duplicate token"), ("induction", "induction"),
           ("sink", "attention sink"))
@@ -656,6 +659,8 @@ class WhyPanel(Panel):
         self.patch_bar = pg.ColorBarItem(values=(-1, 1), colorMap=DIVERGING, interactive=False, width=10)
         self.patch_bar.setImageItem([self.patch_image, self.patch_heads_image, self.patch_atp_image])
         self.patch_plot.addItem(self.patch_bar, row=0, col=1)
+        for item in (pi, ai):  # side by side, the stretch factors alone share the width (not the axes' sizes)
+            item.setPreferredWidth(10)
         self._patch_placed: tuple[str, ...] = ()  # the grids laid out beside the main one: "atp", "heads"
         self._patch_cells: list[tuple[pg.PlotItem, str]] = []  # (plot, the result's key) of each grid drawn
         self.patch_plot.scene().sigMouseMoved.connect(self._on_patch_hover)
@@ -1322,9 +1327,11 @@ class WhyPanel(Panel):
                 far = r.get("disagree") or []
                 if far:
                     d = far[0]
+                    apart = sum(isinstance(c.get("difference"), (int, float)) and abs(c["difference"]) >= PART
+                                for c in far[:OUTLINED] if isinstance(c, dict))
                     parts.append(esc(f"most apart: after {d['layer']} layers at {_piece(d['token'])!r}, AtP "
-                                     f"{d['atp']:+.2f} against exact {d['exact']:+.2f} (outlined: the "
-                                     f"{len(far[:OUTLINED])} cells most apart)"))
+                                     f"{d['atp']:+.2f} against exact {d['exact']:+.2f} (outlined: the {apart} "
+                                     f"cells most apart, by {PART} or more)"))
             return " · ".join([*parts, esc(took)])
         if kind == "ablate":
             b, a = r["before"], r["after"]
@@ -1468,6 +1475,8 @@ class WhyPanel(Panel):
             stretch = {0: 3 if "heads" in placed else 1, **{c: 1 for c in range(1, len(placed) + 1)}}
             for col in range(4):
                 layout.setColumnStretchFactor(col, stretch.get(col, 0))
+            layout.invalidate()  # now, not at the next event: a picture taken at once shows the new columns
+            layout.activate()
             self._patch_placed = placed
         self._patch_cells = ([(pi, main_key)] + ([(ai, "atp")] if both else [])
                              + ([(hi, heads_key)] if heads_key else []))
@@ -1484,10 +1493,12 @@ class WhyPanel(Panel):
             hi.getAxis("left").setTicks([[(j + 0.5, str(j)) for j in range(0, h.shape[0], lstep)]])
         else:
             self.patch_heads_image.clear()
-        far = r.get("disagree") if both and isinstance(r.get("disagree"), list) else []
+        far = [d for d in (r.get("disagree") if both and isinstance(r.get("disagree"), list) else [])
+               if isinstance(d, dict) and isinstance(d.get("difference"), (int, float))
+               and abs(d["difference"]) >= PART]
         for name in ("main", "atp"):
             for i, rect in enumerate(self.patch_outlines[name]):
-                d = far[i] if i < len(far) and isinstance(far[i], dict) else None
+                d = far[i] if i < len(far) else None
                 if d is not None:
                     rect.setRect(float(d.get("position", 0)), float(d.get("layer", 0)), 1, 1)
                 rect.setVisible(d is not None)
@@ -1505,11 +1516,13 @@ class WhyPanel(Panel):
         ticks = [[(i + 0.5, t) for i, t in enumerate(patch_labels(r, "\n"))]]
         pi.getAxis("bottom").setTicks(ticks)
         step = max(1, m.shape[0] // 8)
-        pi.getAxis("left").setTicks([[(j + 0.5, str(j)) for j in range(0, m.shape[0], step)]])
+        rows = [[(j + 0.5, str(j)) for j in range(0, m.shape[0], step)]]
+        pi.getAxis("left").setTicks(rows)
         if both:
             self.patch_atp_image.setImage(np.nan_to_num(np.asarray(r["atp"], dtype=float)), levels=(-1.0, 1.0),
                                           autoLevels=False)
             ai.getAxis("bottom").setTicks(ticks)
+            ai.getAxis("left").setTicks(rows)
         else:
             self.patch_atp_image.clear()
 

@@ -44,13 +44,15 @@ def click(qtbot, view, scene_pos: QtCore.QPointF) -> None:
 
 
 # ---- direct logit attribution ------------------------------------------------------------------------------------
-def test_dla_heatmap_equals_the_engines_result_and_a_click_selects_the_head(qtbot, why_window, tiny_lm):
+def test_dla_heatmap_equals_the_engines_result_and_a_click_selects_the_head(qtbot, why_window, tiny_lm, tmp_path):
     from engine.run.session import Session
     from engine.why.dla import dla
 
     w = why_window()
     panel: WhyPanel = w.panels["why"]
     panel.dla_prompt.setText(PROMPT)
+    w.docks["why"].setFloating(True)  # the picture at the end: the panel alone, at a readable size
+    w.docks["why"].resize(1200, 800)
     panel.dla_answer.setText(ANSWER)
     panel.dla_wrong.setText(WRONG)
     done = run_and_wait(qtbot, panel, "dla")
@@ -97,6 +99,7 @@ def test_dla_heatmap_equals_the_engines_result_and_a_click_selects_the_head(qtbo
     rows = panel.export_rows()
     assert len(rows) == L * H + L + 1 and rows[-1]["component"] == "embeddings"
     assert rows[H + 2]["contribution"] == pytest.approx(here["heads"][1][2], rel=1e-5, abs=1e-6)
+    assert exports.export_panel_to(w, "why", str(tmp_path / "dla.png")), w.last_error
 
 
 def test_dla_bad_input_is_one_line(qtbot, why_window):
@@ -114,13 +117,15 @@ def test_dla_bad_input_is_one_line(qtbot, why_window):
 
 
 # ---- attribution patching beside exact patching ------------------------------------------------------------------
-def test_the_patch_toggle_runs_atp_alone_and_beside_the_exact_grid(qtbot, why_window, tiny_lm):
+def test_the_patch_toggle_runs_atp_alone_and_beside_the_exact_grid(qtbot, why_window, tiny_lm, tmp_path):
     from engine.run.session import Session
     from engine.why.atp import atp_grids
     from engine.why.patch import patch
 
     w = why_window()
     panel: WhyPanel = w.panels["why"]
+    w.docks["why"].setFloating(True)  # the picture of both grids: the panel alone, at a readable size
+    w.docks["why"].resize(1200, 800)
     here = Session(tiny_lm)
     ref_atp = atp_grids(here, CLEAN, CORRUPT, ANSWER, WRONG, heads=True)
     ref_exact = patch(here, CLEAN, CORRUPT, ANSWER, WRONG)
@@ -172,17 +177,21 @@ def test_the_patch_toggle_runs_atp_alone_and_beside_the_exact_grid(qtbot, why_wi
     far = done.result["disagree"]
     gap = np.abs(est - exact)
     assert abs(far[0]["difference"]) == pytest.approx(gap.max(), abs=1e-5)
+    # outlined: the engine's top cells whose two values part by at least 5 % of the clean–corrupt difference
     outlined = [(rect.rect().y(), rect.rect().x()) for rect in panel.patch_outlines["atp"] if rect.isVisible()]
-    assert outlined == [(d["layer"], d["position"]) for d in far][:len(outlined)] and len(outlined) == len(far)
+    apart = int((gap >= 0.05).sum())
+    assert 0 < apart < len(far) and len(outlined) == apart  # here the engine's 8 include cells that agree
+    assert outlined == [(d["layer"], d["position"]) for d in far][:apart]
     assert {(int(y), int(x)) for y, x in outlined} == {
-        tuple(int(v) for v in divmod(int(i), gap.shape[1])) for i in np.argsort(-gap, axis=None)[:len(far)]}
-    assert all(rect.isVisible() for rect in panel.patch_outlines["main"][:len(far)])
+        tuple(int(v) for v in divmod(int(i), gap.shape[1])) for i in np.argsort(-gap, axis=None)[:apart]}
+    assert [rect.isVisible() for rect in panel.patch_outlines["main"]] == [i < apart for i in range(len(far))]
     pos = panel.patch_atp_item.getViewBox().mapViewToScene(QtCore.QPointF(8.5, 2.5))
     assert panel.patch_cell_at(pos) == ("atp", 2, 8)
     panel._on_patch_hover(pos)
     assert f"(exact {exact[2, 8]:+.3f})" in panel.patch_hover.text()
     rows = panel.export_rows()
     assert len(rows) == exact.size and rows[8]["exact"] == pytest.approx(exact[0, 8], abs=1e-5)
+    assert exports.export_panel_to(w, "why", str(tmp_path / "atp-both.png")), w.last_error
 
     # the toggle on exact shows the exact result, which has not run yet; exact runs PatchParams as before
     panel.patch_method.setCurrentIndex(panel.patch_method.findData("exact"))
