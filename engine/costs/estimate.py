@@ -27,10 +27,6 @@ THIS_MACHINE = "this-machine"
 DTYPE_CHOICES = dtypes.ACCEPTED
 
 
-def _resolve_model(cfg: ModelConfig | str) -> ModelConfig:
-    return model_preset(cfg) if isinstance(cfg, str) else cfg
-
-
 def _resolve_hardware(hardware: Hardware | str, dtype: str) -> Hardware:
     if not isinstance(hardware, str):
         return hardware
@@ -56,7 +52,7 @@ def estimate(
     kv_dtype: str | None = None,
 ) -> dict[str, Any]:
     """Memory footprint and roofline speeds of `cfg` on `hardware` (bytes, seconds, tokens/s)."""
-    cfg = _resolve_model(cfg)
+    cfg = model_preset(cfg) if isinstance(cfg, str) else cfg
     hw = _resolve_hardware(hardware, dtype)
     kv_dtype = kv_dtype or dtype
     costs.bytes_per_value(dtype)

@@ -184,11 +184,6 @@ def lm_head_flops_per_token(cfg: ModelConfig) -> float:
     return 2.0 * cfg.vocab_size * cfg.d_model
 
 
-def attention_flops_per_pair(cfg: ModelConfig) -> float:
-    """QKᵀ plus AV for one query-key pair, summed over heads and layers, in FLOPs."""
-    return 2.0 * 2.0 * cfg.n_layers * cfg.n_heads * cfg.head_dim
-
-
 def causal_pairs(n_tokens: int, start: int = 0) -> int:
     """Query-key pairs of n causal queries at positions start…start+n-1, in pairs: n·start + n·(n+1)/2."""
     return n_tokens * start + n_tokens * (n_tokens + 1) // 2

@@ -100,7 +100,6 @@ def test_tiny_helpers_by_hand() -> None:
     assert costs.layer_matrix_params(TINY) == 30_720
     assert costs.linear_flops_per_token(TINY) == 122_880
     assert costs.lm_head_flops_per_token(TINY) == 38_400
-    assert costs.attention_flops_per_pair(TINY) == 512
     assert costs.n_params(TINY) == 100_160
     assert costs.kv_bytes_per_token(TINY, "float32") == 512
 
