@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.backend import Backend, Run, ShouldStop, Unsupported
 from engine.backend import Progress as ReportProgress
@@ -410,29 +410,33 @@ class EngineServer:
     def _job(self, job: str, run, quiet=lambda: False) -> None:
         """Run a long job that is not a lab (a measurement) and reports Progress; Cancel, Stop or Quit end it; its
         Done says how it ended (unless quiet() says the job will go on later)."""
-        outcome, message = self._outcome(job, run)
+        outcome, message, _ = self._outcome(job, run)
         if outcome != "done" or not quiet():
             self.send(Done(job, {"done": "", "cancelled": "cancelled", "failed": f"failed: {message}"}.get(outcome,
                                                                                                    message)))
 
-    def _outcome(self, job: str, run) -> tuple[LabOutcome, str]:
-        """Run `run(progress, should_stop)` and say how it ended: done, cancelled (Cancel, Stop or Quit came after
-        the command that started it), failed (one sentence: a ValueError's own, else the exception's type and
-        message) or unsupported (the backend's Unsupported sentence)."""
+    def _outcome(self, job: str, run) -> tuple[LabOutcome, str, Any]:
+        """Run `run(progress, should_stop)` (progress sends Progress(job, …)) and say how it ended, with what it
+        returned: done, cancelled (Cancel, Stop or Quit came after the command that started it, or it stopped at a
+        check), failed (one sentence: a ValueError's own, else the exception's type and message) or unsupported (the
+        backend's Unsupported sentence)."""
+        from engine.costs.hardware import MeasurementCancelled
+        from engine.why import Cancelled
+
         number = self.current
 
         def should_stop() -> bool:
             return self.cancelled(number)
 
         try:
-            run(lambda f, m: self.send(Progress(job, f, m)), should_stop)
+            result = run(lambda f, m: self.send(Progress(job, f, m)), should_stop)
         except Unsupported as e:
-            return "unsupported", str(e)
+            return "unsupported", str(e), None
         except Exception as e:  # noqa: BLE001 — the panel must learn that the run ended
-            if should_stop() or type(e).__name__ in ("Cancelled", "MeasurementCancelled"):
-                return "cancelled", ""
-            return "failed", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
-        return ("cancelled" if should_stop() else "done"), ""
+            if should_stop() or isinstance(e, (Cancelled, MeasurementCancelled)):
+                return "cancelled", "", None
+            return "failed", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}", None
+        return ("cancelled" if should_stop() else "done"), "", result
 
     def lab(self, cmd: Lab) -> None:
         """One lab (BatchBench, Speculate, Schedule, ServeBench) on the backend in use: its events go out as they
@@ -444,8 +448,8 @@ class EngineServer:
             self.send(LabDone(job, "failed", "connect to a server first (File → Connect to server…)"
                               if isinstance(cmd, ServeBench) else "load a model first"))
             return
-        outcome, message = self._outcome(job, lambda _progress, should_stop: self.backend.run_lab(cmd, self.send,
-                                                                                                   should_stop))
+        outcome, message, _ = self._outcome(job, lambda _progress, should_stop: self.backend.run_lab(cmd, self.send,
+                                                                                                      should_stop))
         self.send(LabDone(job, outcome, message, seconds=time.perf_counter() - t0))
 
     def experiment(self, cmd: Experiment) -> None:
@@ -453,33 +457,15 @@ class EngineServer:
         says it was cancelled (Cancel, Stop, Quit) or why it failed, in one sentence."""
         import time
 
-        from engine.why import Cancelled
-
-        number = self.current
-
-        def should_stop() -> bool:
-            return self.cancelled(number)
-
-        def done(**outcome) -> None:
-            self.send(ExperimentDone(cmd.request_id, cmd.kind, cmd.params, seconds=time.perf_counter() - t0,
-                                     **outcome))
-
         t0 = time.perf_counter()
         if self.backend is None:
-            done(failure="load a model first")
-            return
-        try:
-            result = run_experiment(self.backend.why_session(), cmd.params,
-                                    lambda f, m: self.send(Progress("why", f, m)), should_stop, self._open_other)
-        except Unsupported as e:
-            done(failure=str(e), unsupported=True)
-        except Exception as e:  # noqa: BLE001 — the panel must learn that the run ended
-            if isinstance(e, Cancelled) or should_stop():
-                done(cancelled=True)
-            else:  # a ValueError is the experiment's own sentence about bad input
-                done(failure=str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+            outcome, message, result = "failed", "load a model first", None
         else:
-            done(result=result)
+            outcome, message, result = self._outcome("why", lambda progress, should_stop: run_experiment(
+                self.backend.why_session(), cmd.params, progress, should_stop, self._open_other))
+        self.send(ExperimentDone(cmd.request_id, cmd.kind, cmd.params, result=result, cancelled=outcome == "cancelled",
+                                 failure=message, unsupported=outcome == "unsupported",
+                                 seconds=time.perf_counter() - t0))
 
     def steer_vector(self, cmd: SteerVector) -> None:
         """Build a steering vector from contrast pairs (Progress("steer", …); Cancel, Stop or Quit end it between
@@ -490,98 +476,74 @@ class EngineServer:
         import numpy as np
 
         from engine.formats.control_vector import save
-        from engine.why import Cancelled
         from engine.why.steer import Pair, build, load_for
         from engine.why.steered import to_steer, to_vector
 
-        number, t0 = self.current, time.perf_counter()
+        t0 = time.perf_counter()
 
-        def should_stop() -> bool:
-            return self.cancelled(number)
-
-        def done(**outcome) -> None:
-            self.send(SteerReady(cmd.request_id, cmd.action, path=cmd.path, seconds=time.perf_counter() - t0,
-                                 **outcome))
-
-        try:
-            if cmd.action == "save":
-                hint = self.local.info.architecture if self.local is not None else ""
-                save(to_vector(cmd.vector, hint), cmd.path)
-                done(steer=cmd.vector)
-                return
-            if self.backend is None:
-                raise ValueError("load a model first")
-            s = self.backend.why_session()
-            if cmd.action == "load":
-                vector, name = load_for(s, cmd.path), Path(cmd.path).name
-            else:
-                pairs = [Pair(p, n) for p, n in cmd.pairs]
-                vector = build(s, pairs, cmd.layers, cmd.method, progress=lambda f, m: self.send(
-                    Progress("steer", f, m)), should_stop=should_stop)
-                name = f"built from {len(pairs)} pair{'s' if len(pairs) != 1 else ''} ({cmd.method})"
+        def run(progress, should_stop) -> tuple:
+            try:
+                if cmd.action == "save":
+                    save(to_vector(cmd.vector, self.local.info.architecture if self.local is not None else ""),
+                         cmd.path)
+                    return cmd.vector, ()
+                if self.backend is None:
+                    raise ValueError("load a model first")
+                s = self.backend.why_session()
+                if cmd.action == "load":
+                    vector, name = load_for(s, cmd.path), Path(cmd.path).name
+                else:
+                    pairs = [Pair(p, n) for p, n in cmd.pairs]
+                    vector = build(s, pairs, cmd.layers, cmd.method, progress=progress, should_stop=should_stop)
+                    name = f"built from {len(pairs)} pair{'s' if len(pairs) != 1 else ''} ({cmd.method})"
+            except OSError as e:
+                raise ValueError(f"cannot {'write' if cmd.action == 'save' else 'read'} {cmd.path}: "
+                                 f"{e.strerror or e}") from None
             norms = tuple(float(np.linalg.norm(vector.directions[L])) for L in vector.layers)
-            done(steer=to_steer(vector, name), norms=norms)
-        except Unsupported:  # a server
-            done(error="a steering vector is read from and checked against the local model's residual stream, which "
+            return to_steer(vector, name), norms
+
+        outcome, message, result = self._outcome("steer", run)
+        if outcome == "unsupported":  # a server
+            message = ("a steering vector is read from and checked against the local model's residual stream, which "
                        "a server does not expose: disconnect from the server first")
-        except Cancelled:
-            done(cancelled=True)
-        except OSError as e:
-            done(error=f"cannot {'write' if cmd.action == 'save' else 'read'} {cmd.path}: {e.strerror or e}")
-        except Exception as e:  # noqa: BLE001 — the panel must learn that it ended; a ValueError is its own sentence
-            if should_stop():
-                done(cancelled=True)
-            else:
-                done(error=str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+        steer, norms = result or (None, ())
+        self.send(SteerReady(cmd.request_id, cmd.action, path=cmd.path, seconds=time.perf_counter() - t0,
+                             cancelled=outcome == "cancelled", error=message, steer=steer, norms=norms))
 
     def tune_lens(self, cmd: TuneLens) -> None:
         """Fit the loaded model's tuned lens (Progress("tuned_lens", …); Cancel, Stop or Quit end it between steps),
         save and use it; use the one saved for the model file; or stop using one. One LensTuned says how it ended."""
         import time
 
-        from engine.why import Cancelled
         from engine.why import tuned_lens as tl
 
-        number, t0 = self.current, time.perf_counter()
+        t0 = time.perf_counter()
 
-        def should_stop() -> bool:
-            return self.cancelled(number)
-
-        def done(**outcome) -> None:
-            self.send(LensTuned(cmd.request_id, cmd.action, seconds=time.perf_counter() - t0, **outcome))
-
-        try:
+        def run(progress, should_stop) -> dict:
             if self.backend is None:
                 raise ValueError("load a model first")
             s = self.backend.why_session()
             if cmd.action == "off":
                 tl.use(s, None)
-                done()
-                return
+                return {}
             if cmd.action == "use":
                 fitted = tl.load_for(s)
                 if fitted is None:
-                    done(error="no tuned lens is saved for this model file yet: fit one first")
-                    return
+                    raise ValueError("no tuned lens is saved for this model file yet: fit one first")
             else:
                 fitted = tl.fit(s, cmd.corpus or None, tokens=cmd.tokens or tl.DEFAULT_TOKENS,
                                 steps=tl.DEFAULT_STEPS if cmd.steps < 0 else cmd.steps,
-                                seconds=cmd.seconds or tl.DEFAULT_SECONDS,
-                                progress=lambda f, m: self.send(Progress("tuned_lens", f, m)), should_stop=should_stop)
-                tl.save(fitted, tl.saved_path(s))
+                                seconds=cmd.seconds or tl.DEFAULT_SECONDS, progress=progress, should_stop=should_stop)
+                try:
+                    tl.save(fitted, tl.saved_path(s))
+                except OSError as e:
+                    raise ValueError(f"cannot save the tuned lens: {e.strerror or e}") from None
             tl.use(s, fitted)
-            done(in_use=True, summary=tl.summary(fitted))
-        except Unsupported as e:  # a runtime without gradients, or a server
-            done(error=str(e))
-        except Cancelled:
-            done(cancelled=True)
-        except OSError as e:
-            done(error=f"cannot save the tuned lens: {e.strerror or e}")
-        except Exception as e:  # noqa: BLE001 — the panel must learn that it ended; a ValueError is its own sentence
-            if should_stop():
-                done(cancelled=True)
-            else:
-                done(error=str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+            return {"in_use": True, "summary": tl.summary(fitted)}
+
+        outcome, message, result = self._outcome("tuned_lens", run)
+        self.send(LensTuned(cmd.request_id, cmd.action, seconds=time.perf_counter() - t0,
+                            cancelled=outcome == "cancelled", error=message, **(result or {})))
 
     def _open_other(self, model: str, backend: str = "auto", kernels: str = "exact") -> object:
         """Another model's session beside the loaded one (a comparison's second side): on llama.cpp as the file is,
