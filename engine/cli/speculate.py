@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 
 import numpy as np
 
@@ -219,11 +220,8 @@ def _print(ev, doc: dict, as_json: bool, tok) -> None:
         if not as_json:
             print(f"sweep k = {ev.ks[0]}…{ev.ks[-1]}, {ev.source_label}, {ev.max_new_tokens} new tokens")
     elif isinstance(ev, sp.SweepPoint):
-        doc["sweep"].append({
-            "k": ev.k, "acceptance_rate": ev.acceptance_rate, "tokens_per_pass": ev.tokens_per_pass,
-            "tokens_per_s": ev.tokens_per_s, "baseline_tokens_per_s": ev.baseline_tokens_per_s,
-            "speedup": ev.speedup, "matches_baseline": ev.matches_baseline,
-            "differs": ev.differs.to_dict() if ev.differs is not None else None,
+        doc["sweep"].append({  # every field, the arrays and the divergence as JSON
+            **asdict(ev), "differs": ev.differs.to_dict() if ev.differs is not None else None,
             "acceptance_by_position": [None if np.isnan(x) else float(x) for x in ev.acceptance_by_position],
         })
         if not as_json:

@@ -3,7 +3,7 @@ arrays. Kept apart from the loop so the app's process can read them without impo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -105,10 +105,8 @@ class Divergence:
                 f"so the speculative path is at fault")
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "position": self.position, "spec_token": self.spec_token,
-                "spec_piece": self.spec_piece, "plain_token": self.plain_token, "plain_piece": self.plain_piece,
-                "margin": None if self.margin != self.margin else round(self.margin, 6), "near_tie": self.near_tie,
-                "dtype": self.dtype, "sentence": self.sentence()}
+        return {**asdict(self), "margin": None if self.margin != self.margin else round(self.margin, 6),
+                "near_tie": self.near_tie, "sentence": self.sentence()}
 
 
 @dataclass(frozen=True, kw_only=True)
