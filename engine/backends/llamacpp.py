@@ -6,12 +6,9 @@ How each event is obtained:
   token ids (llama_decode with a batch);
 - logits: llama.cpp's full-vocabulary logits of the last position; the token is chosen by this engine's sampling
   funnel (engine.run.sampling), so the Logits panel's funnel is exact and settings mean the same as in Session;
-- attention and the residual stream: llama.cpp's graph evaluation callback (`cb_eval` in llama_context_params) is
-  asked, for every node of the graph, whether we want its value; we say yes only for `kq_soft_max-N` (attention
-  weights of layer N, ggml shape (n_kv, n_tokens, n_head), i.e. numpy (heads, queries, keys)), `l_out-N` (the
-  residual stream after layer N) and the embedding (`embd`, or `inp_scaled` where the model scales it), and only
-  while the step's Capture asks for them. The scheduler then computes the graph up to that node and calls back
-  with its value, which is copied out before the buffer is reused;
+- attention and the residual stream: llama.cpp's graph callback (engine.backends.llamacpp_seam._Tap) copies out
+  `kq_soft_max-N` (layer N's weights, numpy (heads, queries, keys)), `l_out-N` and the embedding, and only while
+  the step's Capture asks for them;
 - the logit lens: the captured residual vectors through the model's final norm and output matrix, the only two
   tensors read (and dequantized) from the file here, and only once a lens is first asked for;
 - costs: engine.costs.formulas with the config read from the GGUF header and the file's own bytes per weight.
@@ -30,7 +27,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,20 +39,13 @@ from engine.backends.llamacpp_seam import _Tap
 from engine.backends.local import LocalBackend
 from engine.costs import formulas as costs
 from engine.costs.info import model_info
-from engine.events import (
-    Capability,
-    KVCacheGrew,
-    ModelInfo,
-    RunSource,
-    StepCost,
-)
+from engine.events import Capability, RunSource
 from engine.formats.locate import ModelLoadError, cache_root, resolve_model_path
 from engine.formats.runtime_rule import DEFAULT_CONTEXT
 from engine.model.config import ModelConfig
 from engine.model.dtypes import lookup as dtype_lookup
 from engine.model.threads import available_cores
-from engine.run.session import Engine, check_finite
-from engine.runtime.base import Row
+from engine.run.session import Engine
 from engine.runtime.llamacpp import LlamaCppRuntime, free_context
 from engine.tokenizer.load import load_tokenizer
 
@@ -278,7 +267,7 @@ class LlamaCppSession(Engine):
             load_s=time.perf_counter() - t0, from_cache=False, sha256=_sha256(self.path),
             kernels="file",  # llama.cpp multiplies the file's quantized blocks as they are
         )  # the one ModelInfo of this model: every runtime made over it (engine.runtime.llamacpp) reuses it
-        self._runtime = LlamaCppRuntime.of_session(self)  # generations: sequence 0 of this context, watched
+        self._rt = LlamaCppRuntime.of_session(self)  # generations: sequence 0 of this context, watched
 
     @staticmethod
     def _read_header(path: Path) -> tuple[ModelConfig, dict, str]:
@@ -402,43 +391,18 @@ class LlamaCppSession(Engine):
     @property
     def cached_ids(self) -> list[int]:
         """The tokens whose K/V the context holds, positions 0…len − 1 (its runtime's own record)."""
-        return self._runtime.held(0)
+        return self._rt.held(0)
 
     def runtime(self, capacity: int | None = None) -> LlamaCppRuntime:
         """The one-sequence runtime generations run on: this session's own context (allocated whole at load)."""
-        return self._runtime
+        return self._rt
 
     def source(self) -> RunSource:
         """What a generation on this session says it runs on (RunStarted)."""
         return RunSource(kind="local", name=f"{self.info.name} (llama.cpp)", cannot=self.cannot)
 
     def forget_cache(self) -> None:
-        self._runtime.clear()
-
-    def _reuse(self, ids: Sequence[int]) -> int:
-        """Keep the cached positions that start `ids` (never its last token: it gives the logits); drop the rest."""
-        return self._runtime.reuse(0, ids)
-
-    def _forward(self, new_ids: Sequence[int], start: int, every: bool = False) -> np.ndarray:
-        """Logits (V,) of the last new token, or (T, V) of every one with `every`, as float32 copies; `start` must
-        be where the cache ends. A step by hand, for engine.why's own loops (which may have begun the tap)."""
-        rt = self._runtime
-        if start != rt.length(0):  # one count of positions: the context's
-            raise ValueError(f"a step at position {start}, but the cache holds {rt.length(0)} positions")
-        try:
-            logits = rt.forward([Row(0, list(new_ids), every)])[0]
-            check_finite(logits[-1] if every else logits, start + len(new_ids) - 1, rt.kv_dtype)
-        except Exception:
-            self.forget_cache()
-            raise
-        return logits.numpy()
-
-    def step_cost(self, n_tokens: int, start: int, all_logits: bool = False) -> StepCost:
-        """engine.costs.formulas' step, with the weights at the file's own bytes (what llama.cpp streams)."""
-        return self._runtime.step_cost(n_tokens, start, all_logits=all_logits)
-
-    def kv_event(self, step: int) -> KVCacheGrew:
-        return self._runtime.kv_event(step)
+        self._rt.clear()
 
     def lens_head(self) -> _LensHead:
         """The final norm (float32) and the output matrix (float16), dequantized from the file on first use."""
@@ -450,32 +414,8 @@ class LlamaCppSession(Engine):
                                    _read_rows(self.path, places["output"], np.float16), self.cfg.norm_eps)
         return self._lens
 
-    # ---- one-off next-token preview ----------------------------------------------------------------------------
-    def next_token_logits(self, ids: Sequence[int]) -> tuple[torch.Tensor, int, float]:
-        """Logits for the token after `ids`, reusing the cached prefix; returns (logits, tokens reused, seconds)."""
-        self.check_prompt(ids)
-        t0 = time.perf_counter()
-        reuse = self._reuse(ids)
-        logits = self._forward(ids[reuse:], reuse)
-        return torch.from_numpy(logits), reuse, time.perf_counter() - t0
-
 
 class LlamaCppBackend(LocalBackend):
-    """llama.cpp behind the backend seam: generations, previews and tokenization as the torch engine's; the labs
-    (batched decode, scheduling, speculative decoding) run on its runtime (engine.runtime.llamacpp) through
-    LocalBackend's own calls."""
-
-    def __init__(self, session: LlamaCppSession) -> None:
-        super().__init__(session)
-
-    @property
-    def info(self) -> ModelInfo:
-        return self.session.info
-
-    @property
-    def source(self) -> RunSource:
-        return RunSource(kind="local", name=self.info.name, cannot=self.session.cannot)
-
-    def set_threads(self, controller: object) -> None:
-        return None  # llama.cpp keeps the fixed count it was loaded with
-
+    """llama.cpp behind the backend seam: generations, previews, tokenization and the labs (batched decode,
+    scheduling, speculative decoding, on engine.runtime.llamacpp) through LocalBackend's own calls; its session keeps
+    the fixed thread count it was loaded with (no adaptive controller to set)."""

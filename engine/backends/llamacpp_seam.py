@@ -52,12 +52,6 @@ def node_of(point: Point, cfg: ModelConfig) -> bytes:
     return f"{'ffn_post_norm' if post else 'ffn_out'}-{point.layer}".encode()
 
 
-def _columns(point: Point, cfg: ModelConfig) -> slice:
-    if point.site == "z" and point.head is not None:
-        return slice(point.head * cfg.head_dim, (point.head + 1) * cfg.head_dim)
-    return slice(None)
-
-
 def _reads(t: int, name: bytes) -> bool:
     """Whether graph node `t` takes a node called `name` as an operand."""
     return any(src and ctypes.string_at(src + NAME_OFFSET) == name for src in GGMLTensor.from_address(t).src)
@@ -241,7 +235,7 @@ def run_points(session, prompts: Sequence[Sequence[int]], edits: Iterable[Edit] 
         seen.append(writes.seen)
     rec = Recording()
     for p in record:
-        rec._add(p, torch.from_numpy(np.stack([s[nodes[p]][:, _columns(p, cfg)] for s in seen])))
+        rec._add(p, torch.from_numpy(np.stack([s[nodes[p]][:, p.columns(cfg)] for s in seen])))
     return torch.from_numpy(np.stack(logits)), rec
 
 
@@ -272,7 +266,7 @@ class Writes:
             if value is not None:
                 value = value.reshape(-1, value.shape[-1]) if value.ndim > 1 else value
             self.by_node.setdefault(node_of(e.point, cfg), []).append(
-                (_columns(e.point, cfg), e.positions, value, e.add))
+                (e.point.columns(cfg), e.positions, value, e.add))
         last = cfg.n_layers - 1
         self.pruned = {node_of(Point.mlp(last), cfg), node_of(Point.resid(last + 1), cfg)}
 

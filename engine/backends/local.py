@@ -35,11 +35,11 @@ class LocalBackend(Backend):
 
     @property
     def info(self) -> ModelInfo:
-        return self.session.lm.info
+        return self.session.info
 
     @property
     def source(self) -> RunSource:
-        return RunSource(kind="local", name=self.info.name, token_ids_are_local=True, measured_by_server=False)
+        return RunSource(kind="local", name=self.info.name, cannot=self.session.cannot)
 
     def generate(self, req: GenerateRequest) -> Run:
         if req.ablation is not None:  # the hooks that keep it on wrap the run: engine.why.ablated

@@ -2,24 +2,20 @@
 
 Every capture, edit, patch and steer of a forward pass names its place with a Point, on either runtime: here the
 torch engine reaches it through module hooks (`edited`, `run_points`), and engine.backends.llamacpp_seam maps the
-same names onto llama.cpp's graph nodes. A Point's name (str(point), Point.parse) is one of
-    resid_pre.L     the residual stream block L reads (resid_pre.0: the embeddings, × embedding_scale)
-    resid_post.L    block L's output (= resid_pre.L+1; resid_post.n_layers−1 is what the final norm reads)
-    attn.z.L[.h]    head h's output z in layer L (every head when h is left out)
-    attn.pattern.L  layer L's attention weights after softmax, causal mask applied (read by captures: `Reads`)
-    attn_out.L      what layer L's attention adds to the residual stream
-    mlp_out.L       what layer L's MLP adds to the residual stream
-
-As a class, a Point of engine.model.transformer.Transformer, each of width W:
-    Point.z(L, h)      head h's output in layer L (TransformerLens's hook_z): the input of layers[L].attn.wo,
-                       (B, T, H·hd) with the heads concatenated head-major, so head h is columns h·hd … (h+1)·hd − 1;
-                       W = hd (head None: every head of the layer, W = H·hd)
-    Point.attn(L)      what layer L's attention adds to the residual stream: wo's output, after post_attn_norm where
-                       the model has one (Gemma 3), W = d
-    Point.mlp(L)       what layer L's MLP adds to the residual stream, after post_mlp_norm where there is one, W = d
-    Point.resid(L)     the residual stream after layer L − 1: L = 0 is the embeddings (× embedding_scale) as the first
-                       block receives them, L = i + 1 the output of block i, so L = n_layers is what the final norm
-                       reads, W = d
+same names onto llama.cpp's graph nodes. A Point's name (str(point), Point.parse), its constructor, and its tensor
+in engine.model.transformer.Transformer, of width W:
+    resid_pre.L     Point.resid(L): the residual stream block L reads (resid_pre.0: the embeddings × embedding_scale
+                    as block 0 receives them), W = d
+    resid_post.L    Point.resid(L + 1): block L's output (resid_post.n_layers−1 is what the final norm reads), W = d
+    attn.z.L[.h]    Point.z(L, h): head h's output in layer L (TransformerLens's hook_z), the input of
+                    layers[L].attn.wo, (B, T, H·hd) head-major, so head h is columns h·hd … (h+1)·hd − 1; W = hd
+                    (h left out: every head of the layer, W = H·hd)
+    attn.pattern.L  Point.pattern(L): layer L's attention weights after softmax, causal mask applied (read by
+                    captures: `Reads`)
+    attn_out.L      Point.attn(L): what layer L's attention adds to the residual stream: wo's output, after
+                    post_attn_norm where the model has one (Gemma 3), W = d
+    mlp_out.L       Point.mlp(L): what layer L's MLP adds to the residual stream, after post_mlp_norm where there is
+                    one, W = d
 
 An Edit replaces a point's value (zero, or a given value) at chosen absolute positions and batch rows; `edited`
 applies edits and records points for the duration of a `with` block and always removes its hooks after it.
@@ -90,6 +86,12 @@ class Point:
         if self.head is not None and (self.site != "z" or not 0 <= self.head < cfg.n_heads):
             raise ValueError(f"head {self.head} is out of range: this model has heads 0 to {cfg.n_heads - 1} "
                              "in each layer" if self.site == "z" else f"a {self.site} point has no head")
+
+    def columns(self, cfg: ModelConfig) -> slice:
+        """The point's columns of the tensor that holds it (one head's of a layer's z; else all)."""
+        if self.site == "z" and self.head is not None:
+            return slice(self.head * cfg.head_dim, (self.head + 1) * cfg.head_dim)
+        return slice(None)
 
     def width(self, cfg: ModelConfig) -> int:
         if self.site == "z":
@@ -205,12 +207,6 @@ class Recording:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def _columns(point: Point, cfg: ModelConfig) -> slice:
-    if point.site == "z" and point.head is not None:
-        return slice(point.head * cfg.head_dim, (point.head + 1) * cfg.head_dim)
-    return slice(None)
-
-
 def _positions_of(start: int | torch.Tensor, batch: int) -> list[int]:
     """Each row's first position in this forward pass (a ragged batch gives every row its own)."""
     if isinstance(start, torch.Tensor):
@@ -280,9 +276,9 @@ def edited(model: nn.Module, edits: Iterable[Edit] = (), record: Iterable[Point]
             x = x.clone()  # the module's output may be a view another op still reads; edits go into a copy
         for p in points:
             for e in by_point.get(p, ()):
-                _apply(x, e, _columns(p, cfg), first)
+                _apply(x, e, p.columns(cfg), first)
             if p in record:
-                rec._add(p, x[..., _columns(p, cfg)])
+                rec._add(p, x[..., p.columns(cfg)])
         return x
 
     def on_block(layer: int):

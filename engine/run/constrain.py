@@ -49,9 +49,8 @@ def _ll_tokenizer(tokenizer, vocab_size: int, eos_ids: list[int]):
 class Constraint:
     """A grammar over the output: regex or JSON schema. One per generation (it keeps the parse state)."""
 
-    def __init__(self, kind: str, source: str, grammar: str, matcher, vocab_size: int) -> None:
-        self.kind, self.source = kind, source
-        self._grammar, self._matcher, self.vocab_size = grammar, matcher, vocab_size
+    def __init__(self, kind: str, source: str, matcher, vocab_size: int) -> None:
+        self.kind, self.source, self._matcher, self.vocab_size = kind, source, matcher, vocab_size
 
     @classmethod
     def build(cls, tokenizer, vocab_size: int, eos_ids: list[int], *, regex: str | None = None,
@@ -79,13 +78,7 @@ class Constraint:
         if matcher.is_error():
             what = "regular expression" if kind == "regex" else "JSON schema"
             raise ValueError(f"the {what} cannot be used: {matcher.get_error()}")
-        return cls(kind, source, grammar, matcher, vocab_size)
-
-    def fresh(self) -> Constraint:
-        """The same grammar from its start (for a new generation)."""
-        m = self._matcher.deep_copy()
-        m.reset()
-        return Constraint(self.kind, self.source, self._grammar, m, self.vocab_size)
+        return cls(kind, source, matcher, vocab_size)
 
     def allowed(self) -> np.ndarray:
         """(V,) bool: the tokens the grammar allows next."""

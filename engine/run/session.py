@@ -210,6 +210,30 @@ class Engine:
         prefix = [int(i) for i in prompt_ids] + [int(i) for i in generated_ids[:step]]
         return self.generate(prefix, params, max_new_tokens, capture, ignore_eos=ignore_eos, forced={0: token})
 
+    def _forward(self, new_ids: Sequence[int], start: int, every: bool = False) -> torch.Tensor:
+        """Logits (V,) of the last new token, or (T, V) of every one with `every`; `start` must be where the cache
+        ends (one count of positions: the runtime's). After a failed step the cache is not trusted: it is forgotten."""
+        rt = self._rt
+        held = 0 if rt is None else rt.length(0)
+        if rt is None or start != held:
+            raise ValueError(f"a step at position {start}, but the cache holds {held} positions")
+        try:
+            logits = rt.forward([Row(0, list(new_ids), every)])[0]
+            check_finite(logits[-1] if every else logits, start + len(new_ids) - 1, rt.kv_dtype)
+        except Exception:
+            self.forget_cache()
+            raise
+        return logits
+
+    def next_token_logits(self, ids: Sequence[int]) -> tuple[torch.Tensor, int, float]:
+        """Logits for the token after `ids`, reusing the cached prefix; returns (logits, tokens reused, seconds)."""
+        self.check_prompt(ids)
+        t0 = time.perf_counter()
+        reuse = self.runtime(len(ids) + 1).reuse(0, ids)
+        logits = self._forward(ids[reuse:], reuse)
+        _sync(self.device)
+        return logits, reuse, time.perf_counter() - t0
+
     def warm_up(self) -> float:
         """Pay the first-call costs (kernel choice, thread pools, buffers) once, so the first TTFT shown is honest.
 
@@ -330,10 +354,6 @@ class Session(Engine):
                 self._rt = ContiguousRuntime(self.lm, capacity, self.decode_weight_bytes)
         return self._rt
 
-    def _prepare_cache(self, ids: Sequence[int], capacity: int) -> int:
-        """Make room for `capacity` positions; return how many leading prompt tokens are reused from the cache."""
-        return self.runtime(capacity).reuse(0, ids)
-
     def forget_cache(self) -> None:
         self._rt = None
 
@@ -341,39 +361,21 @@ class Session(Engine):
         """Let go of the cache (the model's weights are the LoadedModel's, kept by whoever holds it)."""
         self.forget_cache()
 
-    def _forward(self, new_ids: Sequence[int], start: int) -> torch.Tensor:
-        """Logits (V,) of the last new token, run at `start` (which must be where the cache ends)."""
-        rt = self._rt
-        held = 0 if rt is None else rt.length(0)
-        if rt is None or start != held:  # one count of positions: the cache's
-            raise ValueError(f"a step at position {start}, but the cache holds {held} positions")
-        logits = rt.run(new_ids)
-        try:
-            check_finite(logits, start + len(new_ids) - 1, self.dtype_name)
-        except NonFiniteLogits:
-            self.forget_cache()
-            raise
-        return logits
-
     # ---- one-off next-token preview ----------------------------------------------------------------------------
     @torch.inference_mode()
     def next_token_logits(self, ids: Sequence[int]) -> tuple[torch.Tensor, int, float]:
-        """Logits for the token after `ids`, reusing the cached prefix; returns (logits, tokens reused, seconds)."""
         self.check_prompt(ids)
         t0 = time.perf_counter()
         p, cache = len(ids) - 1, self.cache
-        if cache is not None and cache.batch == 1 and len(self.cached_ids) > len(ids) and cache.reads_back(p) \
-                and self.cached_ids[:len(ids)] == [int(i) for i in ids]:
-            # The cache holds these tokens and more (a preview of the prompt after its run): read it and write
-            # nothing, so the run's cache stays whole for recomputing its steps and for the next Generate to reuse.
-            tokens = torch.tensor([[int(ids[-1])]], dtype=torch.long, device=self.lm.device)
-            logits = self.lm.model(tokens, ReadOnlyCache(cache, p))[0]
-            _sync(self.lm.device)
-            return logits, p, time.perf_counter() - t0
-        reuse = self._prepare_cache(ids, len(ids) + 1)
-        logits = self._forward(ids[reuse:], reuse)
+        if not (cache is not None and cache.batch == 1 and len(self.cached_ids) > len(ids) and cache.reads_back(p)
+                and self.cached_ids[:len(ids)] == [int(i) for i in ids]):
+            return super().next_token_logits(ids)
+        # The cache holds these tokens and more (a preview of the prompt after its run): read it and write nothing,
+        # so the run's cache stays whole for recomputing its steps and for the next Generate to reuse.
+        tokens = torch.tensor([[int(ids[-1])]], dtype=torch.long, device=self.lm.device)
+        logits = self.lm.model(tokens, ReadOnlyCache(cache, p))[0]
         _sync(self.lm.device)
-        return logits, reuse, time.perf_counter() - t0
+        return logits, p, time.perf_counter() - t0
 
 class RunLoop:
     """What a local generation keeps between steps, whichever runtime computes them (this engine or llama.cpp): the

@@ -51,11 +51,8 @@ class LlamaCppRuntime(Runtime):
         if n_seq < 1 or not 1 <= capacity <= session.cfg.context_length:
             raise ValueError(f"a runtime needs at least one sequence of 1…{session.cfg.context_length} positions, "
                              f"got {n_seq} of {capacity}")
-        self.session = session
-        self.info, self.cfg, self.tokenizer = session.info, session.cfg, session.tokenizer
-        self.n_seq, self.capacity, self.device, self.page_size = n_seq, capacity, torch.device("cpu"), 1
-        self.weight_dtype, self.kv_dtype, self.dtype_name = session.info.dtype, session.kv_dtype, session.info.file_type
-        L = self.llama = session.llama
+        self._share(session)
+        self.n_seq, self.capacity, L = n_seq, capacity, self.llama
         per_seq = capacity if pooled else -(-capacity // STREAM_GRANULE) * STREAM_GRANULE
         cp = L.llama_context_default_params()
         cp.n_seq_max, cp.kv_unified = n_seq, pooled
@@ -76,20 +73,25 @@ class LlamaCppRuntime(Runtime):
         self._mem = L.llama_get_memory(self._ctx)
         self._batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.n_cells = cp.n_ctx
+        self.tap, self._owned = None, True
+
+    def _share(self, session) -> None:
+        """What every runtime over `session`'s model takes from it (the model itself: its weights are held once)."""
+        self.session, self.info, self.cfg, self.tokenizer = session, session.info, session.cfg, session.tokenizer
+        self.device, self.page_size, self.llama = torch.device("cpu"), 1, session.llama
+        self.weight_dtype, self.kv_dtype, self.dtype_name = session.info.dtype, session.kv_dtype, session.info.file_type
         self._ids: dict[int, list[int]] = {}  # the tokens each sequence holds: its length is the one count
-        self.tap, self._owned, self._asked = None, True, None
+        self._asked = None
 
     @classmethod
     def of_session(cls, session) -> LlamaCppRuntime:
         """One sequence over the session's own context (freed with the session, not here): a generation's runtime,
         whose steps the session's graph callback can watch."""
         rt = cls.__new__(cls)
-        rt.session, rt.info, rt.cfg, rt.tokenizer = session, session.info, session.cfg, session.tokenizer
-        rt.n_seq, rt.capacity, rt.device, rt.page_size = 1, session.cfg.context_length, torch.device("cpu"), 1
-        rt.weight_dtype, rt.kv_dtype, rt.dtype_name = session.info.dtype, session.kv_dtype, session.info.file_type
-        rt.llama, rt._ctx, rt._mem, rt._batch = session.llama, session._ctx, session._mem, session._batch
-        rt.n_batch, rt.n_cells, rt.cannot = session._batch_size, session.n_ctx, session.cannot
-        rt._ids, rt.tap, rt._owned, rt._asked = {}, session.tap, False, None
+        rt._share(session)
+        rt.n_seq, rt.capacity, rt.n_cells, rt.cannot = 1, session.cfg.context_length, session.n_ctx, session.cannot
+        rt._ctx, rt._mem, rt._batch, rt.n_batch = session._ctx, session._mem, session._batch, session._batch_size
+        rt.tap, rt._owned = session.tap, False
         return rt
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ def test_fits_counts_the_file_and_kv_cache_on_llamacpp_and_float32_weights_on_to
     monkeypatch.setattr(rule, "LLAMACPP_ABOVE_PARAMS", 1)  # now "auto" sends it to llama.cpp
     entry = read_model_facts(tiny_dir.gguf, "tiny", "file", memory=1 << 40)
     lcpp = LlamaCppSession(tiny_dir.gguf)  # the context it allocates when the app loads it (no n_ctx given)
-    kv = lcpp.kv_event(0).bytes_allocated  # engine.costs' float16 KV cache at that context
+    kv = lcpp.runtime().kv_event(0).bytes_allocated  # engine.costs' float16 KV cache at that context
     lcpp.close()
     assert set(entry.weight_bytes.values()) == {size + kv}  # the same at every dtype: llama.cpp runs the file
     assert entry.fits["float32"]

@@ -295,7 +295,7 @@ def test_every_llamacpp_runtime_shares_the_models_one_modelinfo(tiny_dir, monkey
     try:
         assert lcpp.info.sha256  # a saved session names the file without hashing it again
         made = []
-        monkeypatch.setattr(backend, "ModelInfo", lambda *a, **kw: made.append(kw))
+        monkeypatch.setattr(backend, "model_info", lambda *a, **kw: made.append(kw))  # its one ModelInfo
         monkeypatch.setattr(backend, "_sha256", lambda path: made.append(path))
         assert lcpp.runtime().info is lcpp.info
         with runtime_of(lcpp, 2, 16) as rt:
