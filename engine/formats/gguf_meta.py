@@ -33,7 +33,7 @@ __all__ = ["BULK_KEYS", "EVERY_KEY", "GGUFMetadata", "TensorInfo", "every_key_bu
 # GGUF value types: 0..7 and 10..12 are scalars, 8 a string, 9 an array.
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _SIZE = {code: struct.calcsize("<" + code) for code in _SCALAR.values()}
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_STRING, _ARRAY = 8, 9
 MAX_NAME = 65535  # bytes of a key or a tensor's name (the GGUF spec's bound on keys)
 MAX_ENTRIES = 1 << 20  # metadata entries or tensors: real files hold hundreds to a few thousand
 MAX_DIMS = 4  # GGML_MAX_DIMS
@@ -45,7 +45,7 @@ BULK_KEYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokeni
 
 class _AllBut:
     """A `skip` of every key but `keep`: the whole header is walked and checked, only those values built
-    (general.alignment is always read)."""
+    (general.alignment is always read: where the data starts depends on it)."""
 
     def __init__(self, keep: frozenset[str]) -> None:
         self.keep = keep
@@ -203,21 +203,17 @@ class _Walk:
         self.count(n_kv, "metadata keys")
         self.count(n_tensors, "tensors")
         out = GGUFMetadata()
-        out.version, out.n_tensors, out.alignment = int(version), int(n_tensors), DEFAULT_ALIGNMENT
+        out.version, out.n_tensors = int(version), int(n_tensors)
         for i in range(n_kv):
             key = self.name(f"the key of metadata entry {i}")
             kind = self.scalar("I", f"the type of metadata {key!r}")
-            if key == "general.alignment" and kind == _UINT32:
-                out.alignment = self.value(kind, f"metadata {key!r}", True)
-                if out.alignment == 0 or out.alignment & (out.alignment - 1):
-                    raise self.damaged(f"general.alignment {out.alignment} is not a power of two")
-                if key not in skip:
-                    out[key] = out.alignment
-                continue
-            keep = key not in skip
+            keep = key == "general.alignment" or key not in skip  # where the data starts depends on it
             value = self.value(kind, f"metadata {key!r}", keep)
             if keep:
                 out[key] = value
+        out.alignment = out.get("general.alignment", DEFAULT_ALIGNMENT)
+        if type(out.alignment) is not int or out.alignment <= 0 or out.alignment & (out.alignment - 1):
+            raise self.damaged(f"general.alignment {out.alignment!r} is not a power of two (a uint32)")
         out.end = self.pos
         out.tensors = [self.tensor(i) for i in range(n_tensors)] if tensors else []
         out.data_start = -(-self.pos // out.alignment) * out.alignment
