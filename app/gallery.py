@@ -15,14 +15,17 @@ KIND_NAMES = {"heads": "head roles", "patch": "patching", "dla": "logit attribut
 
 
 class GalleryPicker(QtWidgets.QWidget):
-    """A list of the gallery's experiments and the chosen one's text; sig_chosen(name) when the choice changes."""
+    """A list of the gallery's experiments and the chosen one's text; sig_chosen(name) when the choice changes,
+    sig_run when one is double-clicked (or Enter pressed on it): run it at once."""
 
     sig_chosen = QtCore.Signal(str)
+    sig_run = QtCore.Signal()
 
     def __init__(self, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(parent)
         self.list = QtWidgets.QListWidget()
-        self.list.setToolTip("Pick one, then Run: it is set up for the loaded model and drawn in its own view")
+        self.list.setToolTip("Pick one, then Run (or double-click it): it is set up for the loaded model and drawn "
+                             "in its own view")
         for e in GALLERY:
             item = QtWidgets.QListWidgetItem(e.title)
             item.setData(QtCore.Qt.ItemDataRole.UserRole, e.name)
@@ -43,6 +46,7 @@ class GalleryPicker(QtWidgets.QWidget):
         lay.addWidget(self.list)
         lay.addWidget(self.text, 1)
         self.list.currentRowChanged.connect(self._on_row)
+        self.list.itemActivated.connect(lambda _item: self.sig_run.emit())
         self.list.setCurrentRow(0)
 
     def entry(self) -> Entry:

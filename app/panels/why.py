@@ -358,6 +358,7 @@ class WhyPanel(Panel):
         self.inputs.addWidget(self._dla_inputs())
         self.gallery = GalleryPicker()
         self.gallery.sig_chosen.connect(lambda _name: self._on_mode(self.mode_combo.currentIndex()))
+        self.gallery.sig_run.connect(lambda: self.run())
         self.inputs.addWidget(self.gallery)
         self.inputs.setSizePolicy(QtWidgets.QSizePolicy.Policy.Preferred, QtWidgets.QSizePolicy.Policy.Maximum)
 
