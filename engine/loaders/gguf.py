@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from engine.formats.gguf_meta import EVERY_KEY, read_metadata
-from engine.loaders.hf import renamed
+from engine.loaders.hf import renamed, storage
 from engine.model import quant
 from engine.model.config import LIMITS, ModelConfig, checked_float, checked_int
 from engine.model.rope import halves_to_pairs, halves_to_pairs_all
@@ -169,16 +169,9 @@ def file_type_name(reader) -> str:
 
 
 def tensor_stats(reader) -> dict:
-    """The file's own storage: {"file_tensors": {ggml type: [bytes, values]}, "file_embedding_bytes": bytes}."""
-    by_type: dict[str, list[int]] = {}
-    embedding = 0
-    for t in reader.tensors:
-        entry = by_type.setdefault(t.tensor_type.name, [0, 0])
-        entry[0] += int(t.n_bytes)
-        entry[1] += int(t.n_elements)
-        if t.name == "token_embd.weight":
-            embedding = int(t.n_bytes)
-    return {"file_tensors": by_type, "file_embedding_bytes": embedding}
+    """The file's own storage (loaders.hf.storage), by ggml type."""
+    return storage(((t.name, t.tensor_type.name, int(t.n_bytes), int(t.n_elements)) for t in reader.tensors),
+                   "token_embd.weight")
 
 
 def read_weights(

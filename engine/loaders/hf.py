@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -253,23 +253,32 @@ def check_safetensors(path: Path, dtypes: Mapping[str, int] = WEIGHT_DTYPES) -> 
             )
 
 
+def storage(tensors: Iterable[tuple[str, str, int, int]], embedding: str) -> dict:
+    """A file's own storage from its tensors' (name, type, bytes, values): {"file_tensors": {type: [bytes,
+    values]}, "file_embedding_bytes": the bytes of the token table named `embedding`}."""
+    by_type: dict[str, list[int]] = {}
+    embedding_bytes = 0
+    for name, kind, nbytes, values in tensors:
+        entry = by_type.setdefault(kind, [0, 0])
+        entry[0] += nbytes
+        entry[1] += values
+        embedding_bytes = nbytes if name == embedding else embedding_bytes
+    return {"file_tensors": by_type, "file_embedding_bytes": embedding_bytes}
+
+
 def tensor_stats(directory: Path) -> dict:
-    """The checkpoint's own storage: {"file_tensors": {dtype: [bytes, values]}, "file_embedding_bytes": bytes}."""
+    """The checkpoint's own storage (`storage`)."""
     from safetensors import safe_open
 
-    by_type: dict[str, list[int]] = {}
-    embedding = 0
-    for f in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for name in st.keys():  # noqa: SIM118 — safe_open is not a mapping
-                sl = st.get_slice(name)
-                dtype, values = sl.get_dtype(), math.prod(sl.get_shape())
-                entry = by_type.setdefault(dtype, [0, 0])
-                entry[0] += values * WEIGHT_DTYPES.get(dtype, 4)
-                entry[1] += values
-                if name == "model.embed_tokens.weight":
-                    embedding = values * WEIGHT_DTYPES.get(dtype, 4)
-    return {"file_tensors": by_type, "file_embedding_bytes": embedding}
+    def tensors() -> Iterator[tuple[str, str, int, int]]:
+        for f in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                for name in st.keys():  # noqa: SIM118 — safe_open is not a mapping
+                    sl = st.get_slice(name)
+                    values = math.prod(sl.get_shape())
+                    yield name, sl.get_dtype(), values * WEIGHT_DTYPES.get(sl.get_dtype(), 4), values
+
+    return storage(tensors(), "model.embed_tokens.weight")
 
 
 # The JSON files of a model directory the tokenizer reads besides tokenizer.json; each must hold an object.
