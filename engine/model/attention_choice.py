@@ -4,13 +4,9 @@ One query row reads every key and value of the cache, so a long decode step's ti
 way of computing it reads fastest depends on the CPU, the dtype, the thread count, the heads' shape and the context
 length: on the Intel AMX machine torch's fused kernel was the fastest bfloat16 way at every length and the slowest
 float32 way past a few thousand keys, where a rule from another machine had it the other way round (BENCHMARKS.md,
-"Decode attention chosen by measuring the machine"). The ways (engine.model.transformer.decode_ways):
-
-- `upcast`: two float32 products on upcast copies of a low-precision cache, the softmax between (gives the weights);
-- `blocked`: low-precision products over whole blocks of keys, float32 over the rest (gives the weights);
-- `explicit`: two products in the cache's own dtype, float32 only (gives the weights; a low-precision product of a
-  new shape every step costs oneDNN a kernel it keeps, so it is never a low-precision candidate);
-- `sdpa`: torch's fused kernel, which never forms the weights: a layer a panel captures runs one of the others.
+"Decode attention chosen by measuring the machine"). The ways are named in kernel_cache.ATTENTION_DESCRIPTIONS
+(engine.model.transformer.decode_ways); `explicit` is a float32 way only, since a low-precision product of a new
+shape every step costs oneDNN a kernel it keeps; `sdpa` never forms the weights, so a captured layer runs another.
 
 At a model's first load on a machine (with the kernel tuner, engine.model.kernels), each way is timed at the key
 counts in KEY_COUNTS up to the model's context, at each thread count decode may use, over the model's own head shape

@@ -37,7 +37,6 @@ TABLE: tuple[DType, ...] = (
     DType("q4_1", 20 / 32, (), ("int8", "fp16", "bf16", "fp32")),
 )
 
-BY_NAME: dict[str, DType] = {d.name: d for d in TABLE}
 _LOOKUP: dict[str, DType] = {s: d for d in TABLE for s in (*d.spellings, d.name)}
 ACCEPTED: tuple[str, ...] = tuple(_LOOKUP)  # every accepted spelling ("float32" before "fp32")
 MEASURABLE: tuple[str, ...] = tuple(d.name for d in TABLE if d.torch_name is not None)

@@ -9,29 +9,16 @@ a decode step does (cache-cold, as in decode). The fastest is used; engine.model
 keyed by CPU, cores, torch version and kernel set, dtype, threads and shape, so later loads only read it, and
 anything in the key changing measures again (BENCHMARKS.md, "Decode kernels chosen by measuring the machine").
 
-Measuring: every candidate runs once to warm up (oneDNN builds its primitive on the first call), then once more
-in the first round; those within PRUNE × the fastest go on to ROUNDS interleaved rounds (each round in a rotated
-order, so a burst of load on the machine hits every candidate alike), and a candidate's time is its median round.
-`python -m engine kernels --remeasure` measures again (a choice made while another program held the cores can be
-wrong on a quiet machine). $INFERENCE_LAB_KERNEL or `--kernel NAME` forces one candidate wherever it applies.
+How a shape's candidates are timed: `choose`. `python -m engine kernels --remeasure` measures again (a choice made
+while another program held the cores can be wrong on a quiet machine); $INFERENCE_LAB_KERNEL or `--kernel NAME`
+forces one candidate wherever it applies. Only decode products are tuned (engine.model.transformer.linear).
 
-Only decode products (up to transformer.SPLIT_MAX_ROWS rows; measured with one) are tuned; prefill and larger
-batches are compute-bound products that oneDNN's float32 kernel or F.linear run (engine.model.transformer.linear).
+Every float candidate computes the model's weights in the run's dtype: they differ only in the order of a sum. The
+kernel modes the user may pick add candidates on quantized forms of a GGUF's weights (engine.model.quant), which
+change the computation: a shape measured with them is a different key from the same shape without them.
 
-Every candidate above computes the model's weights in the run's dtype: they differ only in the order of a sum. In
-the kernel modes that change the computation, which the user picks (engine.model.kernel_cache.KERNEL_MODES; never
-the default), a GGUF file's quantized weights get more candidates, quantized forms of them (engine.model.quant):
-"file" adds torch's int4 kernel on the file's own Q4_0/Q4_1/Q4_K blocks, "fast" also its int8 kernel on a per-row
-requantization (any quantized type), both with bfloat16 activations. A tied LM head (the token table) gets them from
-the table's type as a projection does. They are measured like the others and win only where they are faster. Their
-results differ from the float products by the quantization (engine.model.quant states by how much), so a shape
-measured with quantized forms is a different key from the same shape without them, and each mode's forms another.
-
-Threads: with each count's kernels chosen, the tuner times the step's whole chain of products (each by the kernel
-that count dispatches to) at every count `--threads auto` may use, interleaved like the candidates, and records it
-with other processes' CPU use meanwhile (engine.model.threads.ChainTiming, keyed by the machine, the dtype and the
-chain). Measured quiet, `auto` never decodes at more threads than the fastest count of that chain, so a machine
-whose products run slower on two threads than on one decodes on one.
+Threads: the step's whole chain of products is then timed at each count `--threads auto` may use (measure_chain),
+which caps `auto` (engine.model.threads, its module docstring says why).
 """
 
 from __future__ import annotations
@@ -413,8 +400,7 @@ def chain_key(groups: dict[tuple[int, int, str], list[Product]], counts: Sequenc
     dtype = str(next(iter(groups.values()))[0][0].dtype).removeprefix("torch.")
     parts = []
     for (out_f, in_f, weights), products in sorted(groups.items()):
-        names = [forced_name() or chosen((out_f, in_f), products[0][0].dtype, n, weights) or "linear"
-                 for n in counts]
+        names = [chosen((out_f, in_f), products[0][0].dtype, n, weights) or "linear" for n in counts]
         kind = "" if weights == kernel_cache.FLOAT else f" {weights}"
         parts.append(f"{out_f}x{in_f}{kind}*{len(products)}:{'/'.join(names)}")
     return machine.key(dtype) + f"|threads {'/'.join(map(str, counts))}|{' '.join(parts)}"
@@ -479,7 +465,7 @@ def _chain_sum(groups: dict[tuple[int, int, str], list[Product]],
         torch.set_num_threads(n)
         total = 0.0
         for (out_f, in_f, weights), products in groups.items():
-            name = forced_name() or chosen((out_f, in_f), products[0][0].dtype, n, weights) or "linear"
+            name = chosen((out_f, in_f), products[0][0].dtype, n, weights) or "linear"
             total += time_once(products, name) * len(products)
         return total
 

@@ -110,9 +110,6 @@ class KVCache:
         self.epoch = next(_EPOCHS)
         return pos
 
-    def reset(self) -> None:
-        self.truncate(0)
-
     def fits(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device | str) -> bool:
         want, have = torch.device(device), self.device
         same_device = want.type == have.type and (want.index or 0) == (have.index or 0)  # "cuda" is "cuda:0"

@@ -27,10 +27,8 @@ the computation (below), so a model has them only in a kernel mode the user pick
   stores in a quantized type gets it: the int4 kinds above, and the others (Q5_0, Q8_0, Q6_K, …: no exact int4
   form, their steps are per 32 or 16 values and finer than 4 bits) from their dequantized float weight.
   A tied LM head is the token table: it gets the forms of the table's type as any projection does (Gemma 3 270M's
-  Q8_0 table an int8 form, SmolLM2's too), and the embedding lookup keeps the float table.
-  One exception: where a weight shape also has int4 forms (Gemma's Q4_K_M stores half its ffn_down as Q6_K and
-  half as Q4_K), those others get no form and run float, because the tuner measures one set of forms per shape
-  (take_blocks).
+  Q8_0 table an int8 form, SmolLM2's too), and the embedding lookup keeps the float table. A shape gets one set of
+  forms (take_blocks says which).
 
 Both kernels run with bfloat16 activations (with float32 ones they were slower than the float products), and need
 the scales in the activations' dtype: the forms keep bfloat16 scales and the candidates run x in bfloat16, so a float32
@@ -41,8 +39,7 @@ figures: BENCHMARKS.md "K-quants: Gemma 3's Q4_K_M"); greedy tokens differ only 
 Memory, per weight value: int4 0.5 byte (two q per byte) + 4 bytes of bfloat16 scale and zero per 32 values
 = 0.625 byte, as the file's Q4_1 blocks (Q4_0 and Q4_K store 0.5625); int8 1 byte + 2 bytes per row. Beside a
 float32 weight (4 bytes) both forms cost 41 % more memory for those weights, the int8 form alone (a REQUANT
-projection) 25 %;
-engine.model.transformer.Transformer.tune_kernels drops a form the tuner did not choose. A decode step through them
+projection) 25 %, until Transformer.tune_kernels drops a form the tuner did not choose. A decode step through them
 reads those bytes instead of the float weight's.
 """
 

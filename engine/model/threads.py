@@ -5,15 +5,9 @@ threads spin at the end of each region until every thread has arrived; when anot
 each region waits for a thread the kernel has descheduled. On a 2-core machine two threads are then slower than one
 (beside a single busy loop, over twice one thread's time), while on a quiet one they are nearly twice as fast
 (BENCHMARKS.md, "Decode under load"). One thread never waits for anyone, so under load it is the faster choice. No
-fixed setting is right, so `AdaptiveThreads` decides per step:
-
-- it keeps, for each thread count, the recent seconds per byte a decode step moved (weights + KV cache), so steps at
-  different context lengths compare;
-- with many threads, a step slower than 0.9 × the one-thread estimate switches to one thread at once (a slower step
-  is already a loss); a step much slower than the recent many-thread steps triggers a short one-thread probe, and so
-  does a one-thread estimate older than `REFRESH` steps;
-- with one thread it tries many threads again only when the other cores were mostly idle while it ran (other
-  processes' CPU time, from /proc/stat), and waits twice as long after each failed try.
+fixed setting is right, so `AdaptiveThreads` decides per step, from the seconds per byte (weights + KV cache, so
+steps at different context lengths compare) each count's recent steps took, and from other processes' CPU time
+(/proc/stat) while one thread ran; the constants below say when it switches and probes.
 
 `torch.set_num_threads` changes the count between regions, so switching costs microseconds; OMP_WAIT_POLICY
 cannot change after OpenMP starts, which is why the count is the knob.

@@ -411,7 +411,7 @@ class Transformer(nn.Module):
         total = 0
         for (out_f, in_f, weights), products in self.decode_products().items():
             for w, _, _, forms in products:
-                name = kernels.forced_name() or kernels.chosen((out_f, in_f), w.dtype, n, weights) or "linear"
+                name = kernels.chosen((out_f, in_f), w.dtype, n, weights) or "linear"
                 form = getattr(forms, name) if forms is not None and name in kernels.QUANTIZED else None
                 total += sum(t.numel() * t.element_size() for t in form) if form else w.numel() * w.element_size()
         return total

@@ -39,7 +39,11 @@ class TraceRecorder:
         return trace_events([(t - self.t0, e) for t, e in self.events])
 
     def write(self, path: str | Path) -> None:
-        write_trace(path, self.trace())
+        """Write the trace; OSError with the path and the reason if it cannot be written."""
+        try:
+            Path(path).write_text(json.dumps(self.trace(), ensure_ascii=False), encoding="utf-8")
+        except OSError as e:
+            raise OSError(f"cannot write the trace to {path}: {e.strerror or e}") from None
 
 
 def trace_events(timed: Iterable[tuple[float | None, Event]], name: str = "Inference Lab") -> dict:
@@ -92,10 +96,3 @@ def check_writable(path: str | Path) -> None:
     if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise OSError(f"cannot write the trace to {path}: permission denied")
 
-
-def write_trace(path: str | Path, trace: dict) -> None:
-    """Write the trace; OSError with the path and the reason if it cannot be written."""
-    try:
-        Path(path).write_text(json.dumps(trace, ensure_ascii=False), encoding="utf-8")
-    except OSError as e:
-        raise OSError(f"cannot write the trace to {path}: {e.strerror or e}") from None

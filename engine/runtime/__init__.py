@@ -10,9 +10,8 @@ from engine.runtime.base import Row, Runtime
 
 
 def runtime_of(session, n_seq: int = 1, capacity: int | None = None, page_size: int | None = None) -> Runtime:
-    """A runtime of `n_seq` sequences of up to `capacity` positions over the model a session holds (its
-    `new_runtime`). `page_size`: the cache as one pool that sequences draw pages from (the torch engine's pages of
-    that many positions; llama.cpp's unified cache, a cell at a time); None: each runtime's default."""
+    """The session's `new_runtime`: `n_seq` sequences of up to `capacity` positions; `page_size`: the cache as one
+    pool that sequences draw pages from (None: each runtime's default)."""
     return session.new_runtime(n_seq, capacity, page_size)
 
 

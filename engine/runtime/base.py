@@ -3,17 +3,13 @@
 A runtime holds one model and a KV cache of several sequences. Its one verb is `forward`: a batch of rows, each a
 sequence id with the tokens that follow what the cache holds of that sequence. The runtime alone counts positions
 (`length(seq)`): a row's tokens take the sequence's next positions, so no caller keeps a second count that could
-drift from the cache's. The KV verbs change what a sequence holds: `remove` forgets its positions from a point on
-(rejected draft tokens), `copy` gives another sequence a prefix (a fork), `keep` drops every other sequence.
+drift from the cache's. The KV verbs (remove, copy, keep) change what a sequence holds.
 
 A row may also ask for captures (a Capture: attention weights, residual norms, the residual stream for the lens);
 `captured(seq)` then hands over what its last forward pass recorded, in the shapes the events carry. A generation
 (engine.run.session.Generation) is a loop of one-row forwards with captures on a one-sequence runtime; the labs
-(engine.labs) loop over batches of rows without them. Neither keeps a count of positions of its own.
-
-Implementations: engine.runtime.torch (this engine's model over a paged cache; a generation's one sequence over the
-contiguous cache, whose step is the faster) and engine.runtime.llamacpp (llama.cpp's batch of several sequence ids
-over its own sequence-tagged cache; a generation's over the session's own context, whose graph callback captures).
+(engine.labs) loop over batches of rows without them. Implementations: engine.runtime.torch and
+engine.runtime.llamacpp.
 """
 
 from __future__ import annotations

@@ -4,10 +4,8 @@ It shares the model a LlamaCppSession loaded (weights are held once) and makes i
 of `n_seq` sequences of `capacity` positions. By default each sequence has its own stream (`kv_unified` off: a
 sequence's attention reads only its own cells, and a batch of B different prompts costs what B sequences cost);
 `pooled` makes one unified pool of n_seq × capacity cells that sequences take a cell (a page of one position) at a
-time, as the scheduling lab's paged cache does. A forward
-pass is one `llama_batch` whose tokens carry their sequence id and position; each row's logits are read with
-`llama_get_logits_ith`. The KV verbs are llama.cpp's own sequence operations (llama_memory_seq_rm / seq_cp /
-seq_keep). No graph callback is set: the labs that run here ask for no captures.
+time, as the scheduling lab's paged cache does. A forward pass is one `llama_batch`; the KV verbs are llama.cpp's
+own sequence operations. No graph callback is set: the labs that run here ask for no captures.
 
 A generation's runtime (`LlamaCppRuntime.of_session`) is instead the session's own context of one sequence, whose
 graph callback (the session's `_Tap`) records what a row's Capture asks for; `captured` reads it out. The seam's runs

@@ -43,9 +43,6 @@ class PagedKVCache:
     def pages_in_use(self) -> int:
         return self.n_pages - len(self.free)
 
-    def positions_held(self) -> int:
-        return sum(self.lengths.values())
-
     def pages_of(self, request_id: int) -> int:
         return len(self.tables.get(request_id, ()))
 
