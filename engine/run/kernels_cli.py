@@ -3,8 +3,6 @@ machine, with every candidate's measured time (engine.model.kernels), the step's
 count with the most threads `--threads auto` may use by it (engine.model.threads.ChainTiming), and `--remeasure` to
 measure again.
 
-    python -m engine kernels [--model M] [--dtype float32|bfloat16] [--kernels exact|file|fast] [--remeasure] [--json]
-
 Also `forcing`, which `--kernel NAME` on the commands that run the model goes through. Kept apart from
 engine.model.kernels so that building the CLI's parser does not import torch.
 """
@@ -15,21 +13,17 @@ import argparse
 import contextlib
 import json
 import os
-from collections.abc import Iterator
 
 from engine.model import kernel_cache
 
 
-@contextlib.contextmanager
-def forcing(name: str | None) -> Iterator[None]:
+def forcing(name: str | None) -> contextlib.AbstractContextManager:
     """Every decode product through candidate `name` for the duration of a block (nothing when None)."""
     if not name:
-        yield
-        return
+        return contextlib.nullcontext()
     from engine.model import kernels
 
-    with kernels.forced(name):
-        yield
+    return kernels.forced(name)
 
 
 def add_kernel_arg(p: argparse.ArgumentParser) -> None:

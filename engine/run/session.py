@@ -1,16 +1,14 @@
 """The generation loop as a generator of events: prefill once, then decode one token per step.
 
 One generator, two drivers: the CLI prints the events, the app drives the same generator in its engine process
-(engine.server).
-A `Generation` can be advanced one event at a time, paused simply by not advancing it, stopped between tokens,
-and its sampling settings and capture can change between tokens.
+(engine.server). A `Generation` can be advanced one event at a time, paused simply by not advancing it, stopped
+between tokens, and its sampling settings and capture can change between tokens.
 
 A `Session` keeps the KV cache between runs: when a new prompt starts with the tokens already cached, their keys
 and values are reused and only the new tokens are prefilled (prefix caching).
 
-`Generation._run` is the engine's one generation loop, on either runtime: it is written against engine.runtime's
-Runtime (a step forwards the ids past what the cache holds, with the captures asked for, and reads them back), and
-the llama.cpp backend's session hands it llama.cpp's runtime instead of the torch engine's.
+`Generation._run` is the engine's one generation loop, on either runtime (engine.runtime's Runtime: the llama.cpp
+backend's session hands it llama.cpp's runtime instead of the torch engine's).
 """
 
 from __future__ import annotations
@@ -80,37 +78,6 @@ def condense_funnel(
         kept_top_k=stages.kept_top_k, kept_top_p=stages.kept_top_p, kept_final=stages.kept_final,
         vocab_size=int(stages.logits.shape[-1]), greedy=params.greedy,
     )
-
-
-def pick_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None, context: torch.Tensor,
-    force: int | None, constraint: Constraint | None, funnel_top: int, make_funnel,
-) -> tuple[int, Funnel | None, bool]:
-    """One step's token from the model's logits (V,): sampled (or `force`d), under the grammar when there is one.
-    Returns (token, the condensed funnel when funnel_top asks for one, whether the grammar is complete)."""
-    allowed_logits, kept_grammar = logits, -1
-    if constraint is not None:  # the grammar's stage comes first: −∞ for what it forbids
-        allowed_logits, kept_grammar = constraint.mask_logits(logits)
-    if funnel_top:
-        token, stages = sample(allowed_logits, params, generator, context)
-        token = token if force is None else force
-        if constraint is not None:  # the funnel still starts from the model's own logits
-            # a stage that is off keeps "everything", which under a grammar means what the grammar kept
-            stages = replace(
-                stages, logits=logits.float(), p_raw=torch.softmax(logits.float(), dim=-1),
-                kept_top_k=min(stages.kept_top_k, kept_grammar), kept_top_p=min(stages.kept_top_p, kept_grammar),
-                kept_final=min(stages.kept_final, kept_grammar))
-        condensed = make_funnel(stages, params, funnel_top, token)
-        if constraint is not None:
-            condensed = replace(condensed, kept_grammar=kept_grammar)
-    else:
-        token, condensed = choose(allowed_logits, params, generator, context), None
-        token = token if force is None else force
-    grammar_done = False
-    if constraint is not None:
-        constraint.advance(token)
-        grammar_done = constraint.stopped
-    return token, condensed, grammar_done
 
 
 def prompt_event(tok: Tokenization) -> PromptTokenized:
@@ -418,11 +385,31 @@ class RunLoop:
 
     def pick(self, logits: torch.Tensor, params: SamplingParams, capture: Capture,
              make_funnel) -> tuple[int, Funnel | None, bool, int | None]:
-        """(token, condensed funnel, grammar complete, the forced token or None) from the step's logits (V,)."""
-        force = self.gen.forced.get(self.step)
-        token, condensed, done = pick_token(logits, params, self.generator, self.context[:self.pos], force,
-                                            self.gen.constraint, capture.funnel_top, make_funnel)
-        return token, condensed, done, force
+        """(token, condensed funnel, grammar complete, the forced token or None) from the step's logits (V,): sampled
+        (or forced), under the grammar when there is one, with the condensed funnel when capture.funnel_top asks."""
+        force, constraint, context = self.gen.forced.get(self.step), self.gen.constraint, self.context[:self.pos]
+        allowed_logits, kept_grammar = logits, -1
+        if constraint is not None:  # the grammar's stage comes first: −∞ for what it forbids
+            allowed_logits, kept_grammar = constraint.mask_logits(logits)
+        condensed = None
+        if capture.funnel_top:
+            token, stages = sample(allowed_logits, params, self.generator, context)
+            token = token if force is None else force
+            if constraint is not None:  # the funnel still starts from the model's own logits
+                # a stage that is off keeps "everything", which under a grammar means what the grammar kept
+                stages = replace(
+                    stages, logits=logits.float(), p_raw=torch.softmax(logits.float(), dim=-1),
+                    kept_top_k=min(stages.kept_top_k, kept_grammar), kept_top_p=min(stages.kept_top_p, kept_grammar),
+                    kept_final=min(stages.kept_final, kept_grammar))
+            condensed = make_funnel(stages, params, capture.funnel_top, token)
+            if constraint is not None:
+                condensed = replace(condensed, kept_grammar=kept_grammar)
+        else:
+            token = choose(allowed_logits, params, self.generator, context)
+            token = token if force is None else force
+        if constraint is not None:
+            constraint.advance(token)
+        return token, condensed, constraint is not None and constraint.stopped, force
 
     def emit(self, event: Event) -> Iterator[Event]:
         t = time.perf_counter()
