@@ -157,9 +157,8 @@ def _print(ev, doc: dict, as_json: bool, tok) -> None:
     from engine.labs import speculative as sp
 
     if isinstance(ev, sp.SpecStarted):
-        doc["config"] = {"k": ev.k, "source": ev.source, "source_label": ev.source_label, "greedy": ev.greedy,
-                         "max_new_tokens": ev.max_new_tokens, "model": ev.model, "dtype": ev.dtype,
-                         "prompt_tokens": len(ev.prompt_ids)}
+        config = {k: v for k, v in asdict(ev).items() if k != "prompt_ids"}  # the prompt by its length
+        doc["config"] = {**config, "prompt_tokens": len(ev.prompt_ids)}
         if not as_json:
             mode = "greedy" if ev.greedy else "sampling"
             print(f"{ev.model} ({ev.dtype}); {len(ev.prompt_ids)} prompt tokens; k = {ev.k}, {ev.source_label}; {mode}")
@@ -215,8 +214,7 @@ def _print(ev, doc: dict, as_json: bool, tok) -> None:
                 line += f"; plain greedy decoding {ev.differs.sentence()}"
             print(line)
     elif isinstance(ev, sp.SweepStarted):
-        doc["config"] = {"ks": list(ev.ks), "source": ev.source, "source_label": ev.source_label,
-                         "max_new_tokens": ev.max_new_tokens}
+        doc["config"] = {**asdict(ev), "ks": list(ev.ks)}
         if not as_json:
             print(f"sweep k = {ev.ks[0]}…{ev.ks[-1]}, {ev.source_label}, {ev.max_new_tokens} new tokens")
     elif isinstance(ev, sp.SweepPoint):
