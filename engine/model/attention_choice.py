@@ -87,10 +87,6 @@ def forced(name: str | None) -> Iterator[None]:
         _FORCED[:] = before
 
 
-def forced_name() -> str | None:
-    return _FORCED[0] if _FORCED else None
-
-
 def _force_from_environment() -> None:
     value = os.environ.get(ATTENTION_ENV, "").strip()
     if value:

@@ -356,16 +356,12 @@ class Transformer(nn.Module):
         return self.head_packed is not None
 
     def attach_quant(self, blocks: dict[str, tuple[torch.Tensor, str]], mode: str) -> int:
-        """Give each projection a GGUF stored quantized the forms kernel mode `mode` allows (engine.model.quant:
-        "file" the int4 form of Q4_0/Q4_1/Q4_K blocks, "fast" also the int8 form, "exact" none); blocks: weight name
-        -> (blocks (out, in/32, bytes), kind), from quant.take_blocks. A tied model's token table is its LM head:
-        its forms serve the head (head_quant), while the embedding lookup keeps gathering rows of the float weight.
-        Returns the forms' bytes. The model's kernel_mode becomes `mode` where at least one form was built (else its
-        products stay exact, and it says so).
-
-        They cost up to 1.625 bytes per weight value beside the float weight (0.625 int4, 1 int8); tune_kernels
-        drops a form the tuner did not choose.
-        """
+        """Give each projection a GGUF stored quantized the forms kernel mode `mode` allows (quant.q4_forms); blocks:
+        weight name -> (blocks (out, in/32, bytes), kind), from quant.take_blocks. A tied model's token table is its LM
+        head: its forms serve the head (head_quant), while the embedding lookup keeps gathering rows of the float
+        weight. Returns the forms' bytes (quant's module docstring: their memory, until tune_kernels drops a form the
+        tuner did not choose). The model's kernel_mode becomes `mode` where at least one form was built (else its
+        products stay exact, and it says so)."""
         total, built = 0, False
         for name, (b, kind) in blocks.items():
             tied = name == "tok_embeddings.weight" and self.output is None

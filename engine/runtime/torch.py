@@ -115,22 +115,17 @@ class ContiguousRuntime(Runtime):
         """Whether this runtime's cache holds `capacity` positions of the model's dtype and device as it is."""
         return self.cache.fits(1, capacity, self.lm.dtype, self.lm.device)
 
+    @torch.inference_mode()
     def forward(self, rows: Sequence[Row]) -> list[torch.Tensor]:
         self.check_fits(rows)
         (row,) = rows  # check_fits: one sequence, once
         reads = Reads.for_request(row.capture) if row.capture is not None else None
         self._reads, self._n_fed = reads, len(row.tokens)
-        return [self.run(row.tokens, reads, row.all_logits)]
-
-    @torch.inference_mode()
-    def run(self, tokens: Sequence[int], reads: Reads | None = None, all_logits: bool = False) -> torch.Tensor:
-        """`tokens` at the next positions, copying out what `reads` names: logits (V,) of the last, or (T, V) of
-        each."""
-        x = torch.tensor([list(tokens)], dtype=torch.long, device=self.lm.device)  # (1, T)
-        logits = self.lm.model(x, self.cache, reads, all_logits=all_logits)[0]
-        self.ids.extend(int(i) for i in tokens)
-        self.threads_at.extend(bytes([min(torch.get_num_threads(), 255)]) * len(tokens))
-        return logits
+        x = torch.tensor([list(row.tokens)], dtype=torch.long, device=self.lm.device)  # (1, T)
+        logits = self.lm.model(x, self.cache, reads, all_logits=row.all_logits)[0]
+        self.ids.extend(int(i) for i in row.tokens)
+        self.threads_at.extend(bytes([min(torch.get_num_threads(), 255)]) * len(row.tokens))
+        return [logits]
 
     def captured(self, seq: int = 0) -> Captured:
         r, n = self._reads, self._n_fed

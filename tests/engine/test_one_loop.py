@@ -32,7 +32,7 @@ from tests.requires import import_required
 GREEDY = SamplingParams.greedy_params()
 PROMPT = [5, 77, 140, 3, 250, 99, 12, 200, 41, 7]
 GENERATION = {"engine.run.session:Generation._run"}
-TORCH_PASSES = {"engine.runtime.torch:ContiguousRuntime.run", "engine.runtime.torch:TorchRuntime.forward"}
+TORCH_PASSES = {"engine.runtime.torch:ContiguousRuntime.forward", "engine.runtime.torch:TorchRuntime.forward"}
 LLAMA_PASSES = {"engine.runtime.llamacpp:LlamaCppRuntime._decode"}
 # Who calls Runtime.forward in each lab, on either runtime: the lab's own loop in engine.labs, and the plain
 # generation the speculative lab measures its speedup against. A new caller (a lab stepping a model its own way, a
