@@ -329,9 +329,11 @@ def use(session: Engine, tuned: TunedLens | None) -> None:
 
 def fit(session: Engine, corpus: str | None = None, tokens: int = DEFAULT_TOKENS, steps: int = DEFAULT_STEPS,
         seconds: float = DEFAULT_SECONDS, held_out: int = HELD_OUT_TOKENS, progress: Progress | None = None,
-        should_stop: ShouldStop | None = None, clock: Callable[[], float] = time.perf_counter) -> TunedLens:
+        should_stop: ShouldStop | None = None, clock: Callable[[], float] = time.perf_counter,
+        judged: int = EVAL_POSITIONS) -> TunedLens:
     """Fit the tuned lens of the loaded model (the module docstring's five stages) and return it, its facts saying
-    how it was fitted and what it achieved on held-out text (not saved: see `save`, `saved_path`).
+    how it was fitted and what it achieved on held-out text, averaged over `judged` of its positions (not saved:
+    see `save`, `saved_path`).
 
     Unsupported (one sentence) on a runtime without gradients; ValueError on a corpus too short or bad settings;
     engine.why.Cancelled when should_stop() turns true."""
@@ -341,6 +343,8 @@ def fit(session: Engine, corpus: str | None = None, tokens: int = DEFAULT_TOKENS
         raise ValueError(f"a tuned lens takes 0 to {MAX_STEPS:,} KL steps, got {steps}")
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ValueError(f"the time bound must be a positive number of seconds, got {seconds}")
+    if judged < 1:
+        raise ValueError(f"a fit is judged on at least one held-out position, got {judged}")
     per_token = 4 * (session.cfg.n_layers + 1) * session.cfg.d_model
     if tokens * per_token > MAX_ROW_BYTES:
         raise ValueError(f"{tokens:,} training tokens would hold {tokens * per_token / 2**30:.1f} GiB of residuals; "
@@ -359,13 +363,13 @@ def fit(session: Engine, corpus: str | None = None, tokens: int = DEFAULT_TOKENS
     held = residual_rows(session, data.held, None, should_stop)
     check_stop(should_stop)
     say(0.9, "judging both lenses on the held-out text")
-    logit_kl, tuned_kl = held_out_kl(session, held, tuned)
+    logit_kl, tuned_kl = held_out_kl(session, held, tuned, judged)
     check_stop(should_stop)
     n_train = sum(len(s) - 1 for s in data.train)
     facts = {
         "kind": "tuned lens (x + A x + b per layer, KL to the output)",
         "model": session.info.name, "sha256": model_key(session), "corpus": data.name,
-        "train_tokens": str(n_train), "held_out_tokens": str(min(EVAL_POSITIONS, sum(len(s) - 1 for s in data.held))),
+        "train_tokens": str(n_train), "held_out_tokens": str(min(judged, held.shape[1])),
         "kl_steps": str(taken), "batch": str(BATCH), "learning_rate": str(LEARNING_RATE), "ridge": str(RIDGE),
         "seconds": f"{clock() - t0:.1f}",
         "train_kl_bits_first_last": "" if not losses else f"{losses[0] / LN2:.4f} {losses[-1] / LN2:.4f}",
