@@ -21,7 +21,8 @@ pytestmark = pytest.mark.qt_log_ignore("This plugin does not support raise")  # 
 
 
 @pytest.fixture
-def lens_window(qtbot, make_window):
+def lens_window(qtbot, make_window, tmp_path, monkeypatch):
+    monkeypatch.setenv("INFERENCE_LAB_CACHE", str(tmp_path / "cache"))  # its engine finds no lens another test saved
     w = make_window(persist=False)
     wait_loaded(qtbot, w)
     w.bridge.set_params(SamplingParams.greedy_params())

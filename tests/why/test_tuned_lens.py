@@ -201,7 +201,7 @@ def test_fitted_on_the_default_model_beats_the_logit_lens_on_held_out_text(real_
     assert all(t < g for t, g in zip(tuned_l[:L], logit_l[:L], strict=True)), (logit_l, tuned_l)
 
 
-def test_the_engine_process_fits_uses_and_drops_it(tiny_dir):
+def test_the_engine_process_fits_uses_and_drops_it(tiny_dir, tmp_path, monkeypatch):
     """TuneLens through the engine process (as the app drives it): "use" before a fit says none is saved; a fit
     reports progress, is saved and in use (the next generation's lens carries the tuned rows and KL); "off" drops
     it; "use" finds the saved one again; Cancel ends a fit with nothing saved over."""
@@ -210,6 +210,7 @@ def test_the_engine_process_fits_uses_and_drops_it(tiny_dir):
     from engine.protocol import GenerateRequest
     from tests.engine.test_server import Client
 
+    monkeypatch.setenv("INFERENCE_LAB_CACHE", str(tmp_path / "cache"))  # no lens another test saved
     c = Client()
     try:
         c.send(P.Load(str(tiny_dir.gguf), "cpu", "float32"))
