@@ -388,11 +388,6 @@ class LlamaCppSession(Engine):
     # ---- the cache and one forward step ------------------------------------------------------------------------
     device = torch.device("cpu")
 
-    @property
-    def cached_ids(self) -> list[int]:
-        """The tokens whose K/V the context holds, positions 0…len − 1 (its runtime's own record)."""
-        return self._rt.held(0)
-
     def runtime(self, capacity: int | None = None) -> LlamaCppRuntime:
         """The one-sequence runtime generations run on: this session's own context (allocated whole at load)."""
         return self._rt

@@ -113,6 +113,7 @@ class Engine:
     runtime_name = ""
     can: frozenset[str] = frozenset()
     cannot: tuple = ()
+    _rt: Runtime | None = None  # the one-sequence runtime generations run on (`runtime`), once made
 
     def prompt_text(self, text: str, chat: bool = False) -> str:
         return self.tokenizer.chat_prompt(text) if chat else text
@@ -176,6 +177,11 @@ class Engine:
             raise ValueError(f"cannot fork at step {step}: the generation has steps 0..{len(generated_ids) - 1}")
         prefix = [int(i) for i in prompt_ids] + [int(i) for i in generated_ids[:step]]
         return self.generate(prefix, params, max_new_tokens, capture, ignore_eos=ignore_eos, forced={0: token})
+
+    @property
+    def cached_ids(self) -> list[int]:
+        """The tokens whose K/V the cache holds, positions 0…len − 1 (the runtime's own record)."""
+        return [] if self._rt is None else self._rt.held(0)
 
     def _forward(self, new_ids: Sequence[int], start: int, every: bool = False) -> torch.Tensor:
         """Logits (V,) of the last new token, or (T, V) of every one with `every`; `start` must be where the cache
@@ -247,11 +253,6 @@ class Session(Engine):
     @property
     def cache(self) -> KVCache | None:
         return None if self._rt is None else self._rt.cache
-
-    @property
-    def cached_ids(self) -> list[int]:
-        """The tokens whose K/V the cache holds, positions 0…len − 1 (the runtime's own record)."""
-        return [] if self._rt is None else self._rt.ids
 
     def threads_at(self, p: int) -> int | None:
         """The thread count the step that wrote position p ran at (None: the cache does not hold p)."""
