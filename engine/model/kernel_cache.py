@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -287,10 +288,28 @@ def attention_rows(entries: list[AttentionEntry]) -> list[dict]:
     return out
 
 
+def available_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_model() -> str:
+    """The CPU's model name as the OS reports it (a machine's measurements are keyed by it)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def this_cpu() -> tuple[str, int]:
     """The CPU model name and the cores this process may use (the part of the key known without torch)."""
-    from engine.model.threads import available_cores, cpu_model
-
     return cpu_model(), available_cores()
 
 

@@ -25,7 +25,6 @@ always N.
 from __future__ import annotations
 
 import os
-import platform
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from engine.model import kernel_cache
+from engine.model.kernel_cache import available_cores, cpu_model  # noqa: F401 — the machine's words, read here too
 
 SLOWER_THAN_ONE = 0.9  # many threads must beat this fraction of one thread's time per byte, or one thread wins
 SUDDEN_SLOWDOWN = 1.5  # a many-thread step this much slower than the best recent ones → probe one thread
@@ -49,26 +49,6 @@ IDLE_SHARE = 0.25  # many threads are tried again only if others used at most th
 # (a higher share let the app's own GUI, which takes about a third of a core while it paints, send the engine back
 # to two threads, which were slower in the app than one: BENCHMARKS.md, "The app against the CLI")
 BACKOFF_MIN, BACKOFF_MAX = 4, 256  # steps before one thread tries many again, doubled after each failed try
-
-
-def available_cores() -> int:
-    """Cores this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def cpu_model() -> str:
-    """The CPU's model name as the OS reports it (a machine's measurements are keyed by it)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def measured_quiet(others_cores: float | None, threads: int) -> bool:
