@@ -410,6 +410,16 @@ class WhyPanel(Panel):
         row.addStretch(1)
         return row
 
+    @staticmethod
+    def _above(view: QtWidgets.QWidget, note: QtWidgets.QWidget) -> QtWidgets.QWidget:
+        """A view taking the height, with its note (hover text, legend, definitions) in a line below it."""
+        w = QtWidgets.QWidget()
+        lay = QtWidgets.QVBoxLayout(w)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.addWidget(view, 1)
+        lay.addWidget(note)
+        return w
+
     def _heads_inputs(self) -> QtWidgets.QWidget:
         self.repeat_spin = spin_box(2, 512, 24, "N: random tokens, then the same N again (induction needs the repeat)")
         self.seed_spin = spin_box(0, 2**31 - 1, 0, "Seed of the random tokens")
@@ -586,12 +596,7 @@ class WhyPanel(Panel):
         self.definitions.setWordWrap(True)
         self.definitions.setTextFormat(QtCore.Qt.TextFormat.RichText)
         reserve_lines(self.definitions, len(SCORES))
-        w = QtWidgets.QWidget()
-        lay = QtWidgets.QVBoxLayout(w)
-        lay.setContentsMargins(0, 0, 0, 0)
-        lay.addWidget(self.heads_plots, 1)
-        lay.addWidget(self.definitions)
-        return w
+        return self._above(self.heads_plots, self.definitions)
 
     def _ablate_view(self) -> QtWidgets.QWidget:
         w = QtWidgets.QWidget()
@@ -667,12 +672,7 @@ class WhyPanel(Panel):
         self.patch_plot.scene().sigMouseMoved.connect(self._on_patch_hover)
         self.patch_plot.scene().sigMouseClicked.connect(self._on_patch_clicked)
         self.patch_hover = QtWidgets.QLabel(" ")
-        w = QtWidgets.QWidget()
-        lay = QtWidgets.QVBoxLayout(w)
-        lay.setContentsMargins(0, 0, 0, 0)
-        lay.addWidget(self.patch_plot, 1)
-        lay.addWidget(self.patch_hover)
-        return w
+        return self._above(self.patch_plot, self.patch_hover)
 
     def _attribute_view(self) -> QtWidgets.QWidget:
         self.attr_view = QtWidgets.QTextBrowser()
@@ -680,12 +680,7 @@ class WhyPanel(Panel):
             f"<span style='background:{blend(ERROR_COLOR, 1)}'>&nbsp;raises&nbsp;</span> "
             f"<span style='background:{blend(DECODE_COLOR, 1)}'>&nbsp;lowers&nbsp;</span> the target's "
             "log-probability; hover a token for its score")
-        w = QtWidgets.QWidget()
-        lay = QtWidgets.QVBoxLayout(w)
-        lay.setContentsMargins(0, 0, 0, 0)
-        lay.addWidget(self.attr_view, 1)
-        lay.addWidget(self.attr_legend)
-        return w
+        return self._above(self.attr_view, self.attr_legend)
 
     def _dla_view(self) -> QtWidgets.QWidget:
         """One plot: the heads' map (layers × heads), each layer's MLP in a column beside it and the embeddings in a
@@ -710,12 +705,7 @@ class WhyPanel(Panel):
         self.dla_plot.scene().sigMouseMoved.connect(self._on_dla_hover)
         self.dla_plot.scene().sigMouseClicked.connect(self._on_dla_clicked)
         self.dla_hover = QtWidgets.QLabel(" ")
-        w = QtWidgets.QWidget()
-        lay = QtWidgets.QVBoxLayout(w)
-        lay.setContentsMargins(0, 0, 0, 0)
-        lay.addWidget(self.dla_plot, 1)
-        lay.addWidget(self.dla_hover)
-        return w
+        return self._above(self.dla_plot, self.dla_hover)
 
     def _compare_view(self) -> QtWidgets.QWidget:
         self.compare_plot = pg.PlotWidget(background=BACKGROUND)
@@ -732,11 +722,7 @@ class WhyPanel(Panel):
         self.flips_label.setWordWrap(True)
         self.flips_label.setTextFormat(QtCore.Qt.TextFormat.RichText)
         reserve_lines(self.flips_label, 2)
-        w = QtWidgets.QWidget()
-        lay = QtWidgets.QVBoxLayout(w)
-        lay.setContentsMargins(0, 0, 0, 0)
-        lay.addWidget(self.compare_plot, 1)
-        lay.addWidget(self.flips_label)
+        w = self._above(self.compare_plot, self.flips_label)
         self.compare_pages = QtWidgets.QStackedWidget()  # 0: one prompt, layer by layer; 1: a corpus
         self.compare_pages.addWidget(w)
         self.compare_pages.addWidget(self._corpus_view())
@@ -768,12 +754,7 @@ class WhyPanel(Panel):
         self.corpus_label.setTextFormat(QtCore.Qt.TextFormat.RichText)
         self.corpus_label.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
         reserve_lines(self.corpus_label, 3)
-        w = QtWidgets.QWidget()
-        lay = QtWidgets.QVBoxLayout(w)
-        lay.setContentsMargins(0, 0, 0, 0)
-        lay.addWidget(self.corpus_plots, 1)
-        lay.addWidget(self.corpus_label)
-        return w
+        return self._above(self.corpus_plots, self.corpus_label)
 
     # ---- modes and requests --------------------------------------------------------------------------------------
     def mode(self) -> str:
