@@ -122,6 +122,15 @@ class _Side:
         return logits, torch.as_tensor(c.stream), attn
 
 
+def _sides(a, b) -> tuple[_Side, _Side]:
+    """The two sides of a comparison: two sessions (each keeps its own KV cache) of one model."""
+    if a is b:
+        raise ValueError("compare needs two sessions (each keeps its own KV cache), got the same one twice")
+    A, B = _Side(a), _Side(b)
+    check_same_model(A.cfg, B.cfg)
+    return A, B
+
+
 def _lens_logp(head, streams, logits):
     """(n, L + 2, V) float64 log-probabilities of n steps: the lens of every residual point (streams (n, L + 1, d)),
     then the model's own output (logits (n, V)). The steps go through the head together: llama.cpp's lens widens its
@@ -181,10 +190,7 @@ def compare(a, b, prompt: str, steps: int = 16, chat: bool = False, progress: Pr
     import torch
 
     t_start = time.perf_counter()
-    if a is b:
-        raise ValueError("compare needs two sessions (each keeps its own KV cache), got the same one twice")
-    A, B = _Side(a), _Side(b)
-    check_same_model(A.cfg, B.cfg)
+    A, B = _sides(a, b)
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     ids = [int(i) for i in a.tokenize(prompt, chat).ids]
@@ -381,10 +387,7 @@ def compare_corpus(a, b, text: str, window: int = CORPUS_WINDOW, max_tokens: int
     from engine.runtime.base import Row
 
     t_start = time.perf_counter()
-    if a is b:
-        raise ValueError("compare needs two sessions (each keeps its own KV cache), got the same one twice")
-    A, B = _Side(a), _Side(b)
-    check_same_model(A.cfg, B.cfg)
+    A, B = _sides(a, b)
     if window < 4:
         raise ValueError(f"a window takes at least 4 tokens (half of them context), got {window}")
     if max_tokens < window:
