@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     model = argv[argv.index("--model") + 1] if "--model" in argv else None  # default: SmolLM2-135M
     dtype = argv[argv.index("--dtype") + 1] if "--dtype" in argv else "auto"  # auto: what the app chooses
     n_new, sizes, presses = (8, (50, 200), 3) if smoke else (128, (200, 2000), 30)
+    if "--tokens" in argv:  # the generation's length (issue 50 measures 256)
+        n_new = int(argv[argv.index("--tokens") + 1])
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     import tempfile
 
@@ -146,6 +148,8 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
 
     engine_proc = psutil.Process(bridge.process.pid)
     cpu0 = (_cpu_s(), sum(engine_proc.cpu_times()[:2]))
+    thread0 = time.thread_time()  # the GUI thread's own CPU (this is it): what issue 50 holds to a budget
+    events = _EventCount(bridge)
     t_start = time.perf_counter()
     t_start_wall = time.time()
     probe.start()
@@ -154,6 +158,8 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
         return 1
     done.exec()
     gui_cpu_generating = _cpu_s() - cpu0[0]  # the GUI's CPU up to Finished: what shares the cores with decode
+    gui_thread_generating = time.thread_time() - thread0
+    events.stop()
     # The probe goes on: the end of the run (the Finished event's handlers, the autosave) is what users wait through.
     t_end = time.perf_counter()
     autosave_s = run_on_watching_autosave(session_io.autosave_path(), t_start_wall, END_S)
@@ -182,6 +188,10 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
         "gui_cpu_ms_per_token": cpu[0] / max(len(fin.ids), 1) * 1e3,
         "gui_cpu_ms_per_token_while_generating": gui_cpu_generating / max(len(fin.ids), 1) * 1e3,
         "engine_cpu_ms_per_token": cpu[1] / max(len(fin.ids), 1) * 1e3,
+        "gui_thread_cpu_ms_per_token_while_generating": gui_thread_generating / max(len(fin.ids), 1) * 1e3,
+        # what crossed from the engine process up to Finished: pipe messages, and the events they carried
+        "engine_messages_per_token": events.messages / max(len(fin.ids), 1),
+        "engine_events_per_token": events.events / max(len(fin.ids), 1),
         "stall_p50_ms": float(np.percentile(stalls, 50)), "stall_p99_ms": float(np.percentile(stalls, 99)),
         "stall_max_ms": float(stalls.max()),
         "stall_max_ms_during_generation": float(stalls[:n_during].max(initial=0.0)),
@@ -352,6 +362,22 @@ class PaintCounter:
             w.removeEventFilter(f)
         self._watched = []
         return dict(self.counts)
+
+
+class _EventCount:
+    """Counts the messages the bridge receives from the engine process, and the events they carry, until stop."""
+
+    def __init__(self, bridge) -> None:
+        self.messages = self.events = 0
+        self._sig = bridge.relay.sig_raw
+        self._sig.connect(self._count)
+
+    def _count(self, msg) -> None:
+        self.messages += 1
+        self.events += len(msg) if isinstance(msg, list) else 1
+
+    def stop(self) -> None:
+        self._sig.disconnect(self._count)
 
 
 def _cpu_s() -> float:
