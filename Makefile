@@ -10,6 +10,9 @@ STAMP  := $(VENV)/.installed
 SERVERS      := .venv-servers
 VLLM_STAMP   := $(SERVERS)/vllm/.installed
 LLAMA_STAMP  := $(SERVERS)/llamacpp/.installed
+# vllm-router (Rust, a wheel) beside vLLM, for the fleet tests: its own stamp, so a set-up made before it gets it too
+ROUTER_STAMP := $(SERVERS)/vllm/.router
+VLLM_ROUTER  := vllm-router==0.1.17
 # (defined before the rules that name it: make expands a rule's target when it reads it)
 # llama.cpp inside the app's own environment too (the engine's llama.cpp backend): both environments install the
 # one wheel built here, so llama.cpp is compiled once. It is built for the instruction sets this machine's OS has
@@ -44,6 +47,10 @@ $(VLLM_STAMP):
 	$(SERVERS)/vllm/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
+$(ROUTER_STAMP): $(VLLM_STAMP)
+	$(SERVERS)/vllm/bin/pip install --quiet '$(VLLM_ROUTER)'
+	touch $@
+
 $(LLAMA_WHEEL): packaging/llama_cmake_args.py engine/backends/isa.py
 	$(PYTHON) -m venv $(SERVERS)/build
 	rm -rf $(LLAMA_WHEELS) && mkdir -p $(LLAMA_WHEELS)
@@ -58,7 +65,7 @@ $(LLAMA_STAMP): $(LLAMA_WHEEL)
 		--find-links $(LLAMA_WHEELS) '$(subst ==,[server]==,$(LLAMA_CPP))'
 	touch $@
 
-servers: $(VLLM_STAMP) $(LLAMA_STAMP)
+servers: $(VLLM_STAMP) $(ROUTER_STAMP) $(LLAMA_STAMP)
 
 $(LLAMA_IN_APP): $(STAMP) $(LLAMA_STAMP)
 	# (uninstalled first: a llama-cpp-python already there may be a native build of the same version)
@@ -75,7 +82,7 @@ REQUIRE ?= servers,gemma,transformers,default-model,llamacpp,references
 
 test:
 	# the three set-ups run side by side: the llama.cpp build (minutes) overlaps the others
-	$(MAKE) -j3 $(STAMP) $(VLLM_STAMP) $(LLAMA_STAMP)
+	$(MAKE) -j3 $(STAMP) $(ROUTER_STAMP) $(LLAMA_STAMP)
 	$(MAKE) $(LLAMA_IN_APP)
 	INFERENCE_LAB_REQUIRE=$(REQUIRE) $(PY) -m pytest -q
 
