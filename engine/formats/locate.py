@@ -1,7 +1,7 @@
 """Where a model is and what it is called, without torch: the default model, local paths, hub repositories, the
 cache directory, and a model's tokenizer alone (what `python -m engine tokenize` needs, in well under a second).
 
-engine.loaders re-exports these names; this module exists so that reading a tokenizer never imports torch.
+engine.loaders re-exports a few of these; this module exists so that reading a tokenizer never imports torch.
 """
 
 from __future__ import annotations
@@ -106,18 +106,6 @@ def known_model_path(key: str) -> Path:
             raise ModelLoadError(f"Gemma 3 270M is not installed: run `{KNOWN_MODELS[key].install}`")
         return path
     raise ModelLoadError(f"unknown model name {key!r} (known: {', '.join(KNOWN_MODELS)})")
-
-
-def installed_models() -> dict[str, Path]:
-    """Known models installed on this machine, by key (Gemma's file is assembled from its chunk packages on first
-    use)."""
-    out = {}
-    for key in KNOWN_MODELS:
-        try:
-            out[key] = known_model_path(key)
-        except ModelLoadError:
-            pass
-    return out
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:

@@ -19,21 +19,11 @@ import torch
 from engine.costs import formulas as costs
 from engine.costs.info import model_info
 from engine.events import ModelInfo
-from engine.formats.locate import (  # noqa: F401 — re-exported: where callers have always found them
-    DEFAULT_MODEL_DIST,
-    DEFAULT_MODEL_FILE,
-    GEMMA3_DIST,
-    GEMMA3_FILE,
-    HUB_FILES,
-    KNOWN_MODELS,
-    KnownModel,
+from engine.formats.locate import (  # noqa: F401 — ModelLoadError, default_model_path: where callers have always found them
     ModelLoadError,
     cache_dir_for,
     cache_root,
     default_model_path,
-    gemma3_path,
-    installed_models,
-    known_model_path,
     resolve_model_path,
 )
 from engine.model.config import ModelConfig

@@ -18,7 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -299,7 +299,3 @@ def restore(saved: object) -> tuple[list[RequestResult], str]:
         msg = "; ".join(filter(None, [msg, f"{cut} request(s) past the first {MAX_REQUESTS} skipped"]))
     return out, msg
 
-
-def gantt_figures(bs: Sequence[Bar]) -> list[tuple[float, float]]:
-    """(TTFT, E2EL) of each completed bar, in seconds: what the Gantt draws, for a check against the table."""
-    return [(b.ttft_s, b.e2el_s) for b in bs if b.result.ok]
