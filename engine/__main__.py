@@ -26,6 +26,7 @@ from engine.cliargs import (
     check_bias,
     int_in,
     int_list,
+    one_line,
     regex,
     sampling_params,
     stamped,
@@ -41,10 +42,8 @@ def cmd_info(a: argparse.Namespace) -> int:
 
     from engine.loaders import ModelLoadError, load
 
-    try:
+    with one_line(ModelLoadError):
         info = load(a.model, device=a.device, dtype=a.dtype, kernels=a.kernels).info
-    except ModelLoadError as e:
-        raise CliError(str(e)) from None
     d = asdict(info)
     if a.json:
         print(json.dumps(d, indent=2))
@@ -59,14 +58,10 @@ def cmd_tokenize(a: argparse.Namespace) -> int:
     from engine.formats.locate import ModelLoadError  # no torch: starts in a fraction of a second
     from engine.tokenizer.load import load_tokenizer
 
-    try:
+    with one_line(ModelLoadError):
         tok = load_tokenizer(a.model)  # the tokenizer only: no weights are read
-    except ModelLoadError as e:
-        raise CliError(str(e)) from None
-    try:
+    with one_line(ValueError):  # a base model without a chat template
         text = tok.chat_prompt(a.text) if a.chat else a.text
-    except ValueError as e:  # a base model without a chat template
-        raise CliError(str(e)) from None
     t = tok.encode(text)
     if t.unrepresentable:
         bad = ", ".join(f"0x{b:02X} at byte {o}" for o, b in t.unrepresentable)
@@ -92,11 +87,9 @@ def cmd_logits(a: argparse.Namespace) -> int:
     params = sampling_params(a)
     s = session_from_args(a)
     check_bias(params, s.cfg.vocab_size)
-    try:
+    with one_line(ValueError):
         t = s.tokenize(a.prompt, a.chat)
         logits, _, _ = s.next_token_logits(t.ids)
-    except ValueError as e:
-        raise CliError(str(e)) from None
     st = funnel(logits, params, torch.tensor(t.ids))
     top = torch.topk(st.logits, min(a.top, st.logits.shape[-1])).indices.tolist()
     cands = [
@@ -120,10 +113,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from engine.run.branching import check_forced, parse_force
 
     params = sampling_params(a)
-    try:
+    with one_line(usage=(ValueError,)):
         forced = parse_force(a.force)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
     schema = None
     if a.regex is not None and a.json_schema is not None:
         raise UsageError("give --regex or --json-schema, not both")
@@ -135,11 +126,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
             raise CliError(f"cannot read the JSON schema {a.json_schema}: {e.strerror or e}") from None
     s = session_from_args(a)
     check_bias(params, s.cfg.vocab_size)
-    try:
+    with one_line(usage=(ValueError,)):
         check_forced(forced, s.cfg.vocab_size, a.max_new_tokens)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    try:
+    with one_line(ValueError):
         constraint = None
         if a.regex is not None or schema is not None:
             from engine.run.constrain import Constraint
@@ -153,8 +142,6 @@ def cmd_generate(a: argparse.Namespace) -> int:
             from engine.why.steer import load_for, steering
 
             steer = steering(s, load_for(s, a.steer[0]), a.steer[1])
-    except ValueError as e:
-        raise CliError(str(e)) from None
     with steer as handle:
         steered = None if handle is None else {"vector": os.path.basename(a.steer[0]), "layers": handle.layers,
                                                  "scale": a.steer[1]}
@@ -171,10 +158,8 @@ def _print_run(a: argparse.Namespace, s: object, gen, steered: dict | None = Non
     if a.trace:
         from engine.run.trace import TraceRecorder, check_writable
 
-        try:
+        with one_line(OSError):
             check_writable(a.trace)
-        except OSError as e:
-            raise CliError(str(e)) from None
         recorder = TraceRecorder()
     for ev in gen:
         if recorder is not None:
@@ -188,10 +173,8 @@ def _print_run(a: argparse.Namespace, s: object, gen, steered: dict | None = Non
             raise CliError(ev.message)
         elif isinstance(ev, Finished):
             if recorder is not None:
-                try:
+                with one_line(OSError):
                     recorder.write(a.trace)
-                except OSError as e:
-                    raise CliError(str(e)) from None
             if a.json:
                 print(json.dumps(stamped({
                     "prompt_ids": ev.prompt_ids.tolist(), "ids": ev.ids.tolist(), "text": ev.text,
@@ -221,15 +204,13 @@ def cmd_lens(a: argparse.Namespace) -> int:
     s = session_from_args(a)
     check_bias(params, s.cfg.vocab_size)
     fitted = _tuned_lens(a, s) if a.tuned else None
-    try:
+    with one_line(ValueError):
         n_prompt = len(s.tokenize(a.prompt, a.chat).ids)
         room = s.cfg.context_length - n_prompt - 1  # the decode step whose token takes the context's last position
         if a.step > room:
             raise UsageError(f"--step {a.step} is past this model's context: {n_prompt} prompt tokens leave room for "
                              f"steps 0 to {max(room, 0)} of {s.cfg.context_length} positions")
         gen = s.generate(a.prompt, params, a.step + 1, Capture(lens_top=min(a.top, s.cfg.vocab_size)), chat=a.chat)
-    except ValueError as e:
-        raise CliError(str(e)) from None
     lens: LensCaptured | None = None
     chosen: TokenSampled | None = None
     last = -1
@@ -274,7 +255,7 @@ def _tuned_lens(a: argparse.Namespace, s):
 
     tokens = tl.DEFAULT_TOKENS if a.fit_tokens is None else a.fit_tokens
     steps = tl.DEFAULT_STEPS if a.fit_steps is None else a.fit_steps
-    try:
+    with one_line(ValueError, Unsupported):
         fitted = None if a.refit or a.corpus else tl.load_for(s)
         if fitted is None:
             print(f"fitting a tuned lens for {s.info.name} ({tokens:,} tokens, {steps} KL steps)…", file=sys.stderr)
@@ -288,8 +269,6 @@ def _tuned_lens(a: argparse.Namespace, s):
             fitted = tl.fit(s, a.corpus, tokens=tokens, steps=steps, progress=progress)
             print(f"saved to {tl.save(fitted, tl.saved_path(s))}", file=sys.stderr)
         tl.use(s, fitted)
-    except (ValueError, Unsupported) as e:
-        raise CliError(str(e)) from None
     return fitted
 
 
@@ -449,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.why import cli as why_cli
 
     why_cli.add_subcommands(sub)
+    from engine.remote import fleet_cli
+
+    fleet_cli.add_subcommands(sub)
     return p
 
 

@@ -10,10 +10,11 @@ says so. What the machine lacks (a model file, CUDA, llama.cpp) is a CliError: o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from engine.protocol import API_KEY_ENV, DEFAULT_MODE, KERNEL_MODES, SamplingParams
@@ -31,6 +32,18 @@ class CliError(Exception):
 class UsageError(CliError):
     """A flag's value that does not fit the loaded model (or the other flags); printed as one line with exit status
     2, as the parser's own refusals."""
+
+
+@contextlib.contextmanager
+def one_line(*errors: type[Exception], usage: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """The block's refusals the user can act on, as one line: those of `usage` a UsageError, of `errors` a CliError
+    (their tracebacks would say nothing more to the user)."""
+    try:
+        yield
+    except usage as e:
+        raise UsageError(str(e)) from None
+    except errors as e:
+        raise CliError(str(e)) from None
 
 
 class Parser(argparse.ArgumentParser):
@@ -213,13 +226,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(a: argparse.Namespace) -> SamplingParams:
-    try:
+    with one_line(usage=(ValueError,)):
         return SamplingParams(
             temperature=0.0 if a.greedy else a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
             repetition_penalty=a.repetition_penalty, logit_bias=tuple(a.logit_bias), seed=a.seed,
         )
-    except ValueError as e:
-        raise UsageError(str(e)) from None
 
 
 def server_url(text: str) -> str:

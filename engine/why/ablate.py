@@ -195,15 +195,11 @@ def _text(doc: dict) -> str:
 
 def cmd_ablate(a: argparse.Namespace) -> int:
     from engine.backends import session_from_args
-    from engine.cliargs import CliError, UsageError, stamped
+    from engine.cliargs import one_line, stamped
 
     s = session_from_args(a)
-    try:
+    with one_line(Unsupported, usage=(ValueError,)):
         doc = ablate(s, a.prompt, a.head, a.layer_attn, a.layer_mlp, a.mean, a.chat, a.tokens, a.positions)
-    except Unsupported as e:
-        raise CliError(str(e)) from None
-    except ValueError as e:
-        raise UsageError(str(e)) from None
     print(json.dumps(stamped(doc, s.info), ensure_ascii=False) if a.json else _text(doc))
     return 0
 

@@ -283,19 +283,15 @@ def _grid(rows: list[list[float]], labels: list[str], first: str) -> None:
 
 def _cmd(a: argparse.Namespace) -> int:
     from engine.backends import session_from_args
-    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, stamped
+    from engine.cliargs import EXACT_PRODUCTS, UsageError, one_line, stamped
 
     if getattr(a, "url", None):
         raise UsageError("`atp` runs a backward pass through the model, which a server does not let us do: "
                          "drop --url")
     s = session_from_args(a)
-    try:
+    with one_line(Unsupported, Cancelled, RuntimeError, usage=(ValueError,)):
         out = atp(s, a.clean, a.corrupt, a.answer, a.wrong, heads=a.heads, exact=a.exact, top=a.top,
                   ig_steps=a.ig_steps)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    except (Unsupported, Cancelled, RuntimeError) as e:
-        raise CliError(str(e)) from None
     if a.json:
         print(json.dumps(stamped(out, s.info, EXACT_PRODUCTS), ensure_ascii=False))
         return 0

@@ -516,7 +516,7 @@ def cmd_compare(a: argparse.Namespace) -> int:
     import sys
 
     from engine.backends import session_from_args
-    from engine.cliargs import CliError, UsageError
+    from engine.cliargs import UsageError, one_line
 
     if a.url:
         raise UsageError("`compare` needs every layer's residual stream and attention, which a server does not "
@@ -535,10 +535,8 @@ def cmd_compare(a: argparse.Namespace) -> int:
     if a.steps > room:
         raise UsageError(f"--steps {a.steps} is past the context: {n_prompt} prompt tokens leave room for "
                          f"{max(room, 0)} steps")
-    try:
+    with one_line(Unsupported, ValueError, Cancelled):
         out = compare(first, second, a.prompt, a.steps, a.chat, progress=shown)
-    except (Unsupported, ValueError, Cancelled) as e:
-        raise CliError(str(e)) from None
     if a.json:
         print(json.dumps(out, ensure_ascii=False))
         return 0
@@ -562,24 +560,20 @@ def cmd_compare(a: argparse.Namespace) -> int:
 
 def read_corpus_or_fail(path: str, max_tokens: int) -> str:
     """read_corpus, its refusal a CliError (one line, exit code 1)."""
-    from engine.cliargs import CliError
+    from engine.cliargs import one_line
 
-    try:
+    with one_line(ValueError):
         return read_corpus(path, max_tokens)
-    except ValueError as e:
-        raise CliError(str(e)) from None
 
 
 def _corpus_cli(a: argparse.Namespace, first, second, text: str, shown) -> int:
     import sys
 
-    from engine.cliargs import CliError
+    from engine.cliargs import one_line
 
-    try:
+    with one_line(Unsupported, ValueError, Cancelled):
         out = compare_corpus(first, second, text, a.window, a.max_tokens, name=Path(a.corpus).name, progress=shown,
                              lens=a.lens)
-    except (Unsupported, ValueError, Cancelled) as e:
-        raise CliError(str(e)) from None
     if a.json:
         print(json.dumps(out, ensure_ascii=False))
         return 0

@@ -168,18 +168,14 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 def _cmd(a: argparse.Namespace) -> int:
     from engine.backends import session_from_args
-    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, stamped
+    from engine.cliargs import EXACT_PRODUCTS, UsageError, one_line, stamped
 
     if getattr(a, "url", None):
         raise UsageError("`dla` reads each head's output inside the forward pass, which a server does not give: "
                          "drop --url")
     s = session_from_args(a)
-    try:
+    with one_line(Unsupported, RuntimeError, usage=(ValueError,)):
         out = dla(s, a.prompt, a.answer, a.wrong, step=a.step, chat=a.chat, top=a.top)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    except (Unsupported, RuntimeError) as e:
-        raise CliError(str(e)) from None
     if a.json:
         print(json.dumps(stamped(out, s.info, EXACT_PRODUCTS), ensure_ascii=False))
         return 0

@@ -222,7 +222,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd(a: argparse.Namespace) -> int:
-    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, stamped
+    from engine.cliargs import EXACT_PRODUCTS, UsageError, one_line, stamped
 
     if a.name is None:
         if a.json:
@@ -237,10 +237,8 @@ def _cmd(a: argparse.Namespace) -> int:
     from engine.backends import session_from_args
 
     s = session_from_args(a)
-    try:
+    with one_line(ValueError, Unsupported, Cancelled, RuntimeError):
         out = run(s, a.name)
-    except (ValueError, Unsupported, Cancelled, RuntimeError) as e:
-        raise CliError(str(e)) from None
     if a.json:
         # patching and DLA force the float products; head roles run the model's own kernels
         kernels = EXACT_PRODUCTS if out["kind"] in ("patch", "dla") else None

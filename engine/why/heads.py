@@ -204,20 +204,18 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 def _cmd(a: argparse.Namespace) -> int:
     from engine.backends import session_from_args
-    from engine.cliargs import CliError, UsageError, stamped
+    from engine.cliargs import UsageError, one_line, stamped
 
     if getattr(a, "url", None):
         raise UsageError("`heads` needs every layer's attention, which a server does not report: drop --url")
     s = session_from_args(a)
-    try:
+    with one_line(ValueError, RuntimeError, Unsupported, Cancelled):
         if a.ablate_top is not None and a.ablate_top > s.cfg.n_layers * s.cfg.n_heads:
             raise UsageError(f"--ablate-top {a.ablate_top} is more than this model's "
                              f"{s.cfg.n_layers * s.cfg.n_heads} heads")
         out = head_roles(s, a.repeat, a.seed)
         if a.ablate_top is not None:
             out["ablation"] = confirm_induction(s, out, a.ablate_top)
-    except (ValueError, RuntimeError, Unsupported, Cancelled) as e:
-        raise CliError(str(e)) from None
     if a.json:
         print(json.dumps(stamped(out, s.info)))
         return 0

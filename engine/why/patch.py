@@ -155,17 +155,13 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 def _cmd(a: argparse.Namespace) -> int:
     from engine.backends import session_from_args
-    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, stamped
+    from engine.cliargs import EXACT_PRODUCTS, UsageError, one_line, stamped
 
     if getattr(a, "url", None):
         raise UsageError("`patch` edits the forward pass, which a server does not let us do: drop --url")
     s = session_from_args(a)
-    try:
+    with one_line(Unsupported, Cancelled, RuntimeError, usage=(ValueError,)):
         out = patch(s, a.clean, a.corrupt, a.answer, a.wrong, heads=a.heads)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    except (Unsupported, Cancelled, RuntimeError) as e:
-        raise CliError(str(e)) from None
     if a.json:
         print(json.dumps(stamped(out, s.info, EXACT_PRODUCTS), ensure_ascii=False))
         return 0

@@ -220,18 +220,16 @@ def _pairs_from(a: argparse.Namespace) -> list[Pair]:
 
 def cmd_steer(a: argparse.Namespace) -> int:
     from engine.backends import session_from_args
-    from engine.cliargs import CliError, UsageError, stamped
+    from engine.cliargs import CliError, UsageError, one_line, stamped
     from engine.formats.control_vector import save
     from engine.why import Unsupported
 
     if getattr(a, "url", None):
         raise UsageError("steering edits the forward pass, which a server does not let us do: drop --url")
-    try:
+    with one_line(usage=(ValueError,)):
         pairs = _pairs_from(a)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
     s = session_from_args(a)
-    try:
+    with one_line(Unsupported, RuntimeError, usage=(ValueError,)):
         if a.vector:
             vector = load_for(s, a.vector)
         else:
@@ -260,10 +258,6 @@ def cmd_steer(a: argparse.Namespace) -> int:
                 rows.append({"scale": scale, "ids": top.tolist(), "tokens": [s.tokenizer.piece(int(i)) for i in top],
                              "probs": [float(x) for x in p]})
             doc["prompt"], doc["next_token"] = a.prompt, rows
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    except (Unsupported, RuntimeError) as e:
-        raise CliError(str(e)) from None
     if a.json:
         print(json.dumps(stamped(doc, s.info), ensure_ascii=False))
         return 0
