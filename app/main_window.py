@@ -118,6 +118,7 @@ class MainWindow(QtWidgets.QMainWindow):
             dock = QtWidgets.QDockWidget(cls.title, self)
             dock.setObjectName(cls.object_name)
             dock.setWidget(panel)
+            dock.visibilityChanged.connect(panel.came_into_view)  # a tabbed-away panel draws when shown
             dock.setWhatsThis(cls.help_text)
             dock.setFeatures(dock.features() | QtWidgets.QDockWidget.DockWidgetFeature.DockWidgetFloatable)
             self.panels[name] = panel

@@ -3,7 +3,9 @@
 A panel names the bridge signals it listens to in one table, `subscriptions` ({"sig_token": "_on_token", …}),
 which the base class connects; those slots only store the latest data and call `mark_dirty()`.
 One app-wide timer calls `tick()` on every panel about 30 times a second; `tick()` calls `draw()` only when
-something changed. Plot items are created once in `__init__`; `draw()` only updates them (setData / setImage).
+something changed and the panel is on screen: a dock tabbed behind another, closed or minimized does no work, and
+draws its latest data when it is shown again. Plot items are created once in `__init__`; `draw()` only updates them
+(setData / setImage).
 
 Help texts: the class's `help_text` explains the panel in general terms; `model_help()` adds sentences in the
 loaded model's own numbers (from its config and engine.costs.formulas), so a panel never speaks of a model that is not
@@ -16,7 +18,7 @@ import time
 from typing import ClassVar
 
 import pyqtgraph as pg
-from PySide6 import QtCore, QtWidgets
+from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from engine.events import ModelInfo
@@ -84,12 +86,24 @@ class Panel(QtWidgets.QWidget):
         second later, when the autosave's encoding would take turns with the draw for the GIL)."""
         self._next_draw = 0.0
 
-    def tick(self) -> None:
-        if not self._dirty:
-            return
+    def on_screen(self) -> bool:
+        """Some of the panel is drawn in the window: shown, not in a dock tabbed behind another (a tabbed-away dock
+        stays visible to Qt, covered by the one in front) or closed, and not in a minimized window."""
+        return self.isVisible() and not self.visibleRegion().isEmpty() and not self.window().isMinimized()
+
+    @QtCore.Slot(bool)
+    def came_into_view(self, visible: bool = True) -> None:
+        """Brought on screen (its tab chosen, its dock reopened: the dock's visibilityChanged): what arrived while it
+        was hidden is drawn in the event loop's next turn, whatever the rate limit, so it never shows stale data."""
+        if visible and self._dirty:
+            QtCore.QTimer.singleShot(0, self, self.flush)
+
+    def showEvent(self, event: QtGui.QShowEvent) -> None:  # noqa: N802 — Qt's name
+        super().showEvent(event)
+        self.came_into_view()
+
+    def _draw(self) -> None:
         now = time.monotonic()
-        if now < self._next_draw:
-            return  # stays dirty: a later tick draws the latest data
         self._dirty = False
         self.draw()
         self.settle_plots()
@@ -122,10 +136,19 @@ class Panel(QtWidgets.QWidget):
                 view.scene().prepareForPaint()
 
     def flush(self) -> None:
-        """Draw now if anything changed, whatever the rate limit (screenshots, exports, tests)."""
+        """Draw now if anything changed, whatever the rate limit and whether it is on screen (screenshots, exports,
+        tests)."""
         if self._dirty:
             self._next_draw = 0.0
-            self.tick()
+            self._draw()
+
+    def tick(self) -> None:
+        """The shared timer's turn: draw if there is new data, the panel is on screen and its interval passed."""
+        if not self._dirty or not self.on_screen():
+            return  # a hidden panel stays dirty: it draws when shown (showEvent)
+        if time.monotonic() < self._next_draw:
+            return  # stays dirty: a later tick draws the latest data
+        self._draw()
 
     def draw(self) -> None:
         """Update the plot items from the stored data. Called on the GUI timer, only when dirty."""

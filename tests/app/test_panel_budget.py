@@ -39,6 +39,8 @@ def panel(qtbot, bridge, clock, cost_s: float) -> Costly:
     p = Costly(bridge)
     p.clock, p.cost_s = clock, cost_s
     qtbot.addWidget(p)
+    p.show()  # the timer's tick draws only a panel on screen
+    qtbot.waitExposed(p)
     return p
 
 
