@@ -344,6 +344,8 @@ class Bridge(QtCore.QObject):
     """A generation began: PromptTokenized."""
     sig_attention = QtCore.Signal(object)
     """AttentionCaptured for one subscribed layer of one step."""
+    sig_held_attention = QtCore.Signal(object)
+    """engine.protocol.HeldAttention: captures of layers no panel showed, sent once (a layer turned to, a run's end)."""
     sig_norms = QtCore.Signal(object)
     """ResidualNorms of one step."""
     sig_prompt_scores = QtCore.Signal(object)
@@ -478,7 +480,8 @@ class Bridge(QtCore.QObject):
         # subclasses: the first base found in the table routes them).
         self._routes: dict[type, Callable[[object], None]] = {
             RunStarted: self._on_run_started, PromptTokenized: self._on_prompt,
-            AttentionCaptured: self.sig_attention.emit, ResidualNorms: self.sig_norms.emit,
+            AttentionCaptured: self.sig_attention.emit, P.HeldAttention: self.sig_held_attention.emit,
+            ResidualNorms: self.sig_norms.emit,
             PromptScored: self.sig_prompt_scores.emit, LensCaptured: self.sig_lens.emit, KVCacheGrew: self.sig_kv.emit,
             PrefillDone: self.sig_prefill.emit, TokenSampled: self._on_token, Finished: self._on_finished,
             ServerMetricsSampled: self.sig_server_metrics.emit, Failed: lambda m: self.sig_failed.emit(m.message),

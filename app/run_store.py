@@ -46,14 +46,15 @@ from engine.events import (
     Steered,
     TokenSampled,
 )
+from engine.protocol import HeldAttention
 
 LOGITS_BYTES = 64 << 20  # full-vocabulary logits kept, newest steps first, across all runs
 ATTENTION_BYTES = 128 << 20  # a run's attention weights and logit lens
 ATTENTION_HEAD = 8  # 1/8 of a run's attention budget keeps its first steps, the rest its newest
 ATTENTION_TOTAL = 2 * ATTENTION_BYTES  # across all runs: older runs lose their captures first
 MAX_RUNS = 16  # runs and forks kept
-SIGNALS = ("sig_run_started", "sig_prompt", "sig_prompt_scores", "sig_attention", "sig_norms", "sig_lens", "sig_kv",
-           "sig_prefill", "sig_token", "sig_steered", "sig_finished")
+SIGNALS = ("sig_run_started", "sig_prompt", "sig_prompt_scores", "sig_attention", "sig_held_attention", "sig_norms",
+           "sig_lens", "sig_kv", "sig_prefill", "sig_token", "sig_steered", "sig_finished")
 STEERED = " · steered by "  # a steered run's name: its own, then this, then what steered it
 SCALES_NAMED = 3  # a steered run's name lists its scale changes up to this many (the latest ones)
 
@@ -117,6 +118,7 @@ class Run:
     # which stay while newer ones can go, and the rest, oldest first. A dropped capture leaves None in `events`.
     _first: list[tuple[int, list[int]]] = field(default_factory=list)
     _rest: deque = field(default_factory=deque)
+    _groups: dict[int, list[int]] = field(default_factory=dict)  # step → its indices (the lists in _first, _rest)
     _first_bytes: int = 0
     capture_bytes: int = 0
     dropped: tuple[int, int] | None = None  # (first, last) step whose captures went to bound memory
@@ -179,18 +181,31 @@ class Run:
                 f"MiB a run, {ATTENTION_TOTAL >> 20} MiB for all runs)")
 
     def _add_capture(self, ev: AttentionCaptured | LensCaptured) -> int:
-        """Append a capture, grouped with its step's others; its bytes."""
-        first = not self._rest and (bool(self._first) and self._first[-1][0] == ev.step
-                                    or self._first_bytes < ATTENTION_BYTES // ATTENTION_HEAD)
+        """Append a capture, grouped with its step's others; its bytes. A capture of an older step (attention the
+        engine held for the record: HeldAttention) joins that step's group, or goes if the step's went."""
+        group = self._groups.get(ev.step)
+        newest = max(self._groups, default=-1)
+        if group is None and ev.step < newest:  # its step's captures were let go to bound memory
+            return 0
         self.events.append(ev)
         i, b = len(self.events) - 1, _capture_nbytes(ev)
-        groups = self._first if first else self._rest
-        if groups and groups[-1][0] == ev.step:
-            groups[-1][1].append(i)
+        budget = ATTENTION_BYTES // ATTENTION_HEAD
+        if group is not None:
+            group.append(i)
+            first = bool(self._first) and ev.step <= self._first[-1][0]
         else:
-            groups.append((ev.step, [i]))
+            first = not self._rest and self._first_bytes < budget
+            self._groups[ev.step] = where = [i]
+            (self._first if first else self._rest).append((ev.step, where))
         self._first_bytes += b if first else 0
         self.capture_bytes += b
+        while ev.step < newest and len(self._first) > 1:  # late ones came in: the first steps are as they would
+            step, where = self._first[-1]  # have been had every capture come live (each began under the budget)
+            last = sum(_capture_nbytes(self.events[j]) for j in where)
+            if self._first_bytes - last < budget:
+                break
+            self._rest.appendleft(self._first.pop())
+            self._first_bytes -= last
         return b
 
     def _drop_capture(self, everything: bool = False) -> int:
@@ -205,6 +220,7 @@ class Run:
         else:
             return 0
         freed = 0
+        self._groups.pop(step, None)
         for i in where:
             freed += _capture_nbytes(self.events[i])
             self.events[i] = None
@@ -285,6 +301,10 @@ class RunStore(QtCore.QObject):
         if self.replaying:
             return
         cur = self.run(self.recording)
+        if isinstance(ev, HeldAttention):  # captures of earlier steps: each joins its step
+            for one in ev.events if cur is not None else ():
+                self._append(cur, one)
+            return
         if isinstance(ev, RunStarted) or (isinstance(ev, PromptTokenized) and not (
                 cur is not None and len(cur.events) == 1 and isinstance(cur.events[0], RunStarted))):
             cur = self._start()

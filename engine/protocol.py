@@ -711,6 +711,15 @@ class ExperimentDone(Notice):
 
 
 @dataclass(frozen=True)
+class HeldAttention(Notice):
+    """Attention captured for the record (Capture.every_layer_below) in layers no panel showed: held in the engine
+    process during a generation and sent together, in step and layer order, when the run ends (before its Finished)
+    or when a panel asks for one of those layers. What is shown travels with each step; this, once."""
+
+    events: tuple = ()  # engine.events.AttentionCaptured
+
+
+@dataclass(frozen=True)
 class Recomputed(Notice):
     """The answer to a Recompute: the step's AttentionCaptured per layer (and its LensCaptured), or one sentence
     saying why not (the cache holds another run now; the runtime keeps its cache to itself)."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.backend import Backend, Run, ShouldStop, Unsupported
 from engine.backend import Progress as ReportProgress
-from engine.events import Failed, TokenSampled
+from engine.events import AttentionCaptured, Failed, TokenSampled
 from engine.protocol import (
     LAB_JOBS,
     AskThisMachine,
@@ -43,6 +43,7 @@ from engine.protocol import (
     Experiment,
     ExperimentDone,
     Generate,
+    HeldAttention,
     Lab,
     LabDone,
     LabOutcome,
@@ -81,6 +82,62 @@ from engine.protocol import (
 
 if TYPE_CHECKING:
     from engine.run.session import Engine
+
+
+HELD_BYTES = 128 << 20  # attention held for the record during one generation (the app's run store keeps as much a run)
+HELD_FIRST = 8  # …of which 1/8 keeps the run's first steps and the rest its newest, as the run store does
+
+
+class ForTheRecord:
+    """Attention a generation captures for the record only (every layer of a short run: Capture.every_layer_below)
+    in layers no panel shows. A step's message carries what is on screen; these stay here, within HELD_BYTES (the
+    first steps and the newest, as the app's run store would keep them), and go to the app at once: the held steps
+    of a layer a panel turns to, and everything else when the run ends, before its Finished (HeldAttention)."""
+
+    def __init__(self, shown: frozenset[int], every_layer_below: int) -> None:
+        self.shown, self.on = shown, every_layer_below > 0
+        self.first: list[AttentionCaptured] = []
+        self.rest: deque[AttentionCaptured] = deque()
+        self.first_bytes = self.bytes = 0
+
+    def route(self, events: list) -> list:
+        """A step's events without the captures to hold, which are held."""
+        if not self.on:
+            return events
+        sent = []
+        for ev in events:
+            if isinstance(ev, AttentionCaptured) and ev.layer not in self.shown:
+                self._hold(ev)
+            else:
+                sent.append(ev)
+        return sent
+
+    def _hold(self, ev: AttentionCaptured) -> None:
+        b = ev.weights.nbytes
+        first = not self.rest and self.first_bytes + b <= HELD_BYTES // HELD_FIRST
+        (self.first if first else self.rest).append(ev)
+        self.first_bytes += b if first else 0
+        self.bytes += b
+        while self.bytes > HELD_BYTES and len(self.rest) > 1:
+            self.bytes -= self.rest.popleft().weights.nbytes
+
+    def show(self, layers: frozenset[int]) -> HeldAttention | None:
+        """Panels show these layers now: their held captures, to send (None: none held)."""
+        self.shown = layers
+        out = [e for e in (*self.first, *self.rest) if e.layer in layers]
+        if not out:
+            return None
+        self.first = [e for e in self.first if e.layer not in layers]
+        self.rest = deque(e for e in self.rest if e.layer not in layers)
+        self.first_bytes = sum(e.weights.nbytes for e in self.first)
+        self.bytes = self.first_bytes + sum(e.weights.nbytes for e in self.rest)
+        return HeldAttention(tuple(out))
+
+    def end(self) -> list[HeldAttention]:
+        """Everything still held, as one message (or none), in step and layer order."""
+        held = sorted((*self.first, *self.rest), key=lambda e: (e.step, e.layer))
+        self.first, self.rest, self.first_bytes, self.bytes = [], deque(), 0, 0
+        return [HeldAttention(tuple(held))] if held else []
 
 
 class EngineServer:
@@ -332,15 +389,15 @@ class EngineServer:
             gen.stop()
         self.send(State("paused" if paused else "generating"))
         step_events: list[object] = []
+        record = ForTheRecord(req.capture.attention_layers, req.capture.every_layer_below)
         try:
             for ev in gen:
-                # One message per step, not one per event: a step with every capture on is ~33 events (30 layers
-                # of attention), and each message costs a pickle, a pipe write and a wake-up of the app's relay
-                # thread, which takes a core from the decode.
+                # One message per step, not one per event (each costs a pickle, a pipe write and a wake-up of the
+                # app's relay thread, which takes a core from the decode), and in it only what panels show.
                 step_events.append(ev)
                 if not isinstance(ev, TokenSampled):
                     continue
-                self.send(step_events)
+                self.send(record.route(step_events))
                 step_events = []
                 # Between two tokens: act on every command that came in; while paused, wait for one.
                 stop = False
@@ -367,6 +424,8 @@ class EngineServer:
                         break
                     elif isinstance(c, CaptureAttention):  # captured from the next token on
                         gen.capture = replace(gen.capture, attention_layers=gen.capture.attention_layers | c.layers)
+                        if (held := record.show(c.layers)) is not None:
+                            self.send(held)
                     elif isinstance(c, SetThreads):
                         self.set_threads(c)
                     elif isinstance(c, SetParams):
@@ -399,6 +458,8 @@ class EngineServer:
                         held.append((self.current, c))  # a measurement or a connection waits for the generation
                 if steps and not stop:
                     steps -= 1
+            step_events = record.route(step_events)  # the end (Finished or Failed), after what was held
+            step_events[:0] = record.end()
             if step_events:
                 self.send(step_events)
         finally:

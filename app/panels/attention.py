@@ -33,7 +33,7 @@ from app.run_store import Run, store_for
 from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, placeholder, show_empty, style_plot
 from engine.events import AttentionCaptured, ModelInfo, PromptTokenized, ResidualNorms, TokenSampled
 from engine.model.config import ModelConfig
-from engine.protocol import Recomputed
+from engine.protocol import HeldAttention, Recomputed
 
 FONT_PT = 9
 MASK_COLOR = "#3c3c3c"  # the causal mask: cells a query may not read
@@ -266,6 +266,7 @@ class AttentionPanel(Panel):
         "sig_model_loaded": "_on_model_loaded",
         "sig_prompt": "_on_prompt",
         "sig_attention": "_on_attention",
+        "sig_held_attention": "_on_held_attention",
         "sig_token": "_on_token",
         "sig_norms": "_on_norms",
         "sig_step_selected": "_on_step_selected",
@@ -519,6 +520,17 @@ class AttentionPanel(Panel):
         if ev.layer == self.layer() or store_for(self.bridge) is None:  # the window's store keeps the other layers
             self._add(ev)
             self.mark_dirty()
+
+    @QtCore.Slot(object)
+    def _on_held_attention(self, msg: HeldAttention) -> None:
+        """Steps of layers not shown when they ran, in step order: the layer turned to (drawn), or the rest of a run
+        for the window's store (which keeps them; this panel notes which layers it can rebuild)."""
+        alone = store_for(self.bridge) is None
+        for ev in msg.events:
+            self._captured.add(ev.layer)
+            if ev.layer == self.layer() or alone:
+                self._add(ev)
+                self.mark_dirty()
 
     def _add(self, ev: AttentionCaptured) -> None:
         h = ev.weights.shape[0]

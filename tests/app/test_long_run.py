@@ -281,3 +281,34 @@ def test_older_runs_give_up_their_attention_first_across_the_store(qapp, monkeyp
     assert old.capture_bytes == 0 and old.dropped == (0, 299)
     assert old.attention_note().startswith("this run holds no step's attention or lens: steps 0–299 were dropped")
     assert 0 < middle.capture_bytes < 1 << 20
+
+
+@pytest.mark.parametrize("n", [40, 400])
+def test_a_run_whose_unshown_layers_came_at_its_end_is_held_as_if_they_had_come_live(qapp, monkeypatch, n):
+    """Issue 50: the engine sends a step's shown layer with the step and the layers captured for the record once, at
+    the run's end (engine.server.ForTheRecord). The store then holds what it held when every layer came live: the
+    same captures of the same steps, the same dropped range, under a budget the run exceeds or not."""
+    from engine.events import Finished
+    from engine.server import ForTheRecord
+
+    monkeypatch.setattr(run_store, "ATTENTION_BYTES", 4 << 20)
+    live, routed = RunStore(), RunStore()
+    record = ForTheRecord(frozenset({LAYERS - 1}), every_layer_below=1 << 20)
+    end = Finished(reason="length", prompt_ids=np.arange(N_PROMPT), ids=np.arange(n), text="", ttft_s=0.0,
+                   tpot_s=0.0, step_seconds=np.zeros(0), total_s=0.0)
+    for ev in attention_run(n):
+        live.record(ev)
+        for sent in record.route([ev]):
+            routed.record(sent)
+    for sent in [*record.end(), end]:
+        routed.record(sent)
+    live.record(end)
+
+    def held(store):
+        run = store.runs[0]
+        return sorted((e.step, e.layer) for e in run.events if isinstance(e, AttentionCaptured)), run.dropped, \
+            [s for s, _w in run._first]
+
+    assert held(routed) == held(live)
+    assert (held(live)[1] is not None) == (n == 400)  # the long one went past the budget
+    assert routed.nbytes() == live.nbytes() <= 4 << 20

@@ -278,3 +278,50 @@ def test_engine_process_sets_a_short_openmp_spin_unless_the_user_did(preset, exp
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == expected
+
+
+def _messages(client, until):
+    """The engine's messages (a step's list as one) until `until` matches an event in one."""
+    got = []
+    while client.events.poll(60):
+        msg = client.events.recv()
+        got.append(msg)
+        if any(until(m) for m in (msg if isinstance(msg, list) else [msg])):
+            return got
+    raise AssertionError(f"timed out; last messages: {got[-3:]}")
+
+
+def test_steps_carry_the_shown_layer_and_the_record_comes_once_at_the_end(client, tiny_lm):
+    """Issue 50: a step's message carries the layers a panel shows; every layer captured for the record
+    (every_layer_below) comes once, in step and layer order, before Finished, and a layer turned to mid-run comes at
+    once: together exactly the captures the generation made (read from the engine itself, not through the server)."""
+    from engine.events import AttentionCaptured
+    from engine.run.session import Session
+
+    capture = Capture(attention_layers=frozenset({1}), residual_norms=True, every_layer_below=64)
+    req = GenerateRequest("the cat sat", chat=False, max_new_tokens=6, params=SamplingParams.greedy_params(),
+                          capture=capture, ignore_eos=True, start_paused=True)
+    client.send(P.Generate(req))
+    msgs = _messages(client, lambda m: isinstance(m, TokenSampled))
+    client.send(P.CaptureAttention(frozenset({0})))  # a panel turns to layer 0 after the prefill
+    client.send(P.Resume())
+    msgs += _messages(client, lambda m: isinstance(m, Finished))
+    steps = [m for m in msgs if isinstance(m, list) and any(isinstance(e, TokenSampled) for e in m)]
+    assert len(steps) == 6
+    held = [m for m in msgs for m in (m if isinstance(m, list) else [m]) if isinstance(m, P.HeldAttention)]
+    assert len(held) == 2  # layer 0's prefill when it was turned to; the rest at the end
+    assert [(e.step, e.layer) for e in held[0].events] == [(0, 0)]
+    ends = [m for m in msgs if isinstance(m, list) and any(isinstance(e, Finished) for e in m)][0]
+    assert ends.index(held[1]) < ends.index(next(e for e in ends if isinstance(e, Finished)))
+    assert [(e.step, e.layer) for e in held[1].events] == [(s, 1) for s in range(1, 6)]  # layer 1 once not shown
+    sent_live = [(e.step, e.layer) for m in steps for e in m if isinstance(e, AttentionCaptured)]
+    assert sent_live == [(0, 1)] + [(s, 0) for s in range(1, 6)]  # the shown layer only: 1, then 0
+    # the same captures as the engine makes when nothing is routed
+    s = Session(tiny_lm)
+    direct = sorted((e.step, e.layer, e.weights.tobytes()) for e in s.generate(
+        "the cat sat", max_new_tokens=6, params=SamplingParams.greedy_params(), ignore_eos=True,
+        capture=Capture(attention_layers=frozenset({0, 1}), residual_norms=True))
+        if isinstance(e, AttentionCaptured))
+    routed = sorted((e.step, e.layer, e.weights.tobytes()) for e in (
+        *(e for m in steps for e in m if isinstance(e, AttentionCaptured)), *held[0].events, *held[1].events))
+    assert routed == direct
