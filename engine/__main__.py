@@ -323,7 +323,6 @@ def cmd_bench_batch(a: argparse.Namespace) -> int:
     return 0
 
 
-
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m engine", description="Inference Lab's engine on the command line.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)

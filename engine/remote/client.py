@@ -48,9 +48,6 @@ def default_api_key() -> str | None:
 # ------------------------------------------------------------------------------------------- what the user sees
 
 
-
-
-
 class _HTMLText(HTMLParser):
     def __init__(self) -> None:
         super().__init__()
@@ -85,8 +82,6 @@ def html_text(page: str) -> str:
 
 def _looks_html(text: str, ctype: str) -> bool:
     return "html" in ctype.lower() or text.lstrip()[:1] == "<"
-
-
 
 
 def is_loopback(host: str) -> bool:

@@ -298,4 +298,3 @@ def restore(saved: object) -> tuple[list[RequestResult], str]:
     if cut > 0:
         msg = "; ".join(filter(None, [msg, f"{cut} request(s) past the first {MAX_REQUESTS} skipped"]))
     return out, msg
-

@@ -57,7 +57,6 @@ class Tokenization:
     unrepresentable: list[tuple[int, int]]
 
 
-
 class Tokenizer:
     """A tokenizer plus the metadata (BOS/EOS, chat template) that goes with it."""
 

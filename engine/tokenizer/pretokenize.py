@@ -156,10 +156,8 @@ def _bpe_pre_tokenizer(group: str) -> Any:
     return pre_tokenizers.Sequence([*steps, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
-
 def _unrepresentable_class(vocab: dict[str, int]) -> str:
     """A regex character class of the byte-level characters of the bytes the vocabulary has no token for."""
     byte_char = bytes_to_unicode()
     missing = [ord(byte_char[b]) for b in range(256) if byte_char[b] not in vocab]
     return "[" + "".join(f"\\x{{{c:X}}}" for c in missing) + "]" if missing else ""
-

@@ -27,4 +27,3 @@ def _spm_merges(tokens: Sequence[str], scores: Sequence[float], vocab: dict[str,
                     ranked.append((score, -k, i, left, right))
     ranked.sort()
     return [(left, right) for *_, left, right in ranked]
-

@@ -91,7 +91,6 @@ def _readable(data: bytes) -> str:
     return "".join(out)
 
 
-
 @dataclass
 class _Rules:
     """How llama.cpp treats the text around the merging, for a GGUF vocabulary."""
@@ -135,4 +134,3 @@ def _partition_order(
             if t in ("<unk>", "<s>", "<|endoftext|>") and i in flags:
                 flags[i] &= ~_RSTRIP
     return [(i, flags[i]) for i in ids]
-

@@ -52,7 +52,6 @@ class AblatedRun(WrappedRun):
         super().__init__(run)
         self._session, self._spec, self._prompt_ids = session, spec, prompt_ids
 
-
     def __iter__(self) -> Iterator[Event]:
         with ablation(self._session, self._spec, self._prompt_ids):
             yield from self._run

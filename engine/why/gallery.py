@@ -272,4 +272,3 @@ def summary(out: dict) -> str:
             f"difference {r['clean_logit_diff']:.3f} clean, {r['corrupt_logit_diff']:.3f} corrupted; the largest "
             f"restore {grid[layer][pos]:+.2f} is the stream after {layer} layers at position {pos} "
             f"({r['tokens']['clean'][pos]!r})")
-

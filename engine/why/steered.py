@@ -63,7 +63,6 @@ class SteeredRun(WrappedRun):
         self._handle = None  # engine.why.steer.Steering, while the run iterates
         self._changed = False  # the scale changed since the last Steered event
 
-
     @property
     def scale(self) -> float:
         return self._scale
