@@ -223,12 +223,15 @@ def run_once(backend: RemoteBackend, concurrency: int | None, num_prompts: int, 
              on_request: Callable[[RequestResult], None] | None = None,
              on_metrics: Callable[[float, ServerMetrics], None] | None = None,
              spans: SpanReceiver | None = None, span_wait_s: float = 5.0,
-             on_spans: Callable[[list[RequestResult]], None] | None = None) -> RunResult:
-    """One bounded run: `num_prompts` requests, at most `concurrency` in flight, within `time_limit_s`.
+             on_spans: Callable[[list[RequestResult]], None] | None = None,
+             prompts: Sequence[str] | None = None) -> RunResult:
+    """One bounded run: `num_prompts` requests, at most `concurrency` in flight, within `time_limit_s`; request i
+    sends `prompts[i % len(prompts)]` (default PROMPTS).
 
     With `spans` (a receiver the server exports to), the completed requests get the server's span (waiting up to
     `span_wait_s` after the last request for the server's batch to arrive), and `on_spans` gets them all again."""
     cancel = cancel or threading.Event()
+    texts = tuple(prompts) if prompts else PROMPTS
     stop = threading.Event()
     gaps = arrival_gaps(num_prompts, request_rate, burstiness, seed)
     workers = concurrency or num_prompts
@@ -258,7 +261,7 @@ def run_once(backend: RemoteBackend, concurrency: int | None, num_prompts: int, 
             if remaining <= 0 or cancel.is_set():
                 r = RequestResult(ok=False, error="not sent: time limit reached" if remaining <= 0 else "cancelled")
             else:
-                r = one_request(backend, PROMPTS[i % len(PROMPTS)], max_new_tokens, cancel, t_run,
+                r = one_request(backend, texts[i % len(texts)], max_new_tokens, cancel, t_run,
                                 timeout_s=max(1.0, remaining))
             r = replace(r, index=i, concurrency=concurrency)
             with lock:
