@@ -108,8 +108,7 @@ def _is_special(piece: str) -> bool:
                                    and not piece.startswith("<0x")))
 
 
-def funnel_from_top(top: tuple[Candidate, ...], params: SamplingParams, sampled_id: int | None,
-                    sampled_piece: str, vocab_size: int | None = None) -> TopNFunnel | None:
+def funnel_from_top(top: tuple[Candidate, ...], params: SamplingParams) -> TopNFunnel | None:
     """The sampling stages re-run over the server's top-N candidates (log-probabilities used as logits)."""
     if not top:
         return None
@@ -129,7 +128,7 @@ def funnel_from_top(top: tuple[Candidate, ...], params: SamplingParams, sampled_
         pieces=tuple(_readable(c.raw) if c.raw is not None else c.token for c in cands),
         logits=f(lp), p_raw=np.exp(f(lp)), p_temperature=f(st.p_temperature), p_top_k=f(st.p_top_k),
         p_top_p=f(st.p_top_p), p_final=f(st.p_final), kept_top_k=st.kept_top_k, kept_top_p=st.kept_top_p,
-        kept_final=st.kept_final, vocab_size=int(vocab_size or len(cands)), greedy=params.greedy,
+        kept_final=st.kept_final, vocab_size=len(cands), greedy=params.greedy,
         top_n=len(cands),
     )
 
@@ -239,11 +238,8 @@ class RemoteBackend:
         return server_metrics(parse_prometheus(text)) if text else None
 
     # ---- tokenization ---------------------------------------------------------------------------------------
-    def tokenize(self, text: str, chat: bool = False) -> PromptTokenized:
+    def tokenize(self, text: str, chat: bool = False, cancel: Cancel | None = None) -> PromptTokenized:
         """The server's own tokenization of `text` (chat: of the prompt its chat template makes; vLLM only)."""
-        return self._tokenize(text, chat)
-
-    def _tokenize(self, text: str, chat: bool, cancel: Cancel | None = None) -> PromptTokenized:
         info = self._info()
         c = self.client
         if info.tokenize is None:
@@ -310,17 +306,15 @@ class RemoteBackend:
 
     # ---- generation ---------------------------------------------------------------------------------------
     def request_payload(self, prompt: str | Sequence[int], params: SamplingParams, max_new_tokens: int, chat: bool,
-                        top_logprobs: int, ignore_eos: bool = False, stream: bool = True) -> tuple[str, dict]:
+                        top_logprobs: int, ignore_eos: bool = False) -> tuple[str, dict]:
         """The endpoint and body of a request; `prompt` may be token ids for a plain completion (sent as they are)."""
         if not isinstance(prompt, str):
             if chat:
                 raise ValueError("a chat request takes text, not token ids")
             prompt = [int(i) for i in prompt]
         info = self._info()
-        p: dict = {"model": info.model, "max_tokens": int(max_new_tokens), "stream": stream,
-                   "temperature": float(params.temperature)}
-        if stream:
-            p["stream_options"] = {"include_usage": True}
+        p: dict = {"model": info.model, "max_tokens": int(max_new_tokens), "stream": True,
+                   "stream_options": {"include_usage": True}, "temperature": float(params.temperature)}
         if params.top_p < 1.0:
             p["top_p"] = params.top_p
         if params.top_k:
@@ -357,12 +351,6 @@ class RemoteBackend:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         return RemoteGeneration(self, prompt, params, max_new_tokens, chat, top_logprobs, ignore_eos)
-
-    def complete(self, prompt: str, params: SamplingParams, max_new_tokens: int, chat: bool = False,
-                 top_logprobs: int = 0) -> dict:
-        """One non-streamed request, as the server answers it (for checks and `logits`)."""
-        path, payload = self.request_payload(prompt, params, max_new_tokens, chat, top_logprobs, stream=False)
-        return self.client.request("POST", path, payload)
 
 
 class RemoteGeneration:
@@ -405,7 +393,7 @@ class RemoteGeneration:
         prompt_ev: PromptTokenized | None = None
         if info.tokenize is not None and (not self.chat or info.kind == "vllm") and not self._stop:
             try:
-                prompt_ev = b._tokenize(self.prompt, self.chat, cancel)
+                prompt_ev = b.tokenize(self.prompt, self.chat, cancel)
                 yield prompt_ev
             except RemoteError:
                 prompt_ev = None  # the generation itself may still work
@@ -451,7 +439,7 @@ class RemoteGeneration:
                         step=n, phase="prefill" if n == 0 else "decode", position=len(prompt_ids) + n,
                         token_id=tok.id if tok.id is not None else -1, piece=piece, text=text, seconds=gap,
                         cost=NO_COST,
-                        funnel=funnel_from_top(b.with_pieces(tok.top, cancel), self.params, tok.id, piece),
+                        funnel=funnel_from_top(b.with_pieces(tok.top, cancel), self.params),
                         params=self.params, arrival_s=t - t0, chunk=ci, logprob=tok.logprob,
                     )
                     ids.append(ev.token_id)
