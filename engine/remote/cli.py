@@ -16,24 +16,20 @@ from typing import TYPE_CHECKING
 from engine.cliargs import (
     MAX_SEED,
     CliError,
+    UsageError,
     add_url_args,
     float_in,
     int_in,
     int_list,
+    one_line,
     output_file,
     sampling_params,
     stamped,
 )
-from engine.remote.client import RemoteError, clean_text
+from engine.remote.client import RemoteError
 
 if TYPE_CHECKING:  # the backend imports torch (via engine.run.sampling); argument parsing must not
     from engine.remote.backend import RemoteBackend
-
-
-def _fail(e: Exception | str, status: int = 1) -> SystemExit:
-    """One line on stderr and exit status 1 (as the local commands' CliError), 2 for a flag's value."""
-    print(f"error: {clean_text(str(e), 600)}", file=sys.stderr)
-    return SystemExit(status)
 
 
 def _finite(x):
@@ -64,32 +60,21 @@ def _backend(a: argparse.Namespace) -> RemoteBackend:
     from engine.remote.backend import RemoteBackend
 
     key = os.environ.get(a.api_key_env) if a.api_key_env else None
-    try:
+    with one_line(RemoteError):
         b = RemoteBackend(a.url, api_key=key, timeout=getattr(a, "timeout", 60.0))
         warning = b.client.insecure_key_warning()
         if warning and not getattr(a, "allow_insecure_key", False):
-            raise _fail(f"not connecting: {warning}; pass --allow-insecure-key to send it anyway")
+            raise CliError(f"not connecting: {warning}; pass --allow-insecure-key to send it anyway")
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
         b.probe()
-    except RemoteError as e:
-        raise _fail(e) from None
     return b
-
-
-def _sampling(a: argparse.Namespace):
-    try:
-        return sampling_params(a)
-    except CliError as e:  # a UsageError: the sampling flags together
-        raise _fail(e, 2) from None
 
 
 def cmd_tokenize(a: argparse.Namespace) -> int:
     b = _backend(a)
-    try:
+    with one_line(RemoteError):
         t = b.tokenize(a.text, a.chat)
-    except RemoteError as e:
-        raise _fail(e) from None
     if a.json:
         _print_json({
             "ids": t.ids.tolist(), "pieces": list(t.pieces), "offsets": t.offsets.tolist(),
@@ -104,9 +89,9 @@ def cmd_tokenize(a: argparse.Namespace) -> int:
 
 
 def cmd_logits(a: argparse.Namespace) -> int:
-    params = _sampling(a)
+    params = sampling_params(a)
     b = _backend(a)
-    try:
+    with one_line(RemoteError, ValueError):
         gen = b.generate(a.prompt, params, max_new_tokens=1, chat=a.chat, top_logprobs=a.top)
         prompt_ids: list[int] = []
         tok = None
@@ -117,10 +102,8 @@ def cmd_logits(a: argparse.Namespace) -> int:
                 raise RemoteError(ev.message)
             elif type(ev).__name__ == "Finished":
                 prompt_ids = ev.prompt_ids.tolist()
-    except (RemoteError, ValueError) as e:
-        raise _fail(e) from None
     if tok is None or tok.funnel is None:
-        raise _fail(RemoteError(f"the {b.info.kind} server returned no log-probabilities"))
+        raise CliError(f"the {b.info.kind} server returned no log-probabilities")
     f = tok.funnel
     cands = [
         {"id": int(f.ids[i]) if f.ids[i] >= 0 else None, "token": f.pieces[i], "logit": None,
@@ -143,13 +126,11 @@ def cmd_logits(a: argparse.Namespace) -> int:
 def cmd_generate(a: argparse.Namespace) -> int:
     from engine.events import Failed, Finished
 
-    params = _sampling(a)
+    params = sampling_params(a)
     b = _backend(a)
-    try:
+    with one_line(ValueError):
         gen = b.generate(a.prompt, params, a.max_new_tokens, chat=a.chat, top_logprobs=getattr(a, "top", 5),
                          ignore_eos=a.ignore_eos)
-    except ValueError as e:
-        raise _fail(e) from None
     logprobs: list[float | None] = []
     for ev in gen:
         if type(ev).__name__ == "RemoteTokenSampled":
@@ -159,7 +140,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         elif isinstance(ev, Failed):
             if not a.json:
                 print(file=sys.stderr)
-            raise _fail(RemoteError(ev.message))
+            raise CliError(ev.message)
         elif isinstance(ev, Finished):
             if a.json:
                 _print_json({
@@ -179,6 +160,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_serve_bench(a: argparse.Namespace) -> int:
     from engine.remote import loadlab as bench
 
+    if not a.url:
+        raise UsageError("serve-bench needs --url (an OpenAI-compatible server, e.g. http://127.0.0.1:8000)")
     slo = {k: v for k, v in (("ttft", a.slo_ttft_ms), ("tpot", a.slo_tpot_ms), ("e2el", a.slo_e2el_ms)) if v}
     b = _backend(a)
     rate = a.request_rate if a.request_rate is not None else math.inf
@@ -188,10 +171,8 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
     if a.spans_port is not None:
         from engine.remote.otlp import OTLPError, receiver_on
 
-        try:
+        with one_line(OTLPError):
             receiver = receiver_on(a.spans_port)
-        except OTLPError as e:
-            raise _fail(e) from None
         print(f"receiving the server's spans at {receiver.endpoint}", file=sys.stderr)
     for c in a.concurrency:
         kept: list = []
@@ -209,7 +190,7 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
                   f"ITL p99 {r.p99_itl_ms:.1f} ms")
         if r.completed == 0:
             msg = r.errors[0] if r.errors else "no request completed"
-            raise _fail(RemoteError(f"serve-bench at concurrency {c}: {msg}"))
+            raise CliError(f"serve-bench at concurrency {c}: {msg}")
     out = {"server": b.info.to_dict(), "max_new_tokens": a.max_new_tokens, "num_prompts": a.num_prompts,
            "runs": runs}
     if receiver is not None and receiver.problems():
@@ -218,24 +199,17 @@ def cmd_serve_bench(a: argparse.Namespace) -> int:
         from engine.remote import timeline
 
         low = a.requests_out.lower()
-        try:
-            with open(a.requests_out, "w", encoding="utf-8") as f:
-                if low.endswith(".csv"):
-                    f.write(timeline.to_csv(requests))
-                else:
-                    doc = timeline.perfetto(requests) if low.endswith((".perfetto.json", ".trace.json")) \
-                        else timeline.to_json(requests)
-                    f.write(json.dumps(_finite(doc), allow_nan=False))
-        except OSError as e:
-            raise _fail(e) from None
+        with one_line(OSError), open(a.requests_out, "w", encoding="utf-8") as f:
+            if low.endswith(".csv"):
+                f.write(timeline.to_csv(requests))
+            else:
+                doc = timeline.perfetto(requests) if low.endswith((".perfetto.json", ".trace.json")) \
+                    else timeline.to_json(requests)
+                f.write(json.dumps(_finite(doc), allow_nan=False))
     if a.out:
-        path = a.out
-        try:
-            with open(path, "w", encoding="utf-8") as f:
-                f.write(bench.to_csv(runs) if path.endswith(".csv")
-                        else json.dumps(_finite(out), indent=2, allow_nan=False))
-        except OSError as e:
-            raise _fail(e) from None
+        with one_line(OSError), open(a.out, "w", encoding="utf-8") as f:
+            f.write(bench.to_csv(runs) if a.out.endswith(".csv")
+                    else json.dumps(_finite(out), indent=2, allow_nan=False))
     if a.json:
         _print_json(out)
     return 0
@@ -271,13 +245,4 @@ def add_subcommand(sub) -> None:
                    help="receive the server's OpenTelemetry spans (OTLP/HTTP protobuf) on 127.0.0.1:PORT; start "
                         "vLLM with --otlp-traces-endpoint http://127.0.0.1:PORT/v1/traces")
     q.add_argument("--json", action="store_true")
-    q.set_defaults(func=_require_url(cmd_serve_bench))
-
-
-def _require_url(fn):
-    def run(a: argparse.Namespace) -> int:
-        if not a.url:
-            raise _fail("serve-bench needs --url (an OpenAI-compatible server, e.g. http://127.0.0.1:8000)", 2)
-        return fn(a)
-
-    return run
+    q.set_defaults(func=cmd_serve_bench)

@@ -732,20 +732,20 @@ def test_cli_refuses_the_key_in_clear_unless_allowed(stub, monkeypatch):
     """A command line has no one to ask: the key stays home unless --allow-insecure-key says otherwise."""
     import argparse
 
+    from engine.cliargs import CliError
     from engine.remote import cli as remote_cli
 
     monkeypatch.setenv("INFERENCE_LAB_API_KEY", KEY)
     a = argparse.Namespace(url="http://192.0.2.1:9", api_key_env="INFERENCE_LAB_API_KEY", allow_insecure_key=False)
-    with pytest.raises(SystemExit):
+    with pytest.raises(CliError, match="--allow-insecure-key"):
         remote_cli._backend(a)
     a = argparse.Namespace(url=stub.url, api_key_env="INFERENCE_LAB_API_KEY", allow_insecure_key=False)
     assert remote_cli._backend(a).info.model == "m"  # loopback: no question
 
 
 def test_cli_refusal_is_one_line():
-    r = subprocess.run([sys.executable, "-c", "import sys; from engine.remote import cli; import argparse; "
-                        "cli._backend(argparse.Namespace(url='http://192.0.2.1:9', api_key_env='K', "
-                        "allow_insecure_key=False))"],
+    r = subprocess.run([sys.executable, "-m", "engine", "tokenize", "--url", "http://192.0.2.1:9", "--api-key-env", "K",
+                        "--text", "x"],
                        capture_output=True, text=True, timeout=60, env=dict(os.environ, K=KEY))
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "--allow-insecure-key" in r.stderr and KEY not in r.stderr
