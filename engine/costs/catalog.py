@@ -89,19 +89,17 @@ def hardware_presets() -> dict[str, Hardware]:
     return {key: Hardware.from_dict(entry, name=key) for key, entry in _load("hardware.json").items()}
 
 
-def model_preset(name: str) -> ModelConfig:
-    """One catalogue model; an unknown name raises UnknownNameError listing the valid ones."""
-    presets = model_presets()
+def _preset(presets: dict[str, Any], name: str, what: str) -> Any:
+    """One catalogue entry; an unknown name raises UnknownNameError listing the valid ones."""
     key = name.strip().lower()
     if key not in presets:
-        raise UnknownNameError(f"unknown model preset {name!r}; valid: {', '.join(presets)}")
+        raise UnknownNameError(f"unknown {what} {name!r}; valid: {', '.join(presets)}")
     return presets[key]
+
+
+def model_preset(name: str) -> ModelConfig:
+    return _preset(model_presets(), name, "model preset")
 
 
 def hardware_preset(name: str) -> Hardware:
-    """One catalogue chip; an unknown name raises UnknownNameError listing the valid ones."""
-    presets = hardware_presets()
-    key = name.strip().lower()
-    if key not in presets:
-        raise UnknownNameError(f"unknown hardware {name!r}; valid: {', '.join(presets)}")
-    return presets[key]
+    return _preset(hardware_presets(), name, "hardware")

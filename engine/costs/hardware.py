@@ -227,7 +227,6 @@ def this_machine(
     device: str = "cpu",
     dtype: str = "float32",
     cache_dir: str | Path | None = None,
-    max_age_s: float = MAX_AGE_S,
 ) -> Hardware | None:
     """This machine's roofs for `dtype`, the one policy every panel follows; never measures.
 
@@ -236,10 +235,10 @@ def this_machine(
     """
     key = canonical_dtype(dtype)
     if key in dtypes.MEASURABLE:
-        hw = load_cached(device, key, cache_dir, max_age_s)
+        hw = load_cached(device, key, cache_dir)
         if hw is not None or key == "fp32":
             return hw
-    return load_cached(device, "fp32", cache_dir, max_age_s)
+    return load_cached(device, "fp32", cache_dir)
 
 
 def store_cached(hw: Hardware, device: str, dtype: str, cache_dir: str | Path | None = None) -> Path:
@@ -263,7 +262,6 @@ def cached_this_machine(
     device: str = "cpu",
     dtype: str = "float32",
     cache_dir: str | Path | None = None,
-    max_age_s: float = MAX_AGE_S,
     *,
     refresh: bool = False,
     progress: Callable[[float, str], None] | None = None,
@@ -272,7 +270,7 @@ def cached_this_machine(
 ) -> Hardware:
     """The cached measurement if fresh, else measure now and cache it (refresh=True always measures)."""
     if not refresh:
-        hw = load_cached(device, dtype, cache_dir, max_age_s)
+        hw = load_cached(device, dtype, cache_dir)
         if hw is not None:
             return hw
     hw = measure_this_machine(device, dtype, progress, should_stop, **measure_kwargs)
