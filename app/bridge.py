@@ -416,6 +416,8 @@ class Bridge(QtCore.QObject):
     """Load lab: the server's prefix-cache blocks from its KV events (engine.protocol.ServeBlocks)."""
     sig_serve_done = QtCore.Signal(object)
     """Load lab ended: engine.protocol.LabDone."""
+    sig_fleet = QtCore.Signal(object)
+    """Fleet panel: one scrape of a router's replicas and who served what (engine.protocol.FleetStatus)."""
     sig_server_tokens = QtCore.Signal(object)
     """engine.protocol.Tokenized: the connected server's own tokenization of a prompt (and of its chat form)."""
     sig_why_progress = QtCore.Signal(float, str)
@@ -494,6 +496,7 @@ class Bridge(QtCore.QObject):
             P.ServeRequestDone: lambda m: self.sig_serve_request.emit(m.result),
             P.ServeMetrics: self.sig_serve_metrics.emit, P.ServeLevelDone: lambda m: self.sig_serve_run.emit(m.figures),
             P.ServeSpans: self.sig_serve_spans.emit, P.ServeBlocks: self.sig_serve_blocks.emit,
+            P.FleetStatus: self.sig_fleet.emit,
             P.Tokenized: self.sig_server_tokens.emit, P.Pong: lambda m: self.sig_pong.emit(m.token),
             P.Stopped: lambda m: None, P.ExperimentDone: self._on_experiment_done,
             Steered: self.sig_steered.emit, P.SteerReady: self._on_steer_ready, P.LensTuned: self._on_lens_tuned,
@@ -684,6 +687,10 @@ class Bridge(QtCore.QObject):
 
     def disconnect_server(self) -> None:
         self._post(P.Disconnect())
+
+    def watch_fleet(self, source: str, interval_s: float = 1.0) -> None:
+        """Watch a router's replicas (its URL, or a fleet config file): sig_fleet every `interval_s`; "" stops."""
+        self._post(P.WatchFleet(source, interval_s))
 
     def serve_model(self) -> None:
         """Start llama.cpp's server for the loaded model on 127.0.0.1 and connect to it (stops with the app)."""

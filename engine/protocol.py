@@ -536,6 +536,16 @@ class StopServing(Command):
 
 
 @dataclass(frozen=True)
+class WatchFleet(Command):
+    """Watch a fleet (engine.remote.fleet): `source` is a router's URL (its replicas from its listing) or a fleet
+    config file (replicas with their spans ports: who served which request); "" stops. FleetStatus every
+    `interval_s`."""
+
+    source: str = ""
+    interval_s: float = 1.0
+
+
+@dataclass(frozen=True)
 class Tokenize(Command):
     """The running backend's own tokenization of `text` (a server's, when connected); the newest one wins."""
 
@@ -664,6 +674,19 @@ class ServeBlocks(Notice):
     t: float
     blocks: object  # engine.remote.kvevents.BlockSnapshot
     kv_usage: float | None = None
+
+
+@dataclass(frozen=True)
+class FleetStatus(Notice):
+    """The Fleet panel: one scrape of a router's replicas (engine.remote.fleet.ReplicaFigures) and which replica
+    served each request whose span reached a replica's receiver ((engine request id, replica name)); `error` is one
+    sentence when the fleet could not be watched at all."""
+
+    router: str = ""
+    replicas: tuple = ()
+    served: tuple = ()
+    error: str = ""
+    problems: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from engine.protocol import (
     Done,
     Experiment,
     ExperimentDone,
+    FleetStatus,
     Generate,
     HeldAttention,
     Lab,
@@ -78,6 +79,7 @@ from engine.protocol import (
     Tokenize,
     Tokenized,
     TuneLens,
+    WatchFleet,
 )
 
 if TYPE_CHECKING:
@@ -165,12 +167,13 @@ class EngineServer:
             AskThisMachine: self.this_machine, Measure: self.measure, SetParams: self.set_params,
             SetThreads: self.set_threads, Connect: self.connect, Disconnect: self.disconnect,
             Tokenize: self.tokenize, Ping: self.ping, ServeModel: self.serve_model,
-            StopServing: self.stop_serving,
+            StopServing: self.stop_serving, WatchFleet: self.watch_fleet,
             Experiment: self.experiment, Recompute: self.recompute, SteerVector: self.steer_vector,
             TuneLens: self.tune_lens,
         }
         self._handlers.update(dict.fromkeys(LAB_JOBS, self.lab))  # every lab: one request type, one handler
         self.served = None  # the server this process started for the loaded model (engine.remote.launch)
+        self.fleet_watcher = None  # the Fleet panel's watcher (engine.remote.fleet.FleetWatcher)
         # Pause, Resume, Step, Stop, CaptureAttention and Cancel act inside a generation or a job; outside one there
         # is nothing to act on.
         threading.Thread(target=self._read, daemon=True, name="engine-commands").start()
@@ -498,6 +501,17 @@ class EngineServer:
                 return "cancelled", "", None
             return "failed", str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}", None
         return ("cancelled" if should_stop() else "done"), "", result
+
+    def watch_fleet(self, cmd: WatchFleet) -> None:
+        """Start watching a fleet (one at a time: a new source replaces the old), or stop with source ""."""
+        from engine.remote.fleet import FleetWatcher
+
+        old, self.fleet_watcher = self.fleet_watcher, None
+        if old is not None:
+            old.stop()
+        if cmd.source.strip():
+            self.fleet_watcher = FleetWatcher(cmd.source, lambda kw: self.send(FleetStatus(**kw)),
+                                              cmd.interval_s).start()
 
     def lab(self, cmd: Lab) -> None:
         """One lab (BatchBench, Speculate, Schedule, ServeBench) on the backend in use: its events go out as they

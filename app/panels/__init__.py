@@ -7,7 +7,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("The live run", ("prompt", "preview", "generation", "sampling", "attention", "kv_cache", "timeline", "roofline",
                       "lens", "branches", "constrain")),
     ("What-if labs", ("capacity", "batching", "speculative", "scheduling")),
-    ("The server", ("load_lab", "requests", "server_blocks")),
+    ("The server", ("load_lab", "requests", "server_blocks", "fleet")),
     ("Why it answers", ("why", "steer")),
 )
 PANEL_MODULES = tuple(name for _, names in GROUPS for name in names)

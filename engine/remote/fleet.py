@@ -518,3 +518,68 @@ def compare_policies(hf_dir: Path, log_dir: Path, policies: Sequence[str] = ("ro
                 for r, (s, _) in zip(reps, fleet_servers, strict=True)}
     return {"replicas": [r.url for r in reps], "runs": runs, "requests_logged": logs}
 
+
+
+# ------------------------------------------------------------------------------------- watched from the engine process
+
+MAX_SERVED = 4096  # attributed requests a watcher reports (the newest)
+
+
+def open_fleet(source: str) -> Fleet:
+    """A fleet from `source`: a config file (a path that exists, or ends .toml/.json) or a router's URL (its
+    replicas from its listing); FleetError in one sentence."""
+    source = source.strip()
+    if not source:
+        raise FleetError("name a router's URL or a fleet config file")
+    if source.lower().endswith((".toml", ".json")) or Path(source).expanduser().is_file():
+        return Fleet.from_config(load_config(Path(source).expanduser()))
+    return Fleet.from_router(source)
+
+
+class FleetWatcher:
+    """Scrapes a fleet every `interval_s` on a thread of its own and gives `send` one status each time: a
+    FleetStatus-like dict of keyword arguments (router, replicas, served, error, problems)."""
+
+    def __init__(self, source: str, send, interval_s: float = 1.0) -> None:
+        self.source, self.send, self.interval_s = source, send, max(0.2, float(interval_s))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="fleet-watch")
+        self.fleet: Fleet | None = None
+
+    def start(self) -> FleetWatcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * TIMEOUT_S + 1)
+
+    def _run(self) -> None:
+        try:
+            fleet = open_fleet(self.source)
+            fleet.listen()
+        except (FleetError, ValueError, OSError) as e:  # the receivers' OTLPError is a ValueError
+            self.send({"router": "", "error": clean_text(str(e), 300)})
+            return
+        self.fleet = fleet
+        try:
+            while not self._stop.is_set():
+                figs = fleet.scrape()
+                self.send({"router": display_url(fleet.router), "replicas": tuple(figs),
+                           "served": tuple(self.served()), "problems": tuple(fleet.problems())})
+                self._stop.wait(self.interval_s)
+        finally:
+            fleet.close()
+
+    def served(self) -> list[tuple[str, str]]:
+        """(the engine request id of each span a replica exported, that replica's name), the newest MAX_SERVED."""
+        fleet = self.fleet
+        if fleet is None:
+            return []
+        out = []
+        for r in fleet.replicas:
+            rx = fleet.receivers.get(r.url)
+            if rx is not None:
+                out += [(i, r.name) for i in rx.request_ids()[-MAX_SERVED:]]
+        return out[-MAX_SERVED:]

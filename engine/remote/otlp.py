@@ -194,6 +194,11 @@ class SpanReceiver:
         with self._cond:
             return len(self._spans)
 
+    def request_ids(self) -> list[str]:
+        """The request ids of the spans held, oldest first."""
+        with self._cond:
+            return list(self._spans)
+
     def find(self, response_id: str) -> ServerSpan | None:
         """The span of a response (vLLM names the engine request after the response id plus "-<prompt index>")."""
         with self._cond:
