@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     q = sub.add_parser("info", help="facts about the model")
     add_model_args(q)
-    q.set_defaults(func=cmd_info)
+    q.set_defaults(func=cmd_info, local_only="reads the model file itself, which a server does not report")
 
     q = sub.add_parser("models", help="the models on this machine (headers only), as the model picker lists them")
     q.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -394,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--fit-steps", type=int_in(0), default=None,
                    help="with --tuned: KL steps after the least-squares start (default: DEFAULT_STEPS there)")
     add_threads_arg(q)
-    q.set_defaults(func=cmd_lens)
+    q.set_defaults(func=cmd_lens, local_only="needs every layer's residual stream, which a server does not report")
 
     q = sub.add_parser("bench-batch", help="measure batched decode: TPOT and tokens/s per stream and system")
     q.add_argument("--model", default=None)
@@ -433,16 +433,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# The commands that also run on a server (--url); the others say in one line that they need the local model.
+# The commands that also run on a server (--url); those that set `local_only` say in one line why they cannot.
 ON_SERVER = {"tokenize": "cmd_tokenize", "logits": "cmd_logits", "generate": "cmd_generate"}
-LOCAL_ONLY = {"info": "reads the model file itself", "lens": "needs every layer's residual stream"}
 
 
 def resolve(args: argparse.Namespace):
     """The function that runs `args`: the local command, or its server version when --url is given (once, here)."""
-    if args.command in LOCAL_ONLY and getattr(args, "url", None):
-        raise UsageError(f"`{args.command}` {LOCAL_ONLY[args.command]}, which a server does not report: "
-                         "drop --url to run it on the local model")
+    if getattr(args, "local_only", None) and getattr(args, "url", None):
+        raise UsageError(f"`{args.command}` {args.local_only}: drop --url to run it on the local model")
     if args.command in ON_SERVER and getattr(args, "url", None):
         from engine.remote import cli
 

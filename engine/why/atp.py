@@ -271,7 +271,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--ig-steps", type=int_in(0, MAX_IG_STEPS), default=0, metavar="K",
                    help="average the gradient over K points on the path between the prompts' embeddings "
                         "(EAP-IG; K forwards and backwards more); 0 (default): AtP at the corrupted run")
-    q.set_defaults(func=_cmd)
+    q.set_defaults(func=_cmd, local_only="runs a backward pass through the model, which a server does not let us do")
 
 
 def _grid(rows: list[list[float]], labels: list[str], first: str) -> None:
@@ -283,11 +283,8 @@ def _grid(rows: list[list[float]], labels: list[str], first: str) -> None:
 
 def _cmd(a: argparse.Namespace) -> int:
     from engine.backends import session_from_args
-    from engine.cliargs import EXACT_PRODUCTS, UsageError, one_line, stamped
+    from engine.cliargs import EXACT_PRODUCTS, one_line, stamped
 
-    if getattr(a, "url", None):
-        raise UsageError("`atp` runs a backward pass through the model, which a server does not let us do: "
-                         "drop --url")
     s = session_from_args(a)
     with one_line(Unsupported, Cancelled, RuntimeError, usage=(ValueError,)):
         out = atp(s, a.clean, a.corrupt, a.answer, a.wrong, heads=a.heads, exact=a.exact, top=a.top,

@@ -271,7 +271,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--target-id", type=int_in(0), default=None,
                    help="the token to explain (default: the greedy next token)")
     add_threads_arg(q)
-    q.set_defaults(func=_cmd)
+    q.set_defaults(func=_cmd, local_only="runs the model itself (gradients or one pass per token), which a server "
+                                         "does not offer")
 
 
 def _cmd(a: argparse.Namespace) -> int:
@@ -279,9 +280,6 @@ def _cmd(a: argparse.Namespace) -> int:
     from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, stamped
     from engine.why import Cancelled
 
-    if a.url:
-        raise UsageError("`attribute` runs the model itself (gradients or one pass per token), which a server "
-                         "does not offer: drop --url")
     if not a.prompt.strip():
         raise UsageError("the prompt is empty: give --prompt some text")
     session = session_from_args(a)

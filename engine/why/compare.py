@@ -509,7 +509,8 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--lens", action="store_true",
                    help="--corpus: also the KL of the two sides' logit lens per layer (L + 1 LM heads a step)")
     add_threads_arg(q)
-    q.set_defaults(func=cmd_compare)
+    q.set_defaults(func=cmd_compare, local_only="needs every layer's residual stream and attention, which a server "
+                                                "does not report")
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
@@ -518,9 +519,6 @@ def cmd_compare(a: argparse.Namespace) -> int:
     from engine.backends import session_from_args
     from engine.cliargs import UsageError, one_line
 
-    if a.url:
-        raise UsageError("`compare` needs every layer's residual stream and attention, which a server does not "
-                         "report: drop --url to run it on the local model")
     if (a.prompt is None) == (a.corpus is None):
         raise UsageError("give --prompt (one sequence) or --corpus FILE (a text, in windows), one of the two")
     text = read_corpus_or_fail(a.corpus, a.max_tokens) if a.corpus is not None else ""

@@ -163,16 +163,14 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
                    help="generation step: 0 (default) the prompt's last position; N after N greedy tokens")
     q.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     q.add_argument("--top", type=int_in(1, 1000), default=TOP, help=f"components listed (default {TOP})")
-    q.set_defaults(func=_cmd)
+    q.set_defaults(func=_cmd, local_only="reads each head's output inside the forward pass, which a server does not "
+                                         "give")
 
 
 def _cmd(a: argparse.Namespace) -> int:
     from engine.backends import session_from_args
-    from engine.cliargs import EXACT_PRODUCTS, UsageError, one_line, stamped
+    from engine.cliargs import EXACT_PRODUCTS, one_line, stamped
 
-    if getattr(a, "url", None):
-        raise UsageError("`dla` reads each head's output inside the forward pass, which a server does not give: "
-                         "drop --url")
     s = session_from_args(a)
     with one_line(Unsupported, RuntimeError, usage=(ValueError,)):
         out = dla(s, a.prompt, a.answer, a.wrong, step=a.step, chat=a.chat, top=a.top)

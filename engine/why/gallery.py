@@ -218,11 +218,11 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     add_model_args(q)
     add_threads_arg(q)
     q.add_argument("name", nargs="?", choices=NAMES, help="the experiment to run (none: list them)")
-    q.set_defaults(func=_cmd)
+    q.set_defaults(func=_cmd, local_only="reads and writes inside the forward pass, which a server does not let us do")
 
 
 def _cmd(a: argparse.Namespace) -> int:
-    from engine.cliargs import EXACT_PRODUCTS, UsageError, one_line, stamped
+    from engine.cliargs import EXACT_PRODUCTS, one_line, stamped
 
     if a.name is None:
         if a.json:
@@ -231,9 +231,6 @@ def _cmd(a: argparse.Namespace) -> int:
         for e in GALLERY:
             print(f"{e.name:<15} {e.title} ({e.kind})")
         return 0
-    if getattr(a, "url", None):
-        raise UsageError("the gallery's experiments read and write inside the forward pass, which a server does not "
-                         "let us do: drop --url")
     from engine.backends import session_from_args
 
     s = session_from_args(a)

@@ -199,15 +199,13 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--ablate-top", type=int_in(1, 64), default=None, metavar="K",
                    help="confirm the induction heads: zero-ablate the K best and report the second copy's loss "
                         "before and after (torch engine)")
-    q.set_defaults(func=_cmd)
+    q.set_defaults(func=_cmd, local_only="needs every layer's attention, which a server does not report")
 
 
 def _cmd(a: argparse.Namespace) -> int:
     from engine.backends import session_from_args
     from engine.cliargs import UsageError, one_line, stamped
 
-    if getattr(a, "url", None):
-        raise UsageError("`heads` needs every layer's attention, which a server does not report: drop --url")
     s = session_from_args(a)
     with one_line(ValueError, RuntimeError, Unsupported, Cancelled):
         if a.ablate_top is not None and a.ablate_top > s.cfg.n_layers * s.cfg.n_heads:

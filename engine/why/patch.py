@@ -150,15 +150,13 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--answer", required=True, help="the clean answer, one token (with its leading space: ' Paris')")
     q.add_argument("--wrong", required=True, help="the corrupted prompt's answer, one token (' Rome')")
     q.add_argument("--heads", action="store_true", help="also patch each head's output (z), layer × head")
-    q.set_defaults(func=_cmd)
+    q.set_defaults(func=_cmd, local_only="edits the forward pass, which a server does not let us do")
 
 
 def _cmd(a: argparse.Namespace) -> int:
     from engine.backends import session_from_args
-    from engine.cliargs import EXACT_PRODUCTS, UsageError, one_line, stamped
+    from engine.cliargs import EXACT_PRODUCTS, one_line, stamped
 
-    if getattr(a, "url", None):
-        raise UsageError("`patch` edits the forward pass, which a server does not let us do: drop --url")
     s = session_from_args(a)
     with one_line(Unsupported, Cancelled, RuntimeError, usage=(ValueError,)):
         out = patch(s, a.clean, a.corrupt, a.answer, a.wrong, heads=a.heads)

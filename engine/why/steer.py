@@ -220,12 +220,10 @@ def _pairs_from(a: argparse.Namespace) -> list[Pair]:
 
 def cmd_steer(a: argparse.Namespace) -> int:
     from engine.backends import session_from_args
-    from engine.cliargs import CliError, UsageError, one_line, stamped
+    from engine.cliargs import CliError, one_line, stamped
     from engine.formats.control_vector import save
     from engine.why import Unsupported
 
-    if getattr(a, "url", None):
-        raise UsageError("steering edits the forward pass, which a server does not let us do: drop --url")
     with one_line(usage=(ValueError,)):
         pairs = _pairs_from(a)
     s = session_from_args(a)
@@ -290,4 +288,4 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--prompt", help="show the next token of this prompt at each --scales")
     q.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template first")
     q.add_argument("--scales", type=scales_arg, default=[-4.0, 0.0, 4.0], metavar="S,S")
-    q.set_defaults(func=cmd_steer)
+    q.set_defaults(func=cmd_steer, local_only="edits the forward pass, which a server does not let us do")
