@@ -150,8 +150,11 @@ class Edit:
 class Reads:
     """What one forward pass copies out as it runs, for the panels and the lens: the attention patterns of the layers
     in `patterns` (`pattern[L]`: (B, H, rows, S)), and the residual stream's last position at every resid point,
-    (B, n_layers + 1, d) (`stream`, when asked for) and its L2 norms (B, n_layers + 1) (`norms`). Values are detached
-    numpy copies, so nothing keeps a tensor alive after the step.
+    (B, n_layers + 1, d) (`stream`, when asked for) and its L2 norms (B, n_layers + 1) (`norms`).
+
+    The pass keeps them as tensors where they were made; the first read brings them all to host memory at once, as
+    detached numpy copies: on a GPU the step's captures then cost one wait for the device, not one per layer and
+    read, and nothing keeps a tensor alive after the step.
 
     A step keeps all its query rows of attention, or, when they would take more than `max_attention_bytes` (a long
     prefill), only its last rows, as many as fit: a panel cannot show more, and the event says how many were left out.
@@ -161,9 +164,10 @@ class Reads:
                  max_attention_bytes: int = ATTENTION_MAX_BYTES) -> None:
         self.patterns, self.want_norms, self.want_stream = frozenset(patterns), norms, stream
         self.max_attention_bytes = max_attention_bytes
-        self.pattern: dict[int, np.ndarray] = {}
-        self.norms: np.ndarray | None = None
-        self.stream: np.ndarray | None = None
+        self._made: dict[object, torch.Tensor] = {}  # layer, "norms" or "stream" → its tensor, not yet on the host
+        self._pattern: dict[int, np.ndarray] = {}
+        self._norms: np.ndarray | None = None
+        self._stream: np.ndarray | None = None
 
     @classmethod
     def for_request(cls, capture: Capture) -> Reads | None:
@@ -178,15 +182,47 @@ class Reads:
         return max(1, min(n_queries, self.max_attention_bytes // (n_heads * n_keys * 4)))
 
     def record_pattern(self, layer: int, weights: torch.Tensor) -> None:
-        self.pattern[layer] = weights.detach().float().cpu().numpy()
+        self._made[layer] = weights.detach().float()
 
     def record_resid(self, rows: list[torch.Tensor]) -> None:
         """The last position after the embedding and after each layer, (B, d) each: one stack and one norm for all."""
-        stacked = torch.stack(rows, dim=1)  # (B, n_layers + 1, d)
+        stacked = torch.stack(rows, dim=1).detach().float()  # (B, n_layers + 1, d)
         if self.want_norms:
-            self.norms = stacked.float().norm(dim=-1).cpu().numpy()
+            self._made["norms"] = stacked.norm(dim=-1)
         if self.want_stream:
-            self.stream = stacked.detach().float().cpu().numpy()
+            self._made["stream"] = stacked
+
+    def _host(self) -> None:
+        if not self._made:
+            return
+        keys, made = list(self._made), list(self._made.values())
+        self._made = {}
+        device = made[0].device
+        if device.type != "cpu":  # every copy queued, then one wait
+            made = [t.to("cpu", non_blocking=True) for t in made]
+            getattr(torch, device.type).synchronize(device)
+        for key, t in zip(keys, made, strict=True):
+            if key == "norms":
+                self._norms = t.numpy()
+            elif key == "stream":
+                self._stream = t.numpy()
+            else:
+                self._pattern[key] = t.numpy()
+
+    @property
+    def pattern(self) -> dict[int, np.ndarray]:
+        self._host()
+        return self._pattern
+
+    @property
+    def norms(self) -> np.ndarray | None:
+        self._host()
+        return self._norms
+
+    @property
+    def stream(self) -> np.ndarray | None:
+        self._host()
+        return self._stream
 
 
 class Recording:
