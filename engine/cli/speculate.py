@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict
 
 import numpy as np
@@ -39,7 +38,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup is measured)")
     q.add_argument("--sweep", action="store_true", help="run k = 1…8 against one plain-decoding baseline")
     add_threads_arg(q)
-    q.set_defaults(func=cmd_speculate)
+    q.set_defaults(func=cmd_speculate, local_only="needs the model's forward pass, which a server does not expose")
 
 
 def _source(text: str) -> str:
@@ -54,44 +53,26 @@ def _source(text: str) -> str:
 
 
 def cmd_speculate(a: argparse.Namespace) -> int:
-    from engine.backends import session_from_args
-    from engine.cliargs import CliError, UsageError, sampling_params
-
-    try:
-        return _speculate(a, sampling_params, session_from_args)
-    except CliError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, UsageError) else 1
-
-
-def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
     from engine.backend import Unsupported
-    from engine.cliargs import UsageError, check_bias, stamped
+    from engine.backends import session_from_args
+    from engine.cliargs import CliError, UsageError, check_bias, one_line, sampling_params, stamped
     from engine.events import Failed
     from engine.labs import speculative as sp
     from engine.loaders import ModelLoadError
 
-    def fail(message: str) -> int:
-        print(f"error: {message}", file=sys.stderr)
-        return 1
-
-    if getattr(a, "url", None):
-        raise UsageError("speculate runs on the local model only (a server does not expose its forward pass)")
-    params = params_of(a)
+    params = sampling_params(a)
     source, layer = sp.parse_source(a.source if a.draft is None else _draft_source(a.draft))
     if (source == "draft-model") != (a.draft_model is not None):
-        return fail("--draft-model goes with --source draft-model, and that source needs it")
+        raise CliError("--draft-model goes with --source draft-model, and that source needs it")
     if a.k > sp.MAX_K:  # before the model loads: nothing about it changes this
         raise UsageError(f"--k takes 1 to {sp.MAX_K} tokens drafted per pass, got {a.k}")
-    s = session_of(a)
+    s = session_from_args(a)
     check_bias(params, s.cfg.vocab_size)
     draft = None
     if a.draft_model is not None:
-        try:
+        with one_line(ModelLoadError):
             draft = s.sibling(a.draft_model)  # the same runtime and settings, another file
-        except ModelLoadError as e:
-            return fail(str(e))
-    try:
+    with one_line(ValueError, usage=(Unsupported,)):  # Unsupported: early-exit drafting on llama.cpp
         cfg = sp.SpecConfig(k=a.k, source=source, exit_layer=layer, ngram_max=a.ngram, draft=draft,
                             baseline=not a.no_baseline, ignore_eos=a.ignore_eos)
         prompt = s.prompt_text(a.prompt, a.chat)
@@ -100,14 +81,10 @@ def _speculate(a: argparse.Namespace, params_of, session_of) -> int:
             events = sp.sweep(s, prompt, cfg, params, a.max_new_tokens)
         else:
             events = sp.speculate(s, prompt, cfg, params, a.max_new_tokens)
-    except Unsupported as e:  # early-exit drafting on llama.cpp
-        raise UsageError(str(e)) from None
-    except ValueError as e:
-        return fail(str(e))
     doc: dict = {"steps": [], "sweep": []}
     for ev in events:
         if isinstance(ev, Failed):
-            return fail(ev.message)
+            raise CliError(ev.message)
         _print(ev, doc, a.json, s.tokenizer)
     if a.json:
         doc["machine"] = _machine(s)

@@ -155,7 +155,7 @@ def test_cli_speculate_early_exit_on_llamacpp_is_refused_in_one_line(capsys, tin
 
 
 @pytest.mark.parametrize("argv, says", [
-    (("speculate", "--url", "http://127.0.0.1:9", "--prompt", "x"), "speculate runs on the local model only"),
+    (("speculate", "--url", "http://127.0.0.1:9", "--prompt", "x"), "`speculate` needs the model's forward pass"),
     (("serve-bench",), "serve-bench needs --url"),
 ])
 def test_cli_labs_on_the_wrong_side_of_the_seam_are_refused_in_one_line(capsys, argv, says):
