@@ -202,11 +202,10 @@ def add_subcommand(sub) -> None:
 def _cmd(a) -> int:
     import sys
 
-    try:
+    from engine.cliargs import one_line
+
+    with one_line(ExportError):
         out = export(a.model, a.out, overwrite=a.overwrite)
-    except ExportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"wrote {out} ({size / 1e6:.0f} MB)", file=sys.stderr)
     return 0

@@ -63,21 +63,18 @@ def _cmd(a: argparse.Namespace) -> int:
     import psutil
 
     from engine.backends import lab_model_from_args
-    from engine.cliargs import stamped
+    from engine.cliargs import one_line, stamped
     from engine.labs.scheduler import schedule
 
     cfg = SchedConfig(policy=a.policy, n_requests=a.requests, rate=a.rate, burstiness=a.burstiness,
                       prompt_len=a.prompt_len, output_len=a.output_len, range_ratio=a.range_ratio,
                       max_batch=a.max_batch, page_size=a.page_size, seed=a.seed,
                       kv_budget_bytes=a.kv_budget_mib * 2**20 if a.kv_budget_mib else None)
-    try:
+    with one_line(usage=(ValueError,)):
         cfg.validate()
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     lm = lab_model_from_args(a)
     plan, summaries, done = None, [], []
-    try:
+    with one_line(usage=(ValueError,)):
         for ev in schedule(lm, cfg, memory_limit_bytes=psutil.virtual_memory().available * 0.5):
             if isinstance(ev, SchedPlan):
                 plan = ev
@@ -87,9 +84,6 @@ def _cmd(a: argparse.Namespace) -> int:
                     print(f"  {ev.policy}: done in {ev.busy_s:.1f} s of steps", file=sys.stderr)
             elif isinstance(ev, SchedRequestDone):
                 done.append(ev)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     summaries.sort(key=lambda s: POLICIES.index(s.policy))  # they end in either order; columns keep one
     if a.json:
         print(json.dumps(stamped(_document(plan, summaries, done), lm.info), indent=2, default=str))
