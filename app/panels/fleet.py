@@ -77,7 +77,7 @@ class FleetPanel(Panel):
         self.table.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
         self.plot = pg.PlotWidget()
         self.plot.setBackground(theme.BACKGROUND)
-        self.plot.setLabel("left", "requests served")
+        self.plot.setLabel("left", "requests served (bars); KV use (dots, 100% = the tallest bar)")
         self.plot.setMouseEnabled(False, False)
         self.bars = pg.BarGraphItem(x=[], height=[], width=0.6, brush=pg.mkBrush(*BAR))
         self.plot.addItem(self.bars)
@@ -100,7 +100,7 @@ class FleetPanel(Panel):
         lay.addLayout(top)
         lay.addWidget(self.status_label)
         lay.addWidget(self.table, 1)
-        lay.addWidget(split, 1)
+        lay.addWidget(split, 2)
         self.mark_dirty()
 
     # ---- commands ----

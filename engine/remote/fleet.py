@@ -222,6 +222,8 @@ class ReplicaFigures:
     tokens_per_s: float | None = None  # generation tokens/s since the previous scrape
     requests_done: float | None = None  # vllm:request_success_total
     generation_tokens: float | None = None
+    prefix_queries: float | None = None  # tokens looked up in the prefix cache since it started
+    prefix_hits: float | None = None  # of which found there
     served: int = 0  # requests attributed to it (its spans)
     error: str = ""
 
@@ -250,7 +252,8 @@ def figures(name: str, url: str, m: dict[str, float], previous: tuple[float, flo
         kv_usage=kv if kv is None or 0 <= kv <= 1 else None,
         prefix_hit_rate=h / q if q and h is not None and 0 <= h <= q else None,
         tokens_per_s=rate if rate is None or math.isfinite(rate) else None,
-        requests_done=_num(m, "vllm:request_success_total"), generation_tokens=gen)
+        requests_done=_num(m, "vllm:request_success_total"), generation_tokens=gen, prefix_queries=q,
+        prefix_hits=h)
 
 
 # -------------------------------------------------------------------------------------------------- the fleet
@@ -337,20 +340,32 @@ class Fleet:
 
 # ------------------------------------------------------------------------------------- prompts and what they show
 
-PREFIXES = (
-    "You are a careful assistant for a library's help desk. Answer in one short sentence, politely, and never "
-    "invent opening hours, titles or fees that are not listed here. The library opens at nine, closes at six, lends "
-    "books for three weeks and charges nothing for renewals. Question: ",
-    "You are a terse assistant for a bicycle repair shop. Give one practical step, no more, and say when a part must "
-    "be replaced rather than repaired. The shop fixes brakes, gears, wheels and chains, and sells tubes and tyres "
-    "of the common sizes only. Question: ",
-    "You are a friendly assistant for a small bakery. Answer in one sentence, mention allergens when they matter, and "
-    "never promise a delivery time. The bakery bakes bread, croissants and two cakes a day, with nuts in the "
-    "almond cake only. Question: ",
-    "You are a precise assistant for a train timetable office. Answer with one fact, say when you do not know, and "
-    "never guess a platform. Trains leave every twenty minutes in the day and every hour after ten at night, "
-    "and bikes travel free. Question: ",
+_ROLES = (
+    ("a library's help desk", "the library", ("opens at nine", "closes at six", "lends books for three weeks",
+                                               "charges nothing for renewals", "keeps maps in the reading room")),
+    ("a bicycle repair shop", "the shop", ("fixes brakes and gears", "trues wheels while you wait",
+                                           "sells tubes of the common sizes", "replaces worn chains",
+                                           "does not repair carbon frames")),
+    ("a small bakery", "the bakery", ("bakes bread before dawn", "makes croissants on weekdays",
+                                      "puts nuts in the almond cake only", "sells yesterday's loaves at half price",
+                                      "takes orders a day ahead")),
+    ("a train timetable office", "the railway", ("runs a train every twenty minutes by day",
+                                                 "runs one an hour after ten at night", "carries bikes for free",
+                                                 "sells day returns at the counter", "announces platforms late")),
 )
+
+
+def _prefix(role: str, place: str, facts: tuple[str, ...], rounds: int = 6) -> str:
+    """A system prompt of a few hundred tokens: vLLM caches whole blocks only (128 tokens on its CPU build), so a
+    shared prefix must span several for the cache, and the routing that keeps it, to matter."""
+    lines = [f"You are a careful assistant for {role}. Answer in one short sentence and never invent what is not "
+             "listed here."]
+    for k in range(rounds):
+        lines += [f"Fact {k * len(facts) + j + 1}: {place} {fact}." for j, fact in enumerate(facts)]
+    return " ".join(lines) + " Question: "
+
+
+PREFIXES = tuple(_prefix(*r) for r in _ROLES)
 QUESTIONS = ("When do you open?", "Can I bring a friend?", "What does it cost?", "Is there a discount?",
              "What should I bring?", "Can I pay by card?", "How long does it take?", "Who do I ask?")
 
@@ -450,6 +465,17 @@ def _done(figs: Sequence[ReplicaFigures]) -> dict[str, float | None]:
     return {f.name: f.requests_done for f in figs}
 
 
+def _hit_rate(before: Sequence[ReplicaFigures], after: Sequence[ReplicaFigures]) -> float | None:
+    """Prefix-cache hits over lookups (tokens) between two scrapes of every replica."""
+    q = h = 0.0
+    for b, a in zip(before, after, strict=True):
+        if None in (b.prefix_queries, b.prefix_hits, a.prefix_queries, a.prefix_hits):
+            return None
+        q += a.prefix_queries - b.prefix_queries
+        h += a.prefix_hits - b.prefix_hits
+    return h / q if q > 0 else None
+
+
 def run_policy(fleet: Fleet, router_url: str, policy: str, num_prompts: int = 64, max_new_tokens: int = 4,
                concurrency: int = 4, time_limit_s: float = 240.0, span_wait_s: float = 10.0,
                groups: int = len(PREFIXES), salt: int = 0) -> dict:
@@ -462,7 +488,8 @@ def run_policy(fleet: Fleet, router_url: str, policy: str, num_prompts: int = 64
     prompts = shared_prefix_prompts(num_prompts, groups, salt)
     backend = RemoteBackend(router_url, timeout=60.0)
     backend.probe()
-    before = _done(fleet.scrape())
+    first = fleet.scrape()
+    before = _done(first)
     results: list = []
     run = loadlab.run_once(backend, concurrency, num_prompts, max_new_tokens, time_limit_s=time_limit_s,
                            prompts=[p for _, p in prompts], on_request=results.append)
@@ -471,7 +498,8 @@ def run_policy(fleet: Fleet, router_url: str, policy: str, num_prompts: int = 64
     # a replica counts a request as done as it finishes it, a moment after its last chunk: wait for the count
     deadline = time.monotonic() + span_wait_s
     while True:
-        after = _done(fleet.scrape())
+        last = fleet.scrape()
+        after = _done(last)
         counted = {k: (after[k] - before[k]) if after.get(k) is not None and before.get(k) is not None else None
                    for k in after}
         if sum(v or 0 for v in counted.values()) >= len(ok) or time.monotonic() > deadline:
@@ -489,6 +517,7 @@ def run_policy(fleet: Fleet, router_url: str, policy: str, num_prompts: int = 64
         "completed": run.completed, "failed": run.failed, "ttft_p50_ms": p50(ttft),
         "ttft_mean_ms": sum(ttft) / len(ttft) if ttft else None,
         "attributed": sum(per.values()), "served": per, "replica_counted": counted,
+        "prefix_hit_rate": _hit_rate(first, last),
         "prefix_affinity": prefix_affinity([prompts[r.index][0] for r in ok], names),
         "requests": [{"index": r.index, "group": prompts[r.index][0], "response_id": r.request_id,
                       "replica": served.get(r.request_id), "ttft_ms": r.ttft_s * 1e3} for r in ok],

@@ -86,7 +86,9 @@ def cmd_fleet_bench(a: argparse.Namespace) -> int:
             aff = run["prefix_affinity"]
             print(f"{run['policy']:12s} {run['completed']}/{run['num_prompts']} ok, TTFT p50 "
                   f"{run['ttft_p50_ms']:.1f} ms, attributed {run['attributed']} {run['served']}, replicas counted "
-                  f"{run['replica_counted']}, same replica per prefix {aff:.0%}" if aff is not None else "")
+                  f"{run['replica_counted']}, same replica per prefix {aff:.0%}, prefix-cache hits "
+                  f"{run['prefix_hit_rate']:.0%}" if aff is not None and run["prefix_hit_rate"] is not None else
+                  f"{run['policy']}: {run}")
     return 0
 
 
