@@ -74,10 +74,11 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="ilab-bench-gui-") as settings_dir:
         os.environ["INFERENCE_LAB_SETTINGS"] = os.path.join(settings_dir, "inference-lab.ini")
-        return _measure(model, n_new, sizes, presses, dtype)
+        return _measure(model, n_new, sizes, presses, dtype, lens="--lens" in argv)
 
 
-def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int, dtype: str = "auto") -> int:
+def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int, dtype: str = "auto",
+             lens: bool = False) -> int:
     from PySide6 import QtCore
     from PySide6.QtTest import QTest
 
@@ -127,6 +128,8 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
     gen.set_chat(chat)
     gen.set_max_new_tokens(n_new)
     gen.ignore_eos = True  # the full n_new tokens, as the CLI's --ignore-eos (a test knob, not a GUI one)
+    if lens:  # every capture the panels make, the logit lens's L + 2 heads a step included
+        win.panels["lens"].set_capture(True)
     for _ in range(5):  # the user typed and toggled before pressing Generate: that relayout is not the run's
         app.processEvents()
     size_before = win.size().toTuple()
@@ -136,7 +139,9 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
     win.bridge.sig_finished.connect(lambda ev: (finished.setdefault("ev", ev), done.quit()))
     win.bridge.sig_failed.connect(lambda m: (finished.setdefault("error", m), done.quit()))
     last_token = [0.0]  # when the last token reached the window: what comes after is the run's end
-    win.bridge.sig_token.connect(lambda _ev: last_token.__setitem__(0, time.perf_counter()))
+    token_times: list[float] = []  # when each token reached the GUI thread: the app's time per token, end to end
+    win.bridge.sig_token.connect(lambda _ev: (last_token.__setitem__(0, time.perf_counter()),
+                                              token_times.append(last_token[0])))
     draws0 = {k: p.draw_count for k, p in win.panels.items()}
     visible = {k: on_screen(p) for k, p in win.panels.items()}
     bridge = win.bridge
@@ -200,6 +205,9 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
         "stall_max_ms": float(stalls.max()),
         "stall_max_ms_during_generation": float(stalls[:n_during].max(initial=0.0)),
         "stall_max_ms_after_last_token": float(stalls[n_during:].max(initial=0.0)),
+        # from the first token to the last as the GUI thread received them, per token: all the app's work included
+        "wall_ms_per_token_received": (token_times[-1] - token_times[0]) / max(len(token_times) - 1, 1) * 1e3,
+        "runtime": win.bridge.runtime,
         "stall_p99_ms_during_generation": float(np.percentile(stalls[:n_during], 99)) if n_during else 0.0,
         "after_finished_s": END_S,
         "autosave_done_after_finished_s": autosave_s,  # None: not written within END_S
