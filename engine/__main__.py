@@ -19,7 +19,7 @@ from engine.cliargs import (
     CliError,
     Parser,
     UsageError,
-    add_kernels_arg,
+    add_local_model_args,
     add_model_args,
     add_sampling_args,
     add_threads_arg,
@@ -397,17 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_lens, local_only="needs every layer's residual stream, which a server does not report")
 
     q = sub.add_parser("bench-batch", help="measure batched decode: TPOT and tokens/s per stream and system")
-    q.add_argument("--model", default=None)
-    q.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    add_kernels_arg(q)
+    add_local_model_args(q)
     q.add_argument("--batches", type=int_list(1, 1024), default=[1, 2, 4, 8, 16, 32],
                    help="batch sizes, e.g. 1,2,4,8,16,32")
     q.add_argument("--prompt-tokens", type=int_in(1), default=32)
     q.add_argument("--new-tokens", type=int_in(2), default=16, help="at least 2: one decode step to time")
     q.add_argument("--threads", type=threads, default="auto", help="auto (torch's count) or a fixed count")
-    q.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"], help="as generate's")
-    q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_bench_batch)
 
     from engine.cli import export_hf

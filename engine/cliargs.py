@@ -176,6 +176,11 @@ def output_folder(text: str) -> str:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
+    add_local_model_args(p)
+    add_url_args(p)
+
+
+def add_local_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file, a Hugging Face model directory or a known model "
                    "(smollm2, gemma3-270m); default: SmolLM2")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -185,7 +190,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"],
                    help="the local runtime: torch (the readable engine), llama.cpp (a GGUF as it is, instrumented), "
                         "or auto: llama.cpp for GGUF models of 1B parameters or more when it is installed")
-    add_url_args(p)
 
 
 def add_kernels_arg(p: argparse.ArgumentParser, name: str = "--kernels", of: str = "") -> None:

@@ -120,14 +120,11 @@ def _document(plan: SchedPlan | None, summaries: list[SchedSummary], done: list[
 
 def add_subcommand(sub: argparse._SubParsersAction) -> None:
     """Add `schedule` to the engine's CLI."""
-    from engine.cliargs import MAX_SEED, add_kernels_arg, float_in, int_in, threads
+    from engine.cliargs import MAX_SEED, add_local_model_args, float_in, int_in, threads
 
     d = SchedConfig()
     q = sub.add_parser("schedule", help="static vs continuous batching and a paged KV cache, on the loaded model")
-    q.add_argument("--model", default=None, help="a .gguf file, a Hugging Face directory or a known model")
-    q.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    q.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    add_kernels_arg(q)
+    add_local_model_args(q)
     q.add_argument("--policy", default=d.policy, choices=["static", "continuous", "both"])
     q.add_argument("--rate", type=float_in(0, lo_open=True, inf=True), default=d.rate,
                    help="requests per second (inf: all at once)")
@@ -145,6 +142,4 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
                    help="KV memory for 'how many requests fit' (default: the contiguous reservation of max batch)")
     q.add_argument("--seed", type=int_in(0, MAX_SEED), default=d.seed)
     q.add_argument("--threads", type=threads, default="auto", help="auto (torch's count) or a fixed count")
-    q.add_argument("--backend", default="auto", choices=["auto", "torch", "llama.cpp"], help="as generate's")
-    q.add_argument("--json", action="store_true")
     q.set_defaults(func=_cmd)
