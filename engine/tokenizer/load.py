@@ -16,7 +16,7 @@ def tokenizer_cache_dir(path: Path) -> Path:
     return cache_dir_for(path, "tokenizers", TOKENIZER_CACHE_FORMAT)
 
 
-def load_tokenizer(model: str | os.PathLike | None = None, use_cache: bool = True) -> Tokenizer:
+def load_tokenizer(model: str | os.PathLike | None = None) -> Tokenizer:
     """Only the tokenizer of a model: a GGUF file's metadata is read, its weights never (vocabulary-only files work).
 
     A large vocabulary (Gemma's 262,144 tokens) takes seconds to build, so GGUF tokenizers are cached by file.
@@ -26,17 +26,15 @@ def load_tokenizer(model: str | os.PathLike | None = None, use_cache: bool = Tru
         if path.is_dir():
             return Tokenizer.from_dir(path)
         cdir = tokenizer_cache_dir(path)
-        if use_cache:
-            try:
-                return Tokenizer.load(cdir)
-            except (FileNotFoundError, ValueError, OSError):
-                pass
+        try:
+            return Tokenizer.load(cdir)
+        except (FileNotFoundError, ValueError, OSError):
+            pass
         tok = Tokenizer.from_gguf(path)
-        if use_cache:
-            try:
-                tok.save(cdir)
-            except OSError:
-                pass  # a read-only or full disk only costs the next start
+        try:
+            tok.save(cdir)
+        except OSError:
+            pass  # a read-only or full disk only costs the next start
         return tok
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
         raise ModelLoadError(f"cannot read the tokenizer of {path.name}: {e}") from None
