@@ -26,9 +26,7 @@ class UnknownNameError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
-def canonical_dtype(dtype: str) -> str:
-    """The short name ("fp16", "bf16", "int8", …) for any accepted spelling of a dtype (see engine.model.dtypes)."""
-    return dtypes.canonical(dtype)
+canonical_dtype = dtypes.canonical  # the short name ("fp16", "bf16", …) for any accepted spelling of a dtype
 
 
 @dataclass(frozen=True)

@@ -69,10 +69,7 @@ from engine.events import ModelInfo, StepCost
 from engine.model import dtypes
 from engine.model.config import ModelConfig
 
-
-def bytes_per_value(dtype: str) -> float:
-    """Storage of one value in `dtype`, in bytes (fractions for packed 4-bit formats); see engine.model.dtypes."""
-    return dtypes.bytes_per_value(dtype)
+bytes_per_value = dtypes.bytes_per_value  # storage of one value in a dtype, in bytes (packed 4-bit: fractions)
 
 
 def _positive(name: str, value: int, minimum: int = 1) -> int:
