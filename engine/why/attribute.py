@@ -277,7 +277,7 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
 
 def _cmd(a: argparse.Namespace) -> int:
     from engine.backends import session_from_args
-    from engine.cliargs import EXACT_PRODUCTS, CliError, UsageError, stamped
+    from engine.cliargs import EXACT_PRODUCTS, UsageError, one_line, stamped
     from engine.why import Cancelled
 
     if not a.prompt.strip():
@@ -287,9 +287,8 @@ def _cmd(a: argparse.Namespace) -> int:
         raise UsageError(f"--target-id {a.target_id} is past this model's vocabulary (0 to "
                          f"{session.cfg.vocab_size - 1})")
     try:
-        result = attribute(session, a.prompt, a.method, a.steps, a.target_id, a.chat)
-    except (Unsupported, ValueError) as e:
-        raise CliError(str(e)) from None
+        with one_line(Unsupported, ValueError):
+            result = attribute(session, a.prompt, a.method, a.steps, a.target_id, a.chat)
     except Cancelled:
         return 130
     if a.json:
