@@ -108,8 +108,6 @@ class ServerBackend(Backend):
     def tokenize(self, text: str, chat: bool = False) -> PromptTokenized:
         try:
             return self.client.tokenize(text, chat)
-        except RemoteError:
-            raise
         except (KeyError, TypeError, ValueError) as e:
             raise RemoteError(f"the server's tokenize answer was not understood ({e})") from None
 
