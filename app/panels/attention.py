@@ -401,6 +401,7 @@ class AttentionPanel(Panel):
         self.norm_curve = npi.plot([], [], pen=pg.mkPen(DECODE_COLOR, width=2), symbol="o", symbolSize=5,
                                    symbolBrush=DECODE_COLOR)
         self.norm_note = placeholder(npi)
+        self._norm_title = ""
 
         self.tabs = QtWidgets.QTabWidget()
         self.tabs.addTab(self.heat, "Head")
@@ -837,7 +838,8 @@ class AttentionPanel(Panel):
                         self.grid_boxes[h].setRange(xRange=(0, s), yRange=(r0, s), padding=0)
             self._draw_labels(s, r0)
             self._draw_selection(s, r0)
-        self._draw_norms()
+        if self.tabs.currentWidget() is self.norm_plot or not self._norms:  # a tab not shown draws when turned to
+            self._draw_norms()
 
     def _draw_recomputed(self, ev: AttentionCaptured, kept: str, stored: bool = False) -> None:
         """The selected step's one row, recomputed from the KV cache (or as the run store kept it): (heads, 1, keys)
@@ -918,6 +920,7 @@ class AttentionPanel(Panel):
         if not self._norms:
             self.norm_curve.setData([], [])
             npi.setTitle("")
+            self._norm_title = ""
             npi.getAxis("left").setTicks([[]])
             show_empty(npi, self.norm_note, f"Generate: the newest token's ‖x‖ after the embedding\n"
                        f"and after each of the {self.n_layers} layers", (-0.5, self.n_layers + 0.5), (0.0, 1.0))
@@ -928,8 +931,10 @@ class AttentionPanel(Panel):
         step = self._selected_step if self._selected_step in self._norms else max(self._norms)
         norms = self._norms[step]
         self.norm_curve.setData(np.arange(len(norms)), norms)
-        self.norm_plot.getPlotItem().setTitle(
-            f"step {step}: newest token's hidden-state norm", size=f"{FONT_PT}pt", color=FOREGROUND)
+        title = f"step {step}: newest token's hidden-state norm"
+        if title != self._norm_title:  # a new title lays the plot out again
+            self._norm_title = title
+            npi.setTitle(title, size=f"{FONT_PT}pt", color=FOREGROUND)
 
 
 PANEL = AttentionPanel

@@ -229,6 +229,9 @@ def test_attention_matrix_grows_with_causal_mask(qtbot, loaded, tiny_run, tiny_l
     assert sel.args == [2]
     panel.layer_spin.setValue(0)
     assert loaded.options.attention_layers == {0}
+    assert len(panel.norm_curve.getData()[1] or ()) == 0  # a tab not shown is not drawn…
+    panel.tabs.setCurrentWidget(panel.norm_plot)  # …until it is turned to
+    panel.flush()
     norms = panel.norm_curve.getData()[1]
     assert len(norms) == cfg.n_layers + 1 and (norms > 0).all()
 
