@@ -176,7 +176,6 @@ class LensPanel(Panel):
         self.table.setHorizontalHeaderLabels(["layer", "H bits", "KL bits"] + [f"#{i + 1}" for i in range(LENS_TOP)])
         self.table.verticalHeader().setVisible(False)
         self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
         self.table.verticalHeader().setDefaultSectionSize(18)
         font = QtGui.QFont()
         font.setPointSize(FONT_PT)
@@ -428,6 +427,18 @@ class LensPanel(Panel):
         return f"No lens is held for step {step}: {html.escape(note)}."
 
     def _fill_table(self, ev: LensCaptured) -> None:
+        # The columns fit their contents once, after the fill: fitted as each item came (ResizeToContents), every
+        # setItem measured its whole column again, and a draw of 32 rows took most of a second.
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.Fixed)
+        self.table.setUpdatesEnabled(False)
+        try:
+            self._fill_items(ev)
+        finally:
+            header.resizeSections(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
+            self.table.setUpdatesEnabled(True)
+
+    def _fill_items(self, ev: LensCaptured) -> None:
         n, k = ev.ids.shape
         self.table.setColumnCount(FIXED_COLUMNS + k)
         self.table.setHorizontalHeaderLabels(["layer", "H bits", "KL bits"] + [f"#{i + 1}" for i in range(k)])
