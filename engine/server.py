@@ -88,6 +88,7 @@ if TYPE_CHECKING:
 
 HELD_BYTES = 128 << 20  # attention held for the record during one generation (the app's run store keeps as much a run)
 HELD_FIRST = 8  # …of which 1/8 keeps the run's first steps and the rest its newest, as the run store does
+HELD_CHUNK = 8 << 20  # what was held goes to the app in messages of about this size
 
 
 class ForTheRecord:
@@ -136,10 +137,18 @@ class ForTheRecord:
         return HeldAttention(tuple(out))
 
     def end(self) -> list[HeldAttention]:
-        """Everything still held, as one message (or none), in step and layer order."""
+        """Everything still held, in step and layer order, in messages of about HELD_CHUNK bytes: the app takes each
+        in a turn of its event loop, and neither process copies the whole record at once."""
         held = sorted((*self.first, *self.rest), key=lambda e: (e.step, e.layer))
         self.first, self.rest, self.first_bytes, self.bytes = [], deque(), 0, 0
-        return [HeldAttention(tuple(held))] if held else []
+        out, chunk, size = [], [], 0
+        for ev in held:
+            chunk.append(ev)
+            size += ev.weights.nbytes
+            if size >= HELD_CHUNK:
+                out.append(HeldAttention(tuple(chunk)))
+                chunk, size = [], 0
+        return [*out, HeldAttention(tuple(chunk))] if chunk else out
 
 
 class EngineServer:
@@ -462,7 +471,8 @@ class EngineServer:
                 if steps and not stop:
                     steps -= 1
             step_events = record.route(step_events)  # the end (Finished or Failed), after what was held
-            step_events[:0] = record.end()
+            for held in record.end():
+                self.send(held)
             if step_events:
                 self.send(step_events)
         finally:

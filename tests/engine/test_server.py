@@ -311,8 +311,8 @@ def test_steps_carry_the_shown_layer_and_the_record_comes_once_at_the_end(client
     held = [m for m in msgs for m in (m if isinstance(m, list) else [m]) if isinstance(m, P.HeldAttention)]
     assert len(held) == 2  # layer 0's prefill when it was turned to; the rest at the end
     assert [(e.step, e.layer) for e in held[0].events] == [(0, 0)]
-    ends = [m for m in msgs if isinstance(m, list) and any(isinstance(e, Finished) for e in m)][0]
-    assert ends.index(held[1]) < ends.index(next(e for e in ends if isinstance(e, Finished)))
+    flat = [m for m in msgs for m in (m if isinstance(m, list) else [m])]
+    assert flat.index(held[1]) < flat.index(next(e for e in flat if isinstance(e, Finished)))
     assert [(e.step, e.layer) for e in held[1].events] == [(s, 1) for s in range(1, 6)]  # layer 1 once not shown
     sent_live = [(e.step, e.layer) for m in steps for e in m if isinstance(e, AttentionCaptured)]
     assert sent_live == [(0, 1)] + [(s, 0) for s in range(1, 6)]  # the shown layer only: 1, then 0
