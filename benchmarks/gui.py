@@ -19,8 +19,8 @@ user's own are never touched), hence with the autosave after every generation.
   per token.
 
 `python -m benchmarks.gui --compare [--rounds N] [--conditions quiet,busy] [--output F [--append LABEL]] [--model M]
-[--dtype D]` is the app-against-the-CLI benchmark (--append adds this run to F's runs under LABEL instead of
-replacing the file):
+[--dtype D] [--threads N]` is the app-against-the-CLI benchmark (--threads: both at that count, else both at auto;
+--append adds this run to F's runs under LABEL instead of replacing the file):
 on a quiet machine and next to one `yes` busy loop, each round runs the CLI, the app (this module, in a fresh
 process) and the CLI again on the same prompt, dtype and thread setting, and prints the app's TPOT over the CLI's
 mean of the same round, with the app's stalls. --dtype sets both (default: what the app chooses on this CPU). To
@@ -74,11 +74,12 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="ilab-bench-gui-") as settings_dir:
         os.environ["INFERENCE_LAB_SETTINGS"] = os.path.join(settings_dir, "inference-lab.ini")
-        return _measure(model, n_new, sizes, presses, dtype, lens="--lens" in argv)
+        threads = int(argv[argv.index("--threads") + 1]) if "--threads" in argv else None  # None: the app's auto
+        return _measure(model, n_new, sizes, presses, dtype, lens="--lens" in argv, threads=threads)
 
 
 def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int, dtype: str = "auto",
-             lens: bool = False) -> int:
+             lens: bool = False, threads: int | None = None) -> int:
     from PySide6 import QtCore
     from PySide6.QtTest import QTest
 
@@ -130,6 +131,8 @@ def _measure(model: str | None, n_new: int, sizes: tuple[int, ...], presses: int
     gen.ignore_eos = True  # the full n_new tokens, as the CLI's --ignore-eos (a test knob, not a GUI one)
     if lens:  # every capture the panels make, the logit lens's L + 2 heads a step included
         win.panels["lens"].set_capture(True)
+    if threads is not None:  # Engine → Decode threads, as a user sets it
+        win.set_threads(threads)
     for _ in range(5):  # the user typed and toggled before pressing Generate: that relayout is not the run's
         app.processEvents()
     size_before = win.size().toTuple()
@@ -416,9 +419,10 @@ def compare(argv: list[str]) -> int:
     # what the app loads (or --dtype); the CLI's own "auto" is float32 on a CPU
     dtype = argv[argv.index("--dtype") + 1] if "--dtype" in argv else preferred_dtype("cpu")
     chat = ["--chat"] if prompt_ids(load_tokenizer(model[1] if model else None))[1] else []  # as the app decides
+    threads = ["--threads", argv[argv.index("--threads") + 1]] if "--threads" in argv else []  # both; default auto
     cli = ["-m", "engine", "generate", *chat, *model, "--greedy", "--ignore-eos", "--max-new-tokens", "128",
-           "--prompt", PROMPT, "--json", "--dtype", dtype]  # threads "auto", as the app's default
-    command = " ".join(["python -m benchmarks.gui --compare", *model, "--dtype", dtype])
+           "--prompt", PROMPT, "--json", "--dtype", dtype, *threads]
+    command = " ".join(["python -m benchmarks.gui --compare", *model, "--dtype", dtype, *threads])
     if os.environ.get("ATEN_CPU_CAPABILITY"):
         command = f"ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']} {command}"
     out: dict = {"command": command, "rounds": rounds,
@@ -430,7 +434,7 @@ def compare(argv: list[str]) -> int:
             meter = BusyMeter()
             try:
                 before = run_json(cli)["tpot_s"] * 1e3
-                gui = run_json(["-m", "benchmarks.gui", *model, "--dtype", dtype])
+                gui = run_json(["-m", "benchmarks.gui", *model, "--dtype", dtype, *threads])
                 after = run_json(cli)["tpot_s"] * 1e3
                 others = meter.cores_used()  # every other process, the competitor included
             finally:
