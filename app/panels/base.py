@@ -46,6 +46,9 @@ class Panel(QtWidgets.QWidget):
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(parent)
+        # Opaque: a repaint of the panel's widgets starts at the panel. Transparent, it started at the dock, whose
+        # title and buttons Fusion draws again each time (their icons loaded from file on every paint).
+        self.setAutoFillBackground(True)
         self.bridge = bridge
         self._dirty = False
         self._next_draw = 0.0  # monotonic time before which tick() does not draw again
