@@ -2,9 +2,10 @@
 
 Name the router's URL (its replicas come from its own listing) or a fleet config file (JSON or TOML: the router, and
 each replica with the loopback port its OpenTelemetry spans go to, which is how a request is attributed to the
-replica that served it). The engine process scrapes each replica's /metrics once a second (FleetStatus through
-sig_fleet); the Load lab, pointed at the router, drives the requests (sig_serve_request). Both are only stored here,
-then drawn on the tick.
+replica that served it). To compare routing policies, start one router per policy in front of the same replicas and
+drive each from the Load lab in turn: a row per router, with its TTFT p50. The engine process scrapes each replica's
+/metrics once a second (FleetStatus through sig_fleet); the Load lab drives the requests (sig_serve_request). Both
+are only stored here, then drawn on the tick.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from PySide6 import QtCore, QtWidgets
 from app import theme
 from app.bridge import Bridge
 from app.panels.base import Panel
+from engine.remote.fleet import p50
 from engine.remote.spans import matches
 
 COLUMNS = ("replica", "waiting", "running", "KV use", "prefix hits", "tokens/s", "done", "served here")
 MAX_REQUESTS = 256  # rows of the requests table (the newest)
+MAX_RUN = 4096  # requests kept per router for its TTFT p50
+ROUTER_COLUMNS = ("Load lab drove", "completed", "TTFT p50 ms", "served by")
 BAR = (79, 176, 224)  # theme.DECODE_COLOR
 
 
@@ -53,7 +57,9 @@ class FleetPanel(Panel):
         "its prefix was seen before. Name the router (its replicas from its listing) or a fleet config whose "
         "replicas name a spans_port (start each with --otlp-traces-endpoint http://127.0.0.1:PORT/v1/traces): a "
         "request's span arrives at the port of the replica that served it. Point the Load lab at the router to "
-        "drive it; each of its requests is listed with its replica."
+        "drive it; each of its requests is listed with its replica. Bars: requests each replica served; dots: its KV "
+        "use (the tallest bar's height is 100%). To compare routing policies, run one router per "
+        "policy in front of the same replicas and drive each in turn: each gets a row with its TTFT p50."
     )
 
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
@@ -61,6 +67,9 @@ class FleetPanel(Panel):
         self.status = None  # engine.protocol.FleetStatus, the latest
         self.served: dict[str, str] = {}  # engine request id -> replica name
         self.requests: list = []  # the Load lab's RequestResult, the newest MAX_REQUESTS
+        # every Load-lab request's TTFT (ms, None: failed) and response id by the server it went to: one router per
+        # routing policy in front of the same replicas, each driven in turn, compare side by side
+        self.by_router: dict[str, list[tuple[float | None, str]]] = {}
         self.source = QtWidgets.QLineEdit()
         self.source.setPlaceholderText("router URL (http://127.0.0.1:30000) or fleet config (.toml / .json)")
         self.watch_button = QtWidgets.QPushButton("Watch")
@@ -77,12 +86,17 @@ class FleetPanel(Panel):
         self.table.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
         self.plot = pg.PlotWidget()
         self.plot.setBackground(theme.BACKGROUND)
-        self.plot.setLabel("left", "requests served (bars); KV use (dots, 100% = the tallest bar)")
+        self.plot.setLabel("left", "requests served")
         self.plot.setMouseEnabled(False, False)
         self.bars = pg.BarGraphItem(x=[], height=[], width=0.6, brush=pg.mkBrush(*BAR))
         self.plot.addItem(self.bars)
         self.kv = pg.ScatterPlotItem(size=10, brush=pg.mkBrush(224, 160, 64))  # KV use, on the right axis' scale
         self.plot.addItem(self.kv)
+        self.routers = QtWidgets.QTableWidget(0, len(ROUTER_COLUMNS))
+        self.routers.setHorizontalHeaderLabels(ROUTER_COLUMNS)
+        self.routers.verticalHeader().setVisible(False)
+        self.routers.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.routers.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
         self.req_table = QtWidgets.QTableWidget(0, 4)
         self.req_table.setHorizontalHeaderLabels(("request", "replica", "TTFT ms", "tokens"))
         self.req_table.verticalHeader().setVisible(False)
@@ -99,8 +113,12 @@ class FleetPanel(Panel):
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addLayout(top)
         lay.addWidget(self.status_label)
-        lay.addWidget(self.table, 1)
-        lay.addWidget(split, 2)
+        for t in (self.table, self.routers):  # as tall as their rows: the plot and the requests get the rest
+            t.setSizeAdjustPolicy(QtWidgets.QAbstractScrollArea.SizeAdjustPolicy.AdjustToContents)
+            t.setSizePolicy(QtWidgets.QSizePolicy.Policy.Expanding, QtWidgets.QSizePolicy.Policy.Maximum)
+        lay.addWidget(self.table)
+        lay.addWidget(self.routers)
+        lay.addWidget(split, 1)
         self.mark_dirty()
 
     # ---- commands ----
@@ -126,6 +144,10 @@ class FleetPanel(Panel):
     def _on_request(self, result) -> None:
         self.requests.append(result)
         del self.requests[:-MAX_REQUESTS]
+        server = getattr(self.bridge, "server", None)
+        runs = self.by_router.setdefault(getattr(server, "url", "") or "this machine", [])
+        runs.append((result.ttft_s * 1e3 if result.ok else None, result.request_id))
+        del runs[:-MAX_RUN]
         self.mark_dirty()
 
     # ---- drawing ----
@@ -164,6 +186,21 @@ class FleetPanel(Panel):
                         str(r.output_tokens)))
         return out
 
+    def router_rows(self) -> list[tuple[str, ...]]:
+        """One row per server the Load lab drove: requests, TTFT p50 and how they split over the replicas."""
+        out = []
+        for url, runs in self.by_router.items():
+            ttft = [t for t, _ in runs if t is not None]
+            split: dict[str, int] = {}
+            for _, rid in runs:
+                name = replica_of(rid, self.served)
+                if name is not None:
+                    split[name] = split.get(name, 0) + 1
+            med = p50(ttft)
+            out.append((url, f"{len(ttft)} of {len(runs)}", "–" if med is None else f"{med:.1f}",
+                        ", ".join(f"{k} {v}" for k, v in sorted(split.items())) or "–"))
+        return out
+
     def draw(self) -> None:
         self.status_label.setText(self.summary())
         rows = self.rows()
@@ -181,6 +218,11 @@ class FleetPanel(Panel):
         self.plot.getAxis("bottom").setTicks([[(float(i), r[0]) for i, r in enumerate(rows)]])
         self.plot.setXRange(-0.7, max(0.7, len(rows) - 0.3), padding=0)
         self.plot.setYRange(0, top * 1.1, padding=0)
+        routers = self.router_rows()
+        self.routers.setRowCount(len(routers))
+        for i, row in enumerate(routers):
+            for j, text in enumerate(row):
+                self.routers.setItem(i, j, QtWidgets.QTableWidgetItem(text))
         reqs = self.request_rows()
         self.req_table.setRowCount(len(reqs))
         for i, row in enumerate(reqs):

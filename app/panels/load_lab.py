@@ -157,6 +157,11 @@ class LoadLabPanel(Panel):
         self.kv_port = spin_box(1024, 65535, 5557, "The KV-event subscriber's port (vLLM's default is 5557)")
         row_server.addWidget(self.kv_check)
         row_server.addWidget(self.kv_port)
+        self.shared_check = QtWidgets.QCheckBox("shared prefixes")
+        self.shared_check.setToolTip(
+            "Send prompts in 4 groups, each a ~400-token system prompt with different questions (the prompts "
+            "fleet-bench sends): a prefix cache, and a router that routes by it (the Fleet panel), then matter")
+        row_server.addWidget(self.shared_check)
         row_server.addStretch(1)
         row2.addStretch(1)
         self.run_button = QtWidgets.QPushButton("Run")
@@ -249,7 +254,8 @@ class LoadLabPanel(Panel):
                 "max_new_tokens": int(self.tokens_spin.value()), "request_rate": rate or None,
                 "burstiness": float(self.burst_spin.value()), "time_limit_s": float(self.limit_spin.value()),
                 "spans_port": int(self.spans_port.value()) if self.spans_check.isChecked() else None,
-                "kv_events_port": int(self.kv_port.value()) if self.kv_check.isChecked() else None}
+                "kv_events_port": int(self.kv_port.value()) if self.kv_check.isChecked() else None,
+                "prompt_set": "shared_prefix" if self.shared_check.isChecked() else None}
 
     def run(self, config: dict | None = None) -> bool:
         if self.bridge.server is None:

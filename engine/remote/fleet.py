@@ -16,6 +16,7 @@ sentence; loopback only for what this module starts (start_router, launched).
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import math
 import os
@@ -368,6 +369,14 @@ def _prefix(role: str, place: str, facts: tuple[str, ...], rounds: int = 6) -> s
 PREFIXES = tuple(_prefix(*r) for r in _ROLES)
 QUESTIONS = ("When do you open?", "Can I bring a friend?", "What does it cost?", "Is there a discount?",
              "What should I bring?", "Can I pay by card?", "How long does it take?", "Who do I ask?")
+
+
+_SALTS = itertools.count(int(time.time()))  # another process (a later app) starts elsewhere
+
+
+def next_salt() -> int:
+    """A salt no earlier call in this process gave (shared_prefix_prompts): fresh prefixes for each run."""
+    return next(_SALTS)
 
 
 def shared_prefix_prompts(n: int, groups: int = len(PREFIXES), salt: int = 0) -> list[tuple[int, str]]:

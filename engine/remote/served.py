@@ -167,12 +167,18 @@ class ServerBackend(Backend):
                     if cancel.is_set():
                         break
                     rate = config.get("request_rate") or math.inf
+                    prompts = None
+                    if config.get("prompt_set") == "shared_prefix":  # groups sharing a long prefix (a fleet's test)
+                        from engine.remote.fleet import next_salt, shared_prefix_prompts
+
+                        # prefixes no earlier level or run sent: what one warmed in a cache cannot favour the next
+                        prompts = [text for _, text in shared_prefix_prompts(max(1, n), salt=next_salt())]
                     run = loadlab.run_once(
                         self.client, c, n, int(config.get("max_new_tokens", 32)), request_rate=rate,
                         burstiness=float(config.get("burstiness", 1.0)), seed=int(config.get("seed", 0)),
                         time_limit_s=float(config.get("time_limit_s", 60.0)), slo_ms=config.get("slo_ms"),
                         cancel=cancel, on_request=on_request, on_metrics=on_metrics,
-                        spans=receiver, on_spans=on_spans if receiver is not None else None)
+                        spans=receiver, on_spans=on_spans if receiver is not None else None, prompts=prompts)
                     d = run.to_dict()
                     d["request_rate"] = None if math.isinf(rate) else rate
                     if not cancel.is_set():

@@ -61,6 +61,9 @@ def test_the_panel_shows_each_replica_and_who_served_a_request(qtbot, window, tm
         assert panel.request_rows() == [("1", "–", "30.0", "4"), ("0", "a", "25.0", "4")]
         assert panel.table.item(0, 3).text() == "50.0%" and panel.req_table.item(1, 1).text() == "a"
         assert list(panel.bars.opts["height"]) == [1.0, 0.0]
+        # by hand: both requests went to the one server in use (none connected: this machine), TTFT p50 of 25 and 30
+        assert panel.router_rows() == [("this machine", "2 of 2", "27.5", "a 1")]
+        assert panel.routers.item(0, 2).text() == "27.5"
 
         got.clear()  # a router that is not there: one line, and the app goes on
         panel.source.setText(f"http://127.0.0.1:{free_port()}")
@@ -76,3 +79,44 @@ def test_the_panel_shows_each_replica_and_who_served_a_request(qtbot, window, tm
         window.bridge.watch_fleet("")
         good.shutdown()
         bad.shutdown()
+
+
+def test_the_load_labs_shared_prefixes_are_fresh_for_each_level(qtbot, window):
+    """'shared prefixes' in the Load lab: each level sends groups of prompts that share a long prefix
+    (engine.remote.fleet.PREFIXES), and no level's prefixes are another's (so one cannot warm a cache for the next)."""
+    import io
+    import re
+
+    from engine.remote import fleet as fl
+    from tests.remote.test_timeline import Stub
+
+    class Recording(Stub):
+        def do_POST(self):  # noqa: N802
+            raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path.endswith("/completions"):
+                with self.server.lock:
+                    self.server.prompts.append(json.loads(raw)["prompt"])
+            self.rfile = io.BytesIO(raw)
+            super().do_POST()
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Recording)
+    srv.count, srv.lock, srv.prompts = 0, threading.Lock(), []
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        window.connect_server(f"http://127.0.0.1:{srv.server_address[1]}")
+        qtbot.waitUntil(lambda: window.bridge.server is not None, timeout=30_000)
+        lab = window.panels["load_lab"]
+        lab.shared_check.setChecked(True)
+        cfg = {**lab.config(), "concurrency": [1, 2], "num_prompts": 8, "max_new_tokens": 5}
+        with qtbot.waitSignal(window.bridge.sig_serve_done, timeout=60_000):
+            assert lab.run(cfg)
+        got = srv.prompts
+        assert len(got) == 16
+        for level in (got[:8], got[8:]):
+            groups = sorted(next(g for g, p in enumerate(fl.PREFIXES) if p in text) for text in level)
+            assert groups == [0, 0, 1, 1, 2, 2, 3, 3]  # 4 shared prefixes, twice each
+        salts = [re.match(r"Session (\d+)\. ", t).group(1) for t in got]
+        assert len(set(salts[:8])) == 1 and len(set(salts[8:])) == 1 and salts[0] != salts[8]
+    finally:
+        srv.shutdown()
+        srv.server_close()
