@@ -210,3 +210,37 @@ def wrap_title(pi, widget_width: float) -> None:
     height = label.item.boundingRect().height() + 2
     label.setMaximumHeight(height)
     pi.layout.setRowFixedHeight(0, height)
+
+
+# An axis that follows growing data is re-laid out (its ticks, labels and grid regenerated) whenever its range
+# changes: fitted to the data at each draw, that was every draw. It grows instead in steps of these multiples of a
+# power of ten, so it stays put for the draws between two steps.
+NICE_STEPS = (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
+
+
+def stepped_bound(value: float, bound: float | None, headroom: float = 1.1) -> float:
+    """The upper bound of an axis showing data up to `value` (> 0): the current `bound` while the data fits under
+    it and fills more than half of it, else the next nice number (NICE_STEPS) above value × headroom."""
+    if bound is not None and bound * 0.5 < value <= bound:
+        return bound
+    target = max(value * headroom, 1e-12)
+    decade = 10.0 ** math.floor(math.log10(target))
+    return next(m * decade for m in NICE_STEPS if m * decade >= target * (1 - 1e-9))
+
+
+def set_ticks(axis, ticks) -> None:
+    """Set an axis's ticks only when they changed: pyqtgraph regenerates the axis picture on every setTicks."""
+    if axis._tickLevels != ticks:
+        axis.setTicks(ticks)
+
+
+def set_title(pi, text: str | None, widget_width: float, **style: str) -> None:
+    """Set a plot's title (None: none) and wrap it (wrap_title) when its text, style or the widget's width changed:
+    setting the same title again relays the whole plot out, and its axes with it."""
+    key = (text, widget_width, tuple(sorted(style.items())))
+    if getattr(pi, "_title_key", None) == key:
+        return
+    pi._title_key = key
+    pi.setTitle(text, **style)
+    if text is not None:
+        wrap_title(pi, widget_width)

@@ -24,9 +24,10 @@ from app.theme import (
     PREFILL_COLOR,
     placeholder,
     set_number_cell,
+    set_title,
     show_empty,
+    stepped_bound,
     style_plot,
-    wrap_title,
 )
 from engine.costs import formulas as costs
 from engine.events import KVCacheGrew, ModelInfo, PromptTokenized
@@ -92,6 +93,7 @@ class KVCachePanel(Panel):
     def __init__(self, bridge: Bridge, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(bridge, parent)
         self._reset()
+        self._stepped = False  # the plot's bounds follow a run in steps (stepped_bound), not the empty plot's
         self._font = QtGui.QFont()
         self._font.setPointSize(FONT_PT)
         self._build()
@@ -271,9 +273,7 @@ class KVCachePanel(Panel):
             self._draw_empty(pi)
             return
         self.empty_note.setVisible(False)
-        pi.setTitle(KEY_HTML, size=f"{FONT_PT}pt", color=FOREGROUND)
-        wrap_title(pi, self.plot.width())
-        pi.getViewBox().enableAutoRange()
+        set_title(pi, KEY_HTML, self.plot.width(), size=f"{FONT_PT}pt", color=FOREGROUND)
         first = evs[0]
         start = first.n_tokens - (first.n_tokens if first.step == 0 else 1)
         start_bytes = 0 if first.step == 0 else first.bytes_used - (first.bytes_used / max(1, first.n_tokens))
@@ -298,10 +298,19 @@ class KVCachePanel(Panel):
         last = evs[-1]
         self.total_text.setText(f"{last.n_tokens} tokens: {fmt_bytes(last.bytes_used)}")
         self.total_text.setPos(last.n_tokens, last.bytes_used)
+        # the tokens' axis grows in steps, not at every token; the bytes' axis fits what is allocated, which grows
+        # in blocks
+        vb = pi.getViewBox()
+        x1 = stepped_bound(last.n_tokens, vb.viewRange()[0][1] if self._stepped else None, headroom=1.0)
+        self._stepped = True
+        y1 = max(last.bytes_allocated, last.bytes_used) * 1.02
+        vb.setRange(xRange=(start - 0.02 * (x1 - start), x1), yRange=(start_bytes - 0.02 * (y1 - start_bytes), y1),
+                    padding=0)
 
     def _draw_empty(self, pi: pg.PlotItem) -> None:
         """Before the first generation: the axes of the model's whole context, and what will appear."""
-        pi.setTitle(None)
+        set_title(pi, None, self.plot.width())
+        self._stepped = False
         cfg = self.bridge.cfg
         if cfg is None:
             show_empty(pi, self.empty_note, "Load a model to see its KV cache grow", EMPTY_TOKENS,

@@ -28,6 +28,7 @@ from app.theme import (
     ROOF_COLOR,
     log_ticks,
     roof_points,
+    set_ticks,
     style_plot,
 )
 from app.units import fmt_amount, fmt_bandwidth, fmt_bytes, fmt_flops, fmt_fraction, fmt_kernels
@@ -608,7 +609,9 @@ class RooflinePanel(Panel):
         ys = ([f for _i, f in measured.values()] + [peak] + [f for _i, f in verify]
               + ([server.flops_per_s] if server is not None else []))
         # at least 2.5 decades (readable ticks), and room under the lowest point for its label
-        y_lo = min(math.log10(min(ys) / 10), math.log10(peak) - 2.5)
+        # (in quarter decades: the measured points move it by a little at every token, and each move re-lays the
+        # axis out)
+        y_lo = math.floor(4 * min(math.log10(min(ys) / 10), math.log10(peak) - 2.5)) / 4
         y_hi = math.log10(peak * 10)  # a decade of headroom for the ridge label
         if server is not None and server.flops_per_s > 0:  # a wrong chip or model can put it above the roof
             y_hi = max(y_hi, math.log10(server.flops_per_s) + 0.6)
@@ -632,8 +635,8 @@ class RooflinePanel(Panel):
         x_lo, x_hi = math.log10(lo), math.log10(hi)
         pi.getViewBox().setRange(xRange=(x_lo, x_hi), yRange=(y_lo, y_hi), padding=0)
         # no tick label at the very right edge, where it would be cut in half
-        pi.getAxis("bottom").setTicks([decades(x_lo, x_hi - 0.03 * (x_hi - x_lo), most=9), []])
-        pi.getAxis("left").setTicks([decades(y_lo, y_hi), []])
+        set_ticks(pi.getAxis("bottom"), [decades(x_lo, x_hi - 0.03 * (x_hi - x_lo), most=9), []])
+        set_ticks(pi.getAxis("left"), [decades(y_lo, y_hi), []])
         self._set_takeaway(ridge, analytic)
         if server_line:
             self.takeaway.setText(self.takeaway.text() + "<br>" + html.escape(server_line, quote=False))

@@ -20,7 +20,18 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app.bridge import Bridge
 from app.panels.base import Panel, reserve_lines
 from app.run_store import logits_steps, store_for
-from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, ERROR_COLOR, PREFILL_COLOR, placeholder, show_empty, style_plot
+from app.theme import (
+    ACCENT,
+    BACKGROUND,
+    DECODE_COLOR,
+    ERROR_COLOR,
+    PREFILL_COLOR,
+    placeholder,
+    set_ticks,
+    show_empty,
+    stepped_bound,
+    style_plot,
+)
 from engine.events import Funnel, ModelInfo, PromptTokenized, TokenSampled
 from engine.model.config import ModelConfig
 from engine.protocol import FUNNEL_TOP, SamplingParams
@@ -398,10 +409,12 @@ class SamplingPanel(Panel):
             line.label.setFormat(key)
             placed[pos] = line
         ax = self.plot.getPlotItem().getAxis("left")
-        ax.setTicks([[(float(r), _readable(f.pieces[j])[:14]) for r, j in zip(rows, idx, strict=True)]])
+        set_ticks(ax, [[(float(r), _readable(f.pieces[j])[:14]) for r, j in zip(rows, idx, strict=True)]])
         xmax = float(max(1e-3, max(getattr(f, a)[idx].max() for _n, a, _c in STAGES)))
-        self.plot.getPlotItem().getViewBox().setRange(xRange=(0, xmax * 1.05), yRange=(-0.6, max(n, 1) - 0.4),
-                                                      padding=0)
+        vb = self.plot.getPlotItem().getViewBox()
+        # a probability axis: in steps as the top candidate's probability moves, and never past 1.05
+        x1 = min(stepped_bound(xmax * 1.05, vb.viewRange()[0][1], headroom=1.0), 1.05)
+        vb.setRange(xRange=(0, x1), yRange=(-0.6, max(n, 1) - 0.4), padding=0)
         self._set_summary(ev, f, step)
 
     @staticmethod

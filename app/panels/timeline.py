@@ -28,9 +28,10 @@ from app.theme import (
     MUTED,
     PREFILL_COLOR,
     placeholder,
+    set_title,
     show_empty,
+    stepped_bound,
     style_plot,
-    wrap_title,
 )
 from app.units import fmt_bytes, fmt_kernels
 from engine.costs import formulas as costs
@@ -109,6 +110,7 @@ class TimelinePanel(Panel):
         self._x, self._h, self._n = np.zeros(0), np.zeros(0), 0
         self._finished: Finished | None = None
         self._selected: int | None = None
+        self._stepped = False
         self._run_info: ModelInfo | None = None  # the model the shown run ran on: its name, dtype and kernel mode
         self._font = QtGui.QFont()
         self._font.setPointSize(FONT_PT)
@@ -183,6 +185,7 @@ class TimelinePanel(Panel):
 
     def clear(self) -> None:
         self._seconds, self._finished, self._selected = {}, None, None
+        self._stepped = False  # the plot's bounds follow this run in steps (stepped_bound), not the empty plot's
         self._x, self._h, self._n = np.zeros(0), np.zeros(0), 0  # steps and seconds in step order, `_n` of them
         super().clear()
 
@@ -280,12 +283,16 @@ class TimelinePanel(Panel):
         self.tpot_line.setVisible(s["tpot_s"] > 0)
         self.tpot_line.setPos(s["tpot_s"])
         pi = self.plot.getPlotItem()
-        pi.setTitle(self.stats_text(), size=f"{FONT_PT}pt", color=FOREGROUND)
-        wrap_title(pi, self.plot.width())
+        set_title(pi, self.stats_text(), self.plot.width(), size=f"{FONT_PT}pt", color=FOREGROUND)
         if len(steps):
             self.empty_note.setVisible(False)
-            pi.getViewBox().setRange(xRange=(-0.6, steps.max() + 0.6), yRange=(0, secs.max() * 1.08), padding=0)
+            # the steps' axis grows in steps; the seconds' axis fits the longest bar, which seldom changes
+            x1 = stepped_bound(steps.max() + 0.6, pi.getViewBox().viewRange()[0][1] if self._stepped else None,
+                               headroom=1.0)
+            self._stepped = True
+            pi.getViewBox().setRange(xRange=(-0.6, x1), yRange=(0, secs.max() * 1.08), padding=0)
         else:
+            self._stepped = False
             show_empty(pi, self.empty_note, "Generate: one bar for the prefill (its time is TTFT),\n"
                        "then one bar per decode step (TPOT)", EMPTY_STEPS, EMPTY_SECONDS)
 
