@@ -436,8 +436,8 @@ class EngineServer:
                         break
                     elif isinstance(c, CaptureAttention):  # captured from the next token on
                         gen.capture = replace(gen.capture, attention_layers=gen.capture.attention_layers | c.layers)
-                        if (held := record.show(c.layers)) is not None:
-                            self.send(held)
+                        if (turned_to := record.show(c.layers)) is not None:
+                            self.send(turned_to)
                     elif isinstance(c, SetThreads):
                         self.set_threads(c)
                     elif isinstance(c, SetParams):
@@ -471,8 +471,8 @@ class EngineServer:
                 if steps and not stop:
                     steps -= 1
             step_events = record.route(step_events)  # the end (Finished or Failed), after what was held
-            for held in record.end():
-                self.send(held)
+            for message in record.end():
+                self.send(message)
             if step_events:
                 self.send(step_events)
         finally:

@@ -306,6 +306,9 @@ def test_steps_carry_the_shown_layer_and_the_record_comes_once_at_the_end(client
     client.send(P.CaptureAttention(frozenset({0})))  # a panel turns to layer 0 after the prefill
     client.send(P.Resume())
     msgs += _messages(client, lambda m: isinstance(m, Finished))
+    after = client.until(lambda m: isinstance(m, P.State))  # the run's end, and nothing failed after it
+    failed = [m for m in after + client.quiet() if isinstance(m, Failed)]
+    assert after[-1] == P.State("idle") and not failed, failed
     steps = [m for m in msgs if isinstance(m, list) and any(isinstance(e, TokenSampled) for e in m)]
     assert len(steps) == 6
     held = [m for m in msgs for m in (m if isinstance(m, list) else [m]) if isinstance(m, P.HeldAttention)]
