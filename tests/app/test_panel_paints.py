@@ -27,7 +27,7 @@ class PaintCount(QtCore.QObject):
         return False
 
 
-@pytest.mark.parametrize("name", ["kv_cache", "timeline"])
+@pytest.mark.parametrize("name", ["kv_cache", "timeline", "sampling", "roofline"])
 def test_each_draw_paints_each_plot_once(qtbot, bridge, tiny_lm, name):
     import importlib
 
