@@ -45,6 +45,13 @@ def replica_of(request_id: str, served: dict[str, str]) -> str | None:
     return next((name for sid, name in served.items() if matches(sid, request_id)), None)
 
 
+def _fit(table: QtWidgets.QTableWidget, at_least: int = 1) -> None:
+    """The table as tall as its header and rows (at least `at_least` rows' worth)."""
+    rows = sum(table.rowHeight(i) for i in range(table.rowCount()))
+    rows = max(rows, at_least * table.verticalHeader().defaultSectionSize())
+    table.setFixedHeight(table.horizontalHeader().height() + rows + 2 * table.frameWidth() + 2)
+
+
 class FleetPanel(Panel):
     title = "Fleet"
     object_name = "panel_fleet"
@@ -113,9 +120,8 @@ class FleetPanel(Panel):
         lay.setContentsMargins(4, 4, 4, 4)
         lay.addLayout(top)
         lay.addWidget(self.status_label)
-        for t in (self.table, self.routers):  # as tall as their rows: the plot and the requests get the rest
-            t.setSizeAdjustPolicy(QtWidgets.QAbstractScrollArea.SizeAdjustPolicy.AdjustToContents)
-            t.setSizePolicy(QtWidgets.QSizePolicy.Policy.Expanding, QtWidgets.QSizePolicy.Policy.Maximum)
+        for t in (self.table, self.routers):  # as tall as their rows (_fit): the plot and the requests get the rest
+            t.setVerticalScrollBarPolicy(QtCore.Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         lay.addWidget(self.table)
         lay.addWidget(self.routers)
         lay.addWidget(split, 1)
@@ -218,11 +224,13 @@ class FleetPanel(Panel):
         self.plot.getAxis("bottom").setTicks([[(float(i), r[0]) for i, r in enumerate(rows)]])
         self.plot.setXRange(-0.7, max(0.7, len(rows) - 0.3), padding=0)
         self.plot.setYRange(0, top * 1.1, padding=0)
+        _fit(self.table)
         routers = self.router_rows()
         self.routers.setRowCount(len(routers))
         for i, row in enumerate(routers):
             for j, text in enumerate(row):
                 self.routers.setItem(i, j, QtWidgets.QTableWidgetItem(text))
+        _fit(self.routers)
         reqs = self.request_rows()
         self.req_table.setRowCount(len(reqs))
         for i, row in enumerate(reqs):
