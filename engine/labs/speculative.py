@@ -54,7 +54,7 @@ from engine.labs.spec_events import (  # noqa: F401 — the events are part of t
     SweepStarted,
 )
 from engine.run.sampling import SamplingParams, apply_penalties, choose, draw, funnel, make_generator
-from engine.run.session import Session
+from engine.run.session import Session, check_finite
 from engine.runtime import Row, Runtime, runtime_of
 from engine.tokenizer import StreamDecoder
 
@@ -332,7 +332,7 @@ def _passes(
             drafter = _DraftModel(draft_rt, params, generator)
         t0 = time.perf_counter()
         logits = rt.forward([Row(0, ids)])[0]  # (V,)
-        _check_finite(logits, n_prompt - 1, dtype)
+        check_finite(logits, n_prompt - 1, dtype)
         token = choose(logits, params, generator, _context(ids, params, device))
         drafter.prefill(ids)
         _sync(device)
@@ -365,7 +365,7 @@ def _passes(
             _sync(device)
             t1 = time.perf_counter()
             every = rt.forward([Row(0, [ids[-1], *drafts], all_logits=True)])[0]  # (n + 1, V)
-            _check_finite(every, pos, dtype)
+            check_finite(every, pos, dtype)
             _sync(device)
             t2 = time.perf_counter()
             n, token, chances, probs = _accept(every, drafts, q, ids, params, generator)
@@ -424,12 +424,6 @@ def _passes(
         drafted_by_position=drafted_at, accepted_by_position=accepted_at, baseline_tokens_per_s=baseline,
         matches_baseline=matches, differs=differs,
     )
-
-
-def _check_finite(logits: torch.Tensor, position: int, dtype: str) -> None:
-    if not bool(torch.isfinite(logits).all()):
-        raise ValueError(f"the model produced NaN or infinite logits at position {position} "
-                         f"(damaged weights, or values beyond {dtype}'s range)")
 
 
 def _against(s: Session, prompt: list[int], ids: list[int], base: SpecBaseline | None, greedy: bool,
