@@ -35,13 +35,12 @@ def _greedy(logits: list[torch.Tensor]) -> list[int]:
 
 def generate_batch(
     session: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-    should_stop: Callable[[], bool] | None = None,
 ) -> tuple[np.ndarray, float, np.ndarray]:
     """decode_batch on a runtime of the session's model made for these prompts (and freed after)."""
     if not prompts:
         raise ValueError("need at least one non-empty prompt and at least one new token")
     with runtime_of(session, len(prompts), max(len(p) for p in prompts) + max_new_tokens) as rt:
-        return decode_batch(rt, prompts, max_new_tokens, should_stop)
+        return decode_batch(rt, prompts, max_new_tokens)
 
 
 def decode_batch(
