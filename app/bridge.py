@@ -86,7 +86,12 @@ class RequestOptions:
         self._bridge._post(P.CaptureAttention(self.attention_layers))
 
     def set_lens(self, top: int) -> None:
-        self.lens_top = max(0, int(top))
+        """Capture the lens (top tokens a layer; 0: none) in every later generation, and in a running one from its
+        next token."""
+        top = max(0, int(top))
+        if top != self.lens_top:
+            self.lens_top = top
+            self._bridge._post(P.CaptureLens(top))
 
     def set_score_prompt(self, on: bool) -> None:
         self.score_prompt = bool(on)

@@ -268,6 +268,14 @@ class CaptureAttention(Command):
 
 
 @dataclass(frozen=True)
+class CaptureLens(Command):
+    """Capture the logit lens with this many top tokens a layer (0: none) from the next token on: the Logit lens panel
+    asks for it while it is on screen with its capture ticked, and stops asking when it is hidden."""
+
+    top: int
+
+
+@dataclass(frozen=True)
 class SetThreads(Command):
     setting: int | str  # "auto" (engine.model.threads) or a fixed count
 

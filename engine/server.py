@@ -33,6 +33,7 @@ from engine.protocol import (
     BatchBench,
     Cancel,
     CaptureAttention,
+    CaptureLens,
     Command,
     Connect,
     Connected,
@@ -183,8 +184,8 @@ class EngineServer:
         self._handlers.update(dict.fromkeys(LAB_JOBS, self.lab))  # every lab: one request type, one handler
         self.served = None  # the server this process started for the loaded model (engine.remote.launch)
         self.fleet_watcher = None  # the Fleet panel's watcher (engine.remote.fleet.FleetWatcher)
-        # Pause, Resume, Step, Stop, CaptureAttention and Cancel act inside a generation or a job; outside one there
-        # is nothing to act on.
+        # Pause, Resume, Step, Stop, CaptureAttention, CaptureLens and Cancel act inside a generation or a job;
+        # outside one there is nothing to act on.
         threading.Thread(target=self._read, daemon=True, name="engine-commands").start()
 
     # ---- plumbing ----
@@ -438,6 +439,8 @@ class EngineServer:
                         gen.capture = replace(gen.capture, attention_layers=gen.capture.attention_layers | c.layers)
                         if (turned_to := record.show(c.layers)) is not None:
                             self.send(turned_to)
+                    elif isinstance(c, CaptureLens):  # from the next token on
+                        gen.capture = replace(gen.capture, lens_top=max(0, int(c.top)))
                     elif isinstance(c, SetThreads):
                         self.set_threads(c)
                     elif isinstance(c, SetParams):

@@ -196,11 +196,26 @@ class LensPanel(Panel):
 
     @QtCore.Slot(bool)
     def set_capture(self, on: bool) -> None:
-        """Capture the lens (LENS_TOP tokens a layer) in the next generations, or stop capturing it."""
+        """Capture the lens (LENS_TOP tokens a layer) while this panel is on screen, from the next token on, or stop
+        capturing it."""
         if self.capture_box.isChecked() != bool(on):
             self.capture_box.setChecked(bool(on))  # comes back here through toggled
             return
-        self.bridge.options.set_lens(LENS_TOP if on else 0)
+        self._subscribe()
+
+    def _subscribe(self) -> None:
+        # The lens costs L + 1 LM-head products a step: the engine computes it only while someone can see it (a step
+        # it skipped is recomputed from the live run's KV cache when selected).
+        self.bridge.options.set_lens(LENS_TOP if self.capture_box.isChecked() and self.on_screen() else 0)
+
+    @QtCore.Slot(bool)
+    def came_into_view(self, visible: bool = True) -> None:
+        super().came_into_view(visible)
+        QtCore.QTimer.singleShot(0, self, self._subscribe)  # once Qt has laid out what is in front
+
+    def hideEvent(self, event: QtGui.QHideEvent) -> None:  # noqa: N802 — Qt's name
+        super().hideEvent(event)
+        QtCore.QTimer.singleShot(0, self, self._subscribe)
 
     def set_kind(self, kind: str) -> None:
         """Read the steps through the logit or the tuned lens; "tuned" asks the engine to use the lens saved for this

@@ -109,7 +109,30 @@ def test_the_lens_is_captured_only_when_asked(qtbot, window):
     assert window.bridge.options.lens_top == 0 and not lens.capture_box.isChecked()
     generate(qtbot, window, n=2)
     assert not any(isinstance(e, LensCaptured) for e in window.run_store.events()) and not lens.lens
+    window.docks["lens"].raise_()  # the lens computes only while its panel is on screen (issue 50)
+    qtbot.waitUntil(lens.on_screen)
     lens.set_capture(True)
     assert window.bridge.options.lens_top > 0 and lens.capture_box.isChecked()
     generate(qtbot, window, n=2)
     assert sorted(lens.lens) == [0, 1]
+
+
+def test_the_lens_is_computed_only_while_its_panel_is_on_screen(qtbot, window):
+    """Issue 50: ticked but tabbed away behind the Attention panel, the lens costs the engine nothing; brought to the
+    front it is computed again from the next generation (or the next token of a running one)."""
+    from engine.events import LensCaptured
+
+    lens = window.panels["lens"]
+    window.docks["lens"].raise_()
+    qtbot.waitUntil(lens.on_screen)
+    lens.set_capture(True)
+    assert window.bridge.options.lens_top > 0
+    window.docks["attention"].raise_()  # the lens's tab goes behind
+    qtbot.waitUntil(lambda: window.bridge.options.lens_top == 0)
+    assert lens.capture_box.isChecked()  # still ticked: the user's choice stands
+    generate(qtbot, window, n=2)
+    assert not any(isinstance(e, LensCaptured) for e in window.run_store.events())
+    window.docks["lens"].raise_()
+    qtbot.waitUntil(lambda: window.bridge.options.lens_top > 0)
+    generate(qtbot, window, n=2)
+    assert sum(isinstance(e, LensCaptured) for e in window.run_store.events()) == 2

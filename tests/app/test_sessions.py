@@ -44,8 +44,10 @@ def grabs(qtbot, w) -> dict[str, QtGui.QImage]:
 def test_save_then_open_without_the_model_shows_the_same_panels(qtbot, make_window, tmp_path):
     live = make_window(persist=False)
     wait_loaded(qtbot, live)
-    live.panels["lens"].set_capture(True)
     live.resize(1600, 1000)
+    live.docks["lens"].raise_()  # the lens computes only while its panel is on screen (issue 50)
+    qtbot.waitUntil(live.panels["lens"].on_screen)
+    live.panels["lens"].set_capture(True)
     generate(qtbot, live)
     path = tmp_path / "run.ilab"
     assert session_io.save_session_to(live, path), live.last_error

@@ -328,3 +328,24 @@ def test_steps_carry_the_shown_layer_and_the_record_comes_once_at_the_end(client
     routed = sorted((e.step, e.layer, e.weights.tobytes()) for e in (
         *(e for m in steps for e in m if isinstance(e, AttentionCaptured)), *held[0].events, *held[1].events))
     assert routed == direct
+
+
+def test_the_lens_follows_capture_lens_from_the_next_token(client):
+    """Issue 50: the Logit lens panel asks for the lens while it is on screen (CaptureLens) and stops asking when it
+    is hidden; a running generation follows from its next token."""
+    from engine.events import LensCaptured
+
+    req = GenerateRequest("the cat sat", chat=False, max_new_tokens=5, params=SamplingParams.greedy_params(),
+                          capture=Capture(), ignore_eos=True, start_paused=True)
+    client.send(P.Generate(req))
+    client.until(lambda m: isinstance(m, TokenSampled))  # the prefill's token, without a lens
+    client.send(P.CaptureLens(3))
+    client.send(P.Step())
+    client.send(P.Step())
+    lens = [m for m in client.until(lambda m: isinstance(m, TokenSampled) and m.step == 2)
+            if isinstance(m, LensCaptured)]
+    assert [e.step for e in lens] == [1, 2] and lens[0].ids.shape[1] == 3
+    client.send(P.CaptureLens(0))
+    client.send(P.Resume())
+    rest = client.until(lambda m: isinstance(m, Finished))
+    assert not any(isinstance(m, LensCaptured) for m in rest)
