@@ -274,16 +274,10 @@ def add_subcommand(sub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=_cmd, local_only="runs a backward pass through the model, which a server does not let us do")
 
 
-def _grid(rows: list[list[float]], labels: list[str], first: str) -> None:
-    width = max(6, *(min(len(p), 10) for p in labels))
-    print(f"{'':>6}" + "".join(f"{p[:10]:>{width + 1}}" for p in labels))
-    for i, row in enumerate(rows):
-        print(f"{first if i == 0 and first else i:>6}" + "".join(f"{v:>{width + 1}.2f}" for v in row))
-
-
 def _cmd(a: argparse.Namespace) -> int:
     from engine.backends import session_from_args
     from engine.cliargs import EXACT_PRODUCTS, one_line, stamped
+    from engine.why.patch import grid
 
     s = session_from_args(a)
     with one_line(Unsupported, Cancelled, RuntimeError, usage=(ValueError,)):
@@ -297,10 +291,10 @@ def _cmd(a: argparse.Namespace) -> int:
           f"{out['clean_logit_diff']:.3f}, corrupted {out['corrupt_logit_diff']:.3f}")
     print("attribution patching (AtP): estimated share restored by the clean residual stream after each layer (rows) "
           "at each position (columns)")
-    _grid(out["atp"], pieces, "emb")
+    grid(out["atp"], pieces, "emb")
     if "restored" in out:
         print("exact patching: the share restored")
-        _grid(out["restored"], pieces, "emb")
+        grid(out["restored"], pieces, "emb")
         r = out["pearson"]
         rc = out["pearson_changed"]
         print(f"Pearson r over the grid: {'n/a' if r is None else f'{r:.3f}'}; over the "
@@ -310,11 +304,9 @@ def _cmd(a: argparse.Namespace) -> int:
             print(f"  {d['layer']:>3} {d['position']:>4} {d['token']!r:>12}: {d['atp']:>7.3f} {d['exact']:>7.3f}")
     if "atp_heads" in out:
         print("AtP per head's output at every position (rows: layers, columns: heads)")
-        for i, row in enumerate(out["atp_heads"]):
-            print(f"{i:>6}" + "".join(f"{v:>7.2f}" for v in row))
+        grid(out["atp_heads"])
         if "restored_heads" in out:
             r = out["pearson_heads"]
             print(f"exact per head; Pearson r {'n/a' if r is None else f'{r:.3f}'}")
-            for i, row in enumerate(out["restored_heads"]):
-                print(f"{i:>6}" + "".join(f"{v:>7.2f}" for v in row))
+            grid(out["restored_heads"])
     return 0

@@ -166,13 +166,17 @@ def _cmd(a: argparse.Namespace) -> int:
     print(f"logit difference {out['answer']['token']!r} - {out['wrong']['token']!r}: clean "
           f"{out['clean_logit_diff']:.3f}, corrupted {out['corrupt_logit_diff']:.3f}; share restored by patching "
           "the clean residual stream after each layer (rows) at each position (columns)")
-    pieces = out["tokens"]["clean"]
-    width = max(6, *(min(len(p), 10) for p in pieces))
-    print(f"{'':>6}" + "".join(f"{p[:10]:>{width + 1}}" for p in pieces))
-    for i, row in enumerate(out["restored"]):
-        print(f"{'emb' if i == 0 else i:>6}" + "".join(f"{v:>{width + 1}.2f}" for v in row))
+    grid(out["restored"], out["tokens"]["clean"], "emb")
     if "restored_heads" in out:
         print("share restored by patching each head's output at every position (rows: layers, columns: heads)")
-        for i, row in enumerate(out["restored_heads"]):
-            print(f"{i:>6}" + "".join(f"{v:>7.2f}" for v in row))
+        grid(out["restored_heads"])
     return 0
+
+
+def grid(rows: list[list[float]], labels: Sequence[str] = (), first: str = "") -> None:
+    """A grid as the CLI prints it: the labels (tokens) over the columns, the rows numbered (the first `first`)."""
+    width = max([6, *(min(len(p), 10) for p in labels)])
+    if labels:
+        print(f"{'':>6}" + "".join(f"{p[:10]:>{width + 1}}" for p in labels))
+    for i, row in enumerate(rows):
+        print(f"{first if i == 0 and first else i:>6}" + "".join(f"{v:>{width + 1}.2f}" for v in row))
