@@ -174,6 +174,8 @@ def _apply_args(window, args: argparse.Namespace) -> None:
         gen.set_max_new_tokens(args.max_new_tokens)
     lens = window.panels.get("lens")
     if args.lens and lens is not None:
+        window.docks["lens"].show()  # the lens is computed while its panel is on screen: in front of its tab group
+        window.docks["lens"].raise_()
         lens.set_capture(True)
     constrain = window.panels.get("constrain")
     if args.regex is not None and constrain is not None:

@@ -134,10 +134,11 @@ def test_autosave_survives_a_crash_and_is_offered(qtbot, make_window, settings_f
 def test_cli_save_then_open_session(qapp, tmp_path, tiny_dir):
     ilab, shot = tmp_path / "s.ilab", tmp_path / "shot.png"
     r = run_cli("--model", str(tiny_dir.gguf), "--prompt", "hello there", "--max-new-tokens", "4", "--greedy",
-                "--save-session", str(ilab), timeout=180)
+                "--lens", "--save-session", str(ilab), timeout=180)
     assert r.returncode == 0, r.stderr
     assert f"session: {ilab}" in r.stdout
     saved = load_session(ilab)
+    assert sum(isinstance(e, LensCaptured) for e in saved.events) == 4  # --lens brings its panel to the front
     assert saved.prompt == "hello there" and saved.model["sha256"]
     assert dataclasses.asdict(saved.settings["params"])["temperature"] == 0.0
     r = run_cli("--open-session", str(ilab), "--screenshot", str(shot), timeout=120)
