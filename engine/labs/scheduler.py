@@ -42,18 +42,7 @@ from engine.labs.schedule_events import (  # noqa: F401 — re-exported: the lab
     make_requests,
     summarize,
 )
-from engine.loaders import LoadedModel
 from engine.runtime import Row, Runtime, runtime_of
-from engine.runtime.paged import PagedKVCache
-
-
-def forward_rows(lm: LoadedModel, cache: PagedKVCache, request_ids: Sequence[int],
-                 tokens: Sequence[Sequence[int]]) -> torch.Tensor:
-    """One forward step of rows at their own positions (equal token counts): float32 logits of each row's last
-    token (B, V)."""
-    with torch.inference_mode():
-        cache.bind(request_ids, len(tokens[0]))
-        return lm.model(torch.tensor(tokens, dtype=torch.long, device=lm.device), cache)
 
 
 @dataclass

@@ -19,20 +19,21 @@ import torch
 from torch.testing import assert_close
 
 from engine.labs.schedule_events import SchedConfig, make_requests
-from engine.labs.scheduler import (
-    PagedKVCache,
-    SchedPlan,
-    SchedRequestDone,
-    SchedStep,
-    SchedSummary,
-    forward_rows,
-    schedule,
-)
+from engine.labs.scheduler import SchedPlan, SchedRequestDone, SchedStep, SchedSummary, schedule
 from engine.model.kv_cache import KVCache
 from engine.run.session import Session
+from engine.runtime.paged import PagedKVCache
 from tests.requires import import_required
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def forward_rows(lm, cache: PagedKVCache, request_ids: list[int], tokens: list[list[int]]) -> torch.Tensor:
+    """One forward step of rows at their own positions (equal token counts) on the paged cache: float32 logits of
+    each row's last token (B, V)."""
+    with torch.inference_mode():
+        cache.bind(request_ids, len(tokens[0]))
+        return lm.model(torch.tensor(tokens, dtype=torch.long, device=lm.device), cache)
 
 
 def single_row(lm, prompt: list[int], then: list[int]) -> list[torch.Tensor]:
