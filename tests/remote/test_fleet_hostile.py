@@ -277,3 +277,15 @@ def test_the_cli_says_one_line_for_a_bad_config(tmp_path):
                        text=True, timeout=120)
     assert p.returncode == 1
     assert p.stderr.strip().splitlines() == ["error: replica 1 is int, not a URL"]
+
+
+def test_the_cli_prints_each_replicas_figures_from_the_routers_listing():
+    with Fake({"/metrics": body(VLLM_METRICS)}) as replica, \
+            Fake({"/list_workers": body(json.dumps({"urls": [replica.url]}))}) as router:
+        p = subprocess.run([sys.executable, "-m", "engine", "fleet", "--router", router.url, "--json"],
+                           capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    (fig,) = json.loads(p.stdout)["replicas"]
+    # by hand, from VLLM_METRICS
+    assert (fig["url"], fig["waiting"], fig["running"], fig["kv_usage"], fig["prefix_hit_rate"],
+            fig["requests_done"], fig["error"]) == (replica.url, 3.0, 2.0, 0.25, 0.25, 8.0, "")
