@@ -119,6 +119,7 @@ class Run:
     _first: list[tuple[int, list[int]]] = field(default_factory=list)
     _rest: deque = field(default_factory=deque)
     _groups: dict[int, list[int]] = field(default_factory=dict)  # step → its indices (the lists in _first, _rest)
+    _newest: int = -1  # the newest step with captures
     _first_bytes: int = 0
     capture_bytes: int = 0
     dropped: tuple[int, int] | None = None  # (first, last) step whose captures went to bound memory
@@ -184,7 +185,7 @@ class Run:
         """Append a capture, grouped with its step's others; its bytes. A capture of an older step (attention the
         engine held for the record: HeldAttention) joins that step's group, or goes if the step's went."""
         group = self._groups.get(ev.step)
-        newest = max(self._groups, default=-1)
+        newest = self._newest
         if group is None and ev.step < newest:  # its step's captures were let go to bound memory
             return 0
         self.events.append(ev)
@@ -196,11 +197,14 @@ class Run:
         else:
             first = not self._rest and self._first_bytes < budget
             self._groups[ev.step] = where = [i]
+            self._newest = ev.step
             (self._first if first else self._rest).append((ev.step, where))
         self._first_bytes += b if first else 0
         self.capture_bytes += b
-        while ev.step < newest and len(self._first) > 1:  # late ones came in: the first steps are as they would
-            step, where = self._first[-1]  # have been had every capture come live (each began under the budget)
+        # Late ones came in: the first steps are as they would have been had every capture come live (each began
+        # under the budget).
+        while ev.step < newest and self._first_bytes > budget and len(self._first) > 1:
+            step, where = self._first[-1]
             last = sum(_capture_nbytes(self.events[j]) for j in where)
             if self._first_bytes - last < budget:
                 break
