@@ -14,6 +14,7 @@ keyed by device, dtype, processor and thread count, because measuring takes a co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -274,8 +275,6 @@ def cached_this_machine(
         if hw is not None:
             return hw
     hw = measure_this_machine(device, dtype, progress, should_stop, **measure_kwargs)
-    try:
+    with contextlib.suppress(OSError):  # a read-only home still gets its measurement, just not cached
         store_cached(hw, device, dtype, cache_dir)
-    except OSError:
-        pass  # a read-only home still gets its measurement, just not cached
     return hw

@@ -12,6 +12,7 @@ listing of dozens of models takes a fraction of a second. Scans are bounded (fil
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -273,10 +274,8 @@ def remember(path: str | os.PathLike[str]) -> None:
 def _known() -> Iterator[tuple[Path, str, str]]:
     from engine.formats.locate import GEMMA3_DIST, ModelLoadError, default_model_path, gemma3_path
 
-    try:
+    with contextlib.suppress(ModelLoadError):
         yield default_model_path(), "SmolLM2-135M-Instruct (default)", "default"
-    except ModelLoadError:
-        pass
     try:
         path = gemma3_path(assemble=False)
     except ModelLoadError:

@@ -6,6 +6,7 @@ config and tokenizer to a cache directory; later loads map that cache in well un
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -201,10 +202,8 @@ def load(
             if cdir is not None:
                 report(0.85, "writing the weight cache for a fast next start")
                 sd = fuse_state_dict(sd, cfg)
-                try:
+                with contextlib.suppress(OSError):  # a read-only or full disk only costs the fast start
                     _write_cache(cdir, cfg, sd, tok, meta)
-                except OSError:
-                    pass  # a read-only or full disk only costs the fast start
         # a first load on this machine also times each weight shape's decode kernels (seconds; cached after)
         report(0.9, f"building the model ({dt}) and choosing its decode kernels")
         net = build_model(cfg, sd, dtype=dt, device=dev, kernel_mode=kernels)

@@ -13,6 +13,7 @@ A server may be broken or hostile; whatever it sends, a request ends in bounded 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import ipaddress
 import json
@@ -151,10 +152,8 @@ class ServerInfo:
 # ------------------------------------------------------------------------------------------- deadlines and stop
 
 def _shut(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked on it (a connect or a read) at once
-    except OSError:
-        pass
 
 
 class Cancel:

@@ -11,6 +11,7 @@ server in $INFERENCE_LAB_SERVER_VENVS, the repository's .venv-servers/, the user
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -121,17 +122,13 @@ class RunningServer:
             self.proc.poll()
             return
         deadline = time.monotonic() + grace_s
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
         while _group_alive(pg) and time.monotonic() < deadline:
             time.sleep(0.1)
         if _group_alive(pg):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(pg, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             self.proc.wait(timeout=10)
 
     def __enter__(self) -> RunningServer:

@@ -3,6 +3,7 @@ seconds to build) or a Hugging Face folder's tokenizer files."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -26,15 +27,11 @@ def load_tokenizer(model: str | os.PathLike | None = None) -> Tokenizer:
         if path.is_dir():
             return Tokenizer.from_dir(path)
         cdir = tokenizer_cache_dir(path)
-        try:
+        with contextlib.suppress(FileNotFoundError, ValueError, OSError):
             return Tokenizer.load(cdir)
-        except (FileNotFoundError, ValueError, OSError):
-            pass
         tok = Tokenizer.from_gguf(path)
-        try:
+        with contextlib.suppress(OSError):  # a read-only or full disk only costs the next start
             tok.save(cdir)
-        except OSError:
-            pass  # a read-only or full disk only costs the next start
         return tok
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
         raise ModelLoadError(f"cannot read the tokenizer of {path.name}: {e}") from None
