@@ -143,7 +143,7 @@ def export(model: str | os.PathLike | None, out: str | os.PathLike, overwrite: b
     eos_id = tok.eos_ids[0] if tok.eos_ids else (cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
     config = hf_config(cfg, eos_id)
     # a quantized projection's raw blocks or REQUANT marker (kept for the decode kernels) are not weights: its float
-    # weight is
+    # weight beside them is what is exported
     blocks = tuple(f".{kind}" for kind in quant.KINDS)
     tensors = hf_state_dict({k: v for k, v in sd.items() if not k.endswith(blocks)}, cfg)
 
