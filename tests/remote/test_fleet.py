@@ -18,13 +18,14 @@ N = 64
 
 
 @pytest.fixture(scope="module")
-def fleet_servers(exported_hf, server_logs):
+def fleet_servers(request, server_logs):
     from tests.remote import servers
 
     if not servers.VLLM_PY.exists():
         missing("servers", f"vLLM's virtual environment is missing ({servers.VLLM_PY})")
     if fl.router_python() is None:
         missing("servers", f"vllm-router is not installed in {servers.VENVS / 'vllm'}")
+    exported_hf = request.getfixturevalue("exported_hf")  # after the checks: a missing server fails at once
     with fl.launched(exported_hf, server_logs, replicas=2) as started:
         yield started
 
