@@ -147,10 +147,10 @@ class Panel(QtWidgets.QWidget):
 
     def tick(self) -> None:
         """The shared timer's turn: draw if there is new data, the panel is on screen and its interval passed."""
-        if not self._dirty or not self.on_screen():
-            return  # a hidden panel stays dirty: it draws when shown (showEvent)
-        if time.monotonic() < self._next_draw:
+        if not self._dirty or time.monotonic() < self._next_draw:
             return  # stays dirty: a later tick draws the latest data
+        if not self.on_screen():
+            return  # stays dirty: it draws when it comes into view
         self._draw()
 
     def draw(self) -> None:
