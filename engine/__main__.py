@@ -405,22 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--threads", type=threads, default="auto", help="auto (torch's count) or a fixed count")
     q.set_defaults(func=cmd_bench_batch)
 
-    from engine.cli import export_hf
+    from engine.cli import export_hf, schedule, speculate
     from engine.costs import estimate
-
-    estimate.add_subcommand(sub)
-    export_hf.add_subcommand(sub)
     from engine.remote import cli as remote_cli
-
-    remote_cli.add_subcommand(sub)
-    from engine.cli import schedule as schedule_cli
-    from engine.cli import speculate as spec_cli
-
-    spec_cli.add_subcommand(sub)
-    schedule_cli.add_subcommand(sub)
-    kernels_cli.add_subcommand(sub)
     from engine.why import cli as why_cli
 
+    for commands in (estimate, export_hf, remote_cli, speculate, schedule, kernels_cli):
+        commands.add_subcommand(sub)
     why_cli.add_subcommands(sub)
     from engine.remote import fleet_cli
 
