@@ -150,8 +150,8 @@ class FleetPanel(Panel):
     def _on_request(self, result) -> None:
         self.requests.append(result)
         del self.requests[:-MAX_REQUESTS]
-        server = getattr(self.bridge, "server", None)
-        runs = self.by_router.setdefault(getattr(server, "url", "") or "this machine", [])
+        server = self.bridge.server  # the ServerInfo the Load lab drove (None: this machine)
+        runs = self.by_router.setdefault(server.url if server is not None else "this machine", [])
         runs.append((result.ttft_s * 1e3 if result.ok else None, result.request_id))
         del runs[:-MAX_RUN]
         self.mark_dirty()
