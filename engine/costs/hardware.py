@@ -37,12 +37,8 @@ class MeasurementCancelled(RuntimeError):
     """should_stop() returned True while measuring."""
 
 
-def _device_kind(device: str) -> str:
-    return str(device).split(":", 1)[0].lower()
-
-
 def _processor_name(device: str) -> str:
-    kind = _device_kind(device)
+    kind = str(device).split(":", 1)[0].lower()
     if kind == "cuda":
         import torch
 

@@ -71,10 +71,6 @@ def renamed(name: str, table: Mapping[str, str]) -> str | None:
     return template.format(parts[i]) if template else None
 
 
-def _engine_name(hf_name: str, model_type: str = "llama") -> str | None:
-    return renamed(hf_name, {**WEIGHT_MAP, **COMMON_EXTRA, **FAMILY_MAPS.get(model_type, {})})
-
-
 def _rope(c: dict, layer_type: str = "full_attention") -> dict:
     """RoPE settings of one layer type: transformers 5 writes `rope_parameters` (per layer type for Gemma 3);
     older configs write rope_theta, rope_scaling (global layers) and Gemma's rope_local_base_freq."""
@@ -301,6 +297,7 @@ def read_weights(directory: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"{directory} has no *.safetensors weights (pickled .bin files are never loaded)")
     sd: dict[str, torch.Tensor] = {}
     gemma = cfg.architecture == "gemma3_text"
+    names = {**WEIGHT_MAP, **COMMON_EXTRA, **FAMILY_MAPS.get(cfg.architecture, {})}  # HF name -> the engine's
     for f in files:
         check_safetensors(f)
         try:
@@ -308,7 +305,7 @@ def read_weights(directory: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         except SafetensorError as e:
             raise ValueError(f"{f.name} is not a valid safetensors file ({e})") from None
         for hf_name, w in tensors.items():
-            name = _engine_name(hf_name, cfg.architecture)
+            name = renamed(hf_name, names)
             if name is None:
                 if hf_name.endswith("rotary_emb.inv_freq"):
                     continue  # a cached RoPE table some checkpoints carry; recomputed from rope_theta

@@ -21,7 +21,7 @@ from engine.events import Event, Failed, Finished, Funnel, PromptTokenized, Step
 from engine.protocol import SamplingParams
 from engine.remote.client import Cancel, Client, RemoteError, ServerInfo, clean_text
 from engine.remote.metrics import ServerMetrics, parse_prometheus, server_metrics
-from engine.remote.sse import MAX_TOKEN_ID, Candidate, Chunk, StreamToken
+from engine.remote.sse import MAX_TOKEN_ID, Candidate
 
 NO_COST = StepCost(flops=0.0, weight_bytes=0.0, kv_read_bytes=0.0, kv_write_bytes=0.0)
 
@@ -425,7 +425,7 @@ class RemoteGeneration:
                 if chunk.timings:
                     self.timings = chunk.timings
                 finish = chunk.finish_reason or finish
-                for k, tok in enumerate(_tokens_of(chunk)):
+                for k, tok in enumerate(chunk.tokens):
                     if n == 0:
                         ttft = t - t0
                     gap = (t - last) if k == 0 else 0.0
@@ -469,7 +469,3 @@ class RemoteGeneration:
             reason=reason, prompt_ids=np.array(prompt_ids, dtype=np.int64), ids=np.array(ids, dtype=np.int64),
             text="".join(texts), ttft_s=ttft, tpot_s=tpot, step_seconds=np.array(gaps), total_s=total,
         )
-
-
-def _tokens_of(chunk: Chunk) -> tuple[StreamToken, ...]:
-    return chunk.tokens

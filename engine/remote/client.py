@@ -81,10 +81,6 @@ def html_text(page: str) -> str:
     return " ".join("".join(p.title).split()) or " ".join(" ".join(p.text).split())
 
 
-def _looks_html(text: str, ctype: str) -> bool:
-    return "html" in ctype.lower() or text.lstrip()[:1] == "<"
-
-
 def is_loopback(host: str) -> bool:
     """This machine: localhost, 127.0.0.0/8 or ::1."""
     h = host.strip("[]").lower().rstrip(".")
@@ -532,7 +528,7 @@ def _detail(body: bytes, ctype: str) -> str:
     try:
         d = json.loads(text)
     except (ValueError, RecursionError):
-        if _looks_html(text, ctype):
+        if "html" in ctype.lower() or text.lstrip()[:1] == "<":
             return clean_text(html_text(text), 160) or "the server answered with an HTML page"
         return clean_text(text, 160)
     err = d.get("error", d.get("detail", d)) if isinstance(d, dict) else d

@@ -155,10 +155,6 @@ def greater_than_params(session) -> DlaParams:
     return DlaParams(prompt, tok.piece(best_above), tok.piece(best_below))
 
 
-def factual_params(session) -> PatchParams:
-    return PatchParams(CLEAN, CORRUPT, ANSWER, WRONG)
-
-
 def induction_ablation_k(n_layers: int, n_heads: int) -> int:
     """How many top induction heads are switched off: five, or a quarter of a small model's heads."""
     return max(1, min(5, n_layers * n_heads // 4))
@@ -192,7 +188,7 @@ def run(session, name: str, progress: Progress | None = None, should_stop: Shoul
     else:
         from engine.why.patch import patch
 
-        params = ioi_params(session) if e is IOI else factual_params(session)
+        params = ioi_params(session) if e is IOI else PatchParams(CLEAN, CORRUPT, ANSWER, WRONG)
         result = patch(session, params.clean, params.corrupt, params.answer, params.wrong, heads=params.heads,
                        progress=progress, should_stop=should_stop)
     if progress is not None:
