@@ -7,8 +7,10 @@ one glance tells which phase a thing belongs to.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import math
+from collections.abc import Iterator
 
 import numpy as np
 from PySide6 import QtCore, QtGui, QtWidgets
@@ -244,3 +246,21 @@ def set_title(pi, text: str | None, widget_width: float, **style: str) -> None:
     pi.setTitle(text, **style)
     if text is not None:
         wrap_title(pi, widget_width)
+
+
+@contextlib.contextmanager
+def filling(table: QtWidgets.QTableWidget) -> Iterator[None]:
+    """Fill a table's items in here: a column that fits its contents (ResizeToContents) does so once, at the end. As
+    the contents changed it measured all its rows again at every setItem, so a refill cost rows² measures (the Logit
+    lens table's 32 rows took most of a second a draw)."""
+    header = table.horizontalHeader()
+    modes = [header.sectionResizeMode(c) for c in range(header.count())]
+    header.setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.Fixed)
+    table.setUpdatesEnabled(False)
+    try:
+        yield
+    finally:
+        for c in range(header.count()):  # a column added meanwhile takes the last one's mode
+            header.setSectionResizeMode(c, modes[min(c, len(modes) - 1)] if modes else
+                                        QtWidgets.QHeaderView.ResizeMode.Interactive)
+        table.setUpdatesEnabled(True)

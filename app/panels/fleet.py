@@ -45,6 +45,15 @@ def replica_of(request_id: str, served: dict[str, str]) -> str | None:
     return next((name for sid, name in served.items() if matches(sid, request_id)), None)
 
 
+def _set_rows(table: QtWidgets.QTableWidget, rows: list) -> None:
+    """Rows of texts into a table, its columns fitted to them once."""
+    table.setRowCount(len(rows))
+    with theme.filling(table):
+        for i, row in enumerate(rows):
+            for j, text in enumerate(row):
+                table.setItem(i, j, QtWidgets.QTableWidgetItem(text))
+
+
 def _fit(table: QtWidgets.QTableWidget, at_least: int = 1) -> None:
     """The table as tall as its header and rows (at least `at_least` rows' worth)."""
     rows = sum(table.rowHeight(i) for i in range(table.rowCount()))
@@ -210,10 +219,7 @@ class FleetPanel(Panel):
     def draw(self) -> None:
         self.status_label.setText(self.summary())
         rows = self.rows()
-        self.table.setRowCount(len(rows))
-        for i, row in enumerate(rows):
-            for j, text in enumerate(row):
-                self.table.setItem(i, j, QtWidgets.QTableWidgetItem(text))
+        _set_rows(self.table, rows)
         served = np.array([int(r[-1]) for r in rows], dtype=float)
         x = np.arange(len(rows), dtype=float)
         self.bars.setOpts(x=x, height=served, width=0.6)
@@ -225,17 +231,9 @@ class FleetPanel(Panel):
         self.plot.setXRange(-0.7, max(0.7, len(rows) - 0.3), padding=0)
         self.plot.setYRange(0, top * 1.1, padding=0)
         _fit(self.table)
-        routers = self.router_rows()
-        self.routers.setRowCount(len(routers))
-        for i, row in enumerate(routers):
-            for j, text in enumerate(row):
-                self.routers.setItem(i, j, QtWidgets.QTableWidgetItem(text))
+        _set_rows(self.routers, self.router_rows())
         _fit(self.routers)
-        reqs = self.request_rows()
-        self.req_table.setRowCount(len(reqs))
-        for i, row in enumerate(reqs):
-            for j, text in enumerate(row):
-                self.req_table.setItem(i, j, QtWidgets.QTableWidgetItem(text))
+        _set_rows(self.req_table, self.request_rows())
 
     def clear(self) -> None:
         """A new generation does not clear the fleet."""

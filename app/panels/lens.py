@@ -22,7 +22,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app.bridge import Bridge
 from app.panels.base import Panel
 from app.run_store import store_for
-from app.theme import ACCENT, BACKGROUND, ERROR_COLOR, MUTED, OK_COLOR, WARNING_COLOR, style_plot
+from app.theme import ACCENT, BACKGROUND, ERROR_COLOR, MUTED, OK_COLOR, WARNING_COLOR, filling, style_plot
 from engine.events import LensCaptured, ModelInfo, PromptTokenized, TokenSampled
 from engine.model.config import ModelConfig
 from engine.protocol import LensTuned, Recomputed
@@ -175,6 +175,7 @@ class LensPanel(Panel):
         self.table = QtWidgets.QTableWidget(0, FIXED_COLUMNS + LENS_TOP)
         self.table.setHorizontalHeaderLabels(["layer", "H bits", "KL bits"] + [f"#{i + 1}" for i in range(LENS_TOP)])
         self.table.verticalHeader().setVisible(False)
+        self.table.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
         self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.verticalHeader().setDefaultSectionSize(18)
         font = QtGui.QFont()
@@ -442,16 +443,8 @@ class LensPanel(Panel):
         return f"No lens is held for step {step}: {html.escape(note)}."
 
     def _fill_table(self, ev: LensCaptured) -> None:
-        # The columns fit their contents once, after the fill: fitted as each item came (ResizeToContents), every
-        # setItem measured its whole column again, and a draw of 32 rows took most of a second.
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.Fixed)
-        self.table.setUpdatesEnabled(False)
-        try:
+        with filling(self.table):
             self._fill_items(ev)
-        finally:
-            header.resizeSections(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
-            self.table.setUpdatesEnabled(True)
 
     def _fill_items(self, ev: LensCaptured) -> None:
         n, k = ev.ids.shape

@@ -469,16 +469,17 @@ class LoadLabPanel(Panel):
             for c in (self.kv_curve, self.running_curve, self.waiting_curve):
                 c.setData([], [])
         self.table.setRowCount(len(self.runs))
-        for i, r in enumerate(self.runs):
-            cells = (r["concurrency"], r["completed"], r["failed"], f"{r['output_throughput']:.1f}",
-                     f"{r['per_stream_tokens_per_s']:.1f}", f"{r['median_ttft_ms']:.0f}", f"{r['p99_ttft_ms']:.0f}",
-                     f"{r['median_tpot_ms']:.1f}", f"{r['p99_tpot_ms']:.1f}", f"{r['p99_itl_ms']:.1f}",
-                     f"{r['p99_e2el_ms']:.0f}", f"{r['request_throughput']:.2f}",
-                     "" if r.get("goodput") is None else f"{r['goodput']:.2f}")
-            for j, v in enumerate(cells):
-                item = QtWidgets.QTableWidgetItem(str(v))
-                item.setTextAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
-                self.table.setItem(i, j, item)
+        with theme.filling(self.table):
+            for i, r in enumerate(self.runs):
+                cells = (r["concurrency"], r["completed"], r["failed"], f"{r['output_throughput']:.1f}",
+                         f"{r['per_stream_tokens_per_s']:.1f}", f"{r['median_ttft_ms']:.0f}",
+                         f"{r['p99_ttft_ms']:.0f}", f"{r['median_tpot_ms']:.1f}", f"{r['p99_tpot_ms']:.1f}",
+                         f"{r['p99_itl_ms']:.1f}", f"{r['p99_e2el_ms']:.0f}", f"{r['request_throughput']:.2f}",
+                         "" if r.get("goodput") is None else f"{r['goodput']:.2f}")
+                for j, v in enumerate(cells):
+                    item = QtWidgets.QTableWidgetItem(str(v))
+                    item.setTextAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
+                    self.table.setItem(i, j, item)
         self._update_buttons()
 
     def clear(self) -> None:

@@ -297,13 +297,14 @@ class RequestsPanel(Panel):
         table = timeline.rows(self.requests)
         self.table.blockSignals(True)
         self.table.setRowCount(len(table))
-        for i, row in enumerate(table):
-            for j, (_, key) in enumerate(TABLE):
-                v = row[key]
-                text = "" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)
-                item = QtWidgets.QTableWidgetItem(text)
-                item.setData(QtCore.Qt.ItemDataRole.UserRole, v)
-                self.table.setItem(i, j, item)
+        with theme.filling(self.table):
+            for i, row in enumerate(table):
+                for j, (_, key) in enumerate(TABLE):
+                    v = row[key]
+                    text = "" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)
+                    item = QtWidgets.QTableWidgetItem(text)
+                    item.setData(QtCore.Qt.ItemDataRole.UserRole, v)
+                    self.table.setItem(i, j, item)
         if self.selected is not None and self.selected < len(table):
             self.table.selectRow(self.selected)
         else:
