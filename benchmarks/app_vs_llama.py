@@ -1,10 +1,10 @@
 """The app on llama.cpp against plain llama.cpp, end to end, in one run: `python -m benchmarks.app_vs_llama [--model
-PATH] [--tokens 64] [--rounds 2]` prints one JSON line.
+PATH] [--tokens 64] [--rounds 2] [--without-lens]` prints one JSON line.
 
 Each round runs, each in a fresh process and in turn (so a shared machine's drift falls on both):
   app     `python -m benchmarks.gui --model PATH --tokens N --lens`: the window as users run it, every panel on
-          screen, the logit lens on, and the time per token from the first token to the last as the GUI thread
-          received them (every capture, the lens, the events' trip and the panels' work included);
+          screen, the logit lens on (unless --without-lens), and the time per token from the first token to the last
+          as the GUI thread received them (every capture, the lens, the events' trip and the panels' work included);
   Llama   plain llama_cpp.Llama on the same file and prompt, greedy, the same thread count (benchmarks.llamacpp's
           worker): its time per token from the first token to the last as its caller received them.
 It prints each side's median and the app ÷ Llama ratio of each round. The default model is the 1B-scale Q4_0 file of
@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = available_cores()  # what the app's llama.cpp runtime takes at its default, "auto"
     app, plain = [], []
     for _ in range(rounds):
-        a = _json(["-m", "benchmarks.gui", "--model", model, "--tokens", str(tokens), "--lens"])
+        lens = [] if "--without-lens" in argv else ["--lens"]
+        a = _json(["-m", "benchmarks.gui", "--model", model, "--tokens", str(tokens), *lens])
         if a.get("runtime") != "llama.cpp":
             raise SystemExit(f"the app ran {model} on {a.get('runtime')!r}, not llama.cpp")
         app.append(a)
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [a["wall_ms_per_token_received"] / (p["e2e_s"] * 1e3) for a, p in zip(app, plain, strict=True)]
     print(json.dumps({
         "cpu": cpu_model(), "model": os.path.basename(model), "tokens": tokens, "rounds": rounds, "threads": threads,
+        "lens": "--without-lens" not in argv,
         "load_avg": os.getloadavg(),
         "app_ms_per_token": [round(a["wall_ms_per_token_received"], 2) for a in app],
         "app_gui_thread_cpu_ms_per_token": [round(a["gui_thread_cpu_ms_per_token_while_generating"], 2) for a in app],
