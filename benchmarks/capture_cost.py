@@ -68,7 +68,8 @@ def measure(model: str, tokens: int, rounds: int) -> dict:
     none = np.asarray(tpot["none"])
     return {"model": model, "tokens": tokens, "rounds": rounds, "load_avg": os.getloadavg(),
             **{f"tpot_ms_{k}": round(float(np.median(v)), 2) for k, v in tpot.items()},
-            **{f"{k}_over_none": round(float(np.median(np.asarray(v) / none)), 3) for k, v in tpot.items() if k != "none"}}
+            **{f"{k}_over_none": round(float(np.median(np.asarray(v) / none)), 3)
+               for k, v in tpot.items() if k != "none"}}
 
 
 def main(argv: list[str] | None = None) -> int:
