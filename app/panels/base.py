@@ -21,6 +21,7 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
+from app.guard import guarded
 from engine.events import ModelInfo
 from engine.model.config import ModelConfig
 
@@ -101,6 +102,7 @@ class Panel(QtWidgets.QWidget):
         if visible and self._dirty:
             QtCore.QTimer.singleShot(0, self, self.flush)
 
+    @guarded
     def showEvent(self, event: QtGui.QShowEvent) -> None:  # noqa: N802 — Qt's name
         super().showEvent(event)
         self.came_into_view()

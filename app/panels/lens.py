@@ -20,6 +20,7 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
+from app.guard import guarded
 from app.panels.base import Panel
 from app.run_store import store_for
 from app.theme import ACCENT, BACKGROUND, ERROR_COLOR, MUTED, OK_COLOR, WARNING_COLOR, filling, style_plot
@@ -214,6 +215,7 @@ class LensPanel(Panel):
         super().came_into_view(visible)
         QtCore.QTimer.singleShot(0, self, self._subscribe)  # once Qt has laid out what is in front
 
+    @guarded
     def hideEvent(self, event: QtGui.QHideEvent) -> None:  # noqa: N802 — Qt's name
         super().hideEvent(event)
         QtCore.QTimer.singleShot(0, self, self._subscribe)
