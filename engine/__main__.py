@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--threads", type=threads, default="auto", help="auto (torch's count) or a fixed count")
     q.set_defaults(func=cmd_bench_batch)
 
-    from engine.cli import export_hf, schedule, speculate
+    from engine.cli import export_hf, fleet, schedule, speculate
     from engine.costs import estimate
     from engine.remote import cli as remote_cli
     from engine.why import cli as why_cli
@@ -413,9 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     for commands in (estimate, export_hf, remote_cli, speculate, schedule, kernels_cli):
         commands.add_subcommand(sub)
     why_cli.add_subcommands(sub)
-    from engine.remote import fleet_cli
-
-    fleet_cli.add_subcommands(sub)
+    fleet.add_subcommands(sub)
     return p
 
 
