@@ -251,8 +251,8 @@ def set_title(pi, text: str | None, widget_width: float, **style: str) -> None:
 @contextlib.contextmanager
 def filling(table: QtWidgets.QTableWidget) -> Iterator[None]:
     """Fill a table's items in here: a column that fits its contents (ResizeToContents) does so once, at the end. As
-    the contents changed it measured all its rows again at every setItem, so a refill cost rows² measures (the Logit
-    lens table's 32 rows took most of a second a draw)."""
+    the contents changed it measured all its rows again at every setItem, so a refill cost rows² measures
+    (BENCHMARKS.md, "What the engine sends the window, and what the GUI thread pays")."""
     header = table.horizontalHeader()
     modes = [header.sectionResizeMode(c) for c in range(header.count())]
     header.setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.Fixed)
