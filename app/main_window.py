@@ -21,7 +21,7 @@ from app import exports, session_io, theme, tour
 from app.bridge import Bridge
 from app.guard import guarded, report, reporter
 from app.panels import GROUPS, PANEL_MODULES
-from app.panels.base import Panel
+from app.panels.base import Panel, PanelFrame
 from app.settings import Settings
 from app.units import fmt_kernels
 from engine.model.kernel_cache import DEFAULT_MODE, KERNEL_MODES
@@ -117,7 +117,7 @@ class MainWindow(QtWidgets.QMainWindow):
             panel = cls(self.bridge)
             dock = QtWidgets.QDockWidget(cls.title, self)
             dock.setObjectName(cls.object_name)
-            dock.setWidget(panel)
+            dock.setWidget(PanelFrame(panel))
             dock.visibilityChanged.connect(panel.came_into_view)  # a tabbed-away panel draws when shown
             dock.setWhatsThis(cls.help_text)
             dock.setFeatures(dock.features() | QtWidgets.QDockWidget.DockWidgetFeature.DockWidgetFloatable)

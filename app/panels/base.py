@@ -73,8 +73,8 @@ class Panel(QtWidgets.QWidget):
         extra = self.model_help(cfg, info) if cfg is not None and info is not None else ""
         self.help_text = f"{general} {extra}" if extra else general
         self.setWhatsThis(self.help_text)
-        dock = self.parentWidget()
-        if isinstance(dock, QtWidgets.QDockWidget):
+        dock = panel_dock(self)
+        if dock is not None:
             dock.setWhatsThis(self.help_text)
 
     def mark_dirty(self) -> None:
@@ -161,6 +161,58 @@ class Panel(QtWidgets.QWidget):
     def clear(self) -> None:
         """Forget the data of the previous generation."""
         self.mark_dirty()
+
+
+class PanelFrame(QtWidgets.QWidget):
+    """What a dock holds: one panel, filling it, without a layout of its own, so that a change inside the panel stops
+    here unless it changes what the panel asks of the window.
+
+    Every setText on a label makes Qt lay the label's panel out again and then (QLayout::activate ends in
+    updateGeometry, whatever changed) its dock and the whole main window, every dock with it; a live panel sets a
+    label at each draw. A layout-less parent is only told (LayoutRequest), and passes it on when the panel's size
+    hints, policy or limits did change (BENCHMARKS.md, "What the GUI thread pays for a redraw")."""
+
+    def __init__(self, panel: Panel) -> None:
+        super().__init__()
+        self.panel = panel
+        panel.setParent(self)
+        self.setSizePolicy(panel.sizePolicy())
+        self._asks = self._asked()
+
+    def _asked(self) -> tuple:
+        p = self.panel
+        return p.sizeHint(), p.minimumSizeHint(), p.minimumSize(), p.maximumSize(), p.sizePolicy()
+
+    @guarded(default=QtCore.QSize())
+    def sizeHint(self) -> QtCore.QSize:  # noqa: N802 — Qt's name
+        return self.panel.sizeHint()
+
+    @guarded(default=QtCore.QSize())
+    def minimumSizeHint(self) -> QtCore.QSize:  # noqa: N802 — Qt's name
+        return self.panel.minimumSizeHint().expandedTo(self.panel.minimumSize())
+
+    @guarded(default=False)
+    def event(self, event: QtCore.QEvent) -> bool:
+        if event.type() == QtCore.QEvent.Type.LayoutRequest:
+            asks = self._asked()
+            if asks != self._asks:
+                self._asks = asks
+                self.setSizePolicy(asks[-1])
+                self.setMaximumSize(asks[3])
+                self.updateGeometry()
+            return True
+        return super().event(event)
+
+    @guarded
+    def resizeEvent(self, event: QtGui.QResizeEvent) -> None:  # noqa: N802 — Qt's name
+        self.panel.setGeometry(self.rect())
+
+
+def panel_dock(widget: QtWidgets.QWidget) -> QtWidgets.QDockWidget | None:
+    """The dock a panel sits in (through its PanelFrame), or None."""
+    while widget is not None and not isinstance(widget, QtWidgets.QDockWidget):
+        widget = widget.parentWidget()
+    return widget
 
 
 def reserve_lines(label: QtWidgets.QLabel, lines: int) -> None:

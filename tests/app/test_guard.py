@@ -30,7 +30,8 @@ def _qt_overrides() -> list[tuple[str, str]]:
     """(class, method) of every method an app class defines that overrides a method of a Qt (PySide6) base."""
     from app.panels import PANEL_MODULES
 
-    modules = ["app.main_window", "app.bridge", "app.token_view", *(f"app.panels.{m}" for m in PANEL_MODULES)]
+    modules = ["app.main_window", "app.bridge", "app.token_view", "app.panels.base",
+               *(f"app.panels.{m}" for m in PANEL_MODULES)]
     found = []
     for name in modules:
         module = importlib.import_module(name)

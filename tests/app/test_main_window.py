@@ -23,7 +23,7 @@ def test_one_dock_per_panel_with_stable_names(window):
     assert len(set(names)) == len(names)
     assert [d.objectName() for d in window.docks.values()] == names
     for name, dock in window.docks.items():
-        assert dock.widget() is window.panels[name]
+        assert dock.widget().panel is window.panels[name]
         assert dock.windowTitle() == window.panels[name].title
     for name in ("prompt", "preview", "generation"):
         assert name in window.docks
