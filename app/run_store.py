@@ -119,6 +119,7 @@ class Run:
     _first: list[tuple[int, list[int]]] = field(default_factory=list)
     _rest: deque = field(default_factory=deque)
     _groups: dict[int, list[int]] = field(default_factory=dict)  # step → its indices (the lists in _first, _rest)
+    _group_bytes: dict[int, int] = field(default_factory=dict)  # step → its captures' bytes
     _newest: int = -1  # the newest step with captures
     _first_bytes: int = 0
     capture_bytes: int = 0
@@ -200,12 +201,12 @@ class Run:
             self._newest = ev.step
             (self._first if first else self._rest).append((ev.step, where))
         self._first_bytes += b if first else 0
+        self._group_bytes[ev.step] = self._group_bytes.get(ev.step, 0) + b
         self.capture_bytes += b
         # Late ones came in: the first steps are as they would have been had every capture come live (each began
         # under the budget).
         while ev.step < newest and self._first_bytes > budget and len(self._first) > 1:
-            step, where = self._first[-1]
-            last = sum(_capture_nbytes(self.events[j]) for j in where)
+            last = self._group_bytes[self._first[-1][0]]
             if self._first_bytes - last < budget:
                 break
             self._rest.appendleft(self._first.pop())
@@ -225,6 +226,7 @@ class Run:
             return 0
         freed = 0
         self._groups.pop(step, None)
+        self._group_bytes.pop(step, None)
         for i in where:
             freed += _capture_nbytes(self.events[i])
             self.events[i] = None
