@@ -761,7 +761,9 @@ class AttentionPanel(Panel):
             f"<span style='color:{colour}'>head {head} → KV head {kv}</span> "
             f"({self.n_heads} q heads, {max(1, self.n_heads // self.group_size)} KV heads"
             + (f"; local, window {w:,})" if w else ")"))
-        self.colorbar.axis.setLabel("√weight" if self.sqrt_check.isChecked() else "weight")
+        unit = "√weight" if self.sqrt_check.isChecked() else "weight"
+        if self.colorbar.axis.labelText != unit:  # setLabel redraws the axis whether or not the text changed
+            self.colorbar.axis.setLabel(unit)
         m = self.matrix()
         store = store_for(self.bridge)
         run = store.shown_run() if store is not None else None
