@@ -120,7 +120,9 @@ def style_plot(pi, left: tuple[str, str | None] | None = None, bottom: tuple[str
         # QPicture whenever anything in the plot repaints (text replayed as polygons): the largest part of a
         # panel's paint. A pixmap cache makes that a copy until the ticks change.
         axis.setCacheMode(QtWidgets.QGraphicsItem.CacheMode.DeviceCoordinateCache)
-        axis.setStyle(tickFont=font)
+        # The room for the tick labels grows to the widest seen and never shrinks back: a plot whose labels change
+        # with each step (the sampling panel's tokens) was laid out again, and painted two more times, at each draw.
+        axis.setStyle(tickFont=font, autoReduceTextSpace=False)
         axis.setTextPen(FOREGROUND)
         if label is not None:
             colour = (colors or {}).get(name, FOREGROUND)
