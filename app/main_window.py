@@ -36,6 +36,12 @@ DRAWS_PER_TICK = 1
 # timer skips its turn (BENCHMARKS.md, "The app against the CLI"). Idle, only each panel's own budget applies.
 GENERATING_GUI_SHARE = 0.12
 GATE_WINDOW_S = 1.0
+# …and, whatever a draw costs, the panels together redraw at most this often while it generates: the rate they had
+# when issue 50 was filed. A cheaper draw then leaves the engine its core instead of coming back as more redraws
+# (BENCHMARKS.md, "What the GUI thread pays for a redraw"). A small burst lets a tick that found nothing to draw pass
+# its turn on.
+GENERATING_REDRAWS_PER_S = 16.0
+REDRAW_BURST = 2.0
 DEFAULT_SIZE = (1600, 1000)
 _Area = QtCore.Qt.DockWidgetArea
 # Default layout: the live run in three rows (the top and bottom areas own the corners, so they span the whole
@@ -102,6 +108,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self._next_panel = 0  # round-robin start of the next draw tick
         self._generating = False  # the engine is decoding: drawing and painting keep within GENERATING_GUI_SHARE
         self._gui_busy: collections.deque[tuple[float, float]] = collections.deque()  # (start, seconds) of each
+        self._redraw_credit, self._credit_at = REDRAW_BURST, 0.0  # redraws allowed now while generating, and when
         self._model_request: str | None = None
         self._engine_lost = None  # the bridge's last EngineLost
         self._first_show = True
@@ -538,6 +545,7 @@ class MainWindow(QtWidgets.QMainWindow):
     def _on_state(self, state: str) -> None:
         self._generating = state == "generating"
         self._gui_busy.clear()  # each run's share starts from its own paints
+        self._redraw_credit, self._credit_at = REDRAW_BURST, time.perf_counter()
         if state == "generating":  # a new run: the previous one's error no longer describes the app
             self.last_error = ""
             self.set_message("Generating…")
@@ -571,7 +579,7 @@ class MainWindow(QtWidgets.QMainWindow):
         stays short and the window keeps answering while the engine uses both cores.
         """
         names = list(self.panels)
-        if not flush and self._over_budget():
+        if not flush and (self._over_budget() or not self._redraw_allowed()):
             return  # the panels stay dirty: a later tick draws their latest data
         t = time.perf_counter()
         start = self._next_panel % len(names) if names else 0
@@ -591,6 +599,7 @@ class MainWindow(QtWidgets.QMainWindow):
                 self._next_panel = names.index(name) + 1
         if drawn and self._generating:
             self._gui_busy.append((t, time.perf_counter() - t))
+            self._redraw_credit -= drawn
 
     @guarded(default=False)
     def event(self, event: QtCore.QEvent) -> bool:
@@ -608,6 +617,17 @@ class MainWindow(QtWidgets.QMainWindow):
             drawn = [p for p in self.panels.values() if p.paint_due]
             for panel in drawn:
                 panel.charge_paint(spent / len(drawn))
+
+    def _redraw_allowed(self) -> bool:
+        """Idle, or generating with a redraw left within GENERATING_REDRAWS_PER_S (credit earned at that rate, up to
+        REDRAW_BURST)."""
+        if not self._generating:
+            return True
+        now = time.perf_counter()
+        self._redraw_credit = min(REDRAW_BURST,
+                                  self._redraw_credit + (now - self._credit_at) * GENERATING_REDRAWS_PER_S)
+        self._credit_at = now
+        return self._redraw_credit >= 1.0
 
     def _over_budget(self) -> bool:
         """Generating, and drawing plus painting took more than the GUI's share of the last GATE_WINDOW_S."""

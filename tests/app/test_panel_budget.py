@@ -162,3 +162,35 @@ def test_while_generating_the_window_draws_within_the_guis_share(qtbot, make_win
     for _ in range(len(w.panels)):
         w.tick_panels()
     assert timeline.draw_count == before + 1
+
+
+def test_while_generating_the_panels_redraw_at_most_at_the_set_rate(qtbot, make_window, monkeypatch):
+    """However cheap a draw, the panels together redraw at most GENERATING_REDRAWS_PER_S times a second while the
+    engine generates (a cheaper draw leaves the engine its core); idle, every tick may draw."""
+    import types
+
+    from app import main_window
+
+    now = [1000.0]
+    monkeypatch.setattr(main_window, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(main_window.MainWindow, "_over_budget", lambda self: False)  # the CPU share: another test
+    w = make_window(load=False)
+    panels = [p for p in w.panels.values() if p.on_screen()]
+    assert len(panels) >= 4
+    w._on_state("generating")
+
+    def draws_in(seconds: float, ticks: int) -> int:
+        before = sum(p.draw_count for p in w.panels.values())
+        for _ in range(ticks):
+            for p in panels:
+                p.mark_dirty()
+                p._next_draw = 0.0  # each panel's own rate limit: not what is tested here
+            w.tick_panels()
+            now[0] += seconds / ticks
+        return sum(p.draw_count for p in w.panels.values()) - before
+
+    rate = main_window.GENERATING_REDRAWS_PER_S
+    n = draws_in(2.0, 60)  # the draw timer's 30 ticks a second, for two seconds
+    assert 2 * rate - 1 <= n <= 2 * rate + main_window.REDRAW_BURST
+    w._on_state("idle")
+    assert draws_in(1.0, 30) == 30  # idle: one panel a tick
