@@ -2,8 +2,8 @@
 [--spins 300000,10000,0] [--dtype D]`.
 
 Each of N rounds starts the app once per spin count (fresh processes, benchmarks.gui's layout: every panel on
-screen) with GOMP_SPINCOUNT set to it (300,000 is libgomp's default, what the CLI uses; engine.server.APP_SPINCOUNT
-is what the app's engine process sets), and runs two 128-token greedy generations in each, in `D` (default: the
+screen) with GOMP_SPINCOUNT set to it (300,000 is libgomp's default, what the CLI and the
+app's engine use unless GOMP_SPINCOUNT is set), and runs two 128-token greedy generations in each, in `D` (default: the
 dtype the app loads on this CPU); one JSON line per generation: TPOT, the engine's and the GUI's CPU per token (an
 engine CPU near the TPOT: decode ran on one thread), and the GUI thread's stall p99 (a 10 ms probe timer, as
 benchmarks.gui). Run it quiet.

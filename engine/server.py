@@ -862,18 +862,13 @@ def run_experiment(session: Engine, params: object, progress: ReportProgress | N
     raise TypeError(f"not the parameters of an experiment: {type(params).__name__}")
 
 
-APP_SPINCOUNT = "0"  # libgomp's busy-wait iterations before a waiting thread sleeps (its default: 300,000)
-
-
 def serve(commands: Connection, events: Connection, threads: int = 0) -> None:
     """The engine process's entry point (multiprocessing target)."""
     if threading.current_thread() is threading.main_thread():  # the engine's own process, not a test's thread
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C in the terminal is the app's to handle
-        # Beside the app's GUI, an OpenMP thread that spins between a step's parallel regions holds a core that the
-        # GUI then takes from a working thread; with a short spin it sleeps there and the GUI paints in that time
-        # (BENCHMARKS.md, "The app against the CLI"). libgomp reads this once, when torch loads it; a user's own
-        # setting wins.
-        os.environ.setdefault("GOMP_SPINCOUNT", APP_SPINCOUNT)
+        # OpenMP keeps libgomp's own spin, as the CLI does. Set to 0, each of a step's ~150 parallel regions woke its
+        # second thread from sleep: two threads decoded slower than one, and the tuner's chain timing then capped
+        # `auto` at one thread for the CLI too (BENCHMARKS.md, "What the GUI thread pays for a redraw").
     import torch
 
     threads = threads or int(os.environ.get("INFERENCE_LAB_THREADS", "0"))

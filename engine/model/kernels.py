@@ -395,15 +395,18 @@ class Load:
 
 
 def chain_key(groups: dict[tuple[int, int, str], list[Product]], counts: Sequence[int], machine: Machine) -> str:
-    """What a chain's time depends on: the machine, the dtype, and for every shape its count of weights and the
-    kernel each thread count dispatches it to now (a different choice or a forced kernel is another chain)."""
+    """What a chain's time depends on: the machine, the dtype, OpenMP's spin between parallel regions, and for every
+    shape its count of weights and the kernel each thread count dispatches it to now (a different choice or a forced
+    kernel is another chain). A chain timed with another spin says nothing of this process's threads: with none,
+    two threads timed slower than one."""
     dtype = str(next(iter(groups.values()))[0][0].dtype).removeprefix("torch.")
     parts = []
     for (out_f, in_f, weights), products in sorted(groups.items()):
         names = [chosen((out_f, in_f), products[0][0].dtype, n, weights) or "linear" for n in counts]
         kind = "" if weights == kernel_cache.FLOAT else f" {weights}"
         parts.append(f"{out_f}x{in_f}{kind}*{len(products)}:{'/'.join(names)}")
-    return machine.key(dtype) + f"|threads {'/'.join(map(str, counts))}|{' '.join(parts)}"
+    spin = os.environ.get("GOMP_SPINCOUNT", "default")
+    return machine.key(dtype) + f"|spin {spin}|threads {'/'.join(map(str, counts))}|{' '.join(parts)}"
 
 
 def measure_chain(groups: dict[tuple[int, int, str], list[Product]], counts: Sequence[int], machine: Machine, *,

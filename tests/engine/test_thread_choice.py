@@ -144,6 +144,20 @@ def test_a_changed_machine_measures_the_chain_again(tmp_path, monkeypatch, chang
     assert len(th.read_chains(tmp_path / "threads.json")) == 2  # the first result is kept beside the new one
 
 
+def test_a_chain_timed_with_another_openmp_spin_is_measured_again(tmp_path, monkeypatch):
+    """With no spin (GOMP_SPINCOUNT=0, what the app's engine once set) two threads timed slower than one, and that
+    verdict capped `auto` at one thread for the CLI too: a chain timed under another spin does not answer."""
+    monkeypatch.setenv("GOMP_SPINCOUNT", "0")
+    _tune(tmp_path, TWO_SLOWER)
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    th.use_chain(None)
+    calls: list[str] = []
+    _tune(tmp_path, TWO_FASTER, calls=calls)  # the products' choices still come from their cache
+    assert calls  # the chain was timed again
+    keys = list(th.read_chains(tmp_path / "threads.json"))
+    assert len(keys) == 2 and any("|spin 0|" in k for k in keys) and "|spin default|" in th.measured_chain().key
+
+
 def test_a_changed_kernel_set_is_another_chain(tmp_path):
     """The chain's key names the kernel each shape runs at each count: forcing one measures the chain again (the
     per-shape entries still come from the cache)."""
