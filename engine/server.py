@@ -866,7 +866,7 @@ def serve(commands: Connection, events: Connection, threads: int = 0) -> None:
     """The engine process's entry point (multiprocessing target)."""
     if threading.current_thread() is threading.main_thread():  # the engine's own process, not a test's thread
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C in the terminal is the app's to handle
-        # OpenMP keeps libgomp's own spin, as the CLI does. Set to 0, each of a step's ~150 parallel regions woke its
+        # OpenMP keeps libgomp's own spin, as the CLI does. Set to 0, each of a step's many parallel regions woke its
         # second thread from sleep: two threads decoded slower than one, and the tuner's chain timing then capped
         # `auto` at one thread for the CLI too (BENCHMARKS.md, "What the GUI thread pays for a redraw").
     import torch
