@@ -47,7 +47,8 @@ PROBE_STEPS = 2  # one-thread steps per probe
 MIN_WINDOW_S = 0.25
 IDLE_SHARE = 0.25  # many threads are tried again only if others used at most this share of the other cores
 # (a higher share let the app's own GUI, which takes about a third of a core while it paints, send the engine back
-# to two threads, which were slower in the app than one: BENCHMARKS.md, "The app against the CLI")
+# to two threads, which were slower in the app than one: BENCHMARKS.md, "The app against the CLI"; measured while the
+# app's engine set GOMP_SPINCOUNT=0, which it no longer does, and not measured again since)
 BACKOFF_MIN, BACKOFF_MAX = 4, 256  # steps before one thread tries many again, doubled after each failed try
 
 
