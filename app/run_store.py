@@ -224,11 +224,9 @@ class Run:
             first = True
         else:
             return 0
-        freed = 0
         self._groups.pop(step, None)
-        self._group_bytes.pop(step, None)
+        freed = self._group_bytes.pop(step)
         for i in where:
-            freed += _capture_nbytes(self.events[i])
             self.events[i] = None
         if first:
             self._first_bytes -= freed

@@ -176,12 +176,17 @@ class PanelFrame(QtWidgets.QWidget):
         super().__init__()
         self.panel = panel
         panel.setParent(self)
-        self.setSizePolicy(panel.sizePolicy())
         self._asks = self._asked()
+        self._follow()
 
     def _asked(self) -> tuple:
         p = self.panel
         return p.sizeHint(), p.minimumSizeHint(), p.minimumSize(), p.maximumSize(), p.sizePolicy()
+
+    def _follow(self) -> None:
+        """Take on the panel's size policy and largest size (its hints and least size are read through)."""
+        self.setSizePolicy(self.panel.sizePolicy())
+        self.setMaximumSize(self.panel.maximumSize())
 
     @guarded(default=QtCore.QSize())
     def sizeHint(self) -> QtCore.QSize:  # noqa: N802 — Qt's name
@@ -197,8 +202,7 @@ class PanelFrame(QtWidgets.QWidget):
             asks = self._asked()
             if asks != self._asks:
                 self._asks = asks
-                self.setSizePolicy(asks[-1])
-                self.setMaximumSize(asks[3])
+                self._follow()
                 self.updateGeometry()
             return True
         return super().event(event)
