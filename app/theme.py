@@ -220,16 +220,34 @@ def wrap_title(pi, widget_width: float) -> None:
 # changes: fitted to the data at each draw, that was every draw. It grows instead in steps of these multiples of a
 # power of ten, so it stays put for the draws between two steps.
 NICE_STEPS = (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
+# An axis of a count that grows at every token (steps, tokens in the cache) steps in 1-2-5: a panel draws a few
+# times a second, and with the finer steps a run of a few hundred tokens crossed one at nearly every draw.
+COUNT_STEPS = (1.0, 2.0, 5.0, 10.0)
 
 
-def stepped_bound(value: float, bound: float | None, headroom: float = 1.1) -> float:
+def stepped_bound(value: float, bound: float | None, headroom: float = 1.1,
+                  steps: tuple[float, ...] = NICE_STEPS) -> float:
     """The upper bound of an axis showing data up to `value` (> 0): the current `bound` while the data fits under
-    it and fills more than half of it, else the next nice number (NICE_STEPS) above value × headroom."""
+    it and fills more than half of it, else the next of `steps` × a power of ten above value × headroom."""
     if bound is not None and bound * 0.5 < value <= bound:
         return bound
     target = max(value * headroom, 1e-12)
     decade = 10.0 ** math.floor(math.log10(target))
-    return next(m * decade for m in NICE_STEPS if m * decade >= target * (1 - 1e-9))
+    return next(m * decade for m in steps if m * decade >= target * (1 - 1e-9))
+
+
+def set_data(item, x, y) -> None:
+    """`item.setData(x, y)` (a PlotDataItem) unless it holds these values already: pyqtgraph rebuilds the item's
+    points (a scatter's symbols too), bounds and bounding rectangle at every setData, the same data or not, and a
+    panel redraws many items of which a step changes few."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    x0, y0 = item.getOriginalDataset()
+    if (x0 is None or len(x0) == 0) and x.size == 0 and y.size == 0:
+        return
+    if x0 is not None and y0 is not None and x0.shape == x.shape and y0.shape == y.shape \
+            and np.array_equal(x0, x) and np.array_equal(y0, y):
+        return
+    item.setData(x, y)
 
 
 def set_ticks(axis, ticks) -> None:

@@ -30,7 +30,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app.bridge import Bridge
 from app.panels.base import Panel
 from app.run_store import Run, store_for
-from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, placeholder, show_empty, style_plot
+from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, placeholder, set_data, show_empty, style_plot
 from engine.events import AttentionCaptured, ModelInfo, PromptTokenized, ResidualNorms, TokenSampled
 from engine.model.config import ModelConfig
 from engine.protocol import HeldAttention, Recomputed
@@ -791,7 +791,7 @@ class AttentionPanel(Panel):
             for img in self.grid_images:
                 img.clear()
             self.row_box.setVisible(False)
-            self.window_edge.setData([], [])
+            set_data(self.window_edge, [], [])
             self._draw_empty_heat()
         else:
             if self.heat_note.isVisible():  # the first weights: leave the empty view's fixed range
@@ -824,9 +824,9 @@ class AttentionPanel(Panel):
                 f"then one row per decode step. {mask}" + "".join(f" ⚠ {n}." for n in notes))
             top = max(r0, w - 1)  # the edge x = y − W + 1, drawn over the stored rows only
             if w and s > top + 1:
-                self.window_edge.setData([float(top - w + 1), float(s - w + 1)], [float(top), float(s)])
+                set_data(self.window_edge, [float(top - w + 1), float(s - w + 1)], [float(top), float(s)])
             else:
-                self.window_edge.setData([], [])
+                set_data(self.window_edge, [], [])
             self.image.setImage(self._display(self._fit(m[head])), levels=(0.0, 1.0), autoLevels=False)
             self.image.setRect(QtCore.QRectF(0, r0, s, s - r0))
             if self.tabs.currentIndex() == 1 or not self.grid_images:
@@ -861,7 +861,7 @@ class AttentionPanel(Panel):
                 img.setImage(self._display(row[h]), levels=(0.0, 1.0), autoLevels=False)
                 img.setRect(QtCore.QRectF(0, p, s, 1))
                 self.grid_boxes[h].setRange(xRange=(0, s), yRange=(p, s), padding=0)
-        self.window_edge.setData([], [])
+        set_data(self.window_edge, [], [])
         w = self.sliding_window(ev.layer)
         self.status.setText(
             f"Layer {ev.layer}, step {ev.step:,}: query position {p:,} reading {n_keys:,} keys"
@@ -920,7 +920,7 @@ class AttentionPanel(Panel):
     def _draw_norms(self) -> None:
         npi = self.norm_plot.getPlotItem()
         if not self._norms:
-            self.norm_curve.setData([], [])
+            set_data(self.norm_curve, [], [])
             npi.setTitle("")
             self._norm_title = ""
             npi.getAxis("left").setTicks([[]])
@@ -932,7 +932,7 @@ class AttentionPanel(Panel):
         npi.getViewBox().enableAutoRange()
         step = self._selected_step if self._selected_step in self._norms else max(self._norms)
         norms = self._norms[step]
-        self.norm_curve.setData(np.arange(len(norms)), norms)
+        set_data(self.norm_curve, np.arange(len(norms)), norms)
         title = f"step {step}: newest token's hidden-state norm"
         if title != self._norm_title:  # a new title lays the plot out again
             self._norm_title = title

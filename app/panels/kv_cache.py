@@ -19,10 +19,12 @@ from app.panels.base import Panel, reserve_lines
 from app.theme import (
     ACCENT,
     BACKGROUND,
+    COUNT_STEPS,
     DECODE_COLOR,
     FOREGROUND,
     PREFILL_COLOR,
     placeholder,
+    set_data,
     set_number_cell,
     set_title,
     show_empty,
@@ -268,7 +270,7 @@ class KVCachePanel(Panel):
         pi = self.plot.getPlotItem()
         if not evs:
             for c in (self.alloc_curve, self.prefill_curve, self.prefill_point, self.used_curve):
-                c.setData([], [])
+                set_data(c, [], [])
             self.total_text.setText("")
             self._draw_empty(pi)
             return
@@ -279,11 +281,11 @@ class KVCachePanel(Panel):
         start_bytes = 0 if first.step == 0 else first.bytes_used - (first.bytes_used / max(1, first.n_tokens))
         p = self._prefill
         if p is not None:
-            self.prefill_curve.setData([start, p.n_tokens], [start_bytes, p.bytes_used])
-            self.prefill_point.setData([p.n_tokens], [p.bytes_used])
+            set_data(self.prefill_curve, [start, p.n_tokens], [start_bytes, p.bytes_used])
+            set_data(self.prefill_point, [p.n_tokens], [p.bytes_used])
         else:
-            self.prefill_curve.setData([], [])
-            self.prefill_point.setData([], [])
+            set_data(self.prefill_curve, [], [])
+            set_data(self.prefill_point, [], [])
         used = self._used[: self._n]
         if p is not None and self._n:
             used = np.concatenate([[(p.n_tokens, p.bytes_used)], used])
@@ -292,16 +294,17 @@ class KVCachePanel(Panel):
         symbol = "o" if self._n <= MARKED_STEPS else None
         if self.used_curve.opts["symbol"] != symbol:
             self.used_curve.setSymbol(symbol)
-        self.used_curve.setData(used[:, 0] if self._n else [], used[:, 1] if self._n else [])
+        set_data(self.used_curve, used[:, 0] if self._n else [], used[:, 1] if self._n else [])
         # allocated: a staircase (it only grows in blocks)
-        self.alloc_curve.setData(self._ax + [evs[-1].n_tokens], self._ay + [evs[-1].bytes_allocated])
+        set_data(self.alloc_curve, self._ax + [evs[-1].n_tokens], self._ay + [evs[-1].bytes_allocated])
         last = evs[-1]
         self.total_text.setText(f"{last.n_tokens} tokens: {fmt_bytes(last.bytes_used)}")
         self.total_text.setPos(last.n_tokens, last.bytes_used)
         # the tokens' axis grows in steps, not at every token; the bytes' axis fits what is allocated, which grows
         # in blocks
         vb = pi.getViewBox()
-        x1 = stepped_bound(last.n_tokens, vb.viewRange()[0][1] if self._stepped else None, headroom=1.0)
+        x1 = stepped_bound(last.n_tokens, vb.viewRange()[0][1] if self._stepped else None, headroom=1.0,
+                           steps=COUNT_STEPS)
         self._stepped = True
         y1 = max(last.bytes_allocated, last.bytes_used) * 1.02
         vb.setRange(xRange=(start - 0.02 * (x1 - start), x1), yRange=(start_bytes - 0.02 * (y1 - start_bytes), y1),

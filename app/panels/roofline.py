@@ -28,6 +28,7 @@ from app.theme import (
     ROOF_COLOR,
     log_ticks,
     roof_points,
+    set_data,
     set_ticks,
     style_plot,
 )
@@ -585,7 +586,7 @@ class RooflinePanel(Panel):
             self.hw_label.setText("This machine has not been measured yet: press “Measure this machine” "
                                   "(a few seconds), or pick a catalogue chip.")
             for item in (self.roof, self.analytic_prefill, self.analytic_decode):
-                item.setData([], [])
+                set_data(item, [], [])
             for t in (self.ridge_text, self.roof_text, self.analytic_prefill_text, self.analytic_decode_text):
                 t.setText("")
             self.ridge_line.setVisible(False)
@@ -604,8 +605,9 @@ class RooflinePanel(Panel):
               + [i for i, _f in verify])
         if server is not None:
             xs.append(server.cost.intensity)
-        lo = min([0.1] + [x / 3 for x in xs if x > 0])
-        hi = max([ridge * 20, 100.0] + [x * 5 for x in xs])
+        # in quarter decades, as y_lo below: the measured points move a little at every token
+        lo = 10.0 ** (math.floor(4 * math.log10(min([0.1] + [x / 3 for x in xs if x > 0]))) / 4)
+        hi = 10.0 ** (math.ceil(4 * math.log10(max([ridge * 20, 100.0] + [x * 5 for x in xs]))) / 4)
         ys = ([f for _i, f in measured.values()] + [peak] + [f for _i, f in verify]
               + ([server.flops_per_s] if server is not None else []))
         # at least 2.5 decades (readable ticks), and room under the lowest point for its label
@@ -618,7 +620,7 @@ class RooflinePanel(Panel):
         self.roof_text.setText(f"memory roof {fmt_bandwidth(bw)} · I")
         labels = self._analytic_labels(analytic, ridge)
         labels, lo, hi = self._fit_labels(labels, lo, hi, y_hi - y_lo, peak, bw, ridge)
-        self.roof.setData(*roof_points(lo, hi, peak, bw))
+        set_data(self.roof, *roof_points(lo, hi, peak, bw))
         self.ridge_line.setVisible(True)
         self.ridge_line.setPos(math.log10(ridge))
         self.ridge_text.setText(f"ridge {ridge:.3g} FLOP/B")
@@ -701,7 +703,7 @@ class RooflinePanel(Panel):
         for key, item, text in (("prefill", self.analytic_prefill, self.analytic_prefill_text),
                                 ("decode", self.analytic_decode, self.analytic_decode_text)):
             if key not in shown:
-                item.setData([], [])
+                set_data(item, [], [])
                 text.setText("")
         items = {"prefill": (self.analytic_prefill, self.analytic_prefill_text),
                  "decode": (self.analytic_decode, self.analytic_decode_text)}
@@ -710,7 +712,7 @@ class RooflinePanel(Panel):
         for key, i, label, side in labels:
             item, text = items[key]
             y = costs.attainable_flops(i, peak, bw)
-            item.setData([i], [y])
+            set_data(item, [i], [y])
             text.setText(label if roomy else "")
             x = math.log10(i)
             if side == 0:
@@ -727,20 +729,20 @@ class RooflinePanel(Panel):
             # thousands of nearly equal points cost a paint per point and add nothing the eye can tell apart
             picks = np.unique(np.linspace(0, len(trail) - 1, min(len(trail), TRAIL_POINTS)).round().astype(int))
             pts = np.array([trail[i] for i in picks])
-            self.measured_decode.setData(pts[:, 0], pts[:, 1])
+            set_data(self.measured_decode, pts[:, 0], pts[:, 1])
         else:
-            self.measured_decode.setData([], [])
+            set_data(self.measured_decode, [], [])
         for key, item, text in (("prefill", self.measured_prefill, self.prefill_text),
                                 ("decode", None, self.decode_text)):
             p = measured.get(key)
             if p is None:
                 if item is not None:
-                    item.setData([], [])
+                    set_data(item, [], [])
                 text.setText("")
                 continue
             i, f = p
             if item is not None:
-                item.setData([i], [f])
+                set_data(item, [i], [f])
             frac = "" if roofs is None else f", {fmt_fraction(f / costs.attainable_flops(i, *roofs))} of roof"
             text.setText(f"{key} {fmt_intensity(i)} FLOP/B{frac}")  # as the analytic labels (was 2.4e+02)
             right = math.log10(i) <= mid  # label on the side with room
@@ -749,11 +751,11 @@ class RooflinePanel(Panel):
 
     def _draw_server(self, m: MeasuredDecode | None, roofs: tuple[float, float] | None, mid: float) -> None:
         if m is None or m.flops_per_s <= 0:
-            self.server_point.setData([], [])
+            set_data(self.server_point, [], [])
             self.server_text.setText("")
             return
         i, f = m.cost.intensity, m.flops_per_s
-        self.server_point.setData([i], [f])
+        set_data(self.server_point, [i], [f])
         share = None if roofs is None else f / costs.attainable_flops(i, *roofs)
         frac = "" if share is None else f", {fmt_fraction(share)} of roof"
         if share is not None and share > 1:
@@ -766,11 +768,11 @@ class RooflinePanel(Panel):
     def _draw_verify(self, verify: list[tuple[float, float]], roofs: tuple[float, float] | None,
                      mid: float) -> None:
         if not verify:
-            self.verify_points.setData([], [])
+            set_data(self.verify_points, [], [])
             self.verify_text.setText("")
             return
         pts = np.array(verify)
-        self.verify_points.setData(pts[:, 0], pts[:, 1])
+        set_data(self.verify_points, pts[:, 0], pts[:, 1])
         i, f = verify[-1]
         frac = "" if roofs is None else f", {fmt_fraction(f / costs.attainable_flops(i, *roofs))} of roof"
         self.verify_text.setText(f"verify k+1={self._verify_k + 1} {fmt_intensity(i)} FLOP/B{frac}")

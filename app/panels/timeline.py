@@ -19,10 +19,11 @@ import pyqtgraph.exporters  # noqa: F401  (registers pg.exporters)
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
-from app.panels.base import Panel
+from app.panels.base import Bars, Panel
 from app.theme import (
     ACCENT,
     BACKGROUND,
+    COUNT_STEPS,
     DECODE_COLOR,
     FOREGROUND,
     MUTED,
@@ -122,11 +123,11 @@ class TimelinePanel(Panel):
         self.plot = pg.PlotWidget(background=BACKGROUND)
         pi = self.plot.getPlotItem()
         style_plot(pi, left=("time", "s"), bottom=("step (0 = prefill)", None), grid=(False, True))
-        self.bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush=DECODE_COLOR, pen=None)
+        self.bars = Bars(x=[], height=[], width=0.8, brush=DECODE_COLOR, pen=None)
         pi.addItem(self.bars)
-        self.prefill_bar = pg.BarGraphItem(x=[], height=[], width=0.8, brush=PREFILL_COLOR, pen=None)
+        self.prefill_bar = Bars(x=[], height=[], width=0.8, brush=PREFILL_COLOR, pen=None)
         pi.addItem(self.prefill_bar)
-        self.selected_bar = pg.BarGraphItem(x=[], height=[], width=0.8, brush=None, pen=pg.mkPen(ACCENT, width=2.5))
+        self.selected_bar = Bars(x=[], height=[], width=0.8, brush=None, pen=pg.mkPen(ACCENT, width=2.5))
         pi.addItem(self.selected_bar)
         # the mean's dashed line is keyed in the title (stats_text), not labelled in the plot where bars of about
         # the mean's height would run through the label
@@ -288,7 +289,7 @@ class TimelinePanel(Panel):
             self.empty_note.setVisible(False)
             # the steps' axis grows in steps; the seconds' axis fits the longest bar, which seldom changes
             x1 = stepped_bound(steps.max() + 0.6, pi.getViewBox().viewRange()[0][1] if self._stepped else None,
-                               headroom=1.0)
+                               headroom=1.0, steps=COUNT_STEPS)
             self._stepped = True
             pi.getViewBox().setRange(xRange=(-0.6, x1), yRange=(0, secs.max() * 1.08), padding=0)
         else:

@@ -11,7 +11,7 @@ import importlib
 
 import pytest
 
-from app.theme import stepped_bound
+from app.theme import COUNT_STEPS, stepped_bound
 from engine.events import KVCacheGrew, TokenSampled
 from engine.protocol import Loaded
 from engine.run.sampling import SamplingParams
@@ -91,7 +91,7 @@ def test_timeline_empty_axes_in_milliseconds(qtbot, loaded, tiny_run):
     assert not panel.empty_note.isVisible()
     n_steps = len([e for e in tiny_run if isinstance(e, TokenSampled)])
     # the last bar fits, and the axis ends at the next nice bound above it (it grows in steps, not at every draw)
-    assert pi.getViewBox().viewRange()[0][1] == stepped_bound(n_steps - 1 + 0.6, None, headroom=1.0)
+    assert pi.getViewBox().viewRange()[0][1] == stepped_bound(n_steps - 1 + 0.6, None, headroom=1.0, steps=COUNT_STEPS)
 
 
 def test_sampling_empty_axes_are_probabilities(qtbot, loaded, tiny_run):

@@ -21,9 +21,10 @@ def test_narrow_roofline_axis_stays_readable(qtbot, bridge, tiny_lm):
     qtbot.wait(20)
     panel.flush()
     (x0, x1), _ = panel.plot.getPlotItem().getViewBox().viewRange()  # log10 of FLOP/byte
-    # before widening the range is [min(0.1, points/3), max(ridge·20, 100, points·5)]: at most 1.5 decades more
+    # before widening the range is [min(0.1, points/3), max(ridge·20, 100, points·5)] out to whole quarter decades:
+    # at most 1.5 decades more
     ridge = panel.roofs()[2]
     points = [c.intensity for c in panel.analytic_costs().values()]
-    lo = min([0.1] + [p / 3 for p in points])
-    hi = max([ridge * 20, 100.0] + [p * 5 for p in points])
-    assert math.log10(lo) - 1.5 - 1e-9 <= x0 and x1 <= math.log10(hi) + 1.5 + 1e-9
+    lo = math.floor(4 * math.log10(min([0.1] + [p / 3 for p in points]))) / 4
+    hi = math.ceil(4 * math.log10(max([ridge * 20, 100.0] + [p * 5 for p in points]))) / 4
+    assert lo - 1.5 - 1e-9 <= x0 and x1 <= hi + 1.5 + 1e-9
