@@ -212,6 +212,29 @@ class PanelFrame(QtWidgets.QWidget):
         self.panel.setGeometry(self.rect())
 
 
+class Bars(pg.BarGraphItem):
+    """pyqtgraph's bar item, keeping its bounding rectangle until its bars or its view's transform change.
+
+    BarGraphItem computes the rectangle from the device transform (a pixel's size, for the pen) at every call, and Qt
+    asks each item for it several times a paint: a sixth of the sampling panel's paint went there."""
+
+    _rect: QtCore.QRectF | None = None
+
+    def setOpts(self, **opts) -> None:
+        self._rect = None
+        super().setOpts(**opts)
+
+    def viewTransformChanged(self) -> None:
+        self._rect = None
+        super().viewTransformChanged()
+
+    @guarded(default=QtCore.QRectF())
+    def boundingRect(self) -> QtCore.QRectF:  # noqa: N802 — Qt's name
+        if self._rect is None:
+            self._rect = super().boundingRect()
+        return QtCore.QRectF(self._rect)
+
+
 def panel_dock(widget: QtWidgets.QWidget) -> QtWidgets.QDockWidget | None:
     """The dock a panel sits in (through its PanelFrame), or None."""
     while widget is not None and not isinstance(widget, QtWidgets.QDockWidget):

@@ -16,7 +16,7 @@ from PySide6 import QtCore, QtWidgets
 
 from app import theme
 from app.bridge import Bridge
-from app.panels.base import Panel
+from app.panels.base import Bars, Panel
 from engine.remote.fleet import p50
 from engine.remote.spans import matches
 
@@ -104,7 +104,7 @@ class FleetPanel(Panel):
         self.plot.setBackground(theme.BACKGROUND)
         self.plot.setLabel("left", "requests served")
         self.plot.setMouseEnabled(False, False)
-        self.bars = pg.BarGraphItem(x=[], height=[], width=0.6, brush=pg.mkBrush(*BAR))
+        self.bars = Bars(x=[], height=[], width=0.6, brush=pg.mkBrush(*BAR))
         self.plot.addItem(self.bars)
         self.kv = pg.ScatterPlotItem(size=10, brush=pg.mkBrush(224, 160, 64))  # KV use, on the right axis' scale
         self.plot.addItem(self.kv)

@@ -13,7 +13,7 @@ from PySide6 import QtCore, QtWidgets
 
 from app import theme
 from app.bridge import PreviewResult
-from app.panels.base import Panel
+from app.panels.base import Bars, Panel
 
 DEBOUNCE_MS = 150
 TOP = 10
@@ -72,9 +72,9 @@ class PreviewPanel(Panel):
         left.setWidth(118)
         left.setStyle(tickLength=0)
         ys = np.arange(TOP, dtype=float)
-        self.bars_raw = pg.BarGraphItem(x0=np.zeros(TOP), y=ys, height=0.8, width=np.zeros(TOP),
+        self.bars_raw = Bars(x0=np.zeros(TOP), y=ys, height=0.8, width=np.zeros(TOP),
                                         brush=theme.qcolor(theme.MUTED, 90), pen=pg.mkPen(None))
-        self.bars = pg.BarGraphItem(x0=np.zeros(TOP), y=ys, height=0.5, width=np.zeros(TOP),
+        self.bars = Bars(x0=np.zeros(TOP), y=ys, height=0.5, width=np.zeros(TOP),
                                     brush=theme.ACCENT, pen=pg.mkPen(None))
         self.plot.addItem(self.bars_raw)
         self.plot.addItem(self.bars)

@@ -18,7 +18,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app import theme
 from app.bridge import Bridge
-from app.panels.base import Panel
+from app.panels.base import Bars, Panel
 from engine.remote import timeline
 
 MAX_TICKS = 60_000  # chunk ticks drawn at most (a long run's rows keep all theirs; only the drawing thins them)
@@ -93,17 +93,17 @@ class RequestsPanel(Panel):
         p.showGrid(x=True, y=False, alpha=0.2)
         self.segment_items = {}
         for kind in ("waiting", "decode", "failed"):
-            item = pg.BarGraphItem(x0=[], x1=[], y0=[], height=[], brush=SEGMENT_COLORS[kind], pen=None)
+            item = Bars(x0=[], x1=[], y0=[], height=[], brush=SEGMENT_COLORS[kind], pen=None)
             p.addItem(item)
             self.segment_items[kind] = item
         self.server_items = {}
         for kind in ("queue", "prefill", "decode"):
-            item = pg.BarGraphItem(x0=[], x1=[], y0=[], height=[], brush=SERVER_COLORS[kind], pen=None)
+            item = Bars(x0=[], x1=[], y0=[], height=[], brush=SERVER_COLORS[kind], pen=None)
             p.addItem(item)
             self.server_items[kind] = item
         self.ticks = pg.ScatterPlotItem(size=7, symbol="|", pxMode=True)
         p.addItem(self.ticks)
-        self.highlight = pg.BarGraphItem(x0=[], x1=[], y0=[], height=[], brush=None,
+        self.highlight = Bars(x0=[], x1=[], y0=[], height=[], brush=None,
                                          pen=pg.mkPen(theme.ACCENT, width=2))
         p.addItem(self.highlight)
         self.plot_widget.scene().sigMouseClicked.connect(self._clicked)

@@ -18,7 +18,7 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
-from app.panels.base import Panel, reserve_lines
+from app.panels.base import Bars, Panel, reserve_lines
 from app.run_store import logits_steps, store_for
 from app.theme import (
     ACCENT,
@@ -197,10 +197,10 @@ class SamplingPanel(Panel):
         self.bars: list[pg.BarGraphItem] = []
         h = 0.8 / len(STAGES)
         for name, _attr, colour in STAGES:
-            bar = pg.BarGraphItem(x0=[0], y=[0], height=h, width=[0], brush=colour, pen=None, name=name)
+            bar = Bars(x0=[0], y=[0], height=h, width=[0], brush=colour, pen=None, name=name)
             self.bars.append(bar)
             pi.addItem(bar)
-        self.sampled_marker = pg.BarGraphItem(x0=[0], y=[0], height=0.95, width=[0], brush=None,
+        self.sampled_marker = Bars(x0=[0], y=[0], height=0.95, width=[0], brush=None,
                                               pen=pg.mkPen(ACCENT, width=2))
         pi.addItem(self.sampled_marker)
         self.cut_lines = {}

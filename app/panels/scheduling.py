@@ -18,7 +18,7 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtWidgets
 
 from app.bridge import Bridge
-from app.panels.base import Panel, spin_box
+from app.panels.base import Bars, Panel, spin_box
 from app.theme import (
     BACKGROUND,
     DECODE_COLOR,
@@ -92,7 +92,7 @@ class _Gantt:
         pi.getViewBox().invertY(True)
         self.bars = {}
         for state, colour in (("queued", QUEUED_COLOR), ("prefill", PREFILL_COLOR), ("decode", DECODE_COLOR)):
-            self.bars[state] = pg.BarGraphItem(x0=[0], y=[0], height=0.8, width=[0], brush=colour, pen=None)
+            self.bars[state] = Bars(x0=[0], y=[0], height=0.8, width=[0], brush=colour, pen=None)
             pi.addItem(self.bars[state])
         self.note = placeholder(pi)
 

@@ -11,7 +11,7 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtWidgets
 
 from app.bridge import Bridge
-from app.panels.base import Panel, reserve_lines
+from app.panels.base import Bars, Panel, reserve_lines
 from app.theme import (
     ACCENT,
     BACKGROUND,
@@ -141,8 +141,8 @@ class SpeculativePanel(Panel):
         self.pass_plot = pg.PlotWidget(background=BACKGROUND)
         pi = self.pass_plot.getPlotItem()
         style_plot(pi, left=("tokens per full pass", None), bottom=("pass", None), grid=(False, True))
-        self.accepted_bars = pg.BarGraphItem(x=[], height=[], width=0.8, brush=OK_COLOR, pen=None)
-        self.own_bars = pg.BarGraphItem(x=[], y0=[], height=[], width=0.8, brush=DECODE_COLOR, pen=None)
+        self.accepted_bars = Bars(x=[], height=[], width=0.8, brush=OK_COLOR, pen=None)
+        self.own_bars = Bars(x=[], y0=[], height=[], width=0.8, brush=DECODE_COLOR, pen=None)
         pi.addItem(self.accepted_bars)
         pi.addItem(self.own_bars)
         self.pass_note = placeholder(pi)
@@ -150,7 +150,7 @@ class SpeculativePanel(Panel):
         self.position_plot = pg.PlotWidget(background=BACKGROUND)
         pi = self.position_plot.getPlotItem()
         style_plot(pi, left=("accepted / drafted", None), bottom=("draft position", None), grid=(False, True))
-        self.position_bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush=OK_COLOR, pen=None)
+        self.position_bars = Bars(x=[], height=[], width=0.7, brush=OK_COLOR, pen=None)
         pi.addItem(self.position_bars)
         self.position_note = placeholder(pi)
 
