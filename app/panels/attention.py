@@ -28,7 +28,7 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
-from app.panels.base import Panel
+from app.panels.base import Holder, Panel
 from app.run_store import Run, store_for
 from app.theme import ACCENT, BACKGROUND, DECODE_COLOR, FOREGROUND, placeholder, set_data, show_empty, style_plot
 from engine.events import AttentionCaptured, ModelInfo, PromptTokenized, ResidualNorms, TokenSampled
@@ -412,7 +412,7 @@ class AttentionPanel(Panel):
         layout.setContentsMargins(4, 4, 4, 4)
         layout.setSpacing(3)
         layout.addLayout(row)
-        layout.addWidget(self.status)
+        layout.addWidget(Holder(self.status, height_for_width=True))  # new figures at every draw
         layout.addWidget(self.tabs, 1)
 
     def _build_grid(self) -> None:

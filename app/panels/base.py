@@ -163,38 +163,54 @@ class Panel(QtWidgets.QWidget):
         self.mark_dirty()
 
 
-class PanelFrame(QtWidgets.QWidget):
-    """What a dock holds: one panel, filling it, without a layout of its own, so that a change inside the panel stops
-    here unless it changes what the panel asks of the window.
+class Holder(QtWidgets.QWidget):
+    """One widget, filling this one, held without a layout, so that a change inside it stops here unless it changes
+    what it asks of the layout around it (`_asked`).
 
-    Every setText on a label makes Qt lay the label's panel out again and then (QLayout::activate ends in
-    updateGeometry, whatever changed) its dock and the whole main window, every dock with it; a live panel sets a
-    label at each draw. A layout-less parent is only told (LayoutRequest), and passes it on when the panel's size
-    hints, policy or limits did change (BENCHMARKS.md, "What the GUI thread pays for a redraw")."""
+    Every setText on a label makes Qt lay out the label's panel again, and everything in it, whether or not the label
+    now asks for other room; a layout-less parent is only told (LayoutRequest), and passes it on when what the widget
+    asks did change (BENCHMARKS.md, "What the GUI thread pays for a redraw")."""
 
-    def __init__(self, panel: Panel) -> None:
+    def __init__(self, held: QtWidgets.QWidget, height_for_width: bool = False) -> None:
         super().__init__()
-        self.panel = panel
-        panel.setParent(self)
+        self.held = held
+        self._hfw = height_for_width
+        held.setParent(self)
         self._asks = self._asked()
         self._follow()
 
     def _asked(self) -> tuple:
-        p = self.panel
-        return p.sizeHint(), p.minimumSizeHint(), p.minimumSize(), p.maximumSize(), p.sizePolicy()
+        """What the widget asks of the layout around it: its preferred size where it is beyond the room it has (a
+        label's preferred width follows its text, and within the room it has a layout would do nothing new), its
+        least and largest sizes, its policy, and with height_for_width its height at its width."""
+        h, hint = self.held, self.held.sizeHint()
+        hfw = h.heightForWidth(self.width()) if self.hasHeightForWidth() else -1
+        beyond = (hint.width() if hint.width() > self.width() else 0,
+                  hint.height() if hint.height() > self.height() and hfw < 0 else 0)  # else its height is hfw's
+        return beyond, h.minimumSizeHint(), h.minimumSize(), h.maximumSize(), h.sizePolicy(), hfw
 
     def _follow(self) -> None:
-        """Take on the panel's size policy and largest size (its hints and least size are read through)."""
-        self.setSizePolicy(self.panel.sizePolicy())
-        self.setMaximumSize(self.panel.maximumSize())
+        """Take on the widget's size policy and largest size (its hints and least size are read through)."""
+        policy = self.held.sizePolicy()
+        policy.setHeightForWidth(self._hfw and self.held.hasHeightForWidth())
+        self.setSizePolicy(policy)
+        self.setMaximumSize(self.held.maximumSize())
 
     @guarded(default=QtCore.QSize())
     def sizeHint(self) -> QtCore.QSize:  # noqa: N802 — Qt's name
-        return self.panel.sizeHint()
+        return self.held.sizeHint()
 
     @guarded(default=QtCore.QSize())
     def minimumSizeHint(self) -> QtCore.QSize:  # noqa: N802 — Qt's name
-        return self.panel.minimumSizeHint().expandedTo(self.panel.minimumSize())
+        return self.held.minimumSizeHint().expandedTo(self.held.minimumSize())
+
+    @guarded(default=False)
+    def hasHeightForWidth(self) -> bool:  # noqa: N802 — Qt's name
+        return self._hfw and self.held.hasHeightForWidth()
+
+    @guarded(default=-1)
+    def heightForWidth(self, width: int) -> int:  # noqa: N802 — Qt's name
+        return self.held.heightForWidth(width) if self.hasHeightForWidth() else -1
 
     @guarded(default=False)
     def event(self, event: QtCore.QEvent) -> bool:
@@ -209,7 +225,18 @@ class PanelFrame(QtWidgets.QWidget):
 
     @guarded
     def resizeEvent(self, event: QtGui.QResizeEvent) -> None:  # noqa: N802 — Qt's name
-        self.panel.setGeometry(self.rect())
+        self.held.setGeometry(self.rect())
+        self._asks = self._asked()  # what is beyond the room it has, and its height at its width, change with it
+
+
+class PanelFrame(Holder):
+    """What a dock holds: one panel (a Holder), so that a label's new text in a live panel lays out that panel, not
+    its dock and the whole main window with every dock (QLayout::activate ends in updateGeometry, whatever
+    changed)."""
+
+    def __init__(self, panel: Panel) -> None:
+        super().__init__(panel)
+        self.panel = panel
 
 
 class Bars(pg.BarGraphItem):

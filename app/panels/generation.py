@@ -13,7 +13,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app import theme
 from app.bridge import GenerateRequest
 from app.chat_toggle import fit_chat_box
-from app.panels.base import Panel
+from app.panels.base import Holder, Panel
 from app.settings import DEFAULT_MAX_NEW_TOKENS
 from app.token_view import Segments, TokenHighlighter, TokenTextEdit, char_format, segments, utf16_len
 from engine.events import Finished, PrefillDone, PromptTokenized, TokenSampled
@@ -155,9 +155,9 @@ class GenerationPanel(Panel):
         layout.setContentsMargins(4, 4, 4, 4)
         layout.setSpacing(3)
         layout.addLayout(buttons)
-        layout.addWidget(self.status)
+        layout.addWidget(Holder(self.status, height_for_width=True))  # its figures change at every draw
         layout.addWidget(self.notice)
-        layout.addWidget(self.prefill_label)
+        layout.addWidget(Holder(self.prefill_label, height_for_width=True))
         layout.addWidget(self.output, 1)
 
         self.generate_btn.clicked.connect(lambda: self.generate())

@@ -15,7 +15,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app import units
 from app.bridge import Bridge
-from app.panels.base import Panel, reserve_lines
+from app.panels.base import Holder, Panel, reserve_lines
 from app.theme import (
     ACCENT,
     BACKGROUND,
@@ -142,7 +142,7 @@ class KVCachePanel(Panel):
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.setSpacing(3)
-        layout.addWidget(self.formula)
+        layout.addWidget(Holder(self.formula))  # new figures at every draw
         layout.addWidget(self.tabs, 1)
 
     # ---- events ------------------------------------------------------------------------------------------------

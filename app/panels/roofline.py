@@ -18,7 +18,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
 from app.guard import guarded
-from app.panels.base import Panel
+from app.panels.base import Holder, Panel
 from app.theme import (
     BACKGROUND,
     DECODE_COLOR,
@@ -253,7 +253,7 @@ class RooflinePanel(Panel):
         layout.addLayout(row2)
         layout.addWidget(self.hw_label)
         layout.addWidget(self.plot, 1)
-        layout.addWidget(self.takeaway)
+        layout.addWidget(Holder(self.takeaway, height_for_width=True))  # new figures at every draw
 
     @guarded
     def resizeEvent(self, event: QtGui.QResizeEvent) -> None:  # noqa: N802 — Qt's name

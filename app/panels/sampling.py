@@ -18,7 +18,7 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.bridge import Bridge
-from app.panels.base import Bars, Panel, reserve_lines
+from app.panels.base import Bars, Holder, Panel, reserve_lines
 from app.run_store import logits_steps, store_for
 from app.theme import (
     ACCENT,
@@ -182,7 +182,7 @@ class SamplingPanel(Panel):
         for r in (row0, row1, row2):
             r.setSpacing(4)
             layout.addLayout(r)
-        layout.addWidget(self.summary)
+        layout.addWidget(Holder(self.summary))  # new figures at every draw
         layout.addWidget(self.legend)
 
     def _build_plot(self) -> None:
