@@ -11,6 +11,9 @@ figures swing from run to run; a change to a panel can be weighed by running thi
 Reported: the GUI thread's CPU per token over the replay (least and median of the rounds) and its part in handling
 the messages; per panel its draws and the CPU of its draw and of the paint that followed, per draw. `--only PANEL`
 draws that panel alone (every K tokens).
+
+`--labels` instead times, after the recorded run, each word-wrapped label on screen: CPU of a new text and the event
+loop's turn after it (the layout and paint it causes), against a repaint of the same label alone.
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ def main(argv: list[str] | None = None) -> int:
 
     n_tokens, every, rounds = int(arg("--tokens", "256")), float(arg("--every", "2")), int(arg("--rounds", "5"))
     only = arg("--only", "") or None
+    labels = "--labels" in argv
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="ilab-bench-replay-") as settings_dir:
         os.environ["INFERENCE_LAB_SETTINGS"] = os.path.join(settings_dir, "inference-lab.ini")
-        out = _measure(n_tokens, every, rounds, only)
+        out = _measure(n_tokens, every, rounds, only, labels)
     if out is None:
         return 1
     print(json.dumps(out))
@@ -86,7 +90,7 @@ def _record(app, win, n_tokens: int) -> list | None:
     return messages
 
 
-def _measure(n_tokens: int, every: float, rounds: int, only: str | None) -> dict | None:
+def _measure(n_tokens: int, every: float, rounds: int, only: str | None, labels: bool = False) -> dict | None:
     from benchmarks import gui
     from engine.events import Finished, TokenSampled
 
@@ -99,6 +103,8 @@ def _measure(n_tokens: int, every: float, rounds: int, only: str | None) -> dict
     messages = _record(app, win, n_tokens)
     if not messages:
         return None
+    if labels:
+        return _label_costs(app, win)
     if only is not None and only not in win.panels:
         print(f"no panel named {only!r} (there are: {', '.join(win.panels)})", file=sys.stderr)
         return None
@@ -159,6 +165,38 @@ def _measure(n_tokens: int, every: float, rounds: int, only: str | None) -> dict
                    for name in sorted(draws, key=lambda n: -(draw_s[n] + paint_s[n]))},
         "machine": machine(),
     }
+
+
+def _label_costs(app, win, n: int = 30) -> dict:
+    """ms of CPU per new text (and the event loop's turn after it) for each word-wrapped label on screen."""
+    from PySide6 import QtWidgets
+
+    from benchmarks.steer_llamacpp import machine
+
+    out = {}
+    for name, panel in win.panels.items():
+        for i, label in enumerate(panel.findChildren(QtWidgets.QLabel)):
+            if not (label.isVisible() and label.wordWrap()):
+                continue
+            text = label.text()
+            for k in range(3):
+                label.setText(f"{text} {k}")
+                app.processEvents()
+            t = time.thread_time()
+            for k in range(n):
+                label.setText(f"{text} {k % 7}")
+                app.processEvents()
+            new_text = (time.thread_time() - t) / n * 1e3
+            t = time.thread_time()
+            for _ in range(n):
+                label.update()
+                app.processEvents()
+            repaint = (time.thread_time() - t) / n * 1e3
+            label.setText(text)
+            app.processEvents()
+            out[f"{name}[{i}]"] = {"new_text_ms": new_text, "repaint_ms": repaint, "text": text[:60]}
+    win.close()
+    return {"labels": dict(sorted(out.items(), key=lambda kv: -kv[1]["new_text_ms"])), "machine": machine()}
 
 
 if __name__ == "__main__":

@@ -412,7 +412,7 @@ class AttentionPanel(Panel):
         layout.setContentsMargins(4, 4, 4, 4)
         layout.setSpacing(3)
         layout.addLayout(row)
-        layout.addWidget(Holder(self.status, height_for_width=True))  # new figures at every draw
+        layout.addWidget(Holder(self.status, wrapped=True))  # new figures at every draw
         layout.addWidget(self.tabs, 1)
 
     def _build_grid(self) -> None:

@@ -171,10 +171,12 @@ class Holder(QtWidgets.QWidget):
     now asks for other room; a layout-less parent is only told (LayoutRequest), and passes it on when what the widget
     asks did change (BENCHMARKS.md, "What the GUI thread pays for a redraw")."""
 
-    def __init__(self, held: QtWidgets.QWidget, height_for_width: bool = False) -> None:
+    def __init__(self, held: QtWidgets.QWidget, wrapped: bool = False) -> None:
+        """`wrapped`: the widget is text that wraps at the width it is given (a word-wrapped label): its preferred
+        width is not asked of the layout (it follows the text), its height at its width is (when it has one)."""
         super().__init__()
         self.held = held
-        self._hfw = height_for_width
+        self._wrapped = wrapped
         held.setParent(self)
         self._asks = self._asked()
         self._follow()
@@ -182,17 +184,17 @@ class Holder(QtWidgets.QWidget):
     def _asked(self) -> tuple:
         """What the widget asks of the layout around it: its preferred size where it is beyond the room it has (a
         label's preferred width follows its text, and within the room it has a layout would do nothing new), its
-        least and largest sizes, its policy, and with height_for_width its height at its width."""
+        least and largest sizes, its policy, and a wrapped text's height at its width."""
         h, hint = self.held, self.held.sizeHint()
         hfw = h.heightForWidth(self.width()) if self.hasHeightForWidth() else -1
-        beyond = (hint.width() if hint.width() > self.width() else 0,
+        beyond = (hint.width() if hint.width() > self.width() and not self._wrapped else 0,
                   hint.height() if hint.height() > self.height() and hfw < 0 else 0)  # else its height is hfw's
         return beyond, h.minimumSizeHint(), h.minimumSize(), h.maximumSize(), h.sizePolicy(), hfw
 
     def _follow(self) -> None:
         """Take on the widget's size policy and largest size (its hints and least size are read through)."""
         policy = self.held.sizePolicy()
-        policy.setHeightForWidth(self._hfw and self.held.hasHeightForWidth())
+        policy.setHeightForWidth(self.hasHeightForWidth())
         self.setSizePolicy(policy)
         self.setMaximumSize(self.held.maximumSize())
 
@@ -206,7 +208,7 @@ class Holder(QtWidgets.QWidget):
 
     @guarded(default=False)
     def hasHeightForWidth(self) -> bool:  # noqa: N802 — Qt's name
-        return self._hfw and self.held.hasHeightForWidth()
+        return self._wrapped and self.held.hasHeightForWidth()
 
     @guarded(default=-1)
     def heightForWidth(self, width: int) -> int:  # noqa: N802 — Qt's name
@@ -226,7 +228,13 @@ class Holder(QtWidgets.QWidget):
     @guarded
     def resizeEvent(self, event: QtGui.QResizeEvent) -> None:  # noqa: N802 — Qt's name
         self.held.setGeometry(self.rect())
-        self._asks = self._asked()  # what is beyond the room it has, and its height at its width, change with it
+        # what is beyond the room it has, and its height at its width, change with the size; a change of the rest
+        # that has not reached the layout yet (its LayoutRequest still on its way) is passed on here
+        asks, old = self._asked(), self._asks
+        self._asks = asks
+        if asks[1:5] != old[1:5]:
+            self._follow()
+            self.updateGeometry()
 
 
 class PanelFrame(Holder):

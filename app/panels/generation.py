@@ -155,9 +155,9 @@ class GenerationPanel(Panel):
         layout.setContentsMargins(4, 4, 4, 4)
         layout.setSpacing(3)
         layout.addLayout(buttons)
-        layout.addWidget(Holder(self.status, height_for_width=True))  # its figures change at every draw
+        layout.addWidget(Holder(self.status, wrapped=True))  # its figures change at every draw
         layout.addWidget(self.notice)
-        layout.addWidget(Holder(self.prefill_label, height_for_width=True))
+        layout.addWidget(Holder(self.prefill_label, wrapped=True))
         layout.addWidget(self.output, 1)
 
         self.generate_btn.clicked.connect(lambda: self.generate())

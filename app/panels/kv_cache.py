@@ -142,7 +142,7 @@ class KVCachePanel(Panel):
         layout = QtWidgets.QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.setSpacing(3)
-        layout.addWidget(Holder(self.formula))  # new figures at every draw
+        layout.addWidget(Holder(self.formula, wrapped=True))  # new figures at every draw
         layout.addWidget(self.tabs, 1)
 
     # ---- events ------------------------------------------------------------------------------------------------

@@ -253,7 +253,7 @@ class RooflinePanel(Panel):
         layout.addLayout(row2)
         layout.addWidget(self.hw_label)
         layout.addWidget(self.plot, 1)
-        layout.addWidget(Holder(self.takeaway, height_for_width=True))  # new figures at every draw
+        layout.addWidget(Holder(self.takeaway, wrapped=True))  # new figures at every draw
 
     @guarded
     def resizeEvent(self, event: QtGui.QResizeEvent) -> None:  # noqa: N802 — Qt's name

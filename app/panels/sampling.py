@@ -182,7 +182,7 @@ class SamplingPanel(Panel):
         for r in (row0, row1, row2):
             r.setSpacing(4)
             layout.addLayout(r)
-        layout.addWidget(Holder(self.summary))  # new figures at every draw
+        layout.addWidget(Holder(self.summary, wrapped=True))  # new figures at every draw
         layout.addWidget(self.legend)
 
     def _build_plot(self) -> None:
