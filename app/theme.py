@@ -241,11 +241,9 @@ def set_data(item, x, y) -> None:
     points (a scatter's symbols too), bounds and bounding rectangle at every setData, the same data or not, and a
     panel redraws many items of which a step changes few."""
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    x0, y0 = item.getOriginalDataset()
-    if (x0 is None or len(x0) == 0) and x.size == 0 and y.size == 0:
-        return
-    if x0 is not None and y0 is not None and x0.shape == x.shape and y0.shape == y.shape \
-            and np.array_equal(x0, x) and np.array_equal(y0, y):
+    x0, y0 = item.getOriginalDataset()  # (None, None) when it holds nothing
+    empty = np.empty(0)
+    if np.array_equal(empty if x0 is None else x0, x) and np.array_equal(empty if y0 is None else y0, y):
         return
     item.setData(x, y)
 

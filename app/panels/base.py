@@ -181,15 +181,20 @@ class Holder(QtWidgets.QWidget):
         self._asks = self._asked()
         self._follow()
 
-    def _asked(self) -> tuple:
-        """What the widget asks of the layout around it: its preferred size where it is beyond the room it has (a
-        label's preferred width follows its text, and within the room it has a layout would do nothing new), its
-        least and largest sizes, its policy, and a wrapped text's height at its width."""
+    def _asked(self) -> tuple[tuple, tuple]:
+        """What the widget asks of the layout around it: (what does not depend on its size: its least and largest
+        sizes and its policy; what does: its preferred size where it is beyond the room it has (a label's preferred
+        width follows its text, and within the room it has a layout would do nothing new) and a wrapped text's height
+        at its width)."""
         h, hint = self.held, self.held.sizeHint()
         hfw = h.heightForWidth(self.width()) if self.hasHeightForWidth() else -1
         beyond = (hint.width() if hint.width() > self.width() and not self._wrapped else 0,
                   hint.height() if hint.height() > self.height() and hfw < 0 else 0)  # else its height is hfw's
-        return beyond, h.minimumSizeHint(), h.minimumSize(), h.maximumSize(), h.sizePolicy(), hfw
+        return (h.minimumSizeHint(), h.minimumSize(), h.maximumSize(), h.sizePolicy()), (beyond, hfw)
+
+    def _pass_on(self) -> None:
+        self._follow()
+        self.updateGeometry()
 
     def _follow(self) -> None:
         """Take on the widget's size policy and largest size (its hints and least size are read through)."""
@@ -217,24 +222,22 @@ class Holder(QtWidgets.QWidget):
     @guarded(default=False)
     def event(self, event: QtCore.QEvent) -> bool:
         if event.type() == QtCore.QEvent.Type.LayoutRequest:
-            asks = self._asked()
-            if asks != self._asks:
-                self._asks = asks
-                self._follow()
-                self.updateGeometry()
+            asks, old = self._asked(), self._asks
+            self._asks = asks
+            if asks != old:
+                self._pass_on()
             return True
         return super().event(event)
 
     @guarded
     def resizeEvent(self, event: QtGui.QResizeEvent) -> None:  # noqa: N802 — Qt's name
         self.held.setGeometry(self.rect())
-        # what is beyond the room it has, and its height at its width, change with the size; a change of the rest
-        # that has not reached the layout yet (its LayoutRequest still on its way) is passed on here
+        # what depends on the size changes with it; a change of the rest that has not reached the layout yet (its
+        # LayoutRequest still on its way) is passed on here
         asks, old = self._asked(), self._asks
         self._asks = asks
-        if asks[1:5] != old[1:5]:
-            self._follow()
-            self.updateGeometry()
+        if asks[0] != old[0]:
+            self._pass_on()
 
 
 class PanelFrame(Holder):
@@ -242,16 +245,16 @@ class PanelFrame(Holder):
     its dock and the whole main window with every dock (QLayout::activate ends in updateGeometry, whatever
     changed)."""
 
-    def __init__(self, panel: Panel) -> None:
-        super().__init__(panel)
-        self.panel = panel
+    @property
+    def panel(self) -> Panel:
+        return self.held
 
 
 class Bars(pg.BarGraphItem):
     """pyqtgraph's bar item, keeping its bounding rectangle until its bars or its view's transform change.
 
     BarGraphItem computes the rectangle from the device transform (a pixel's size, for the pen) at every call, and Qt
-    asks each item for it several times a paint: a sixth of the sampling panel's paint went there."""
+    asks each item for it several times a paint (BENCHMARKS.md, "Where a panel's redraw goes")."""
 
     _rect: QtCore.QRectF | None = None
 
